@@ -1,0 +1,38 @@
+# mpidp: `make test` and `make demo` do all set-up on a fresh machine.
+#   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
+#   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2 and 4 MPI ranks
+#   make demo     setup + the main example job
+#   make ctest    C unit tests only        make pytest-N   pytest at N ranks (N = 1, 2, 3, 4)
+#   make bench    the benchmarks in benchmarks/
+
+PY       := .venv/bin/python
+NP_DEMO  := 2
+
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench clean
+
+setup:
+	@./scripts/setup_env.sh
+
+test: setup
+	$(MAKE) --no-print-directory ctest
+	$(MAKE) --no-print-directory pytest
+
+ctest:
+	@$(MAKE) --no-print-directory -s -C tests/c
+
+pytest: pytest-1 pytest-2 pytest-4
+
+pytest-%: setup
+	@./scripts/run_pytest.sh $*
+
+demo: setup
+	./scripts/mpirun.sh $(NP_DEMO) $(PY) examples/digits.py
+
+bench: setup
+	./scripts/mpirun.sh 2 $(PY) benchmarks/bench_step.py
+
+clean:
+	rm -rf build tests/c/build python/mpidp/*.so python/*.egg-info

@@ -1,0 +1,306 @@
+/* The gradient reducer (see mpidp/reducer.h). */
+#include "mpidp/reducer.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mpidp/collectives.h"
+#include "mpidp/status.h"
+#include "mpidp/tensor.h"
+
+typedef struct {
+    mpidp_bucket_info_t info;
+    void *data;            /* numel data elements, then n_params flags */
+    size_t pending;        /* parameters not yet marked in this pass */
+    mpidp_bucket_state_t state;
+    mpidp_req_t req;
+} bucket_t;
+
+struct mpidp_reducer {
+    MPI_Comm comm;
+    int size;
+    mpidp_reqtable_t *reqs;
+    size_t n_params;
+    uint32_t *param_bucket;
+    size_t *param_offset;
+    size_t *param_numel;
+    size_t *param_flag;    /* index of the parameter's flag after the bucket data */
+    uint8_t *ready;
+    size_t n_ready;
+    size_t n_buckets;
+    bucket_t *buckets;
+    size_t next_to_post;   /* buckets below this index are posted (or done) */
+    char name[48];
+};
+
+static void free_reducer(mpidp_reducer_t *r)
+{
+    if (r == NULL) return;
+    free(r->param_bucket);
+    free(r->param_offset);
+    free(r->param_numel);
+    free(r->param_flag);
+    free(r->ready);
+    free(r->buckets);
+    free(r);
+}
+
+int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **out)
+{
+    if (cfg == NULL || out == NULL || cfg->reqs == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: NULL argument");
+    size_t np = cfg->n_params, nb = cfg->n_buckets;
+    if (np > 0 && (cfg->param_bucket == NULL || cfg->param_offset == NULL ||
+                   cfg->param_numel == NULL))
+        return mpidp__fail(MPIDP_EINVAL, "reducer: missing parameter layout");
+    if (nb > 0 && (cfg->buckets == NULL || cfg->bucket_data == NULL))
+        return mpidp__fail(MPIDP_EINVAL, "reducer: missing bucket layout");
+    if (cfg->wire_dtype != -1)
+        return mpidp__fail(MPIDP_ENOTSUP, "reducer: a wire dtype other than the bucket's");
+
+    mpidp_reducer_t *r = calloc(1, sizeof *r);
+    if (r == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer");
+    r->param_bucket = malloc((np ? np : 1) * sizeof *r->param_bucket);
+    r->param_offset = malloc((np ? np : 1) * sizeof *r->param_offset);
+    r->param_numel = malloc((np ? np : 1) * sizeof *r->param_numel);
+    r->param_flag = malloc((np ? np : 1) * sizeof *r->param_flag);
+    r->ready = calloc(np ? np : 1, 1);
+    r->buckets = calloc(nb ? nb : 1, sizeof *r->buckets);
+    if (!r->param_bucket || !r->param_offset || !r->param_numel || !r->param_flag ||
+        !r->ready || !r->buckets) {
+        free_reducer(r);
+        return mpidp__fail(MPIDP_ENOMEM, "reducer layout for %zu parameters", np);
+    }
+    int rc = MPI_Comm_size(cfg->comm, &r->size);
+    if (rc != MPI_SUCCESS) {
+        free_reducer(r);
+        char msg[MPI_MAX_ERROR_STRING];
+        return mpidp__fail(MPIDP_EMPI, "MPI_Comm_size: %s", mpidp__mpi_errstr(rc, msg, sizeof msg));
+    }
+    r->comm = cfg->comm;
+    r->reqs = cfg->reqs;
+    r->n_params = np;
+    r->n_buckets = nb;
+    snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
+
+    for (size_t b = 0; b < nb; b++) {
+        bucket_t *bk = &r->buckets[b];
+        bk->info = cfg->buckets[b];
+        bk->data = cfg->bucket_data[b];
+        if (mpidp_mpi_datatype(bk->info.dtype) == MPI_DATATYPE_NULL) {
+            int dt = bk->info.dtype;
+            free_reducer(r);
+            return mpidp__fail(MPIDP_EDTYPE, "reducer: cannot reduce %s gradients",
+                               mpidp_dtype_name(dt));
+        }
+        if (bk->info.numel + bk->info.n_params > (size_t)INT_MAX) {
+            free_reducer(r);
+            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu exceeds INT_MAX elements", b);
+        }
+        if (bk->data == NULL && bk->info.numel + bk->info.n_params > 0) {
+            free_reducer(r);
+            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu has no buffer", b);
+        }
+        bk->pending = bk->info.n_params;
+        bk->state = MPIDP_BUCKET_COLLECTING;
+    }
+    /* Check the layout and number each parameter's flag within its bucket. */
+    size_t *seen = calloc(nb ? nb : 1, sizeof *seen);
+    if (seen == NULL) {
+        free_reducer(r);
+        return mpidp__fail(MPIDP_ENOMEM, "reducer");
+    }
+    for (size_t i = 0; i < np; i++) {
+        uint32_t b = cfg->param_bucket[i];
+        if (b >= nb || cfg->param_offset[i] + cfg->param_numel[i] > r->buckets[b].info.numel) {
+            free(seen);
+            free_reducer(r);
+            return mpidp__fail(MPIDP_EINVAL, "reducer: parameter %zu lies outside its bucket", i);
+        }
+        r->param_bucket[i] = b;
+        r->param_offset[i] = cfg->param_offset[i];
+        r->param_numel[i] = cfg->param_numel[i];
+        r->param_flag[i] = seen[b]++;
+    }
+    for (size_t b = 0; b < nb; b++) {
+        if (seen[b] != r->buckets[b].info.n_params) {
+            size_t expected = r->buckets[b].info.n_params, got = seen[b];
+            free(seen);
+            free_reducer(r);
+            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu should hold %zu parameters, "
+                               "the layout puts %zu in it", b, expected, got);
+        }
+    }
+    free(seen);
+    *out = r;
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_destroy(mpidp_reducer_t *r)
+{
+    if (r == NULL) return MPIDP_OK;
+    for (size_t b = 0; b < r->n_buckets; b++)
+        if (r->buckets[b].state == MPIDP_BUCKET_POSTED)
+            return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu is still in flight", r->name, b);
+    free_reducer(r);
+    return MPIDP_OK;
+}
+
+static void *element(const bucket_t *bk, size_t index)
+{
+    return (char *)bk->data + index * mpidp_dtype_size(bk->info.dtype);
+}
+
+static void set_flag(bucket_t *bk, size_t flag, int value)
+{
+    void *p = element(bk, bk->info.numel + flag);
+    if (bk->info.dtype == MPIDP_F32) *(float *)p = value ? 1.0f : 0.0f;
+    else *(double *)p = value ? 1.0 : 0.0;
+}
+
+/* Averaging is done by scaling before the sum, so the buffer holds the mean
+ * the moment the collective completes and nothing is left to do after it. */
+static void scale_data(bucket_t *bk, double s)
+{
+    size_t n = bk->info.numel;
+    if (bk->info.dtype == MPIDP_F32) {
+        float *x = bk->data, fs = (float)s;
+        for (size_t i = 0; i < n; i++) x[i] *= fs;
+    } else {
+        double *x = bk->data;
+        for (size_t i = 0; i < n; i++) x[i] *= s;
+    }
+}
+
+static int post_bucket(mpidp_reducer_t *r, size_t b)
+{
+    bucket_t *bk = &r->buckets[b];
+    if (r->size == 1) {
+        bk->state = MPIDP_BUCKET_DONE;
+        return MPIDP_OK;
+    }
+    scale_data(bk, 1.0 / (double)r->size);
+    MPI_Request req;
+    int count = (int)(bk->info.numel + bk->info.n_params);
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, bk->data, count, mpidp_mpi_datatype(bk->info.dtype), MPI_SUM,
+                            r->comm, &req);
+    if (rc != MPI_SUCCESS) {
+        char msg[MPI_MAX_ERROR_STRING];
+        return mpidp__fail(MPIDP_EMPI, "%s: MPI_Iallreduce of bucket %zu failed: %s", r->name, b,
+                           mpidp__mpi_errstr(rc, msg, sizeof msg));
+    }
+    char what[MPIDP_REQ_WHAT_LEN];
+    snprintf(what, sizeof what, "%s: MPI_Iallreduce of gradient bucket %zu/%zu (%zu %s)", r->name,
+             b, r->n_buckets, bk->info.numel, mpidp_dtype_name(bk->info.dtype));
+    rc = mpidp_reqtable_add(r->reqs, req, what, &bk->req);
+    if (rc != MPIDP_OK) {
+        /* The table is full: finish this collective here rather than lose it. */
+        MPI_Wait(&req, MPI_STATUS_IGNORE);
+        bk->state = MPIDP_BUCKET_DONE;
+        return MPIDP_OK;
+    }
+    bk->state = MPIDP_BUCKET_POSTED;
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_mark_ready(mpidp_reducer_t *r, size_t param, int has_grad)
+{
+    if (r == NULL || param >= r->n_params)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: no parameter %zu", param);
+    if (r->ready[param])
+        return mpidp__fail(MPIDP_ESTATE,
+                           "%s: parameter %zu received a second gradient in one backward pass "
+                           "after its bucket was sent (reentrant checkpointing or a second "
+                           "backward through the same parameters without a step?)",
+                           r->name, param);
+    bucket_t *bk = &r->buckets[r->param_bucket[param]];
+    r->ready[param] = 1;
+    r->n_ready++;
+    if (!has_grad)
+        memset(element(bk, r->param_offset[param]), 0,
+               r->param_numel[param] * mpidp_dtype_size(bk->info.dtype));
+    set_flag(bk, r->param_flag[param], has_grad);
+    bk->pending--;
+    while (r->next_to_post < r->n_buckets && r->buckets[r->next_to_post].pending == 0) {
+        int rc = post_bucket(r, r->next_to_post);
+        if (rc != MPIDP_OK) return rc;
+        r->next_to_post++;
+    }
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_is_ready(const mpidp_reducer_t *r, size_t param)
+{
+    return r != NULL && param < r->n_params && r->ready[param];
+}
+
+size_t mpidp_reducer_n_ready(const mpidp_reducer_t *r) { return r ? r->n_ready : 0; }
+
+mpidp_bucket_state_t mpidp_reducer_bucket_state(const mpidp_reducer_t *r, size_t b)
+{
+    return (r && b < r->n_buckets) ? r->buckets[b].state : MPIDP_BUCKET_COLLECTING;
+}
+
+size_t mpidp_reducer_bucket_of(const mpidp_reducer_t *r, size_t param)
+{
+    return (r && param < r->n_params) ? r->param_bucket[param] : (size_t)-1;
+}
+
+int mpidp_reducer_wait_bucket(mpidp_reducer_t *r, size_t b, double timeout_s)
+{
+    if (r == NULL || b >= r->n_buckets)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: no bucket %zu", b);
+    bucket_t *bk = &r->buckets[b];
+    if (bk->state == MPIDP_BUCKET_DONE) return MPIDP_OK;
+    if (bk->state == MPIDP_BUCKET_COLLECTING)
+        return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu was never sent (%zu parameters missing)",
+                           r->name, b, bk->pending);
+    int rc = mpidp_reqtable_wait(r->reqs, bk->req, timeout_s);
+    if (rc != MPIDP_OK) return rc;
+    bk->state = MPIDP_BUCKET_DONE;
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_wait_all(mpidp_reducer_t *r, double timeout_s)
+{
+    if (r == NULL) return mpidp__fail(MPIDP_EINVAL, "reducer: NULL");
+    for (size_t b = 0; b < r->n_buckets; b++) {
+        int rc = mpidp_reducer_wait_bucket(r, b, timeout_s);
+        if (rc != MPIDP_OK) return rc;
+    }
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_used_globally(const mpidp_reducer_t *r, size_t param, int *used)
+{
+    if (r == NULL || used == NULL || param >= r->n_params)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: no parameter %zu", param);
+    const bucket_t *bk = &r->buckets[r->param_bucket[param]];
+    if (bk->state != MPIDP_BUCKET_DONE)
+        return mpidp__fail(MPIDP_ESTATE, "%s: bucket of parameter %zu has not completed", r->name, param);
+    const void *p = element(bk, bk->info.numel + r->param_flag[param]);
+    *used = bk->info.dtype == MPIDP_F32 ? *(const float *)p > 0.0f : *(const double *)p > 0.0;
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_reset(mpidp_reducer_t *r)
+{
+    if (r == NULL) return mpidp__fail(MPIDP_EINVAL, "reducer: NULL");
+    if (r->n_ready != 0) {
+        for (size_t b = 0; b < r->n_buckets; b++)
+            if (r->buckets[b].state != MPIDP_BUCKET_DONE)
+                return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu has not completed (%zu of its "
+                                   "parameters missing)", r->name, b, r->buckets[b].pending);
+    }
+    memset(r->ready, 0, r->n_params);
+    r->n_ready = 0;
+    r->next_to_post = 0;
+    for (size_t b = 0; b < r->n_buckets; b++) {
+        r->buckets[b].pending = r->buckets[b].info.n_params;
+        r->buckets[b].state = MPIDP_BUCKET_COLLECTING;
+        r->buckets[b].req = MPIDP_REQ_NONE;
+    }
+    return MPIDP_OK;
+}

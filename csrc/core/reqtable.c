@@ -1,0 +1,244 @@
+/* The in-flight request table (see mpidp/reqtable.h). */
+#include "mpidp/reqtable.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mpidp/status.h"
+
+typedef struct {
+    MPI_Request req;
+    uint32_t gen;
+    int live;
+    double posted_at;
+    char what[MPIDP_REQ_WHAT_LEN];
+} slot_t;
+
+struct mpidp_reqtable {
+    pthread_mutex_t lock;
+    size_t capacity;
+    size_t n_live;
+    size_t hint;      /* where to start looking for a free slot */
+    uint32_t next_gen;
+    slot_t *slots;
+};
+
+double mpidp_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+const char *mpidp__mpi_errstr(int code, char *buf, size_t len)
+{
+    char msg[MPI_MAX_ERROR_STRING];
+    int n = 0;
+    if (MPI_Error_string(code, msg, &n) != MPI_SUCCESS) snprintf(msg, sizeof msg, "MPI error %d", code);
+    snprintf(buf, len, "%s", msg);
+    return buf;
+}
+
+int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out)
+{
+    if (out == NULL || capacity == 0 || capacity > UINT32_MAX)
+        return mpidp__fail(MPIDP_EINVAL, "request table: capacity must be in 1..2^32-1");
+    mpidp_reqtable_t *t = calloc(1, sizeof *t);
+    slot_t *slots = calloc(capacity, sizeof *slots);
+    if (t == NULL || slots == NULL) {
+        free(t);
+        free(slots);
+        return mpidp__fail(MPIDP_ENOMEM, "request table of %zu slots", capacity);
+    }
+    pthread_mutex_init(&t->lock, NULL);
+    t->capacity = capacity;
+    t->slots = slots;
+    t->next_gen = 1;
+    *out = t;
+    return MPIDP_OK;
+}
+
+int mpidp_reqtable_destroy(mpidp_reqtable_t *t)
+{
+    if (t == NULL) return MPIDP_OK;
+    pthread_mutex_lock(&t->lock);
+    size_t live = t->n_live;
+    pthread_mutex_unlock(&t->lock);
+    if (live != 0)
+        return mpidp__fail(MPIDP_ESTATE, "request table still has %zu requests in flight", live);
+    pthread_mutex_destroy(&t->lock);
+    free(t->slots);
+    free(t);
+    return MPIDP_OK;
+}
+
+int mpidp_reqtable_add(mpidp_reqtable_t *t, MPI_Request req, const char *what,
+                       mpidp_req_t *out)
+{
+    if (t == NULL || out == NULL) return mpidp__fail(MPIDP_EINVAL, "request table: NULL argument");
+    pthread_mutex_lock(&t->lock);
+    if (t->n_live == t->capacity) {
+        pthread_mutex_unlock(&t->lock);
+        return mpidp__fail(MPIDP_EFULL, "%zu requests already in flight (posting %s)",
+                           t->capacity, what ? what : "?");
+    }
+    size_t i = t->hint;
+    while (t->slots[i].live) i = (i + 1) % t->capacity;
+    slot_t *s = &t->slots[i];
+    s->req = req;
+    s->live = 1;
+    s->gen = t->next_gen++;
+    if (t->next_gen == 0) t->next_gen = 1; /* 0 is reserved for "none" */
+    s->posted_at = mpidp_now();
+    snprintf(s->what, sizeof s->what, "%s", what ? what : "request");
+    t->n_live++;
+    t->hint = (i + 1) % t->capacity;
+    out->slot = (uint32_t)i;
+    out->gen = s->gen;
+    pthread_mutex_unlock(&t->lock);
+    return MPIDP_OK;
+}
+
+/* Tests slot `s` under the lock. Returns the MPI error code (MPI_SUCCESS when
+ * fine) and sets *done; a completed or failed request frees its slot. */
+static int test_slot_locked(mpidp_reqtable_t *t, slot_t *s, int *done, char *what_out)
+{
+    MPI_Status st;
+    int flag = 0;
+    int rc = MPI_Test(&s->req, &flag, &st);
+    if (rc != MPI_SUCCESS || flag) {
+        if (what_out) memcpy(what_out, s->what, MPIDP_REQ_WHAT_LEN);
+        s->live = 0;
+        t->n_live--;
+        *done = 1;
+        return rc;
+    }
+    *done = 0;
+    return MPI_SUCCESS;
+}
+
+static int mpi_failure(int rc, const char *what)
+{
+    char msg[MPI_MAX_ERROR_STRING];
+    return mpidp__fail(MPIDP_EMPI, "%s failed: %s", what, mpidp__mpi_errstr(rc, msg, sizeof msg));
+}
+
+int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done)
+{
+    if (t == NULL || done == NULL) return mpidp__fail(MPIDP_EINVAL, "request table: NULL argument");
+    if (h.gen == 0 || h.slot >= t->capacity) {
+        *done = 1;
+        return MPIDP_OK;
+    }
+    char what[MPIDP_REQ_WHAT_LEN];
+    pthread_mutex_lock(&t->lock);
+    slot_t *s = &t->slots[h.slot];
+    int rc = MPI_SUCCESS;
+    if (!s->live || s->gen != h.gen)
+        *done = 1;
+    else
+        rc = test_slot_locked(t, s, done, what);
+    pthread_mutex_unlock(&t->lock);
+    return rc == MPI_SUCCESS ? MPIDP_OK : mpi_failure(rc, what);
+}
+
+/* Back-off while waiting: spin first (latency), then yield the core (other
+ * ranks may share it), then sleep briefly so a long wait (a slow peer) does not
+ * burn a core. MPI_Test inside the loop is what makes MPI progress. */
+static void backoff(unsigned long iteration, double waited)
+{
+    if (iteration < 64) return;
+    if (waited < 0.05) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, 50000}; /* 50 us */
+    nanosleep(&ts, NULL);
+}
+
+static int timed_out(mpidp_reqtable_t *t, double timeout_s)
+{
+    char pending[1024];
+    mpidp_reqtable_describe(t, pending, sizeof pending);
+    return mpidp__fail(MPIDP_ETIMEDOUT, "no progress for %.1f s (MPIDP_TIMEOUT); pending: %s",
+                       timeout_s, pending);
+}
+
+int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
+{
+    double start = mpidp_now();
+    for (unsigned long it = 0;; it++) {
+        int done = 0;
+        int rc = mpidp_reqtable_test(t, h, &done);
+        if (rc != MPIDP_OK || done) return rc;
+        double waited = mpidp_now() - start;
+        if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
+        backoff(it, waited);
+    }
+}
+
+int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done)
+{
+    if (t == NULL) return mpidp__fail(MPIDP_EINVAL, "request table: NULL argument");
+    size_t completed = 0;
+    int rc = MPI_SUCCESS;
+    char what[MPIDP_REQ_WHAT_LEN];
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->capacity && t->n_live > 0 && rc == MPI_SUCCESS; i++) {
+        slot_t *s = &t->slots[i];
+        if (!s->live) continue;
+        int done = 0;
+        rc = test_slot_locked(t, s, &done, what);
+        completed += (size_t)done;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (n_done) *n_done = completed;
+    return rc == MPI_SUCCESS ? MPIDP_OK : mpi_failure(rc, what);
+}
+
+int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s)
+{
+    double start = mpidp_now();
+    for (unsigned long it = 0;; it++) {
+        int rc = mpidp_reqtable_progress(t, NULL);
+        if (rc != MPIDP_OK) return rc;
+        if (mpidp_reqtable_pending(t) == 0) return MPIDP_OK;
+        double waited = mpidp_now() - start;
+        if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
+        backoff(it, waited);
+    }
+}
+
+size_t mpidp_reqtable_pending(mpidp_reqtable_t *t)
+{
+    if (t == NULL) return 0;
+    pthread_mutex_lock(&t->lock);
+    size_t n = t->n_live;
+    pthread_mutex_unlock(&t->lock);
+    return n;
+}
+
+void mpidp_reqtable_describe(mpidp_reqtable_t *t, char *buf, size_t len)
+{
+    if (buf == NULL || len == 0) return;
+    buf[0] = '\0';
+    if (t == NULL) return;
+    double now = mpidp_now();
+    size_t used = 0, shown = 0;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->capacity && shown < t->n_live; i++) {
+        slot_t *s = &t->slots[i];
+        if (!s->live) continue;
+        int n = snprintf(buf + used, len - used, "%s%s (%.1f s)", shown ? "; " : "", s->what,
+                         now - s->posted_at);
+        shown++;
+        if (n < 0 || (size_t)n >= len - used) break;
+        used += (size_t)n;
+    }
+    if (shown == 0) snprintf(buf, len, "nothing");
+    pthread_mutex_unlock(&t->lock);
+}

@@ -1,0 +1,90 @@
+/* The gradient reducer: bucket readiness, ordered posting, completion.
+ *
+ * One reducer serves one DataParallel model. Each bucket is one flat buffer
+ * owned by the caller (a torch tensor) holding the bucket's gradient data
+ * followed by one "had a gradient" flag per parameter, in the bucket's dtype.
+ * The flags travel with the data in the same allreduce, so after completion a
+ * flag > 0 means that some rank produced a gradient for that parameter; a
+ * parameter no rank touched keeps `.grad = None`, as in a single process.
+ *
+ * A backward pass marks each parameter ready exactly once (from its gradient
+ * hook, or at the end of backward for parameters that got no gradient). When
+ * a bucket's last parameter is ready, the bucket is scaled by 1/size and its
+ * allreduce is posted -- but strictly in bucket order: a ready bucket waits
+ * until every lower-numbered bucket has been posted, so all ranks post the
+ * same collectives in the same order whatever order their hooks fire in.
+ *
+ * Lifecycle per backward: mark_ready (each param) -> all posted -> wait
+ * (per bucket or all) -> reset. Not thread-safe: the glue serialises calls
+ * (it holds the GIL), except that waits may run without it. */
+#ifndef MPIDP_REDUCER_H
+#define MPIDP_REDUCER_H
+
+#include <mpi.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mpidp/bucket.h"
+#include "mpidp/reqtable.h"
+
+typedef struct mpidp_reducer mpidp_reducer_t;
+
+typedef struct {
+    MPI_Comm comm;                       /* the communicator to reduce on */
+    mpidp_reqtable_t *reqs;              /* where posted requests are registered */
+    size_t n_params;
+    const uint32_t *param_bucket;        /* n_params, from mpidp_bucket_plan */
+    const size_t *param_offset;          /* n_params */
+    const size_t *param_numel;           /* n_params */
+    size_t n_buckets;
+    const mpidp_bucket_info_t *buckets;  /* n_buckets */
+    void *const *bucket_data;            /* n_buckets buffers of numel + n_params elements */
+    int wire_dtype;                      /* -1: each bucket's own dtype */
+    const char *name;                    /* used in messages, e.g. "DataParallel" */
+} mpidp_reducer_config_t;
+
+typedef enum {
+    MPIDP_BUCKET_COLLECTING = 0,  /* waiting for parameters */
+    MPIDP_BUCKET_POSTED = 1,      /* allreduce in flight */
+    MPIDP_BUCKET_DONE = 2,        /* averaged result in the buffer */
+} mpidp_bucket_state_t;
+
+/* Creates a reducer; copies the layout arrays, not the buffers (which must
+ * outlive the reducer). Fails with MPIDP_EINVAL for an inconsistent layout or
+ * MPIDP_EDTYPE for a dtype/wire combination the core cannot reduce. */
+int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **out);
+
+/* Frees the reducer. Refuses (MPIDP_ESTATE) while a bucket is in flight. */
+int mpidp_reducer_destroy(mpidp_reducer_t *r);
+
+/* Marks parameter `param` ready for this backward pass. `has_grad` = 0 means
+ * this rank has no gradient for it: its slice is zeroed so that it adds
+ * nothing. Posts every bucket that became postable. MPIDP_ESTATE if the
+ * parameter was already marked since the last reset (its bucket may be in
+ * flight: a second gradient in one pass cannot be reduced). */
+int mpidp_reducer_mark_ready(mpidp_reducer_t *r, size_t param, int has_grad);
+
+/* 1 if `param` was marked since the last reset. */
+int mpidp_reducer_is_ready(const mpidp_reducer_t *r, size_t param);
+/* Number of parameters marked since the last reset. */
+size_t mpidp_reducer_n_ready(const mpidp_reducer_t *r);
+/* The state of bucket `b`; the bucket of a parameter. */
+mpidp_bucket_state_t mpidp_reducer_bucket_state(const mpidp_reducer_t *r, size_t b);
+size_t mpidp_reducer_bucket_of(const mpidp_reducer_t *r, size_t param);
+
+/* Waits (deadline `timeout_s`, <= 0 none) for bucket `b` to complete and
+ * leaves the averaged gradients in its buffer. A bucket already DONE returns
+ * at once; one still COLLECTING is MPIDP_ESTATE. */
+int mpidp_reducer_wait_bucket(mpidp_reducer_t *r, size_t b, double timeout_s);
+/* Waits for every bucket; all must have been posted (else MPIDP_ESTATE). */
+int mpidp_reducer_wait_all(mpidp_reducer_t *r, double timeout_s);
+
+/* After the parameter's bucket is DONE: *used = 1 if any rank had a gradient
+ * for it in this pass. */
+int mpidp_reducer_used_globally(const mpidp_reducer_t *r, size_t param, int *used);
+
+/* Starts a new pass: every bucket must be DONE, or no parameter marked at all.
+ * MPIDP_ESTATE otherwise (with what is still missing in the detail). */
+int mpidp_reducer_reset(mpidp_reducer_t *r);
+
+#endif /* MPIDP_REDUCER_H */

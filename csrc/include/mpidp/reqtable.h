@@ -1,0 +1,75 @@
+/* The in-flight request table.
+ *
+ * Every non-blocking MPI operation mpidp posts is registered here with a short
+ * description, so that (1) every wait has a deadline and a timeout can say
+ * exactly what was pending, (2) one call can progress everything in flight
+ * (Open MPI advances non-blocking collectives only inside MPI calls), and (3)
+ * process exit can finish all pending work before MPI_Finalize, so no request
+ * is ever left posted with its buffer freed.
+ *
+ * Handles carry a generation number: once a request completes its slot is
+ * reused, and a stale handle simply reads as "completed".
+ *
+ * Thread safety: every function may be called from any thread; a mutex guards
+ * the slots, and MPI calls made under it need MPI_THREAD_SERIALIZED or better
+ * when more than one thread uses mpidp. Waits never hold the mutex while
+ * backing off. */
+#ifndef MPIDP_REQTABLE_H
+#define MPIDP_REQTABLE_H
+
+#include <mpi.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct mpidp_reqtable mpidp_reqtable_t;
+
+typedef struct {
+    uint32_t slot;
+    uint32_t gen;   /* 0 never names a live request */
+} mpidp_req_t;
+
+#define MPIDP_REQ_NONE ((mpidp_req_t){0, 0})
+#define MPIDP_REQ_WHAT_LEN 96
+
+/* Creates a table with room for `capacity` requests in flight. */
+int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out);
+/* Frees the table. Returns MPIDP_ESTATE (and frees nothing) while requests
+ * are still pending: wait for them first. */
+int mpidp_reqtable_destroy(mpidp_reqtable_t *t);
+
+/* Registers a posted request. `what` describes it for error messages (copied,
+ * truncated to MPIDP_REQ_WHAT_LEN). On MPIDP_EFULL the caller still owns the
+ * request and must complete it. */
+int mpidp_reqtable_add(mpidp_reqtable_t *t, MPI_Request req, const char *what,
+                       mpidp_req_t *out);
+
+/* Tests one request without blocking; *done = 1 when it has completed (now or
+ * earlier). An MPI error completes the request and returns MPIDP_EMPI. */
+int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done);
+
+/* Waits for one request for at most `timeout_s` seconds (<= 0: no limit).
+ * Returns MPIDP_ETIMEDOUT, with a detail listing everything still pending,
+ * when the deadline passes; the request then stays registered. */
+int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s);
+
+/* Waits for every pending request, as mpidp_reqtable_wait does for one. */
+int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s);
+
+/* Calls MPI_Test on every pending request once so that MPI progresses them;
+ * *n_done (may be NULL) counts the requests that completed. */
+int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done);
+
+/* Number of requests in flight. */
+size_t mpidp_reqtable_pending(mpidp_reqtable_t *t);
+
+/* Writes a one-line-per-request description of what is pending (op and age in
+ * seconds) into buf, always NUL-terminated. */
+void mpidp_reqtable_describe(mpidp_reqtable_t *t, char *buf, size_t len);
+
+/* Monotonic seconds, for deadlines. */
+double mpidp_now(void);
+
+/* The message of an MPI error code, for details ("MPI_ERR_TRUNCATE: ..."). */
+const char *mpidp__mpi_errstr(int code, char *buf, size_t len);
+
+#endif /* MPIDP_REQTABLE_H */

@@ -1,0 +1,83 @@
+/* Comm.allreduce / Comm.bcast / Comm.barrier: argument parsing, DLPack
+ * intake, posting through the core, and waiting with the GIL released. */
+#include "module.h"
+
+#include "mpidp/collectives.h"
+#include "mpidp/status.h"
+
+/* Waits for `req` unless async; then returns None, else a Work owning it. */
+static PyObject *finish(mpidp_py_state *st, mpidp_py_comm_t *comm, mpidp_req_t req,
+                        mpidp_py_borrowed_t *tensor, int async_op, const char *what)
+{
+    if (async_op) return mpidp_py_work_new(st, req, tensor, (PyObject *)comm);
+    int rc;
+    MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait(st->reqs, req, mpidp_py_timeout_s));
+    if (tensor) mpidp_py_release(tensor);
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, what);
+    Py_RETURN_NONE;
+}
+
+PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames)
+{
+    if (kwnames != NULL || nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "Comm.allreduce(tensor, op, wire_dtype, async_op) "
+                            "takes 4 positional arguments");
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    if (st == NULL) return NULL;
+    mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
+    int op = PyLong_AsLong(args[1]);
+    int wire = PyLong_AsLong(args[2]);
+    int async_op = PyObject_IsTrue(args[3]);
+    if (PyErr_Occurred() || async_op < 0) return NULL;
+    if (wire != -1)
+        return PyErr_Format(PyExc_NotImplementedError, "wire_dtype: compressed allreduce is not "
+                            "available in this build");
+    mpidp_py_borrowed_t tensor;
+    if (mpidp_py_borrow(st, args[0], MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "tensor",
+                        &tensor) < 0)
+        return NULL;
+    mpidp_error_clear();
+    mpidp_req_t req;
+    int rc = mpidp_allreduce_start(comm->comm, &tensor.t, op, st->reqs, &req);
+    if (rc != MPIDP_OK) {
+        mpidp_py_release(&tensor);
+        return mpidp_py_raise(st, rc, "allreduce");
+    }
+    return finish(st, comm, req, &tensor, async_op, "allreduce");
+}
+
+PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
+{
+    if (kwnames != NULL || nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "Comm.bcast(tensor, root) takes 2 positional arguments");
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    if (st == NULL) return NULL;
+    mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
+    int root = PyLong_AsLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    unsigned need = MPIDP_TENSOR_CPU_ONLY | (comm->rank == root ? 0u : MPIDP_TENSOR_WRITABLE);
+    mpidp_py_borrowed_t tensor;
+    if (mpidp_py_borrow(st, args[0], need, "tensor", &tensor) < 0) return NULL;
+    mpidp_error_clear();
+    mpidp_req_t req;
+    int rc = mpidp_bcast_start(comm->comm, &tensor.t, root, st->reqs, &req);
+    if (rc != MPIDP_OK) {
+        mpidp_py_release(&tensor);
+        return mpidp_py_raise(st, rc, "bcast");
+    }
+    return finish(st, comm, req, &tensor, 0, "bcast");
+}
+
+PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)
+{
+    (void)unused;
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    if (st == NULL) return NULL;
+    mpidp_error_clear();
+    mpidp_req_t req;
+    int rc = mpidp_barrier_start(((mpidp_py_comm_t *)self)->comm, st->reqs, &req);
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "barrier");
+    return finish(st, (mpidp_py_comm_t *)self, req, NULL, 0, "barrier");
+}

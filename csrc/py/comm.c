@@ -1,0 +1,130 @@
+/* mpidp._C.Comm: communicator intake from mpi4py.
+ *
+ * This is the only file that includes mpi4py's C API: import_mpi4py() fills
+ * function pointers that are static to this translation unit. A Comm holds
+ * MPI_Comm_dup of the user's communicator with MPI_ERRORS_RETURN set, so that
+ * (1) our collectives never match messages of the user's own traffic and (2) an
+ * MPI failure returns a code that becomes mpidp.CommError instead of killing
+ * the process from inside MPI. */
+#include "module.h"
+
+#include <mpi4py/mpi4py.h>
+
+#include "mpidp/status.h"
+
+static int mpi4py_ready = 0;
+
+static int ensure_mpi4py(void)
+{
+    if (!mpi4py_ready) {
+        if (import_mpi4py() < 0) return -1;
+        mpi4py_ready = 1;
+    }
+    return 0;
+}
+
+static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"comm", NULL};
+    PyObject *source;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Comm", kwlist, &source)) return NULL;
+    if (ensure_mpi4py() < 0) return NULL;
+    mpidp_py_state *st = mpidp_py_state_of_type(type);
+    if (st == NULL) return NULL;
+    if (!PyObject_TypeCheck(source, &PyMPIComm_Type))
+        return PyErr_Format(PyExc_TypeError, "comm: expected an mpi4py communicator "
+                            "(e.g. MPI.COMM_WORLD), got %.100s", Py_TYPE(source)->tp_name);
+    MPI_Comm *user = PyMPIComm_Get(source);
+    if (user == NULL) return NULL;
+    if (*user == MPI_COMM_NULL)
+        return PyErr_Format(PyExc_ValueError, "comm: the communicator is MPI.COMM_NULL");
+
+    mpidp_py_comm_t *self = (mpidp_py_comm_t *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->comm = MPI_COMM_NULL;
+    int rc = MPI_Comm_dup(*user, &self->comm);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(self->comm, MPI_ERRORS_RETURN);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(self->comm, &self->rank);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(self->comm, &self->size);
+    if (rc != MPI_SUCCESS) {
+        char msg[MPI_MAX_ERROR_STRING];
+        mpidp__fail(MPIDP_EMPI, "MPI_Comm_dup: %s", mpidp__mpi_errstr(rc, msg, sizeof msg));
+        Py_DECREF(self);
+        return mpidp_py_raise(st, MPIDP_EMPI, "Comm");
+    }
+    self->module = PyType_GetModule(type);
+    Py_XINCREF(self->module);
+    return (PyObject *)self;
+}
+
+static void comm_dealloc(mpidp_py_comm_t *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    /* After MPI_Finalize (mpi4py finalizes at exit) no handle may be freed. */
+    if (self->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&self->comm);
+    Py_CLEAR(self->module);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+mpidp_py_comm_t *mpidp_py_as_comm(mpidp_py_state *st, PyObject *obj, const char *argname)
+{
+    if (!PyObject_TypeCheck(obj, st->comm_type)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an mpidp._C.Comm, got %.100s", argname,
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return (mpidp_py_comm_t *)obj;
+}
+
+static PyObject *comm_get_rank(mpidp_py_comm_t *self, void *c) { (void)c; return PyLong_FromLong(self->rank); }
+static PyObject *comm_get_size(mpidp_py_comm_t *self, void *c) { (void)c; return PyLong_FromLong(self->size); }
+
+static PyObject *comm_py2f(mpidp_py_comm_t *self, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromLong((long)MPI_Comm_c2f(self->comm));
+}
+
+static PyGetSetDef comm_getset[] = {
+    {"rank", (getter)comm_get_rank, NULL, "This process's rank in the communicator.", NULL},
+    {"size", (getter)comm_get_size, NULL, "Number of processes in the communicator.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef comm_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))mpidp_py_comm_allreduce,
+     METH_FASTCALL | METH_KEYWORDS,
+     "allreduce(tensor, op, wire_dtype, async_op) -> Work | None (in place)"},
+    {"bcast", (PyCFunction)(void (*)(void))mpidp_py_comm_bcast, METH_FASTCALL | METH_KEYWORDS,
+     "bcast(tensor, root) (in place, blocking)"},
+    {"barrier", (PyCFunction)mpidp_py_comm_barrier, METH_NOARGS, "barrier()"},
+    {"py2f", (PyCFunction)comm_py2f, METH_NOARGS, "The Fortran handle of the duplicate."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot comm_slots[] = {
+    {Py_tp_new, comm_new},
+    {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_getset, comm_getset},
+    {Py_tp_methods, comm_methods},
+    {Py_tp_doc, "Comm(mpi4py_comm): mpidp's duplicate of an mpi4py communicator."},
+    {0, NULL},
+};
+
+static PyType_Spec comm_spec = {
+    .name = "mpidp._C.Comm",
+    .basicsize = sizeof(mpidp_py_comm_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = comm_slots,
+};
+
+int mpidp_py_comm_init(PyObject *module, mpidp_py_state *st)
+{
+    if (ensure_mpi4py() < 0) return -1;
+    st->comm_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &comm_spec, NULL);
+    if (st->comm_type == NULL) return -1;
+    return PyModule_AddType(module, st->comm_type);
+}

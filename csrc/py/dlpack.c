@@ -1,0 +1,90 @@
+/* Borrowing tensors through DLPack (see DESIGN.md, "Tensors in C").
+ *
+ * We ask the producer for a versioned capsule (DLPack >= 1.0 has a read-only
+ * flag) and fall back to the legacy one. The capsule is *not* renamed to
+ * "used_dltensor": holding it borrows the memory, and releasing it runs the
+ * producer's deleter, so the tensor can never be freed while the core still
+ * uses its pointer. */
+#include "module.h"
+
+#include "mpidp/dlpack.h"
+#include "mpidp/status.h"
+
+static PyObject *get_capsule(PyObject *obj, const char *argname)
+{
+    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+    if (method == NULL) {
+        PyErr_Clear();
+        return PyErr_Format(PyExc_TypeError,
+                            "%s: expected a tensor (torch.Tensor, or any object with "
+                            "__dlpack__), got %.100s", argname, Py_TYPE(obj)->tp_name);
+    }
+    PyObject *kwargs = Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
+    PyObject *empty = PyTuple_New(0);
+    PyObject *capsule = (kwargs && empty) ? PyObject_Call(method, empty, kwargs) : NULL;
+    Py_XDECREF(kwargs);
+    Py_XDECREF(empty);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        /* An older producer without max_version. */
+        PyErr_Clear();
+        capsule = PyObject_CallNoArgs(method);
+    }
+    Py_DECREF(method);
+    if (capsule == NULL) {
+        /* Re-raise the producer's refusal (e.g. "requires grad") naming the argument. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyErr_Format(type ? type : PyExc_TypeError, "%s: cannot export the tensor through "
+                     "DLPack: %S", argname, value ? value : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    }
+    return capsule;
+}
+
+int mpidp_py_borrow(mpidp_py_state *st, PyObject *obj, unsigned requirements,
+                    const char *argname, mpidp_py_borrowed_t *out)
+{
+    out->capsule = NULL;
+    PyObject *capsule = get_capsule(obj, argname);
+    if (capsule == NULL) return -1;
+    const mpidp_dl_tensor_t *dl = NULL;
+    int read_only = 0;
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        mpidp_dl_managed_tensor_versioned_t *m = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (m->version.major != 1) {
+            Py_DECREF(capsule);
+            PyErr_Format(PyExc_TypeError, "%s: DLPack version %u.%u is not supported (need 1.x)",
+                         argname, m->version.major, m->version.minor);
+            return -1;
+        }
+        dl = &m->dl_tensor;
+        read_only = (m->flags & MPIDP_DLPACK_FLAG_READ_ONLY) != 0;
+    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+        mpidp_dl_managed_tensor_t *m = PyCapsule_GetPointer(capsule, "dltensor");
+        dl = &m->dl_tensor;
+    } else {
+        Py_DECREF(capsule);
+        PyErr_Format(PyExc_TypeError, "%s: __dlpack__ returned something that is not an "
+                     "unused DLPack capsule", argname);
+        return -1;
+    }
+    mpidp_error_clear();
+    int rc = mpidp_tensor_from_dlpack(dl, read_only, requirements, &out->t);
+    if (rc != MPIDP_OK) {
+        Py_DECREF(capsule);
+        char what[128];
+        PyOS_snprintf(what, sizeof what, "%s", argname);
+        mpidp_py_raise(st, rc, what);
+        return -1;
+    }
+    out->capsule = capsule;
+    return 0;
+}
+
+void mpidp_py_release(mpidp_py_borrowed_t *b)
+{
+    Py_CLEAR(b->capsule);
+}

@@ -1,0 +1,72 @@
+/* The one place where a core status becomes a Python exception. */
+#include "module.h"
+
+#include <stdio.h>
+
+#include "mpidp/status.h"
+
+double mpidp_py_timeout_s = 1800.0;
+int mpidp_py_abort_on_timeout = 1;
+
+static int world_rank(void)
+{
+    int initialized = 0, finalized = 0, rank = -1;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    return rank;
+}
+
+PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
+{
+    const char *detail = mpidp_error_detail();
+    PyObject *type;
+    switch (status) {
+    case MPIDP_EINVAL: type = PyExc_ValueError; break;
+    case MPIDP_EDTYPE: type = PyExc_TypeError; break;
+    case MPIDP_EDEVICE: type = PyExc_ValueError; break;
+    case MPIDP_ENOMEM: type = PyExc_MemoryError; break;
+    case MPIDP_ENOTSUP: type = PyExc_NotImplementedError; break;
+    case MPIDP_EMPI: type = st->comm_error; break;
+    case MPIDP_ETIMEDOUT: type = st->comm_timeout; break;
+    case MPIDP_EMISMATCH: type = st->comm_error; break;
+    default: type = PyExc_RuntimeError; break;
+    }
+    int rank = world_rank();
+    PyObject *msg;
+    if (type == st->comm_error || type == st->comm_timeout)
+        msg = PyUnicode_FromFormat("%s on rank %d: %s: %s", what, rank, mpidp_strerror(status),
+                                   detail);
+    else if (detail[0])
+        msg = PyUnicode_FromFormat("%s: %s", what, detail);
+    else
+        msg = PyUnicode_FromFormat("%s: %s", what, mpidp_strerror(status));
+    if (msg == NULL) return NULL;
+
+    if (status == MPIDP_ETIMEDOUT && mpidp_py_abort_on_timeout) {
+        /* Another rank is most likely stuck (or dead) in a collective that will
+         * never complete; raising here would leave every other rank waiting
+         * forever, so end the whole job now, loudly. */
+        fprintf(stderr, "mpidp: %s\nmpidp: aborting the job (set MPIDP_ON_TIMEOUT=raise to raise "
+                        "mpidp.CommTimeout instead)\n", PyUnicode_AsUTF8(msg));
+        fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+    PyObject *exc = PyObject_CallOneArg(type, msg);
+    if (exc != NULL && (type == st->comm_error || type == st->comm_timeout)) {
+        PyObject *r = PyLong_FromLong(rank);
+        PyObject *op = PyUnicode_FromString(what);
+        if (r && op) {
+            PyObject_SetAttrString(exc, "rank", r);
+            PyObject_SetAttrString(exc, "operation", op);
+        }
+        Py_XDECREF(r);
+        Py_XDECREF(op);
+    }
+    Py_DECREF(msg);
+    if (exc != NULL) {
+        PyErr_SetObject(type, exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}

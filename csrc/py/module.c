@@ -1,0 +1,293 @@
+/* mpidp._C: module definition, state and the module-level functions.
+ *
+ * Multi-phase initialisation; types and exceptions live in the module state.
+ * MPI must already be initialised when this module executes: the Python
+ * package imports mpi4py.MPI (which initialises MPI) before importing _C. */
+#include "module.h"
+
+#include <stdlib.h>
+
+#include "mpidp/bucket.h"
+#include "mpidp/status.h"
+
+/* Room for this many requests in flight at once, over all of mpidp. */
+#define MPIDP_REQTABLE_CAPACITY 65536
+
+static struct PyModuleDef mpidp_module;
+
+mpidp_py_state *mpidp_py_state_of_module(PyObject *module)
+{
+    return (mpidp_py_state *)PyModule_GetState(module);
+}
+
+mpidp_py_state *mpidp_py_state_of_type(PyTypeObject *type)
+{
+    PyObject *module = PyType_GetModule(type);
+    return module ? mpidp_py_state_of_module(module) : NULL;
+}
+
+static PyObject *mod_mpi_library_version(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    char version[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    MPI_Get_library_version(version, &len);
+    return PyUnicode_FromStringAndSize(version, len);
+}
+
+/* The MPI implementation whose headers this extension was compiled with. */
+static PyObject *mod_mpi_header_version(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+#if defined(OMPI_MAJOR_VERSION)
+    return PyUnicode_FromFormat("Open MPI v%d.%d.%d", OMPI_MAJOR_VERSION, OMPI_MINOR_VERSION,
+                                OMPI_RELEASE_VERSION);
+#elif defined(MPICH_VERSION)
+    return PyUnicode_FromFormat("MPICH Version: %s", MPICH_VERSION);
+#else
+    return PyUnicode_FromFormat("MPI %d.%d", MPI_VERSION, MPI_SUBVERSION);
+#endif
+}
+
+static PyObject *mod_thread_level(PyObject *m, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromLong(mpidp_py_state_of_module(m)->thread_level);
+}
+
+/* plan_buckets(numel, dtype, first_cap_bytes, cap_bytes)
+ *   -> (bucket_of, offset, ((numel, n_params, dtype), ...)) */
+static PyObject *mod_plan_buckets(PyObject *m, PyObject *args)
+{
+    PyObject *numel_seq, *dtype_seq;
+    unsigned long long first_cap, cap;
+    if (!PyArg_ParseTuple(args, "OOKK:plan_buckets", &numel_seq, &dtype_seq, &first_cap, &cap))
+        return NULL;
+    PyObject *numel_fast = PySequence_Fast(numel_seq, "numel must be a sequence");
+    PyObject *dtype_fast = numel_fast ? PySequence_Fast(dtype_seq, "dtype must be a sequence") : NULL;
+    if (dtype_fast == NULL) {
+        Py_XDECREF(numel_fast);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(numel_fast);
+    PyObject *result = NULL;
+    size_t n1 = n ? (size_t)n : 1;
+    size_t *numel = malloc(n1 * sizeof *numel), *offset = malloc(n1 * sizeof *offset);
+    int *dtype = malloc(n1 * sizeof *dtype);
+    uint32_t *bucket = malloc(n1 * sizeof *bucket);
+    mpidp_bucket_info_t *info = malloc(n1 * sizeof *info);
+    if (!numel || !offset || !dtype || !bucket || !info) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PySequence_Fast_GET_SIZE(dtype_fast) != n) {
+        PyErr_SetString(PyExc_ValueError, "plan_buckets: numel and dtype differ in length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        numel[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(numel_fast, i));
+        dtype[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(dtype_fast, i));
+        if (PyErr_Occurred()) goto done;
+    }
+    size_t nb = 0;
+    mpidp_error_clear();
+    int rc = mpidp_bucket_plan(numel, dtype, (size_t)n, (size_t)first_cap, (size_t)cap, bucket,
+                               offset, info, &nb);
+    if (rc != MPIDP_OK) {
+        mpidp_py_raise(mpidp_py_state_of_module(m), rc, "plan_buckets");
+        goto done;
+    }
+    PyObject *pb = PyTuple_New(n), *po = PyTuple_New(n), *bi = PyTuple_New((Py_ssize_t)nb);
+    if (pb && po && bi) {
+        int ok = 1;
+        for (Py_ssize_t i = 0; i < n && ok; i++) {
+            PyObject *a = PyLong_FromUnsignedLong(bucket[i]), *b = PyLong_FromSize_t(offset[i]);
+            ok = a && b;
+            if (a) PyTuple_SET_ITEM(pb, i, a);
+            if (b) PyTuple_SET_ITEM(po, i, b);
+        }
+        for (size_t b = 0; b < nb && ok; b++) {
+            PyObject *t = Py_BuildValue("(nni)", (Py_ssize_t)info[b].numel,
+                                        (Py_ssize_t)info[b].n_params, info[b].dtype);
+            ok = t != NULL;
+            if (t) PyTuple_SET_ITEM(bi, (Py_ssize_t)b, t);
+        }
+        if (ok) result = PyTuple_Pack(3, pb, po, bi);
+    }
+    Py_XDECREF(pb);
+    Py_XDECREF(po);
+    Py_XDECREF(bi);
+done:
+    free(numel);
+    free(offset);
+    free(dtype);
+    free(bucket);
+    free(info);
+    Py_DECREF(numel_fast);
+    Py_DECREF(dtype_fast);
+    return result;
+}
+
+static PyObject *mod_set_timeout(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1.0 && PyErr_Occurred()) return NULL;
+    mpidp_py_timeout_s = t;
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_get_timeout(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    return PyFloat_FromDouble(mpidp_py_timeout_s);
+}
+
+static PyObject *mod_set_abort_on_timeout(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    int v = PyObject_IsTrue(arg);
+    if (v < 0) return NULL;
+    mpidp_py_abort_on_timeout = v;
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_pending(PyObject *m, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromSize_t(mpidp_reqtable_pending(mpidp_py_state_of_module(m)->reqs));
+}
+
+static PyObject *mod_describe_pending(PyObject *m, PyObject *unused)
+{
+    (void)unused;
+    char buf[4096];
+    mpidp_reqtable_describe(mpidp_py_state_of_module(m)->reqs, buf, sizeof buf);
+    return PyUnicode_FromString(buf);
+}
+
+/* finish_pending(): waits for everything in flight (called at exit, before
+ * mpi4py finalizes MPI, so no request outlives MPI or its buffer). */
+static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
+{
+    (void)unused;
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (finalized) Py_RETURN_NONE;
+    int rc;
+    mpidp_error_clear();
+    MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait_all(st->reqs, mpidp_py_timeout_s));
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "finishing pending communication");
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"mpi_library_version", mod_mpi_library_version, METH_NOARGS,
+     "MPI_Get_library_version() of the MPI library this process runs on."},
+    {"mpi_header_version", mod_mpi_header_version, METH_NOARGS,
+     "The MPI implementation whose headers the extension was built with."},
+    {"thread_level", mod_thread_level, METH_NOARGS, "MPI_Query_thread() at import."},
+    {"plan_buckets", mod_plan_buckets, METH_VARARGS,
+     "plan_buckets(numel, dtype, first_cap_bytes, cap_bytes) -> (bucket_of, offset, infos)"},
+    {"set_timeout", mod_set_timeout, METH_O, "Deadline in seconds for every wait (<= 0: none)."},
+    {"get_timeout", mod_get_timeout, METH_NOARGS, "The current deadline in seconds."},
+    {"set_abort_on_timeout", mod_set_abort_on_timeout, METH_O,
+     "True: a deadline aborts the job; False: it raises mpidp.CommTimeout."},
+    {"pending", mod_pending, METH_NOARGS, "Number of mpidp requests in flight."},
+    {"describe_pending", mod_describe_pending, METH_NOARGS, "What is in flight, as text."},
+    {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *m)
+{
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+        PyErr_SetString(PyExc_ImportError, "mpidp._C needs MPI initialised: import mpi4py.MPI first "
+                                           "(import mpidp does this)");
+        return -1;
+    }
+    MPI_Query_thread(&st->thread_level);
+    if (mpidp_reqtable_create(MPIDP_REQTABLE_CAPACITY, &st->reqs) != MPIDP_OK) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    st->comm_error = PyErr_NewExceptionWithDoc(
+        "mpidp.CommError",
+        "An MPI operation of mpidp failed. Attributes: rank (world rank), operation.",
+        PyExc_RuntimeError, NULL);
+    if (st->comm_error == NULL || PyModule_AddObjectRef(m, "CommError", st->comm_error) < 0)
+        return -1;
+    PyObject *bases = PyTuple_Pack(2, st->comm_error, PyExc_TimeoutError);
+    if (bases == NULL) return -1;
+    st->comm_timeout = PyErr_NewExceptionWithDoc(
+        "mpidp.CommTimeout",
+        "A wait on a collective passed its deadline (MPIDP_TIMEOUT): another rank is stuck, "
+        "dead, or doing something else.",
+        bases, NULL);
+    Py_DECREF(bases);
+    if (st->comm_timeout == NULL || PyModule_AddObjectRef(m, "CommTimeout", st->comm_timeout) < 0)
+        return -1;
+    if (mpidp_py_comm_init(m, st) < 0 || mpidp_py_work_init(m, st) < 0 ||
+        mpidp_py_reducer_init(m, st) < 0)
+        return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    Py_VISIT(st->comm_type);
+    Py_VISIT(st->work_type);
+    Py_VISIT(st->reducer_type);
+    Py_VISIT(st->gradhook_type);
+    Py_VISIT(st->comm_error);
+    Py_VISIT(st->comm_timeout);
+    return 0;
+}
+
+static int module_clear(PyObject *m)
+{
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    Py_CLEAR(st->comm_type);
+    Py_CLEAR(st->work_type);
+    Py_CLEAR(st->reducer_type);
+    Py_CLEAR(st->gradhook_type);
+    Py_CLEAR(st->comm_error);
+    Py_CLEAR(st->comm_timeout);
+    return 0;
+}
+
+static void module_free(void *m)
+{
+    mpidp_py_state *st = mpidp_py_state_of_module((PyObject *)m);
+    module_clear((PyObject *)m);
+    /* Refuses while requests are in flight; leaking the table is then the
+     * safe choice (their buffers are leaked with it). */
+    if (st->reqs && mpidp_reqtable_destroy(st->reqs) == MPIDP_OK) st->reqs = NULL;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef mpidp_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "mpidp._C",
+    .m_doc = "mpidp's C core: MPI collectives, gradient buckets and hooks, DASO kernels.",
+    .m_size = sizeof(mpidp_py_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&mpidp_module);
+}

@@ -1,0 +1,580 @@
+/* mpidp._C.Reducer and mpidp._C.GradHook: DataParallel's gradient path.
+ *
+ * Python plans the buckets, allocates one flat tensor per bucket and makes a
+ * view into it for every trainable parameter; the Reducer keeps all of them
+ * and drives the core reducer (csrc/core/reducer.c).
+ *
+ * One pass (one backward):
+ *   prepare()          before backward (DataParallel.forward): every `.grad`
+ *                      that is None is pointed at its zeroed bucket view, so
+ *                      autograd accumulates straight into the bucket;
+ *   GradHook(param)    per parameter, after its gradient is accumulated: the
+ *                      first one queues _finalize_backward with autograd; if
+ *                      `.grad` is not the bucket view any more (set to None or
+ *                      replaced after prepare) it is copied in and re-pointed;
+ *                      the core marks the parameter ready and posts buckets;
+ *   _finalize_backward at the end of backward: parameters that got no
+ *                      gradient are marked (zero contribution), so every
+ *                      bucket is posted on every rank; blocking mode then
+ *                      completes the pass;
+ *   wait_bucket / complete   wait, then fix up `.grad` of parameters this rank
+ *                      had no gradient for: the bucket view if another rank
+ *                      had one, else back to None (as a single process would).
+ */
+#include "module.h"
+
+#include <structmember.h> /* PyMemberDef, T_PYSSIZET (Python < 3.12) */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mpidp/bucket.h"
+#include "mpidp/reducer.h"
+#include "mpidp/status.h"
+
+typedef struct {
+    PyObject_HEAD
+    mpidp_reducer_t *core;
+    mpidp_py_state *st;
+    PyObject *module;
+    PyObject *comm;
+    PyObject *params;          /* tuple of parameters */
+    PyObject *views;           /* tuple of gradient views into the buckets */
+    PyObject *bucket_tensors;  /* tuple of flat bucket tensors */
+    PyObject *queue_callback;  /* autograd's Variable._execution_engine.queue_callback */
+    mpidp_py_borrowed_t *buckets;
+    size_t n_buckets;
+    size_t n_params;
+    uint8_t *was_none;         /* `.grad` was None when prepare() pointed it at the view */
+    uint8_t *local_has;        /* this rank contributed a gradient in this pass */
+    int blocking;
+    int queued;                /* _finalize_backward queued for the current backward */
+    int finalized;             /* the current pass has every bucket posted */
+} reducer_t;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    reducer_t *reducer;
+    Py_ssize_t index;
+} gradhook_t;
+
+static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize;
+
+/* --- helpers ----------------------------------------------------------- */
+
+static PyObject *fail(reducer_t *r, int rc, const char *what)
+{
+    return mpidp_py_raise(r->st, rc, what);
+}
+
+/* Copies `grad` into parameter i's bucket view and makes the view its .grad. */
+static int adopt_grad(reducer_t *r, size_t i, PyObject *param, PyObject *grad)
+{
+    PyObject *view = PyTuple_GET_ITEM(r->views, i);
+    /* detach(): with create_graph=True the new gradient carries a graph, and
+     * copying it would make the bucket view part of that graph. */
+    PyObject *plain = PyObject_CallMethodNoArgs(grad, str_detach);
+    if (plain == NULL) return -1;
+    PyObject *res = PyObject_CallMethodOneArg(view, str_copy_, plain);
+    Py_DECREF(plain);
+    if (res == NULL) return -1;
+    Py_DECREF(res);
+    return PyObject_SetAttr(param, str_grad, view);
+}
+
+/* Decides this rank's contribution for parameter i from its current .grad
+ * (copying a foreign tensor in) and marks it ready in the core. */
+static int mark_param(reducer_t *r, size_t i)
+{
+    PyObject *param = PyTuple_GET_ITEM(r->params, i);
+    PyObject *view = PyTuple_GET_ITEM(r->views, i);
+    PyObject *grad = PyObject_GetAttr(param, str_grad);
+    if (grad == NULL) return -1;
+    int has, rc = 0;
+    if (grad == view) {
+        /* Our view: a real gradient, unless it only holds prepare()'s zeros. */
+        has = !r->was_none[i];
+    } else if (grad == Py_None) {
+        has = 0;
+    } else {
+        rc = adopt_grad(r, i, param, grad);
+        has = 1;
+        r->was_none[i] = 0;
+    }
+    Py_DECREF(grad);
+    if (rc < 0) return -1;
+    r->local_has[i] = (uint8_t)has;
+    mpidp_error_clear();
+    rc = mpidp_reducer_mark_ready(r->core, i, has);
+    if (rc != MPIDP_OK) {
+        fail(r, rc, "DataParallel backward");
+        return -1;
+    }
+    return 0;
+}
+
+/* After bucket b completed: give parameters this rank had no gradient for the
+ * state a single process would see: the averaged gradient if some rank had
+ * one, else None. */
+static int fix_missing_grads(reducer_t *r, size_t b)
+{
+    for (size_t i = 0; i < r->n_params; i++) {
+        if (r->local_has[i] || mpidp_reducer_bucket_of(r->core, i) != b) continue;
+        int used = 0;
+        mpidp_error_clear();
+        int rc = mpidp_reducer_used_globally(r->core, i, &used);
+        if (rc != MPIDP_OK) {
+            fail(r, rc, "DataParallel");
+            return -1;
+        }
+        PyObject *param = PyTuple_GET_ITEM(r->params, i);
+        PyObject *value = used ? PyTuple_GET_ITEM(r->views, i) : Py_None;
+        if (PyObject_SetAttr(param, str_grad, value) < 0) return -1;
+        r->local_has[i] = 1; /* fixed: do not visit again in this pass */
+    }
+    return 0;
+}
+
+static int wait_bucket(reducer_t *r, size_t b)
+{
+    if (mpidp_reducer_bucket_state(r->core, b) != MPIDP_BUCKET_DONE) {
+        int rc;
+        mpidp_error_clear();
+        MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
+        if (rc != MPIDP_OK) {
+            fail(r, rc, "DataParallel gradient allreduce");
+            return -1;
+        }
+    }
+    return fix_missing_grads(r, b);
+}
+
+/* Completes the open pass: waits for every bucket, fixes grads, resets. */
+static int complete_pass(reducer_t *r)
+{
+    if (mpidp_reducer_n_ready(r->core) == 0) return 0;
+    if (!r->finalized) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "DataParallel: the previous backward pass did not finish (it raised, or "
+                        "its end was never reached); its gradients cannot be completed");
+        return -1;
+    }
+    for (size_t b = 0; b < r->n_buckets; b++)
+        if (wait_bucket(r, b) < 0) return -1;
+    mpidp_error_clear();
+    int rc = mpidp_reducer_reset(r->core);
+    if (rc != MPIDP_OK) {
+        fail(r, rc, "DataParallel");
+        return -1;
+    }
+    memset(r->local_has, 0, r->n_params);
+    memset(r->was_none, 0, r->n_params);
+    r->finalized = 0;
+    return 0;
+}
+
+/* --- the per-parameter hook (hot path) --------------------------------- */
+
+static PyObject *on_grad(reducer_t *r, size_t i, PyObject *param)
+{
+    if (!r->queued) {
+        /* First hook of a new backward: finish a previous pass still open
+         * (non-blocking mode, or two backwards before one step), then ask
+         * autograd to call us when this backward ends. */
+        if (r->finalized && complete_pass(r) < 0) return NULL;
+        PyObject *cb = PyObject_GetAttr((PyObject *)r, str_finalize);
+        if (cb == NULL) return NULL;
+        PyObject *res = PyObject_CallOneArg(r->queue_callback, cb);
+        Py_DECREF(cb);
+        if (res == NULL) return NULL;
+        Py_DECREF(res);
+        r->queued = 1;
+    }
+    PyObject *view = PyTuple_GET_ITEM(r->views, i);
+    PyObject *grad = PyObject_GetAttr(param, str_grad);
+    if (grad == NULL) return NULL;
+    int rc = 0;
+    if (grad != view && grad != Py_None) rc = adopt_grad(r, i, param, grad);
+    int has = grad != Py_None;
+    Py_DECREF(grad);
+    if (rc < 0) return NULL;
+    r->was_none[i] = 0;  /* a gradient arrived: the view holds real data */
+    r->local_has[i] = (uint8_t)has;
+    mpidp_error_clear();
+    rc = mpidp_reducer_mark_ready(r->core, i, has);
+    if (rc != MPIDP_OK) return fail(r, rc, "DataParallel backward");
+    Py_RETURN_NONE;
+}
+
+static PyObject *gradhook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf,
+                                     PyObject *kwnames)
+{
+    gradhook_t *h = (gradhook_t *)self;
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL)
+        return PyErr_Format(PyExc_TypeError, "GradHook takes exactly one argument (the parameter)");
+    return on_grad(h->reducer, (size_t)h->index, args[0]);
+}
+
+/* --- Reducer methods ---------------------------------------------------- */
+
+static PyObject *reducer_finalize_backward(reducer_t *r, PyObject *unused)
+{
+    (void)unused;
+    r->queued = 0;
+    for (size_t i = 0; i < r->n_params; i++)
+        if (!mpidp_reducer_is_ready(r->core, i) && mark_param(r, i) < 0) return NULL;
+    r->finalized = 1;
+    if (r->blocking && complete_pass(r) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_prepare(reducer_t *r, PyObject *unused)
+{
+    (void)unused;
+    /* A pass still open (non-blocking) must complete before grads move. */
+    if (r->finalized && complete_pass(r) < 0) return NULL;
+    if (mpidp_reducer_n_ready(r->core) != 0) Py_RETURN_NONE; /* mid-backward: leave alone */
+    for (size_t i = 0; i < r->n_params; i++) {
+        PyObject *param = PyTuple_GET_ITEM(r->params, i);
+        PyObject *grad = PyObject_GetAttr(param, str_grad);
+        if (grad == NULL) return NULL;
+        int none = grad == Py_None;
+        Py_DECREF(grad);
+        if (!none) continue;
+        PyObject *view = PyTuple_GET_ITEM(r->views, i);
+        PyObject *res = PyObject_CallMethod(view, "zero_", NULL);
+        if (res == NULL) return NULL;
+        Py_DECREF(res);
+        if (PyObject_SetAttr(param, str_grad, view) < 0) return NULL;
+        r->was_none[i] = 1;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_wait_bucket(reducer_t *r, PyObject *arg)
+{
+    Py_ssize_t b = PyLong_AsSsize_t(arg);
+    if (b == -1 && PyErr_Occurred()) return NULL;
+    if (b < 0 || (size_t)b >= r->n_buckets)
+        return PyErr_Format(PyExc_IndexError, "bucket %zd out of range", b);
+    if (!r->finalized)
+        return PyErr_Format(PyExc_RuntimeError, "wait_bucket: no finished backward pass");
+    if (wait_bucket(r, (size_t)b) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_complete(reducer_t *r, PyObject *unused)
+{
+    (void)unused;
+    if (complete_pass(r) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_hook(reducer_t *r, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0 || (size_t)i >= r->n_params)
+        return PyErr_Format(PyExc_IndexError, "parameter %zd out of range", i);
+    gradhook_t *h = PyObject_GC_New(gradhook_t, r->st->gradhook_type);
+    if (h == NULL) return NULL;
+    h->vectorcall = gradhook_vectorcall;
+    h->reducer = (reducer_t *)Py_NewRef(r);
+    h->index = i;
+    PyObject_GC_Track(h);
+    return (PyObject *)h;
+}
+
+static PyObject *reducer_bucket_of(reducer_t *r, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0 || (size_t)i >= r->n_params)
+        return PyErr_Format(PyExc_IndexError, "parameter %zd out of range", i);
+    return PyLong_FromSize_t(mpidp_reducer_bucket_of(r->core, (size_t)i));
+}
+
+static PyObject *reducer_get_pending(reducer_t *r, void *c)
+{
+    (void)c;
+    /* True while a pass has started and not been completed. */
+    return PyBool_FromLong(mpidp_reducer_n_ready(r->core) != 0);
+}
+
+static PyObject *reducer_get_finalized(reducer_t *r, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(r->finalized);
+}
+
+static PyObject *reducer_get_n_buckets(reducer_t *r, void *c)
+{
+    (void)c;
+    return PyLong_FromSize_t(r->n_buckets);
+}
+
+/* Reducer(comm, params, views, bucket_tensors, param_bucket, param_offset,
+ *         bucket_info, queue_callback, blocking, name) */
+static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
+                             "bucket_info", "queue_callback", "blocking", "name", NULL};
+    PyObject *comm, *params, *views, *buckets, *pb, *po, *binfo, *qcb;
+    int blocking;
+    const char *name;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O!O!Ops:Reducer", kwlist, &comm,
+                                     &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
+                                     &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
+                                     &PyTuple_Type, &binfo, &qcb, &blocking, &name))
+        return NULL;
+    mpidp_py_state *st = mpidp_py_state_of_type(type);
+    if (st == NULL) return NULL;
+    mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
+    if (c == NULL) return NULL;
+    Py_ssize_t np = PyTuple_GET_SIZE(params), nb = PyTuple_GET_SIZE(buckets);
+    if (PyTuple_GET_SIZE(views) != np || PyTuple_GET_SIZE(pb) != np || PyTuple_GET_SIZE(po) != np ||
+        PyTuple_GET_SIZE(binfo) != nb)
+        return PyErr_Format(PyExc_ValueError, "Reducer: inconsistent layout lengths");
+
+    reducer_t *r = (reducer_t *)type->tp_alloc(type, 0);
+    if (r == NULL) return NULL;
+    r->st = st;
+    r->module = Py_NewRef(PyType_GetModule(type));
+    r->comm = Py_NewRef(comm);
+    r->params = Py_NewRef(params);
+    r->views = Py_NewRef(views);
+    r->bucket_tensors = Py_NewRef(buckets);
+    r->queue_callback = Py_NewRef(qcb);
+    r->blocking = blocking;
+    r->n_params = (size_t)np;
+    r->n_buckets = (size_t)nb;
+
+    size_t n1 = np ? (size_t)np : 1, b1 = nb ? (size_t)nb : 1;
+    uint32_t *bucket_of = malloc(n1 * sizeof *bucket_of);
+    size_t *offset = malloc(n1 * sizeof *offset);
+    size_t *numel = malloc(n1 * sizeof *numel);
+    mpidp_bucket_info_t *info = malloc(b1 * sizeof *info);
+    void **data = malloc(b1 * sizeof *data);
+    r->buckets = calloc(b1, sizeof *r->buckets);
+    r->was_none = calloc(n1, 1);
+    r->local_has = calloc(n1, 1);
+    PyObject *result = NULL;
+    if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->was_none ||
+        !r->local_has) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        PyObject *tup = PyTuple_GET_ITEM(binfo, b);
+        unsigned long long bn, bp;
+        int dt;
+        if (!PyArg_ParseTuple(tup, "KKi", &bn, &bp, &dt)) goto done;
+        info[b].numel = (size_t)bn;
+        info[b].n_params = (size_t)bp;
+        info[b].dtype = dt;
+        if (mpidp_py_borrow(st, PyTuple_GET_ITEM(buckets, b),
+                            MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "bucket",
+                            &r->buckets[b]) < 0)
+            goto done;
+        if (r->buckets[b].t.numel != info[b].numel + info[b].n_params ||
+            (int)r->buckets[b].t.dtype != dt) {
+            PyErr_Format(PyExc_ValueError, "Reducer: bucket %zd has the wrong size or dtype", b);
+            goto done;
+        }
+        data[b] = r->buckets[b].t.data;
+    }
+    for (Py_ssize_t i = 0; i < np; i++) {
+        bucket_of[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pb, i));
+        offset[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(po, i));
+        if (PyErr_Occurred()) goto done;
+        if (bucket_of[i] >= (uint32_t)nb) {
+            PyErr_Format(PyExc_ValueError, "Reducer: parameter %zd has no bucket", i);
+            goto done;
+        }
+        PyObject *n = PyObject_CallMethod(PyTuple_GET_ITEM(views, i), "numel", NULL);
+        if (n == NULL) goto done;
+        numel[i] = PyLong_AsSize_t(n);
+        Py_DECREF(n);
+        if (PyErr_Occurred()) goto done;
+    }
+    mpidp_reducer_config_t cfg = {
+        .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
+        .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
+        .bucket_data = data, .wire_dtype = -1, .name = name};
+    mpidp_error_clear();
+    int rc = mpidp_reducer_create(&cfg, &r->core);
+    if (rc != MPIDP_OK) {
+        mpidp_py_raise(st, rc, "DataParallel");
+        goto done;
+    }
+    result = (PyObject *)r;
+done:
+    free(bucket_of);
+    free(offset);
+    free(numel);
+    free(info);
+    free(data);
+    if (result == NULL) Py_DECREF(r);
+    return result;
+}
+
+static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(r));
+    Py_VISIT(r->module);
+    Py_VISIT(r->comm);
+    Py_VISIT(r->params);
+    Py_VISIT(r->views);
+    Py_VISIT(r->bucket_tensors);
+    Py_VISIT(r->queue_callback);
+    return 0;
+}
+
+static int reducer_clear(reducer_t *r)
+{
+    Py_CLEAR(r->params);
+    Py_CLEAR(r->views);
+    Py_CLEAR(r->queue_callback);
+    return 0;
+}
+
+static void reducer_dealloc(reducer_t *r)
+{
+    PyTypeObject *tp = Py_TYPE(r);
+    PyObject_GC_UnTrack(r);
+    if (r->core) {
+        int finalized = 1;
+        MPI_Finalized(&finalized);
+        /* Buckets still in flight must land before their buffers go. */
+        if (!finalized && r->finalized)
+            mpidp_reducer_wait_all(r->core, mpidp_py_timeout_s);
+        if (mpidp_reducer_destroy(r->core) != MPIDP_OK && !finalized) {
+            /* A half-posted pass (backward raised): its buffers must stay
+             * alive, so leak them rather than let MPI write into freed memory. */
+            r->buckets = NULL;
+            r->bucket_tensors = NULL;
+        }
+    }
+    for (size_t b = 0; r->buckets && b < r->n_buckets; b++) mpidp_py_release(&r->buckets[b]);
+    free(r->buckets);
+    free(r->was_none);
+    free(r->local_has);
+    reducer_clear(r);
+    Py_CLEAR(r->bucket_tensors);
+    Py_CLEAR(r->comm);
+    Py_CLEAR(r->module);
+    tp->tp_free((PyObject *)r);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef reducer_methods[] = {
+    {"_finalize_backward", (PyCFunction)reducer_finalize_backward, METH_NOARGS,
+     "Called by autograd at the end of backward: post every remaining bucket."},
+    {"prepare", (PyCFunction)reducer_prepare, METH_NOARGS,
+     "Before backward: point None grads at their zeroed bucket views."},
+    {"wait_bucket", (PyCFunction)reducer_wait_bucket, METH_O,
+     "wait_bucket(b): wait for bucket b and fix up its parameters' grads."},
+    {"complete", (PyCFunction)reducer_complete, METH_NOARGS,
+     "Finish the open pass (wait for every bucket); no-op when none is open."},
+    {"hook", (PyCFunction)reducer_hook, METH_O, "hook(i) -> GradHook for parameter i."},
+    {"bucket_of", (PyCFunction)reducer_bucket_of, METH_O, "bucket_of(i) -> bucket index."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef reducer_getset[] = {
+    {"pending", (getter)reducer_get_pending, NULL, "A pass has started and is not complete.", NULL},
+    {"finalized", (getter)reducer_get_finalized, NULL, "The open pass has every bucket posted.", NULL},
+    {"n_buckets", (getter)reducer_get_n_buckets, NULL, "Number of buckets.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot reducer_slots[] = {
+    {Py_tp_new, reducer_new},
+    {Py_tp_dealloc, reducer_dealloc},
+    {Py_tp_traverse, reducer_traverse},
+    {Py_tp_clear, reducer_clear},
+    {Py_tp_methods, reducer_methods},
+    {Py_tp_getset, reducer_getset},
+    {Py_tp_doc, "DataParallel's gradient reducer (internal)."},
+    {0, NULL},
+};
+
+static PyType_Spec reducer_spec = {
+    .name = "mpidp._C.Reducer",
+    .basicsize = sizeof(reducer_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = reducer_slots,
+};
+
+/* --- GradHook type ------------------------------------------------------ */
+
+static int gradhook_traverse(gradhook_t *h, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(h));
+    Py_VISIT(h->reducer);
+    return 0;
+}
+
+static int gradhook_clear(gradhook_t *h)
+{
+    Py_CLEAR(h->reducer);
+    return 0;
+}
+
+static void gradhook_dealloc(gradhook_t *h)
+{
+    PyTypeObject *tp = Py_TYPE(h);
+    PyObject_GC_UnTrack(h);
+    gradhook_clear(h);
+    PyObject_GC_Del(h);
+    Py_DECREF(tp);
+}
+
+static PyObject *gradhook_call(PyObject *self, PyObject *args, PyObject *kwds)
+{
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)
+        return PyErr_Format(PyExc_TypeError, "GradHook takes no keyword arguments");
+    return gradhook_vectorcall(self, &PyTuple_GET_ITEM(args, 0), (size_t)PyTuple_GET_SIZE(args),
+                               NULL);
+}
+
+static PyMemberDef gradhook_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(gradhook_t, vectorcall), READONLY, NULL},
+    {"index", T_PYSSIZET, offsetof(gradhook_t, index), READONLY, "The parameter's index."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot gradhook_slots[] = {
+    {Py_tp_dealloc, gradhook_dealloc},
+    {Py_tp_traverse, gradhook_traverse},
+    {Py_tp_clear, gradhook_clear},
+    {Py_tp_call, gradhook_call},
+    {Py_tp_members, gradhook_members},
+    {Py_tp_doc, "Post-accumulate-grad hook of one parameter (internal)."},
+    {0, NULL},
+};
+
+static PyType_Spec gradhook_spec = {
+    .name = "mpidp._C.GradHook",
+    .basicsize = sizeof(gradhook_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = gradhook_slots,
+};
+
+int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st)
+{
+    if (!str_grad) {
+        str_grad = PyUnicode_InternFromString("grad");
+        str_copy_ = PyUnicode_InternFromString("copy_");
+        str_detach = PyUnicode_InternFromString("detach");
+        str_finalize = PyUnicode_InternFromString("_finalize_backward");
+        if (!str_grad || !str_copy_ || !str_detach || !str_finalize) return -1;
+    }
+    st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
+    if (st->reducer_type == NULL || PyModule_AddType(module, st->reducer_type) < 0) return -1;
+    st->gradhook_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &gradhook_spec, NULL);
+    if (st->gradhook_type == NULL) return -1;
+    return PyModule_AddType(module, st->gradhook_type);
+}

@@ -1,0 +1,133 @@
+/* mpidp._C.Work: the handle of an asynchronous collective.
+ *
+ * A Work owns its request and the tensor it reads and writes. It keeps both
+ * until the request completes; if it is dropped earlier, its destructor waits
+ * (with the usual deadline) so that MPI never writes into freed memory. */
+#include "module.h"
+
+#include <stdio.h>
+
+#include "mpidp/status.h"
+
+typedef struct {
+    PyObject_HEAD
+    mpidp_req_t req;
+    mpidp_py_borrowed_t tensor;
+    PyObject *comm;     /* the Comm must outlive the request */
+    PyObject *module;
+    int done;
+} work_t;
+
+PyObject *mpidp_py_work_new(mpidp_py_state *st, mpidp_req_t req, mpidp_py_borrowed_t *keepalive,
+                            PyObject *comm)
+{
+    work_t *w = PyObject_New(work_t, st->work_type);
+    if (w == NULL) {
+        /* Cannot hand the request out: finish it here. */
+        mpidp_reqtable_wait(st->reqs, req, mpidp_py_timeout_s);
+        if (keepalive) mpidp_py_release(keepalive);
+        return NULL;
+    }
+    w->req = req;
+    w->tensor.capsule = NULL;
+    if (keepalive) {
+        w->tensor = *keepalive;
+        keepalive->capsule = NULL;
+    }
+    w->comm = Py_XNewRef(comm);
+    w->module = Py_NewRef(PyType_GetModule(st->work_type));
+    w->done = req.gen == 0;
+    if (w->done) mpidp_py_release(&w->tensor);
+    return (PyObject *)w;
+}
+
+static void complete(work_t *w)
+{
+    w->done = 1;
+    mpidp_py_release(&w->tensor);
+}
+
+static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:wait", kwlist, &timeout_obj)) return NULL;
+    double timeout = mpidp_py_timeout_s;
+    if (timeout_obj != Py_None) {
+        timeout = PyFloat_AsDouble(timeout_obj);
+        if (PyErr_Occurred()) return NULL;
+    }
+    if (self->done) Py_RETURN_NONE;
+    mpidp_py_state *st = mpidp_py_state_of_module(self->module);
+    mpidp_error_clear();
+    int rc;
+    MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait(st->reqs, self->req, timeout));
+    if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "Work.wait");
+    complete(self);
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.wait");
+    Py_RETURN_NONE;
+}
+
+static PyObject *work_is_completed(work_t *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->done) {
+        mpidp_py_state *st = mpidp_py_state_of_module(self->module);
+        int done = 0;
+        mpidp_error_clear();
+        int rc = mpidp_reqtable_test(st->reqs, self->req, &done);
+        if (done) complete(self);
+        if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.is_completed");
+    }
+    return PyBool_FromLong(self->done);
+}
+
+static void work_dealloc(work_t *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (!self->done && self->module) {
+        mpidp_py_state *st = mpidp_py_state_of_module(self->module);
+        int finalized = 1;
+        MPI_Finalized(&finalized);
+        if (!finalized) {
+            int rc = mpidp_reqtable_wait(st->reqs, self->req, mpidp_py_timeout_s);
+            if (rc != MPIDP_OK)
+                fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n",
+                        mpidp_error_detail());
+        }
+    }
+    mpidp_py_release(&self->tensor);
+    Py_CLEAR(self->comm);
+    Py_CLEAR(self->module);
+    PyObject_Free(self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef work_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))work_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(timeout=None): block until the collective has completed (deadline: MPIDP_TIMEOUT)."},
+    {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
+     "is_completed() -> bool, without blocking (and progresses MPI)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot work_slots[] = {
+    {Py_tp_dealloc, work_dealloc},
+    {Py_tp_methods, work_methods},
+    {Py_tp_doc, "Handle of an asynchronous mpidp collective: wait(), is_completed()."},
+    {0, NULL},
+};
+
+static PyType_Spec work_spec = {
+    .name = "mpidp._C.Work",
+    .basicsize = sizeof(work_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = work_slots,
+};
+
+int mpidp_py_work_init(PyObject *module, mpidp_py_state *st)
+{
+    st->work_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &work_spec, NULL);
+    if (st->work_type == NULL) return -1;
+    return PyModule_AddType(module, st->work_type);
+}

@@ -1,0 +1,40 @@
+"""mpidp: Heat-style data-parallel training for PyTorch over MPI, with a C core.
+
+    import mpidp
+    opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=True)
+
+Launch with `mpirun -np N python train.py` or `srun python train.py`.
+"""
+
+from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
+from . import _C
+from ._C import CommError, CommTimeout
+from .collectives import Work, allreduce
+from .data_parallel import DataParallel
+from .optimizer import DataParallelOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommError",
+    "CommTimeout",
+    "DataParallel",
+    "DataParallelOptimizer",
+    "MPI",
+    "Work",
+    "allreduce",
+    "mpi_library_version",
+    "get_timeout",
+    "set_timeout",
+]
+
+
+def set_timeout(seconds: float) -> None:
+    """Deadline, in seconds, of every mpidp wait on a collective (<= 0: none).
+    Default 1800, or MPIDP_TIMEOUT from the environment."""
+    _C.set_timeout(float(seconds))
+
+
+def get_timeout() -> float:
+    return _C.get_timeout()

@@ -1,0 +1,27 @@
+"""Mapping between torch dtypes and the C core's dtype codes (mpidp/tensor.h)."""
+
+from __future__ import annotations
+
+import torch
+
+F32, F64, BF16, F16 = 0, 1, 2, 3
+
+CODE_OF = {torch.float32: F32, torch.float64: F64, torch.bfloat16: BF16, torch.float16: F16}
+
+
+def code_of(dtype: torch.dtype, argname: str) -> int:
+    try:
+        return CODE_OF[dtype]
+    except KeyError:
+        raise TypeError(f"{argname}: expected a floating-point dtype (float32, float64, bfloat16 "
+                        f"or float16), got {dtype}") from None
+
+
+def wire_code(wire_dtype, argname: str = "wire_dtype") -> int:
+    """-1 for None (no compression), else the code of bfloat16/float16/float32."""
+    if wire_dtype is None:
+        return -1
+    if wire_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{argname}: expected None, torch.bfloat16, torch.float16 or "
+                         f"torch.float32, got {wire_dtype!r}")
+    return CODE_OF[wire_dtype]

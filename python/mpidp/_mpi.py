@@ -1,0 +1,142 @@
+"""MPI start-up: import mpi4py, load the C extension, check they share one MPI,
+and turn user-facing communicator arguments into mpidp's own duplicates."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import weakref
+
+from mpi4py import MPI  # initialises MPI (thread level MULTIPLE by default)
+
+from . import _C
+
+__all__ = ["MPI", "resolve_comm", "world", "mpi_library_version"]
+
+
+def _implementation(version: str) -> str:
+    """'Open MPI v4.1' or 'MPICH 4.2' style family + major.minor of a version string."""
+    v = version.strip()
+    for family, marker in (("Open MPI", "Open MPI v"), ("MPICH", "MPICH Version:"),
+                           ("Intel MPI", "Intel(R) MPI Library")):
+        if v.startswith(marker):
+            rest = v[len(marker):].strip().split()[0] if v[len(marker):].strip() else ""
+            return f"{family} {'.'.join(rest.rstrip(',').split('.')[:2])}"
+    return v.splitlines()[0] if v else "unknown"
+
+
+def _check_same_mpi() -> None:
+    ours = _C.mpi_library_version()
+    theirs = MPI.Get_library_version()
+    headers = _C.mpi_header_version()
+    if ours.strip() != theirs.strip():
+        raise ImportError(
+            "mpidp and mpi4py run on different MPI libraries in this process, which cannot "
+            f"work:\n  mpidp._C: {ours.splitlines()[0]}\n  mpi4py:   {theirs.splitlines()[0]}\n"
+            "Rebuild mpi4py against the MPI that mpidp was built with: "
+            "MPICC=$(which mpicc) pip install --force-reinstall --no-binary=mpi4py mpi4py")
+    if _implementation(headers) != _implementation(ours):
+        raise ImportError(
+            f"mpidp was compiled against {headers} headers but runs on "
+            f"{ours.splitlines()[0]}: rebuild mpidp with this MPI's mpicc "
+            "(pip install --force-reinstall --no-build-isolation mpidp).")
+
+
+_check_same_mpi()
+
+
+def _read_env_settings() -> None:
+    raw = os.environ.get("MPIDP_TIMEOUT")
+    if raw is not None:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"MPIDP_TIMEOUT must be a number of seconds, got {raw!r}") from None
+        _C.set_timeout(timeout)
+    policy = os.environ.get("MPIDP_ON_TIMEOUT", "abort").strip().lower()
+    if policy not in ("abort", "raise"):
+        raise ValueError(f"MPIDP_ON_TIMEOUT must be 'abort' or 'raise', got {policy!r}")
+    _C.set_abort_on_timeout(policy == "abort")
+
+
+_read_env_settings()
+
+# mpi4py registered MPI_Finalize with atexit when it was imported; handlers run
+# last-in first-out, so this one runs first and lands every pending request
+# while MPI and the buffers still exist.
+atexit.register(_C.finish_pending)
+
+
+
+def _install_abort_on_uncaught_exception() -> None:
+    """An uncaught exception on one rank must end the whole job.
+
+    Otherwise the failing rank blocks in MPI_Finalize (which waits for every
+    rank) while the others wait forever in their next collective. Set
+    MPIDP_ABORT_ON_EXCEPTION=0 to keep Python's plain behaviour."""
+    if MPI.COMM_WORLD.Get_size() == 1 or os.environ.get("MPIDP_ABORT_ON_EXCEPTION", "1") == "0":
+        return
+    previous = sys.excepthook
+
+    def abort_job(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        sys.stderr.write(f"mpidp: uncaught {exc_type.__name__} on rank {MPI.COMM_WORLD.Get_rank()}"
+                         f" of {MPI.COMM_WORLD.Get_size()}: aborting the job so that no rank is "
+                         "left waiting\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_job
+
+
+_install_abort_on_uncaught_exception()
+
+_duplicates: "weakref.WeakKeyDictionary[MPI.Comm, _C.Comm]" = weakref.WeakKeyDictionary()
+_world: _C.Comm | None = None
+
+
+def world() -> _C.Comm:
+    """mpidp's duplicate of MPI.COMM_WORLD (created once)."""
+    global _world
+    if _world is None:
+        _world = _C.Comm(MPI.COMM_WORLD)
+    return _world
+
+
+def resolve_comm(comm, argname: str = "comm") -> _C.Comm:
+    """mpidp's duplicate of `comm`: an mpi4py communicator, Heat's communicator
+    wrapper (anything with an mpi4py `.handle`), or None for COMM_WORLD.
+
+    Duplicates are cached per communicator object: MPI_Comm_dup is collective,
+    so creating one per call would cost a synchronisation every time."""
+    if comm is None or comm is MPI.COMM_WORLD:
+        return world()
+    if isinstance(comm, _C.Comm):
+        return comm
+    handle = getattr(comm, "handle", None)
+    if not isinstance(comm, MPI.Comm) and isinstance(handle, MPI.Comm):
+        comm = handle  # Heat's MPICommunication
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"{argname}: expected an mpi4py communicator (e.g. MPI.COMM_WORLD) or an "
+                        f"object with an mpi4py .handle, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError(f"{argname}: the communicator is MPI.COMM_NULL")
+    if not isinstance(comm, MPI.Intracomm) or comm.Is_inter():
+        raise TypeError(f"{argname}: expected an intra-communicator, got an inter-communicator")
+    try:
+        cached = _duplicates.get(comm)
+    except TypeError:  # not weak-referenceable
+        cached = None
+    if cached is None:
+        cached = _C.Comm(comm)
+        try:
+            _duplicates[comm] = cached
+        except TypeError:
+            pass
+    return cached
+
+
+def mpi_library_version() -> str:
+    """The MPI library this process runs on (MPI_Get_library_version)."""
+    return _C.mpi_library_version()

@@ -1,0 +1,69 @@
+"""Helpers shared by the data-parallel wrappers: parameter checks, broadcasting
+parameters and buffers from one rank, and gradient bucket views."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from ._dtypes import CODE_OF
+
+FLOAT_DTYPES = tuple(CODE_OF)
+
+
+def check_module(module, argname: str = "module") -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{argname}: expected a torch.nn.Module, got {type(module).__name__}")
+    for name, p in module.named_parameters():
+        if p.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{argname}: parameter {name!r} has dtype {p.dtype}; data-parallel "
+                             "training averages floating-point parameters only (float32, float64, "
+                             "bfloat16, float16)")
+
+
+def broadcast_state(module: torch.nn.Module, comm: "_C.Comm", root: int = 0) -> None:
+    """Make every parameter and buffer of `module` equal to rank `root`'s.
+
+    Everything travels as bytes in one message per device (a model of 500 small
+    tensors costs one broadcast, not 500), so integer buffers such as
+    BatchNorm's num_batches_tracked come along too. Rank `root`'s values are
+    kept as they are: no re-seeding, no reset_parameters(), so a loaded
+    checkpoint and the user's RNG survive."""
+    if comm.size == 1:
+        return
+    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for device, group in by_device.items():
+        if device.type != "cpu":
+            raise NotImplementedError(f"broadcasting {device.type} tensors is not supported yet")
+        with torch.no_grad():
+            chunks = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in group]
+            nbytes = sum(c.numel() for c in chunks)
+            padded = (nbytes + 7) // 8 * 8
+            flat = torch.zeros(padded, dtype=torch.uint8)
+            if nbytes:
+                torch.cat(chunks, out=flat[:nbytes])
+            # Our broadcast takes float tensors; bytes are bytes, so view them as float64.
+            comm.bcast(flat.view(torch.float64), root)
+            offset = 0
+            for t, c in zip(group, chunks):
+                n = c.numel()
+                received = flat[offset:offset + n].view(t.dtype).view(t.shape)
+                t.detach().copy_(received)
+                offset += n
+
+
+def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """A view of `flat` starting at `offset` shaped like `param`'s gradient.
+
+    Parameters stored densely in a non-default layout (channels_last) get a
+    view with the same strides, so autograd's layout contract holds and it
+    accumulates into the bucket instead of allocating."""
+    dense = param.is_contiguous() or any(
+        param.dim() == d and param.is_contiguous(memory_format=f)
+        for d, f in ((4, torch.channels_last), (5, torch.channels_last_3d)))
+    if dense:
+        return flat.as_strided(param.shape, param.stride(), offset)
+    return flat.narrow(0, offset, param.numel()).view(param.shape)

@@ -1,0 +1,79 @@
+"""DataParallelOptimizer: the optimizer side of DataParallel (Heat's API)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DataParallelOptimizer"]
+
+
+class DataParallelOptimizer:
+    """Wraps a torch optimizer for use with :class:`mpidp.DataParallel`.
+
+    Parameters
+    ----------
+    torch_optimizer : torch.optim.Optimizer
+        The optimizer that updates the local model.
+    blocking : bool
+        Blocking parameter updates; DataParallel sets this to its own mode.
+
+    With blocking updates `step()` steps the torch optimizer at once. With
+    non-blocking updates `step()` only marks the update as due; DataParallel
+    applies it layer by layer during the next forward pass, as each layer's
+    averaged gradients arrive.
+    """
+
+    def __init__(self, torch_optimizer: torch.optim.Optimizer, blocking: bool = False):
+        if isinstance(torch_optimizer, DataParallelOptimizer):
+            raise TypeError("torch_optimizer: got a DataParallelOptimizer; pass the torch "
+                            "optimizer it wraps (its .torch_optimizer)")
+        if not isinstance(torch_optimizer, torch.optim.Optimizer):
+            raise TypeError("torch_optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(torch_optimizer).__name__}")
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking: expected a bool, got {type(blocking).__name__}")
+        self.torch_optimizer = torch_optimizer
+        self.blocking_parameter_updates = blocking
+        # Set by a non-blocking DataParallel: the update is applied at the next forward.
+        self.update_next = False
+        self._model = None
+
+    # Heat's name for the flag that DataParallel overwrites.
+    @property
+    def blocking(self) -> bool:
+        return self.blocking_parameter_updates
+
+    def step(self) -> None:
+        """Update the parameters (now if blocking, else during the next forward)."""
+        if self.blocking_parameter_updates or self._model is None:
+            self.torch_optimizer.step()
+        else:
+            self._model._step_due(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the optimizer's parameters."""
+        if self._model is not None:
+            self._model._before_zero_grad()
+        self.torch_optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self):
+        return self.torch_optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.torch_optimizer.state
+
+    def state_dict(self):
+        if self._model is not None:
+            self._model.synchronize()
+        return self.torch_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        if self._model is not None:
+            self._model.synchronize()
+        self.torch_optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        mode = "blocking" if self.blocking_parameter_updates else "non-blocking"
+        return f"DataParallelOptimizer({mode}, {self.torch_optimizer!r})"

@@ -1,0 +1,127 @@
+"""Build mpidp's C extension, mpidp._C, with the MPI compiler wrapper.
+
+Environment:
+  MPICC            the MPI C compiler wrapper (default: `mpicc` on PATH). Build
+                   against your site's MPI by putting its mpicc first on PATH.
+  MPIDP_CUDA       auto (default: build the CUDA kernels when nvcc is found),
+                   0 (never), 1 (always; fail without nvcc).
+  MPIDP_CUDA_ARCH  semicolon-separated compute capabilities (default "80;90").
+  NVCC             the CUDA compiler (default: `nvcc` on PATH).
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Instruction-set flags by file-name suffix. tests/c/Makefile keeps the same list.
+SIMD_FLAGS = {
+    "_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                  "-mavx512bf16", "-mfma", "-mf16c"],
+}
+C_FLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O3", "-Wall", "-Wextra", "-Werror",
+           "-fvisibility=hidden"]
+
+
+def _rel(paths):
+    return sorted(os.path.relpath(p, HERE) for p in paths)
+
+
+def _mpicc():
+    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    if not mpicc:
+        raise RuntimeError(
+            "mpidp is built with your MPI's compiler wrapper, and no `mpicc` was "
+            "found on PATH. Install Open MPI (Debian: apt-get install "
+            "libopenmpi-dev openmpi-bin), load your site's MPI module, or set "
+            "MPICC=/path/to/mpicc.")
+    return mpicc
+
+
+def _mpi4py_include():
+    try:
+        import mpi4py
+    except ImportError as exc:
+        raise RuntimeError("building mpidp needs mpi4py installed (for its C API "
+                           "header): pip install mpi4py") from exc
+    return mpi4py.get_include()
+
+
+def _cuda_wanted():
+    mode = os.environ.get("MPIDP_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise RuntimeError(f"MPIDP_CUDA must be auto, 0 or 1, not {mode!r}")
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if mode == "1" and not nvcc:
+        raise RuntimeError("MPIDP_CUDA=1 but no nvcc was found (set NVCC or PATH)")
+    return nvcc if (mode != "0" and nvcc and glob.glob(os.path.join(HERE, "csrc/cuda/*.cu"))) else None
+
+
+class MpiBuildExt(build_ext):
+    """build_ext that compiles and links with mpicc, adds per-file SIMD flags
+    and, when CUDA is wanted, compiles csrc/cuda/*.cu with nvcc into the same
+    extension (cudart linked statically, so the module imports without a GPU)."""
+
+    def build_extensions(self):
+        mpicc = _mpicc()
+        cc = self.compiler
+        for attr in ("compiler", "compiler_so", "linker_so"):
+            cmd = getattr(cc, attr, None)
+            if cmd:
+                cc.set_executable(attr, [mpicc] + list(cmd[1:]))
+        plain_compile = cc._compile
+
+        def compile_with_simd_flags(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            for suffix, flags in SIMD_FLAGS.items():
+                if src.endswith(suffix):
+                    extra_postargs = list(extra_postargs) + flags
+            return plain_compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        cc._compile = compile_with_simd_flags
+        nvcc = _cuda_wanted()
+        for ext in self.extensions:
+            ext.include_dirs.append(_mpi4py_include())
+            if nvcc:
+                self._add_cuda(ext, nvcc)
+        super().build_extensions()
+
+    def _add_cuda(self, ext, nvcc):
+        cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        archs = os.environ.get("MPIDP_CUDA_ARCH", "80;90").split(";")
+        gencode = []
+        for arch in filter(None, (a.strip() for a in archs)):
+            gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        # PTX of the newest arch lets newer GPUs JIT the kernels.
+        gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+        os.makedirs(self.build_temp, exist_ok=True)
+        for src in glob.glob(os.path.join(HERE, "csrc/cuda/*.cu")):
+            obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
+            deps = [src] + glob.glob(os.path.join(HERE, "csrc/include/mpidp/*.h"))
+            if not os.path.exists(obj) or any(os.path.getmtime(d) > os.path.getmtime(obj) for d in deps):
+                cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                       "-Werror", "all-warnings", "-I", os.path.join(HERE, "csrc/include"),
+                       *gencode, "-c", src, "-o", obj]
+                print(" ".join(cmd))
+                subprocess.check_call(cmd)
+            ext.extra_objects.append(obj)
+        ext.define_macros.append(("MPIDP_WITH_CUDA", "1"))
+        lib64 = os.path.join(cuda_home, "lib64")
+        ext.extra_link_args += [f"-L{lib64}", "-lcudart_static", "-ldl", "-lrt", "-lpthread", "-lstdc++"]
+
+
+ext = Extension(
+    "mpidp._C",
+    sources=_rel(glob.glob(os.path.join(HERE, "csrc/core/*.c")) + glob.glob(os.path.join(HERE, "csrc/py/*.c"))),
+    include_dirs=["csrc/include"],
+    depends=_rel(glob.glob(os.path.join(HERE, "csrc/include/mpidp/*.h")) + glob.glob(os.path.join(HERE, "csrc/py/*.h"))),
+    extra_compile_args=C_FLAGS,
+    extra_link_args=["-lm"],
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": MpiBuildExt})

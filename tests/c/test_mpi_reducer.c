@@ -1,0 +1,87 @@
+/* The reducer across real ranks (run under mpirun -np 2, rank-agnostic):
+ * each rank holds different gradients, marks its parameters in a different
+ * order and leaves different parameters without a gradient; the result must
+ * be the mean over ranks, computed here independently, on every rank. */
+#include <mpi.h>
+
+#include "mpidp/bucket.h"
+#include "mpidp/reducer.h"
+#include "mpidp/status.h"
+#include "mpidp/tensor.h"
+#include "test.h"
+
+#define NP 6
+#define PN 5 /* elements per parameter */
+
+static float grad_of(int rank, int param, int k) { return (float)(rank * 100 + param * 10 + k); }
+/* Parameter 4 only has a gradient on rank 0; parameter 5 on no rank. */
+static int has_grad(int rank, int param) { return param == 5 ? 0 : param == 4 ? rank == 0 : 1; }
+
+TEST(mean_over_ranks_with_unused_parameters)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    size_t numel[NP];
+    int dtype[NP];
+    for (int i = 0; i < NP; i++) {
+        numel[i] = PN;
+        dtype[i] = i % 2 ? MPIDP_F64 : MPIDP_F32; /* two dtypes: two bucket families */
+    }
+    uint32_t bucket[NP];
+    size_t offset[NP], nb;
+    mpidp_bucket_info_t info[NP];
+    ASSERT_OK(mpidp_bucket_plan(numel, dtype, NP, 24, 48, bucket, offset, info, &nb));
+    void *data[NP];
+    for (size_t b = 0; b < nb; b++)
+        data[b] = calloc(info[b].numel + info[b].n_params, mpidp_dtype_size(info[b].dtype));
+    mpidp_reqtable_t *reqs;
+    ASSERT_OK(mpidp_reqtable_create(16, &reqs));
+    mpidp_reducer_config_t cfg = {
+        .comm = MPI_COMM_WORLD, .reqs = reqs, .n_params = NP, .param_bucket = bucket,
+        .param_offset = offset, .param_numel = numel, .n_buckets = nb, .buckets = info,
+        .bucket_data = data, .wire_dtype = -1, .name = "test"};
+    mpidp_reducer_t *r;
+    ASSERT_OK(mpidp_reducer_create(&cfg, &r));
+
+    for (int pass = 0; pass < 3; pass++) {
+        for (int i = 0; i < NP; i++) {
+            char *base = (char *)data[bucket[i]];
+            for (int k = 0; k < PN; k++) {
+                size_t at = offset[i] + (size_t)k;
+                /* Stale values in unused slices must not leak into the sum. */
+                float v = has_grad(rank, i) ? grad_of(rank, i, k) + (float)pass : 1e6f;
+                if (dtype[i] == MPIDP_F32) ((float *)base)[at] = v;
+                else ((double *)base)[at] = v;
+            }
+        }
+        /* Even ranks mark in forward order, odd ranks in reverse. */
+        for (int j = 0; j < NP; j++) {
+            int i = rank % 2 ? NP - 1 - j : j;
+            ASSERT_OK(mpidp_reducer_mark_ready(r, (size_t)i, has_grad(rank, i)));
+        }
+        ASSERT_OK(mpidp_reducer_wait_all(r, 30.0));
+        for (int i = 0; i < NP; i++) {
+            int used = -1;
+            ASSERT_OK(mpidp_reducer_used_globally(r, (size_t)i, &used));
+            ASSERT_EQ_INT(used, i != 5 || size == 0);
+            for (int k = 0; k < PN; k++) {
+                double expect = 0;
+                for (int q = 0; q < size; q++)
+                    if (has_grad(q, i)) expect += grad_of(q, i, k) + pass;
+                expect /= size;
+                size_t at = offset[i] + (size_t)k;
+                const char *base = (const char *)data[bucket[i]];
+                double got = dtype[i] == MPIDP_F32 ? ((const float *)base)[at]
+                                                   : ((const double *)base)[at];
+                ASSERT_NEAR(got, expect, 1e-4 * (1 + expect));
+            }
+        }
+        ASSERT_OK(mpidp_reducer_reset(r));
+    }
+    ASSERT_OK(mpidp_reducer_destroy(r));
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+    for (size_t b = 0; b < nb; b++) free(data[b]);
+}
+
+TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters)

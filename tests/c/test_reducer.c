@@ -1,0 +1,136 @@
+/* The reducer's state machine at one rank: ordered posting, double marks,
+ * flags, resets, layout checks. (Real reductions: test_mpi_reducer.c.) */
+#include <mpi.h>
+
+#include "mpidp/bucket.h"
+#include "mpidp/reducer.h"
+#include "mpidp/status.h"
+#include "mpidp/tensor.h"
+#include "test.h"
+
+#define NP 4
+
+typedef struct {
+    size_t numel[NP];
+    int dtype[NP];
+    uint32_t bucket[NP];
+    size_t offset[NP];
+    mpidp_bucket_info_t info[NP];
+    size_t nb;
+    float storage[NP][64];
+    void *data[NP];
+    mpidp_reqtable_t *reqs;
+    mpidp_reducer_t *r;
+} fixture_t;
+
+/* Four float32 parameters of 8 elements; 64-byte caps give two buckets:
+ * bucket 0 = params 3, 2 and bucket 1 = params 1, 0. */
+static int setup(fixture_t *f)
+{
+    memset(f, 0, sizeof *f);
+    for (int i = 0; i < NP; i++) {
+        f->numel[i] = 8;
+        f->dtype[i] = MPIDP_F32;
+    }
+    int rc = mpidp_bucket_plan(f->numel, f->dtype, NP, 64, 64, f->bucket, f->offset, f->info, &f->nb);
+    if (rc) return rc;
+    for (size_t b = 0; b < f->nb; b++) f->data[b] = f->storage[b];
+    if ((rc = mpidp_reqtable_create(16, &f->reqs))) return rc;
+    mpidp_reducer_config_t cfg = {
+        .comm = MPI_COMM_SELF, .reqs = f->reqs, .n_params = NP, .param_bucket = f->bucket,
+        .param_offset = f->offset, .param_numel = f->numel, .n_buckets = f->nb,
+        .buckets = f->info, .bucket_data = f->data, .wire_dtype = -1, .name = "test"};
+    return mpidp_reducer_create(&cfg, &f->r);
+}
+
+static void teardown(fixture_t *f)
+{
+    mpidp_reducer_destroy(f->r);
+    mpidp_reqtable_destroy(f->reqs);
+}
+
+TEST(buckets_are_posted_in_order)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    ASSERT_EQ_INT(f.nb, 2);
+    /* Bucket 1 fills first, but must wait for bucket 0. */
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 0, 1));
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 1, 1));
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 1), MPIDP_BUCKET_COLLECTING);
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 3, 1));
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 0), MPIDP_BUCKET_COLLECTING);
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 2, 1));
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 0), MPIDP_BUCKET_DONE);
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 1), MPIDP_BUCKET_DONE);
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), 0);
+    teardown(&f);
+}
+
+TEST(second_gradient_in_one_pass_is_refused)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 3, 1));
+    ASSERT_EQ_INT(mpidp_reducer_mark_ready(f.r, 3, 1), MPIDP_ESTATE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "second gradient") != NULL);
+    ASSERT_EQ_INT(mpidp_reducer_mark_ready(f.r, 99, 1), MPIDP_EINVAL);
+    teardown(&f);
+}
+
+TEST(unused_parameter_is_zeroed_and_flagged)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    size_t b = f.bucket[2], off = f.offset[2];
+    for (int k = 0; k < 8; k++) f.storage[b][off + (size_t)k] = 5.0f;
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 3, 1));
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 2, 0));
+    for (int k = 0; k < 8; k++) ASSERT_NEAR(f.storage[b][off + (size_t)k], 0.0, 0);
+    int used = -1;
+    ASSERT_OK(mpidp_reducer_used_globally(f.r, 2, &used));
+    ASSERT_EQ_INT(used, 0);
+    ASSERT_OK(mpidp_reducer_used_globally(f.r, 3, &used));
+    ASSERT_EQ_INT(used, 1);
+    /* Bucket 1 has not completed: its flags cannot be read yet. */
+    ASSERT_EQ_INT(mpidp_reducer_used_globally(f.r, 0, &used), MPIDP_ESTATE);
+    teardown(&f);
+}
+
+TEST(reset_and_wait_refuse_unfinished_pass)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    ASSERT_OK(mpidp_reducer_reset(f.r)); /* nothing marked: fine */
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 0, 1));
+    ASSERT_EQ_INT(mpidp_reducer_reset(f.r), MPIDP_ESTATE);
+    ASSERT_EQ_INT(mpidp_reducer_wait_bucket(f.r, 1, 0.1), MPIDP_ESTATE);
+    ASSERT_EQ_INT(mpidp_reducer_wait_all(f.r, 0.1), MPIDP_ESTATE);
+    teardown(&f);
+}
+
+TEST(inconsistent_layout_is_refused)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    mpidp_reducer_t *r2 = NULL;
+    f.offset[0] = 60; /* runs past the end of its bucket */
+    mpidp_reducer_config_t cfg = {
+        .comm = MPI_COMM_SELF, .reqs = f.reqs, .n_params = NP, .param_bucket = f.bucket,
+        .param_offset = f.offset, .param_numel = f.numel, .n_buckets = f.nb,
+        .buckets = f.info, .bucket_data = f.data, .wire_dtype = -1, .name = "bad"};
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    f.offset[0] = 8;
+    f.info[1].n_params = 3; /* the layout puts only two parameters there */
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    f.info[1].n_params = 2;
+    f.info[1].dtype = MPIDP_BF16;
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EDTYPE);
+    teardown(&f);
+}
+
+TEST_MAIN_MPI(buckets_are_posted_in_order, second_gradient_in_one_pass_is_refused,
+              unused_parameter_is_zeroed_and_flagged, reset_and_wait_refuse_unfinished_pass,
+              inconsistent_layout_is_refused)

@@ -1,0 +1,102 @@
+/* The request table: registration, completion, deadlines, descriptions. */
+#include <mpi.h>
+
+#include "mpidp/reqtable.h"
+#include "mpidp/status.h"
+#include "test.h"
+
+/* A receive from ourselves that nobody sends: pending until cancelled. */
+static MPI_Request never_completing(int *buf)
+{
+    MPI_Request req;
+    MPI_Irecv(buf, 1, MPI_INT, 0, 4242, MPI_COMM_SELF, &req);
+    return req;
+}
+
+/* Cancel through a copy of the handle: the table still owns the original and
+ * must be the one to see it complete (completing it twice is an error). */
+static void cancel(MPI_Request req) { MPI_Cancel(&req); }
+
+TEST(completed_request_frees_its_slot)
+{
+    mpidp_reqtable_t *t;
+    ASSERT_OK(mpidp_reqtable_create(2, &t));
+    MPI_Request req;
+    MPI_Ibarrier(MPI_COMM_SELF, &req);
+    mpidp_req_t h;
+    ASSERT_OK(mpidp_reqtable_add(t, req, "barrier", &h));
+    ASSERT_EQ_INT(mpidp_reqtable_pending(t), 1);
+    ASSERT_OK(mpidp_reqtable_wait(t, h, 5.0));
+    ASSERT_EQ_INT(mpidp_reqtable_pending(t), 0);
+    /* A stale handle reads as completed. */
+    int done = 0;
+    ASSERT_OK(mpidp_reqtable_test(t, h, &done));
+    ASSERT_EQ_INT(done, 1);
+    ASSERT_OK(mpidp_reqtable_destroy(t));
+}
+
+TEST(full_table_is_refused_and_slots_are_reused)
+{
+    mpidp_reqtable_t *t;
+    ASSERT_OK(mpidp_reqtable_create(1, &t));
+    int buf;
+    MPI_Request pending = never_completing(&buf);
+    mpidp_req_t h1, h2;
+    ASSERT_OK(mpidp_reqtable_add(t, pending, "recv", &h1));
+    MPI_Request other;
+    MPI_Ibarrier(MPI_COMM_SELF, &other);
+    ASSERT_EQ_INT(mpidp_reqtable_add(t, other, "barrier", &h2), MPIDP_EFULL);
+    MPI_Wait(&other, MPI_STATUS_IGNORE);
+    /* Destroying with a request in flight is refused. */
+    ASSERT_EQ_INT(mpidp_reqtable_destroy(t), MPIDP_ESTATE);
+    /* Cancel through our own copy of the handle, then let the table see it complete. */
+    cancel(pending);
+    ASSERT_OK(mpidp_reqtable_wait(t, h1, 5.0));
+    MPI_Ibarrier(MPI_COMM_SELF, &other);
+    ASSERT_OK(mpidp_reqtable_add(t, other, "barrier", &h2));
+    ASSERT_EQ_INT(h2.slot, h1.slot);
+    ASSERT_TRUE(h2.gen != h1.gen);
+    ASSERT_OK(mpidp_reqtable_wait_all(t, 5.0));
+    ASSERT_OK(mpidp_reqtable_destroy(t));
+}
+
+TEST(deadline_names_what_is_pending)
+{
+    mpidp_reqtable_t *t;
+    ASSERT_OK(mpidp_reqtable_create(4, &t));
+    int buf;
+    MPI_Request req = never_completing(&buf);
+    mpidp_req_t h;
+    ASSERT_OK(mpidp_reqtable_add(t, req, "MPI_Iallreduce of bucket 3", &h));
+    double t0 = mpidp_now();
+    ASSERT_EQ_INT(mpidp_reqtable_wait(t, h, 0.05), MPIDP_ETIMEDOUT);
+    ASSERT_TRUE(mpidp_now() - t0 >= 0.05);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "MPI_Iallreduce of bucket 3") != NULL);
+    ASSERT_EQ_INT(mpidp_reqtable_wait_all(t, 0.02), MPIDP_ETIMEDOUT);
+    ASSERT_EQ_INT(mpidp_reqtable_pending(t), 1);
+    char text[256];
+    mpidp_reqtable_describe(t, text, sizeof text);
+    ASSERT_TRUE(strstr(text, "bucket 3") != NULL);
+    cancel(req);
+    size_t n_done = 0;
+    ASSERT_OK(mpidp_reqtable_progress(t, &n_done));
+    ASSERT_EQ_INT(n_done, 1);
+    mpidp_reqtable_describe(t, text, sizeof text);
+    ASSERT_STREQ(text, "nothing");
+    ASSERT_OK(mpidp_reqtable_destroy(t));
+}
+
+TEST(bad_arguments)
+{
+    mpidp_reqtable_t *t = NULL;
+    ASSERT_EQ_INT(mpidp_reqtable_create(0, &t), MPIDP_EINVAL);
+    ASSERT_OK(mpidp_reqtable_create(1, &t));
+    int done = 0;
+    ASSERT_OK(mpidp_reqtable_test(t, MPIDP_REQ_NONE, &done));
+    ASSERT_EQ_INT(done, 1);
+    ASSERT_EQ_INT(mpidp_reqtable_add(t, MPI_REQUEST_NULL, "x", NULL), MPIDP_EINVAL);
+    ASSERT_OK(mpidp_reqtable_destroy(t));
+}
+
+TEST_MAIN_MPI(completed_request_frees_its_slot, full_table_is_refused_and_slots_are_reused,
+              deadline_names_what_is_pending, bad_arguments)

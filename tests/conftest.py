@@ -1,0 +1,33 @@
+"""pytest set-up shared by every test: the `serial` marker and, in an MPI run,
+aborting the whole job as soon as any rank fails a test (the other ranks would
+otherwise wait forever in the next collective)."""
+
+import sys
+
+import pytest
+from mpi4py import MPI
+
+import mpidp  # noqa: F401  (initialises MPI and mpidp's exit handling)
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "serial: runs only in the single-process pass of `make test` (the test "
+                   "starts its own MPI jobs, or has nothing to do with several ranks)")
+
+
+def pytest_report_header(config):
+    return f"MPI: rank {RANK} of {SIZE}; {MPI.Get_library_version().splitlines()[0]}"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if report.failed and SIZE > 1:
+        sys.stderr.write(f"\n[rank {RANK}/{SIZE}] FAILED {report.nodeid} ({report.when}):\n"
+                         f"{report.longreprtext}\n[rank {RANK}] aborting the MPI job\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        MPI.COMM_WORLD.Abort(1)

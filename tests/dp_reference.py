@@ -1,0 +1,68 @@
+"""Training a data-parallel model and a single-process reference side by side.
+
+Every rank draws the same global batches from a seeded generator and trains on
+its own slice of each; the reference trains one process on the whole batch
+(the union of the slices). The data-parallel loss is the mean over ranks of
+each rank's mean loss, so the reference loss is the mean of the per-slice
+losses; both models must end on the same parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from mpi4py import MPI
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rank_slice(t: torch.Tensor, rank: int = RANK, size: int = SIZE) -> torch.Tensor:
+    n = t.shape[0] // size
+    return t[rank * n:(rank + 1) * n]
+
+
+def build(make_model, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return make_model()
+
+
+def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    return max(((pa[k] - pb[k]).abs().max().item() for k in pa), default=0.0)
+
+
+def assert_params_close(model, reference, atol=2e-5, rtol=1e-4, what=""):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p, q, atol=atol, rtol=rtol), (
+            f"{what} parameter {name}: max difference {(p - q).abs().max().item():.3g}")
+
+
+def assert_same_on_all_ranks(model: torch.nn.Module) -> None:
+    """Every parameter is bitwise equal to rank 0's."""
+    for name, p in model.named_parameters():
+        mine = p.detach().clone()
+        theirs = mine.clone()
+        MPI.COMM_WORLD.Bcast(theirs.numpy(), root=0)
+        assert torch.equal(mine, theirs), f"parameter {name} differs from rank 0's on rank {RANK}"
+
+
+def slice_losses(model, X, Y, loss_fn, size=SIZE):
+    """Per-rank losses of the reference: rank r's loss on rank r's slice."""
+    return [loss_fn(model, rank_slice(X, r, size), rank_slice(Y, r, size), r) for r in range(size)]
+
+
+def reference_step(model, X, Y, loss_fn, size=SIZE):
+    """The single-process equivalent of one data-parallel backward."""
+    loss = sum(slice_losses(model, X, Y, loss_fn, size)) / size
+    loss.backward()
+    return loss
+
+
+def clone_model(model):
+    return copy.deepcopy(model)
