@@ -25,7 +25,8 @@ SIMD_FLAGS = {
     "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                   "-mavx512bf16", "-mfma", "-mf16c"],
 }
-C_FLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O3", "-Wall", "-Wextra", "-Werror",
+# -ffp-contract=off: the SIMD kernels must match the scalar reference bit for bit.
+C_FLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O3", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
            "-fvisibility=hidden"]
 
 
@@ -63,6 +64,19 @@ def _cuda_wanted():
     return nvcc if (mode != "0" and nvcc and glob.glob(os.path.join(HERE, "csrc/cuda/*.cu"))) else None
 
 
+def _cuda_home(nvcc):
+    """CUDA's install directory: $CUDA_HOME, else what nvcc itself reports (nvcc
+    may be a wrapper script elsewhere on PATH)."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    for line in out.splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.normpath(line.split("=", 1)[1].strip())
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
 class MpiBuildExt(build_ext):
     """build_ext that compiles and links with mpicc, adds per-file SIMD flags
     and, when CUDA is wanted, compiles csrc/cuda/*.cu with nvcc into the same
@@ -92,7 +106,7 @@ class MpiBuildExt(build_ext):
         super().build_extensions()
 
     def _add_cuda(self, ext, nvcc):
-        cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        cuda_home = _cuda_home(nvcc)
         archs = os.environ.get("MPIDP_CUDA_ARCH", "80;90").split(";")
         gencode = []
         for arch in filter(None, (a.strip() for a in archs)):
@@ -111,8 +125,14 @@ class MpiBuildExt(build_ext):
                 subprocess.check_call(cmd)
             ext.extra_objects.append(obj)
         ext.define_macros.append(("MPIDP_WITH_CUDA", "1"))
-        lib64 = os.path.join(cuda_home, "lib64")
-        ext.extra_link_args += [f"-L{lib64}", "-lcudart_static", "-ldl", "-lrt", "-lpthread", "-lstdc++"]
+        lib_dirs = [d for d in (os.path.join(cuda_home, "lib64"),
+                                os.path.join(cuda_home, "targets", "x86_64-linux", "lib"),
+                                os.path.join(cuda_home, "targets", "sbsa-linux", "lib"))
+                    if os.path.exists(os.path.join(d, "libcudart_static.a"))]
+        if not lib_dirs:
+            raise RuntimeError(f"libcudart_static.a not found under {cuda_home} (set CUDA_HOME)")
+        ext.extra_link_args += [f"-L{lib_dirs[0]}", "-lcudart_static", "-ldl", "-lrt",
+                                "-lpthread", "-lstdc++"]
 
 
 ext = Extension(

@@ -1,0 +1,121 @@
+/* The bf16 and fp16 MPI datatypes and their sum op (see mpidp/mpiops.h). */
+#include "mpidp/mpiops.h"
+
+#include "mpidp/pack.h"
+#include "mpidp/status.h"
+
+#include <pthread.h>
+#include <stdio.h>
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static MPI_Datatype bf16_type = MPI_DATATYPE_NULL;
+static MPI_Datatype fp16_type = MPI_DATATYPE_NULL;
+static MPI_Op sum_op = MPI_OP_NULL;
+
+/* Records an MPI failure with MPI's own message and returns MPIDP_EMPI. */
+static int mpi_fail(int rc, const char *call)
+{
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "error code %d", rc);
+    return mpidp__fail(MPIDP_EMPI, "%s failed: %s", call, msg);
+}
+
+/* The user op: inout[i] = in[i] + inout[i] for either 16-bit type, with the
+ * kernels chosen at start-up. A user op cannot report an error, and a sum done
+ * with the wrong element format would silently corrupt training, so any other
+ * datatype (a programming error inside mpidp, including a derived type built
+ * from ours) aborts the job with a message. */
+static void half_sum(void *in, void *inout, int *len, MPI_Datatype *datatype)
+{
+    size_t n = *len > 0 ? (size_t)*len : 0;
+    const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
+    if (*datatype == bf16_type) {
+        k->sum_bf16(inout, in, n);
+    } else if (*datatype == fp16_type) {
+        k->sum_fp16(inout, in, n);
+    } else {
+        fprintf(stderr, "mpidp: the half-precision sum op was applied to a datatype "
+                        "other than mpidp's bf16 and fp16 types; aborting\n");
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+}
+
+/* Creates, names and commits one 2-byte type; frees it again on failure. */
+static int make_type(MPI_Datatype *out, const char *name)
+{
+    MPI_Datatype t;
+    int rc = MPI_Type_contiguous(2, MPI_BYTE, &t);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Type_contiguous");
+    /* The name shows up in MPI error messages and debuggers. */
+    const char *call = "MPI_Type_set_name";
+    rc = MPI_Type_set_name(t, name);
+    if (rc == MPI_SUCCESS) {
+        call = "MPI_Type_commit";
+        rc = MPI_Type_commit(&t);
+    }
+    if (rc != MPI_SUCCESS) {
+        int st = mpi_fail(rc, call);
+        MPI_Type_free(&t);
+        return st;
+    }
+    *out = t;
+    return MPIDP_OK;
+}
+
+int mpidp_mpiops_init(void)
+{
+    int inited = 0, finalized = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    if (!inited || finalized)
+        return mpidp__fail(MPIDP_ESTATE, "mpidp_mpiops_init needs MPI to be initialized "
+                                         "(and not yet finalized)");
+    /* Choose the kernels now rather than inside the first reduction. */
+    (void)mpidp_pack_kernels();
+
+    int st = MPIDP_OK;
+    MPI_Datatype b = MPI_DATATYPE_NULL, h = MPI_DATATYPE_NULL;
+    MPI_Op op = MPI_OP_NULL;
+    pthread_mutex_lock(&lock);
+    if (sum_op != MPI_OP_NULL) goto out;
+    st = make_type(&b, "mpidp_bf16");
+    if (st == MPIDP_OK) st = make_type(&h, "mpidp_fp16");
+    if (st == MPIDP_OK) {
+        int rc = MPI_Op_create(half_sum, 1 /* commutative */, &op);
+        if (rc != MPI_SUCCESS) st = mpi_fail(rc, "MPI_Op_create");
+    }
+    if (st != MPIDP_OK) {
+        if (b != MPI_DATATYPE_NULL) MPI_Type_free(&b);
+        if (h != MPI_DATATYPE_NULL) MPI_Type_free(&h);
+        goto out;
+    }
+    bf16_type = b;
+    fp16_type = h;
+    sum_op = op;
+out:
+    pthread_mutex_unlock(&lock);
+    return st;
+}
+
+MPI_Datatype mpidp_mpi_bf16_type(void) { return bf16_type; }
+MPI_Datatype mpidp_mpi_fp16_type(void) { return fp16_type; }
+MPI_Op mpidp_mpi_half_sum_op(void) { return sum_op; }
+
+int mpidp_mpiops_free(void)
+{
+    int st = MPIDP_OK, finalized = 0;
+    MPI_Finalized(&finalized);
+    pthread_mutex_lock(&lock);
+    if (!finalized && sum_op != MPI_OP_NULL) {
+        int rc = MPI_Op_free(&sum_op);
+        if (rc == MPI_SUCCESS) rc = MPI_Type_free(&bf16_type);
+        if (rc == MPI_SUCCESS) rc = MPI_Type_free(&fp16_type);
+        if (rc != MPI_SUCCESS) st = mpi_fail(rc, "freeing mpidp's MPI datatypes and op");
+    }
+    bf16_type = MPI_DATATYPE_NULL;
+    fp16_type = MPI_DATATYPE_NULL;
+    sum_op = MPI_OP_NULL;
+    pthread_mutex_unlock(&lock);
+    return st;
+}

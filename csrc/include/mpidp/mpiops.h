@@ -1,0 +1,42 @@
+/* MPI datatypes and the reduction op for 16-bit floats.
+ *
+ * MPI has no bf16 or fp16 datatype, so mpidp makes two of its own: committed
+ * 2-byte types (MPI_Type_contiguous(2, MPI_BYTE)), distinct handles so that
+ * the op can tell them apart, and one commutative user op that sums either
+ * type with the dispatched sum_bf16 / sum_fp16 kernels (mpidp/pack.h): every
+ * element is rounded once from the exact fp32 sum, and the result is
+ * bit-identical on every rank whichever kernel path each one runs. Use the op
+ * only with these two types, with MPI_Allreduce, MPI_Iallreduce,
+ * MPI_Reduce and friends.
+ *
+ * Lifetime: the handles are created once per process, after MPI_Init, and are
+ * never freed implicitly: freeing them after MPI_Finalize is erroneous, and
+ * freeing them at interpreter exit could race with MPI_Finalize run by mpi4py's
+ * atexit handler. mpidp_mpiops_free() exists for tests and tools that want to
+ * release them explicitly while MPI is still initialized. */
+#ifndef MPIDP_MPIOPS_H
+#define MPIDP_MPIOPS_H
+
+#include <mpi.h>
+
+/* Creates and commits the bf16 and fp16 datatypes and the sum op. Idempotent:
+ * later calls return MPIDP_OK and change nothing. Thread-safe.
+ *
+ * Fails with MPIDP_ESTATE when MPI is not initialized or already finalized,
+ * and with MPIDP_EMPI (the MPI error string in mpidp_error_detail) when an MPI
+ * call fails; a failed call leaves nothing created, so it can be retried. */
+int mpidp_mpiops_init(void);
+
+/* The datatypes and the op; MPI_DATATYPE_NULL / MPI_OP_NULL before a
+ * successful mpidp_mpiops_init. */
+MPI_Datatype mpidp_mpi_bf16_type(void);
+MPI_Datatype mpidp_mpi_fp16_type(void);
+MPI_Op mpidp_mpi_half_sum_op(void);
+
+/* Frees the handles when MPI is still initialized (after MPI_Finalize it only
+ * forgets them), so that mpidp_mpiops_init can create them again. Never call it
+ * while a reduction using them may still be in flight. Returns MPIDP_OK, or
+ * MPIDP_EMPI when an MPI call fails. */
+int mpidp_mpiops_free(void);
+
+#endif /* MPIDP_MPIOPS_H */
