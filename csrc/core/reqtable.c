@@ -146,17 +146,19 @@ int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done)
     return rc == MPI_SUCCESS ? MPIDP_OK : mpi_failure(rc, what);
 }
 
-/* Back-off while waiting: spin first (latency), then yield the core (other
- * ranks may share it), then sleep briefly so a long wait (a slow peer) does not
- * burn a core. MPI_Test inside the loop is what makes MPI progress. */
+/* Back-off while waiting. Open MPI advances a non-blocking collective only
+ * inside MPI calls, so a long collective needs MPI_Test called continuously:
+ * spin, yielding the core between tests (other ranks may share it), for as long
+ * as a collective can plausibly take; only a wait that has lasted seconds (a
+ * slow or stuck peer) sleeps between tests, so it does not burn a core. */
 static void backoff(unsigned long iteration, double waited)
 {
     if (iteration < 64) return;
-    if (waited < 0.05) {
+    if (waited < 2.0) {
         sched_yield();
         return;
     }
-    struct timespec ts = {0, 50000}; /* 50 us */
+    struct timespec ts = {0, 100000}; /* 100 us */
     nanosleep(&ts, NULL);
 }
 

@@ -42,13 +42,30 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mpidp_py_comm_t *self = (mpidp_py_comm_t *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->comm = MPI_COMM_NULL;
-    int rc = MPI_Comm_dup(*user, &self->comm);
+    /* MPI_Comm_dup is a collective: a rank that never joins would block the
+     * others forever, so use the non-blocking form and wait with a deadline. */
+    MPI_Request req;
+    mpidp_req_t handle = MPIDP_REQ_NONE;
+    mpidp_error_clear();
+    int status = MPIDP_OK;
+    int rc = MPI_Comm_idup(*user, &self->comm, &req);
+    if (rc == MPI_SUCCESS) status = mpidp_reqtable_add(st->reqs, req, "MPI_Comm_idup (creating "
+                                                       "mpidp's communicator)", &handle);
+    if (rc == MPI_SUCCESS && status == MPIDP_OK)
+        MPIDP_PY_WAIT(st, status, mpidp_reqtable_wait(st->reqs, handle, mpidp_py_timeout_s));
+    else if (rc == MPI_SUCCESS)
+        MPI_Wait(&req, MPI_STATUS_IGNORE);
+    if (status != MPIDP_OK) {
+        /* The idup is still posted and MPI will write the new handle into
+         * self->comm when it completes: self must never be freed. */
+        return mpidp_py_raise(st, status, "Comm");
+    }
     if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(self->comm, MPI_ERRORS_RETURN);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(self->comm, &self->rank);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_size(self->comm, &self->size);
     if (rc != MPI_SUCCESS) {
         char msg[MPI_MAX_ERROR_STRING];
-        mpidp__fail(MPIDP_EMPI, "MPI_Comm_dup: %s", mpidp__mpi_errstr(rc, msg, sizeof msg));
+        mpidp__fail(MPIDP_EMPI, "MPI_Comm_idup: %s", mpidp__mpi_errstr(rc, msg, sizeof msg));
         Py_DECREF(self);
         return mpidp_py_raise(st, MPIDP_EMPI, "Comm");
     }

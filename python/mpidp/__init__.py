@@ -13,6 +13,8 @@ from ._C import CommError, CommTimeout
 from .collectives import Work, allreduce
 from .data_parallel import DataParallel
 from .optimizer import DataParallelOptimizer
+from .process_group import init_process_group
+from .topology import Topology, topology
 
 __version__ = "0.1.0"
 
@@ -25,8 +27,11 @@ __all__ = [
     "Work",
     "allreduce",
     "mpi_library_version",
+    "Topology",
     "get_timeout",
+    "init_process_group",
     "set_timeout",
+    "topology",
 ]
 
 

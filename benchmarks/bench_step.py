@@ -1,0 +1,163 @@
+"""Training-step time of mpidp against torch DDP, at the ranks it is started on.
+
+    mpirun -np 2 python benchmarks/bench_step.py [--json] [--quick]
+
+For each model, every method runs the same training step (forward, backward,
+SGD step) on the same data; methods take turns in several rounds and each
+reports the median over rounds of its mean step time. Methods:
+  local         no communication at all (each rank trains alone): the floor
+  mpidp-block   mpidp.DataParallel, blocking
+  ddp-gloo      torch DistributedDataParallel over gloo, its defaults
+and, on rank 0 alone, the cost of mpidp's C gradient hook per parameter
+(a 1-rank DataParallel, hooked backward vs plain backward, on the 500-tensor
+MLP). Prints a table of step times and ratios against ddp-gloo and local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mpidp  # noqa: E402
+from models import ManyTensorMLP, ResNet18  # noqa: E402
+from mpidp import MPI  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+
+def make_case(name, quick):
+    if name == "resnet18":
+        model = ResNet18(width=32 if quick else 64)
+        batch = 8 if quick else 16
+        x = torch.randn(batch, 3, 32, 32)
+        y = torch.randint(0, 10, (batch,))
+    else:
+        model = ManyTensorMLP()
+        x = torch.randn(32, 32)
+        y = torch.randint(0, 10, (32,))
+    return model, x, y
+
+
+def make_method(method, base):
+    """(module to call, optimizer to step, zero_grad callable)."""
+    model = copy.deepcopy(base)
+    if method == "local":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return model, opt
+    if method == "mpidp-block":
+        opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        return mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=True), opt
+    if method == "ddp-gloo":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    raise ValueError(method)
+
+
+def step(net, opt, x, y):
+    opt.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    opt.step()
+
+
+def time_steps(net, opt, x, y, steps):
+    COMM.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(net, opt, x, y)
+    COMM.Barrier()
+    return (time.perf_counter() - t0) / steps
+
+
+def bench_model(name, methods, rounds, steps, quick):
+    torch.manual_seed(0)
+    base, x, y = make_case(name, quick)
+    built = {m: make_method(m, base) for m in methods}
+    for net, opt in built.values():  # warm-up: allocator, buckets, gloo connections
+        for _ in range(2):
+            step(net, opt, x, y)
+    samples = {m: [] for m in methods}
+    for _ in range(rounds):
+        for m in methods:
+            samples[m].append(time_steps(*built[m], x, y, steps))
+    # Every rank's time counts: the slowest rank sets the pace.
+    return {m: max(COMM.allgather(statistics.median(s))) for m, s in samples.items()}
+
+
+def hook_overhead_us(repeats):
+    """Per-parameter cost of mpidp's hook on rank 0 (one-rank communicator)."""
+    torch.manual_seed(0)
+    plain = ManyTensorMLP()
+    hooked = copy.deepcopy(plain)
+    net = mpidp.DataParallel(hooked, comm=MPI.COMM_SELF, blocking_parameter_updates=True)
+    x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
+    n_params = len(list(plain.parameters()))
+
+    def backward_time(module, forward):
+        best = []
+        for _ in range(repeats):
+            module.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(forward(x), y)
+            t0 = time.perf_counter()
+            loss.backward()
+            best.append(time.perf_counter() - t0)
+        return statistics.median(best)
+
+    for _ in range(3):
+        backward_time(plain, plain)
+        backward_time(hooked, net)
+    t_plain = backward_time(plain, plain)
+    t_hooked = backward_time(hooked, net)
+    return 1e6 * (t_hooked - t_plain) / n_params, t_plain, t_hooked
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(SIZE, 1)))
+    mpidp.init_process_group(COMM, backend="gloo")
+    methods = ["local", "mpidp-block", "ddp-gloo"]
+    results = {}
+    for name in ("resnet18", "mlp500"):
+        results[name] = bench_model(name, methods, args.rounds if not args.quick else 3,
+                                    args.steps if name == "resnet18" else 4 * args.steps,
+                                    args.quick)
+    hook = None
+    if RANK == 0:
+        hook = hook_overhead_us(repeats=30)
+    COMM.Barrier()
+    if RANK != 0:
+        return
+    if args.json:
+        out = {"ranks": SIZE, "hook_us_per_param": round(hook[0], 3)}
+        for name, r in results.items():
+            for m, t in r.items():
+                out[f"{name}_{m}_ms"] = round(1e3 * t, 3)
+            out[f"{name}_mpidp_over_ddp"] = round(r["mpidp-block"] / r["ddp-gloo"], 3)
+        print(json.dumps(out))
+        return
+    print(f"step time at {SIZE} ranks (median of per-round means; slowest rank)")
+    print(f"{'model':<10} {'method':<13} {'ms/step':>9} {'vs ddp-gloo':>12} {'vs local':>9}")
+    for name, r in results.items():
+        for m, t in r.items():
+            print(f"{name:<10} {m:<13} {1e3 * t:9.2f} {t / r['ddp-gloo']:12.3f} {t / r['local']:9.3f}")
+    print(f"C hook overhead: {hook[0]:.2f} us per parameter (1 rank, 500 tensors: plain backward "
+          f"{1e3 * hook[1]:.2f} ms, hooked {1e3 * hook[2]:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""torch.distributed process groups built from MPI, with nothing to export.
+
+Users of MPI clusters have no MASTER_ADDR/MASTER_PORT: the group's first rank
+opens a TCP store on a free port and MPI tells the other ranks where it is."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ._mpi import MPI
+from .topology import node_comm, topology
+
+__all__ = ["init_process_group"]
+
+
+def _store_host(comm: MPI.Intracomm) -> str:
+    explicit = os.environ.get("MPIDP_STORE_ADDR")
+    if explicit:
+        return explicit
+    on_one_node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = on_one_node.Get_size() == comm.Get_size()
+    on_one_node.Free()
+    if local:
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.getfqdn()
+
+
+def init_process_group(comm=None, backend: str | None = None,
+                       timeout: datetime.timedelta | None = None) -> None:
+    """Create torch.distributed's default process group from MPI.
+
+    comm: the ranks of the group (an mpi4py communicator); default: the ranks
+    of this node (see mpidp.topology), which is what DASO and
+    DataParallelMultiGPU use. backend: "gloo" or "nccl"; default NCCL when CUDA
+    is available (each rank then uses GPU `local_rank`), else gloo. Calling it
+    again with the same ranks does nothing; with other ranks it raises."""
+    group = node_comm() if comm is None else comm
+    if not isinstance(group, MPI.Intracomm):
+        raise TypeError(f"comm: expected an mpi4py intra-communicator, got {type(group).__name__}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl", "mpi"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if dist.is_initialized():
+        if dist.get_world_size() != group.Get_size() or dist.get_rank() != group.Get_rank():
+            raise RuntimeError(
+                f"init_process_group: torch.distributed is already initialised with rank "
+                f"{dist.get_rank()} of {dist.get_world_size()}, not rank {group.Get_rank()} of "
+                f"{group.Get_size()} as asked")
+        return
+    if backend == "nccl":
+        local_rank = topology().local_rank
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    timeout = timeout or datetime.timedelta(seconds=float(os.environ.get("MPIDP_TIMEOUT", 1800)))
+    host = _store_host(group)
+    if host == "127.0.0.1":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    rank, size = group.Get_rank(), group.Get_size()
+    store, error = None, None
+    if rank == 0:
+        try:
+            store = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+        except Exception as exc:  # tell the others instead of leaving them waiting
+            error = f"rank 0 could not open a TCP store on {host}: {exc}"
+    port, error = group.bcast((store.port if store else None, error), root=0)
+    if error:
+        raise RuntimeError(f"init_process_group: {error}")
+    if rank != 0:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)

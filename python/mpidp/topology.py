@@ -1,0 +1,72 @@
+"""Where each rank runs: node index, number of nodes, local rank and local size.
+
+Nodes are found with MPI_Comm_split_type(MPI_COMM_TYPE_SHARED): ranks that
+share memory form a node. MPIDP_RANKS_PER_NODE=k instead splits the ranks into
+"nodes" of k consecutive ranks, so several nodes can be emulated on one
+machine (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ._mpi import MPI
+
+__all__ = ["Topology", "topology", "node_comm"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    node: int         # index of this rank's node, 0 .. n_nodes - 1
+    n_nodes: int
+    local_rank: int   # rank within the node, 0 .. local_size - 1
+    local_size: int   # ranks per node (equal on every node)
+
+
+_cache: dict = {}
+
+
+def _split(comm: MPI.Intracomm):
+    raw = os.environ.get("MPIDP_RANKS_PER_NODE")
+    if raw is not None:
+        try:
+            k = int(raw)
+        except ValueError:
+            raise ValueError(f"MPIDP_RANKS_PER_NODE must be a positive integer, got {raw!r}") from None
+        if k < 1 or comm.Get_size() % k != 0:
+            raise ValueError(f"MPIDP_RANKS_PER_NODE={k} must divide the number of ranks "
+                             f"({comm.Get_size()})")
+        return comm.Split(comm.Get_rank() // k, comm.Get_rank())
+    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+
+
+def node_comm(comm=None) -> MPI.Intracomm:
+    """The mpi4py communicator of this rank's node within `comm` (cached)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    key = (comm.py2f(), os.environ.get("MPIDP_RANKS_PER_NODE"))
+    if key not in _cache:
+        local = _split(comm)
+        # Node index: the number of distinct nodes whose first rank precedes ours.
+        leader = comm.Get_rank() if local.Get_rank() == 0 else -1
+        leaders = sorted(r for r in comm.allgather(leader) if r >= 0)
+        my_leader = local.bcast(comm.Get_rank() if local.Get_rank() == 0 else None, root=0)
+        sizes = comm.allgather(local.Get_size())
+        if len(set(sizes)) != 1:
+            by_node = {}
+            for r, s in enumerate(sizes):
+                by_node.setdefault(s, []).append(r)
+            detail = "; ".join(f"{len(v)} rank(s) on nodes of {s}" for s, v in sorted(by_node.items()))
+            local.Free()
+            raise ValueError("mpidp needs the same number of ranks on every node, got " + detail +
+                             " (launch the same number of processes per node, or set "
+                             "MPIDP_RANKS_PER_NODE)")
+        _cache[key] = (local, Topology(node=leaders.index(my_leader), n_nodes=len(leaders),
+                                       local_rank=local.Get_rank(), local_size=local.Get_size()))
+    return _cache[key][0]
+
+
+def topology(comm=None) -> Topology:
+    """This rank's place in the machine: node, n_nodes, local_rank, local_size."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node_comm(comm)
+    return _cache[(comm.py2f(), os.environ.get("MPIDP_RANKS_PER_NODE"))][1]

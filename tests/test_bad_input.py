@@ -1,0 +1,76 @@
+"""Bad input to the DataParallel API: a clear TypeError/ValueError naming the
+argument and what was expected."""
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpidp
+
+
+def model():
+    return torch.nn.Linear(3, 2)
+
+
+def dp_opt(m):
+    return mpidp.DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_optimizer_wrapper_needs_a_torch_optimizer():
+    with pytest.raises(TypeError, match="torch_optimizer: expected a torch.optim.Optimizer"):
+        mpidp.DataParallelOptimizer("sgd")
+    with pytest.raises(TypeError, match="blocking: expected a bool"):
+        mpidp.DataParallelOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), blocking=1)
+
+
+def test_raw_torch_optimizer_where_a_wrapper_is_needed():
+    m = model()
+    with pytest.raises(TypeError, match=r"optimizer: expected mpidp.DataParallelOptimizer.*wrap it"):
+        mpidp.DataParallel(m, MPI.COMM_WORLD, torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_non_optimizer():
+    with pytest.raises(TypeError, match="optimizer: expected a mpidp.DataParallelOptimizer"):
+        mpidp.DataParallel(model(), MPI.COMM_WORLD, 42)
+    m = model()
+    with pytest.raises(TypeError, match="optimizer"):
+        mpidp.DataParallel(m, MPI.COMM_WORLD, [dp_opt(m), "adam"])
+
+
+def test_non_module():
+    with pytest.raises(TypeError, match="module: expected a torch.nn.Module, got function"):
+        mpidp.DataParallel(lambda x: x, MPI.COMM_WORLD)
+
+
+def test_comm_that_is_not_a_communicator():
+    with pytest.raises(TypeError, match="comm: expected an mpi4py communicator"):
+        mpidp.DataParallel(model(), comm=0)
+    with pytest.raises(ValueError, match="comm: the communicator is MPI.COMM_NULL"):
+        mpidp.DataParallel(model(), comm=MPI.COMM_NULL)
+
+
+def test_non_float_parameters():
+    m = model()
+    m.steps = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match="module: parameter 'steps' has dtype torch.int64"):
+        mpidp.DataParallel(m)
+    c = model()
+    c.z = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="parameter 'z' has dtype torch.complex64"):
+        mpidp.DataParallel(c)
+
+
+def test_bad_flags_and_caps():
+    with pytest.raises(TypeError, match="blocking_parameter_updates: expected a bool"):
+        mpidp.DataParallel(model(), blocking_parameter_updates="yes")
+    with pytest.raises(ValueError, match="bucket_cap_mb: expected a positive number"):
+        mpidp.DataParallel(model(), blocking_parameter_updates=True, bucket_cap_mb=0)
+
+
+def test_c_types_check_their_arguments():
+    with pytest.raises(TypeError, match="comm: expected an mpi4py communicator"):
+        mpidp._C.Comm(3)
+    with pytest.raises(TypeError):
+        mpidp._C.GradHook()
+    with pytest.raises(ValueError, match="plan_buckets"):
+        mpidp._C.plan_buckets([1], [9], 10, 10)
