@@ -1,19 +1,10 @@
-/* Single-tensor collectives (see mpidp/collectives.h). */
+/* Broadcast and barrier (see mpidp/collectives.h). */
 #include "mpidp/collectives.h"
 
 #include <limits.h>
 #include <stdio.h>
 
 #include "mpidp/status.h"
-
-MPI_Datatype mpidp_mpi_datatype(int dtype)
-{
-    switch (dtype) {
-    case MPIDP_F32: return MPI_FLOAT;
-    case MPIDP_F64: return MPI_DOUBLE;
-    }
-    return MPI_DATATYPE_NULL;
-}
 
 static int mpi_fail(int rc, const char *call)
 {
@@ -36,41 +27,6 @@ static int register_req(mpidp_reqtable_t *reqs, MPI_Request req, const char *wha
         *out = MPIDP_REQ_NONE;
     }
     return MPIDP_OK;
-}
-
-int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t, int op, mpidp_reqtable_t *reqs,
-                          mpidp_req_t *out)
-{
-    if (t == NULL || reqs == NULL || out == NULL)
-        return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
-    if (op != MPIDP_OP_SUM && op != MPIDP_OP_AVG)
-        return mpidp__fail(MPIDP_EINVAL, "allreduce: unknown op %d", op);
-    MPI_Datatype type = mpidp_mpi_datatype(t->dtype);
-    if (type == MPI_DATATYPE_NULL)
-        return mpidp__fail(MPIDP_EDTYPE, "allreduce of %s tensors needs a wire dtype",
-                           mpidp_dtype_name(t->dtype));
-    if (t->numel > (size_t)INT_MAX)
-        return mpidp__fail(MPIDP_EINVAL, "allreduce: %zu elements exceed INT_MAX", t->numel);
-    int size, rc = comm_size(comm, &size);
-    if (rc != MPIDP_OK) return rc;
-    *out = MPIDP_REQ_NONE;
-    if (size == 1 || t->numel == 0) return MPIDP_OK;
-    if (op == MPIDP_OP_AVG) {
-        if (t->dtype == MPIDP_F32) {
-            float *x = t->data, s = 1.0f / (float)size;
-            for (size_t i = 0; i < t->numel; i++) x[i] *= s;
-        } else {
-            double *x = t->data, s = 1.0 / (double)size;
-            for (size_t i = 0; i < t->numel; i++) x[i] *= s;
-        }
-    }
-    MPI_Request req;
-    rc = MPI_Iallreduce(MPI_IN_PLACE, t->data, (int)t->numel, type, MPI_SUM, comm, &req);
-    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Iallreduce");
-    char what[MPIDP_REQ_WHAT_LEN];
-    snprintf(what, sizeof what, "MPI_Iallreduce of %zu %s (mpidp.allreduce)", t->numel,
-             mpidp_dtype_name(t->dtype));
-    return register_req(reqs, req, what, out);
 }
 
 int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_reqtable_t *reqs,

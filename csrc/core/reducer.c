@@ -6,13 +6,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mpidp/collectives.h"
+#include "mpidp/allreduce.h"
+#include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
 
 typedef struct {
     mpidp_bucket_info_t info;
     void *data;            /* numel data elements, then n_params flags */
+    uint16_t *wire;        /* compressed copy of data + flags (NULL: reduce in place) */
     size_t pending;        /* parameters not yet marked in this pass */
     mpidp_bucket_state_t state;
     mpidp_req_t req;
@@ -32,6 +34,7 @@ struct mpidp_reducer {
     size_t n_buckets;
     bucket_t *buckets;
     size_t next_to_post;   /* buckets below this index are posted (or done) */
+    int wire;              /* MPIDP_BF16/MPIDP_F16: float32 buckets travel compressed; -1 */
     char name[48];
 };
 
@@ -43,6 +46,7 @@ static void free_reducer(mpidp_reducer_t *r)
     free(r->param_numel);
     free(r->param_flag);
     free(r->ready);
+    for (size_t b = 0; r->buckets && b < r->n_buckets; b++) free(r->buckets[b].wire);
     free(r->buckets);
     free(r);
 }
@@ -57,8 +61,8 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
         return mpidp__fail(MPIDP_EINVAL, "reducer: missing parameter layout");
     if (nb > 0 && (cfg->buckets == NULL || cfg->bucket_data == NULL))
         return mpidp__fail(MPIDP_EINVAL, "reducer: missing bucket layout");
-    if (cfg->wire_dtype != -1)
-        return mpidp__fail(MPIDP_ENOTSUP, "reducer: a wire dtype other than the bucket's");
+    if (cfg->wire_dtype != -1 && cfg->wire_dtype != MPIDP_BF16 && cfg->wire_dtype != MPIDP_F16)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: wire dtype must be bfloat16 or float16");
 
     mpidp_reducer_t *r = calloc(1, sizeof *r);
     if (r == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer");
@@ -83,6 +87,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->reqs = cfg->reqs;
     r->n_params = np;
     r->n_buckets = nb;
+    r->wire = cfg->wire_dtype;
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
 
     for (size_t b = 0; b < nb; b++) {
@@ -94,6 +99,20 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
             free_reducer(r);
             return mpidp__fail(MPIDP_EDTYPE, "reducer: cannot reduce %s gradients",
                                mpidp_dtype_name(dt));
+        }
+        if (r->wire != -1 && bk->info.dtype != MPIDP_F32 && bk->info.dtype != r->wire) {
+            int dt = bk->info.dtype;
+            free_reducer(r);
+            return mpidp__fail(MPIDP_EDTYPE, "reducer: %s gradients cannot travel as %s (wire "
+                               "compression takes float32 to bfloat16 or float16)",
+                               mpidp_dtype_name(dt), mpidp_dtype_name(cfg->wire_dtype));
+        }
+        if (r->wire != -1 && bk->info.dtype == MPIDP_F32) {
+            bk->wire = malloc((bk->info.numel + bk->info.n_params + 1) * sizeof *bk->wire);
+            if (bk->wire == NULL) {
+                free_reducer(r);
+                return mpidp__fail(MPIDP_ENOMEM, "reducer: wire buffer of bucket %zu", b);
+            }
         }
         if (bk->info.numel + bk->info.n_params > (size_t)INT_MAX) {
             free_reducer(r);
@@ -153,39 +172,81 @@ static void *element(const bucket_t *bk, size_t index)
     return (char *)bk->data + index * mpidp_dtype_size(bk->info.dtype);
 }
 
+/* Flags are 1 or 0 in the bucket's dtype (bf16 1.0 = 0x3F80, fp16 1.0 = 0x3C00). */
 static void set_flag(bucket_t *bk, size_t flag, int value)
 {
     void *p = element(bk, bk->info.numel + flag);
-    if (bk->info.dtype == MPIDP_F32) *(float *)p = value ? 1.0f : 0.0f;
-    else *(double *)p = value ? 1.0 : 0.0;
+    switch (bk->info.dtype) {
+    case MPIDP_F32: *(float *)p = value ? 1.0f : 0.0f; break;
+    case MPIDP_F64: *(double *)p = value ? 1.0 : 0.0; break;
+    case MPIDP_BF16: *(uint16_t *)p = value ? 0x3F80 : 0; break;
+    case MPIDP_F16: *(uint16_t *)p = value ? 0x3C00 : 0; break;
+    }
 }
 
-/* Averaging is done by scaling before the sum, so the buffer holds the mean
- * the moment the collective completes and nothing is left to do after it. */
+static int flag_is_set(const bucket_t *bk, size_t flag)
+{
+    const void *p = element(bk, bk->info.numel + flag);
+    switch (bk->info.dtype) {
+    case MPIDP_F32: return *(const float *)p > 0.0f;
+    case MPIDP_F64: return *(const double *)p > 0.0;
+    case MPIDP_BF16: return mpidp_f32_from_bf16(*(const uint16_t *)p) > 0.0f;
+    case MPIDP_F16: return mpidp_f32_from_fp16(*(const uint16_t *)p) > 0.0f;
+    }
+    return 0;
+}
+
+/* Averaging is done by scaling before the sum (fused into the pack when the
+ * bucket travels compressed), so the result is the mean the moment the
+ * collective completes. Half-precision buckets are rare (CPU training keeps
+ * fp32 master weights); they are scaled through the exact conversions. */
 static void scale_data(bucket_t *bk, double s)
 {
+    const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
     size_t n = bk->info.numel;
-    if (bk->info.dtype == MPIDP_F32) {
-        float *x = bk->data, fs = (float)s;
-        for (size_t i = 0; i < n; i++) x[i] *= fs;
-    } else {
-        double *x = bk->data;
-        for (size_t i = 0; i < n; i++) x[i] *= s;
+    uint16_t *h = bk->data;
+    switch (bk->info.dtype) {
+    case MPIDP_F32: k->scale_f32(bk->data, (float)s, n); break;
+    case MPIDP_F64: k->scale_f64(bk->data, s, n); break;
+    case MPIDP_BF16:
+        for (size_t i = 0; i < n; i++) h[i] = mpidp_bf16_from_f32(mpidp_f32_from_bf16(h[i]) * (float)s);
+        break;
+    case MPIDP_F16:
+        for (size_t i = 0; i < n; i++) h[i] = mpidp_fp16_from_f32(mpidp_f32_from_fp16(h[i]) * (float)s);
+        break;
     }
 }
 
 static int post_bucket(mpidp_reducer_t *r, size_t b)
 {
     bucket_t *bk = &r->buckets[b];
-    if (r->size == 1) {
+    if (r->size == 1 && bk->wire == NULL) {
         bk->state = MPIDP_BUCKET_DONE;
         return MPIDP_OK;
     }
-    scale_data(bk, 1.0 / (double)r->size);
+    size_t count = bk->info.numel + bk->info.n_params;
+    void *buf = bk->data;
+    int wire_dtype = bk->info.dtype;
+    if (bk->wire != NULL) {
+        /* Scale and compress in one pass; the flags (1 or 0) travel along. */
+        const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
+        float s = 1.0f / (float)r->size;
+        const float *src = bk->data;
+        if (r->wire == MPIDP_BF16) {
+            k->pack_bf16(bk->wire, src, NULL, s, bk->info.numel);
+            k->pack_bf16(bk->wire + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
+        } else {
+            k->pack_fp16(bk->wire, src, NULL, s, bk->info.numel);
+            k->pack_fp16(bk->wire + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
+        }
+        buf = bk->wire;
+        wire_dtype = r->wire;
+    } else {
+        scale_data(bk, 1.0 / (double)r->size);
+    }
     MPI_Request req;
-    int count = (int)(bk->info.numel + bk->info.n_params);
-    int rc = MPI_Iallreduce(MPI_IN_PLACE, bk->data, count, mpidp_mpi_datatype(bk->info.dtype), MPI_SUM,
-                            r->comm, &req);
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(wire_dtype),
+                            mpidp_mpi_sum_op(wire_dtype), r->comm, &req);
     if (rc != MPI_SUCCESS) {
         char msg[MPI_MAX_ERROR_STRING];
         return mpidp__fail(MPIDP_EMPI, "%s: MPI_Iallreduce of bucket %zu failed: %s", r->name, b,
@@ -193,16 +254,27 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
     }
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "%s: MPI_Iallreduce of gradient bucket %zu/%zu (%zu %s)", r->name,
-             b, r->n_buckets, bk->info.numel, mpidp_dtype_name(bk->info.dtype));
+             b + 1, r->n_buckets, bk->info.numel, mpidp_dtype_name(wire_dtype));
     rc = mpidp_reqtable_add(r->reqs, req, what, &bk->req);
     if (rc != MPIDP_OK) {
         /* The table is full: finish this collective here rather than lose it. */
         MPI_Wait(&req, MPI_STATUS_IGNORE);
-        bk->state = MPIDP_BUCKET_DONE;
-        return MPIDP_OK;
+        bk->req = MPIDP_REQ_NONE;
     }
     bk->state = MPIDP_BUCKET_POSTED;
     return MPIDP_OK;
+}
+
+/* The bucket's collective has completed: bring compressed results home. */
+static void complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
+{
+    if (bk->wire != NULL) {
+        const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
+        size_t count = bk->info.numel + bk->info.n_params;
+        if (r->wire == MPIDP_BF16) k->unpack_bf16(bk->data, bk->wire, NULL, 0.0f, 1.0f, 0.0f, count);
+        else k->unpack_fp16(bk->data, bk->wire, NULL, 0.0f, 1.0f, 0.0f, count);
+    }
+    bk->state = MPIDP_BUCKET_DONE;
 }
 
 int mpidp_reducer_mark_ready(mpidp_reducer_t *r, size_t param, int has_grad)
@@ -259,7 +331,7 @@ int mpidp_reducer_wait_bucket(mpidp_reducer_t *r, size_t b, double timeout_s)
                            r->name, b, bk->pending);
     int rc = mpidp_reqtable_wait(r->reqs, bk->req, timeout_s);
     if (rc != MPIDP_OK) return rc;
-    bk->state = MPIDP_BUCKET_DONE;
+    complete_bucket(r, bk);
     return MPIDP_OK;
 }
 
@@ -280,8 +352,7 @@ int mpidp_reducer_used_globally(const mpidp_reducer_t *r, size_t param, int *use
     const bucket_t *bk = &r->buckets[r->param_bucket[param]];
     if (bk->state != MPIDP_BUCKET_DONE)
         return mpidp__fail(MPIDP_ESTATE, "%s: bucket of parameter %zu has not completed", r->name, param);
-    const void *p = element(bk, bk->info.numel + r->param_flag[param]);
-    *used = bk->info.dtype == MPIDP_F32 ? *(const float *)p > 0.0f : *(const double *)p > 0.0;
+    *used = flag_is_set(bk, r->param_flag[param]);
     return MPIDP_OK;
 }
 

@@ -2,14 +2,21 @@
  * intake, posting through the core, and waiting with the GIL released. */
 #include "module.h"
 
+#include "mpidp/allreduce.h"
 #include "mpidp/collectives.h"
 #include "mpidp/status.h"
 
-/* Waits for `req` unless async; then returns None, else a Work owning it. */
-static PyObject *finish(mpidp_py_state *st, mpidp_py_comm_t *comm, mpidp_req_t req,
-                        mpidp_py_borrowed_t *tensor, int async_op, const char *what)
+/* Elements per MPI call of a compressed allreduce, and chunks in flight: the
+ * wire copy stays at 2 x 8 MiB however large the tensor. Uncompressed tensors
+ * are reduced in place, in chunks of up to 2^30 elements (MPI counts are int). */
+#define WIRE_CHUNK (1u << 22)
+#define WIRE_IN_FLIGHT 2
+#define PLAIN_CHUNK (1u << 30)
+
+/* Waits for a posted request (no Work needed): returns None or raises. */
+static PyObject *wait_req(mpidp_py_state *st, mpidp_req_t req, mpidp_py_borrowed_t *tensor,
+                          const char *what)
 {
-    if (async_op) return mpidp_py_work_new(st, req, tensor, (PyObject *)comm);
     int rc;
     MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait(st->reqs, req, mpidp_py_timeout_s));
     if (tensor) mpidp_py_release(tensor);
@@ -30,21 +37,29 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     int wire = PyLong_AsLong(args[2]);
     int async_op = PyObject_IsTrue(args[3]);
     if (PyErr_Occurred() || async_op < 0) return NULL;
-    if (wire != -1)
-        return PyErr_Format(PyExc_NotImplementedError, "wire_dtype: compressed allreduce is not "
-                            "available in this build");
     mpidp_py_borrowed_t tensor;
     if (mpidp_py_borrow(st, args[0], MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "tensor",
                         &tensor) < 0)
         return NULL;
+    int compressed = wire != -1 && wire != (int)tensor.t.dtype;
+    mpidp_allreduce_opts_t opts = {
+        .op = op, .wire = wire, .chunk_elems = compressed ? WIRE_CHUNK : PLAIN_CHUNK,
+        .max_in_flight = compressed ? WIRE_IN_FLIGHT : 0, .keep_wire = 0,
+        .what = "mpidp.allreduce"};
+    mpidp_allreduce_t *x = NULL;
     mpidp_error_clear();
-    mpidp_req_t req;
-    int rc = mpidp_allreduce_start(comm->comm, &tensor.t, op, st->reqs, &req);
+    int rc = mpidp_allreduce_start(comm->comm, &tensor.t, &opts, st->reqs, &x);
     if (rc != MPIDP_OK) {
         mpidp_py_release(&tensor);
         return mpidp_py_raise(st, rc, "allreduce");
     }
-    return finish(st, comm, req, &tensor, async_op, "allreduce");
+    if (async_op) return mpidp_py_work_new(st, x, &tensor, self);
+    MPIDP_PY_WAIT(st, rc, mpidp_allreduce_wait(x, mpidp_py_timeout_s));
+    if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "allreduce"); /* x stays posted */
+    mpidp_allreduce_free(x);
+    mpidp_py_release(&tensor);
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "allreduce");
+    Py_RETURN_NONE;
 }
 
 PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -67,7 +82,7 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
         mpidp_py_release(&tensor);
         return mpidp_py_raise(st, rc, "bcast");
     }
-    return finish(st, comm, req, &tensor, 0, "bcast");
+    return wait_req(st, req, &tensor, "bcast");
 }
 
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)
@@ -79,5 +94,5 @@ PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)
     mpidp_req_t req;
     int rc = mpidp_barrier_start(((mpidp_py_comm_t *)self)->comm, st->reqs, &req);
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "barrier");
-    return finish(st, (mpidp_py_comm_t *)self, req, NULL, 0, "barrier");
+    return wait_req(st, req, NULL, "barrier");
 }

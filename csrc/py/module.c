@@ -8,6 +8,8 @@
 #include <stdlib.h>
 
 #include "mpidp/bucket.h"
+#include "mpidp/mpiops.h"
+#include "mpidp/pack.h"
 #include "mpidp/status.h"
 
 /* Room for this many requests in flight at once, over all of mpidp. */
@@ -211,6 +213,21 @@ static int module_exec(PyObject *m)
         return -1;
     }
     MPI_Query_thread(&st->thread_level);
+    /* The kernels' SIMD path, chosen once (MPIDP_SIMD=ref|avx2|avx512 forces one). */
+    const char *forced = getenv("MPIDP_SIMD");
+    mpidp_error_clear();
+    if (mpidp_pack_init(forced) != MPIDP_OK) {
+        PyErr_Format(PyExc_ImportError, "mpidp: MPIDP_SIMD=%s: %s", forced ? forced : "",
+                     mpidp_error_detail());
+        return -1;
+    }
+    mpidp_error_clear();
+    if (mpidp_mpiops_init() != MPIDP_OK) {
+        PyErr_Format(PyExc_ImportError, "mpidp: creating the bf16/fp16 MPI types and sum op "
+                     "failed: %s", mpidp_error_detail());
+        return -1;
+    }
+    if (PyModule_AddFunctions(m, mpidp_py_kernel_methods) < 0) return -1;
     if (mpidp_reqtable_create(MPIDP_REQTABLE_CAPACITY, &st->reqs) != MPIDP_OK) {
         PyErr_NoMemory();
         return -1;

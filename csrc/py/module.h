@@ -87,9 +87,13 @@ int mpidp_py_comm_init(PyObject *module, mpidp_py_state *st);
 int mpidp_py_work_init(PyObject *module, mpidp_py_state *st);
 int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st);
 
-/* Creates a Work that owns `req` (already registered in st->reqs) and keeps
- * `keepalive` (the borrowed tensor, moved in) until completion. */
-PyObject *mpidp_py_work_new(mpidp_py_state *st, mpidp_req_t req, mpidp_py_borrowed_t *keepalive,
-                            PyObject *comm);
+struct mpidp_allreduce;
+/* Creates a Work that owns the allreduce `x` and keeps `keepalive` (the
+ * borrowed tensor, moved in) and `comm` alive until it completes. */
+PyObject *mpidp_py_work_new(mpidp_py_state *st, struct mpidp_allreduce *x,
+                            mpidp_py_borrowed_t *keepalive, PyObject *comm);
+
+/* Module functions binding the conversion kernels (csrc/py/kernels.c). */
+extern PyMethodDef mpidp_py_kernel_methods[];
 
 #endif /* MPIDP_PY_MODULE_H */

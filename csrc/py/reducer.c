@@ -318,18 +318,19 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c)
 }
 
 /* Reducer(comm, params, views, bucket_tensors, param_bucket, param_offset,
- *         bucket_info, queue_callback, blocking, name) */
+ *         bucket_info, queue_callback, blocking, name, wire_dtype) */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
-                             "bucket_info", "queue_callback", "blocking", "name", NULL};
+                             "bucket_info", "queue_callback", "blocking", "name", "wire_dtype",
+                             NULL};
     PyObject *comm, *params, *views, *buckets, *pb, *po, *binfo, *qcb;
-    int blocking;
+    int blocking, wire = -1;
     const char *name;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O!O!Ops:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O!O!Ops|i:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
-                                     &PyTuple_Type, &binfo, &qcb, &blocking, &name))
+                                     &PyTuple_Type, &binfo, &qcb, &blocking, &name, &wire))
         return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     if (st == NULL) return NULL;
@@ -404,7 +405,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mpidp_reducer_config_t cfg = {
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
         .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
-        .bucket_data = data, .wire_dtype = -1, .name = name};
+        .bucket_data = data, .wire_dtype = wire, .name = name};
     mpidp_error_clear();
     int rc = mpidp_reducer_create(&cfg, &r->core);
     if (rc != MPIDP_OK) {

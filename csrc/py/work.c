@@ -1,50 +1,51 @@
-/* mpidp._C.Work: the handle of an asynchronous collective.
+/* mpidp._C.Work: the handle of an asynchronous allreduce.
  *
- * A Work owns its request and the tensor it reads and writes. It keeps both
- * until the request completes; if it is dropped earlier, its destructor waits
- * (with the usual deadline) so that MPI never writes into freed memory. */
+ * A Work owns its allreduce and the tensor it reads and writes, and keeps
+ * both until the operation completes. Chunks beyond the first are posted as
+ * earlier ones complete, which happens in wait() and is_completed(). If the
+ * Work is dropped earlier, its destructor waits (with the usual deadline) so
+ * that MPI never writes into freed memory. */
 #include "module.h"
 
 #include <stdio.h>
 
+#include "mpidp/allreduce.h"
 #include "mpidp/status.h"
 
 typedef struct {
     PyObject_HEAD
-    mpidp_req_t req;
+    mpidp_allreduce_t *x;
     mpidp_py_borrowed_t tensor;
-    PyObject *comm;     /* the Comm must outlive the request */
+    PyObject *comm;     /* the Comm must outlive the collective */
     PyObject *module;
     int done;
 } work_t;
 
-PyObject *mpidp_py_work_new(mpidp_py_state *st, mpidp_req_t req, mpidp_py_borrowed_t *keepalive,
-                            PyObject *comm)
+static void complete(work_t *w)
+{
+    if (mpidp_allreduce_free(w->x) == MPIDP_OK) w->x = NULL;
+    w->done = 1;
+    mpidp_py_release(&w->tensor);
+}
+
+PyObject *mpidp_py_work_new(mpidp_py_state *st, mpidp_allreduce_t *x,
+                            mpidp_py_borrowed_t *keepalive, PyObject *comm)
 {
     work_t *w = PyObject_New(work_t, st->work_type);
     if (w == NULL) {
-        /* Cannot hand the request out: finish it here. */
-        mpidp_reqtable_wait(st->reqs, req, mpidp_py_timeout_s);
-        if (keepalive) mpidp_py_release(keepalive);
+        /* Cannot hand the operation out: finish it here. */
+        mpidp_allreduce_wait(x, mpidp_py_timeout_s);
+        mpidp_allreduce_free(x);
+        mpidp_py_release(keepalive);
         return NULL;
     }
-    w->req = req;
-    w->tensor.capsule = NULL;
-    if (keepalive) {
-        w->tensor = *keepalive;
-        keepalive->capsule = NULL;
-    }
+    w->x = x;
+    w->tensor = *keepalive;
+    keepalive->capsule = NULL;
     w->comm = Py_XNewRef(comm);
     w->module = Py_NewRef(PyType_GetModule(st->work_type));
-    w->done = req.gen == 0;
-    if (w->done) mpidp_py_release(&w->tensor);
+    w->done = 0;
     return (PyObject *)w;
-}
-
-static void complete(work_t *w)
-{
-    w->done = 1;
-    mpidp_py_release(&w->tensor);
 }
 
 static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
@@ -61,7 +62,7 @@ static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
     mpidp_py_state *st = mpidp_py_state_of_module(self->module);
     mpidp_error_clear();
     int rc;
-    MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait(st->reqs, self->req, timeout));
+    MPIDP_PY_WAIT(st, rc, mpidp_allreduce_wait(self->x, timeout));
     if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "Work.wait");
     complete(self);
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.wait");
@@ -75,8 +76,8 @@ static PyObject *work_is_completed(work_t *self, PyObject *unused)
         mpidp_py_state *st = mpidp_py_state_of_module(self->module);
         int done = 0;
         mpidp_error_clear();
-        int rc = mpidp_reqtable_test(st->reqs, self->req, &done);
-        if (done) complete(self);
+        int rc = mpidp_allreduce_test(self->x, &done);
+        if (done || rc != MPIDP_OK) complete(self);
         if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.is_completed");
     }
     return PyBool_FromLong(self->done);
@@ -85,15 +86,18 @@ static PyObject *work_is_completed(work_t *self, PyObject *unused)
 static void work_dealloc(work_t *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    if (!self->done && self->module) {
-        mpidp_py_state *st = mpidp_py_state_of_module(self->module);
+    if (!self->done && self->x != NULL) {
         int finalized = 1;
         MPI_Finalized(&finalized);
         if (!finalized) {
-            int rc = mpidp_reqtable_wait(st->reqs, self->req, mpidp_py_timeout_s);
+            int rc = mpidp_allreduce_wait(self->x, mpidp_py_timeout_s);
             if (rc != MPIDP_OK)
                 fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n",
                         mpidp_error_detail());
+        }
+        if (mpidp_allreduce_free(self->x) != MPIDP_OK) {
+            /* Still in flight after all: leak the tensor rather than free it under MPI. */
+            self->tensor.capsule = NULL;
         }
     }
     mpidp_py_release(&self->tensor);

@@ -31,8 +31,21 @@ __all__ = [
     "get_timeout",
     "init_process_group",
     "set_timeout",
+    "simd_path",
     "topology",
 ]
+
+
+def simd_path() -> str:
+    """The SIMD path of the bf16/fp16 conversion kernels: "ref", "avx2", "avx512"
+    or "avx512_bf16" (chosen at import; MPIDP_SIMD=ref|avx2|avx512 forces one)."""
+    return _C.simd_path()
+
+
+if _C.simd_fallback_reason():
+    import warnings as _warnings
+
+    _warnings.warn(f"mpidp: {_C.simd_fallback_reason()}", RuntimeWarning, stacklevel=2)
 
 
 def set_timeout(seconds: float) -> None:

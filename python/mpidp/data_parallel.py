@@ -8,7 +8,7 @@ from typing import Iterable, List, Sequence, Union
 import torch
 
 from . import _C
-from ._dtypes import code_of
+from ._dtypes import code_of, wire_code
 from ._mpi import MPI, resolve_comm
 from ._params import broadcast_state, check_module, grad_view
 from .optimizer import DataParallelOptimizer
@@ -57,15 +57,19 @@ class DataParallel(torch.nn.Module):
         True: gradients are averaged before `backward()` returns. False
         (Heat's default): non-blocking mode; not available yet, so it falls
         back to blocking with a warning.
-    bucket_cap_mb, first_bucket_cap_mb : float
+    wire_dtype : torch.bfloat16, torch.float16 or None, keyword-only
+        Send float32 gradient buckets compressed to this dtype (halving the
+        bytes on the wire; the sum is done in fp32 per element and rounded
+        once per hop). None sends gradients in their own dtype.
+    bucket_cap_mb, first_bucket_cap_mb : float, keyword-only
         Size caps of the gradient buckets (one allreduce each). The first
         bucket is small so communication starts early in backward.
     """
 
     def __init__(self, module: torch.nn.Module, comm=MPI.COMM_WORLD,
                  optimizer: Union[DataParallelOptimizer, Sequence[DataParallelOptimizer], None] = None,
-                 blocking_parameter_updates: bool = False, *, bucket_cap_mb: float = 25.0,
-                 first_bucket_cap_mb: float = 1.0):
+                 blocking_parameter_updates: bool = False, *, wire_dtype=None,
+                 bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0):
         check_module(module)
         optimizers = _check_optimizers(optimizer)
         if not isinstance(blocking_parameter_updates, bool):
@@ -75,6 +79,9 @@ class DataParallel(torch.nn.Module):
                             ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: expected a positive number of MiB, got {value!r}")
+        wire = wire_code(wire_dtype)
+        if wire == code_of(torch.float32, "wire_dtype"):
+            wire = -1  # float32 on the wire: no compression
         c_comm = resolve_comm(comm)
         super().__init__()
         self.module = module
@@ -85,6 +92,8 @@ class DataParallel(torch.nn.Module):
                           "using blocking updates", stacklevel=2)
             blocking_parameter_updates = True
         self.blocking_parameter_updates = blocking_parameter_updates
+        self.wire_dtype = wire_dtype
+        self._wire = wire
         self._dp_optimizers = optimizers
         for opt in optimizers:
             opt.blocking_parameter_updates = blocking_parameter_updates
@@ -105,6 +114,11 @@ class DataParallel(torch.nn.Module):
         params = tuple(p for _, p in named)
         numel = [p.numel() for p in params]
         dtypes = [code_of(p.dtype, f"module: parameter {n!r}") for n, p in named]
+        if self._wire != -1:
+            for (name, p), code in zip(named, dtypes):
+                if code not in (code_of(torch.float32, ""), self._wire):
+                    raise ValueError(f"wire_dtype: parameter {name!r} is {p.dtype}; gradients can "
+                                     f"be compressed to {self.wire_dtype} from float32 only")
         bucket_of, offset, infos = _C.plan_buckets(numel, dtypes, first_cap, cap)
         by_code = {code_of(p.dtype, "dtype"): p.dtype for p in params}
         self._buckets = tuple(
@@ -114,7 +128,7 @@ class DataParallel(torch.nn.Module):
         engine = torch.autograd.Variable._execution_engine
         self._reducer = _C.Reducer(self._c_comm, params, views, self._buckets, bucket_of, offset,
                                    infos, engine.queue_callback,
-                                   self.blocking_parameter_updates, "DataParallel")
+                                   self.blocking_parameter_updates, "DataParallel", self._wire)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]
 

@@ -5,6 +5,8 @@
 #include <mpi.h>
 
 #include "mpidp/bucket.h"
+#include "mpidp/mpiops.h"
+#include "mpidp/pack.h"
 #include "mpidp/reducer.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
@@ -84,4 +86,62 @@ TEST(mean_over_ranks_with_unused_parameters)
     for (size_t b = 0; b < nb; b++) free(data[b]);
 }
 
-TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters)
+/* float32 buckets travelling as bf16 (and fp16): the mean of the 16-bit
+ * values each rank sent, within the rounding of one sum per rank. */
+static void compressed_pass(int wire, int *mpidp__test_failed)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    ASSERT_OK(mpidp_mpiops_init());
+    size_t numel[NP];
+    int dtype[NP];
+    for (int i = 0; i < NP; i++) {
+        numel[i] = PN;
+        dtype[i] = MPIDP_F32;
+    }
+    uint32_t bucket[NP];
+    size_t offset[NP], nb;
+    mpidp_bucket_info_t info[NP];
+    ASSERT_OK(mpidp_bucket_plan(numel, dtype, NP, 40, 80, bucket, offset, info, &nb));
+    void *data[NP];
+    for (size_t b = 0; b < nb; b++) data[b] = calloc(info[b].numel + info[b].n_params, 4);
+    mpidp_reqtable_t *reqs;
+    ASSERT_OK(mpidp_reqtable_create(16, &reqs));
+    mpidp_reducer_config_t cfg = {
+        .comm = MPI_COMM_WORLD, .reqs = reqs, .n_params = NP, .param_bucket = bucket,
+        .param_offset = offset, .param_numel = numel, .n_buckets = nb, .buckets = info,
+        .bucket_data = data, .wire_dtype = wire, .name = "test"};
+    mpidp_reducer_t *r;
+    ASSERT_OK(mpidp_reducer_create(&cfg, &r));
+    for (int i = 0; i < NP; i++)
+        for (int k = 0; k < PN; k++)
+            ((float *)data[bucket[i]])[offset[i] + (size_t)k] =
+                has_grad(rank, i) ? 0.1f * grad_of(rank, i, k) : 7.0f;
+    for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(r, (size_t)i, has_grad(rank, i)));
+    ASSERT_OK(mpidp_reducer_wait_all(r, 30.0));
+    for (int i = 0; i < NP; i++) {
+        int used = -1;
+        ASSERT_OK(mpidp_reducer_used_globally(r, (size_t)i, &used));
+        ASSERT_EQ_INT(used, i != 5);
+        for (int k = 0; k < PN; k++) {
+            double expect = 0;
+            for (int q = 0; q < size; q++)
+                if (has_grad(q, i)) expect += 0.1 * grad_of(q, i, k);
+            expect /= size;
+            double got = ((const float *)data[bucket[i]])[offset[i] + (size_t)k];
+            /* bf16 keeps 8 significant bits, fp16 11: one rounding per rank. */
+            double rel = wire == MPIDP_BF16 ? 1.0 / 128 : 1.0 / 1024;
+            ASSERT_NEAR(got, expect, rel * size * (1 + expect));
+        }
+    }
+    ASSERT_OK(mpidp_reducer_reset(r));
+    ASSERT_OK(mpidp_reducer_destroy(r));
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+    for (size_t b = 0; b < nb; b++) free(data[b]);
+}
+
+TEST(bf16_wire) { compressed_pass(MPIDP_BF16, mpidp__test_failed); }
+TEST(fp16_wire) { compressed_pass(MPIDP_F16, mpidp__test_failed); }
+
+TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters, bf16_wire, fp16_wire)

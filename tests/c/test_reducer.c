@@ -126,7 +126,13 @@ TEST(inconsistent_layout_is_refused)
     f.info[1].n_params = 3; /* the layout puts only two parameters there */
     ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
     f.info[1].n_params = 2;
-    f.info[1].dtype = MPIDP_BF16;
+    f.info[1].dtype = 99; /* no such dtype */
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EDTYPE);
+    f.info[1].dtype = MPIDP_F32;
+    cfg.wire_dtype = MPIDP_F64; /* only bf16/fp16 can be wire dtypes */
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    f.info[0].dtype = MPIDP_F64; /* float64 gradients cannot be compressed */
+    cfg.wire_dtype = MPIDP_BF16;
     ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EDTYPE);
     teardown(&f);
 }

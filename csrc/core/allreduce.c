@@ -1,0 +1,250 @@
+/* Chunked, optionally compressed allreduce (see mpidp/allreduce.h). */
+#include "mpidp/allreduce.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "mpidp/mpiops.h"
+#include "mpidp/pack.h"
+#include "mpidp/status.h"
+
+struct mpidp_allreduce {
+    MPI_Comm comm;
+    int size;
+    mpidp_reqtable_t *reqs;
+    mpidp_tensor_t t;
+    mpidp_allreduce_opts_t o;
+    int compressed;
+    size_t n_chunks;
+    size_t next_post;      /* chunks below this have been posted */
+    size_t next_done;      /* chunks below this have completed (and been unpacked) */
+    size_t slots;          /* wire buffers in rotation (chunks in flight at most) */
+    uint16_t *wire;        /* slots * chunk_elems elements, compressed only */
+    mpidp_req_t *req;      /* per slot */
+    char what[64];
+};
+
+MPI_Datatype mpidp_mpi_datatype(int dtype)
+{
+    switch (dtype) {
+    case MPIDP_F32: return MPI_FLOAT;
+    case MPIDP_F64: return MPI_DOUBLE;
+    case MPIDP_BF16: return mpidp_mpi_bf16_type();
+    case MPIDP_F16: return mpidp_mpi_fp16_type();
+    }
+    return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpidp_mpi_sum_op(int dtype)
+{
+    switch (dtype) {
+    case MPIDP_F32:
+    case MPIDP_F64: return MPI_SUM;
+    case MPIDP_BF16:
+    case MPIDP_F16: return mpidp_mpi_half_sum_op();
+    }
+    return MPI_OP_NULL;
+}
+
+static size_t chunk_len(const mpidp_allreduce_t *x, size_t k)
+{
+    size_t start = k * x->o.chunk_elems;
+    size_t left = x->t.numel - start;
+    return left < x->o.chunk_elems ? left : x->o.chunk_elems;
+}
+
+static uint16_t *slot_wire(const mpidp_allreduce_t *x, size_t k)
+{
+    /* With every chunk in flight at once the wire copy is the whole tensor, laid
+     * out in tensor order (so keep_wire callers can read it as one array). */
+    return x->wire + (k % x->slots) * x->o.chunk_elems;
+}
+
+/* In-place scaling of 16-bit tensors (a half-precision model averaging its own
+ * gradients); rare, so a scalar loop through the exact conversions. */
+static void scale_half(uint16_t *x, int dtype, float s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (dtype == MPIDP_BF16) x[i] = mpidp_bf16_from_f32(mpidp_f32_from_bf16(x[i]) * s);
+        else x[i] = mpidp_fp16_from_f32(mpidp_f32_from_fp16(x[i]) * s);
+    }
+}
+
+static int post_chunk(mpidp_allreduce_t *x, size_t k)
+{
+    const mpidp_pack_kernels_t *kern = mpidp_pack_kernels();
+    size_t start = k * x->o.chunk_elems, n = chunk_len(x, k);
+    float s = x->o.op == MPIDP_OP_AVG ? 1.0f / (float)x->size : 1.0f;
+    void *buf;
+    int dtype;
+    if (x->compressed) {
+        buf = slot_wire(x, k);
+        dtype = x->o.wire;
+        const float *src = (const float *)x->t.data + start;
+        if (dtype == MPIDP_BF16) kern->pack_bf16(buf, src, NULL, s, n);
+        else kern->pack_fp16(buf, src, NULL, s, n);
+    } else {
+        dtype = x->t.dtype;
+        buf = (char *)x->t.data + start * mpidp_dtype_size(dtype);
+        if (x->o.op == MPIDP_OP_AVG) {
+            if (dtype == MPIDP_F32) kern->scale_f32(buf, s, n);
+            else if (dtype == MPIDP_F64) kern->scale_f64(buf, 1.0 / (double)x->size, n);
+            else scale_half(buf, dtype, s, n);
+        }
+    }
+    MPI_Request req;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, mpidp_mpi_datatype(dtype),
+                            mpidp_mpi_sum_op(dtype), x->comm, &req);
+    if (rc != MPI_SUCCESS) {
+        char msg[MPI_MAX_ERROR_STRING];
+        return mpidp__fail(MPIDP_EMPI, "%s: MPI_Iallreduce of chunk %zu/%zu: %s", x->what, k,
+                           x->n_chunks, mpidp__mpi_errstr(rc, msg, sizeof msg));
+    }
+    char what[MPIDP_REQ_WHAT_LEN + 64];
+    snprintf(what, sizeof what, "%s: MPI_Iallreduce of %zu %s (chunk %zu/%zu)", x->what, n,
+             mpidp_dtype_name(dtype), k + 1, x->n_chunks);
+    rc = mpidp_reqtable_add(x->reqs, req, what, &x->req[k % x->slots]);
+    if (rc != MPIDP_OK) {
+        MPI_Wait(&req, MPI_STATUS_IGNORE); /* no slot to track it: finish it here */
+        x->req[k % x->slots] = MPIDP_REQ_NONE;
+    }
+    return MPIDP_OK;
+}
+
+static void finish_chunk(mpidp_allreduce_t *x, size_t k)
+{
+    if (!x->compressed || x->o.keep_wire) return;
+    const mpidp_pack_kernels_t *kern = mpidp_pack_kernels();
+    float *dst = (float *)x->t.data + k * x->o.chunk_elems;
+    if (x->o.wire == MPIDP_BF16) kern->unpack_bf16(dst, slot_wire(x, k), NULL, 0.0f, 1.0f, 0.0f, chunk_len(x, k));
+    else kern->unpack_fp16(dst, slot_wire(x, k), NULL, 0.0f, 1.0f, 0.0f, chunk_len(x, k));
+}
+
+/* Posts chunks while a slot is free. */
+static int post_more(mpidp_allreduce_t *x)
+{
+    while (x->next_post < x->n_chunks && x->next_post - x->next_done < x->slots) {
+        int rc = post_chunk(x, x->next_post);
+        if (rc != MPIDP_OK) return rc;
+        x->next_post++;
+    }
+    return MPIDP_OK;
+}
+
+int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
+                          const mpidp_allreduce_opts_t *opts, mpidp_reqtable_t *reqs,
+                          mpidp_allreduce_t **out)
+{
+    if (t == NULL || opts == NULL || reqs == NULL || out == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
+    if (opts->op != MPIDP_OP_SUM && opts->op != MPIDP_OP_AVG)
+        return mpidp__fail(MPIDP_EINVAL, "allreduce: unknown op %d", opts->op);
+    if (opts->chunk_elems == 0 || opts->chunk_elems > (size_t)INT_MAX)
+        return mpidp__fail(MPIDP_EINVAL, "allreduce: chunk_elems must be in 1..INT_MAX");
+    if (t->device != MPIDP_DEV_CPU)
+        return mpidp__fail(MPIDP_EDEVICE, "allreduce: expected a CPU tensor");
+    int compressed = opts->wire != -1 && opts->wire != (int)t->dtype;
+    if (compressed && !(t->dtype == MPIDP_F32 && (opts->wire == MPIDP_BF16 || opts->wire == MPIDP_F16)))
+        return mpidp__fail(MPIDP_EDTYPE, "allreduce: a %s tensor cannot travel as %s (wire "
+                           "compression takes float32 to bfloat16 or float16)",
+                           mpidp_dtype_name(t->dtype), mpidp_dtype_name(opts->wire));
+    if (mpidp_mpi_datatype(compressed ? opts->wire : (int)t->dtype) == MPI_DATATYPE_NULL)
+        return mpidp__fail(MPIDP_EDTYPE, "allreduce: no MPI datatype for %s (MPI ops not "
+                           "initialised?)", mpidp_dtype_name(compressed ? opts->wire : (int)t->dtype));
+    if (opts->keep_wire && (!compressed || opts->max_in_flight != 0))
+        return mpidp__fail(MPIDP_EINVAL, "allreduce: keep_wire needs a compressing wire dtype "
+                           "and every chunk in flight (max_in_flight 0)");
+    int size;
+    int rc = MPI_Comm_size(comm, &size);
+    if (rc != MPI_SUCCESS) return mpidp__fail(MPIDP_EMPI, "allreduce: MPI_Comm_size failed");
+
+    mpidp_allreduce_t *x = calloc(1, sizeof *x);
+    if (x == NULL) return mpidp__fail(MPIDP_ENOMEM, "allreduce");
+    x->comm = comm;
+    x->size = size;
+    x->reqs = reqs;
+    x->t = *t;
+    x->o = *opts;
+    x->compressed = compressed;
+    snprintf(x->what, sizeof x->what, "%s", opts->what ? opts->what : "allreduce");
+    x->n_chunks = (t->numel + opts->chunk_elems - 1) / opts->chunk_elems;
+    x->slots = opts->max_in_flight == 0 || opts->max_in_flight > x->n_chunks ? x->n_chunks
+                                                                            : opts->max_in_flight;
+    if (x->slots == 0) x->slots = 1;
+    x->req = calloc(x->slots, sizeof *x->req);
+    if (compressed && t->numel > 0) {
+        size_t n = x->slots * opts->chunk_elems;
+        if (n > t->numel) n = t->numel;
+        x->wire = malloc(n * sizeof *x->wire);
+    }
+    if (x->req == NULL || (compressed && t->numel > 0 && x->wire == NULL)) {
+        free(x->req);
+        free(x->wire);
+        free(x);
+        return mpidp__fail(MPIDP_ENOMEM, "allreduce: wire buffer for %zu elements", t->numel);
+    }
+    /* One rank: the sum is the tensor itself; "avg" and compression must still
+     * happen so results are what a larger job would give (same rounding). */
+    rc = post_more(x);
+    if (rc != MPIDP_OK) {
+        /* Chunks already posted must land before the buffers go. */
+        for (size_t k = x->next_done; k < x->next_post; k++)
+            mpidp_reqtable_wait(reqs, x->req[k % x->slots], 0);
+        free(x->req);
+        free(x->wire);
+        free(x);
+        return rc;
+    }
+    *out = x;
+    return MPIDP_OK;
+}
+
+int mpidp_allreduce_test(mpidp_allreduce_t *x, int *done)
+{
+    if (x == NULL || done == NULL) return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
+    while (x->next_done < x->next_post) {
+        int chunk_done = 0;
+        int rc = mpidp_reqtable_test(x->reqs, x->req[x->next_done % x->slots], &chunk_done);
+        if (rc != MPIDP_OK) return rc;
+        if (!chunk_done) break;
+        finish_chunk(x, x->next_done);
+        x->next_done++;
+        rc = post_more(x);
+        if (rc != MPIDP_OK) return rc;
+    }
+    *done = x->next_done == x->n_chunks;
+    return MPIDP_OK;
+}
+
+int mpidp_allreduce_wait(mpidp_allreduce_t *x, double timeout_s)
+{
+    if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
+    for (;;) {
+        int done = 0;
+        int rc = mpidp_allreduce_test(x, &done);
+        if (rc != MPIDP_OK || done) return rc;
+        /* Block on the oldest chunk (the deadline counts per chunk: progress). */
+        rc = mpidp_reqtable_wait(x->reqs, x->req[x->next_done % x->slots], timeout_s);
+        if (rc != MPIDP_OK) return rc;
+    }
+}
+
+const uint16_t *mpidp_allreduce_wire(const mpidp_allreduce_t *x)
+{
+    return (x && x->o.keep_wire) ? x->wire : NULL;
+}
+
+int mpidp_allreduce_free(mpidp_allreduce_t *x)
+{
+    if (x == NULL) return MPIDP_OK;
+    for (size_t k = x->next_done; k < x->next_post; k++) {
+        int done = 0;
+        mpidp_reqtable_test(x->reqs, x->req[k % x->slots], &done);
+        if (!done) return mpidp__fail(MPIDP_ESTATE, "%s: chunk %zu is still in flight", x->what, k);
+    }
+    free(x->req);
+    free(x->wire);
+    free(x);
+    return MPIDP_OK;
+}

@@ -1,0 +1,67 @@
+/* Chunked allreduce of one tensor, optionally compressed to bf16/fp16 on the
+ * wire.
+ *
+ * Uncompressed, the tensor is reduced in place (float32/float64 with MPI_SUM,
+ * bfloat16/float16 with mpidp's native half sum op). Compressed (a float32
+ * tensor, wire bf16 or fp16), each chunk is packed into a 16-bit wire buffer
+ * -- scaled by 1/size in the same pass for "avg" -- reduced with the native
+ * half sum op, and, unless the caller keeps the wire result, unpacked back.
+ *
+ * At most `max_in_flight` chunks are posted at once, so the wire copy takes
+ * max_in_flight * chunk_elems 16-bit elements however large the tensor is;
+ * further chunks are posted as earlier ones complete, which happens inside
+ * mpidp_allreduce_test()/wait(). max_in_flight = 0 posts every chunk at once
+ * (DASO's asynchronous sync: nothing calls back until it is received). */
+#ifndef MPIDP_ALLREDUCE_H
+#define MPIDP_ALLREDUCE_H
+
+#include <mpi.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mpidp/reqtable.h"
+#include "mpidp/tensor.h"
+
+typedef enum {
+    MPIDP_OP_SUM = 0,
+    MPIDP_OP_AVG = 1,
+} mpidp_op_t;
+
+typedef struct {
+    int op;               /* mpidp_op_t */
+    int wire;             /* MPIDP_BF16 / MPIDP_F16 to compress a float32 tensor; -1: none */
+    size_t chunk_elems;   /* elements per MPI call, 1 .. INT_MAX */
+    size_t max_in_flight; /* chunks posted at once; 0: all */
+    int keep_wire;        /* 1: leave the summed wire buffer for the caller, do not unpack */
+    const char *what;     /* for messages, e.g. "mpidp.allreduce" */
+} mpidp_allreduce_opts_t;
+
+typedef struct mpidp_allreduce mpidp_allreduce_t;
+
+/* The MPI datatype and sum op of a core dtype (MPI_DATATYPE_NULL/MPI_OP_NULL
+ * when unknown; the half types need mpidp_mpiops_init() first). */
+MPI_Datatype mpidp_mpi_datatype(int dtype);
+MPI_Op mpidp_mpi_sum_op(int dtype);
+
+/* Starts reducing `t` (a CPU tensor that must stay alive and untouched until
+ * completion) and posts the first chunks. Fails with MPIDP_EINVAL/MPIDP_EDTYPE
+ * for bad options (with a detail), MPIDP_ENOMEM, MPIDP_EMPI. */
+int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
+                          const mpidp_allreduce_opts_t *opts, mpidp_reqtable_t *reqs,
+                          mpidp_allreduce_t **out);
+
+/* Progresses without blocking: completes finished chunks (unpacking them)
+ * and posts the next ones. *done = 1 once every chunk has completed. */
+int mpidp_allreduce_test(mpidp_allreduce_t *x, int *done);
+
+/* Blocks until done; `timeout_s` bounds each wait for progress (<= 0: none). */
+int mpidp_allreduce_wait(mpidp_allreduce_t *x, double timeout_s);
+
+/* With keep_wire: the summed 16-bit wire buffer of the whole tensor (valid
+ * once done, until free). NULL otherwise. */
+const uint16_t *mpidp_allreduce_wire(const mpidp_allreduce_t *x);
+
+/* Frees `x`. MPIDP_ESTATE (and nothing freed) while chunks are in flight. */
+int mpidp_allreduce_free(mpidp_allreduce_t *x);
+
+#endif /* MPIDP_ALLREDUCE_H */
