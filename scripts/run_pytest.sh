@@ -21,10 +21,10 @@ rm -f tests/logs/rank-*.log
 
 echo "== pytest at $n rank(s)"
 if [ "$n" = 1 ]; then
-    timeout -k 10 "$limit" "$PY" -m pytest -q tests "$@"
+    timeout -k 10 "$limit" "$PY" -m pytest -q "${@:-tests}"
     rc=$?
 else
-    timeout -k 10 "$limit" ./scripts/mpirun.sh "$n" ./scripts/pytest_rank.sh "$PY" -q --color=no -m "not serial" tests "$@"
+    timeout -k 10 "$limit" ./scripts/mpirun.sh "$n" ./scripts/pytest_rank.sh "$PY" -q --color=no -m "not serial" "${@:-tests}"
     rc=$?
 fi
 if [ $rc = 5 ]; then

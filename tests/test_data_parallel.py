@@ -227,11 +227,3 @@ def test_buffers_are_broadcast():
     mpidp.DataParallel(model, blocking_parameter_updates=True)
     assert torch.all(model.running_mean == 0.0)
     assert model.num_batches_tracked.item() == 10
-
-
-def test_non_blocking_request_falls_back_with_warning():
-    model = build(MLP, seed=0)
-    opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.warns(UserWarning, match="non-blocking"):
-        net = mpidp.DataParallel(model, optimizer=opt)
-    assert net.blocking_parameter_updates and opt.blocking_parameter_updates

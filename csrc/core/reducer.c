@@ -14,7 +14,8 @@
 typedef struct {
     mpidp_bucket_info_t info;
     void *data;            /* numel data elements, then n_params flags */
-    uint16_t *wire;        /* compressed copy of data + flags (NULL: reduce in place) */
+    void *comm;            /* what MPI reduces when not the data itself: the data + flags
+                            * packed to the wire dtype, or (separate mode) copied */
     size_t pending;        /* parameters not yet marked in this pass */
     mpidp_bucket_state_t state;
     mpidp_req_t req;
@@ -35,8 +36,21 @@ struct mpidp_reducer {
     bucket_t *buckets;
     size_t next_to_post;   /* buckets below this index are posted (or done) */
     int wire;              /* MPIDP_BF16/MPIDP_F16: float32 buckets travel compressed; -1 */
+    int separate;          /* results stay in bk->comm until delivered */
     char name[48];
 };
+
+/* A float32 bucket that travels as bf16/fp16. */
+static int bk_compressed(const mpidp_reducer_t *r, const bucket_t *bk)
+{
+    return r->wire != -1 && bk->info.dtype == MPIDP_F32;
+}
+
+/* The dtype MPI reduces for this bucket. */
+static int comm_dtype(const mpidp_reducer_t *r, const bucket_t *bk)
+{
+    return bk_compressed(r, bk) ? r->wire : bk->info.dtype;
+}
 
 static void free_reducer(mpidp_reducer_t *r)
 {
@@ -46,7 +60,7 @@ static void free_reducer(mpidp_reducer_t *r)
     free(r->param_numel);
     free(r->param_flag);
     free(r->ready);
-    for (size_t b = 0; r->buckets && b < r->n_buckets; b++) free(r->buckets[b].wire);
+    for (size_t b = 0; r->buckets && b < r->n_buckets; b++) free(r->buckets[b].comm);
     free(r->buckets);
     free(r);
 }
@@ -88,6 +102,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->n_params = np;
     r->n_buckets = nb;
     r->wire = cfg->wire_dtype;
+    r->separate = cfg->separate != 0;
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
 
     for (size_t b = 0; b < nb; b++) {
@@ -107,9 +122,10 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
                                "compression takes float32 to bfloat16 or float16)",
                                mpidp_dtype_name(dt), mpidp_dtype_name(cfg->wire_dtype));
         }
-        if (r->wire != -1 && bk->info.dtype == MPIDP_F32) {
-            bk->wire = malloc((bk->info.numel + bk->info.n_params + 1) * sizeof *bk->wire);
-            if (bk->wire == NULL) {
+        if (bk_compressed(r, bk) || r->separate) {
+            size_t esize = mpidp_dtype_size(comm_dtype(r, bk));
+            bk->comm = malloc((bk->info.numel + bk->info.n_params + 1) * esize);
+            if (bk->comm == NULL) {
                 free_reducer(r);
                 return mpidp__fail(MPIDP_ENOMEM, "reducer: wire buffer of bucket %zu", b);
             }
@@ -184,10 +200,15 @@ static void set_flag(bucket_t *bk, size_t flag, int value)
     }
 }
 
-static int flag_is_set(const bucket_t *bk, size_t flag)
+/* Reads a flag after completion: from the communication buffer in separate
+ * mode (results stay there), else from the bucket (unpacked into it). */
+static int flag_is_set(const mpidp_reducer_t *r, const bucket_t *bk, size_t flag)
 {
-    const void *p = element(bk, bk->info.numel + flag);
-    switch (bk->info.dtype) {
+    int dtype = r->separate ? comm_dtype(r, bk) : bk->info.dtype;
+    const void *p = r->separate
+        ? (const char *)bk->comm + (bk->info.numel + flag) * mpidp_dtype_size(dtype)
+        : element(bk, bk->info.numel + flag);
+    switch (dtype) {
     case MPIDP_F32: return *(const float *)p > 0.0f;
     case MPIDP_F64: return *(const double *)p > 0.0;
     case MPIDP_BF16: return mpidp_f32_from_bf16(*(const uint16_t *)p) > 0.0f;
@@ -220,29 +241,48 @@ static void scale_data(bucket_t *bk, double s)
 static int post_bucket(mpidp_reducer_t *r, size_t b)
 {
     bucket_t *bk = &r->buckets[b];
-    if (r->size == 1 && bk->wire == NULL) {
+    if (r->size == 1 && bk->comm == NULL) {
         bk->state = MPIDP_BUCKET_DONE;
         return MPIDP_OK;
     }
     size_t count = bk->info.numel + bk->info.n_params;
     void *buf = bk->data;
-    int wire_dtype = bk->info.dtype;
-    if (bk->wire != NULL) {
+    int wire_dtype = comm_dtype(r, bk);
+    const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
+    float s = 1.0f / (float)r->size;
+    if (bk_compressed(r, bk)) {
         /* Scale and compress in one pass; the flags (1 or 0) travel along. */
-        const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
-        float s = 1.0f / (float)r->size;
         const float *src = bk->data;
+        uint16_t *w = bk->comm;
         if (r->wire == MPIDP_BF16) {
-            k->pack_bf16(bk->wire, src, NULL, s, bk->info.numel);
-            k->pack_bf16(bk->wire + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
+            k->pack_bf16(w, src, NULL, s, bk->info.numel);
+            k->pack_bf16(w + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
         } else {
-            k->pack_fp16(bk->wire, src, NULL, s, bk->info.numel);
-            k->pack_fp16(bk->wire + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
+            k->pack_fp16(w, src, NULL, s, bk->info.numel);
+            k->pack_fp16(w + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
         }
-        buf = bk->wire;
-        wire_dtype = r->wire;
+        buf = bk->comm;
+    } else if (r->separate) {
+        /* Copy (scaled) into the communication buffer, flags unscaled. */
+        size_t esize = mpidp_dtype_size(bk->info.dtype);
+        if (bk->info.dtype == MPIDP_F32) {
+            k->merge_f32(bk->comm, bk->data, NULL, 0.0f, s, 0.0f, bk->info.numel);
+        } else {
+            memcpy(bk->comm, bk->data, bk->info.numel * esize);
+            bucket_t tmp = *bk;
+            tmp.data = bk->comm;
+            scale_data(&tmp, 1.0 / (double)r->size);
+        }
+        memcpy((char *)bk->comm + bk->info.numel * esize, element(bk, bk->info.numel),
+               bk->info.n_params * esize);
+        buf = bk->comm;
     } else {
         scale_data(bk, 1.0 / (double)r->size);
+    }
+    if (r->separate) {
+        /* The gradients now live in the communication buffer; the bucket starts
+         * from zero, ready for whatever the user does before delivery. */
+        memset(bk->data, 0, bk->info.numel * mpidp_dtype_size(bk->info.dtype));
     }
     MPI_Request req;
     int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(wire_dtype),
@@ -265,14 +305,15 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
     return MPIDP_OK;
 }
 
-/* The bucket's collective has completed: bring compressed results home. */
+/* The bucket's collective has completed: bring compressed results home
+ * (separate mode leaves them for mpidp_reducer_deliver). */
 static void complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
 {
-    if (bk->wire != NULL) {
+    if (bk_compressed(r, bk) && !r->separate) {
         const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
         size_t count = bk->info.numel + bk->info.n_params;
-        if (r->wire == MPIDP_BF16) k->unpack_bf16(bk->data, bk->wire, NULL, 0.0f, 1.0f, 0.0f, count);
-        else k->unpack_fp16(bk->data, bk->wire, NULL, 0.0f, 1.0f, 0.0f, count);
+        if (r->wire == MPIDP_BF16) k->unpack_bf16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
+        else k->unpack_fp16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
     }
     bk->state = MPIDP_BUCKET_DONE;
 }
@@ -352,8 +393,62 @@ int mpidp_reducer_used_globally(const mpidp_reducer_t *r, size_t param, int *use
     const bucket_t *bk = &r->buckets[r->param_bucket[param]];
     if (bk->state != MPIDP_BUCKET_DONE)
         return mpidp__fail(MPIDP_ESTATE, "%s: bucket of parameter %zu has not completed", r->name, param);
-    *used = flag_is_set(bk, r->param_flag[param]);
+    *used = flag_is_set(r, bk, r->param_flag[param]);
     return MPIDP_OK;
+}
+
+int mpidp_reducer_deliver(mpidp_reducer_t *r, size_t param, int mode)
+{
+    if (r == NULL || param >= r->n_params || (mode != MPIDP_DELIVER_COPY && mode != MPIDP_DELIVER_ADD))
+        return mpidp__fail(MPIDP_EINVAL, "reducer: bad deliver(%zu, %d)", param, mode);
+    bucket_t *bk = &r->buckets[r->param_bucket[param]];
+    if (!r->separate || bk->state != MPIDP_BUCKET_DONE)
+        return mpidp__fail(MPIDP_ESTATE, "%s: nothing to deliver for parameter %zu", r->name, param);
+    if (r->size == 1 && bk->comm == NULL) return MPIDP_OK;
+    const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
+    size_t off = r->param_offset[param], n = r->param_numel[param];
+    float a = mode == MPIDP_DELIVER_ADD ? 1.0f : 0.0f;
+    switch (comm_dtype(r, bk)) {
+    case MPIDP_BF16:
+        if (bk->info.dtype == MPIDP_F32) {
+            k->unpack_bf16((float *)bk->data + off, (uint16_t *)bk->comm + off, NULL, a, 1.0f, 0.0f, n);
+            return MPIDP_OK;
+        }
+        break;
+    case MPIDP_F16:
+        if (bk->info.dtype == MPIDP_F32) {
+            k->unpack_fp16((float *)bk->data + off, (uint16_t *)bk->comm + off, NULL, a, 1.0f, 0.0f, n);
+            return MPIDP_OK;
+        }
+        break;
+    case MPIDP_F32:
+        k->merge_f32((float *)bk->data + off, (const float *)bk->comm + off, NULL, a, 1.0f, 0.0f, n);
+        return MPIDP_OK;
+    case MPIDP_F64: {
+        double *d = (double *)bk->data + off;
+        const double *c = (const double *)bk->comm + off;
+        for (size_t i = 0; i < n; i++) d[i] = (mode == MPIDP_DELIVER_ADD ? d[i] : 0.0) + c[i];
+        return MPIDP_OK;
+    }
+    }
+    /* Half-precision buckets (not compressed further): through the exact conversions. */
+    uint16_t *d = (uint16_t *)bk->data + off;
+    const uint16_t *c = (const uint16_t *)bk->comm + off;
+    int bf = bk->info.dtype == MPIDP_BF16;
+    for (size_t i = 0; i < n; i++) {
+        float prev = mode == MPIDP_DELIVER_ADD ? (bf ? mpidp_f32_from_bf16(d[i]) : mpidp_f32_from_fp16(d[i])) : 0.0f;
+        float add = bf ? mpidp_f32_from_bf16(c[i]) : mpidp_f32_from_fp16(c[i]);
+        d[i] = bf ? mpidp_bf16_from_f32(prev + add) : mpidp_fp16_from_f32(prev + add);
+    }
+    return MPIDP_OK;
+}
+
+void *mpidp_reducer_slice(const mpidp_reducer_t *r, size_t param, size_t *numel)
+{
+    if (r == NULL || param >= r->n_params) return NULL;
+    const bucket_t *bk = &r->buckets[r->param_bucket[param]];
+    if (numel) *numel = r->param_numel[param];
+    return element(bk, r->param_offset[param]);
 }
 
 int mpidp_reducer_reset(mpidp_reducer_t *r)

@@ -20,6 +20,22 @@
  *   wait_bucket / complete   wait, then fix up `.grad` of parameters this rank
  *                      had no gradient for: the bucket view if another rank
  *                      had one, else back to None (as a single process would).
+ *
+ * Non-blocking mode (`separate`): the core copies each bucket into its own
+ * communication buffer when posting and zeroes the bucket, and
+ * _finalize_backward records each bucket tensor's version counter. The
+ * results are delivered later, in one of two ways:
+ *   deliver_for_step(params) + after_step(params): the next forward applies
+ *                      the optimizer step, bucket by bucket. Delivery notes
+ *                      what the user did to each `.grad` meanwhile -- set it
+ *                      to None, zeroed it in place (the version counter
+ *                      moved), or nothing -- points `.grad` at the mean for
+ *                      the step, and after_step restores the user's intent
+ *                      (None, zeros, or the mean kept, as a single process
+ *                      would have it after the step).
+ *   complete()          no step is due (gradient accumulation): the mean is
+ *                      added to whatever the bucket holds now, unless the
+ *                      user cleared the gradients since.
  */
 #include "module.h"
 
@@ -31,6 +47,9 @@
 #include "mpidp/bucket.h"
 #include "mpidp/reducer.h"
 #include "mpidp/status.h"
+
+/* What a parameter's `.grad` becomes after a deferred step (non-blocking). */
+enum { AFTER_KEEP = 0, AFTER_ZERO = 1, AFTER_NONE = 2, AFTER_DONE = 3 };
 
 typedef struct {
     PyObject_HEAD
@@ -48,8 +67,14 @@ typedef struct {
     uint8_t *was_none;         /* `.grad` was None when prepare() pointed it at the view */
     uint8_t *local_has;        /* this rank contributed a gradient in this pass */
     int blocking;
+    int separate;              /* non-blocking mode: separate communication buffers */
     int queued;                /* _finalize_backward queued for the current backward */
     int finalized;             /* the current pass has every bucket posted */
+    long long *version;        /* per bucket: version counter when the pass was posted */
+    uint8_t *delivered;        /* per bucket: result delivered for a step */
+    uint8_t *after;            /* per parameter: AFTER_* */
+    uint8_t *used;             /* per parameter: some rank had a gradient in this pass */
+    size_t n_done;             /* parameters whose after-step action is done */
 } reducer_t;
 
 typedef struct {
@@ -59,7 +84,7 @@ typedef struct {
     Py_ssize_t index;
 } gradhook_t;
 
-static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize;
+static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize, *str_version;
 
 /* --- helpers ----------------------------------------------------------- */
 
@@ -150,18 +175,17 @@ static int wait_bucket(reducer_t *r, size_t b)
     return fix_missing_grads(r, b);
 }
 
-/* Completes the open pass: waits for every bucket, fixes grads, resets. */
-static int complete_pass(reducer_t *r)
+static int read_version(reducer_t *r, size_t b, long long *out)
 {
-    if (mpidp_reducer_n_ready(r->core) == 0) return 0;
-    if (!r->finalized) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "DataParallel: the previous backward pass did not finish (it raised, or "
-                        "its end was never reached); its gradients cannot be completed");
-        return -1;
-    }
-    for (size_t b = 0; b < r->n_buckets; b++)
-        if (wait_bucket(r, b) < 0) return -1;
+    PyObject *v = PyObject_GetAttr(PyTuple_GET_ITEM(r->bucket_tensors, b), str_version);
+    if (v == NULL) return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int reset_pass(reducer_t *r)
+{
     mpidp_error_clear();
     int rc = mpidp_reducer_reset(r->core);
     if (rc != MPIDP_OK) {
@@ -170,7 +194,159 @@ static int complete_pass(reducer_t *r)
     }
     memset(r->local_has, 0, r->n_params);
     memset(r->was_none, 0, r->n_params);
+    if (r->separate) {
+        memset(r->delivered, 0, r->n_buckets);
+        memset(r->after, 0, r->n_params);
+        memset(r->used, 0, r->n_params);
+        r->n_done = 0;
+    }
     r->finalized = 0;
+    return 0;
+}
+
+static int wait_core_bucket(reducer_t *r, size_t b)
+{
+    if (mpidp_reducer_bucket_state(r->core, b) == MPIDP_BUCKET_DONE) return 0;
+    int rc;
+    mpidp_error_clear();
+    MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
+    if (rc != MPIDP_OK) {
+        fail(r, rc, "DataParallel gradient allreduce");
+        return -1;
+    }
+    return 0;
+}
+
+static int deliver(reducer_t *r, size_t i, int mode)
+{
+    mpidp_error_clear();
+    int rc = mpidp_reducer_deliver(r->core, i, mode);
+    if (rc != MPIDP_OK) {
+        fail(r, rc, "DataParallel");
+        return -1;
+    }
+    return 0;
+}
+
+/* Non-blocking mode, no step due: adds the mean into the bucket unless the
+ * user cleared the gradients since backward. `accumulated` is a parameter
+ * whose new gradient autograd has already added to its view (a second
+ * backward started before any forward), -1 if none: that addition moved the
+ * bucket's version counter by one and is not the user clearing anything. */
+static int complete_separate(reducer_t *r, long accumulated)
+{
+    for (size_t b = 0; b < r->n_buckets; b++) {
+        if (wait_core_bucket(r, b) < 0) return -1;
+        long long now;
+        if (read_version(r, b, &now) < 0) return -1;
+        long long expected = r->version[b];
+        if (accumulated >= 0 && mpidp_reducer_bucket_of(r->core, (size_t)accumulated) == b) expected++;
+        int cleared = now != expected;
+        for (size_t i = 0; i < r->n_params; i++) {
+            if (mpidp_reducer_bucket_of(r->core, i) != b) continue;
+            PyObject *param = PyTuple_GET_ITEM(r->params, i);
+            PyObject *view = PyTuple_GET_ITEM(r->views, i);
+            PyObject *grad = PyObject_GetAttr(param, str_grad);
+            if (grad == NULL) return -1;
+            int is_view = grad == view;
+            Py_DECREF(grad);
+            if (!is_view || cleared) continue; /* None, replaced or zeroed: the mean is dropped */
+            int used = 0;
+            mpidp_reducer_used_globally(r->core, i, &used);
+            if (deliver(r, i, MPIDP_DELIVER_ADD) < 0) return -1;
+            /* Nobody had a gradient and `.grad` was None before backward: None again. */
+            if (!used && r->was_none[i] && (long)i != accumulated &&
+                PyObject_SetAttr(param, str_grad, Py_None) < 0)
+                return -1;
+        }
+    }
+    return reset_pass(r);
+}
+
+/* Completes the open pass: waits for every bucket, fixes grads, resets. */
+static int complete_pass_from(reducer_t *r, long accumulated)
+{
+    if (mpidp_reducer_n_ready(r->core) == 0) return 0;
+    if (!r->finalized) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "DataParallel: the previous backward pass did not finish (it raised, or "
+                        "its end was never reached); its gradients cannot be completed");
+        return -1;
+    }
+    if (r->separate) {
+        if (r->n_done != 0) {
+            PyErr_SetString(PyExc_RuntimeError, "DataParallel: a deferred optimizer step is half "
+                            "applied; finish it before completing the pass");
+            return -1;
+        }
+        return complete_separate(r, accumulated);
+    }
+    for (size_t b = 0; b < r->n_buckets; b++)
+        if (wait_bucket(r, b) < 0) return -1;
+    return reset_pass(r);
+}
+
+static int complete_pass(reducer_t *r) { return complete_pass_from(r, -1); }
+
+/* Non-blocking mode, a step is due: delivers bucket b's mean into its
+ * parameters' `.grad` for the optimizer, remembering what each `.grad`
+ * must become after the step. */
+static int deliver_bucket_for_step(reducer_t *r, size_t b)
+{
+    if (r->delivered[b]) return 0;
+    if (wait_core_bucket(r, b) < 0) return -1;
+    long long now;
+    if (read_version(r, b, &now) < 0) return -1;
+    int cleared = now != r->version[b];
+    for (size_t i = 0; i < r->n_params; i++) {
+        if (mpidp_reducer_bucket_of(r->core, i) != b) continue;
+        PyObject *param = PyTuple_GET_ITEM(r->params, i);
+        PyObject *view = PyTuple_GET_ITEM(r->views, i);
+        PyObject *grad = PyObject_GetAttr(param, str_grad);
+        if (grad == NULL) return -1;
+        int is_view = grad == view, is_none = grad == Py_None;
+        Py_DECREF(grad);
+        if (!is_view && !is_none) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "DataParallel (non-blocking): the .grad of parameter %zu was replaced "
+                         "between backward and the step; the averaged gradient is applied at the "
+                         "next forward, so gradients cannot be edited in between (use "
+                         "blocking_parameter_updates=True for that)", i);
+            return -1;
+        }
+        r->after[i] = is_none ? AFTER_NONE : cleared ? AFTER_ZERO : AFTER_KEEP;
+        int used = 0;
+        mpidp_reducer_used_globally(r->core, i, &used);
+        r->used[i] = (uint8_t)used;
+        if (deliver(r, i, MPIDP_DELIVER_COPY) < 0) return -1;
+        /* For the step: the mean, or None where no rank had a gradient (the
+         * optimizer then skips the parameter, as in a single process). */
+        if (PyObject_SetAttr(param, str_grad, used ? view : Py_None) < 0) return -1;
+    }
+    r->delivered[b] = 1;
+    return 0;
+}
+
+static int after_step_param(reducer_t *r, size_t i)
+{
+    if (r->after[i] == AFTER_DONE) return 0;
+    PyObject *param = PyTuple_GET_ITEM(r->params, i);
+    PyObject *view = PyTuple_GET_ITEM(r->views, i);
+    PyObject *value = view;
+    if (r->after[i] == AFTER_NONE) {
+        value = Py_None;
+    } else if (r->after[i] == AFTER_ZERO) {
+        PyObject *res = PyObject_CallMethod(view, "zero_", NULL);
+        if (res == NULL) return -1;
+        Py_DECREF(res);
+    } else if (!r->used[i] && r->was_none[i]) {
+        value = Py_None;
+    } else if (!r->used[i]) {
+        value = view; /* zeros: the user kept zeroed gradients before backward */
+    }
+    if (PyObject_SetAttr(param, str_grad, value) < 0) return -1;
+    r->after[i] = AFTER_DONE;
+    r->n_done++;
     return 0;
 }
 
@@ -182,7 +358,7 @@ static PyObject *on_grad(reducer_t *r, size_t i, PyObject *param)
         /* First hook of a new backward: finish a previous pass still open
          * (non-blocking mode, or two backwards before one step), then ask
          * autograd to call us when this backward ends. */
-        if (r->finalized && complete_pass(r) < 0) return NULL;
+        if (r->finalized && complete_pass_from(r, (long)i) < 0) return NULL;
         PyObject *cb = PyObject_GetAttr((PyObject *)r, str_finalize);
         if (cb == NULL) return NULL;
         PyObject *res = PyObject_CallOneArg(r->queue_callback, cb);
@@ -228,16 +404,77 @@ static PyObject *reducer_finalize_backward(reducer_t *r, PyObject *unused)
     for (size_t i = 0; i < r->n_params; i++)
         if (!mpidp_reducer_is_ready(r->core, i) && mark_param(r, i) < 0) return NULL;
     r->finalized = 1;
+    if (r->separate) {
+        /* Every bucket is posted (and zeroed): any in-place change from now on
+         * is the user's (zero_grad with set_to_none=False) or a new backward. */
+        for (size_t b = 0; b < r->n_buckets; b++)
+            if (read_version(r, b, &r->version[b]) < 0) return NULL;
+    }
     if (r->blocking && complete_pass(r) < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+/* deliver_for_step(params): non-blocking mode, a step is due: deliver the
+ * buckets holding these parameters (and so every parameter in them). */
+static PyObject *reducer_deliver_for_step(reducer_t *r, PyObject *indices)
+{
+    if (!r->separate || !r->finalized)
+        return PyErr_Format(PyExc_RuntimeError, "deliver_for_step: no finished non-blocking pass");
+    PyObject *fast = PySequence_Fast(indices, "indices must be a sequence");
+    if (fast == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(fast); k++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, k));
+        if ((i == -1 && PyErr_Occurred()) || i < 0 || (size_t)i >= r->n_params ||
+            deliver_bucket_for_step(r, mpidp_reducer_bucket_of(r->core, (size_t)i)) < 0) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_IndexError, "parameter %zd out of range", i);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+}
+
+/* after_step(params): restore `.grad` as the user left it; when every
+ * parameter is done, the pass is over. */
+static PyObject *reducer_after_step(reducer_t *r, PyObject *indices)
+{
+    if (!r->separate || !r->finalized)
+        return PyErr_Format(PyExc_RuntimeError, "after_step: no finished non-blocking pass");
+    PyObject *fast = PySequence_Fast(indices, "indices must be a sequence");
+    if (fast == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(fast); k++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, k));
+        if ((i == -1 && PyErr_Occurred()) || i < 0 || (size_t)i >= r->n_params ||
+            !r->delivered[mpidp_reducer_bucket_of(r->core, (size_t)i)] ||
+            after_step_param(r, (size_t)i) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_RuntimeError, "after_step: parameter %zd was not delivered", i);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    if (r->n_done == r->n_params && reset_pass(r) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The buckets whose results have been delivered for a step. */
+static PyObject *reducer_delivered(reducer_t *r, PyObject *arg)
+{
+    Py_ssize_t b = PyLong_AsSsize_t(arg);
+    if (b == -1 && PyErr_Occurred()) return NULL;
+    if (b < 0 || (size_t)b >= r->n_buckets) return PyErr_Format(PyExc_IndexError, "bucket %zd", b);
+    return PyBool_FromLong(r->separate && r->delivered[b]);
 }
 
 static PyObject *reducer_prepare(reducer_t *r, PyObject *unused)
 {
     (void)unused;
-    /* A pass still open (non-blocking) must complete before grads move. */
-    if (r->finalized && complete_pass(r) < 0) return NULL;
-    if (mpidp_reducer_n_ready(r->core) != 0) Py_RETURN_NONE; /* mid-backward: leave alone */
+    /* A pass still open must be completed (or its step applied) before grads
+     * move; in non-blocking mode DataParallel.forward decides which. */
+    if (r->finalized && !r->separate && complete_pass(r) < 0) return NULL;
+    if (mpidp_reducer_n_ready(r->core) != 0) Py_RETURN_NONE;
     for (size_t i = 0; i < r->n_params; i++) {
         PyObject *param = PyTuple_GET_ITEM(r->params, i);
         PyObject *grad = PyObject_GetAttr(param, str_grad);
@@ -351,6 +588,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->bucket_tensors = Py_NewRef(buckets);
     r->queue_callback = Py_NewRef(qcb);
     r->blocking = blocking;
+    r->separate = !blocking;
     r->n_params = (size_t)np;
     r->n_buckets = (size_t)nb;
 
@@ -363,9 +601,13 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->buckets = calloc(b1, sizeof *r->buckets);
     r->was_none = calloc(n1, 1);
     r->local_has = calloc(n1, 1);
+    r->version = calloc(b1, sizeof *r->version);
+    r->delivered = calloc(b1, 1);
+    r->after = calloc(n1, 1);
+    r->used = calloc(n1, 1);
     PyObject *result = NULL;
     if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->was_none ||
-        !r->local_has) {
+        !r->local_has || !r->version || !r->delivered || !r->after || !r->used) {
         PyErr_NoMemory();
         goto done;
     }
@@ -405,7 +647,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mpidp_reducer_config_t cfg = {
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
         .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
-        .bucket_data = data, .wire_dtype = wire, .name = name};
+        .bucket_data = data, .wire_dtype = wire, .separate = r->separate, .name = name};
     mpidp_error_clear();
     int rc = mpidp_reducer_create(&cfg, &r->core);
     if (rc != MPIDP_OK) {
@@ -464,6 +706,10 @@ static void reducer_dealloc(reducer_t *r)
     free(r->buckets);
     free(r->was_none);
     free(r->local_has);
+    free(r->version);
+    free(r->delivered);
+    free(r->after);
+    free(r->used);
     reducer_clear(r);
     Py_CLEAR(r->bucket_tensors);
     Py_CLEAR(r->comm);
@@ -482,6 +728,11 @@ static PyMethodDef reducer_methods[] = {
     {"complete", (PyCFunction)reducer_complete, METH_NOARGS,
      "Finish the open pass (wait for every bucket); no-op when none is open."},
     {"hook", (PyCFunction)reducer_hook, METH_O, "hook(i) -> GradHook for parameter i."},
+    {"deliver_for_step", (PyCFunction)reducer_deliver_for_step, METH_O,
+     "Non-blocking: deliver the means of these parameters' buckets for the step."},
+    {"after_step", (PyCFunction)reducer_after_step, METH_O,
+     "Non-blocking: give these parameters' .grad back as the user left it."},
+    {"delivered", (PyCFunction)reducer_delivered, METH_O, "delivered(b) -> bool."},
     {"bucket_of", (PyCFunction)reducer_bucket_of, METH_O, "bucket_of(i) -> bucket index."},
     {NULL, NULL, 0, NULL},
 };
@@ -574,7 +825,8 @@ int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st)
         str_copy_ = PyUnicode_InternFromString("copy_");
         str_detach = PyUnicode_InternFromString("detach");
         str_finalize = PyUnicode_InternFromString("_finalize_backward");
-        if (!str_grad || !str_copy_ || !str_detach || !str_finalize) return -1;
+        str_version = PyUnicode_InternFromString("_version");
+        if (!str_grad || !str_copy_ || !str_detach || !str_finalize || !str_version) return -1;
     }
     st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
     if (st->reducer_type == NULL || PyModule_AddType(module, st->reducer_type) < 0) return -1;

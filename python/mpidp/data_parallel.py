@@ -17,6 +17,30 @@ __all__ = ["DataParallel"]
 
 _MB = 1 << 20
 
+# Optimizers whose update of a parameter depends on that parameter's gradient
+# and state only: non-blocking mode may apply their step bucket by bucket.
+_ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.ASGD, torch.optim.Rprop)
+
+
+def _nonblocking_obstacle(optimizers, module) -> str | None:
+    """Why non-blocking updates cannot be used with these optimizers (Heat's
+    rule: one optimizer holding exactly the model's parameters), or None."""
+    if len(optimizers) != 1:
+        return (f"non-blocking updates need exactly one DataParallelOptimizer, got "
+                f"{len(optimizers)}")
+    opt = optimizers[0].torch_optimizer
+    if type(opt) not in _ELEMENTWISE_OPTIMIZERS:
+        return (f"{type(opt).__name__} is not known to update each parameter independently, "
+                "so its step cannot be applied bucket by bucket")
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    if held != trainable:
+        return "the optimizer does not hold exactly the model's trainable parameters"
+    return None
+
 
 def _check_optimizers(optimizer) -> List[DataParallelOptimizer]:
     if optimizer is None:
@@ -54,9 +78,16 @@ class DataParallel(torch.nn.Module):
         Heat's API: the optimizer(s) whose `step()` follows DataParallel's mode.
         With None, gradients are averaged and any optimizer can be stepped.
     blocking_parameter_updates : bool
-        True: gradients are averaged before `backward()` returns. False
-        (Heat's default): non-blocking mode; not available yet, so it falls
-        back to blocking with a warning.
+        True: gradients are averaged before `backward()` returns and
+        `optimizer.step()` updates at once. False (Heat's default): backward
+        only starts the averaging, `optimizer.step()` only marks the update as
+        due, and the next forward applies it bucket by bucket, each just before
+        the first layer that needs it, so communication overlaps everything in
+        between. Gradients are then final only after that forward,
+        `synchronize()`, `eval()` or `state_dict()`; editing them between
+        backward and step (clipping) needs blocking mode. Falls back to blocking
+        with a warning for more than one optimizer, an optimizer not holding
+        exactly the model's parameters, or one not known to be elementwise.
     wire_dtype : torch.bfloat16, torch.float16 or None, keyword-only
         Send float32 gradient buckets compressed to this dtype (halving the
         bytes on the wire; the sum is done in fp32 per element and rounded
@@ -88,9 +119,11 @@ class DataParallel(torch.nn.Module):
         self.comm = comm
         self._c_comm = c_comm
         if not blocking_parameter_updates:
-            warnings.warn("DataParallel: non-blocking parameter updates are not available yet; "
-                          "using blocking updates", stacklevel=2)
-            blocking_parameter_updates = True
+            obstacle = _nonblocking_obstacle(optimizers, module)
+            if obstacle:
+                warnings.warn(f"DataParallel: {obstacle}; falling back to blocking parameter "
+                              "updates", stacklevel=2)
+                blocking_parameter_updates = True
         self.blocking_parameter_updates = blocking_parameter_updates
         self.wire_dtype = wire_dtype
         self._wire = wire
@@ -101,6 +134,11 @@ class DataParallel(torch.nn.Module):
 
         broadcast_state(module, c_comm)
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
+        self._due = False        # non-blocking: optimizer.step() was called, update pending
+        self._applying = False   # non-blocking: this forward applies the pending update
+        self._hyper = None       # the optimizer's hyperparameters when step() was called
+        if not self.blocking_parameter_updates:
+            self._install_layer_hooks()
 
     # -- construction -------------------------------------------------------
 
@@ -126,28 +164,127 @@ class DataParallel(torch.nn.Module):
         views = tuple(grad_view(self._buckets[b], off, p)
                       for p, b, off in zip(params, bucket_of, offset))
         engine = torch.autograd.Variable._execution_engine
+        self._params = params
         self._reducer = _C.Reducer(self._c_comm, params, views, self._buckets, bucket_of, offset,
                                    infos, engine.queue_callback,
                                    self.blocking_parameter_updates, "DataParallel", self._wire)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]
 
+    def _install_layer_hooks(self) -> None:
+        """Forward pre-hooks on every module that owns trainable parameters: each
+        applies the pending update of the buckets holding that module's
+        parameters before it runs."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        n_buckets = self._reducer.n_buckets
+        self._bucket_params = [[] for _ in range(n_buckets)]
+        for i in range(len(self._params)):
+            self._bucket_params[self._reducer.bucket_of(i)].append(i)
+        self._bucket_params = [tuple(ps) for ps in self._bucket_params]
+        self._bucket_done = [True] * n_buckets
+        self._subset_sig = None
+        for module in self.module.modules():
+            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            if not own:
+                continue
+            buckets = tuple(sorted({self._reducer.bucket_of(i) for i in own}))
+            self._hook_handles.append(module.register_forward_pre_hook(
+                lambda _m, _args, buckets=buckets: self._apply_buckets(buckets)))
+
     # -- training -------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        reducer = self._reducer
+        if not self.blocking_parameter_updates and reducer.finalized:
+            if self._due:
+                self._applying = True
+                self._bucket_done = [False] * reducer.n_buckets
+            else:
+                reducer.complete()  # no step due: gradients accumulate
+        try:
+            out = self.module(*inputs, **kwargs)
+        finally:
+            # Layers this forward did not reach (dynamic graphs, or an exception)
+            # still get their update, so the step is never left half applied.
+            if self._applying:
+                self._apply_buckets(range(reducer.n_buckets))
         if self.training and torch.is_grad_enabled():
-            self._reducer.prepare()
-        return self.module(*inputs, **kwargs)
+            reducer.prepare()
+        return out
+
+    def _apply_buckets(self, buckets) -> None:
+        if not self._applying:
+            return
+        for b in buckets:
+            if self._bucket_done[b]:
+                continue
+            params = self._bucket_params[b]
+            self._reducer.deliver_for_step(params)
+            self._step_bucket(b)
+            self._reducer.after_step(params)
+            self._bucket_done[b] = True
+        if all(self._bucket_done):
+            self._applying = False
+            self._due = False
+
+    def _step_bucket(self, b: int) -> None:
+        """Steps the optimizer on bucket b's parameters only, with the
+        hyperparameters it had when step() was called (a scheduler may have
+        changed the learning rate since). Per-parameter state (momentum, Adam
+        moments, step counts) ends exactly as a full step leaves it."""
+        opt = self._dp_optimizers[0].torch_optimizer
+        groups = opt.param_groups
+        sig = tuple(id(g["params"]) for g in groups) + tuple(len(g["params"]) for g in groups)
+        if sig != self._subset_sig:
+            self._subsets = []
+            for params in self._bucket_params:
+                wanted = {id(self._params[i]) for i in params}
+                self._subsets.append([[p for p in g["params"] if id(p) in wanted] for g in groups])
+            self._subset_sig = sig
+        saved = [(g["params"], {k: v for k, v in g.items() if k != "params"}) for g in groups]
+        try:
+            for g, subset, hyper in zip(groups, self._subsets[b], self._hyper):
+                g.update(hyper)
+                g["params"] = subset
+            opt.step()
+        finally:
+            for g, (params, current) in zip(groups, saved):
+                g["params"] = params
+                g.update(current)
 
     def synchronize(self) -> None:
-        """Finish all pending gradient communication."""
-        self._reducer.complete()
+        """Finish all pending communication and apply a pending update."""
+        if self.blocking_parameter_updates or not self._reducer.finalized:
+            self._reducer.complete()
+        elif self._due:
+            self._applying = True
+            self._bucket_done = [False] * self._reducer.n_buckets
+            self._apply_buckets(range(self._reducer.n_buckets))
+        else:
+            self._reducer.complete()
+
+    def train(self, mode: bool = True):
+        if not mode:
+            self.synchronize()  # eval() sees the parameters of every step taken
+        return super().train(mode)
+
+    def state_dict(self, *args, **kwargs):
+        self.synchronize()
+        return super().state_dict(*args, **kwargs)
 
     def _step_due(self, optimizer: DataParallelOptimizer) -> None:
-        optimizer.torch_optimizer.step()
-
-    def _before_zero_grad(self) -> None:
-        self._reducer.complete()
+        if self.blocking_parameter_updates or not self._reducer.finalized:
+            optimizer.torch_optimizer.step()
+            return
+        if self._due:
+            raise RuntimeError("DataParallel (non-blocking): optimizer.step() was called twice "
+                               "without a forward pass in between")
+        groups = optimizer.torch_optimizer.param_groups
+        self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._due = True
+        # LR schedulers check this flag (set by the real step) to warn about a
+        # scheduler stepped before its optimizer; the step is merely deferred.
+        optimizer.torch_optimizer._opt_called = True
 
     def remove_hooks(self) -> None:
         """Detach DataParallel from the module's parameters (the module keeps working

@@ -51,9 +51,10 @@ class DataParallelOptimizer:
             self._model._step_due(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of the optimizer's parameters."""
-        if self._model is not None:
-            self._model._before_zero_grad()
+        """Reset the gradients of the optimizer's parameters. With non-blocking
+        updates it may come before the pending update is applied: DataParallel
+        notices, applies the update with the averaged gradients, and leaves
+        `.grad` cleared as asked."""
         self.torch_optimizer.zero_grad(set_to_none=set_to_none)
 
     @property

@@ -144,4 +144,70 @@ static void compressed_pass(int wire, int *mpidp__test_failed)
 TEST(bf16_wire) { compressed_pass(MPIDP_BF16, mpidp__test_failed); }
 TEST(fp16_wire) { compressed_pass(MPIDP_F16, mpidp__test_failed); }
 
-TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters, bf16_wire, fp16_wire)
+/* Separate communication buffers (non-blocking DataParallel): the bucket is
+ * zeroed once posted, writes into it cannot disturb the collective, and
+ * deliver() copies or adds the mean into each slice. */
+static void separate_pass(int wire, int *mpidp__test_failed)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    ASSERT_OK(mpidp_mpiops_init());
+    size_t numel[NP];
+    int dtype[NP];
+    for (int i = 0; i < NP; i++) {
+        numel[i] = PN;
+        dtype[i] = MPIDP_F32;
+    }
+    uint32_t bucket[NP];
+    size_t offset[NP], nb;
+    mpidp_bucket_info_t info[NP];
+    ASSERT_OK(mpidp_bucket_plan(numel, dtype, NP, 40, 80, bucket, offset, info, &nb));
+    void *data[NP];
+    for (size_t b = 0; b < nb; b++) data[b] = calloc(info[b].numel + info[b].n_params, 4);
+    mpidp_reqtable_t *reqs;
+    ASSERT_OK(mpidp_reqtable_create(16, &reqs));
+    mpidp_reducer_config_t cfg = {
+        .comm = MPI_COMM_WORLD, .reqs = reqs, .n_params = NP, .param_bucket = bucket,
+        .param_offset = offset, .param_numel = numel, .n_buckets = nb, .buckets = info,
+        .bucket_data = data, .wire_dtype = wire, .separate = 1, .name = "test"};
+    mpidp_reducer_t *r;
+    ASSERT_OK(mpidp_reducer_create(&cfg, &r));
+    for (int i = 0; i < NP; i++)
+        for (int k = 0; k < PN; k++)
+            ((float *)data[bucket[i]])[offset[i] + (size_t)k] = (float)(rank + 1) * (float)(i + k);
+    for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(r, (size_t)i, 1));
+    /* Posted: the buckets are zero, and scribbling on them changes nothing. */
+    for (int i = 0; i < NP; i++) {
+        size_t n;
+        float *slice = mpidp_reducer_slice(r, (size_t)i, &n);
+        ASSERT_EQ_INT(n, PN);
+        for (size_t k = 0; k < n; k++) {
+            ASSERT_NEAR(slice[k], 0.0, 0);
+            slice[k] = 1000.0f;
+        }
+    }
+    ASSERT_OK(mpidp_reducer_wait_all(r, 30.0));
+    double mean_factor = (size + 1) / 2.0; /* mean of (rank + 1) */
+    double tol = wire == -1 ? 1e-5 : wire == MPIDP_BF16 ? 1.0 / 64 : 1.0 / 512;
+    for (int i = 0; i < NP; i++) {
+        int mode = i % 2 ? MPIDP_DELIVER_ADD : MPIDP_DELIVER_COPY;
+        ASSERT_OK(mpidp_reducer_deliver(r, (size_t)i, mode));
+        size_t n;
+        float *slice = mpidp_reducer_slice(r, (size_t)i, &n);
+        for (size_t k = 0; k < n; k++) {
+            double expect = mean_factor * (double)(i + (int)k) + (mode == MPIDP_DELIVER_ADD ? 1000.0 : 0.0);
+            ASSERT_NEAR(slice[k], expect, tol * (1 + expect));
+        }
+    }
+    ASSERT_OK(mpidp_reducer_reset(r));
+    ASSERT_OK(mpidp_reducer_destroy(r));
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+    for (size_t b = 0; b < nb; b++) free(data[b]);
+}
+
+TEST(separate_buffers) { separate_pass(-1, mpidp__test_failed); }
+TEST(separate_buffers_bf16_wire) { separate_pass(MPIDP_BF16, mpidp__test_failed); }
+
+TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters, bf16_wire, fp16_wire, separate_buffers,
+              separate_buffers_bf16_wire)

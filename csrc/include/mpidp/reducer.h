@@ -16,7 +16,14 @@
  *
  * Lifecycle per backward: mark_ready (each param) -> all posted -> wait
  * (per bucket or all) -> reset. Not thread-safe: the glue serialises calls
- * (it holds the GIL), except that waits may run without it. */
+ * (it holds the GIL), except that waits may run without it.
+ *
+ * With `separate` set (non-blocking DataParallel), each bucket has its own
+ * communication buffer: posting copies the bucket into it (scaled, or packed
+ * to the wire dtype) and then zeroes the bucket, so whatever the user does to
+ * the gradients while the collective is in flight cannot race with MPI. The
+ * result stays in the communication buffer until the caller delivers it into
+ * each parameter's slice with mpidp_reducer_deliver(). */
 #ifndef MPIDP_REDUCER_H
 #define MPIDP_REDUCER_H
 
@@ -40,8 +47,14 @@ typedef struct {
     const mpidp_bucket_info_t *buckets;  /* n_buckets */
     void *const *bucket_data;            /* n_buckets buffers of numel + n_params elements */
     int wire_dtype;                      /* -1: each bucket's own dtype */
+    int separate;                        /* 1: separate communication buffers (see above) */
     const char *name;                    /* used in messages, e.g. "DataParallel" */
 } mpidp_reducer_config_t;
+
+typedef enum {
+    MPIDP_DELIVER_COPY = 0,  /* slice = averaged gradient */
+    MPIDP_DELIVER_ADD = 1,   /* slice += averaged gradient */
+} mpidp_deliver_mode_t;
 
 typedef enum {
     MPIDP_BUCKET_COLLECTING = 0,  /* waiting for parameters */
@@ -82,6 +95,15 @@ int mpidp_reducer_wait_all(mpidp_reducer_t *r, double timeout_s);
 /* After the parameter's bucket is DONE: *used = 1 if any rank had a gradient
  * for it in this pass. */
 int mpidp_reducer_used_globally(const mpidp_reducer_t *r, size_t param, int *used);
+
+/* Separate mode, after the parameter's bucket is DONE: writes (COPY) or adds
+ * (ADD) the averaged gradient into the parameter's slice of its bucket.
+ * MPIDP_ESTATE if the bucket has not completed or the reducer is not in
+ * separate mode. */
+int mpidp_reducer_deliver(mpidp_reducer_t *r, size_t param, int mode);
+
+/* Elements and first element of the parameter's slice in its bucket. */
+void *mpidp_reducer_slice(const mpidp_reducer_t *r, size_t param, size_t *numel);
 
 /* Starts a new pass: every bucket must be DONE, or no parameter marked at all.
  * MPIDP_ESTATE otherwise (with what is still missing in the detail). */

@@ -1,0 +1,183 @@
+"""Non-blocking DataParallel against the single-process reference.
+
+The update of step k is applied by the forward of step k+1, bucket by bucket,
+so the parameters are compared right after that forward (and after eval() /
+synchronize() at the end). Every rank trains on its own slice of each batch
+and starts from a different init."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpidp
+from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
+                          rank_slice, reference_step, seeded)
+from test_data_parallel import CNN, MLP, Branchy, Tied, adam, branchy_loss
+
+
+def sgd_wd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-2)
+
+
+class Flaky(MLP):
+    def forward(self, x, boom=False, **_):
+        h = torch.relu(self.l1(x))
+        if boom:
+            raise ValueError("boom")
+        return self.l3(torch.relu(self.l2(h)))
+
+
+def ce(model, x, y, rank, step):
+    return F.cross_entropy(model(x), y)
+
+
+def run(make_model=MLP, make_opt=sgd_wd, *, zero="before", set_to_none=True, steps=5,
+        blocking=False, loss_fn=ce, x_shape=(10,), scheduler=False, finish="eval",
+        raw_zero_grad=False, per_rank=4, seed=0, boom_at=None):
+    model = build(make_model, 100 + RANK)
+    reference = build(make_model, 100)
+    dp_opt = mpidp.DataParallelOptimizer(make_opt(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=blocking)
+    assert net.blocking_parameter_updates == blocking
+    ref_opt = make_opt(reference.parameters())
+    scheds = []
+    if scheduler:
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+                  for o in (dp_opt.torch_optimizer, ref_opt)]
+
+    def clear(opt_dp, opt_ref):
+        if raw_zero_grad:  # bypassing the wrapper: the module's own zero_grad
+            model.zero_grad(set_to_none=set_to_none)
+        else:
+            opt_dp.zero_grad(set_to_none=set_to_none)
+        opt_ref.zero_grad(set_to_none=set_to_none)
+
+    g = seeded(seed)
+    n = per_rank * SIZE
+    for step in range(steps):
+        X = torch.randn(n, *x_shape, generator=g)
+        Y = torch.randint(0, 4, (n,), generator=g)
+        if step == boom_at:
+            with pytest.raises(ValueError, match="boom"):
+                net(rank_slice(X), boom=True)
+            assert_params_close(model, reference, what=f"after the failed forward of step {step}")
+            continue
+        if zero == "before":
+            clear(dp_opt, ref_opt)
+        loss = loss_fn(net, rank_slice(X), rank_slice(Y), RANK, step)
+        # This forward applied the previous step's update.
+        assert_params_close(model, reference, what=f"forward of step {step}")
+        if zero == "after_forward":
+            clear(dp_opt, ref_opt)
+        loss.backward()
+        reference_step(reference, X, Y, lambda m, x, y, r: loss_fn(m, x, y, r, step))
+        dp_opt.step()
+        ref_opt.step()
+        for sch in scheds:
+            sch.step()
+    if finish == "eval":
+        net.eval()
+    elif finish == "synchronize":
+        net.synchronize()
+    elif finish == "state_dict":
+        net.state_dict()
+    assert_params_close(model, reference, what="at the end")
+    assert_same_on_all_ranks(model)
+    return net, model
+
+
+@pytest.mark.parametrize("make_opt", [sgd_wd, adam], ids=["sgd-momentum-wd", "adam"])
+@pytest.mark.parametrize("zero", ["before", "after_forward"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zeros"])
+def test_against_reference(make_opt, zero, set_to_none):
+    run(make_opt=make_opt, zero=zero, set_to_none=set_to_none)
+
+
+@pytest.mark.parametrize("finish", ["eval", "synchronize", "state_dict"])
+def test_pending_update_is_finished_by(finish):
+    run(finish=finish, steps=3)
+
+
+def test_cnn_with_adam():
+    run(CNN, adam, x_shape=(1, 12, 12), steps=4)
+
+
+def test_module_zero_grad_bypassing_the_wrapper():
+    run(raw_zero_grad=True, set_to_none=False)
+    run(raw_zero_grad=True, set_to_none=True)
+
+
+def test_scheduler_changes_the_lr_before_the_deferred_update():
+    run(scheduler=True, steps=4)
+
+
+def test_layers_reused_and_skipped():
+    run(Tied, steps=4)
+    run(Branchy, loss_fn=branchy_loss, steps=6, zero="after_forward")
+
+
+def test_forward_that_raises_then_normal_steps():
+    run(Flaky, steps=5, boom_at=2)
+
+
+def test_nonblocking_and_blocking_end_on_the_same_parameters():
+    _, nb = run(steps=4, seed=3)
+    _, bl = run(steps=4, seed=3, blocking=True)
+    assert_params_close(nb, bl, what="non-blocking vs blocking")
+
+
+def test_gradient_accumulation():
+    """Two (forward, backward) per step, and two forwards then two backwards."""
+    for two_forwards_first in (False, True):
+        model, reference = build(MLP, 100 + RANK), build(MLP, 100)
+        dp_opt = mpidp.DataParallelOptimizer(sgd_wd(model.parameters()))
+        net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=False)
+        ref_opt = sgd_wd(reference.parameters())
+        g = seeded(5)
+        for step in range(3):
+            dp_opt.zero_grad()
+            ref_opt.zero_grad()
+            batches = [(torch.randn(4 * SIZE, 10, generator=g), torch.randint(0, 4, (4 * SIZE,), generator=g))
+                       for _ in range(2)]
+            if two_forwards_first:
+                losses = [F.cross_entropy(net(rank_slice(X)), rank_slice(Y)) for X, Y in batches]
+                for loss in losses:
+                    loss.backward()
+            else:
+                for X, Y in batches:
+                    F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+            for X, Y in batches:
+                reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+            dp_opt.step()
+            ref_opt.step()
+        net.synchronize()
+        assert_params_close(model, reference, what=f"two_forwards_first={two_forwards_first}")
+
+
+def test_fallbacks_to_blocking():
+    m = build(MLP, 0)
+    two = [mpidp.DataParallelOptimizer(torch.optim.SGD(m.l1.parameters(), lr=0.1)),
+           mpidp.DataParallelOptimizer(torch.optim.SGD(list(m.l2.parameters()) + list(m.l3.parameters()), lr=0.1))]
+    with pytest.warns(UserWarning, match="exactly one DataParallelOptimizer"):
+        assert mpidp.DataParallel(m, optimizer=two).blocking_parameter_updates
+    m = build(MLP, 0)
+    part = mpidp.DataParallelOptimizer(torch.optim.SGD(m.l1.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match="exactly the model's trainable parameters"):
+        assert mpidp.DataParallel(m, optimizer=part).blocking_parameter_updates
+    m = build(MLP, 0)
+    lbfgs = mpidp.DataParallelOptimizer(torch.optim.LBFGS(m.parameters()))
+    with pytest.warns(UserWarning, match="LBFGS is not known"):
+        assert mpidp.DataParallel(m, optimizer=lbfgs).blocking_parameter_updates
+    with pytest.warns(UserWarning, match="exactly one"):
+        assert mpidp.DataParallel(build(MLP, 0)).blocking_parameter_updates
+
+
+def test_step_twice_without_forward_is_an_error():
+    m = build(MLP, 0)
+    opt = mpidp.DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    net = mpidp.DataParallel(m, optimizer=opt)
+    net(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="twice"):
+        opt.step()
+    net.synchronize()
