@@ -7,6 +7,7 @@
 
 double mpidp_py_timeout_s = 1800.0;
 int mpidp_py_abort_on_timeout = 1;
+int mpidp_py_hook_progress = 1;
 
 static int world_rank(void)
 {

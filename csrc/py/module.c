@@ -154,10 +154,32 @@ static PyObject *mod_set_abort_on_timeout(PyObject *m, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_set_hook_progress(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    int v = PyObject_IsTrue(arg);
+    if (v < 0) return NULL;
+    mpidp_py_hook_progress = v;
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_pending(PyObject *m, PyObject *unused)
 {
     (void)unused;
     return PyLong_FromSize_t(mpidp_reqtable_pending(mpidp_py_state_of_module(m)->reqs));
+}
+
+/* progress(): one MPI_Test over everything in flight (Open MPI advances
+ * non-blocking collectives only inside MPI calls); returns how many completed. */
+static PyObject *mod_progress(PyObject *m, PyObject *unused)
+{
+    (void)unused;
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    size_t done = 0;
+    mpidp_error_clear();
+    int rc = mpidp_reqtable_progress(st->reqs, &done);
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "progress");
+    return PyLong_FromSize_t(done);
 }
 
 static PyObject *mod_describe_pending(PyObject *m, PyObject *unused)
@@ -196,8 +218,12 @@ static PyMethodDef module_methods[] = {
     {"get_timeout", mod_get_timeout, METH_NOARGS, "The current deadline in seconds."},
     {"set_abort_on_timeout", mod_set_abort_on_timeout, METH_O,
      "True: a deadline aborts the job; False: it raises mpidp.CommTimeout."},
+    {"set_hook_progress", mod_set_hook_progress, METH_O,
+     "True (default): gradient hooks test what is in flight, so MPI progresses during backward."},
     {"pending", mod_pending, METH_NOARGS, "Number of mpidp requests in flight."},
     {"describe_pending", mod_describe_pending, METH_NOARGS, "What is in flight, as text."},
+    {"progress", mod_progress, METH_NOARGS,
+     "Test everything in flight once so MPI advances it; returns how many completed."},
     {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},
     {NULL, NULL, 0, NULL},
 };

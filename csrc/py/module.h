@@ -24,6 +24,7 @@ typedef struct {
 /* Process-wide settings (one MPI per process, so one value). */
 extern double mpidp_py_timeout_s;   /* deadline of every wait; <= 0: none */
 extern int mpidp_py_abort_on_timeout;
+extern int mpidp_py_hook_progress;  /* gradient hooks call MPI_Test on what is in flight */
 
 mpidp_py_state *mpidp_py_state_of_module(PyObject *module);
 mpidp_py_state *mpidp_py_state_of_type(PyTypeObject *type);

@@ -381,7 +381,7 @@ static PyObject *on_grad(reducer_t *r, size_t i, PyObject *param)
     rc = mpidp_reducer_mark_ready(r->core, i, has);
     /* Open MPI advances non-blocking collectives only inside MPI calls: test
      * what is in flight so buckets posted earlier progress during backward. */
-    if (rc == MPIDP_OK) rc = mpidp_reqtable_progress(r->st->reqs, NULL);
+    if (rc == MPIDP_OK && mpidp_py_hook_progress) rc = mpidp_reqtable_progress(r->st->reqs, NULL);
     if (rc != MPIDP_OK) return fail(r, rc, "DataParallel backward");
     Py_RETURN_NONE;
 }

@@ -58,6 +58,8 @@ def _read_env_settings() -> None:
     if policy not in ("abort", "raise"):
         raise ValueError(f"MPIDP_ON_TIMEOUT must be 'abort' or 'raise', got {policy!r}")
     _C.set_abort_on_timeout(policy == "abort")
+    # Diagnostic switch: 0 stops the gradient hooks from driving MPI progress.
+    _C.set_hook_progress(os.environ.get("MPIDP_HOOK_PROGRESS", "1") != "0")
 
 
 _read_env_settings()
