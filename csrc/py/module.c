@@ -275,7 +275,8 @@ static int module_exec(PyObject *m)
     if (st->comm_timeout == NULL || PyModule_AddObjectRef(m, "CommTimeout", st->comm_timeout) < 0)
         return -1;
     if (mpidp_py_comm_init(m, st) < 0 || mpidp_py_work_init(m, st) < 0 ||
-        mpidp_py_reducer_init(m, st) < 0)
+        mpidp_py_reducer_init(m, st) < 0 || mpidp_py_paramsync_init(m, st) < 0 ||
+        mpidp_py_schedule_init(m, st) < 0)
         return -1;
     return 0;
 }
@@ -287,6 +288,8 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->work_type);
     Py_VISIT(st->reducer_type);
     Py_VISIT(st->gradhook_type);
+    Py_VISIT(st->paramsync_type);
+    Py_VISIT(st->schedule_type);
     Py_VISIT(st->comm_error);
     Py_VISIT(st->comm_timeout);
     return 0;
@@ -299,6 +302,8 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->work_type);
     Py_CLEAR(st->reducer_type);
     Py_CLEAR(st->gradhook_type);
+    Py_CLEAR(st->paramsync_type);
+    Py_CLEAR(st->schedule_type);
     Py_CLEAR(st->comm_error);
     Py_CLEAR(st->comm_timeout);
     return 0;

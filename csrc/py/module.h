@@ -15,6 +15,8 @@ typedef struct {
     PyTypeObject *work_type;
     PyTypeObject *reducer_type;
     PyTypeObject *gradhook_type;
+    PyTypeObject *paramsync_type;
+    PyTypeObject *schedule_type;
     PyObject *comm_error;      /* mpidp.CommError(RuntimeError) */
     PyObject *comm_timeout;    /* mpidp.CommTimeout(CommError) */
     mpidp_reqtable_t *reqs;    /* every request mpidp has in flight */
@@ -87,6 +89,8 @@ PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused);
 int mpidp_py_comm_init(PyObject *module, mpidp_py_state *st);
 int mpidp_py_work_init(PyObject *module, mpidp_py_state *st);
 int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st);
+int mpidp_py_paramsync_init(PyObject *module, mpidp_py_state *st);
+int mpidp_py_schedule_init(PyObject *module, mpidp_py_state *st);
 
 struct mpidp_allreduce;
 /* Creates a Work that owns the allreduce `x` and keeps `keepalive` (the

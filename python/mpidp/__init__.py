@@ -11,7 +11,9 @@ from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks t
 from . import _C
 from ._C import CommError, CommTimeout
 from .collectives import Work, allreduce
+from .daso import DASO
 from .data_parallel import DataParallel
+from .data_parallel_multi import DataParallelMultiGPU
 from .optimizer import DataParallelOptimizer
 from .process_group import init_process_group
 from .topology import Topology, topology
@@ -21,7 +23,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CommError",
     "CommTimeout",
+    "DASO",
     "DataParallel",
+    "DataParallelMultiGPU",
     "DataParallelOptimizer",
     "MPI",
     "Work",

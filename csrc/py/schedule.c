@@ -1,0 +1,187 @@
+/* mpidp._C.Schedule: DASO's schedule (csrc/core/schedule.c) for Python.
+ *
+ * A thin wrapper: the state machine decides everything; this file converts
+ * arguments, actions and the checkpointable state. The state travels as a
+ * dict of the struct's fields, listed once by MPIDP_SCHEDULE_FIELDS. */
+#include "module.h"
+
+#include <stddef.h>
+
+#include "mpidp/schedule.h"
+#include "mpidp/status.h"
+
+typedef struct {
+    PyObject_HEAD
+    mpidp_schedule_t s;
+    mpidp_py_state *st;
+} schedule_t;
+
+static PyObject *schedule_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"total_epochs", "warmup_epochs", "cooldown_epochs", "max_global_skips",
+                             "skip_reduction_factor", "local_skip_factor", "n_groups",
+                             "stability_level", NULL};
+    mpidp_schedule_config_t cfg;
+    mpidp_schedule_config_default(&cfg);
+    long long te, we, ce, mgs, srf, lsf, ng;
+    double sl;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLLLLLLd:Schedule", kwlist, &te, &we, &ce, &mgs,
+                                     &srf, &lsf, &ng, &sl))
+        return NULL;
+    cfg.total_epochs = te;
+    cfg.warmup_epochs = we;
+    cfg.cooldown_epochs = ce;
+    cfg.max_global_skips = mgs;
+    cfg.skip_reduction_factor = srf;
+    cfg.local_skip_factor = lsf;
+    cfg.n_groups = ng;
+    cfg.stability_level = sl;
+    mpidp_py_state *st = mpidp_py_state_of_type(type);
+    if (st == NULL) return NULL;
+    schedule_t *self = (schedule_t *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->st = st;
+    mpidp_error_clear();
+    int rc = mpidp_schedule_init(&self->s, &cfg);
+    if (rc != MPIDP_OK) {
+        Py_DECREF(self);
+        return mpidp_py_raise(st, rc, "DASO");
+    }
+    return (PyObject *)self;
+}
+
+/* batch(batch, last_batch) -> (complete, complete_group, complete_btw, send,
+ *   send_group, send_btw, send_blocking, local_sync, epoch_done) */
+static PyObject *schedule_batch(schedule_t *self, PyObject *args)
+{
+    long long batch, last;
+    if (!PyArg_ParseTuple(args, "LL:batch", &batch, &last)) return NULL;
+    mpidp_schedule_actions_t a;
+    mpidp_error_clear();
+    int rc = mpidp_schedule_batch(&self->s, batch, last, &a);
+    if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.step");
+    return Py_BuildValue("(NLLNLLNNN)", PyBool_FromLong(a.complete), (long long)a.complete_group,
+                         (long long)a.complete_btw, PyBool_FromLong(a.send), (long long)a.send_group,
+                         (long long)a.send_btw, PyBool_FromLong(a.send_blocking),
+                         PyBool_FromLong(a.local_sync), PyBool_FromLong(a.epoch_done));
+}
+
+static PyObject *schedule_epoch_end(schedule_t *self, PyObject *arg)
+{
+    double loss = PyFloat_AsDouble(arg);
+    if (loss == -1.0 && PyErr_Occurred()) return NULL;
+    mpidp_error_clear();
+    int rc = mpidp_schedule_epoch_end(&self->s, loss);
+    if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.epoch_loss_logic");
+    Py_RETURN_NONE;
+}
+
+static PyObject *schedule_reset(schedule_t *self, PyObject *unused)
+{
+    (void)unused;
+    mpidp_error_clear();
+    int rc = mpidp_schedule_reset(&self->s);
+    if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.reset");
+    Py_RETURN_NONE;
+}
+
+/* state() -> {field: value} of every field of the state struct. */
+static PyObject *schedule_state(schedule_t *self, PyObject *unused)
+{
+    (void)unused;
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+#define PUT_int64_t(member) PyLong_FromLongLong((long long)self->s.member)
+#define PUT_double(member) PyFloat_FromDouble(self->s.member)
+#define PUT(type, member)                                                       \
+    {                                                                           \
+        PyObject *v = PUT_##type(member);                                       \
+        if (v == NULL || PyDict_SetItemString(d, #member, v) < 0) {             \
+            Py_XDECREF(v);                                                      \
+            Py_DECREF(d);                                                       \
+            return NULL;                                                        \
+        }                                                                       \
+        Py_DECREF(v);                                                           \
+    }
+    MPIDP_SCHEDULE_FIELDS(PUT)
+#undef PUT
+#undef PUT_int64_t
+#undef PUT_double
+    return d;
+}
+
+/* load(state): replaces the whole state, then checks it is consistent. */
+static PyObject *schedule_load(schedule_t *self, PyObject *d)
+{
+    if (!PyDict_Check(d)) return PyErr_Format(PyExc_TypeError, "state: expected a dict");
+    mpidp_schedule_t s = self->s;
+#define GET_int64_t(member, v) s.member = (int64_t)PyLong_AsLongLong(v)
+#define GET_double(member, v) s.member = PyFloat_AsDouble(v)
+#define GET(type, member)                                                       \
+    {                                                                           \
+        PyObject *v = PyDict_GetItemString(d, #member);                         \
+        if (v == NULL)                                                          \
+            return PyErr_Format(PyExc_ValueError, "state: missing field %s", #member); \
+        GET_##type(member, v);                                                  \
+        if (PyErr_Occurred()) return NULL;                                      \
+    }
+    MPIDP_SCHEDULE_FIELDS(GET)
+#undef GET
+#undef GET_int64_t
+#undef GET_double
+    mpidp_error_clear();
+    int rc = mpidp_schedule_validate(&s);
+    if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.load_state_dict: schedule state");
+    self->s = s;
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_phase(schedule_t *self, void *c) { (void)c; return PyUnicode_FromString(mpidp_schedule_phase_name(self->s.phase)); }
+static PyObject *get_gs(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.global_skip); }
+static PyObject *get_ls(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.local_skip); }
+static PyObject *get_btw(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.batches_to_wait); }
+static PyObject *get_epoch(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.epoch); }
+static PyObject *get_pending(schedule_t *self, void *c) { (void)c; return PyBool_FromLong(self->s.pending != 0); }
+static PyObject *get_next_batch(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.next_batch); }
+
+static PyGetSetDef schedule_getset[] = {
+    {"phase", (getter)get_phase, NULL, "warmup, cycling or cooldown", NULL},
+    {"global_skip", (getter)get_gs, NULL, "batches between global syncs (0: every batch, blocking)", NULL},
+    {"local_skip", (getter)get_ls, NULL, "batches between node-local syncs", NULL},
+    {"batches_to_wait", (getter)get_btw, NULL, "batches between sending and receiving a sync", NULL},
+    {"epoch", (getter)get_epoch, NULL, "completed epochs", NULL},
+    {"pending", (getter)get_pending, NULL, "a global sync is in flight", NULL},
+    {"next_batch", (getter)get_next_batch, NULL, "the batch index expected next", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef schedule_methods[] = {
+    {"batch", (PyCFunction)schedule_batch, METH_VARARGS, "The actions of one optimizer step."},
+    {"epoch_end", (PyCFunction)schedule_epoch_end, METH_O, "End-of-epoch logic with the mean loss."},
+    {"reset", (PyCFunction)schedule_reset, METH_NOARGS, "Back to the initial state."},
+    {"state", (PyCFunction)schedule_state, METH_NOARGS, "The whole state as a dict."},
+    {"load", (PyCFunction)schedule_load, METH_O, "Restore a state() dict (validated)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot schedule_slots[] = {
+    {Py_tp_new, schedule_new},
+    {Py_tp_methods, schedule_methods},
+    {Py_tp_getset, schedule_getset},
+    {Py_tp_doc, "DASO's schedule: a pure state machine (internal)."},
+    {0, NULL},
+};
+
+static PyType_Spec schedule_spec = {
+    .name = "mpidp._C.Schedule",
+    .basicsize = sizeof(schedule_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = schedule_slots,
+};
+
+int mpidp_py_schedule_init(PyObject *module, mpidp_py_state *st)
+{
+    st->schedule_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &schedule_spec, NULL);
+    if (st->schedule_type == NULL) return -1;
+    return PyModule_AddType(module, st->schedule_type);
+}

@@ -1,0 +1,377 @@
+"""DASO: Distributed Asynchronous and Selective Optimization (Heat's API).
+
+Two levels of synchronisation: node-local gradient averaging every batch (or
+every few), by torch DistributedDataParallel on a node-local process group
+(see mpidp.DataParallelMultiGPU); and global parameter averaging between
+nodes over MPI, only every `global_skip` batches, received `batches_to_wait`
+batches after it was sent, compressed to `downcast_type`, with blocking
+averages during warm-up, cool-down and on every epoch's last batch. The
+schedule is a C state machine (mpidp._C.Schedule); the sync packs each
+parameter's difference from the last blocking sync (mpidp._C.ParamSync).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from . import _C
+from ._dtypes import CODE_OF
+from ._mpi import MPI, resolve_comm
+from .topology import node_comm, topology
+
+__all__ = ["DASO"]
+
+_STATE_FORMAT = "mpidp.DASO/1"
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+class DASO:
+    """Optimizer wrapper for DASO training; see the module docstring.
+
+    Use it with mpidp.DataParallelMultiGPU, call `step()` after every backward,
+    set `last_batch` to the index of each epoch's last batch (len(loader) - 1)
+    and call `epoch_loss_logic(loss)` after every epoch. Arguments follow
+    Heat's; every one is checked.
+    """
+
+    def __init__(self, local_optimizer: torch.optim.Optimizer, total_epochs: int,
+                 comm=MPI.COMM_WORLD, warmup_epochs: int = 4, cooldown_epochs: int = 4,
+                 scheduler=None, stability_level: float = 0.05, max_global_skips: int = 8,
+                 sending_chunk_size: int = 10_000_000, downcast_type: torch.dtype = torch.bfloat16,
+                 use_mpi_groups: bool = True, skip_reduction_factor: int = 2,
+                 local_skip_factor: int = 4, verbose: bool = False):
+        if not isinstance(local_optimizer, torch.optim.Optimizer):
+            raise TypeError("local_optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(local_optimizer).__name__}")
+        total_epochs = _check_int("total_epochs", total_epochs, 1)
+        warmup_epochs = _check_int("warmup_epochs", warmup_epochs, 0)
+        cooldown_epochs = _check_int("cooldown_epochs", cooldown_epochs, 0)
+        max_global_skips = _check_int("max_global_skips", max_global_skips, 1)
+        sending_chunk_size = _check_int("sending_chunk_size", sending_chunk_size, 1)
+        if sending_chunk_size > 2**31 - 1:
+            raise ValueError(f"sending_chunk_size: expected at most 2**31 - 1, got {sending_chunk_size}")
+        skip_reduction_factor = _check_int("skip_reduction_factor", skip_reduction_factor, 2)
+        local_skip_factor = _check_int("local_skip_factor", local_skip_factor, 1)
+        if isinstance(stability_level, bool) or not isinstance(stability_level, numbers.Real):
+            raise TypeError(f"stability_level: expected a float, got {type(stability_level).__name__}")
+        if not (0.0 <= stability_level < 1.0) or math.isnan(stability_level):
+            raise ValueError(f"stability_level: expected a value in [0, 1), got {stability_level}")
+        if downcast_type not in (torch.bfloat16, torch.float16, torch.half, torch.float32):
+            raise ValueError("downcast_type: expected torch.bfloat16, torch.float16 or "
+                             f"torch.float32, got {downcast_type!r}")
+        for name, flag in (("use_mpi_groups", use_mpi_groups), ("verbose", verbose)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError("scheduler: expected a learning-rate scheduler with a step() method, "
+                            f"got {type(scheduler).__name__}")
+
+        self.local_optimizer = local_optimizer
+        self.total_epochs = total_epochs
+        self.warmup_epochs = warmup_epochs
+        self.cooldown_epochs = cooldown_epochs
+        self.scheduler = scheduler
+        self.stability_level = float(stability_level)
+        self.max_global_skips = max_global_skips
+        self.sending_chunk_size = sending_chunk_size
+        self.downcast_type = downcast_type
+        self.use_mpi_groups = use_mpi_groups
+        self.skip_reduction_factor = skip_reduction_factor
+        self.local_skip_factor = local_skip_factor
+        self.verbose = verbose
+
+        self.comm = comm
+        self._world = resolve_comm(comm)
+        mpi_comm = self._world_mpi(comm)
+        topo = topology(mpi_comm)
+        self.rank = mpi_comm.Get_rank()
+        self.n_nodes, self.local_rank, self.loc_size = topo.n_nodes, topo.local_rank, topo.local_size
+        self._node = resolve_comm(node_comm(mpi_comm))
+        # Global syncs take turns over `loc_size` groups; group i holds local
+        # rank i of every node. Each rank only ever needs its own group.
+        self._group = resolve_comm(self._make_group(mpi_comm, topo)) if self.n_nodes > 1 else None
+        self._schedule = _C.Schedule(total_epochs, warmup_epochs, cooldown_epochs, max_global_skips,
+                                     skip_reduction_factor, local_skip_factor, self.loc_size,
+                                     self.stability_level)
+        self.module = None
+        self.scaler = None
+        self.amp = False
+        self.last_batch = None
+        self.current_batch = 0
+        self.bytes_sent = 0          # global-sync bytes this rank has put on the wire
+        self._sync = None
+        self._params = ()
+        self._pointers = ()
+        self._flat = None
+        self._needs_reference = False
+
+    # -- construction helpers -------------------------------------------------
+
+    @staticmethod
+    def _world_mpi(comm):
+        if comm is None:
+            return MPI.COMM_WORLD
+        handle = getattr(comm, "handle", None)
+        return handle if not isinstance(comm, MPI.Comm) and isinstance(handle, MPI.Comm) else comm
+
+    def _make_group(self, comm, topo):
+        key = topo.node
+        if self.use_mpi_groups:
+            local = [r for r, lr in enumerate(comm.allgather(topo.local_rank)) if lr == topo.local_rank]
+            group = comm.Get_group().Incl(local)
+            sub = comm.Create_group(group)
+            group.Free()
+            return sub
+        return comm.Split(color=topo.local_rank, key=key)
+
+    # -- Heat's API -----------------------------------------------------------------
+
+    @property
+    def global_skip(self) -> int:
+        return self._schedule.global_skip
+
+    @property
+    def local_skip(self) -> int:
+        return self._schedule.local_skip
+
+    @property
+    def batches_to_wait(self) -> int:
+        return self._schedule.batches_to_wait
+
+    @property
+    def epoch(self) -> int:
+        return self._schedule.epoch
+
+    @property
+    def phase(self) -> str:
+        """"warmup", "cycling" or "cooldown"."""
+        return self._schedule.phase
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        """The (node-locally wrapped) model whose parameters DASO syncs;
+        mpidp.DataParallelMultiGPU calls this. Every rank must hold the same
+        parameter values when it is called."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.dtype != torch.float32:
+                raise TypeError(f"model: DASO averages float32 parameters (AMP keeps them so), got "
+                                f"{p.dtype}")
+            if p.device.type != "cpu":
+                raise NotImplementedError("model: DASO runs on CPU parameters in this version")
+        held = {id(p) for g in self.local_optimizer.param_groups for p in g["params"]}
+        if not held.issubset({id(p) for p in model.parameters()}):
+            raise ValueError("local_optimizer: it holds tensors that are not parameters of the model")
+        self.module = model
+        self._params = tuple(p.detach() for p in params)
+        self._pointers = tuple(p.data_ptr() for p in params)
+        if self._sync is not None and self._sync.pending:
+            self._sync.wait()
+        wire = CODE_OF[torch.float16 if self.downcast_type == torch.half else self.downcast_type]
+        self._sync = (_C.ParamSync(self._group, self._params, wire, self.sending_chunk_size)
+                      if self._group is not None else None)
+        numel = sum(p.numel() for p in params)
+        self._flat = torch.empty(numel, dtype=torch.float32) if self.loc_size > 1 else None
+
+    def add_scaler(self, scaler) -> None:
+        """Use `scaler` (torch.amp.GradScaler) for automatic mixed precision:
+        step() then steps the local optimizer through it."""
+        if not (hasattr(scaler, "step") and hasattr(scaler, "update") and hasattr(scaler, "scale")):
+            raise TypeError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.scaler = scaler
+        self.amp = True
+
+    def print0(self, *args, **kwargs) -> None:
+        """print() on rank 0 when `verbose` is set."""
+        if self.verbose and self.rank == 0:
+            print(*args, **kwargs)
+
+    def zero_grad(self) -> None:
+        """Reset the gradients of the local optimizer's parameters."""
+        self.local_optimizer.zero_grad()
+
+    def step(self) -> None:
+        """One optimizer step: the local step (through the scaler if one was
+        added; then the scheduler, once per batch, if one was given), then
+        whatever the schedule says for this batch: complete a pending global
+        sync, send a new one, switch node-local sync for the next backward."""
+        if self.module is None:
+            raise RuntimeError("DASO.step: no model; wrap it with mpidp.DataParallelMultiGPU(module, "
+                               "daso) or call daso.set_model(model)")
+        if self.last_batch is None:
+            raise ValueError("last_batch: set daso.last_batch to the index of the epoch's last "
+                             "batch (len(loader) - 1) before training")
+        last = _check_int("last_batch", self.last_batch, 0)
+        if self._needs_reference:
+            self._set_reference()
+        if self.scaler is not None:
+            self.scaler.step(self.local_optimizer)
+            self.scaler.update()
+        else:
+            self.local_optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self._sync is not None and self._sync.pending:
+            self._sync.test()  # progress the sync in flight (MPI advances only inside calls)
+        (complete, complete_group, complete_btw, send, send_group, send_btw, send_blocking,
+         local_sync, epoch_done) = self._schedule.batch(self.current_batch, last)
+        if complete:
+            self._complete(complete_group, complete_btw)
+        if send:
+            self._send(send_group)
+        if send_blocking:
+            self._complete(send_group, 0)
+        self._set_local_sync(local_sync)
+        self.current_batch = 0 if epoch_done else self.current_batch + 1
+
+    def epoch_loss_logic(self, loss, loss_globally_averaged: bool = False) -> None:
+        """End-of-epoch logic: feed the epoch's training loss (averaged over all
+        ranks here unless `loss_globally_averaged`) to the schedule."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"loss: expected a scalar, got a tensor of shape {tuple(loss.shape)}")
+            loss = loss.detach().item()
+        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+            raise TypeError(f"loss: expected a number or a scalar tensor, got {type(loss).__name__}")
+        if not isinstance(loss_globally_averaged, bool):
+            raise TypeError("loss_globally_averaged: expected a bool")
+        if self.current_batch != 0:
+            raise RuntimeError("DASO.epoch_loss_logic: the epoch has not ended (the step of batch "
+                               f"last_batch={self.last_batch} has not run; batch {self.current_batch} "
+                               "is next)")
+        value = float(loss)
+        if not loss_globally_averaged:
+            t = torch.tensor([value], dtype=torch.float64)
+            self._world.allreduce(t, 1, -1, False)
+            value = t.item()
+        self._schedule.epoch_end(value)
+        self.print0(f"DASO epoch {self.epoch}: loss {value:.5g}, phase {self.phase}, global_skip "
+                    f"{self.global_skip}, local_skip {self.local_skip}, batches_to_wait "
+                    f"{self.batches_to_wait}")
+
+    def reset(self) -> None:
+        """Back to the base state (epoch 0, warm-up), as at construction."""
+        if self._sync is not None and self._sync.pending:
+            self._sync.wait()
+        self._schedule.reset()
+        self.current_batch = 0
+        self._needs_reference = True
+        self.zero_grad()
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's DASO state (schedule, detector, counters, local optimizer,
+        scheduler, scaler). Take it between epochs; with the model's state it
+        restarts the job exactly. Optimizer states differ between nodes, so
+        every rank saves its own."""
+        if self.current_batch != 0 or self._schedule.pending:
+            raise RuntimeError("DASO.state_dict: take checkpoints between epochs (after "
+                               "epoch_loss_logic); a global sync is in flight mid-epoch")
+        return {
+            "format": _STATE_FORMAT,
+            "n_nodes": self.n_nodes,
+            "local_size": self.loc_size,
+            "rank": self.rank,
+            "schedule": self._schedule.state(),
+            "last_batch": self.last_batch,
+            "bytes_sent": self.bytes_sent,
+            "local_optimizer": self.local_optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict() output (of this rank, same job layout). Load
+        the model's parameters too; the first step() after this takes them as
+        the shared reference of the global syncs."""
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"state: expected the dict of DASO.state_dict() ({_STATE_FORMAT})")
+        if (state["n_nodes"], state["local_size"]) != (self.n_nodes, self.loc_size):
+            raise ValueError(f"state: saved on {state['n_nodes']} nodes x {state['local_size']} "
+                             f"ranks, this job has {self.n_nodes} x {self.loc_size}")
+        if self._sync is not None and self._sync.pending:
+            self._sync.wait()
+        self._schedule.load(state["schedule"])
+        self.local_optimizer.load_state_dict(state["local_optimizer"])
+        if (state["scheduler"] is None) != (self.scheduler is None):
+            raise ValueError("state: the saved job and this one differ in having a scheduler")
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if (state["scaler"] is None) != (self.scaler is None):
+            raise ValueError("state: the saved job and this one differ in having a scaler")
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.last_batch = state["last_batch"]
+        self.bytes_sent = state["bytes_sent"]
+        self.current_batch = 0
+        self._needs_reference = True
+
+    # -- the sync itself ---------------------------------------------------------------
+
+    def _set_reference(self) -> None:
+        if self._sync is not None:
+            self._check_pointers()
+            self._sync.set_reference()
+        self._needs_reference = False
+
+    def _check_pointers(self) -> None:
+        now = tuple(p.data_ptr() for p in self.module.parameters() if p.requires_grad)
+        if now != self._pointers:
+            raise RuntimeError("DASO: the model's parameters were re-allocated after set_model() "
+                               "(module.to(), p.data = ...); call daso.set_model(model) again "
+                               "between epochs")
+
+    def _send(self, group: int) -> None:
+        if self._sync is None or self.local_rank != group:
+            return
+        self._check_pointers()
+        self._sync.send()
+        self.bytes_sent += self._sync.wire_bytes
+
+    def _complete(self, group: int, btw: int) -> None:
+        """Merge the sync sent `btw` batches ago by group `group` (Heat's
+        weighting: the members' current parameters count 2*btw times, a plain
+        average when btw is 0), then give the whole node the merged values."""
+        if self._sync is not None and self.local_rank == group:
+            n, w = float(self.n_nodes), 2.0 * btw
+            self._sync.merge(w / (n + w), 1.0 / (n + w), n / (n + w))
+        if self.loc_size > 1:
+            self._node_broadcast(group)
+        if btw == 0:
+            self._set_reference()  # every rank now holds the same parameters
+
+    def _node_broadcast(self, root: int) -> None:
+        if self._sync is not None:
+            if self.local_rank == root:
+                self._sync.flatten(self._flat)
+            self._node.bcast(self._flat, root)
+            if self.local_rank != root:
+                self._sync.unflatten(self._flat)
+            return
+        # One node: no ParamSync; copy with torch (rare path: single node, no global sync).
+        params = self._params
+        if self.local_rank == root:
+            torch.cat([p.reshape(-1) for p in params], out=self._flat)
+        self._node.bcast(self._flat, root)
+        if self.local_rank != root:
+            offset = 0
+            for p in params:
+                p.copy_(self._flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _set_local_sync(self, on: bool) -> None:
+        # DDP reads this before each backward; it is what no_sync() toggles.
+        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+            self.module.require_backward_grad_sync = bool(on)

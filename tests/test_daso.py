@@ -1,0 +1,265 @@
+"""DASO and DataParallelMultiGPU at 1, 2 and 4 ranks, laid out as nodes of 1
+and (where the size allows) nodes of 2 ranks (MPIDP_RANKS_PER_NODE)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import mpidp
+from dp_reference import RANK, SIZE, assert_params_close, assert_same_on_all_ranks, seeded
+
+LAYOUTS = [k for k in (1, 2) if SIZE % k == 0]
+
+
+@pytest.fixture(autouse=True)
+def one_rank_per_node_by_default(monkeypatch):
+    """torch.distributed has one default (node-local) group per process, so a
+    process cannot use several node sizes; tests without a layout use nodes
+    of one rank, which need no group."""
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")
+
+
+@pytest.fixture(params=LAYOUTS, ids=lambda k: f"nodes_of_{k}")
+def nodes_of(request, monkeypatch):
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", str(request.param))
+    return request.param
+
+
+def mlp(seed, frozen=False):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                            torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    if frozen:
+        m[0].requires_grad_(False)
+    return m
+
+
+def problem(batches=12, per_rank=8, seed=7):
+    """A learnable problem: labels from a fixed random linear map. Returns the
+    global batches (X, Y), each of per_rank * SIZE samples."""
+    g = seeded(seed)
+    W = torch.randn(10, 3, generator=g)
+    out = []
+    for _ in range(batches):
+        X = torch.randn(per_rank * SIZE, 10, generator=g)
+        out.append((X, (X @ W).argmax(1)))
+    return out
+
+
+def my_slice(t):
+    n = t.shape[0] // SIZE
+    return t[RANK * n:(RANK + 1) * n]
+
+
+def train(model, daso, net, data, epochs, on_epoch=None):
+    daso.last_batch = len(data) - 1
+    losses = []
+    for epoch in range(epochs):
+        total = 0.0
+        for X, Y in data:
+            daso.zero_grad()
+            loss = F.cross_entropy(net(my_slice(X)), my_slice(Y))
+            if daso.scaler is not None:
+                daso.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            daso.step()
+            total += loss.item()
+        daso.epoch_loss_logic(total / len(data))
+        losses.append(total / len(data))
+        assert_same_on_all_ranks(model)   # every rank, every epoch end
+        if on_epoch:
+            on_epoch(epoch)
+    return losses
+
+
+def make(seed=0, frozen=False, epochs=6, **kw):
+    model = mlp(100 + RANK, frozen)      # ranks start different: rank 0's wins
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05,
+                          momentum=0.9)
+    kw.setdefault("warmup_epochs", 1)
+    kw.setdefault("cooldown_epochs", 1)
+    daso = mpidp.DASO(opt, total_epochs=epochs, **kw)
+    net = mpidp.DataParallelMultiGPU(model, daso)
+    return model, opt, daso, net
+
+
+# --- the sync kernel against the formula -------------------------------------
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16, torch.float16])
+def test_paramsync_merge_matches_the_formula(wire):
+    """Every rank sends p_r - ref; the merge must give
+    a*p + b*sum_r(round(p_r - ref)) + c*ref, computed here from all ranks' data."""
+    def params_of(r):
+        g = seeded(50 + r)
+        return [torch.randn(7, 5, generator=g), torch.randn(1000, generator=g)]
+    ref = [torch.randn(7, 5, generator=seeded(1)), torch.randn(1000, generator=seeded(2))]
+    mine = [p + 0.01 * q for p, q in zip(ref, params_of(RANK))]
+    from mpidp._dtypes import CODE_OF
+    sync = mpidp._C.ParamSync(mpidp._mpi.world(), tuple(ref), CODE_OF[wire], 64)
+    for t, v in zip(ref, mine):  # ParamSync took ref as its reference; now train "steps"
+        t.copy_(v)
+    sync.send()
+    a, b, c = 0.25, 0.5, 0.75
+    sync.merge(a, b, c)
+    ref0 = [torch.randn(7, 5, generator=seeded(1)), torch.randn(1000, generator=seeded(2))]
+    for k in range(2):
+        deltas = [(r0 + 0.01 * q[k] - r0) for r0, q in
+                  ((ref0[k], params_of(r)) for r in range(SIZE))]
+        total = sum(d.to(wire).double() for d in deltas)
+        expect = a * mine[k].double() + b * total + c * ref0[k].double()
+        # fp32: exact up to summation order; 16-bit: one rounding per hop of the sum.
+        tol = {torch.float32: 1e-6, torch.bfloat16: 2e-4 * SIZE, torch.float16: 2e-5 * SIZE}[wire]
+        assert torch.allclose(ref[k].double(), expect, atol=tol), (wire, k)
+
+
+# --- training ---------------------------------------------------------------------
+
+
+def test_blocking_phase_equals_single_process_sgd(nodes_of):
+    """With a blocking average every batch and fp32 on the wire, DASO is plain
+    data-parallel SGD with momentum: compare with one process on all the data."""
+    data = problem(batches=6)
+    model, opt, daso, net = make(epochs=3, warmup_epochs=3, cooldown_epochs=0,
+                                 downcast_type=torch.float32)
+    reference = mlp(100)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+
+    def ref_epoch(_):
+        for X, Y in data:
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(X), Y).backward()
+            ref_opt.step()
+        assert_params_close(model, reference, atol=1e-5, what="after an epoch")
+
+    train(model, daso, net, data, epochs=3, on_epoch=ref_epoch)
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("groups", [True, False], ids=["mpi_groups", "split"])
+def test_training_converges_and_stays_consistent(nodes_of, wire, groups):
+    data = problem()
+    # A chunk far smaller than one parameter tensor (32x32 = 1024 elements).
+    model, opt, daso, net = make(epochs=8, downcast_type=wire, use_mpi_groups=groups,
+                                 sending_chunk_size=100, warmup_epochs=1, cooldown_epochs=1)
+    losses = train(model, daso, net, data, epochs=8)
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert daso.phase == "cooldown"
+    if daso.n_nodes > 1:
+        assert daso.bytes_sent > 0
+
+
+def test_cycling_phase_runs_and_skips(nodes_of):
+    data = problem(batches=16)
+    model, opt, daso, net = make(epochs=5, warmup_epochs=0, cooldown_epochs=0)
+    assert daso.phase == "cycling" and daso.global_skip == 4   # Heat never leaves warm-up here
+    train(model, daso, net, data, epochs=5)
+
+
+def test_frozen_parameters(nodes_of):
+    model, opt, daso, net = make(frozen=True, epochs=3)
+    train(model, daso, net, problem(), epochs=3)
+    assert torch.equal(model[0].weight, mlp(100)[0].weight)  # rank 0's init, never changed
+
+
+def test_scheduler_and_scaler(nodes_of):
+    model = mlp(100 + RANK)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.01 * step))
+    daso = mpidp.DASO(opt, total_epochs=3, warmup_epochs=1, cooldown_epochs=1, scheduler=sched)
+    daso.add_scaler(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    net = mpidp.DataParallelMultiGPU(model, daso)
+    losses = train(model, daso, net, problem(), epochs=3)
+    assert losses[-1] < losses[0]
+    assert opt.param_groups[0]["lr"] < 0.05   # the scheduler stepped
+
+
+def test_checkpoint_restart_is_exact(nodes_of):
+    data = problem(batches=10)
+    kw = dict(epochs=6, warmup_epochs=1, cooldown_epochs=1)
+    model, opt, daso, net = make(**kw)
+    train(model, daso, net, data, epochs=6)
+    uninterrupted = copy.deepcopy(model)
+
+    model, opt, daso, net = make(**kw)
+    train(model, daso, net, data, epochs=3)
+    saved_model, saved_daso = copy.deepcopy(model.state_dict()), copy.deepcopy(daso.state_dict())
+    del model, opt, daso, net
+    model, opt, daso, net = make(**kw)         # a new job: fresh everything
+    model.load_state_dict(saved_model)
+    daso.load_state_dict(saved_daso)
+    assert daso.epoch == 3
+    train(model, daso, net, data, epochs=3)
+    for (name, p), q in zip(model.named_parameters(), uninterrupted.parameters()):
+        assert torch.equal(p, q), f"{name} differs after restart by {(p - q).abs().max().item()}"
+
+
+def test_state_dict_mid_epoch_is_refused():
+    model, opt, daso, net = make(epochs=2)
+    daso.last_batch = 3
+    net(torch.randn(2, 10)).sum().backward()
+    daso.step()
+    with pytest.raises(RuntimeError, match="between epochs"):
+        daso.state_dict()
+
+
+def test_one_rank_per_node_warns(monkeypatch):
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")
+    model = mlp(0)
+    daso = mpidp.DASO(torch.optim.SGD(model.parameters(), lr=0.1), total_epochs=2)
+    with pytest.warns(UserWarning, match="one rank per node"):
+        mpidp.DataParallelMultiGPU(model, daso)
+
+
+# --- bad input ---------------------------------------------------------------------
+
+
+def opt():
+    return torch.optim.SGD(mlp(0).parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(local_optimizer="sgd"), TypeError, "local_optimizer"),
+    (dict(total_epochs=0), ValueError, "total_epochs"),
+    (dict(total_epochs=2.5), TypeError, "total_epochs"),
+    (dict(warmup_epochs=-1), ValueError, "warmup_epochs"),
+    (dict(cooldown_epochs=True), TypeError, "cooldown_epochs"),
+    (dict(stability_level=1.5), ValueError, "stability_level"),
+    (dict(max_global_skips=0), ValueError, "max_global_skips"),
+    (dict(sending_chunk_size=0), ValueError, "sending_chunk_size"),
+    (dict(downcast_type=torch.int8), ValueError, "downcast_type"),
+    (dict(use_mpi_groups=1), TypeError, "use_mpi_groups"),
+    (dict(skip_reduction_factor=1), ValueError, "skip_reduction_factor"),
+    (dict(local_skip_factor=0), ValueError, "local_skip_factor"),
+    (dict(verbose="yes"), TypeError, "verbose"),
+    (dict(scheduler=3), TypeError, "scheduler"),
+    (dict(comm="world"), TypeError, "comm"),
+])
+def test_bad_arguments(kwargs, exc, words):
+    args = dict(local_optimizer=opt(), total_epochs=4)
+    args.update(kwargs)
+    with pytest.raises(exc, match=words):
+        mpidp.DASO(**args)
+
+
+def test_misuse_is_explained():
+    model = mlp(0)
+    with pytest.raises(TypeError, match="optimizer: expected a mpidp.DASO"):
+        mpidp.DataParallelMultiGPU(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    daso = mpidp.DASO(torch.optim.SGD(model.parameters(), lr=0.1), total_epochs=2)
+    with pytest.raises(RuntimeError, match="no model"):
+        daso.step()
+    with pytest.raises(TypeError, match="DataParallelMultiGPU"):
+        mpidp.DataParallel(model, optimizer=daso)
+    with pytest.raises(TypeError, match="scaler"):
+        daso.add_scaler(object())
+    daso.set_model(model)
+    with pytest.raises(ValueError, match="last_batch"):
+        daso.step()
+    with pytest.raises(ValueError, match="loss: expected a scalar"):
+        daso.epoch_loss_logic(torch.ones(3))
