@@ -1,12 +1,14 @@
 # mpidp: `make test` and `make demo` do all set-up on a fresh machine.
 #   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
 #   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2 and 4 MPI ranks
-#   make demo     setup + the main example job
+#   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests only        make pytest-N   pytest at N ranks (N = 1, 2, 3, 4)
 #   make bench    the benchmarks in benchmarks/
 
 PY       := .venv/bin/python
-NP_DEMO  := 2
+# The demo: DASO on 4 ranks laid out as 2 emulated nodes of 2 ranks.
+NP_DEMO  := 4
+DEMO_RANKS_PER_NODE := 2
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -29,7 +31,7 @@ pytest-%: setup
 	@./scripts/run_pytest.sh $*
 
 demo: setup
-	./scripts/mpirun.sh $(NP_DEMO) $(PY) examples/digits.py
+	MPIDP_RANKS_PER_NODE=$(DEMO_RANKS_PER_NODE) ./scripts/mpirun.sh $(NP_DEMO) $(PY) examples/digits.py
 
 bench: setup
 	./scripts/mpirun.sh 2 $(PY) benchmarks/bench_step.py

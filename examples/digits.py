@@ -1,11 +1,15 @@
 """Train a small CNN on scikit-learn's bundled digits images with mpidp.
 
-    mpirun -np 2 python examples/digits.py            (or: srun -n 2 python ...)
+    mpirun -np 4 python examples/digits.py                   (or: srun -n 4 python ...)
+    MPIDP_RANKS_PER_NODE=2 mpirun -np 4 python examples/digits.py   (2 emulated nodes x 2)
 
 The 8x8 digit images ship with scikit-learn (no download). Each rank trains on
-its own shard of the training set (torch's DistributedSampler); gradients are
-averaged over all ranks by mpidp.DataParallel. Rank 0 shows a progress bar and
-the test accuracy at the end.
+its own shard of the training set (torch's DistributedSampler). By default the
+ranks train with DASO (--method daso): node-local DDP every batch, global
+parameter averages between nodes that the schedule skips, delays and sends as
+bf16. --method dp / dp-nonblocking use mpidp.DataParallel instead. Rank 0 shows
+a progress bar and, per epoch, the DASO phase, global skips, batches to wait,
+the training loss and the test accuracy.
 """
 
 import argparse
@@ -59,9 +63,14 @@ def accuracy(model, dataset) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=("daso", "dp", "dp-nonblocking"), default="daso")
     parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--downcast", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="DASO: dtype of the global syncs on the wire")
+    parser.add_argument("--warmup-epochs", type=int, default=2, help="DASO")
+    parser.add_argument("--cooldown-epochs", type=int, default=2, help="DASO")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
@@ -75,17 +84,29 @@ def main():
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
     model = DigitsCNN()
-    optimizer = mpidp.DataParallelOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
-    net = mpidp.DataParallel(model, comm=comm, optimizer=optimizer,
-                             blocking_parameter_updates=True)
+    daso = None
+    if args.method == "daso":
+        local = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        wire = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.downcast]
+        daso = mpidp.DASO(local, total_epochs=args.epochs, comm=comm, warmup_epochs=args.warmup_epochs,
+                          cooldown_epochs=args.cooldown_epochs, downcast_type=wire)
+        net = mpidp.DataParallelMultiGPU(model, daso, comm=comm)
+        daso.last_batch = len(loader) - 1
+        optimizer = daso
+    else:
+        optimizer = mpidp.DataParallelOptimizer(
+            torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+        net = mpidp.DataParallel(model, comm=comm, optimizer=optimizer,
+                                 blocking_parameter_updates=args.method == "dp")
 
+    topo = mpidp.topology(comm)
     if rank == 0:
-        print(f"mpidp {mpidp.__version__}: DataParallel on {size} rank(s), "
-              f"{len(train_set)} training images, {len(loader)} batches of {args.batch_size} "
-              "per rank per epoch", flush=True)
+        print(f"mpidp {mpidp.__version__}: {args.method} on {size} rank(s) ({topo.n_nodes} node(s) "
+              f"x {topo.local_size}), {len(train_set)} training images, {len(loader)} batches of "
+              f"{args.batch_size} per rank per epoch", flush=True)
     start = time.perf_counter()
-    bar = tqdm(total=args.epochs * len(loader), disable=rank != 0 or args.quiet, unit="batch")
+    bar = tqdm(total=args.epochs * len(loader), disable=rank != 0 or args.quiet, unit="batch",
+               leave=False)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         total = torch.zeros(2, dtype=torch.float64)
@@ -96,8 +117,16 @@ def main():
             optimizer.step()
             total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
             bar.update()
-        mpidp.allreduce(total)  # the epoch's mean training loss over every rank
-        bar.set_postfix(epoch=epoch, loss=f"{(total[0] / total[1]).item():.4f}")
+        mpidp.allreduce(total, comm=comm)  # the epoch's mean training loss over every rank
+        mean_loss = (total[0] / total[1]).item()
+        if daso is not None:
+            phase = f"{daso.phase:<8} gs {daso.global_skip} btw {daso.batches_to_wait}"
+            daso.epoch_loss_logic(mean_loss, loss_globally_averaged=True)
+        else:
+            phase = args.method
+        acc = accuracy(net, test_set)
+        if rank == 0:
+            bar.write(f"epoch {epoch:3d}  {phase}  loss {mean_loss:.4f}  test accuracy {acc:6.2f}%")
     bar.close()
     elapsed = time.perf_counter() - start
     acc = accuracy(net, test_set)
