@@ -1,6 +1,6 @@
 # mpidp: `make test` and `make demo` do all set-up on a fresh machine.
 #   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
-#   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2 and 4 MPI ranks
+#   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2, 3 (ranks3 tests) and 4 MPI ranks
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests only        make pytest-N   pytest at N ranks (N = 1, 2, 3, 4)
 #   make bench    the benchmarks in benchmarks/
@@ -25,7 +25,11 @@ test: setup
 ctest:
 	@$(MAKE) --no-print-directory -s -C tests/c
 
-pytest: pytest-1 pytest-2 pytest-4
+pytest: pytest-1 pytest-2 pytest-3 pytest-4
+
+# At 3 ranks (a size that is no power of two) only the tests marked ranks3 run.
+pytest-3: setup
+	@./scripts/run_pytest.sh 3 -m "ranks3 and not serial"
 
 pytest-%: setup
 	@./scripts/run_pytest.sh $*

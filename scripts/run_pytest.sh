@@ -24,6 +24,7 @@ if [ "$n" = 1 ]; then
     timeout -k 10 "$limit" "$PY" -m pytest -q "${@:-tests}"
     rc=$?
 else
+    # -m "not serial" comes first: a later -m from the caller replaces it.
     timeout -k 10 "$limit" ./scripts/mpirun.sh "$n" ./scripts/pytest_rank.sh "$PY" -q --color=no -m "not serial" "${@:-tests}"
     rc=$?
 fi

@@ -17,6 +17,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "serial: runs only in the single-process pass of `make test` (the test "
                    "starts its own MPI jobs, or has nothing to do with several ranks)")
+    config.addinivalue_line(
+        "markers", "ranks3: also run at 3 ranks (a communicator size that is not a power of two)")
 
 
 def pytest_report_header(config):
