@@ -263,3 +263,18 @@ def test_misuse_is_explained():
         daso.step()
     with pytest.raises(ValueError, match="loss: expected a scalar"):
         daso.epoch_loss_logic(torch.ones(3))
+
+
+def test_resume_with_more_epochs_follows_the_new_settings():
+    """A checkpoint taken in cooldown of a 3-epoch job, restored into a 6-epoch
+    job, continues in the phase a 6-epoch job has there (not the old one)."""
+    model, opt, daso, net = make(epochs=3, warmup_epochs=1, cooldown_epochs=1)
+    train(model, daso, net, problem(batches=4), epochs=3)
+    assert daso.phase == "cooldown"
+    saved = daso.state_dict()
+    model2, opt2, daso2, net2 = make(epochs=6, warmup_epochs=1, cooldown_epochs=1)
+    model2.load_state_dict(model.state_dict())
+    daso2.load_state_dict(saved)
+    assert (daso2.epoch, daso2.phase, daso2.total_epochs) == (3, "cycling", 6)
+    train(model2, daso2, net2, problem(batches=4), epochs=3)
+    assert daso2.phase == "cooldown"

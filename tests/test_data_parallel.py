@@ -220,10 +220,12 @@ def test_construction_keeps_rank0_values_and_rng():
     assert_same_on_all_ranks(model)
 
 
-def test_buffers_are_broadcast():
-    model = torch.nn.BatchNorm1d(5)
-    model.running_mean.fill_(float(RANK))
-    model.num_batches_tracked.fill_(10 + RANK)
+@pytest.mark.parametrize("features", [5, 3])
+def test_buffers_are_broadcast(features):
+    # 3 features: an odd number of float32 values precedes the int64 counter.
+    model = torch.nn.Sequential(torch.nn.Linear(2, features), torch.nn.BatchNorm1d(features))
+    model[1].running_mean.fill_(float(RANK))
+    model[1].num_batches_tracked.fill_(10 + RANK)
     mpidp.DataParallel(model, blocking_parameter_updates=True)
-    assert torch.all(model.running_mean == 0.0)
-    assert model.num_batches_tracked.item() == 10
+    assert torch.all(model[1].running_mean == 0.0)
+    assert model[1].num_batches_tracked.item() == 10

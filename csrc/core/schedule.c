@@ -338,7 +338,9 @@ static int validate_batch_level(const mpidp_schedule_t *s)
                            ") implies %d", s->pending, n, last, s->global_skip,
                            s->batches_to_wait, want_pending);
     if (want_pending) {
-        int64_t group = (s->send_mod + cfg->n_groups - 1) % cfg->n_groups;
+        /* The group before send_mod, without forming send_mod + n_groups,
+         * which overflows for a huge n_groups. */
+        int64_t group = s->send_mod == 0 ? cfg->n_groups - 1 : s->send_mod - 1;
         if (s->pending_sent_at != sent_at || s->pending_btw != sent_btw ||
             s->pending_group != group)
             return mpidp__fail(MPIDP_EINVAL,
@@ -411,6 +413,40 @@ int mpidp_schedule_epoch_end(mpidp_schedule_t *s, double loss)
     }
     if (detector_feed(s, loss)) on_plateau(s);
     return MPIDP_OK;
+}
+
+int mpidp_schedule_reconfigure(mpidp_schedule_t *s, const mpidp_schedule_config_t *cfg)
+{
+    int rc = mpidp_schedule_validate(s);
+    if (rc != MPIDP_OK) return rc;
+    rc = mpidp_schedule_config_validate(cfg);
+    if (rc != MPIDP_OK) return rc;
+    if (s->next_batch != 0 || s->pending)
+        return mpidp__fail(MPIDP_ESTATE, "the schedule can only be reconfigured between epochs "
+                           "(next batch %" PRId64 ", %s)", s->next_batch,
+                           s->pending ? "a global sync pending" : "nothing pending");
+    if (cfg->n_groups != s->cfg.n_groups)
+        return mpidp__fail(MPIDP_EINVAL, "n_groups (processes per node) cannot change: %" PRId64
+                           " saved, %" PRId64 " now", s->cfg.n_groups, cfg->n_groups);
+    mpidp_schedule_t before = *s;
+    s->cfg = *cfg;
+    const int64_t phase = phase_at(&s->cfg, s->epoch);
+    if (phase != MPIDP_SCHEDULE_CYCLING) {
+        enter_phase(s, phase);
+    } else if (before.phase != MPIDP_SCHEDULE_CYCLING) {
+        /* Into cycling without a loss to judge: a fresh detector takes the
+         * next epoch's loss as its first value. */
+        enter_phase(s, MPIDP_SCHEDULE_CYCLING);
+        detector_clear(s);
+    } else {
+        /* Still cycling: keep the tuned skips, within the new bound. */
+        if (s->global_skip > cfg->max_global_skips) s->global_skip = cfg->max_global_skips;
+        if (s->local_skip > s->global_skip) s->local_skip = s->global_skip;
+        if (s->batches_to_wait > s->global_skip) s->batches_to_wait = s->global_skip;
+    }
+    rc = mpidp_schedule_validate(s);
+    if (rc != MPIDP_OK) *s = before;
+    return rc;
 }
 
 static void no_actions(const mpidp_schedule_t *s, mpidp_schedule_actions_t *out)

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "mpidp/bucket.h"
+#include "mpidp/checksum.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
@@ -130,6 +131,37 @@ done:
     return result;
 }
 
+/* checksums(tensors) -> tuple of 64-bit checksums of each CPU tensor's bytes. */
+static PyObject *mod_checksums(PyObject *m, PyObject *seq)
+{
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    PyObject *fast = PySequence_Fast(seq, "checksums: expected a sequence of tensors");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        mpidp_py_borrowed_t t;
+        if (mpidp_py_borrow(st, PySequence_Fast_GET_ITEM(fast, i), MPIDP_TENSOR_CPU_ONLY, "tensors",
+                            &t) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+        uint64_t h;
+        size_t bytes = t.t.numel * mpidp_dtype_size(t.t.dtype);
+        Py_BEGIN_ALLOW_THREADS h = mpidp_checksum64(t.t.data, bytes, (uint64_t)t.t.dtype);
+        Py_END_ALLOW_THREADS
+        mpidp_py_release(&t);
+        PyObject *v = PyLong_FromUnsignedLongLong(h);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
 static PyObject *mod_set_timeout(PyObject *m, PyObject *arg)
 {
     (void)m;
@@ -214,6 +246,8 @@ static PyMethodDef module_methods[] = {
     {"thread_level", mod_thread_level, METH_NOARGS, "MPI_Query_thread() at import."},
     {"plan_buckets", mod_plan_buckets, METH_VARARGS,
      "plan_buckets(numel, dtype, first_cap_bytes, cap_bytes) -> (bucket_of, offset, infos)"},
+    {"checksums", mod_checksums, METH_O,
+     "checksums(tensors) -> 64-bit checksums of each CPU tensor's bytes (MPIDP_CHECK)."},
     {"set_timeout", mod_set_timeout, METH_O, "Deadline in seconds for every wait (<= 0: none)."},
     {"get_timeout", mod_get_timeout, METH_NOARGS, "The current deadline in seconds."},
     {"set_abort_on_timeout", mod_set_abort_on_timeout, METH_O,

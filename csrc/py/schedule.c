@@ -131,8 +131,27 @@ static PyObject *schedule_load(schedule_t *self, PyObject *d)
 #undef GET_double
     mpidp_error_clear();
     int rc = mpidp_schedule_validate(&s);
-    if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.load_state_dict: schedule state");
+    if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.load_state_dict");
     self->s = s;
+    Py_RETURN_NONE;
+}
+
+/* reconfigure(total_epochs, ..., stability_level): adopt a new config between
+ * epochs (a restarted job's own settings over the checkpoint's). */
+static PyObject *schedule_reconfigure(schedule_t *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"total_epochs", "warmup_epochs", "cooldown_epochs", "max_global_skips",
+                             "skip_reduction_factor", "local_skip_factor", "n_groups",
+                             "stability_level", NULL};
+    long long te, we, ce, mgs, srf, lsf, ng;
+    double sl;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLLLLLLd:reconfigure", kwlist, &te, &we, &ce,
+                                     &mgs, &srf, &lsf, &ng, &sl))
+        return NULL;
+    mpidp_schedule_config_t cfg = {te, we, ce, mgs, srf, lsf, ng, sl};
+    mpidp_error_clear();
+    int rc = mpidp_schedule_reconfigure(&self->s, &cfg);
+    if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.load_state_dict");
     Py_RETURN_NONE;
 }
 
@@ -161,6 +180,8 @@ static PyMethodDef schedule_methods[] = {
     {"reset", (PyCFunction)schedule_reset, METH_NOARGS, "Back to the initial state."},
     {"state", (PyCFunction)schedule_state, METH_NOARGS, "The whole state as a dict."},
     {"load", (PyCFunction)schedule_load, METH_O, "Restore a state() dict (validated)."},
+    {"reconfigure", (PyCFunction)(void (*)(void))schedule_reconfigure, METH_VARARGS | METH_KEYWORDS,
+     "Adopt a new config between epochs; the next epoch's phase follows it."},
     {NULL, NULL, 0, NULL},
 };
 

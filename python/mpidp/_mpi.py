@@ -139,6 +139,17 @@ def resolve_comm(comm, argname: str = "comm") -> _C.Comm:
     return cached
 
 
+def as_mpi4py(comm) -> MPI.Intracomm:
+    """The mpi4py communicator behind a `comm` argument (None: COMM_WORLD;
+    Heat's wrapper: its .handle)."""
+    if comm is None:
+        return MPI.COMM_WORLD
+    handle = getattr(comm, "handle", None)
+    if not isinstance(comm, MPI.Comm) and isinstance(handle, MPI.Comm):
+        return handle
+    return comm
+
+
 def mpi_library_version() -> str:
     """The MPI library this process runs on (MPI_Get_library_version)."""
     return _C.mpi_library_version()

@@ -39,20 +39,21 @@ def broadcast_state(module: torch.nn.Module, comm: "_C.Comm", root: int = 0) -> 
         if device.type != "cpu":
             raise NotImplementedError(f"broadcasting {device.type} tensors is not supported yet")
         with torch.no_grad():
+            # Each tensor starts at a multiple of 8 bytes, so that its slice of
+            # the byte buffer can be viewed as its own dtype again.
             chunks = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in group]
-            nbytes = sum(c.numel() for c in chunks)
-            padded = (nbytes + 7) // 8 * 8
-            flat = torch.zeros(padded, dtype=torch.uint8)
-            if nbytes:
-                torch.cat(chunks, out=flat[:nbytes])
+            offsets, nbytes = [], 0
+            for c in chunks:
+                offsets.append(nbytes)
+                nbytes += (c.numel() + 7) // 8 * 8
+            flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8)
+            for c, off in zip(chunks, offsets):
+                flat[off:off + c.numel()] = c
             # Our broadcast takes float tensors; bytes are bytes, so view them as float64.
             comm.bcast(flat.view(torch.float64), root)
-            offset = 0
-            for t, c in zip(group, chunks):
-                n = c.numel()
-                received = flat[offset:offset + n].view(t.dtype).view(t.shape)
+            for t, c, off in zip(group, chunks, offsets):
+                received = flat[off:off + c.numel()].view(t.dtype).view(t.shape)
                 t.detach().copy_(received)
-                offset += n
 
 
 def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 
 from . import _C
 from ._dtypes import CODE_OF
-from ._mpi import MPI, resolve_comm
+from ._consistency import check_every, check_in_sync
+from ._mpi import MPI, as_mpi4py, resolve_comm
 from .topology import node_comm, topology
 
 __all__ = ["DASO"]
@@ -92,7 +93,7 @@ class DASO:
 
         self.comm = comm
         self._world = resolve_comm(comm)
-        mpi_comm = self._world_mpi(comm)
+        mpi_comm = as_mpi4py(comm)
         topo = topology(mpi_comm)
         self.rank = mpi_comm.Get_rank()
         self.n_nodes, self.local_rank, self.loc_size = topo.n_nodes, topo.local_rank, topo.local_size
@@ -116,13 +117,6 @@ class DASO:
         self._needs_reference = False
 
     # -- construction helpers -------------------------------------------------
-
-    @staticmethod
-    def _world_mpi(comm):
-        if comm is None:
-            return MPI.COMM_WORLD
-        handle = getattr(comm, "handle", None)
-        return handle if not isinstance(comm, MPI.Comm) and isinstance(handle, MPI.Comm) else comm
 
     def _make_group(self, comm, topo):
         key = topo.node
@@ -175,6 +169,7 @@ class DASO:
             raise ValueError("local_optimizer: it holds tensors that are not parameters of the model")
         self.module = model
         self._params = tuple(p.detach() for p in params)
+        self._param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._pointers = tuple(p.data_ptr() for p in params)
         if self._sync is not None and self._sync.pending:
             self._sync.wait()
@@ -256,6 +251,10 @@ class DASO:
             self._world.allreduce(t, 1, -1, False)
             value = t.item()
         self._schedule.epoch_end(value)
+        if check_every():
+            # Every epoch ends with a blocking sync: all ranks must match bit for bit.
+            check_in_sync(self._world, list(zip(self._param_names, self._params)), "DASO",
+                          f"after epoch {self.epoch}")
         self.print0(f"DASO epoch {self.epoch}: loss {value:.5g}, phase {self.phase}, global_skip "
                     f"{self.global_skip}, local_skip {self.local_skip}, batches_to_wait "
                     f"{self.batches_to_wait}")
@@ -304,6 +303,11 @@ class DASO:
         if self._sync is not None and self._sync.pending:
             self._sync.wait()
         self._schedule.load(state["schedule"])
+        # This job's own settings win over the checkpoint's (a restart may ask
+        # for more epochs); the next epoch's phase is recomputed for them.
+        self._schedule.reconfigure(self.total_epochs, self.warmup_epochs, self.cooldown_epochs,
+                                   self.max_global_skips, self.skip_reduction_factor,
+                                   self.local_skip_factor, self.loc_size, self.stability_level)
         self.local_optimizer.load_state_dict(state["local_optimizer"])
         if (state["scheduler"] is None) != (self.scheduler is None):
             raise ValueError("state: the saved job and this one differ in having a scheduler")
@@ -313,7 +317,8 @@ class DASO:
             raise ValueError("state: the saved job and this one differ in having a scaler")
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
-        self.last_batch = state["last_batch"]
+        if self.last_batch is None:  # the data may have changed: a value set already stays
+            self.last_batch = state["last_batch"]
         self.bytes_sent = state["bytes_sent"]
         self.current_batch = 0
         self._needs_reference = True

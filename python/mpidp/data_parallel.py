@@ -9,7 +9,8 @@ import torch
 
 from . import _C
 from ._dtypes import code_of, wire_code
-from ._mpi import MPI, resolve_comm
+from ._consistency import check_every, check_in_sync, check_same_structure
+from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, check_module, grad_view
 from .optimizer import DataParallelOptimizer
 
@@ -132,7 +133,10 @@ class DataParallel(torch.nn.Module):
             opt.blocking_parameter_updates = blocking_parameter_updates
             opt._model = self
 
+        check_same_structure(c_comm, as_mpi4py(comm), module, "DataParallel")
         broadcast_state(module, c_comm)
+        self._check_every = check_every()
+        self._forwards = 0
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
         self._due = False        # non-blocking: optimizer.step() was called, update pending
         self._applying = False   # non-blocking: this forward applies the pending update
@@ -195,6 +199,11 @@ class DataParallel(torch.nn.Module):
 
     def forward(self, *inputs, **kwargs):
         reducer = self._reducer
+        if self._check_every and self.training:
+            if self._forwards % self._check_every == 0:
+                check_in_sync(self._c_comm, list(self.module.named_parameters()), "DataParallel",
+                              f"before training step {self._forwards}")
+            self._forwards += 1
         if not self.blocking_parameter_updates and reducer.finalized:
             if self._due:
                 self._applying = True

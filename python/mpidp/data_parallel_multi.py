@@ -7,7 +7,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ._mpi import MPI, resolve_comm
+from ._consistency import check_same_structure
+from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, check_module
 from .daso import DASO
 from .process_group import init_process_group
@@ -34,11 +35,12 @@ class DataParallelMultiGPU(torch.nn.Module):
             raise TypeError("optimizer: expected a mpidp.DASO (DataParallelMultiGPU runs DASO; for "
                             f"other optimizers use mpidp.DataParallel), got {type(optimizer).__name__}")
         c_comm = resolve_comm(comm)
-        mpi_comm = DASO._world_mpi(comm)
+        mpi_comm = as_mpi4py(comm)
         topo = topology(mpi_comm)
         super().__init__()
         self.comm = comm
         self.loc_gpus = topo.local_size
+        check_same_structure(c_comm, mpi_comm, module, "DataParallelMultiGPU")
         broadcast_state(module, c_comm)
         if topo.local_size == 1:
             warnings.warn("DataParallelMultiGPU: one rank per node, so there is no node-local "

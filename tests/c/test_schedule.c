@@ -539,7 +539,83 @@ TEST(field_list_covers_state)
     ASSERT_STREQ(fields[n - 1].name, "pending_sent_at");
 }
 
-TEST_MAIN(defaults_are_heats, flat_loss_30_epochs_matches_heat,
+/* Continue an existing schedule for n epochs of 4 batches (flat loss). */
+static int continue_epochs(mpidp_schedule_t *s, int n)
+{
+    for (int e = 0; e < n; e++) {
+        mpidp_schedule_actions_t a;
+        for (int64_t b = 0; b <= 3; b++) {
+            int rc = mpidp_schedule_batch(s, b, 3, &a);
+            if (rc != MPIDP_OK) return rc;
+        }
+        int rc = mpidp_schedule_epoch_end(s, 1.0);
+        if (rc != MPIDP_OK) return rc;
+    }
+    return mpidp_schedule_validate(s);
+}
+
+/* A job restarted with more epochs: the saved state, reconfigured for the new
+ * total, runs the new epochs in the phase a fresh run of that length would. */
+TEST(reconfigure_between_epochs)
+{
+    double losses[40];
+    fill(losses, 40, 1.0);
+    char trace[512];
+    mpidp_schedule_config_t two = config(2, 1, 0), three = config(3, 1, 0);
+    mpidp_schedule_t s;
+    ASSERT_OK(mpidp_schedule_init(&s, &two));
+    ASSERT_OK(run_epochs(&s, 2, losses, 3, trace, sizeof trace));
+    ASSERT_STREQ(trace, "w0,0,0 c4,1,1");
+    ASSERT_OK(mpidp_schedule_reconfigure(&s, &three));
+    ASSERT_EQ_INT(s.cfg.total_epochs, 3);
+    ASSERT_EQ_INT(s.phase, MPIDP_SCHEDULE_CYCLING);
+    ASSERT_EQ_INT(s.global_skip, 4);
+    ASSERT_OK(continue_epochs(&s, 1));
+    ASSERT_EQ_INT(s.phase, MPIDP_SCHEDULE_COOLDOWN);
+
+    /* Ending in cooldown, then extended: back to a fresh cycling phase. */
+    mpidp_schedule_config_t c1 = config(3, 1, 1), c2 = config(6, 1, 1);
+    ASSERT_OK(mpidp_schedule_init(&s, &c1));
+    ASSERT_OK(run_epochs(&s, 3, losses, 3, trace, sizeof trace));
+    ASSERT_EQ_INT(s.phase, MPIDP_SCHEDULE_COOLDOWN);
+    ASSERT_OK(mpidp_schedule_reconfigure(&s, &c2));
+    ASSERT_EQ_INT(s.phase, MPIDP_SCHEDULE_CYCLING);
+    ASSERT_EQ_INT(s.has_best, 0);
+    ASSERT_OK(continue_epochs(&s, 2));
+    ASSERT_EQ_INT(s.phase, MPIDP_SCHEDULE_COOLDOWN);
+
+    /* Cycling stays cycling: skips kept but clamped to a smaller maximum. */
+    mpidp_schedule_config_t big = config(40, 1, 1), small = config(40, 1, 1);
+    small.max_global_skips = 2;
+    ASSERT_OK(mpidp_schedule_init(&s, &big));
+    ASSERT_OK(run_epochs(&s, 2, losses, 3, trace, sizeof trace));
+    ASSERT_EQ_INT(s.global_skip, 4);
+    ASSERT_OK(mpidp_schedule_reconfigure(&s, &small));
+    ASSERT_EQ_INT(s.global_skip, 2);
+    ASSERT_TRUE(s.batches_to_wait <= 2 && s.local_skip <= 2);
+}
+
+TEST(reconfigure_refusals_leave_the_state_alone)
+{
+    mpidp_schedule_config_t cfg = config(10, 1, 1), other = config(12, 1, 1);
+    mpidp_schedule_t s;
+    ASSERT_OK(mpidp_schedule_init(&s, &cfg));
+    mpidp_schedule_actions_t a;
+    ASSERT_OK(mpidp_schedule_batch(&s, 0, 3, &a));
+    mpidp_schedule_t before = s;
+    ASSERT_EQ_INT(mpidp_schedule_reconfigure(&s, &other), MPIDP_ESTATE);   /* mid-epoch */
+    ASSERT_TRUE(memcmp(&before, &s, sizeof s) == 0);
+    for (int64_t b = 1; b <= 3; b++) ASSERT_OK(mpidp_schedule_batch(&s, b, 3, &a));
+    other.n_groups = 2;
+    before = s;
+    ASSERT_EQ_INT(mpidp_schedule_reconfigure(&s, &other), MPIDP_EINVAL);   /* topology changed */
+    other.n_groups = 1;
+    other.total_epochs = 0;
+    ASSERT_EQ_INT(mpidp_schedule_reconfigure(&s, &other), MPIDP_EINVAL);   /* invalid config */
+    ASSERT_TRUE(memcmp(&before, &s, sizeof s) == 0);
+}
+
+TEST_MAIN(reconfigure_between_epochs, reconfigure_refusals_leave_the_state_alone, defaults_are_heats, flat_loss_30_epochs_matches_heat,
           improving_loss_stays_at_4_1_1, warmup_zero_starts_cycling,
           cooldown_and_overlapping_phases, max_global_skips_1_2_3,
           skip_reduction_factor_edges, local_skip_factor_one_keeps_btw_within_gs,

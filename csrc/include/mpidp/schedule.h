@@ -210,6 +210,15 @@ int mpidp_schedule_init(mpidp_schedule_t *s, const mpidp_schedule_config_t *cfg)
  * leaving *s unchanged, when s is NULL or s->cfg is invalid. */
 int mpidp_schedule_reset(mpidp_schedule_t *s);
 
+/* Adopt a new configuration between epochs (a job restarted from a
+ * checkpoint with, say, more total_epochs): the phase of the next epoch is
+ * recomputed for the new config; a cycling phase that stays cycling keeps its
+ * tuned (gs, ls, btw) and detector, clamped to the new max_global_skips; one
+ * that starts cycling starts fresh at (min(4, max_global_skips), 1, 1).
+ * n_groups cannot change. MPIDP_ESTATE mid-epoch or with a sync pending,
+ * MPIDP_EINVAL for an invalid config; *s is then unchanged. */
+int mpidp_schedule_reconfigure(mpidp_schedule_t *s, const mpidp_schedule_config_t *cfg);
+
 /* Check that *s is a state the schedule can be in: a valid config; phase,
  * (gs, ls, btw) and detector consistent with each other and with the epoch
  * counters; the batch position, send group, pending sync and local sync

@@ -1,0 +1,104 @@
+"""Checks that the ranks train the same model.
+
+check_same_structure(): at construction, every rank compares a fingerprint of
+its parameter list (count, names, shapes, dtypes, device kinds, which are
+trainable) with rank 0's. A mismatch raises the same clear error on every
+rank, naming the first differing parameter and the ranks concerned, instead
+of a hang or a job that quietly trains different models.
+
+check_in_sync(): with MPIDP_CHECK=1, every MPIDP_CHECK_EVERY steps (default
+100) the parameters are compared bit for bit across ranks through 64-bit
+checksums, and drift raises an error that says which parameters differ on
+which ranks.
+
+Both first agree through mpidp's own deadline-bounded collectives (a missing
+rank cannot hang them); only once every rank knows about a mismatch are the
+details exchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from . import _C
+
+
+def _describe(module) -> list[str]:
+    described = [f"{name}: shape {tuple(p.shape)}, {str(p.dtype).replace('torch.', '')}, "
+                 f"{p.device.type}, {'trainable' if p.requires_grad else 'frozen'}"
+                 for name, p in module.named_parameters()]
+    # Buffers travel in the initial broadcast too, so they must match as well.
+    described += [f"buffer {name}: shape {tuple(b.shape)}, {str(b.dtype).replace('torch.', '')}, "
+                  f"{b.device.type}" for name, b in module.named_buffers()]
+    return described
+
+
+def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
+    """Every rank learns which ranks raised a flag (one small allreduce)."""
+    flags = torch.zeros(c_comm.size, dtype=torch.float64)
+    flags[c_comm.rank] = 1.0 if flagged else 0.0
+    c_comm.allreduce(flags, 0, -1, False)
+    return [r for r in range(c_comm.size) if flags[r] > 0]
+
+
+def check_same_structure(c_comm, mpi_comm, module, who: str) -> None:
+    if c_comm.size == 1:
+        return
+    described = _describe(module)
+    digest = hashlib.sha256("\n".join(described).encode()).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.float64).clone()
+    root = mine.clone()
+    c_comm.bcast(root, 0)
+    bad = _ranks_flagged(c_comm, not torch.equal(mine.view(torch.uint8), root.view(torch.uint8)))
+    if not bad:
+        return
+    # Every rank knows now, so every rank takes part in the details.
+    reference = mpi_comm.bcast(described if c_comm.rank == 0 else None, root=0)
+    first = None
+    for i in range(max(len(reference), len(described))):
+        theirs = reference[i] if i < len(reference) else "(none)"
+        ours = described[i] if i < len(described) else "(none)"
+        if theirs != ours:
+            first = f"entry {i} is {ours!r} there, {theirs!r} on rank 0"
+            break
+    if first is None:
+        first = f"{len(described)} parameters there, {len(reference)} on rank 0"
+    details = mpi_comm.allgather(first if c_comm.rank in bad else None)
+    raise ValueError(f"{who}: the ranks' models differ: rank(s) {bad} do not match rank 0 "
+                     f"(rank {bad[0]}: {details[bad[0]]})")
+
+
+def check_every() -> int:
+    """Steps between drift checks; 0 when MPIDP_CHECK is off."""
+    if os.environ.get("MPIDP_CHECK", "0") in ("", "0"):
+        return 0
+    raw = os.environ.get("MPIDP_CHECK_EVERY", "100")
+    try:
+        every = int(raw)
+    except ValueError:
+        raise ValueError(f"MPIDP_CHECK_EVERY must be a positive integer, got {raw!r}") from None
+    if every < 1:
+        raise ValueError(f"MPIDP_CHECK_EVERY must be a positive integer, got {raw!r}")
+    return every
+
+
+def check_in_sync(c_comm, named_params, who: str, when: str) -> None:
+    if c_comm.size == 1:
+        return
+    names = [n for n, _ in named_params]
+    sums = _C.checksums([p.detach().cpu() if p.device.type != "cpu" else p.detach()
+                         for _, p in named_params])
+    mine = torch.tensor([s - (1 << 64) if s >= (1 << 63) else s for s in sums], dtype=torch.int64)
+    root = mine.clone()
+    c_comm.bcast(root.view(torch.float64), 0)
+    differs = (mine != root).to(torch.float64)
+    bad = _ranks_flagged(c_comm, bool(differs.any()))
+    if not bad:
+        return
+    c_comm.allreduce(differs, 0, -1, False)           # how many ranks differ, per parameter
+    drifted = [names[i] for i in range(len(names)) if differs[i] > 0]
+    listed = ", ".join(repr(n) for n in drifted[:5]) + (" ..." if len(drifted) > 5 else "")
+    raise RuntimeError(f"{who}: parameters drifted apart across ranks {when}: {listed} differ "
+                       f"from rank 0's on rank(s) {bad} (MPIDP_CHECK)")
