@@ -77,3 +77,22 @@ def test_a_stuck_collective_times_out_and_aborts(tmp_path):
     assert rc != 0, out
     assert "timed out" in out and "MPI_Iallreduce" in out, out
     assert seconds < 30, f"the job took {seconds:.0f} s to end"
+
+
+def test_uneven_batches_without_join_end_with_a_clear_error(tmp_path):
+    script = tmp_path / "uneven.py"
+    script.write_text(textwrap.dedent("""
+        import torch, mpidp
+        from mpi4py import MPI
+        model = torch.nn.Linear(4, 2)
+        opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=True)
+        for step in range(3 + MPI.COMM_WORLD.Get_rank()):   # rank 1 has one batch more
+            opt.zero_grad()
+            net(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    """))
+    rc, out, seconds = run_mpi(2, [str(script)], timeout=120, MPIDP_TIMEOUT="3")
+    assert rc != 0, out
+    assert "timed out" in out and "net.join()" in out, out
+    assert seconds < 30, f"the job took {seconds:.0f} s to end"

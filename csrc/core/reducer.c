@@ -24,6 +24,7 @@ typedef struct {
 struct mpidp_reducer {
     MPI_Comm comm;
     int size;
+    int divisor;           /* gradients are averaged over this many ranks */
     mpidp_reqtable_t *reqs;
     size_t n_params;
     uint32_t *param_bucket;
@@ -98,6 +99,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
         return mpidp__fail(MPIDP_EMPI, "MPI_Comm_size: %s", mpidp__mpi_errstr(rc, msg, sizeof msg));
     }
     r->comm = cfg->comm;
+    r->divisor = r->size;
     r->reqs = cfg->reqs;
     r->n_params = np;
     r->n_buckets = nb;
@@ -249,7 +251,7 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
     void *buf = bk->data;
     int wire_dtype = comm_dtype(r, bk);
     const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
-    float s = 1.0f / (float)r->size;
+    float s = 1.0f / (float)r->divisor;
     if (bk_compressed(r, bk)) {
         /* Scale and compress in one pass; the flags (1 or 0) travel along. */
         const float *src = bk->data;
@@ -271,13 +273,13 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
             memcpy(bk->comm, bk->data, bk->info.numel * esize);
             bucket_t tmp = *bk;
             tmp.data = bk->comm;
-            scale_data(&tmp, 1.0 / (double)r->size);
+            scale_data(&tmp, 1.0 / (double)r->divisor);
         }
         memcpy((char *)bk->comm + bk->info.numel * esize, element(bk, bk->info.numel),
                bk->info.n_params * esize);
         buf = bk->comm;
     } else {
-        scale_data(bk, 1.0 / (double)r->size);
+        scale_data(bk, 1.0 / (double)r->divisor);
     }
     if (r->separate) {
         /* The gradients now live in the communication buffer; the bucket starts
@@ -440,6 +442,14 @@ int mpidp_reducer_deliver(mpidp_reducer_t *r, size_t param, int mode)
         float add = bf ? mpidp_f32_from_bf16(c[i]) : mpidp_f32_from_fp16(c[i]);
         d[i] = bf ? mpidp_bf16_from_f32(prev + add) : mpidp_fp16_from_f32(prev + add);
     }
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_set_divisor(mpidp_reducer_t *r, int n)
+{
+    if (r == NULL || n < 1 || n > r->size)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: divisor %d outside 1..%d", n, r ? r->size : 0);
+    r->divisor = n;
     return MPIDP_OK;
 }
 

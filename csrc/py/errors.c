@@ -48,8 +48,11 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
         /* Another rank is most likely stuck (or dead) in a collective that will
          * never complete; raising here would leave every other rank waiting
          * forever, so end the whole job now, loudly. */
-        fprintf(stderr, "mpidp: %s\nmpidp: aborting the job (set MPIDP_ON_TIMEOUT=raise to raise "
-                        "mpidp.CommTimeout instead)\n", PyUnicode_AsUTF8(msg));
+        fprintf(stderr, "mpidp: %s\nmpidp: another rank is stuck, dead, or doing something "
+                        "else (ranks with different numbers of batches? wrap the training loop "
+                        "in `with net.join():`)\nmpidp: aborting the job (set "
+                        "MPIDP_ON_TIMEOUT=raise to raise mpidp.CommTimeout instead)\n",
+                PyUnicode_AsUTF8(msg));
         fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 3);
     }

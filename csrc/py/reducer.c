@@ -459,6 +459,36 @@ static PyObject *reducer_after_step(reducer_t *r, PyObject *indices)
     Py_RETURN_NONE;
 }
 
+/* set_divisor(n): average over n ranks from the next pass on (join). */
+static PyObject *reducer_set_divisor(reducer_t *r, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    mpidp_error_clear();
+    int rc = mpidp_reducer_set_divisor(r->core, (int)n);
+    if (rc != MPIDP_OK) return fail(r, rc, "DataParallel.join");
+    Py_RETURN_NONE;
+}
+
+/* shadow_pass(): this rank has run out of data (join) but the others have
+ * not: take part in one pass of bucket allreduces contributing nothing, in
+ * the same order as everyone else, without touching any `.grad`. */
+static PyObject *reducer_shadow_pass(reducer_t *r, PyObject *unused)
+{
+    (void)unused;
+    if (mpidp_reducer_n_ready(r->core) != 0 || r->finalized)
+        return PyErr_Format(PyExc_RuntimeError, "DataParallel.join: a backward pass is still open");
+    for (size_t i = 0; i < r->n_params; i++) {
+        mpidp_error_clear();
+        int rc = mpidp_reducer_mark_ready(r->core, i, 0);
+        if (rc != MPIDP_OK) return fail(r, rc, "DataParallel.join");
+    }
+    for (size_t b = 0; b < r->n_buckets; b++)
+        if (wait_core_bucket(r, b) < 0) return NULL;
+    if (reset_pass(r) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* The buckets whose results have been delivered for a step. */
 static PyObject *reducer_delivered(reducer_t *r, PyObject *arg)
 {
@@ -733,6 +763,10 @@ static PyMethodDef reducer_methods[] = {
     {"after_step", (PyCFunction)reducer_after_step, METH_O,
      "Non-blocking: give these parameters' .grad back as the user left it."},
     {"delivered", (PyCFunction)reducer_delivered, METH_O, "delivered(b) -> bool."},
+    {"set_divisor", (PyCFunction)reducer_set_divisor, METH_O,
+     "set_divisor(n): average gradients over n ranks from the next pass on."},
+    {"shadow_pass", (PyCFunction)reducer_shadow_pass, METH_NOARGS,
+     "Take part in one pass of bucket allreduces with zero contributions (join)."},
     {"bucket_of", (PyCFunction)reducer_bucket_of, METH_O, "bucket_of(i) -> bucket index."},
     {NULL, NULL, 0, NULL},
 };

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Iterable, List, Sequence, Union
+from typing import List, Sequence, Union
 
 import torch
 
@@ -119,6 +120,7 @@ class DataParallel(torch.nn.Module):
         self.module = module
         self.comm = comm
         self._c_comm = c_comm
+        self._mpi_comm = as_mpi4py(comm)
         if not blocking_parameter_updates:
             obstacle = _nonblocking_obstacle(optimizers, module)
             if obstacle:
@@ -138,6 +140,8 @@ class DataParallel(torch.nn.Module):
         self._check_every = check_every()
         self._forwards = 0
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
+        self._joining = False    # inside join(): every training forward takes part in a ballot
+        self._join_steps = 0     # training steps this rank took inside join()
         self._due = False        # non-blocking: optimizer.step() was called, update pending
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
@@ -199,6 +203,11 @@ class DataParallel(torch.nn.Module):
 
     def forward(self, *inputs, **kwargs):
         reducer = self._reducer
+        if self._joining and self.training and torch.is_grad_enabled():
+            # Ranks that ran out of data answer this ballot with 0 and add zeros
+            # to this step's gradients, which are averaged over the rest.
+            reducer.set_divisor(self._ballot(True))
+            self._join_steps += 1
         if self._check_every and self.training:
             if self._forwards % self._check_every == 0:
                 check_in_sync(self._c_comm, list(self.module.named_parameters()), "DataParallel",
@@ -271,6 +280,64 @@ class DataParallel(torch.nn.Module):
             self._apply_buckets(range(self._reducer.n_buckets))
         else:
             self._reducer.complete()
+
+    # -- uneven inputs ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def join(self, adopt_optimizer_state: bool = False):
+        """Let ranks with fewer batches finish training early:
+
+            with net.join():
+                for x, y in loader:      # loaders of different lengths
+                    ...
+
+        Inside, every training forward counts the ranks still training (one
+        tiny allreduce), and gradients are averaged over those only. A rank
+        whose loop has ended keeps answering the others' collectives with
+        zeros until everyone is done; then every rank takes the parameters and
+        buffers of the rank that trained longest. Optimizer states stay each
+        rank's own (reflecting its own steps) unless `adopt_optimizer_state`:
+        then every rank also takes that rank's optimizer states -- what one
+        process would hold, and what training that continues after join()
+        needs (momentum would otherwise move the ranks apart). Each training
+        forward must be followed by one backward, and the loop may run no
+        other collectives. Without join(), uneven batches end, after
+        MPIDP_TIMEOUT, with an error saying so."""
+        if self._joining:
+            raise RuntimeError("DataParallel.join() is already active")
+        if not isinstance(adopt_optimizer_state, bool):
+            raise TypeError("adopt_optimizer_state: expected a bool")
+        self._joining, self._join_steps = True, 0
+        try:
+            yield self
+        except BaseException:
+            self._joining = False  # a failing rank ends the job; no shadowing
+            raise
+        try:
+            self.synchronize()
+            while True:
+                active = self._ballot(False)
+                if active == 0:
+                    break
+                self._reducer.set_divisor(active)
+                self._reducer.shadow_pass()
+            self._reducer.set_divisor(self._c_comm.size)
+            steps = torch.zeros(self._c_comm.size, dtype=torch.float64)
+            steps[self._c_comm.rank] = self._join_steps
+            self._c_comm.allreduce(steps, 0, -1, False)
+            root = int(torch.argmax(steps))
+            broadcast_state(self.module, self._c_comm, root=root)
+            if adopt_optimizer_state:
+                for opt in self._dp_optimizers:
+                    mine = opt.torch_optimizer.state_dict() if self._c_comm.rank == root else None
+                    opt.torch_optimizer.load_state_dict(self._mpi_comm.bcast(mine, root=root))
+        finally:
+            self._joining = False
+
+    def _ballot(self, active: bool) -> int:
+        vote = torch.tensor([1.0 if active else 0.0], dtype=torch.float64)
+        self._c_comm.allreduce(vote, 0, -1, False)
+        return int(vote.item())
 
     def train(self, mode: bool = True):
         if not mode:

@@ -105,6 +105,11 @@ int mpidp_reducer_deliver(mpidp_reducer_t *r, size_t param, int mode);
 /* Elements and first element of the parameter's slice in its bucket. */
 void *mpidp_reducer_slice(const mpidp_reducer_t *r, size_t param, size_t *numel);
 
+/* Gradients are averaged over `n` ranks from the next bucket posted on
+ * (default: the communicator's size). Uneven inputs (DataParallel.join) use
+ * the number of ranks still training: the others contribute zeros. */
+int mpidp_reducer_set_divisor(mpidp_reducer_t *r, int n);
+
 /* Starts a new pass: every bucket must be DONE, or no parameter marked at all.
  * MPIDP_ESTATE otherwise (with what is still missing in the detail). */
 int mpidp_reducer_reset(mpidp_reducer_t *r);
