@@ -120,14 +120,18 @@ static PyObject *paramsync_set_reference(paramsync_t *s, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *paramsync_send(paramsync_t *s, PyObject *unused)
+/* send(zero=False): with zero, contribute nothing (a node whose ranks have
+ * all run out of data during join(): it answers the collective with zeros). */
+static PyObject *paramsync_send(paramsync_t *s, PyObject *args)
 {
-    (void)unused;
+    int zero = 0;
+    if (!PyArg_ParseTuple(args, "|p:send", &zero)) return NULL;
     if (s->state != SYNC_IDLE)
         return PyErr_Format(PyExc_RuntimeError, "ParamSync.send: a sync is already in flight");
     const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
     PASS_BEGIN(s);
-    for (size_t i = 0; i < s->n_params; i++) {
+    if (zero) memset(s->buf, 0, s->numel * mpidp_dtype_size(s->wire));
+    for (size_t i = 0; i < s->n_params && !zero; i++) {
         const float *p = s->p[i].t.data, *r = s->ref + s->offset[i];
         size_t n = s->p[i].t.numel, off = s->offset[i];
         if (s->wire == MPIDP_BF16) k->pack_bf16((uint16_t *)s->buf + off, p, r, 1.0f, n);
@@ -286,8 +290,8 @@ static void paramsync_dealloc(paramsync_t *s)
 static PyMethodDef paramsync_methods[] = {
     {"set_reference", (PyCFunction)paramsync_set_reference, METH_NOARGS,
      "ref = the parameters now (every rank must hold the same values)."},
-    {"send", (PyCFunction)paramsync_send, METH_NOARGS,
-     "Pack p - ref into the wire buffer and post the chunked allreduce."},
+    {"send", (PyCFunction)paramsync_send, METH_VARARGS,
+     "send(zero=False): pack p - ref (or zeros) into the wire buffer and post the allreduce."},
     {"test", (PyCFunction)paramsync_test, METH_NOARGS, "Progress; True once complete."},
     {"wait", (PyCFunction)paramsync_wait, METH_NOARGS, "Complete the sync in flight."},
     {"merge", (PyCFunction)paramsync_merge, METH_VARARGS,

@@ -115,6 +115,15 @@ class DASO:
         self._pointers = ()
         self._flat = None
         self._needs_reference = False
+        # Uneven inputs (DataParallelMultiGPU.join): what the last ballot said.
+        self._joining = False
+        self._common_last = None      # the epoch's last batch: the longest rank's
+        self._node_mixed = False      # some of this node's ranks are done, some not
+        self._node_active_root = 0    # the lowest local rank still training
+        self._node_active = True      # some rank of this node still trains
+        self._active_nodes = self.n_nodes
+        self._pending_senders = self.n_nodes
+        self._node_of = mpi_comm.allgather(topo.node)
 
     # -- construction helpers -------------------------------------------------
 
@@ -208,6 +217,8 @@ class DASO:
             raise ValueError("last_batch: set daso.last_batch to the index of the epoch's last "
                              "batch (len(loader) - 1) before training")
         last = _check_int("last_batch", self.last_batch, 0)
+        if self._joining:
+            last = self._common_last
         if self._needs_reference:
             self._set_reference()
         if self.scaler is not None:
@@ -219,6 +230,15 @@ class DASO:
             self.scheduler.step()
         if self._sync is not None and self._sync.pending:
             self._sync.test()  # progress the sync in flight (MPI advances only inside calls)
+        self._schedule_step(last)
+
+    def _schedule_step(self, last: int) -> None:
+        """Carry out the schedule's actions for this batch (every rank, joined
+        ones too, runs exactly these collectives in this order)."""
+        if self._joining and self._node_mixed:
+            # Ranks of this node that are out of data follow its training
+            # ranks, so whichever of them syncs for the node sends current values.
+            self._node_broadcast(self._node_active_root)
         (complete, complete_group, complete_btw, send, send_group, send_btw, send_blocking,
          local_sync, epoch_done) = self._schedule.batch(self.current_batch, last)
         if complete:
@@ -229,6 +249,47 @@ class DASO:
             self._complete(send_group, 0)
         self._set_local_sync(local_sync)
         self.current_batch = 0 if epoch_done else self.current_batch + 1
+
+    # -- uneven inputs (driven by DataParallelMultiGPU.join) ----------------------------
+
+    def _join_begin(self) -> None:
+        if self.current_batch != 0:
+            raise RuntimeError("join() must wrap one epoch's batch loop: it started at batch "
+                               f"{self.current_batch} of an epoch")
+        self._joining, self._common_last = True, None
+
+    def _join_end(self) -> None:
+        self._joining = False
+        self._node_mixed, self._node_active = False, True
+        self._active_nodes = self.n_nodes
+
+    def _join_ballot(self, active: bool) -> tuple[int, bool]:
+        """One world-wide ballot: who still trains, and with which last_batch.
+        Returns (ranks of this node still training, anyone training at all)."""
+        world = len(self._node_of)
+        vote = torch.zeros(2 * world, dtype=torch.float64)
+        if active:
+            vote[self.rank] = 1.0
+            vote[world + self.rank] = float(_check_int("last_batch", self.last_batch, 0))
+        self._world.allreduce(vote, 0, -1, False)
+        training = [r for r in range(world) if vote[r] > 0]
+        if not training:
+            return 0, False
+        if self.current_batch == 0:
+            self._common_last = int(max(vote[world + r].item() for r in training))
+        my_node = self._node_of[self.rank]
+        mine = [r for r in training if self._node_of[r] == my_node]
+        self._node_active = bool(mine)
+        self._node_mixed = 0 < len(mine) < self.loc_size
+        if mine:
+            local = [r for r in range(world) if self._node_of[r] == my_node]
+            self._node_active_root = local.index(mine[0])
+        self._active_nodes = len({self._node_of[r] for r in training})
+        return len(mine), True
+
+    def _shadow_step(self) -> None:
+        """A rank out of data mirrors one step of the others."""
+        self._schedule_step(self._common_last)
 
     def epoch_loss_logic(self, loss, loss_globally_averaged: bool = False) -> None:
         """End-of-epoch logic: feed the epoch's training loss (averaged over all
@@ -339,10 +400,13 @@ class DASO:
                                "between epochs")
 
     def _send(self, group: int) -> None:
+        # How many nodes contribute: all of them, except (during join) nodes
+        # whose ranks are all out of data, which send zeros and do not count.
+        self._pending_senders = self._active_nodes if self._joining else self.n_nodes
         if self._sync is None or self.local_rank != group:
             return
         self._check_pointers()
-        self._sync.send()
+        self._sync.send(self._joining and not self._node_active)
         self.bytes_sent += self._sync.wire_bytes
 
     def _complete(self, group: int, btw: int) -> None:
@@ -350,7 +414,7 @@ class DASO:
         weighting: the members' current parameters count 2*btw times, a plain
         average when btw is 0), then give the whole node the merged values."""
         if self._sync is not None and self.local_rank == group:
-            n, w = float(self.n_nodes), 2.0 * btw
+            n, w = float(self._pending_senders), 2.0 * btw
             self._sync.merge(w / (n + w), 1.0 / (n + w), n / (n + w))
         if self.loc_size > 1:
             self._node_broadcast(group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -59,7 +60,101 @@ class DataParallelMultiGPU(torch.nn.Module):
             if first is not None and first.is_cuda:
                 device_ids = [first.device.index]
             self.module = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+            # Node-local gradients are summed and divided by this many ranks:
+            # all of the node's, except during join() when some are out of data.
+            self._divisor = _Divisor(topo.local_size)
+            self.module.register_comm_hook(self._divisor, _allreduce_mean)
         optimizer.set_model(self.module)
+        self._daso = optimizer
+        self._joining = False
+        self._last_inputs = None
 
     def forward(self, *inputs, **kwargs):
+        if self._joining and self.training and torch.is_grad_enabled():
+            self._last_inputs = (inputs, kwargs)
+            active_here, _ = self._daso._join_ballot(True)
+            self._set_divisor(active_here)
         return self.module(*inputs, **kwargs)
+
+    def _set_divisor(self, n: int) -> None:
+        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+            self._divisor.n = max(n, 1)
+
+    @contextlib.contextmanager
+    def join(self):
+        """Let ranks with fewer batches in an epoch finish it early:
+
+            with net.join():
+                for x, y in loader:     # loaders of different lengths
+                    ...                 # the usual forward, backward, daso.step()
+            daso.epoch_loss_logic(loss)
+
+        Wrap one epoch's batch loop. Every training forward takes part in a
+        world-wide ballot; the epoch's last batch is the longest rank's. A rank
+        whose loop has ended keeps answering the others' collectives: node-
+        local gradients with zeros (averaged over the node's ranks still
+        training), and global syncs with zeros from nodes whose ranks are all
+        done (those nodes are not counted in the average). The epoch ends, as
+        always, with a blocking sync, so every rank holds the same parameters
+        when the context exits. Each training forward must be followed by one
+        backward and daso.step(), and the loop may run no other collectives."""
+        if self._joining:
+            raise RuntimeError("DataParallelMultiGPU.join() is already active")
+        self._daso._join_begin()
+        self._joining, self._last_inputs = True, None
+        try:
+            yield self
+        except BaseException:
+            self._joining = False
+            self._daso._join_end()
+            raise
+        try:
+            while True:
+                active_here, anyone = self._daso._join_ballot(False)
+                if not anyone:
+                    break
+                self._set_divisor(active_here)
+                if active_here and isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+                    self._shadow_backward()
+                self._daso._shadow_step()
+        finally:
+            self._joining = False
+            self._set_divisor(self.loc_gpus)
+            self._daso._join_end()
+
+    def _shadow_backward(self) -> None:
+        """Run the node-local DDP collectives of one step with zero gradients:
+        a forward on this rank's last batch and a backward of zeros."""
+        if self._last_inputs is None:
+            raise RuntimeError("DataParallelMultiGPU.join(): this rank trained no batch in the "
+                               "epoch, so it cannot mirror the others' steps")
+        inputs, kwargs = self._last_inputs
+        # DDP reduces what autograd accumulated in .grad: start from nothing.
+        self.module.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            out = self.module(*inputs, **kwargs)
+        tensors = [t for t in _tensors_in(out) if t.requires_grad]
+        torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
+
+
+class _Divisor:
+    def __init__(self, n: int):
+        self.n = n
+
+
+def _allreduce_mean(state: _Divisor, bucket):
+    """DDP comm hook: sum the bucket over the node, divide by state.n."""
+    tensor = bucket.buffer()
+    fut = dist.all_reduce(tensor, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(state.n))
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
