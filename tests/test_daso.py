@@ -28,6 +28,14 @@ def nodes_of(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["direct", "staged"])
+def staging(request, monkeypatch):
+    """Staged: sync through the host mirror that GPU parameters use (forced on
+    CPU so the mirror's pull/push choreography is tested without a GPU)."""
+    monkeypatch.setenv("MPIDP_DASO_STAGING", "1" if request.param else "0")
+    return request.param
+
+
 def mlp(seed, frozen=False):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
@@ -120,7 +128,7 @@ def test_paramsync_merge_matches_the_formula(wire):
 # --- training ---------------------------------------------------------------------
 
 
-def test_blocking_phase_equals_single_process_sgd(nodes_of):
+def test_blocking_phase_equals_single_process_sgd(nodes_of, staging):
     """With a blocking average every batch and fp32 on the wire, DASO is plain
     data-parallel SGD with momentum: compare with one process on all the data."""
     data = problem(batches=6)
@@ -179,7 +187,7 @@ def test_scheduler_and_scaler(nodes_of):
     assert opt.param_groups[0]["lr"] < 0.05   # the scheduler stepped
 
 
-def test_checkpoint_restart_is_exact(nodes_of):
+def test_checkpoint_restart_is_exact(nodes_of, staging):
     data = problem(batches=10)
     kw = dict(epochs=6, warmup_epochs=1, cooldown_epochs=1)
     model, opt, daso, net = make(**kw)

@@ -78,7 +78,8 @@ def test_uneven_batches_match_the_reference(nodes_of):
     assert_params_close(model, reference, atol=1e-5, what="after two uneven epochs")
 
 
-def test_uneven_batches_through_the_cycling_phase(nodes_of):
+def test_uneven_batches_through_the_cycling_phase(nodes_of, monkeypatch):
+    monkeypatch.setenv("MPIDP_DASO_STAGING", "1")  # also via the host mirror GPUs use
     batches = data()
     model = mlp(100 + RANK)
     daso = mpidp.DASO(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_epochs=4,

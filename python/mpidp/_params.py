@@ -37,23 +37,33 @@ def broadcast_state(module: torch.nn.Module, comm: "_C.Comm", root: int = 0) -> 
         by_device.setdefault(t.device, []).append(t)
     for device, group in by_device.items():
         if device.type != "cpu":
-            raise NotImplementedError(f"broadcasting {device.type} tensors is not supported yet")
-        with torch.no_grad():
-            # Each tensor starts at a multiple of 8 bytes, so that its slice of
-            # the byte buffer can be viewed as its own dtype again.
-            chunks = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in group]
-            offsets, nbytes = [], 0
-            for c in chunks:
-                offsets.append(nbytes)
-                nbytes += (c.numel() + 7) // 8 * 8
-            flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8)
-            for c, off in zip(chunks, offsets):
-                flat[off:off + c.numel()] = c
-            # Our broadcast takes float tensors; bytes are bytes, so view them as float64.
-            comm.bcast(flat.view(torch.float64), root)
-            for t, c, off in zip(group, chunks, offsets):
-                received = flat[off:off + c.numel()].view(t.dtype).view(t.shape)
-                t.detach().copy_(received)
+            # Device memory travels through host copies (once, at construction).
+            staged = [t.detach().to("cpu") for t in group]
+            broadcast_state_tensors(staged, comm, root)
+            with torch.no_grad():
+                for t, h in zip(group, staged):
+                    t.copy_(h)
+            continue
+        broadcast_state_tensors(group, comm, root)
+
+
+def broadcast_state_tensors(group, comm, root: int) -> None:
+    """Broadcast CPU tensors of any dtypes from `root`, as one byte message."""
+    with torch.no_grad():
+        # Each tensor starts at a multiple of 8 bytes, so that its slice of
+        # the byte buffer can be viewed as its own dtype again.
+        chunks = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in group]
+        offsets, nbytes = [], 0
+        for c in chunks:
+            offsets.append(nbytes)
+            nbytes += (c.numel() + 7) // 8 * 8
+        flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8)
+        for c, off in zip(chunks, offsets):
+            flat[off:off + c.numel()] = c
+        # Our broadcast takes float tensors; bytes are bytes, so view them as float64.
+        comm.bcast(flat.view(torch.float64), root)
+        for t, c, off in zip(group, chunks, offsets):
+            t.detach().copy_(flat[off:off + c.numel()].view(t.dtype).view(t.shape))
 
 
 def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
 
@@ -171,15 +172,29 @@ class DASO:
             if p.dtype != torch.float32:
                 raise TypeError(f"model: DASO averages float32 parameters (AMP keeps them so), got "
                                 f"{p.dtype}")
-            if p.device.type != "cpu":
-                raise NotImplementedError("model: DASO runs on CPU parameters in this version")
+        if len({p.device for p in params}) > 1:
+            raise ValueError("model: DASO needs all trainable parameters on one device, got "
+                             f"{sorted(str(d) for d in {p.device for p in params})}")
         held = {id(p) for g in self.local_optimizer.param_groups for p in g["params"]}
         if not held.issubset({id(p) for p in model.parameters()}):
             raise ValueError("local_optimizer: it holds tensors that are not parameters of the model")
         self.module = model
-        self._params = tuple(p.detach() for p in params)
+        self._device_params = tuple(p.detach() for p in params)
         self._param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._pointers = tuple(p.data_ptr() for p in params)
+        # Parameters in device memory are synced through a host mirror: pulled
+        # before packing or merging, pushed back after a merge or a node-local
+        # broadcast. MPIDP_DASO_STAGING=1 forces the mirror for CPU parameters
+        # too, which is how the tests exercise it on machines without a GPU.
+        staged = any(p.device.type != "cpu" for p in params) or \
+            os.environ.get("MPIDP_DASO_STAGING", "0") == "1"
+        if staged:
+            pin = any(p.is_cuda for p in params)
+            self._params = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p)
+                                 for p in self._device_params)
+        else:
+            self._params = self._device_params
+        self._staged = staged
         if self._sync is not None and self._sync.pending:
             self._sync.wait()
         wire = CODE_OF[torch.float16 if self.downcast_type == torch.half else self.downcast_type]
@@ -386,9 +401,22 @@ class DASO:
 
     # -- the sync itself ---------------------------------------------------------------
 
+    def _pull(self) -> None:
+        """Host mirror <- device parameters (no-op without staging)."""
+        if self._staged:
+            for host, dev in zip(self._params, self._device_params):
+                host.copy_(dev)
+
+    def _push(self) -> None:
+        """Device parameters <- host mirror (no-op without staging)."""
+        if self._staged:
+            for host, dev in zip(self._params, self._device_params):
+                dev.copy_(host)
+
     def _set_reference(self) -> None:
         if self._sync is not None:
             self._check_pointers()
+            self._pull()
             self._sync.set_reference()
         self._needs_reference = False
 
@@ -406,6 +434,7 @@ class DASO:
         if self._sync is None or self.local_rank != group:
             return
         self._check_pointers()
+        self._pull()
         self._sync.send(self._joining and not self._node_active)
         self.bytes_sent += self._sync.wire_bytes
 
@@ -415,19 +444,24 @@ class DASO:
         average when btw is 0), then give the whole node the merged values."""
         if self._sync is not None and self.local_rank == group:
             n, w = float(self._pending_senders), 2.0 * btw
+            self._pull()   # the local steps since the send moved the parameters
             self._sync.merge(w / (n + w), 1.0 / (n + w), n / (n + w))
+            self._push()
         if self.loc_size > 1:
             self._node_broadcast(group)
         if btw == 0:
             self._set_reference()  # every rank now holds the same parameters
 
     def _node_broadcast(self, root: int) -> None:
+        if self.local_rank == root:
+            self._pull()
         if self._sync is not None:
             if self.local_rank == root:
                 self._sync.flatten(self._flat)
             self._node.bcast(self._flat, root)
             if self.local_rank != root:
                 self._sync.unflatten(self._flat)
+                self._push()
             return
         # One node: no ParamSync; copy with torch (rare path: single node, no global sync).
         params = self._params
@@ -439,6 +473,7 @@ class DASO:
             for p in params:
                 p.copy_(self._flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
+            self._push()
 
     def _set_local_sync(self, on: bool) -> None:
         # DDP reads this before each backward; it is what no_sync() toggles.
