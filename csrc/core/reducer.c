@@ -38,6 +38,9 @@ struct mpidp_reducer {
     size_t next_to_post;   /* buckets below this index are posted (or done) */
     int wire;              /* MPIDP_BF16/MPIDP_F16: float32 buckets travel compressed; -1 */
     int separate;          /* results stay in bk->comm until delivered */
+    int (*before_post)(void *ctx, size_t bucket);
+    int (*after_complete)(void *ctx, size_t bucket);
+    void *callback_ctx;
     char name[48];
 };
 
@@ -105,6 +108,9 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->n_buckets = nb;
     r->wire = cfg->wire_dtype;
     r->separate = cfg->separate != 0;
+    r->before_post = cfg->before_post;
+    r->after_complete = cfg->after_complete;
+    r->callback_ctx = cfg->callback_ctx;
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
 
     for (size_t b = 0; b < nb; b++) {
@@ -240,13 +246,14 @@ static void scale_data(bucket_t *bk, double s)
     }
 }
 
+static int complete_bucket(mpidp_reducer_t *r, bucket_t *bk);
+
 static int post_bucket(mpidp_reducer_t *r, size_t b)
 {
     bucket_t *bk = &r->buckets[b];
-    if (r->size == 1 && bk->comm == NULL) {
-        bk->state = MPIDP_BUCKET_DONE;
-        return MPIDP_OK;
-    }
+    if (r->before_post && r->before_post(r->callback_ctx, b) != 0)
+        return mpidp__fail(MPIDP_ECALLBACK, "%s: preparing bucket %zu failed", r->name, b);
+    if (r->size == 1 && bk->comm == NULL) return complete_bucket(r, bk);
     size_t count = bk->info.numel + bk->info.n_params;
     void *buf = bk->data;
     int wire_dtype = comm_dtype(r, bk);
@@ -309,7 +316,7 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
 
 /* The bucket's collective has completed: bring compressed results home
  * (separate mode leaves them for mpidp_reducer_deliver). */
-static void complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
+static int complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
 {
     if (bk_compressed(r, bk) && !r->separate) {
         const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
@@ -318,6 +325,11 @@ static void complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
         else k->unpack_fp16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
     }
     bk->state = MPIDP_BUCKET_DONE;
+    if (!r->separate && r->after_complete &&
+        r->after_complete(r->callback_ctx, (size_t)(bk - r->buckets)) != 0)
+        return mpidp__fail(MPIDP_ECALLBACK, "%s: bringing bucket %zu home failed", r->name,
+                           (size_t)(bk - r->buckets));
+    return MPIDP_OK;
 }
 
 int mpidp_reducer_mark_ready(mpidp_reducer_t *r, size_t param, int has_grad)
@@ -374,8 +386,7 @@ int mpidp_reducer_wait_bucket(mpidp_reducer_t *r, size_t b, double timeout_s)
                            r->name, b, bk->pending);
     int rc = mpidp_reqtable_wait(r->reqs, bk->req, timeout_s);
     if (rc != MPIDP_OK) return rc;
-    complete_bucket(r, bk);
-    return MPIDP_OK;
+    return complete_bucket(r, bk);
 }
 
 int mpidp_reducer_wait_all(mpidp_reducer_t *r, double timeout_s)

@@ -20,6 +20,8 @@ static int world_rank(void)
 
 PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
 {
+    /* A Python callback failed inside the core: its exception says it best. */
+    if (status == MPIDP_ECALLBACK && PyErr_Occurred()) return NULL;
     const char *detail = mpidp_error_detail();
     PyObject *type;
     switch (status) {

@@ -59,7 +59,9 @@ typedef struct {
     PyObject *comm;
     PyObject *params;          /* tuple of parameters */
     PyObject *views;           /* tuple of gradient views into the buckets */
-    PyObject *bucket_tensors;  /* tuple of flat bucket tensors */
+    PyObject *bucket_tensors;  /* tuple of flat bucket tensors (host memory) */
+    PyObject *device_buckets;  /* staging: the buckets the .grad views live in, or NULL */
+    size_t *bucket_numel;      /* gradient elements of each bucket (before its flags) */
     PyObject *queue_callback;  /* autograd's Variable._execution_engine.queue_callback */
     mpidp_py_borrowed_t *buckets;
     size_t n_buckets;
@@ -91,6 +93,57 @@ static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize, *str_version;
 static PyObject *fail(reducer_t *r, int rc, const char *what)
 {
     return mpidp_py_raise(r->st, rc, what);
+}
+
+/* --- staging (gradients in GPU memory, reduced through host buckets) ------ */
+
+/* Copies the gradient part of bucket b between its device and host buffers
+ * (the flags that follow it live on the host only). */
+static int stage(reducer_t *r, size_t b, int to_host)
+{
+    if (r->device_buckets == NULL) return 0;
+    PyObject *host = PyTuple_GET_ITEM(r->bucket_tensors, b);
+    PyObject *dev = PyTuple_GET_ITEM(r->device_buckets, b);
+    PyObject *h = PyObject_CallMethod(host, "narrow", "inn", 0, (Py_ssize_t)0, (Py_ssize_t)r->bucket_numel[b]);
+    PyObject *d = h ? PyObject_CallMethod(dev, "narrow", "inn", 0, (Py_ssize_t)0, (Py_ssize_t)r->bucket_numel[b]) : NULL;
+    PyObject *res = d ? PyObject_CallMethod(to_host ? h : d, "copy_", "O", to_host ? d : h) : NULL;
+    Py_XDECREF(h);
+    Py_XDECREF(d);
+    if (res == NULL) return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* Core callbacks; they may run while a wait has released the GIL. */
+static int before_post(void *ctx, size_t b)
+{
+    reducer_t *r = ctx;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int rc = stage(r, b, 1);
+    if (rc == 0 && r->separate) {
+        /* The core zeroes the host bucket once it is copied for sending; the
+         * device bucket, where the .grad views are, must match. */
+        PyObject *res = PyObject_CallMethod(PyTuple_GET_ITEM(r->device_buckets, b), "zero_", NULL);
+        rc = res ? 0 : -1;
+        Py_XDECREF(res);
+    }
+    PyGILState_Release(g);
+    return rc;
+}
+
+static int after_complete(void *ctx, size_t b)
+{
+    PyGILState_STATE g = PyGILState_Ensure();
+    int rc = stage((reducer_t *)ctx, b, 0);
+    PyGILState_Release(g);
+    return rc;
+}
+
+/* The tensor whose version counter tells whether the user touched the .grad
+ * views of bucket b: the one they are views of. */
+static PyObject *grad_bucket(reducer_t *r, size_t b)
+{
+    return PyTuple_GET_ITEM(r->device_buckets ? r->device_buckets : r->bucket_tensors, b);
 }
 
 /* Copies `grad` into parameter i's bucket view and makes the view its .grad. */
@@ -129,6 +182,12 @@ static int mark_param(reducer_t *r, size_t i)
     }
     Py_DECREF(grad);
     if (rc < 0) return -1;
+    if (!has && r->device_buckets != NULL) {
+        /* The bucket is copied from the device before sending: zero there too. */
+        PyObject *res = PyObject_CallMethod(view, "zero_", NULL);
+        if (res == NULL) return -1;
+        Py_DECREF(res);
+    }
     r->local_has[i] = (uint8_t)has;
     mpidp_error_clear();
     rc = mpidp_reducer_mark_ready(r->core, i, has);
@@ -177,7 +236,7 @@ static int wait_bucket(reducer_t *r, size_t b)
 
 static int read_version(reducer_t *r, size_t b, long long *out)
 {
-    PyObject *v = PyObject_GetAttr(PyTuple_GET_ITEM(r->bucket_tensors, b), str_version);
+    PyObject *v = PyObject_GetAttr(grad_bucket(r, b), str_version);
     if (v == NULL) return -1;
     *out = PyLong_AsLongLong(v);
     Py_DECREF(v);
@@ -242,6 +301,7 @@ static int complete_separate(reducer_t *r, long accumulated)
         long long expected = r->version[b];
         if (accumulated >= 0 && mpidp_reducer_bucket_of(r->core, (size_t)accumulated) == b) expected++;
         int cleared = now != expected;
+        if (stage(r, b, 1) < 0) return -1;  /* what autograd added since, if anything */
         for (size_t i = 0; i < r->n_params; i++) {
             if (mpidp_reducer_bucket_of(r->core, i) != b) continue;
             PyObject *param = PyTuple_GET_ITEM(r->params, i);
@@ -259,6 +319,7 @@ static int complete_separate(reducer_t *r, long accumulated)
                 PyObject_SetAttr(param, str_grad, Py_None) < 0)
                 return -1;
         }
+        if (stage(r, b, 0) < 0) return -1;
     }
     return reset_pass(r);
 }
@@ -323,6 +384,7 @@ static int deliver_bucket_for_step(reducer_t *r, size_t b)
          * optimizer then skips the parameter, as in a single process). */
         if (PyObject_SetAttr(param, str_grad, used ? view : Py_None) < 0) return -1;
     }
+    if (stage(r, b, 0) < 0) return -1;
     r->delivered[b] = 1;
     return 0;
 }
@@ -478,6 +540,12 @@ static PyObject *reducer_shadow_pass(reducer_t *r, PyObject *unused)
     (void)unused;
     if (mpidp_reducer_n_ready(r->core) != 0 || r->finalized)
         return PyErr_Format(PyExc_RuntimeError, "DataParallel.join: a backward pass is still open");
+    for (size_t b = 0; r->device_buckets && b < r->n_buckets; b++) {
+        /* Staged buckets are copied from the device before sending. */
+        PyObject *res = PyObject_CallMethod(PyTuple_GET_ITEM(r->device_buckets, b), "zero_", NULL);
+        if (res == NULL) return NULL;
+        Py_DECREF(res);
+    }
     for (size_t i = 0; i < r->n_params; i++) {
         mpidp_error_clear();
         int rc = mpidp_reducer_mark_ready(r->core, i, 0);
@@ -585,20 +653,25 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c)
 }
 
 /* Reducer(comm, params, views, bucket_tensors, param_bucket, param_offset,
- *         bucket_info, queue_callback, blocking, name, wire_dtype) */
+ *         bucket_info, queue_callback, blocking, name, wire_dtype, device_buckets) */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
                              "bucket_info", "queue_callback", "blocking", "name", "wire_dtype",
-                             NULL};
+                             "device_buckets", NULL};
     PyObject *comm, *params, *views, *buckets, *pb, *po, *binfo, *qcb;
     int blocking, wire = -1;
     const char *name;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O!O!Ops|i:Reducer", kwlist, &comm,
+    PyObject *device_buckets = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O!O!Ops|iO:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
-                                     &PyTuple_Type, &binfo, &qcb, &blocking, &name, &wire))
+                                     &PyTuple_Type, &binfo, &qcb, &blocking, &name, &wire,
+                                     &device_buckets))
         return NULL;
+    if (device_buckets != Py_None &&
+        (!PyTuple_Check(device_buckets) || PyTuple_GET_SIZE(device_buckets) != PyTuple_GET_SIZE(buckets)))
+        return PyErr_Format(PyExc_ValueError, "Reducer: device_buckets must match buckets");
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     if (st == NULL) return NULL;
     mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
@@ -616,6 +689,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->params = Py_NewRef(params);
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
+    r->device_buckets = device_buckets == Py_None ? NULL : Py_NewRef(device_buckets);
     r->queue_callback = Py_NewRef(qcb);
     r->blocking = blocking;
     r->separate = !blocking;
@@ -635,9 +709,11 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->delivered = calloc(b1, 1);
     r->after = calloc(n1, 1);
     r->used = calloc(n1, 1);
+    r->bucket_numel = calloc(b1, sizeof *r->bucket_numel);
     PyObject *result = NULL;
     if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->was_none ||
-        !r->local_has || !r->version || !r->delivered || !r->after || !r->used) {
+        !r->local_has || !r->version || !r->delivered || !r->after || !r->used ||
+        !r->bucket_numel) {
         PyErr_NoMemory();
         goto done;
     }
@@ -647,6 +723,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         int dt;
         if (!PyArg_ParseTuple(tup, "KKi", &bn, &bp, &dt)) goto done;
         info[b].numel = (size_t)bn;
+        r->bucket_numel[b] = (size_t)bn;
         info[b].n_params = (size_t)bp;
         info[b].dtype = dt;
         if (mpidp_py_borrow(st, PyTuple_GET_ITEM(buckets, b),
@@ -677,7 +754,9 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mpidp_reducer_config_t cfg = {
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
         .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
-        .bucket_data = data, .wire_dtype = wire, .separate = r->separate, .name = name};
+        .bucket_data = data, .wire_dtype = wire, .separate = r->separate, .name = name,
+        .before_post = r->device_buckets ? before_post : NULL,
+        .after_complete = r->device_buckets ? after_complete : NULL, .callback_ctx = r};
     mpidp_error_clear();
     int rc = mpidp_reducer_create(&cfg, &r->core);
     if (rc != MPIDP_OK) {
@@ -703,6 +782,7 @@ static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
     Py_VISIT(r->params);
     Py_VISIT(r->views);
     Py_VISIT(r->bucket_tensors);
+    Py_VISIT(r->device_buckets);
     Py_VISIT(r->queue_callback);
     return 0;
 }
@@ -740,8 +820,10 @@ static void reducer_dealloc(reducer_t *r)
     free(r->delivered);
     free(r->after);
     free(r->used);
+    free(r->bucket_numel);
     reducer_clear(r);
     Py_CLEAR(r->bucket_tensors);
+    Py_CLEAR(r->device_buckets);
     Py_CLEAR(r->comm);
     Py_CLEAR(r->module);
     tp->tp_free((PyObject *)r);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import List, Sequence, Union
 
@@ -152,10 +153,15 @@ class DataParallel(torch.nn.Module):
 
     def _build_reducer(self, first_cap: int, cap: int) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        for name, p in named:
-            if p.device.type != "cpu":
-                raise NotImplementedError(f"module: parameter {name!r} is on {p.device}; "
-                                          "DataParallel supports CPU parameters in this version")
+        devices = {p.device for _, p in named}
+        if len(devices) > 1:
+            raise ValueError(f"module: trainable parameters on several devices {sorted(map(str, devices))}; "
+                             "DataParallel needs one device per process")
+        device = next(iter(devices), torch.device("cpu"))
+        # Gradients in device memory are reduced through host buckets: copied
+        # over just before a bucket is sent, back once its mean is in.
+        # MPIDP_DP_STAGING=1 forces this for CPU tensors too (tests).
+        staged = device.type != "cpu" or os.environ.get("MPIDP_DP_STAGING", "0") == "1"
         self._param_names = [n for n, _ in named]
         params = tuple(p for _, p in named)
         numel = [p.numel() for p in params]
@@ -167,15 +173,20 @@ class DataParallel(torch.nn.Module):
                                      f"be compressed to {self.wire_dtype} from float32 only")
         bucket_of, offset, infos = _C.plan_buckets(numel, dtypes, first_cap, cap)
         by_code = {code_of(p.dtype, "dtype"): p.dtype for p in params}
-        self._buckets = tuple(
-            torch.zeros(n + k, dtype=by_code[dt], device="cpu") for n, k, dt in infos)
-        views = tuple(grad_view(self._buckets[b], off, p)
+        pin = device.type == "cuda"
+        self._buckets = tuple(torch.zeros(n + k, dtype=by_code[dt], pin_memory=pin)
+                              for n, k, dt in infos)
+        self._device_buckets = (tuple(torch.zeros(n + k, dtype=by_code[dt], device=device)
+                                      for n, k, dt in infos) if staged else None)
+        grad_buckets = self._device_buckets if staged else self._buckets
+        views = tuple(grad_view(grad_buckets[b], off, p)
                       for p, b, off in zip(params, bucket_of, offset))
         engine = torch.autograd.Variable._execution_engine
         self._params = params
         self._reducer = _C.Reducer(self._c_comm, params, views, self._buckets, bucket_of, offset,
                                    infos, engine.queue_callback,
-                                   self.blocking_parameter_updates, "DataParallel", self._wire)
+                                   self.blocking_parameter_updates, "DataParallel", self._wire,
+                                   self._device_buckets)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]
 

@@ -49,6 +49,14 @@ typedef struct {
     int wire_dtype;                      /* -1: each bucket's own dtype */
     int separate;                        /* 1: separate communication buffers (see above) */
     const char *name;                    /* used in messages, e.g. "DataParallel" */
+    /* Optional hooks for buckets whose gradients live elsewhere (GPU memory
+     * staged through these host buffers): before_post runs just before bucket
+     * b is read for sending, after_complete right after its result has been
+     * written into it (not in separate mode, where the caller delivers). A
+     * non-zero return fails the call with MPIDP_ECALLBACK. */
+    int (*before_post)(void *ctx, size_t bucket);
+    int (*after_complete)(void *ctx, size_t bucket);
+    void *callback_ctx;
 } mpidp_reducer_config_t;
 
 typedef enum {

@@ -24,7 +24,8 @@
     X(MPIDP_EDEVICE,  -8,   "unsupported device")                               \
     X(MPIDP_EFULL,    -9,   "too many requests in flight")                      \
     X(MPIDP_ECUDA,    -10,  "CUDA call failed")                                 \
-    X(MPIDP_EMISMATCH,-11,  "ranks disagree")
+    X(MPIDP_EMISMATCH,-11,  "ranks disagree")                                   \
+    X(MPIDP_ECALLBACK,-12,  "a caller-supplied callback failed")
 
 enum mpidp_status {
 #define MPIDP__ENUM(name, value, msg) name = (value),

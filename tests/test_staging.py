@@ -1,0 +1,37 @@
+"""DataParallel through staged buckets: the path GPU gradients take (device
+buckets copied to host buckets for MPI and back), forced on CPU tensors with
+MPIDP_DP_STAGING=1 so that it is tested on machines without a GPU. The same
+reference comparisons as the direct path."""
+
+import pytest
+
+import test_data_parallel as blocking_tests
+import test_join as join_tests
+import test_nonblocking as nonblocking_tests
+
+
+@pytest.fixture(autouse=True)
+def staged(monkeypatch):
+    monkeypatch.setenv("MPIDP_DP_STAGING", "1")
+
+
+def test_blocking_with_unused_parameters():
+    blocking_tests.train_and_compare(blocking_tests.Branchy, loss_fn=blocking_tests.branchy_loss,
+                                     steps=6, zero_grad="after_forward")
+
+
+def test_blocking_cnn_adam():
+    blocking_tests.train_and_compare(blocking_tests.CNN, blocking_tests.adam, x_shape=(1, 12, 12))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_nonblocking(set_to_none):
+    nonblocking_tests.run(zero="before", set_to_none=set_to_none)
+
+
+def test_nonblocking_accumulation():
+    nonblocking_tests.test_gradient_accumulation()
+
+
+def test_join():
+    join_tests.test_uneven_batches_match_the_reference(False, blocking_tests.sgd)
