@@ -47,6 +47,11 @@ MPI_Op mpidp_mpi_sum_op(int dtype)
     return MPI_OP_NULL;
 }
 
+/* Packing or unpacking a chunk takes milliseconds, and Open MPI advances the
+ * chunk already in flight only inside MPI calls: convert in sub-chunks of
+ * this many elements and test what is in flight between them. */
+#define CONVERT_STEP ((size_t)1 << 18)
+
 static size_t chunk_len(const mpidp_allreduce_t *x, size_t k)
 {
     size_t start = k * x->o.chunk_elems;
@@ -82,8 +87,12 @@ static int post_chunk(mpidp_allreduce_t *x, size_t k)
         buf = slot_wire(x, k);
         dtype = x->o.wire;
         const float *src = (const float *)x->t.data + start;
-        if (dtype == MPIDP_BF16) kern->pack_bf16(buf, src, NULL, s, n);
-        else kern->pack_fp16(buf, src, NULL, s, n);
+        for (size_t i = 0; i < n; i += CONVERT_STEP) {
+            size_t m = n - i < CONVERT_STEP ? n - i : CONVERT_STEP;
+            if (dtype == MPIDP_BF16) kern->pack_bf16((uint16_t *)buf + i, src + i, NULL, s, m);
+            else kern->pack_fp16((uint16_t *)buf + i, src + i, NULL, s, m);
+            if (i + m < n) mpidp_reqtable_progress(x->reqs, NULL); /* errors surface in test/wait */
+        }
     } else {
         dtype = x->t.dtype;
         buf = (char *)x->t.data + start * mpidp_dtype_size(dtype);
@@ -117,8 +126,14 @@ static void finish_chunk(mpidp_allreduce_t *x, size_t k)
     if (!x->compressed || x->o.keep_wire) return;
     const mpidp_pack_kernels_t *kern = mpidp_pack_kernels();
     float *dst = (float *)x->t.data + k * x->o.chunk_elems;
-    if (x->o.wire == MPIDP_BF16) kern->unpack_bf16(dst, slot_wire(x, k), NULL, 0.0f, 1.0f, 0.0f, chunk_len(x, k));
-    else kern->unpack_fp16(dst, slot_wire(x, k), NULL, 0.0f, 1.0f, 0.0f, chunk_len(x, k));
+    const uint16_t *w = slot_wire(x, k);
+    size_t n = chunk_len(x, k);
+    for (size_t i = 0; i < n; i += CONVERT_STEP) {
+        size_t m = n - i < CONVERT_STEP ? n - i : CONVERT_STEP;
+        if (x->o.wire == MPIDP_BF16) kern->unpack_bf16(dst + i, w + i, NULL, 0.0f, 1.0f, 0.0f, m);
+        else kern->unpack_fp16(dst + i, w + i, NULL, 0.0f, 1.0f, 0.0f, m);
+        if (i + m < n) mpidp_reqtable_progress(x->reqs, NULL);
+    }
 }
 
 /* Posts chunks while a slot is free. */

@@ -10,6 +10,21 @@
 #include "mpidp/dlpack.h"
 #include "mpidp/status.h"
 
+/* The exception being raised, normalised, taken from the error indicator. */
+static PyObject *take_exception(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
 static PyObject *get_capsule(PyObject *obj, const char *argname)
 {
     PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
@@ -31,15 +46,16 @@ static PyObject *get_capsule(PyObject *obj, const char *argname)
     }
     Py_DECREF(method);
     if (capsule == NULL) {
-        /* Re-raise the producer's refusal (e.g. "requires grad") naming the argument. */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        PyErr_Format(type ? type : PyExc_TypeError, "%s: cannot export the tensor through "
-                     "DLPack: %S", argname, value ? value : Py_None);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
+        /* Re-raise the producer's refusal naming the argument. A BufferError
+         * (requires grad, conjugate bit, ...) means a tensor we cannot take as
+         * it is: a bad argument, so ValueError. */
+        PyObject *exc = take_exception();
+        PyObject *type = exc == NULL ? PyExc_TypeError
+                         : PyErr_GivenExceptionMatches(exc, PyExc_BufferError) ? PyExc_ValueError
+                                                                              : (PyObject *)Py_TYPE(exc);
+        PyErr_Format(type, "%s: cannot export the tensor through DLPack: %S", argname,
+                     exc ? exc : Py_None);
+        Py_XDECREF(exc);
     }
     return capsule;
 }

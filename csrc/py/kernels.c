@@ -6,21 +6,29 @@
  * pack / unpack / sum16 take CPU tensors (run by the chosen SIMD path, or the
  * one named by `path`) or CUDA tensors (run by the CUDA kernels of
  * mpidp/cuda.h, enqueued on a stream and not waited for). All tensors of one
- * call must be on one device: where each lives is read with
- * __dlpack_device__() before anything is exported, so mixing devices is a
- * ValueError naming both arguments rather than whatever the producer says.
+ * call must be on one device: where each lives is read with is_cuda and
+ * get_device() (torch) or __dlpack_device__() before anything is exported, so
+ * mixing devices is a ValueError naming both arguments rather than whatever
+ * the producer says.
  *
  * CUDA calls run with the tensors' device current (a torch.cuda.device guard
  * when torch's current device is another one: mpidp's kernels launch on the
  * calling thread's current device) and, unless `stream` is given, on torch's
  * current stream of that device, so they are ordered after the torch work that
  * produced the inputs, like any torch op. Large CPU calls release the GIL; CUDA
- * calls only enqueue work and keep it. */
+ * calls only enqueue work and keep it.
+ *
+ * Lifetime on CUDA: the tensors are borrowed only while the kernel is
+ * enqueued. That is safe on the stream the tensors were allocated on (torch's
+ * caching allocator reuses a freed block in that stream's order); on another
+ * stream the caller keeps them alive until the stream has run the kernel, as
+ * with any torch work on a side stream. */
 #include "module.h"
 
 #include <string.h>
 
 #include "mpidp/cuda.h"
+#include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 
@@ -95,11 +103,35 @@ static void describe(int cuda, int device_id, char *buf, size_t len)
     else PyOS_snprintf(buf, len, "cpu");
 }
 
-/* Where `obj` lives according to its __dlpack_device__(): *known = 0 when it has
- * none or names a device mpidp does not take (borrowing reports those). */
+/* Where `obj` lives: *known = 0 when that cannot be told before exporting it
+ * (borrowing then reports what is wrong), or when it is a device mpidp does
+ * not take. torch tensors answer through is_cuda / get_device(), C getters
+ * that cost ~0.1 us; anything else through __dlpack_device__() (~3 us for a
+ * torch tensor, whose implementation is Python). */
 static int peek_device(PyObject *obj, const char *name, int *known, int *cuda, int *device_id)
 {
     *known = 0;
+    PyObject *is_cuda = PyObject_GetAttrString(obj, "is_cuda");
+    if (is_cuda != NULL && PyBool_Check(is_cuda)) {
+        int on_cuda = is_cuda == Py_True;
+        Py_DECREF(is_cuda);
+        long id = 0;
+        if (on_cuda) {
+            PyObject *d = PyObject_CallMethod(obj, "get_device", NULL);
+            id = d ? PyLong_AsLong(d) : -1;
+            Py_XDECREF(d);
+            if (id == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return 0;
+            }
+        }
+        *known = 1;
+        *cuda = on_cuda;
+        *device_id = (int)id;
+        return 0;
+    }
+    Py_XDECREF(is_cuda);
+    PyErr_Clear();
     PyObject *meth = PyObject_GetAttrString(obj, "__dlpack_device__");
     if (meth == NULL) {
         PyErr_Clear();
@@ -267,49 +299,16 @@ static int call_begin(call_t *c, PyObject *m, const char *fname, PyObject *const
     return 0;
 }
 
-/* Replaces the BufferError being raised by a ValueError with the same message
- * (the BufferError as its cause). */
-static void buffer_error_to_value_error(void)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject *exc = PyErr_GetRaisedException();
-#else
-    PyObject *type, *exc, *tb;
-    PyErr_Fetch(&type, &exc, &tb);
-    PyErr_NormalizeException(&type, &exc, &tb);
-    if (tb) PyException_SetTraceback(exc, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-#endif
-    PyObject *msg = exc ? PyObject_Str(exc) : NULL;
-    PyObject *err = msg ? PyObject_CallOneArg(PyExc_ValueError, msg) : NULL;
-    Py_XDECREF(msg);
-    if (err == NULL) {
-        /* Keep the original exception rather than a secondary failure. */
-        PyErr_Clear();
-        if (exc) PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-        Py_XDECREF(exc);
-        return;
-    }
-    PyException_SetCause(err, exc); /* steals exc */
-    PyErr_SetObject(PyExc_ValueError, err);
-    Py_DECREF(err);
-}
-
 /* Borrows `obj` (writable if asked) as one of `dtypes` (bit mask of 1 << dtype)
  * on the call's device. Returns the borrowed tensor, or NULL with an exception
- * naming `name`. A producer's refusal to export (BufferError: requires grad,
- * conjugate bit, ...) becomes a ValueError, since it is a bad argument. */
+ * naming `name` (a producer's refusal to export is a ValueError: see dlpack.c). */
 static mpidp_py_borrowed_t *call_borrow(call_t *c, PyObject *obj, unsigned dtypes, int writable,
                                         const char *name)
 {
     mpidp_py_state *st = mpidp_py_state_of_module(c->module);
     mpidp_py_borrowed_t *b = &c->t[c->n_borrowed];
     unsigned need = (writable ? MPIDP_TENSOR_WRITABLE : 0u) | (c->cuda ? 0u : MPIDP_TENSOR_CPU_ONLY);
-    if (mpidp_py_borrow(st, obj, need, name, b) < 0) {
-        if (PyErr_ExceptionMatches(PyExc_BufferError)) buffer_error_to_value_error();
-        return NULL;
-    }
+    if (mpidp_py_borrow(st, obj, need, name, b) < 0) return NULL;
     c->n_borrowed++;
     if (c->cuda != (b->t.device == MPIDP_DEV_CUDA) || (c->cuda && b->t.device_id != c->device_id)) {
         /* The object had no __dlpack_device__ (or it disagreed with the capsule). */
@@ -552,13 +551,32 @@ static PyObject *mod_cuda_available(PyObject *m, PyObject *unused)
     return PyBool_FromLong(mpidp_cuda_available());
 }
 
+/* Fortran handles (MPI_Type_c2f / MPI_Op_c2f) of mpidp's bf16 and fp16 datatypes
+ * and their sum op, for tools that drive them through mpi4py
+ * (MPI.Datatype.f2py, MPI.Op.f2py; never Free() them): the benchmarks compare
+ * the native op with a Python op under the same MPI algorithm. */
+static PyObject *mod_mpi_half_handles(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    MPI_Datatype b = mpidp_mpi_bf16_type(), h = mpidp_mpi_fp16_type();
+    MPI_Op op = mpidp_mpi_half_sum_op();
+    if (b == MPI_DATATYPE_NULL || h == MPI_DATATYPE_NULL || op == MPI_OP_NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "mpidp's MPI datatypes and op are not initialised");
+        return NULL;
+    }
+    return Py_BuildValue("{s:i,s:i,s:i}", "bfloat16", (int)MPI_Type_c2f(b), "float16",
+                         (int)MPI_Type_c2f(h), "sum", (int)MPI_Op_c2f(op));
+}
+
 PyMethodDef mpidp_py_kernel_methods[] = {
     {"pack", (PyCFunction)(void (*)(void))mod_pack, METH_VARARGS | METH_KEYWORDS,
      "pack(dst, src, ref=None, scale=1.0, path=None, stream=None):\n"
      "dst = bf16/fp16(scale * (src - ref)).\n\n"
      "CPU tensors run the chosen SIMD path (or `path`); CUDA tensors run the CUDA kernels on\n"
      "`stream` (an int cudaStream_t; None: torch's current stream of the tensors' device),\n"
-     "without waiting. All tensors must be on one device and contiguous."},
+     "without waiting. All tensors must be on one device and contiguous. On a stream other\n"
+     "than the one the tensors were allocated on, keep them alive until that stream has run\n"
+     "the kernel (or tensor.record_stream(s)), as for any torch work on a side stream."},
     {"unpack", (PyCFunction)(void (*)(void))mod_unpack, METH_VARARGS | METH_KEYWORDS,
      "unpack(dst, src, ref=None, a=0, b=1, c=0, path=None, stream=None):\n"
      "dst = a*dst + b*widen(src) + c*ref, in that fp32 order (dst not read when a == 0).\n"
@@ -570,6 +588,9 @@ PyMethodDef mpidp_py_kernel_methods[] = {
     {"simd_paths", mod_simd_paths, METH_NOARGS, "The SIMD paths this CPU can run."},
     {"simd_fallback_reason", mod_simd_fallback_reason, METH_NOARGS,
      "Why a better path failed its start-up self-check (empty if none did)."},
+    {"mpi_half_handles", mod_mpi_half_handles, METH_NOARGS,
+     "Fortran handles of mpidp's MPI bf16/fp16 datatypes and half sum op, as a dict\n"
+     "{'bfloat16', 'float16', 'sum'}: use with mpi4py's Datatype.f2py / Op.f2py, never Free()."},
     {"cuda_available", mod_cuda_available, METH_NOARGS,
      "True when mpidp was built with its CUDA kernels and a CUDA device is usable."},
     {NULL, NULL, 0, NULL},
