@@ -2,7 +2,10 @@
 #   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
 #   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2, 3 (ranks3 tests) and 4 MPI ranks
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
-#   make ctest    C unit tests only        make pytest-N   pytest at N ranks (N = 1, 2, 3, 4)
+#   make ctest    C unit tests (ASan/UBSan) and a replay of the fuzz corpus
+#   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
+#   make fuzz     libFuzzer harnesses (DLPack intake, DASO schedule), FUZZ_SECONDS each
+#   make valgrind a short DataParallel and DASO job under valgrind memcheck
 #   make bench    the benchmarks in benchmarks/
 
 PY       := .venv/bin/python
@@ -13,7 +16,7 @@ DEMO_RANKS_PER_NODE := 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench clean
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench fuzz valgrind clean
 
 setup:
 	@./scripts/setup_env.sh
@@ -24,6 +27,16 @@ test: setup
 
 ctest:
 	@$(MAKE) --no-print-directory -s -C tests/c
+	@$(MAKE) --no-print-directory -s -C tests/fuzz replay
+
+# Debian packages the two targets below need, installed when missing (as root).
+fuzz:
+	@command -v clang >/dev/null || ./scripts/apt_install.sh clang
+	$(MAKE) --no-print-directory -C tests/fuzz run
+
+valgrind: setup
+	@command -v valgrind >/dev/null || ./scripts/apt_install.sh valgrind
+	$(MAKE) --no-print-directory -C tests/valgrind run
 
 pytest: pytest-1 pytest-2 pytest-3 pytest-4
 

@@ -23,15 +23,10 @@ pip_q() { "$PY" -m pip "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
 
 # 1. MPI
 if ! command -v mpicc >/dev/null 2>&1 && [ -z "${MPICC:-}" ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing Open MPI from Debian (libopenmpi-dev openmpi-bin)"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
-    else
-        echo "mpicc not found: install an MPI (Debian: sudo apt-get install libopenmpi-dev openmpi-bin)" \
-             "or load your site's MPI module, then run this again." >&2
+    ./scripts/apt_install.sh libopenmpi-dev openmpi-bin || {
+        echo "mpicc not found: install an MPI or load your site's MPI module, then run this again." >&2
         exit 1
-    fi
+    }
 fi
 
 # 2. virtual environment

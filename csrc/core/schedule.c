@@ -430,9 +430,14 @@ int mpidp_schedule_reconfigure(mpidp_schedule_t *s, const mpidp_schedule_config_
                            " saved, %" PRId64 " now", s->cfg.n_groups, cfg->n_groups);
     mpidp_schedule_t before = *s;
     s->cfg = *cfg;
-    const int64_t phase = phase_at(&s->cfg, s->epoch);
+    /* The phase is decided at the last epoch_end (epoch 0 before any), as
+     * validate() checks it; s->epoch differs when epoch_end was skipped. */
+    const int64_t phase = phase_at(&s->cfg, s->logic_epoch < 0 ? 0 : s->logic_epoch);
     if (phase != MPIDP_SCHEDULE_CYCLING) {
         enter_phase(s, phase);
+        /* Back into warmup (more warmup epochs than done): the detector is
+         * fed only from cycling on, and cycling will start it fresh. */
+        if (phase == MPIDP_SCHEDULE_WARMUP) detector_clear(s);
     } else if (before.phase != MPIDP_SCHEDULE_CYCLING) {
         /* Into cycling without a loss to judge: a fresh detector takes the
          * next epoch's loss as its first value. */
@@ -478,6 +483,11 @@ static int check_batch_event(const mpidp_schedule_t *s, int64_t batch,
                            "batch %" PRId64 " is past last_batch %" PRId64
                            " (last_batch is the index of the last batch, "
                            "len(loader) - 1)", batch, last_batch);
+    /* validate() accepts epoch counters up to INT64_MAX - 1; ending an epoch
+     * there would give a counter it refuses (a restored state could get here). */
+    if (batch == last_batch && s->epoch >= INT64_MAX - 1)
+        return mpidp__fail(MPIDP_ESTATE, "epoch counter %" PRId64 " cannot advance",
+                           s->epoch);
     if (s->next_batch == 0) {
         if (batch != 0)
             return mpidp__fail(MPIDP_ESTATE,
@@ -545,7 +555,11 @@ int mpidp_schedule_batch(mpidp_schedule_t *s, int64_t batch, int64_t last_batch,
     }
 
     /* 3. Local sync for the next backward, then advance the position. */
-    s->local_sync = want_local_sync(s, batch + 1, last_batch, (int)s->pending);
+    /* (batch + 1 would overflow for batch == last_batch == INT64_MAX; after the
+     * last batch local sync is on anyway, for batch 0 of the next epoch.) */
+    s->local_sync = batch == last_batch
+                        ? 1
+                        : want_local_sync(s, batch + 1, last_batch, (int)s->pending);
     out->local_sync = (int)s->local_sync;
     if (batch == last_batch) {
         s->epoch++;

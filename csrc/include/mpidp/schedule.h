@@ -212,9 +212,11 @@ int mpidp_schedule_reset(mpidp_schedule_t *s);
 
 /* Adopt a new configuration between epochs (a job restarted from a
  * checkpoint with, say, more total_epochs): the phase of the next epoch is
- * recomputed for the new config; a cycling phase that stays cycling keeps its
+ * recomputed for the new config (at the epoch counter of the last epoch_end,
+ * as validate() judges it); a cycling phase that stays cycling keeps its
  * tuned (gs, ls, btw) and detector, clamped to the new max_global_skips; one
- * that starts cycling starts fresh at (min(4, max_global_skips), 1, 1).
+ * that starts cycling starts fresh at (min(4, max_global_skips), 1, 1); a
+ * return to warmup clears the detector.
  * n_groups cannot change. MPIDP_ESTATE mid-epoch or with a sync pending,
  * MPIDP_EINVAL for an invalid config; *s is then unchanged. */
 int mpidp_schedule_reconfigure(mpidp_schedule_t *s, const mpidp_schedule_config_t *cfg);
@@ -268,7 +270,8 @@ int mpidp_schedule_epoch_end(mpidp_schedule_t *s, double loss);
  * MPIDP_EINVAL for NULL pointers, a negative batch or last_batch, or an
  * inconsistent state; MPIDP_ESTATE for a batch other than the expected one
  * (skipped or repeated; the first of an epoch must be 0), batch > last_batch,
- * or a last_batch different from the one this epoch started with. */
+ * a last_batch different from the one this epoch started with, or an epoch's
+ * last batch when the epoch counter is INT64_MAX - 1 and cannot advance. */
 int mpidp_schedule_batch(mpidp_schedule_t *s, int64_t batch, int64_t last_batch,
                          mpidp_schedule_actions_t *out);
 
