@@ -286,3 +286,16 @@ def test_resume_with_more_epochs_follows_the_new_settings():
     assert (daso2.epoch, daso2.phase, daso2.total_epochs) == (3, "cycling", 6)
     train(model2, daso2, net2, problem(batches=4), epochs=3)
     assert daso2.phase == "cooldown"
+
+
+def test_resume_with_more_warmup_epochs_goes_back_to_warmup():
+    model, opt, daso, net = make(epochs=6, warmup_epochs=1, cooldown_epochs=1)
+    train(model, daso, net, problem(batches=4), epochs=3)
+    assert daso.phase == "cycling"
+    saved = daso.state_dict()
+    model2, opt2, daso2, net2 = make(epochs=8, warmup_epochs=5, cooldown_epochs=1)
+    model2.load_state_dict(model.state_dict())
+    daso2.load_state_dict(saved)
+    assert (daso2.epoch, daso2.phase) == (3, "warmup")
+    train(model2, daso2, net2, problem(batches=4), epochs=2)
+    assert daso2.phase == "cycling"
