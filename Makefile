@@ -6,7 +6,8 @@
 #   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
 #   make fuzz     libFuzzer harnesses (DLPack intake, DASO schedule), FUZZ_SECONDS each
 #   make valgrind a short DataParallel and DASO job under valgrind memcheck
-#   make bench    the benchmarks in benchmarks/
+#   make bench    the step-time benchmark (benchmarks/bench_step.py) at 2 ranks
+#   make bench-daso  DASO vs DDP and DataParallel on an emulated 2-node cluster (root)
 
 PY       := .venv/bin/python
 # The demo: DASO on 4 ranks laid out as 2 emulated nodes of 2 ranks.
@@ -16,7 +17,7 @@ DEMO_RANKS_PER_NODE := 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench fuzz valgrind clean
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench bench-daso fuzz valgrind clean
 
 setup:
 	@./scripts/setup_env.sh
@@ -52,6 +53,10 @@ demo: setup
 
 bench: setup
 	./scripts/mpirun.sh 2 $(PY) benchmarks/bench_step.py
+
+# DASO against DDP and DataParallel on an emulated 2-node cluster (root; ~20 min)
+bench-daso: setup
+	$(PY) benchmarks/bench_daso.py --rate 1gbit,none
 
 clean:
 	rm -rf build tests/c/build python/mpidp/*.so python/*.egg-info

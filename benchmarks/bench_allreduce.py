@@ -29,10 +29,11 @@ and ratios are taken within a group. Ops:
                            __sum_bfloat_cb does (Storage.from_buffer copies)
 Goal: bf16 native >= 1.3x fp32 and >= 10x the Python op.
 
-Open MPI's default MPI_Iallreduce algorithm is slow for large messages on few
-ranks; compare with OMPI_MCA_coll_libnbc_iallreduce_algorithm=3 (Open MPI 4.1:
-1 ring, 2 binomial, 3 rabenseifner, 4 recursive doubling) set in mpirun's
-environment: mpirun forwards OMPI_MCA_* variables to every rank, and the table
+Open MPI 4.1's own MPI_Iallreduce algorithm for in-place calls is slow for
+large messages; importing mpidp sets OMPI_MCA_coll_libnbc_iallreduce_algorithm=3
+(Rabenseifner) unless it is set already (1 ring, 2 binomial, 3 rabenseifner,
+4 recursive doubling, 0 Open MPI's choice). Set it in mpirun's environment to
+compare: mpirun forwards OMPI_MCA_* variables to every rank, and the table
 header shows the value rank 0 sees.
 """
 

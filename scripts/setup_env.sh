@@ -3,7 +3,8 @@
 # Idempotent: each step checks first, so a second run takes a few seconds.
 #   1. Open MPI (Debian libopenmpi-dev openmpi-bin) when mpicc is absent.
 #   2. A virtual environment .venv at the repository root.
-#   3. torch==2.13.0, numpy, pytest, scikit-learn, tqdm, Pillow and mpi4py in it.
+#   3. torch==2.13.0, numpy, pytest, scikit-learn, tqdm, Pillow, matplotlib (the
+#      benchmark plots) and mpi4py in it.
 #   4. mpidp itself, built with mpicc into .venv (editable install).
 # mpi4py: the binary wheel is tried first (it carries an Open MPI build that
 # loads the system libmpi.so.40); if mpidp's import check finds that mpi4py and
@@ -40,13 +41,13 @@ if ! "$PY" - <<PYEOF 2>/dev/null
 import importlib, sys
 import torch
 assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
-for m in ("numpy", "pytest", "sklearn", "tqdm", "PIL", "mpi4py", "setuptools", "wheel"):
+for m in ("numpy", "pytest", "sklearn", "tqdm", "PIL", "matplotlib", "mpi4py", "setuptools", "wheel"):
     importlib.import_module(m)
 PYEOF
 then
     say "installing Python packages into .venv"
     pip_q install -q --upgrade "pip>=23" "setuptools>=64" wheel
-    pip_q install -q "torch==$TORCH_VERSION" numpy pytest scikit-learn tqdm Pillow
+    pip_q install -q "torch==$TORCH_VERSION" numpy pytest scikit-learn tqdm Pillow matplotlib
     pip_q install -q --only-binary=mpi4py "mpi4py>=4" || MPICC="${MPICC:-mpicc}" pip_q install -q --no-binary=mpi4py mpi4py
 fi
 

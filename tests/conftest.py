@@ -5,9 +5,11 @@ otherwise wait forever in the next collective)."""
 import sys
 
 import pytest
-from mpi4py import MPI
 
-import mpidp  # noqa: F401  (initialises MPI and mpidp's exit handling)
+# mpidp first, as in the README: it initialises MPI (with its settings, see
+# python/mpidp/_mpi.py) and its exit handling.
+import mpidp  # noqa: F401
+from mpi4py import MPI  # noqa: E402
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()

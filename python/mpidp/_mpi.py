@@ -8,7 +8,18 @@ import os
 import sys
 import weakref
 
-from mpi4py import MPI  # initialises MPI (thread level MULTIPLE by default)
+# Open MPI 4.1 picks a binomial tree (reduce, then broadcast) for an in-place
+# MPI_Iallreduce, which every mpidp bucket is: it sends twice the data through
+# rank 0. Rabenseifner's reduce-scatter + allgather halved the time of a 4-rank
+# gradient allreduce here (26.5 -> 12.8 s/epoch over a 1 Gbit/s link,
+# benchmarks/bench_daso.py) and is never far from the best above ~256 KiB
+# (benchmarks/bench_allreduce.py). Open MPI reads MCA parameters from the
+# environment in MPI_Init, so this only takes effect when mpidp is imported
+# before mpi4py.MPI; a value the user set (0 restores Open MPI's choice) wins.
+if "mpi4py.MPI" not in sys.modules:
+    os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3")
+
+from mpi4py import MPI  # noqa: E402  initialises MPI (thread level MULTIPLE by default)
 
 from . import _C
 

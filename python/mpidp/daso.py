@@ -112,6 +112,7 @@ class DASO:
         self.current_batch = 0
         self.bytes_sent = 0          # global-sync bytes this rank has put on the wire
         self._sync = None
+        self._progress_handles = []   # hooks that progress a sync in flight
         self._params = ()
         self._pointers = ()
         self._flat = None
@@ -202,6 +203,30 @@ class DASO:
                       if self._group is not None else None)
         numel = sum(p.numel() for p in params)
         self._flat = torch.empty(numel, dtype=torch.float32) if self.loc_size > 1 else None
+        self._install_progress_hooks(model, params)
+
+    def _install_progress_hooks(self, model: torch.nn.Module, params) -> None:
+        """A global sync sent at one step is merged one or more batches later,
+        and MPI moves its bytes over TCP only inside MPI calls: without them
+        nothing would happen until the merge waits. So every submodule's
+        forward and every parameter's gradient accumulation test the sync in
+        flight (one MPI_Test when one is pending, a boolean check otherwise):
+        over a 1 Gbit/s link this took DASO's cycling epochs from 9.3-10.4 s
+        to 8.2-8.6 s (benchmarks/bench_daso.py). MPIDP_HOOK_PROGRESS=0 turns
+        it off."""
+        for handle in self._progress_handles:
+            handle.remove()
+        self._progress_handles = []
+        if self._sync is None or os.environ.get("MPIDP_HOOK_PROGRESS", "1") == "0":
+            return
+        sync = self._sync
+
+        def progress(*_):
+            if sync.pending:
+                sync.test()
+
+        self._progress_handles = [m.register_forward_pre_hook(progress) for m in model.modules()]
+        self._progress_handles += [p.register_post_accumulate_grad_hook(progress) for p in params]
 
     def add_scaler(self, scaler) -> None:
         """Use `scaler` (torch.amp.GradScaler) for automatic mixed precision:
