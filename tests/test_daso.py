@@ -299,3 +299,22 @@ def test_resume_with_more_warmup_epochs_goes_back_to_warmup():
     assert (daso2.epoch, daso2.phase) == (3, "warmup")
     train(model2, daso2, net2, problem(batches=4), epochs=2)
     assert daso2.phase == "cycling"
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one node has no global sync to progress")
+def test_global_sync_is_progressed_by_forward_and_gradient_hooks(monkeypatch):
+    """Every submodule's forward and every trainable parameter's gradient
+    accumulation test the sync in flight (once each; set_model again replaces
+    them); MPIDP_HOOK_PROGRESS=0 installs none. Training with them in place
+    is checked against the references by the other tests."""
+    model, opt, daso, net = make(frozen=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    expected = len(list(net.module.modules())) + len(trainable)
+    assert len(daso._progress_handles) == expected
+    daso.set_model(net.module)
+    assert len(daso._progress_handles) == expected
+    monkeypatch.setenv("MPIDP_HOOK_PROGRESS", "0")
+    daso.set_model(net.module)
+    assert daso._progress_handles == []
+    losses = train(model, daso, net, problem(batches=4), epochs=3)
+    assert losses[-1] < losses[0]
