@@ -41,12 +41,14 @@ valgrind: setup
 
 pytest: pytest-1 pytest-2 pytest-3 pytest-4
 
+# Explicit rules: make skips pattern rules for .PHONY targets, so a
+# `pytest-%: ...` rule would silently run nothing for them.
+pytest-1 pytest-2 pytest-4: setup
+	@./scripts/run_pytest.sh $(@:pytest-%=%)
+
 # At 3 ranks (a size that is no power of two) only the tests marked ranks3 run.
 pytest-3: setup
 	@./scripts/run_pytest.sh 3 -m "ranks3 and not serial"
-
-pytest-%: setup
-	@./scripts/run_pytest.sh $*
 
 demo: setup
 	MPIDP_RANKS_PER_NODE=$(DEMO_RANKS_PER_NODE) ./scripts/mpirun.sh $(NP_DEMO) $(PY) examples/digits.py
