@@ -529,7 +529,8 @@ def main() -> None:
                         help="seconds one method's job may take before it is ended")
     parser.add_argument("--mpirun-args", default="",
                         help="extra mpirun options for every job, one string, e.g. "
-                             "'--mca coll_libnbc_iallreduce_algorithm 3'")
+                             "'-x OMPI_MCA_coll_libnbc_iallreduce_algorithm=0' (Open MPI's own "
+                             "choice instead of mpidp's default, Rabenseifner)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every method N times (alternating the order); report the median")
     parser.add_argument("--tag", default="", help="suffix of the saved results' file names")
