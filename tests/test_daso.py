@@ -95,6 +95,17 @@ def make(seed=0, frozen=False, epochs=6, **kw):
     return model, opt, daso, net
 
 
+def restart(model, daso, **kw):
+    """A new job built with make(**kw) that loads `model`'s and `daso`'s
+    checkpoint (deep copies, as if read back from disk)."""
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_daso = copy.deepcopy(daso.state_dict())
+    model, opt, daso, net = make(**kw)
+    model.load_state_dict(saved_model)
+    daso.load_state_dict(saved_daso)
+    return model, opt, daso, net
+
+
 # --- the sync kernel against the formula -------------------------------------
 
 
@@ -196,11 +207,7 @@ def test_checkpoint_restart_is_exact(nodes_of, staging):
 
     model, opt, daso, net = make(**kw)
     train(model, daso, net, data, epochs=3)
-    saved_model, saved_daso = copy.deepcopy(model.state_dict()), copy.deepcopy(daso.state_dict())
-    del model, opt, daso, net
-    model, opt, daso, net = make(**kw)         # a new job: fresh everything
-    model.load_state_dict(saved_model)
-    daso.load_state_dict(saved_daso)
+    model, opt, daso, net = restart(model, daso, **kw)   # a new job: fresh everything
     assert daso.epoch == 3
     train(model, daso, net, data, epochs=3)
     for (name, p), q in zip(model.named_parameters(), uninterrupted.parameters()):
@@ -279,10 +286,7 @@ def test_resume_with_more_epochs_follows_the_new_settings():
     model, opt, daso, net = make(epochs=3, warmup_epochs=1, cooldown_epochs=1)
     train(model, daso, net, problem(batches=4), epochs=3)
     assert daso.phase == "cooldown"
-    saved = daso.state_dict()
-    model2, opt2, daso2, net2 = make(epochs=6, warmup_epochs=1, cooldown_epochs=1)
-    model2.load_state_dict(model.state_dict())
-    daso2.load_state_dict(saved)
+    model2, _, daso2, net2 = restart(model, daso, epochs=6, warmup_epochs=1, cooldown_epochs=1)
     assert (daso2.epoch, daso2.phase, daso2.total_epochs) == (3, "cycling", 6)
     train(model2, daso2, net2, problem(batches=4), epochs=3)
     assert daso2.phase == "cooldown"
@@ -292,29 +296,32 @@ def test_resume_with_more_warmup_epochs_goes_back_to_warmup():
     model, opt, daso, net = make(epochs=6, warmup_epochs=1, cooldown_epochs=1)
     train(model, daso, net, problem(batches=4), epochs=3)
     assert daso.phase == "cycling"
-    saved = daso.state_dict()
-    model2, opt2, daso2, net2 = make(epochs=8, warmup_epochs=5, cooldown_epochs=1)
-    model2.load_state_dict(model.state_dict())
-    daso2.load_state_dict(saved)
+    model2, _, daso2, net2 = restart(model, daso, epochs=8, warmup_epochs=5, cooldown_epochs=1)
     assert (daso2.epoch, daso2.phase) == (3, "warmup")
     train(model2, daso2, net2, problem(batches=4), epochs=2)
     assert daso2.phase == "cycling"
 
 
 @pytest.mark.skipif(SIZE < 2, reason="one node has no global sync to progress")
-def test_global_sync_is_progressed_by_forward_and_gradient_hooks(monkeypatch):
+def test_global_sync_is_progressed_by_forward_and_gradient_hooks():
     """Every submodule's forward and every trainable parameter's gradient
     accumulation test the sync in flight (once each; set_model again replaces
-    them); MPIDP_HOOK_PROGRESS=0 installs none. Training with them in place
-    is checked against the references by the other tests."""
-    model, opt, daso, net = make(frozen=True)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    expected = len(list(net.module.modules())) + len(trainable)
-    assert len(daso._progress_handles) == expected
-    daso.set_model(net.module)
-    assert len(daso._progress_handles) == expected
-    monkeypatch.setenv("MPIDP_HOOK_PROGRESS", "0")
-    daso.set_model(net.module)
-    assert daso._progress_handles == []
+    them); with hook progress off (MPIDP_HOOK_PROGRESS=0) none are installed.
+    Training with them in place is checked against the references by the
+    other tests."""
+    before = mpidp._C.get_hook_progress()
+    mpidp._C.set_hook_progress(True)
+    try:
+        model, opt, daso, net = make(frozen=True)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        expected = len(list(net.module.modules())) + len(trainable)
+        assert len(daso._progress_handles) == expected
+        daso.set_model(net.module)
+        assert len(daso._progress_handles) == expected
+        mpidp._C.set_hook_progress(False)
+        daso.set_model(net.module)
+        assert daso._progress_handles == []
+    finally:
+        mpidp._C.set_hook_progress(before)
     losses = train(model, daso, net, problem(batches=4), epochs=3)
     assert losses[-1] < losses[0]

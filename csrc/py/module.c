@@ -195,6 +195,13 @@ static PyObject *mod_set_hook_progress(PyObject *m, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_get_hook_progress(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return PyBool_FromLong(mpidp_py_hook_progress);
+}
+
 static PyObject *mod_pending(PyObject *m, PyObject *unused)
 {
     (void)unused;
@@ -254,6 +261,8 @@ static PyMethodDef module_methods[] = {
      "True: a deadline aborts the job; False: it raises mpidp.CommTimeout."},
     {"set_hook_progress", mod_set_hook_progress, METH_O,
      "True (default): gradient hooks test what is in flight, so MPI progresses during backward."},
+    {"get_hook_progress", mod_get_hook_progress, METH_NOARGS,
+     "Whether hooks drive MPI progress (MPIDP_HOOK_PROGRESS)."},
     {"pending", mod_pending, METH_NOARGS, "Number of mpidp requests in flight."},
     {"describe_pending", mod_describe_pending, METH_NOARGS, "What is in flight, as text."},
     {"progress", mod_progress, METH_NOARGS,

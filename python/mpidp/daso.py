@@ -212,12 +212,12 @@ class DASO:
         forward and every parameter's gradient accumulation test the sync in
         flight (one MPI_Test when one is pending, a boolean check otherwise):
         over a 1 Gbit/s link this took DASO's cycling epochs from 9.3-10.4 s
-        to 8.2-8.6 s (benchmarks/bench_daso.py). MPIDP_HOOK_PROGRESS=0 turns
-        it off."""
+        to 8.2-8.6 s (benchmarks/bench_daso.py). The switch DataParallel's
+        hooks obey (MPIDP_HOOK_PROGRESS=0, _C.set_hook_progress) turns it off."""
         for handle in self._progress_handles:
             handle.remove()
         self._progress_handles = []
-        if self._sync is None or os.environ.get("MPIDP_HOOK_PROGRESS", "1") == "0":
+        if self._sync is None or not _C.get_hook_progress():
             return
         sync = self._sync
 
