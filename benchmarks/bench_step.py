@@ -1,6 +1,6 @@
 """Training-step time of mpidp against torch DDP, at the ranks it is started on.
 
-    mpirun -np 2 python benchmarks/bench_step.py [--json] [--quick]
+    mpirun -np 2 python benchmarks/bench_step.py [--json] [--quick] [--device cuda]
 
 For each model, every method runs the same training step (forward, backward,
 SGD step) on the same data; methods take turns in several rounds and each
@@ -9,11 +9,15 @@ reports the median over rounds of its mean step time. Methods:
   mpidp-block   mpidp.DataParallel, blocking
   mpidp-nb      mpidp.DataParallel, non-blocking (update applied by the next forward)
   mpidp-nb-bf16 the same with gradients sent as bf16
-  ddp-gloo      torch DistributedDataParallel over gloo, its defaults
+  ddp           torch DistributedDataParallel, its defaults, over gloo on CPUs;
+                on GPUs over NCCL when each rank has a GPU of its own, else
+                gloo (NCCL refuses two ranks on one GPU)
 Set MPIDP_HOOK_PROGRESS=0 to see mpidp without MPI progress from its hooks.
 and, on rank 0 alone, the cost of mpidp's C gradient hook per parameter
 (a 1-rank DataParallel, hooked backward vs plain backward, on the 500-tensor
-MLP). Prints a table of step times and ratios against ddp-gloo and local.
+MLP, CPU only). Prints a table of step times and ratios against ddp and local.
+--device cuda puts each rank's model and data on GPU local_rank (modulo the
+GPUs there are) and synchronises the GPU before reading a clock.
 """
 
 from __future__ import annotations
@@ -39,17 +43,18 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 
 
-def make_case(name, quick):
+def make_case(name, quick, device):
     if name == "resnet18":
         model = ResNet18(width=32 if quick else 64)
-        batch = 8 if quick else 16
+        # A GPU needs a larger batch than a CPU core for a step worth timing.
+        batch = (8 if quick else 16) * (8 if device.type == "cuda" else 1)
         x = torch.randn(batch, 3, 32, 32)
         y = torch.randint(0, 10, (batch,))
     else:
         model = ManyTensorMLP()
         x = torch.randn(32, 32)
         y = torch.randint(0, 10, (32,))
-    return model, x, y
+    return model.to(device), x.to(device), y.to(device)
 
 
 def make_method(method, base):
@@ -63,8 +68,10 @@ def make_method(method, base):
         net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=method == "mpidp-block",
                                  wire_dtype=torch.bfloat16 if method.endswith("bf16") else None)
         return net, opt
-    if method == "ddp-gloo":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if method == "ddp":
+        first = next(model.parameters())
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[first.device.index] if first.is_cuda else None)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     raise ValueError(method)
 
@@ -75,18 +82,27 @@ def step(net, opt, x, y):
     opt.step()
 
 
-def time_steps(net, opt, x, y, steps):
+def settle(device):
+    """Wait for the GPU's queued work (none on the CPU), then for every rank."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     COMM.Barrier()
+
+
+def time_steps(net, opt, x, y, steps):
+    settle(x.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step(net, opt, x, y)
-    COMM.Barrier()
+    if hasattr(net, "synchronize"):
+        net.synchronize()  # non-blocking mode: the last update is part of the work
+    settle(x.device)
     return (time.perf_counter() - t0) / steps
 
 
-def bench_model(name, methods, rounds, steps, quick):
+def bench_model(name, methods, rounds, steps, quick, device):
     torch.manual_seed(0)
-    base, x, y = make_case(name, quick)
+    base, x, y = make_case(name, quick, device)
     built = {m: make_method(m, base) for m in methods}
     for net, opt in built.values():  # warm-up: allocator, buckets, gloo connections
         for _ in range(2):
@@ -141,37 +157,55 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a smaller, faster run")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(SIZE, 1)))
-    mpidp.init_process_group(COMM, backend="gloo")
-    methods = ["local", "mpidp-block", "mpidp-nb", "mpidp-nb-bf16", "ddp-gloo"]
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device")
+        device = torch.device("cuda", mpidp.topology().local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        mpidp.init_process_group(COMM)   # NCCL when each rank has its own GPU, else gloo
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(SIZE, 1)))
+        mpidp.init_process_group(COMM, backend="gloo")
+    backend = dist.get_backend()
+    methods = ["local", "mpidp-block", "mpidp-nb", "mpidp-nb-bf16", "ddp"]
     results = {}
     for name in ("resnet18", "mlp500"):
         results[name] = bench_model(name, methods, args.rounds if not args.quick else 3,
                                     args.steps if name == "resnet18" else 4 * args.steps,
-                                    args.quick)
+                                    args.quick, device)
     hook = None
-    if RANK == 0:
+    if RANK == 0 and device.type == "cpu":
         hook = hook_overhead_us(repeats=200)
     COMM.Barrier()
     if RANK != 0:
         return
     if args.json:
-        out = {"ranks": SIZE, "hook_us_per_param": round(hook[0], 3),
-               "noop_hook_us_per_param": round(hook[1], 3)}
+        out = {"ranks": SIZE, "device": str(device), "ddp_backend": backend}
+        if device.type == "cuda":
+            out["gpu"] = torch.cuda.get_device_name(device)
+        if hook:
+            out.update(hook_us_per_param=round(hook[0], 3), noop_hook_us_per_param=round(hook[1], 3))
         for name, r in results.items():
             for m, t in r.items():
                 out[f"{name}_{m}_ms"] = round(1e3 * t, 3)
-            out[f"{name}_mpidp_over_ddp"] = round(r["mpidp-block"] / r["ddp-gloo"], 3)
+            out[f"{name}_mpidp_over_ddp"] = round(r["mpidp-block"] / r["ddp"], 3)
+            out[f"{name}_nb_over_ddp"] = round(r["mpidp-nb"] / r["ddp"], 3)
             out[f"{name}_nb_over_block"] = round(r["mpidp-nb"] / r["mpidp-block"], 3)
         print(json.dumps(out))
         return
-    print(f"step time at {SIZE} ranks (median of per-round means; slowest rank)")
-    print(f"{'model':<10} {'method':<14} {'ms/step':>9} {'vs ddp-gloo':>12} {'vs block':>9} {'vs local':>9}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"step time at {SIZE} ranks on {where}, DDP over {backend} (median of per-round means; "
+          "slowest rank)")
+    print(f"{'model':<10} {'method':<14} {'ms/step':>9} {'vs ddp':>9} {'vs block':>9} {'vs local':>9}")
     for name, r in results.items():
         for m, t in r.items():
-            print(f"{name:<10} {m:<14} {1e3 * t:9.2f} {t / r['ddp-gloo']:12.3f} "
+            print(f"{name:<10} {m:<14} {1e3 * t:9.2f} {t / r['ddp']:9.3f} "
                   f"{t / r['mpidp-block']:9.3f} {t / r['local']:9.3f}")
+    if hook is None:
+        return
     print(f"C hook overhead: {hook[0]:.2f} us per parameter (1 rank, 500 tensors: plain backward "
           f"{1e3 * hook[2]:.2f} ms, hooked {1e3 * hook[3]:.2f} ms); a no-op Python hook "
           f"registered the same way costs {hook[1]:.2f} us (torch's call of any such hook)")

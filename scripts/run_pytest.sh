@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 n=${1:?usage: run_pytest.sh N [pytest args]}
 shift
-PY=.venv/bin/python
+PY=${MPIDP_PYTHON:-.venv/bin/python}   # another Python: scripts/gpu_check.sh
 export MPIDP_TIMEOUT=${MPIDP_TIMEOUT:-120}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 limit=${MPIDP_TEST_LIMIT:-900}

@@ -9,12 +9,24 @@ losses; both models must end on the same parameters."""
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from mpi4py import MPI
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
+
+# The device models and batches live on. MPIDP_TEST_DEVICE=cuda runs the same
+# reference comparisons on the GPU (scripts/gpu_check.sh does); data is drawn
+# on the CPU from the seeded generators either way, so both see the same numbers.
+DEVICE = torch.device(os.environ.get("MPIDP_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    # Bitwise-repeatable kernels and no TF32, so that a rank's slice and the
+    # reference's same slice give the same gradients, as on the CPU.
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -27,8 +39,16 @@ def rank_slice(t: torch.Tensor, rank: int = RANK, size: int = SIZE) -> torch.Ten
 
 
 def build(make_model, seed: int) -> torch.nn.Module:
+    """make_model() initialised from `seed` (on the CPU, so the values do not
+    depend on the device), on DEVICE."""
     torch.manual_seed(seed)
-    return make_model()
+    return make_model().to(DEVICE)
+
+
+def on_device(*tensors: torch.Tensor):
+    """The tensors moved to DEVICE (a tuple, or the tensor itself for one)."""
+    moved = tuple(t.to(DEVICE) for t in tensors)
+    return moved[0] if len(moved) == 1 else moved
 
 
 def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -46,7 +66,7 @@ def assert_params_close(model, reference, atol=2e-5, rtol=1e-4, what=""):
 def assert_same_on_all_ranks(model: torch.nn.Module) -> None:
     """Every parameter is bitwise equal to rank 0's."""
     for name, p in model.named_parameters():
-        mine = p.detach().clone()
+        mine = p.detach().cpu().clone()
         theirs = mine.clone()
         MPI.COMM_WORLD.Bcast(theirs.numpy(), root=0)
         assert torch.equal(mine, theirs), f"parameter {name} differs from rank 0's on rank {RANK}"

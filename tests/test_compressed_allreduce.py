@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import mpidp
-from dp_reference import RANK, SIZE, assert_same_on_all_ranks, build, rank_slice, seeded
+from dp_reference import (RANK, SIZE, assert_same_on_all_ranks, build, on_device, rank_slice,
+                          seeded)
 
 pytestmark = pytest.mark.ranks3
 
@@ -386,8 +387,7 @@ def test_data_parallel_with_wire_dtype_tracks_fp32_reference(wire):
     g = seeded(17)
     n = per_rank * SIZE
     for step in range(steps):
-        X = torch.randn(n, 10, generator=g)
-        Y = torch.randint(0, 4, (n,), generator=g)
+        X, Y = on_device(torch.randn(n, 10, generator=g), torch.randint(0, 4, (n,), generator=g))
         dp_opt.zero_grad()
         F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
         # The reference: every rank's gradient on its own slice, averaged exactly.

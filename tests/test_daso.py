@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import mpidp
-from dp_reference import RANK, SIZE, assert_params_close, assert_same_on_all_ranks, seeded
+from dp_reference import (DEVICE, RANK, SIZE, assert_params_close, assert_same_on_all_ranks,
+                          on_device, seeded)
 
 LAYOUTS = [k for k in (1, 2) if SIZE % k == 0]
 
@@ -42,7 +43,7 @@ def mlp(seed, frozen=False):
                             torch.nn.ReLU(), torch.nn.Linear(32, 3))
     if frozen:
         m[0].requires_grad_(False)
-    return m
+    return m.to(DEVICE)
 
 
 def problem(batches=12, per_rank=8, seed=7):
@@ -53,7 +54,7 @@ def problem(batches=12, per_rank=8, seed=7):
     out = []
     for _ in range(batches):
         X = torch.randn(per_rank * SIZE, 10, generator=g)
-        out.append((X, (X @ W).argmax(1)))
+        out.append(on_device(X, (X @ W).argmax(1)))
     return out
 
 
@@ -191,7 +192,7 @@ def test_scheduler_and_scaler(nodes_of):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.01 * step))
     daso = mpidp.DASO(opt, total_epochs=3, warmup_epochs=1, cooldown_epochs=1, scheduler=sched)
-    daso.add_scaler(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    daso.add_scaler(torch.amp.GradScaler(DEVICE.type, init_scale=1024.0))
     net = mpidp.DataParallelMultiGPU(model, daso)
     losses = train(model, daso, net, problem(), epochs=3)
     assert losses[-1] < losses[0]
@@ -217,7 +218,7 @@ def test_checkpoint_restart_is_exact(nodes_of, staging):
 def test_state_dict_mid_epoch_is_refused():
     model, opt, daso, net = make(epochs=2)
     daso.last_batch = 3
-    net(torch.randn(2, 10)).sum().backward()
+    net(on_device(torch.randn(2, 10))).sum().backward()
     daso.step()
     with pytest.raises(RuntimeError, match="between epochs"):
         daso.state_dict()

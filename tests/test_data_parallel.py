@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import mpidp
 from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
-                          rank_slice, reference_step, seeded)
+                          on_device, rank_slice, reference_step, seeded)
 
 # --- models ------------------------------------------------------------------
 
@@ -134,8 +134,8 @@ def train_and_compare(make_model, make_opt=sgd, loss_fn=ce_loss, x_shape=(10,), 
             dp_opt.zero_grad(set_to_none=zero_grad == "none")
             ref_opt.zero_grad(set_to_none=zero_grad == "none")
         for micro in range(accumulate):
-            X = torch.randn(n, *x_shape, generator=g)
-            Y = torch.randint(0, 4, (n,), generator=g)
+            X, Y = on_device(torch.randn(n, *x_shape, generator=g),
+                             torch.randint(0, 4, (n,), generator=g))
             loss = loss_fn(net, rank_slice(X), rank_slice(Y), RANK, step)
             if zero_grad == "after_forward" and micro == 0:
                 dp_opt.zero_grad()
@@ -197,7 +197,8 @@ def test_without_optimizer_gradients_are_averaged():
     model = build(MLP, seed=7 + RANK)
     reference = build(MLP, seed=7)
     net = mpidp.DataParallel(model, blocking_parameter_updates=True)
-    X, Y = torch.randn(4 * SIZE, 10, generator=seeded(3)), torch.randint(0, 4, (4 * SIZE,), generator=seeded(4))
+    X, Y = on_device(torch.randn(4 * SIZE, 10, generator=seeded(3)),
+                     torch.randint(0, 4, (4 * SIZE,), generator=seeded(4)))
     F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
     reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
     assert_grads_match(model, reference, 0)

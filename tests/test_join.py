@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import mpidp
-from dp_reference import RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build, seeded
+from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
+                          on_device, seeded)
 from test_data_parallel import MLP, adam, sgd
 
 pytestmark = pytest.mark.ranks3
@@ -23,7 +24,7 @@ def n_batches(rank):
 
 def all_data():
     g = seeded(11)
-    return {r: [(torch.randn(4, 10, generator=g), torch.randint(0, 4, (4,), generator=g))
+    return {r: [on_device(torch.randn(4, 10, generator=g), torch.randint(0, 4, (4,), generator=g))
                 for _ in range(n_batches(r))] for r in range(SIZE)}
 
 
@@ -76,7 +77,8 @@ def test_join_twice_then_train_on_with_adopted_optimizer_state():
                 opt.step()
     # Even steps after join() average over every rank again.
     opt.zero_grad()
-    F.cross_entropy(net(torch.ones(2, 10) * RANK), torch.zeros(2, dtype=torch.long)).backward()
+    x, y = on_device(torch.ones(2, 10) * RANK, torch.zeros(2, dtype=torch.long))
+    F.cross_entropy(net(x), y).backward()
     opt.step()
     assert_same_on_all_ranks(model)
 

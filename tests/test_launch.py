@@ -96,3 +96,12 @@ def test_uneven_batches_without_join_end_with_a_clear_error(tmp_path):
     assert rc != 0, out
     assert "timed out" in out and "net.join()" in out, out
     assert seconds < 30, f"the job took {seconds:.0f} s to end"
+
+
+@pytest.mark.parametrize("gpus, ranks, expected", [
+    (0, 1, "gloo"), (0, 4, "gloo"), (1, 1, "nccl"), (4, 4, "nccl"), (8, 4, "nccl"),
+    (1, 2, "gloo"), (2, 4, "gloo")])
+def test_default_backend_gives_nccl_only_a_gpu_per_rank(gpus, ranks, expected):
+    # NCCL refuses two ranks on one GPU; such nodes get gloo (CUDA tensors via host).
+    from mpidp.process_group import default_backend
+    assert default_backend(gpus, ranks) == expected

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import mpidp
 from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
-                          rank_slice, reference_step, seeded)
+                          on_device, rank_slice, reference_step, seeded)
 from test_data_parallel import CNN, MLP, Branchy, Tied, adam, branchy_loss
 
 
@@ -55,8 +55,8 @@ def run(make_model=MLP, make_opt=sgd_wd, *, zero="before", set_to_none=True, ste
     g = seeded(seed)
     n = per_rank * SIZE
     for step in range(steps):
-        X = torch.randn(n, *x_shape, generator=g)
-        Y = torch.randint(0, 4, (n,), generator=g)
+        X, Y = on_device(torch.randn(n, *x_shape, generator=g),
+                         torch.randint(0, 4, (n,), generator=g))
         if step == boom_at:
             with pytest.raises(ValueError, match="boom"):
                 net(rank_slice(X), boom=True)
@@ -137,8 +137,8 @@ def test_gradient_accumulation():
         for step in range(3):
             dp_opt.zero_grad()
             ref_opt.zero_grad()
-            batches = [(torch.randn(4 * SIZE, 10, generator=g), torch.randint(0, 4, (4 * SIZE,), generator=g))
-                       for _ in range(2)]
+            batches = [on_device(torch.randn(4 * SIZE, 10, generator=g),
+                                 torch.randint(0, 4, (4 * SIZE,), generator=g)) for _ in range(2)]
             if two_forwards_first:
                 losses = [F.cross_entropy(net(rank_slice(X)), rank_slice(Y)) for X, Y in batches]
                 for loss in losses:
@@ -176,7 +176,7 @@ def test_step_twice_without_forward_is_an_error():
     m = build(MLP, 0)
     opt = mpidp.DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
     net = mpidp.DataParallel(m, optimizer=opt)
-    net(torch.randn(2, 10)).sum().backward()
+    net(on_device(torch.randn(2, 10))).sum().backward()
     opt.step()
     with pytest.raises(RuntimeError, match="twice"):
         opt.step()

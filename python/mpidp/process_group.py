@@ -33,20 +33,34 @@ def _store_host(comm: MPI.Intracomm) -> str:
         return socket.getfqdn()
 
 
+def default_backend(cuda_devices: int, ranks_on_node: int) -> str:
+    """NCCL when every rank of the node can have a GPU of its own, else gloo.
+
+    NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU
+    detected"), so a node running more ranks than it has GPUs (several ranks
+    sharing one GPU, as in tests and small jobs) falls back to gloo, which
+    reduces CUDA tensors through host memory."""
+    return "nccl" if 0 < ranks_on_node <= cuda_devices else "gloo"
+
+
 def init_process_group(comm=None, backend: str | None = None,
                        timeout: datetime.timedelta | None = None) -> None:
     """Create torch.distributed's default process group from MPI.
 
     comm: the ranks of the group (an mpi4py communicator); default: the ranks
     of this node (see mpidp.topology), which is what DASO and
-    DataParallelMultiGPU use. backend: "gloo" or "nccl"; default NCCL when CUDA
-    is available (each rank then uses GPU `local_rank`), else gloo. Calling it
-    again with the same ranks does nothing; with other ranks it raises."""
+    DataParallelMultiGPU use. backend: "gloo" or "nccl"; default NCCL when the
+    node has at least one GPU for each of its ranks (each rank then uses GPU
+    `local_rank`), else gloo. Calling it again with the same ranks does
+    nothing; with other ranks it raises."""
     group = node_comm() if comm is None else comm
     if not isinstance(group, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py intra-communicator, got {type(group).__name__}")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
+        backend = default_backend(gpus, same_machine.Get_size())
+        same_machine.Free()
     if backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     if dist.is_initialized():

@@ -1,0 +1,28 @@
+import sys, time, torch, torch.nn.functional as F
+sys.path.insert(0, "benchmarks")
+import mpidp
+from models import ResNet18
+from torch.profiler import profile, ProfilerActivity
+dev = torch.device("cuda", 0)
+torch.manual_seed(0)
+x = torch.randn(128, 3, 32, 32, device=dev); y = torch.randint(0, 10, (128,), device=dev)
+def make(mode):
+    m = ResNet18().to(dev)
+    if mode == "local":
+        o = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9); return m, o
+    o = mpidp.DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
+    return mpidp.DataParallel(m, optimizer=o, blocking_parameter_updates=(mode == "block")), o
+for mode in ("local", "block", "nb"):
+    net, opt = make(mode)
+    def step():
+        opt.zero_grad(); F.cross_entropy(net(x), y).backward(); opt.step()
+    for _ in range(5): step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20): step()
+    torch.cuda.synchronize()
+    print(f"{mode}: {1e3*(time.perf_counter()-t0)/20:.2f} ms/step, buckets {getattr(net, 'bucket_count', '-')}")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5): step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=40))
