@@ -89,21 +89,27 @@ class MpiBuildExt(build_ext):
             cmd = getattr(cc, attr, None)
             if cmd:
                 cc.set_executable(attr, [mpicc] + list(cmd[1:]))
-        plain_compile = cc._compile
-
-        def compile_with_simd_flags(obj, src, ext, cc_args, extra_postargs, pp_opts):
-            for suffix, flags in SIMD_FLAGS.items():
-                if src.endswith(suffix):
-                    extra_postargs = list(extra_postargs) + flags
-            return plain_compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
-
-        cc._compile = compile_with_simd_flags
         nvcc = _cuda_wanted()
         for ext in self.extensions:
             ext.include_dirs.append(_mpi4py_include())
+            self._add_simd_objects(ext)
             if nvcc:
                 self._add_cuda(ext, nvcc)
         super().build_extensions()
+
+    def _add_simd_objects(self, ext):
+        """Compiles the SIMD kernel files (by suffix) with their instruction-set
+        flags, through the compiler's public compile(), and links the objects
+        in; every other file keeps the common flags only."""
+        for suffix, flags in SIMD_FLAGS.items():
+            sources = [s for s in ext.sources if s.endswith(suffix)]
+            if not sources:
+                continue
+            ext.sources = [s for s in ext.sources if s not in sources]
+            ext.extra_objects += self.compiler.compile(
+                sources, output_dir=self.build_temp, macros=ext.define_macros,
+                include_dirs=ext.include_dirs, extra_postargs=ext.extra_compile_args + flags,
+                depends=ext.depends)
 
     def _add_cuda(self, ext, nvcc):
         cuda_home = _cuda_home(nvcc)

@@ -6,7 +6,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
 
 import mpidp
 from dp_reference import (DEVICE, RANK, SIZE, assert_params_close, assert_same_on_all_ranks,

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from mpi_jobs import ROOT, run_mpi
+from mpi_jobs import run_mpi
 
 pytestmark = pytest.mark.serial
 

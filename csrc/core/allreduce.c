@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
@@ -24,28 +25,6 @@ struct mpidp_allreduce {
     mpidp_req_t *req;      /* per slot */
     char what[64];
 };
-
-MPI_Datatype mpidp_mpi_datatype(int dtype)
-{
-    switch (dtype) {
-    case MPIDP_F32: return MPI_FLOAT;
-    case MPIDP_F64: return MPI_DOUBLE;
-    case MPIDP_BF16: return mpidp_mpi_bf16_type();
-    case MPIDP_F16: return mpidp_mpi_fp16_type();
-    }
-    return MPI_DATATYPE_NULL;
-}
-
-MPI_Op mpidp_mpi_sum_op(int dtype)
-{
-    switch (dtype) {
-    case MPIDP_F32:
-    case MPIDP_F64: return MPI_SUM;
-    case MPIDP_BF16:
-    case MPIDP_F16: return mpidp_mpi_half_sum_op();
-    }
-    return MPI_OP_NULL;
-}
 
 /* Packing or unpacking a chunk takes milliseconds, and Open MPI advances the
  * chunk already in flight only inside MPI calls: convert in sub-chunks of
@@ -102,23 +81,16 @@ static int post_chunk(mpidp_allreduce_t *x, size_t k)
             else scale_half(buf, dtype, s, n);
         }
     }
-    MPI_Request req;
-    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, mpidp_mpi_datatype(dtype),
-                            mpidp_mpi_sum_op(dtype), x->comm, &req);
-    if (rc != MPI_SUCCESS) {
-        char msg[MPI_MAX_ERROR_STRING];
-        return mpidp__fail(MPIDP_EMPI, "%s: MPI_Iallreduce of chunk %zu/%zu: %s", x->what, k,
-                           x->n_chunks, mpidp__mpi_errstr(rc, msg, sizeof msg));
-    }
     char what[MPIDP_REQ_WHAT_LEN + 64];
     snprintf(what, sizeof what, "%s: MPI_Iallreduce of %zu %s (chunk %zu/%zu)", x->what, n,
              mpidp_dtype_name(dtype), k + 1, x->n_chunks);
-    rc = mpidp_reqtable_add(x->reqs, req, what, &x->req[k % x->slots]);
-    if (rc != MPIDP_OK) {
-        MPI_Wait(&req, MPI_STATUS_IGNORE); /* no slot to track it: finish it here */
-        x->req[k % x->slots] = MPIDP_REQ_NONE;
-    }
-    return MPIDP_OK;
+    mpidp_req_t slot;
+    int rc = mpidp_reqtable_claim(x->reqs, what, &slot);
+    if (rc != MPIDP_OK) return rc;
+    MPI_Request req;
+    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, mpidp_mpi_datatype(dtype),
+                        mpidp_mpi_sum_op(dtype), x->comm, &req);
+    return mpidp__post_done(x->reqs, slot, rc, req, what, &x->req[k % x->slots]);
 }
 
 static void finish_chunk(mpidp_allreduce_t *x, size_t k)
@@ -203,12 +175,16 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
      * happen so results are what a larger job would give (same rounding). */
     rc = post_more(x);
     if (rc != MPIDP_OK) {
-        /* Chunks already posted must land before the buffers go. */
-        for (size_t k = x->next_done; k < x->next_post; k++)
-            mpidp_reqtable_wait(reqs, x->req[k % x->slots], 0);
-        free(x->req);
-        free(x->wire);
-        free(x);
+        /* Chunks already posted must land before the buffers go; the other
+         * ranks posted them too (or time out on them), so they complete. */
+        int drained = 1;
+        for (size_t k = x->next_done; k < x->next_post && drained; k++)
+            drained = mpidp_reqtable_wait(reqs, x->req[k % x->slots], opts->drain_timeout_s) == MPIDP_OK;
+        if (drained) {
+            free(x->req);
+            free(x->wire);
+            free(x);
+        } /* else MPI may still write into x->wire: leave it allocated */
         return rc;
     }
     *out = x;

@@ -1,7 +1,9 @@
 /* The bf16 and fp16 MPI datatypes and their sum op (see mpidp/mpiops.h). */
 #include "mpidp/mpiops.h"
 
+#include "mpidp/mpi_util.h"
 #include "mpidp/pack.h"
+#include "mpidp/tensor.h"
 #include "mpidp/status.h"
 
 #include <pthread.h>
@@ -12,14 +14,6 @@ static MPI_Datatype bf16_type = MPI_DATATYPE_NULL;
 static MPI_Datatype fp16_type = MPI_DATATYPE_NULL;
 static MPI_Op sum_op = MPI_OP_NULL;
 
-/* Records an MPI failure with MPI's own message and returns MPIDP_EMPI. */
-static int mpi_fail(int rc, const char *call)
-{
-    char msg[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "error code %d", rc);
-    return mpidp__fail(MPIDP_EMPI, "%s failed: %s", call, msg);
-}
 
 /* The user op: inout[i] = in[i] + inout[i] for either 16-bit type, with the
  * kernels chosen at start-up. A user op cannot report an error, and a sum done
@@ -46,7 +40,7 @@ static int make_type(MPI_Datatype *out, const char *name)
 {
     MPI_Datatype t;
     int rc = MPI_Type_contiguous(2, MPI_BYTE, &t);
-    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Type_contiguous");
+    if (rc != MPI_SUCCESS) return mpidp__mpi_fail(rc, "MPI_Type_contiguous failed");
     /* The name shows up in MPI error messages and debuggers. */
     const char *call = "MPI_Type_set_name";
     rc = MPI_Type_set_name(t, name);
@@ -55,7 +49,7 @@ static int make_type(MPI_Datatype *out, const char *name)
         rc = MPI_Type_commit(&t);
     }
     if (rc != MPI_SUCCESS) {
-        int st = mpi_fail(rc, call);
+        int st = mpidp__mpi_fail(rc, "%s failed", call);
         MPI_Type_free(&t);
         return st;
     }
@@ -83,7 +77,7 @@ int mpidp_mpiops_init(void)
     if (st == MPIDP_OK) st = make_type(&h, "mpidp_fp16");
     if (st == MPIDP_OK) {
         int rc = MPI_Op_create(half_sum, 1 /* commutative */, &op);
-        if (rc != MPI_SUCCESS) st = mpi_fail(rc, "MPI_Op_create");
+        if (rc != MPI_SUCCESS) st = mpidp__mpi_fail(rc, "MPI_Op_create failed");
     }
     if (st != MPIDP_OK) {
         if (b != MPI_DATATYPE_NULL) MPI_Type_free(&b);
@@ -111,11 +105,33 @@ int mpidp_mpiops_free(void)
         int rc = MPI_Op_free(&sum_op);
         if (rc == MPI_SUCCESS) rc = MPI_Type_free(&bf16_type);
         if (rc == MPI_SUCCESS) rc = MPI_Type_free(&fp16_type);
-        if (rc != MPI_SUCCESS) st = mpi_fail(rc, "freeing mpidp's MPI datatypes and op");
+        if (rc != MPI_SUCCESS) st = mpidp__mpi_fail(rc, "freeing mpidp's MPI datatypes and op failed");
     }
     bf16_type = MPI_DATATYPE_NULL;
     fp16_type = MPI_DATATYPE_NULL;
     sum_op = MPI_OP_NULL;
     pthread_mutex_unlock(&lock);
     return st;
+}
+
+MPI_Datatype mpidp_mpi_datatype(int dtype)
+{
+    switch (dtype) {
+    case MPIDP_F32: return MPI_FLOAT;
+    case MPIDP_F64: return MPI_DOUBLE;
+    case MPIDP_BF16: return mpidp_mpi_bf16_type();
+    case MPIDP_F16: return mpidp_mpi_fp16_type();
+    }
+    return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpidp_mpi_sum_op(int dtype)
+{
+    switch (dtype) {
+    case MPIDP_F32:
+    case MPIDP_F64: return MPI_SUM;
+    case MPIDP_BF16:
+    case MPIDP_F16: return mpidp_mpi_half_sum_op();
+    }
+    return MPI_OP_NULL;
 }

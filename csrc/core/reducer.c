@@ -7,6 +7,8 @@
 #include <string.h>
 
 #include "mpidp/allreduce.h"
+#include "mpidp/mpi_util.h"
+#include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
@@ -98,8 +100,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     int rc = MPI_Comm_size(cfg->comm, &r->size);
     if (rc != MPI_SUCCESS) {
         free_reducer(r);
-        char msg[MPI_MAX_ERROR_STRING];
-        return mpidp__fail(MPIDP_EMPI, "MPI_Comm_size: %s", mpidp__mpi_errstr(rc, msg, sizeof msg));
+        return mpidp__mpi_fail(rc, "MPI_Comm_size");
     }
     r->comm = cfg->comm;
     r->divisor = r->size;
@@ -293,23 +294,17 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
          * from zero, ready for whatever the user does before delivery. */
         memset(bk->data, 0, bk->info.numel * mpidp_dtype_size(bk->info.dtype));
     }
-    MPI_Request req;
-    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(wire_dtype),
-                            mpidp_mpi_sum_op(wire_dtype), r->comm, &req);
-    if (rc != MPI_SUCCESS) {
-        char msg[MPI_MAX_ERROR_STRING];
-        return mpidp__fail(MPIDP_EMPI, "%s: MPI_Iallreduce of bucket %zu failed: %s", r->name, b,
-                           mpidp__mpi_errstr(rc, msg, sizeof msg));
-    }
-    char what[MPIDP_REQ_WHAT_LEN];
+    char what[MPIDP_REQ_WHAT_LEN + 64]; /* the table keeps MPIDP_REQ_WHAT_LEN of it */
     snprintf(what, sizeof what, "%s: MPI_Iallreduce of gradient bucket %zu/%zu (%zu %s)", r->name,
              b + 1, r->n_buckets, bk->info.numel, mpidp_dtype_name(wire_dtype));
-    rc = mpidp_reqtable_add(r->reqs, req, what, &bk->req);
-    if (rc != MPIDP_OK) {
-        /* The table is full: finish this collective here rather than lose it. */
-        MPI_Wait(&req, MPI_STATUS_IGNORE);
-        bk->req = MPIDP_REQ_NONE;
-    }
+    mpidp_req_t slot;
+    int rc = mpidp_reqtable_claim(r->reqs, what, &slot);
+    if (rc != MPIDP_OK) return rc;
+    MPI_Request req;
+    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(wire_dtype),
+                        mpidp_mpi_sum_op(wire_dtype), r->comm, &req);
+    rc = mpidp__post_done(r->reqs, slot, rc, req, what, &bk->req);
+    if (rc != MPIDP_OK) return rc;
     bk->state = MPIDP_BUCKET_POSTED;
     return MPIDP_OK;
 }

@@ -8,12 +8,14 @@
 #include <string.h>
 #include <time.h>
 
+#include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
 typedef struct {
     MPI_Request req;
     uint32_t gen;
-    int live;
+    int live;        /* a posted request is tracked here */
+    int claimed;     /* reserved for a request about to be posted */
     double posted_at;
     char what[MPIDP_REQ_WHAT_LEN];
 } slot_t;
@@ -22,6 +24,7 @@ struct mpidp_reqtable {
     pthread_mutex_t lock;
     size_t capacity;
     size_t n_live;
+    size_t n_claimed;
     size_t hint;      /* where to start looking for a free slot */
     uint32_t next_gen;
     slot_t *slots;
@@ -32,15 +35,6 @@ double mpidp_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-const char *mpidp__mpi_errstr(int code, char *buf, size_t len)
-{
-    char msg[MPI_MAX_ERROR_STRING];
-    int n = 0;
-    if (MPI_Error_string(code, msg, &n) != MPI_SUCCESS) snprintf(msg, sizeof msg, "MPI error %d", code);
-    snprintf(buf, len, "%s", msg);
-    return buf;
 }
 
 int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out)
@@ -66,7 +60,7 @@ int mpidp_reqtable_destroy(mpidp_reqtable_t *t)
 {
     if (t == NULL) return MPIDP_OK;
     pthread_mutex_lock(&t->lock);
-    size_t live = t->n_live;
+    size_t live = t->n_live + t->n_claimed;
     pthread_mutex_unlock(&t->lock);
     if (live != 0)
         return mpidp__fail(MPIDP_ESTATE, "request table still has %zu requests in flight", live);
@@ -76,31 +70,64 @@ int mpidp_reqtable_destroy(mpidp_reqtable_t *t)
     return MPIDP_OK;
 }
 
-int mpidp_reqtable_add(mpidp_reqtable_t *t, MPI_Request req, const char *what,
-                       mpidp_req_t *out)
+int mpidp_reqtable_claim(mpidp_reqtable_t *t, const char *what, mpidp_req_t *out)
 {
     if (t == NULL || out == NULL) return mpidp__fail(MPIDP_EINVAL, "request table: NULL argument");
     pthread_mutex_lock(&t->lock);
-    if (t->n_live == t->capacity) {
+    if (t->n_live + t->n_claimed == t->capacity) {
         pthread_mutex_unlock(&t->lock);
-        return mpidp__fail(MPIDP_EFULL, "%zu requests already in flight (posting %s)",
-                           t->capacity, what ? what : "?");
+        return mpidp__fail(MPIDP_EFULL, "%zu requests already in flight, so %s was not posted; "
+                           "wait for some of them first", t->capacity, what ? what : "a request");
     }
     size_t i = t->hint;
-    while (t->slots[i].live) i = (i + 1) % t->capacity;
+    while (t->slots[i].live || t->slots[i].claimed) i = (i + 1) % t->capacity;
     slot_t *s = &t->slots[i];
-    s->req = req;
-    s->live = 1;
+    s->claimed = 1;
     s->gen = t->next_gen++;
     if (t->next_gen == 0) t->next_gen = 1; /* 0 is reserved for "none" */
-    s->posted_at = mpidp_now();
-    snprintf(s->what, sizeof s->what, "%s", what ? what : "request");
-    t->n_live++;
+    t->n_claimed++;
     t->hint = (i + 1) % t->capacity;
     out->slot = (uint32_t)i;
     out->gen = s->gen;
     pthread_mutex_unlock(&t->lock);
     return MPIDP_OK;
+}
+
+/* The claimed slot `h` names, or NULL (a programming error inside mpidp). */
+static slot_t *claimed_slot(mpidp_reqtable_t *t, mpidp_req_t h)
+{
+    if (t == NULL || h.slot >= t->capacity) return NULL;
+    slot_t *s = &t->slots[h.slot];
+    return s->claimed && s->gen == h.gen ? s : NULL;
+}
+
+void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, const char *what)
+{
+    if (t == NULL) return;
+    pthread_mutex_lock(&t->lock);
+    slot_t *s = claimed_slot(t, h);
+    if (s != NULL) {
+        s->claimed = 0;
+        s->live = 1;
+        s->req = req;
+        s->posted_at = mpidp_now();
+        snprintf(s->what, sizeof s->what, "%s", what ? what : "request");
+        t->n_claimed--;
+        t->n_live++;
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+void mpidp_reqtable_unclaim(mpidp_reqtable_t *t, mpidp_req_t h)
+{
+    if (t == NULL) return;
+    pthread_mutex_lock(&t->lock);
+    slot_t *s = claimed_slot(t, h);
+    if (s != NULL) {
+        s->claimed = 0;
+        t->n_claimed--;
+    }
+    pthread_mutex_unlock(&t->lock);
 }
 
 /* Tests slot `s` under the lock. Returns the MPI error code (MPI_SUCCESS when
@@ -121,11 +148,6 @@ static int test_slot_locked(mpidp_reqtable_t *t, slot_t *s, int *done, char *wha
     return MPI_SUCCESS;
 }
 
-static int mpi_failure(int rc, const char *what)
-{
-    char msg[MPI_MAX_ERROR_STRING];
-    return mpidp__fail(MPIDP_EMPI, "%s failed: %s", what, mpidp__mpi_errstr(rc, msg, sizeof msg));
-}
 
 int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done)
 {
@@ -143,7 +165,7 @@ int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done)
     else
         rc = test_slot_locked(t, s, done, what);
     pthread_mutex_unlock(&t->lock);
-    return rc == MPI_SUCCESS ? MPIDP_OK : mpi_failure(rc, what);
+    return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "%s failed", what);
 }
 
 /* Back-off while waiting. Open MPI advances a non-blocking collective only
@@ -199,7 +221,7 @@ int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done)
     }
     pthread_mutex_unlock(&t->lock);
     if (n_done) *n_done = completed;
-    return rc == MPI_SUCCESS ? MPIDP_OK : mpi_failure(rc, what);
+    return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "%s failed", what);
 }
 
 int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s)

@@ -45,7 +45,7 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     mpidp_allreduce_opts_t opts = {
         .op = op, .wire = wire, .chunk_elems = compressed ? WIRE_CHUNK : PLAIN_CHUNK,
         .max_in_flight = compressed ? WIRE_IN_FLIGHT : 0, .keep_wire = 0,
-        .what = "mpidp.allreduce"};
+        .drain_timeout_s = mpidp_py_timeout_s, .what = "mpidp.allreduce"};
     mpidp_allreduce_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_allreduce_start(comm->comm, &tensor.t, &opts, st->reqs, &x);

@@ -10,6 +10,7 @@
 
 #include <mpi4py/mpi4py.h>
 
+#include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
 static int mpi4py_ready = 0;
@@ -44,28 +45,29 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->comm = MPI_COMM_NULL;
     /* MPI_Comm_dup is a collective: a rank that never joins would block the
      * others forever, so use the non-blocking form and wait with a deadline. */
-    MPI_Request req;
+    const char *what = "MPI_Comm_idup (creating mpidp's communicator)";
     mpidp_req_t handle = MPIDP_REQ_NONE;
     mpidp_error_clear();
-    int status = MPIDP_OK;
-    int rc = MPI_Comm_idup(*user, &self->comm, &req);
-    if (rc == MPI_SUCCESS) status = mpidp_reqtable_add(st->reqs, req, "MPI_Comm_idup (creating "
-                                                       "mpidp's communicator)", &handle);
-    if (rc == MPI_SUCCESS && status == MPIDP_OK)
-        MPIDP_PY_WAIT(st, status, mpidp_reqtable_wait(st->reqs, handle, mpidp_py_timeout_s));
-    else if (rc == MPI_SUCCESS)
-        MPI_Wait(&req, MPI_STATUS_IGNORE);
+    int posted = 0;
+    int status = mpidp_reqtable_claim(st->reqs, what, &handle);
+    if (status == MPIDP_OK) {
+        MPI_Request req;
+        int rc = MPI_Comm_idup(*user, &self->comm, &req);
+        status = mpidp__post_done(st->reqs, handle, rc, req, what, &handle);
+        posted = status == MPIDP_OK;
+    }
+    if (posted) MPIDP_PY_WAIT(st, status, mpidp_reqtable_wait(st->reqs, handle, mpidp_py_timeout_s));
     if (status != MPIDP_OK) {
-        /* The idup is still posted and MPI will write the new handle into
-         * self->comm when it completes: self must never be freed. */
+        /* Posted but not finished: MPI will write the new handle into
+         * self->comm when it completes, so self must never be freed. */
+        if (!posted) Py_DECREF(self);
         return mpidp_py_raise(st, status, "Comm");
     }
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(self->comm, MPI_ERRORS_RETURN);
+    int rc = MPI_Comm_set_errhandler(self->comm, MPI_ERRORS_RETURN);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(self->comm, &self->rank);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_size(self->comm, &self->size);
     if (rc != MPI_SUCCESS) {
-        char msg[MPI_MAX_ERROR_STRING];
-        mpidp__fail(MPIDP_EMPI, "MPI_Comm_idup: %s", mpidp__mpi_errstr(rc, msg, sizeof msg));
+        mpidp__mpi_fail(rc, "setting up mpidp's communicator");
         Py_DECREF(self);
         return mpidp_py_raise(st, MPIDP_EMPI, "Comm");
     }

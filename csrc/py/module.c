@@ -7,6 +7,7 @@
 
 #include <stdlib.h>
 
+#include "mpidp/allreduce.h"
 #include "mpidp/bucket.h"
 #include "mpidp/checksum.h"
 #include "mpidp/mpiops.h"
@@ -297,6 +298,13 @@ static int module_exec(PyObject *m)
         return -1;
     }
     if (PyModule_AddFunctions(m, mpidp_py_kernel_methods) < 0) return -1;
+    /* The codes Python passes to the core, exported so that Python keeps no copies. */
+    static const struct { const char *name; int value; } constants[] = {
+        {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},
+        {"DTYPE_F16", MPIDP_F16}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
+        {"NO_WIRE", -1}};
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) return -1;
     if (mpidp_reqtable_create(MPIDP_REQTABLE_CAPACITY, &st->reqs) != MPIDP_OK) {
         PyErr_NoMemory();
         return -1;
@@ -333,6 +341,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->gradhook_type);
     Py_VISIT(st->paramsync_type);
     Py_VISIT(st->schedule_type);
+    Py_VISIT(st->schedule_actions_type);
     Py_VISIT(st->comm_error);
     Py_VISIT(st->comm_timeout);
     return 0;
@@ -347,6 +356,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->gradhook_type);
     Py_CLEAR(st->paramsync_type);
     Py_CLEAR(st->schedule_type);
+    Py_CLEAR(st->schedule_actions_type);
     Py_CLEAR(st->comm_error);
     Py_CLEAR(st->comm_timeout);
     return 0;

@@ -17,6 +17,7 @@ typedef struct {
     PyTypeObject *gradhook_type;
     PyTypeObject *paramsync_type;
     PyTypeObject *schedule_type;
+    PyTypeObject *schedule_actions_type; /* struct sequence: Schedule.batch's result */
     PyObject *comm_error;      /* mpidp.CommError(RuntimeError) */
     PyObject *comm_timeout;    /* mpidp.CommTimeout(CommError) */
     mpidp_reqtable_t *reqs;    /* every request mpidp has in flight */

@@ -143,7 +143,8 @@ static PyObject *paramsync_send(paramsync_t *s, PyObject *args)
     mpidp_tensor_t t = {.data = s->buf, .numel = s->numel, .dtype = s->wire,
                         .device = MPIDP_DEV_CPU};
     mpidp_allreduce_opts_t opts = {.op = MPIDP_OP_SUM, .wire = -1, .chunk_elems = s->chunk,
-                                   .max_in_flight = 0, .keep_wire = 0, .what = "DASO global sync"};
+                                   .max_in_flight = 0, .keep_wire = 0,
+                                   .drain_timeout_s = mpidp_py_timeout_s, .what = "DASO global sync"};
     mpidp_error_clear();
     int rc = mpidp_allreduce_start(c->comm, &t, &opts, s->st->reqs, &s->x);
     if (rc != MPIDP_OK) return mpidp_py_raise(s->st, rc, "DASO global sync");

@@ -652,23 +652,32 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c)
     return PyLong_FromSize_t(r->n_buckets);
 }
 
-/* Reducer(comm, params, views, bucket_tensors, param_bucket, param_offset,
- *         bucket_info, queue_callback, blocking, name, wire_dtype, device_buckets) */
+/* Reducer(*, comm, params, views, buckets, param_bucket, param_offset,
+ *         bucket_info, queue_callback, blocking, name, wire_dtype=-1, device_buckets=None):
+ * keyword-only, so a caller cannot swap two of the many tuples unnoticed. */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
                              "bucket_info", "queue_callback", "blocking", "name", "wire_dtype",
                              "device_buckets", NULL};
-    PyObject *comm, *params, *views, *buckets, *pb, *po, *binfo, *qcb;
-    int blocking, wire = -1;
-    const char *name;
+    PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pb = NULL, *po = NULL,
+             *binfo = NULL, *qcb = NULL;
+    int blocking = -1, wire = -1;
+    const char *name = NULL;
     PyObject *device_buckets = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!O!O!O!O!Ops|iO:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!OpsiO:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
                                      &PyTuple_Type, &binfo, &qcb, &blocking, &name, &wire,
                                      &device_buckets))
         return NULL;
+    /* The format makes every keyword optional; all but the last two are required. */
+    const void *given[] = {comm, params, views, buckets, pb, po, binfo, qcb,
+                           blocking < 0 ? NULL : &blocking, name};
+    for (size_t k = 0; k < sizeof given / sizeof given[0]; k++)
+        if (given[k] == NULL)
+            return PyErr_Format(PyExc_TypeError, "Reducer: missing keyword argument '%s'",
+                                kwlist[k]);
     if (device_buckets != Py_None &&
         (!PyTuple_Check(device_buckets) || PyTuple_GET_SIZE(device_buckets) != PyTuple_GET_SIZE(buckets)))
         return PyErr_Format(PyExc_ValueError, "Reducer: device_buckets must match buckets");

@@ -50,8 +50,28 @@ static PyObject *schedule_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     return (PyObject *)self;
 }
 
-/* batch(batch, last_batch) -> (complete, complete_group, complete_btw, send,
- *   send_group, send_btw, send_blocking, local_sync, epoch_done) */
+/* The fields of ScheduleActions, in the order of mpidp_schedule_actions_t. */
+static PyStructSequence_Field actions_fields[] = {
+    {"complete", "receive and merge the sync in flight"},
+    {"complete_group", "the parameter group of that sync"},
+    {"complete_btw", "batches it waited"},
+    {"send", "start a global sync"},
+    {"send_group", "the parameter group to send"},
+    {"send_btw", "batches until it is received"},
+    {"send_blocking", "finish the sync just sent at once"},
+    {"local_sync", "node-local gradient sync on for the next batch"},
+    {"epoch_done", "this was the epoch's last batch"},
+    {NULL, NULL},
+};
+
+static PyStructSequence_Desc actions_desc = {
+    .name = "mpidp._C.ScheduleActions",
+    .doc = "What DASO does after one batch (Schedule.batch's result).",
+    .fields = actions_fields,
+    .n_in_sequence = 9,
+};
+
+/* batch(batch, last_batch) -> ScheduleActions */
 static PyObject *schedule_batch(schedule_t *self, PyObject *args)
 {
     long long batch, last;
@@ -60,10 +80,24 @@ static PyObject *schedule_batch(schedule_t *self, PyObject *args)
     mpidp_error_clear();
     int rc = mpidp_schedule_batch(&self->s, batch, last, &a);
     if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.step");
-    return Py_BuildValue("(NLLNLLNNN)", PyBool_FromLong(a.complete), (long long)a.complete_group,
-                         (long long)a.complete_btw, PyBool_FromLong(a.send), (long long)a.send_group,
-                         (long long)a.send_btw, PyBool_FromLong(a.send_blocking),
-                         PyBool_FromLong(a.local_sync), PyBool_FromLong(a.epoch_done));
+    PyObject *out = PyStructSequence_New(self->st->schedule_actions_type);
+    if (out == NULL) return NULL;
+    PyObject *items[] = {
+        PyBool_FromLong(a.complete), PyLong_FromLongLong((long long)a.complete_group),
+        PyLong_FromLongLong((long long)a.complete_btw), PyBool_FromLong(a.send),
+        PyLong_FromLongLong((long long)a.send_group), PyLong_FromLongLong((long long)a.send_btw),
+        PyBool_FromLong(a.send_blocking), PyBool_FromLong(a.local_sync),
+        PyBool_FromLong(a.epoch_done)};
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)(sizeof items / sizeof items[0]); i++) {
+        if (items[i] == NULL) {
+            for (Py_ssize_t j = i + 1; j < (Py_ssize_t)(sizeof items / sizeof items[0]); j++)
+                Py_XDECREF(items[j]);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyStructSequence_SetItem(out, i, items[i]); /* steals the reference */
+    }
+    return out;
 }
 
 static PyObject *schedule_epoch_end(schedule_t *self, PyObject *arg)
@@ -204,5 +238,8 @@ int mpidp_py_schedule_init(PyObject *module, mpidp_py_state *st)
 {
     st->schedule_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &schedule_spec, NULL);
     if (st->schedule_type == NULL) return -1;
+    st->schedule_actions_type = PyStructSequence_NewType(&actions_desc);
+    if (st->schedule_actions_type == NULL || PyModule_AddType(module, st->schedule_actions_type) < 0)
+        return -1;
     return PyModule_AddType(module, st->schedule_type);
 }

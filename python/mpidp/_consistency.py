@@ -18,10 +18,10 @@ details exchanged."""
 from __future__ import annotations
 
 import hashlib
-import os
 
 import torch
 
+from . import _config as config
 from . import _C
 
 
@@ -39,7 +39,7 @@ def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
     """Every rank learns which ranks raised a flag (one small allreduce)."""
     flags = torch.zeros(c_comm.size, dtype=torch.float64)
     flags[c_comm.rank] = 1.0 if flagged else 0.0
-    c_comm.allreduce(flags, 0, -1, False)
+    c_comm.allreduce(flags, _C.OP_SUM, _C.NO_WIRE, False)
     return [r for r in range(c_comm.size) if flags[r] > 0]
 
 
@@ -72,16 +72,7 @@ def check_same_structure(c_comm, mpi_comm, module, who: str) -> None:
 
 def check_every() -> int:
     """Steps between drift checks; 0 when MPIDP_CHECK is off."""
-    if os.environ.get("MPIDP_CHECK", "0") in ("", "0"):
-        return 0
-    raw = os.environ.get("MPIDP_CHECK_EVERY", "100")
-    try:
-        every = int(raw)
-    except ValueError:
-        raise ValueError(f"MPIDP_CHECK_EVERY must be a positive integer, got {raw!r}") from None
-    if every < 1:
-        raise ValueError(f"MPIDP_CHECK_EVERY must be a positive integer, got {raw!r}")
-    return every
+    return config.get("MPIDP_CHECK_EVERY") if config.get("MPIDP_CHECK") else 0
 
 
 def check_in_sync(c_comm, named_params, who: str, when: str) -> None:
@@ -97,7 +88,7 @@ def check_in_sync(c_comm, named_params, who: str, when: str) -> None:
     bad = _ranks_flagged(c_comm, bool(differs.any()))
     if not bad:
         return
-    c_comm.allreduce(differs, 0, -1, False)           # how many ranks differ, per parameter
+    c_comm.allreduce(differs, _C.OP_SUM, _C.NO_WIRE, False)           # how many ranks differ, per parameter
     drifted = [names[i] for i in range(len(names)) if differs[i] > 0]
     listed = ", ".join(repr(n) for n in drifted[:5]) + (" ..." if len(drifted) > 5 else "")
     raise RuntimeError(f"{who}: parameters drifted apart across ranks {when}: {listed} differ "

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-F32, F64, BF16, F16 = 0, 1, 2, 3
+from . import _C
 
-CODE_OF = {torch.float32: F32, torch.float64: F64, torch.bfloat16: BF16, torch.float16: F16}
+CODE_OF = {torch.float32: _C.DTYPE_F32, torch.float64: _C.DTYPE_F64,
+           torch.bfloat16: _C.DTYPE_BF16, torch.float16: _C.DTYPE_F16}
 
 
 def code_of(dtype: torch.dtype, argname: str) -> int:
@@ -18,9 +19,9 @@ def code_of(dtype: torch.dtype, argname: str) -> int:
 
 
 def wire_code(wire_dtype, argname: str = "wire_dtype") -> int:
-    """-1 for None (no compression), else the code of bfloat16/float16/float32."""
+    """_C.NO_WIRE for None (no compression), else the code of bfloat16/float16/float32."""
     if wire_dtype is None:
-        return -1
+        return _C.NO_WIRE
     if wire_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{argname}: expected None, torch.bfloat16, torch.float16 or "
                          f"torch.float32, got {wire_dtype!r}")

@@ -22,6 +22,7 @@ if "mpi4py.MPI" not in sys.modules:
 from mpi4py import MPI  # noqa: E402  initialises MPI (thread level MULTIPLE by default)
 
 from . import _C
+from . import _config as config
 
 __all__ = ["MPI", "resolve_comm", "world", "mpi_library_version"]
 
@@ -58,19 +59,10 @@ _check_same_mpi()
 
 
 def _read_env_settings() -> None:
-    raw = os.environ.get("MPIDP_TIMEOUT")
-    if raw is not None:
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"MPIDP_TIMEOUT must be a number of seconds, got {raw!r}") from None
-        _C.set_timeout(timeout)
-    policy = os.environ.get("MPIDP_ON_TIMEOUT", "abort").strip().lower()
-    if policy not in ("abort", "raise"):
-        raise ValueError(f"MPIDP_ON_TIMEOUT must be 'abort' or 'raise', got {policy!r}")
-    _C.set_abort_on_timeout(policy == "abort")
+    _C.set_timeout(config.get("MPIDP_TIMEOUT"))
+    _C.set_abort_on_timeout(config.get("MPIDP_ON_TIMEOUT") == "abort")
     # Diagnostic switch: 0 stops the gradient hooks from driving MPI progress.
-    _C.set_hook_progress(os.environ.get("MPIDP_HOOK_PROGRESS", "1") != "0")
+    _C.set_hook_progress(config.get("MPIDP_HOOK_PROGRESS"))
 
 
 _read_env_settings()
@@ -88,7 +80,7 @@ def _install_abort_on_uncaught_exception() -> None:
     Otherwise the failing rank blocks in MPI_Finalize (which waits for every
     rank) while the others wait forever in their next collective. Set
     MPIDP_ABORT_ON_EXCEPTION=0 to keep Python's plain behaviour."""
-    if MPI.COMM_WORLD.Get_size() == 1 or os.environ.get("MPIDP_ABORT_ON_EXCEPTION", "1") == "0":
+    if MPI.COMM_WORLD.Get_size() == 1 or not config.get("MPIDP_ABORT_ON_EXCEPTION"):
         return
     previous = sys.excepthook
 

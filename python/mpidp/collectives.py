@@ -12,7 +12,7 @@ __all__ = ["allreduce", "Work"]
 
 Work = _C.Work
 
-_OPS = {"sum": 0, "avg": 1}
+_OPS = {"sum": _C.OP_SUM, "avg": _C.OP_AVG}
 
 
 def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
+from . import _config as config
 from . import _C
 from ._dtypes import CODE_OF
 from ._consistency import check_every, check_in_sync
@@ -187,8 +187,7 @@ class DASO:
         # before packing or merging, pushed back after a merge or a node-local
         # broadcast. MPIDP_DASO_STAGING=1 forces the mirror for CPU parameters
         # too, which is how the tests exercise it on machines without a GPU.
-        staged = any(p.device.type != "cpu" for p in params) or \
-            os.environ.get("MPIDP_DASO_STAGING", "0") == "1"
+        staged = any(p.device.type != "cpu" for p in params) or config.get("MPIDP_DASO_STAGING")
         if staged:
             pin = any(p.is_cuda for p in params)
             self._params = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p)
@@ -279,16 +278,15 @@ class DASO:
             # Ranks of this node that are out of data follow its training
             # ranks, so whichever of them syncs for the node sends current values.
             self._node_broadcast(self._node_active_root)
-        (complete, complete_group, complete_btw, send, send_group, send_btw, send_blocking,
-         local_sync, epoch_done) = self._schedule.batch(self.current_batch, last)
-        if complete:
-            self._complete(complete_group, complete_btw)
-        if send:
-            self._send(send_group)
-        if send_blocking:
-            self._complete(send_group, 0)
-        self._set_local_sync(local_sync)
-        self.current_batch = 0 if epoch_done else self.current_batch + 1
+        act = self._schedule.batch(self.current_batch, last)
+        if act.complete:
+            self._complete(act.complete_group, act.complete_btw)
+        if act.send:
+            self._send(act.send_group)
+        if act.send_blocking:
+            self._complete(act.send_group, 0)
+        self._set_local_sync(act.local_sync)
+        self.current_batch = 0 if act.epoch_done else self.current_batch + 1
 
     # -- uneven inputs (driven by DataParallelMultiGPU.join) ----------------------------
 
@@ -311,7 +309,7 @@ class DASO:
         if active:
             vote[self.rank] = 1.0
             vote[world + self.rank] = float(_check_int("last_batch", self.last_batch, 0))
-        self._world.allreduce(vote, 0, -1, False)
+        self._world.allreduce(vote, _C.OP_SUM, _C.NO_WIRE, False)
         training = [r for r in range(world) if vote[r] > 0]
         if not training:
             return 0, False
@@ -349,7 +347,7 @@ class DASO:
         value = float(loss)
         if not loss_globally_averaged:
             t = torch.tensor([value], dtype=torch.float64)
-            self._world.allreduce(t, 1, -1, False)
+            self._world.allreduce(t, _C.OP_AVG, _C.NO_WIRE, False)
             value = t.item()
         self._schedule.epoch_end(value)
         if check_every():

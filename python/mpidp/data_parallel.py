@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from typing import List, Sequence, Union
 
 import torch
 
+from . import _config as config
 from . import _C
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
@@ -115,7 +115,7 @@ class DataParallel(torch.nn.Module):
                 raise ValueError(f"{name}: expected a positive number of MiB, got {value!r}")
         wire = wire_code(wire_dtype)
         if wire == code_of(torch.float32, "wire_dtype"):
-            wire = -1  # float32 on the wire: no compression
+            wire = _C.NO_WIRE  # float32 on the wire: no compression
         c_comm = resolve_comm(comm)
         super().__init__()
         self.module = module
@@ -161,12 +161,12 @@ class DataParallel(torch.nn.Module):
         # Gradients in device memory are reduced through host buckets: copied
         # over just before a bucket is sent, back once its mean is in.
         # MPIDP_DP_STAGING=1 forces this for CPU tensors too (tests).
-        staged = device.type != "cpu" or os.environ.get("MPIDP_DP_STAGING", "0") == "1"
+        staged = device.type != "cpu" or config.get("MPIDP_DP_STAGING")
         self._param_names = [n for n, _ in named]
         params = tuple(p for _, p in named)
         numel = [p.numel() for p in params]
         dtypes = [code_of(p.dtype, f"module: parameter {n!r}") for n, p in named]
-        if self._wire != -1:
+        if self._wire != _C.NO_WIRE:
             for (name, p), code in zip(named, dtypes):
                 if code not in (code_of(torch.float32, ""), self._wire):
                     raise ValueError(f"wire_dtype: parameter {name!r} is {p.dtype}; gradients can "
@@ -183,10 +183,11 @@ class DataParallel(torch.nn.Module):
                       for p, b, off in zip(params, bucket_of, offset))
         engine = torch.autograd.Variable._execution_engine
         self._params = params
-        self._reducer = _C.Reducer(self._c_comm, params, views, self._buckets, bucket_of, offset,
-                                   infos, engine.queue_callback,
-                                   self.blocking_parameter_updates, "DataParallel", self._wire,
-                                   self._device_buckets)
+        self._reducer = _C.Reducer(
+            comm=self._c_comm, params=params, views=views, buckets=self._buckets,
+            param_bucket=bucket_of, param_offset=offset, bucket_info=infos,
+            queue_callback=engine.queue_callback, blocking=self.blocking_parameter_updates,
+            name="DataParallel", wire_dtype=self._wire, device_buckets=self._device_buckets)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]
 
@@ -335,7 +336,7 @@ class DataParallel(torch.nn.Module):
             self._reducer.set_divisor(self._c_comm.size)
             steps = torch.zeros(self._c_comm.size, dtype=torch.float64)
             steps[self._c_comm.rank] = self._join_steps
-            self._c_comm.allreduce(steps, 0, -1, False)
+            self._c_comm.allreduce(steps, _C.OP_SUM, _C.NO_WIRE, False)
             root = int(torch.argmax(steps))
             broadcast_state(self.module, self._c_comm, root=root)
             if adopt_optimizer_state:
@@ -347,7 +348,7 @@ class DataParallel(torch.nn.Module):
 
     def _ballot(self, active: bool) -> int:
         vote = torch.tensor([1.0 if active else 0.0], dtype=torch.float64)
-        self._c_comm.allreduce(vote, 0, -1, False)
+        self._c_comm.allreduce(vote, _C.OP_SUM, _C.NO_WIRE, False)
         return int(vote.item())
 
     def train(self, mode: bool = True):

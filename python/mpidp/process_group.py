@@ -12,6 +12,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from . import _config as config
 from ._mpi import MPI
 from .topology import node_comm, topology
 
@@ -19,7 +20,7 @@ __all__ = ["init_process_group"]
 
 
 def _store_host(comm: MPI.Intracomm) -> str:
-    explicit = os.environ.get("MPIDP_STORE_ADDR")
+    explicit = config.get("MPIDP_STORE_ADDR")
     if explicit:
         return explicit
     on_one_node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -73,7 +74,7 @@ def init_process_group(comm=None, backend: str | None = None,
     if backend == "nccl":
         local_rank = topology().local_rank
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    timeout = timeout or datetime.timedelta(seconds=float(os.environ.get("MPIDP_TIMEOUT", 1800)))
+    timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
     host = _store_host(group)
     if host == "127.0.0.1":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -7,9 +7,9 @@ machine (tests, benchmarks)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from . import _config as config
 from ._mpi import MPI
 
 __all__ = ["Topology", "topology", "node_comm"]
@@ -27,13 +27,9 @@ _cache: dict = {}
 
 
 def _split(comm: MPI.Intracomm):
-    raw = os.environ.get("MPIDP_RANKS_PER_NODE")
-    if raw is not None:
-        try:
-            k = int(raw)
-        except ValueError:
-            raise ValueError(f"MPIDP_RANKS_PER_NODE must be a positive integer, got {raw!r}") from None
-        if k < 1 or comm.Get_size() % k != 0:
+    k = config.get("MPIDP_RANKS_PER_NODE")
+    if k is not None:
+        if comm.Get_size() % k != 0:
             raise ValueError(f"MPIDP_RANKS_PER_NODE={k} must divide the number of ranks "
                              f"({comm.Get_size()})")
         return comm.Split(comm.Get_rank() // k, comm.Get_rank())
@@ -43,7 +39,7 @@ def _split(comm: MPI.Intracomm):
 def node_comm(comm=None) -> MPI.Intracomm:
     """The mpi4py communicator of this rank's node within `comm` (cached)."""
     comm = MPI.COMM_WORLD if comm is None else comm
-    key = (comm.py2f(), os.environ.get("MPIDP_RANKS_PER_NODE"))
+    key = (comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))
     if key not in _cache:
         local = _split(comm)
         # Node index: the number of distinct nodes whose first rank precedes ours.
@@ -69,4 +65,4 @@ def topology(comm=None) -> Topology:
     """This rank's place in the machine: node, n_nodes, local_rank, local_size."""
     comm = MPI.COMM_WORLD if comm is None else comm
     node_comm(comm)
-    return _cache[(comm.py2f(), os.environ.get("MPIDP_RANKS_PER_NODE"))][1]
+    return _cache[(comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))][1]

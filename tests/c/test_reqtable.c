@@ -1,9 +1,19 @@
-/* The request table: registration, completion, deadlines, descriptions. */
+/* The request table: claiming and registration, completion, deadlines,
+ * descriptions; and the core's posting helper (mpidp/mpi_util.h). */
 #include <mpi.h>
 
+#include "mpidp/mpi_util.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"
 #include "test.h"
+
+/* Registers an already posted request (claim + fill), as tests need. */
+static int track(mpidp_reqtable_t *t, MPI_Request req, const char *what, mpidp_req_t *h)
+{
+    int rc = mpidp_reqtable_claim(t, what, h);
+    if (rc == MPIDP_OK) mpidp_reqtable_fill(t, *h, req, what);
+    return rc;
+}
 
 /* A receive from ourselves that nobody sends: pending until cancelled. */
 static MPI_Request never_completing(int *buf)
@@ -24,7 +34,7 @@ TEST(completed_request_frees_its_slot)
     MPI_Request req;
     MPI_Ibarrier(MPI_COMM_SELF, &req);
     mpidp_req_t h;
-    ASSERT_OK(mpidp_reqtable_add(t, req, "barrier", &h));
+    ASSERT_OK(track(t, req, "barrier", &h));
     ASSERT_EQ_INT(mpidp_reqtable_pending(t), 1);
     ASSERT_OK(mpidp_reqtable_wait(t, h, 5.0));
     ASSERT_EQ_INT(mpidp_reqtable_pending(t), 0);
@@ -42,18 +52,18 @@ TEST(full_table_is_refused_and_slots_are_reused)
     int buf;
     MPI_Request pending = never_completing(&buf);
     mpidp_req_t h1, h2;
-    ASSERT_OK(mpidp_reqtable_add(t, pending, "recv", &h1));
+    ASSERT_OK(track(t, pending, "recv", &h1));
+    /* Full: refused before anything is posted, naming what was not posted. */
+    ASSERT_EQ_INT(mpidp_reqtable_claim(t, "the barrier", &h2), MPIDP_EFULL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "the barrier was not posted") != NULL);
     MPI_Request other;
-    MPI_Ibarrier(MPI_COMM_SELF, &other);
-    ASSERT_EQ_INT(mpidp_reqtable_add(t, other, "barrier", &h2), MPIDP_EFULL);
-    MPI_Wait(&other, MPI_STATUS_IGNORE);
     /* Destroying with a request in flight is refused. */
     ASSERT_EQ_INT(mpidp_reqtable_destroy(t), MPIDP_ESTATE);
     /* Cancel through our own copy of the handle, then let the table see it complete. */
     cancel(pending);
     ASSERT_OK(mpidp_reqtable_wait(t, h1, 5.0));
     MPI_Ibarrier(MPI_COMM_SELF, &other);
-    ASSERT_OK(mpidp_reqtable_add(t, other, "barrier", &h2));
+    ASSERT_OK(track(t, other, "barrier", &h2));
     ASSERT_EQ_INT(h2.slot, h1.slot);
     ASSERT_TRUE(h2.gen != h1.gen);
     ASSERT_OK(mpidp_reqtable_wait_all(t, 5.0));
@@ -67,7 +77,7 @@ TEST(deadline_names_what_is_pending)
     int buf;
     MPI_Request req = never_completing(&buf);
     mpidp_req_t h;
-    ASSERT_OK(mpidp_reqtable_add(t, req, "MPI_Iallreduce of bucket 3", &h));
+    ASSERT_OK(track(t, req, "MPI_Iallreduce of bucket 3", &h));
     double t0 = mpidp_now();
     ASSERT_EQ_INT(mpidp_reqtable_wait(t, h, 0.05), MPIDP_ETIMEDOUT);
     ASSERT_TRUE(mpidp_now() - t0 >= 0.05);
@@ -94,9 +104,58 @@ TEST(bad_arguments)
     int done = 0;
     ASSERT_OK(mpidp_reqtable_test(t, MPIDP_REQ_NONE, &done));
     ASSERT_EQ_INT(done, 1);
-    ASSERT_EQ_INT(mpidp_reqtable_add(t, MPI_REQUEST_NULL, "x", NULL), MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_reqtable_claim(t, "x", NULL), MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_reqtable_claim(NULL, "x", &(mpidp_req_t){0, 0}), MPIDP_EINVAL);
+    /* Filling or releasing a handle that was never claimed changes nothing. */
+    mpidp_reqtable_fill(t, (mpidp_req_t){0, 77}, MPI_REQUEST_NULL, "x");
+    mpidp_reqtable_unclaim(t, (mpidp_req_t){0, 77});
+    ASSERT_EQ_INT(mpidp_reqtable_pending(t), 0);
+    ASSERT_OK(mpidp_reqtable_destroy(t));
+}
+
+TEST(claimed_slots_are_neither_pending_nor_free)
+{
+    mpidp_reqtable_t *t;
+    ASSERT_OK(mpidp_reqtable_create(1, &t));
+    mpidp_req_t h, h2;
+    ASSERT_OK(mpidp_reqtable_claim(t, "a", &h));
+    ASSERT_EQ_INT(mpidp_reqtable_pending(t), 0);       /* nothing posted yet */
+    ASSERT_EQ_INT(mpidp_reqtable_claim(t, "b", &h2), MPIDP_EFULL);
+    ASSERT_EQ_INT(mpidp_reqtable_destroy(t), MPIDP_ESTATE);
+    int done = 0;
+    ASSERT_OK(mpidp_reqtable_test(t, h, &done));      /* no request: reads as done */
+    ASSERT_EQ_INT(done, 1);
+    mpidp_reqtable_unclaim(t, h);
+    ASSERT_OK(mpidp_reqtable_claim(t, "b", &h2));
+    ASSERT_TRUE(h2.gen != h.gen);
+    mpidp_reqtable_unclaim(t, h2);
+    ASSERT_OK(mpidp_reqtable_destroy(t));
+}
+
+TEST(post_done_registers_or_translates_the_failure)
+{
+    mpidp_reqtable_t *t;
+    ASSERT_OK(mpidp_reqtable_create(1, &t));
+    mpidp_req_t slot, h = MPIDP_REQ_NONE;
+    /* A failed post frees its slot and reports MPI's message with the context. */
+    ASSERT_OK(mpidp_reqtable_claim(t, "MPI_Ibcast of 3 float32", &slot));
+    ASSERT_EQ_INT(mpidp__post_done(t, slot, MPI_ERR_COUNT, MPI_REQUEST_NULL,
+                                   "MPI_Ibcast of 3 float32", &h), MPIDP_EMPI);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "MPI_Ibcast of 3 float32: ") != NULL);
+    ASSERT_EQ_INT(h.gen, 0);
+    /* A successful one is tracked and waited for. */
+    ASSERT_OK(mpidp_reqtable_claim(t, "barrier", &slot));
+    MPI_Request req;
+    int rc = MPI_Ibarrier(MPI_COMM_SELF, &req);
+    ASSERT_OK(mpidp__post_done(t, slot, rc, req, "barrier", &h));
+    ASSERT_EQ_INT(h.gen, slot.gen);
+    ASSERT_EQ_INT(mpidp_reqtable_pending(t), 1);
+    ASSERT_OK(mpidp_reqtable_wait(t, h, 5.0));
+    ASSERT_EQ_INT(mpidp__mpi_fail(MPI_ERR_TRUNCATE, "context %d", 7), MPIDP_EMPI);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "context 7: ") != NULL);
     ASSERT_OK(mpidp_reqtable_destroy(t));
 }
 
 TEST_MAIN_MPI(completed_request_frees_its_slot, full_table_is_refused_and_slots_are_reused,
-              deadline_names_what_is_pending, bad_arguments)
+              deadline_names_what_is_pending, bad_arguments, claimed_slots_are_neither_pending_nor_free,
+              post_done_registers_or_translates_the_failure)

@@ -33,15 +33,13 @@ typedef struct {
     size_t chunk_elems;   /* elements per MPI call, 1 .. INT_MAX */
     size_t max_in_flight; /* chunks posted at once; 0: all */
     int keep_wire;        /* 1: leave the summed wire buffer for the caller, do not unpack */
+    double drain_timeout_s; /* when posting a chunk fails (a full request table), the
+                             * chunks already posted are waited for this long before
+                             * start returns the failure (<= 0: no limit) */
     const char *what;     /* for messages, e.g. "mpidp.allreduce" */
 } mpidp_allreduce_opts_t;
 
 typedef struct mpidp_allreduce mpidp_allreduce_t;
-
-/* The MPI datatype and sum op of a core dtype (MPI_DATATYPE_NULL/MPI_OP_NULL
- * when unknown; the half types need mpidp_mpiops_init() first). */
-MPI_Datatype mpidp_mpi_datatype(int dtype);
-MPI_Op mpidp_mpi_sum_op(int dtype);
 
 /* Starts reducing `t` (a CPU tensor that must stay alive and untouched until
  * completion) and posts the first chunks. Fails with MPIDP_EINVAL/MPIDP_EDTYPE

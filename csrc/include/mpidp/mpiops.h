@@ -33,6 +33,13 @@ MPI_Datatype mpidp_mpi_bf16_type(void);
 MPI_Datatype mpidp_mpi_fp16_type(void);
 MPI_Op mpidp_mpi_half_sum_op(void);
 
+/* The MPI datatype and sum op of a core dtype (MPIDP_F32 ...; see
+ * mpidp/tensor.h): MPI_DATATYPE_NULL / MPI_OP_NULL when unknown, and for the
+ * 16-bit types before a successful mpidp_mpiops_init. The one place the core
+ * maps its dtypes to MPI. */
+MPI_Datatype mpidp_mpi_datatype(int dtype);
+MPI_Op mpidp_mpi_sum_op(int dtype);
+
 /* Frees the handles when MPI is still initialized (after MPI_Finalize it only
  * forgets them), so that mpidp_mpiops_init can create them again. Never call it
  * while a reduction using them may still be in flight. Returns MPIDP_OK, or

@@ -37,11 +37,18 @@ int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out);
  * are still pending: wait for them first. */
 int mpidp_reqtable_destroy(mpidp_reqtable_t *t);
 
-/* Registers a posted request. `what` describes it for error messages (copied,
- * truncated to MPIDP_REQ_WHAT_LEN). On MPIDP_EFULL the caller still owns the
- * request and must complete it. */
-int mpidp_reqtable_add(mpidp_reqtable_t *t, MPI_Request req, const char *what,
-                       mpidp_req_t *out);
+/* Registering a request takes two steps around posting it (mpidp/mpi_util.h
+ * has the helper the core posts through), so that a full table is found out
+ * before anything is posted:
+ *   claim:   reserve a slot; MPIDP_EFULL (with a detail naming `what` and the
+ *            table's size) when none is free, and the caller posts nothing;
+ *   fill:    the operation was posted: the slot now tracks `req`, described
+ *            by `what` (copied, truncated to MPIDP_REQ_WHAT_LEN);
+ *   unclaim: posting failed: the slot is free again.
+ * The handle returned by claim names the request once filled. */
+int mpidp_reqtable_claim(mpidp_reqtable_t *t, const char *what, mpidp_req_t *out);
+void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, const char *what);
+void mpidp_reqtable_unclaim(mpidp_reqtable_t *t, mpidp_req_t h);
 
 /* Tests one request without blocking; *done = 1 when it has completed (now or
  * earlier). An MPI error completes the request and returns MPIDP_EMPI. */
@@ -68,8 +75,5 @@ void mpidp_reqtable_describe(mpidp_reqtable_t *t, char *buf, size_t len);
 
 /* Monotonic seconds, for deadlines. */
 double mpidp_now(void);
-
-/* The message of an MPI error code, for details ("MPI_ERR_TRUNCATE: ..."). */
-const char *mpidp__mpi_errstr(int code, char *buf, size_t len);
 
 #endif /* MPIDP_REQTABLE_H */

@@ -1,0 +1,36 @@
+/* How the core talks to MPI: one way to post a non-blocking operation and one
+ * way to report an MPI failure (core-private; the glue uses it for the few MPI
+ * calls it makes itself).
+ *
+ * Posting is two-phase so that no request is ever posted without a slot to
+ * track it (which would leave only an unbounded MPI_Wait to finish it):
+ *
+ *     mpidp_req_t slot;
+ *     int rc = mpidp_reqtable_claim(reqs, what, &slot);    // MPIDP_EFULL: nothing posted
+ *     if (rc != MPIDP_OK) return rc;
+ *     MPI_Request req;
+ *     int mrc = MPI_Iallreduce(..., &req);
+ *     return mpidp__post_done(reqs, slot, mrc, req, what, &handle);
+ *
+ * The handle then goes to mpidp_reqtable_test / _wait (deadline-bounded). */
+#ifndef MPIDP_MPI_UTIL_H
+#define MPIDP_MPI_UTIL_H
+
+#include <mpi.h>
+
+#include "mpidp/reqtable.h"
+
+/* Records "<formatted context>: <MPI's error string>" and returns MPIDP_EMPI. */
+int mpidp__mpi_fail(int mpi_rc, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Finishes a post: with mpi_rc == MPI_SUCCESS, registers `req` in the claimed
+ * slot and stores its handle in *out; otherwise releases the slot and returns
+ * MPIDP_EMPI with "<what>: <MPI's error string>". */
+int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_Request req,
+                     const char *what, mpidp_req_t *out);
+
+#endif /* MPIDP_MPI_UTIL_H */

@@ -1,0 +1,69 @@
+"""mpidp._config: every MPIDP_* variable is declared once, checked the same way
+everywhere, and listed in the README's settings table."""
+
+import re
+
+import pytest
+
+from mpi_jobs import ROOT
+from mpidp import _config as config
+
+pytestmark = pytest.mark.serial
+
+
+def test_defaults_when_unset(monkeypatch):
+    for name in config.SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert config.get("MPIDP_TIMEOUT") == 1800.0
+    assert config.get("MPIDP_ON_TIMEOUT") == "abort"
+    assert config.get("MPIDP_RANKS_PER_NODE") is None
+    assert config.get("MPIDP_CHECK") is False and config.get("MPIDP_CHECK_EVERY") == 100
+    monkeypatch.setenv("MPIDP_TIMEOUT", "")            # empty counts as unset
+    assert config.get("MPIDP_TIMEOUT") == 1800.0
+
+
+def test_values_are_parsed(monkeypatch):
+    monkeypatch.setenv("MPIDP_TIMEOUT", "2.5")
+    monkeypatch.setenv("MPIDP_ON_TIMEOUT", " Raise ")
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "4")
+    monkeypatch.setenv("MPIDP_DP_STAGING", "1")
+    assert config.get("MPIDP_TIMEOUT") == 2.5
+    assert config.get("MPIDP_ON_TIMEOUT") == "raise"
+    assert config.get("MPIDP_RANKS_PER_NODE") == 4
+    assert config.get("MPIDP_DP_STAGING") is True
+
+
+@pytest.mark.parametrize("name, raw, words", [
+    ("MPIDP_TIMEOUT", "soon", "MPIDP_TIMEOUT must be a positive number of seconds, got 'soon'"),
+    ("MPIDP_TIMEOUT", "0", "positive number of seconds"),
+    ("MPIDP_ON_TIMEOUT", "retry", "MPIDP_ON_TIMEOUT must be 'abort' or 'raise'"),
+    ("MPIDP_RANKS_PER_NODE", "0", "MPIDP_RANKS_PER_NODE must be a positive integer"),
+    ("MPIDP_RANKS_PER_NODE", "two", "positive integer, got 'two'"),
+    ("MPIDP_CHECK", "yes", "MPIDP_CHECK must be 0 or 1"),
+    ("MPIDP_HOOK_PROGRESS", "2", "MPIDP_HOOK_PROGRESS must be 0 or 1"),
+])
+def test_bad_values_name_the_variable(monkeypatch, name, raw, words):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        config.get(name)
+
+
+def test_the_extensions_own_setting_is_not_read_here():
+    with pytest.raises(KeyError, match="C extension"):
+        config.get("MPIDP_SIMD")
+
+
+def test_readme_lists_every_setting():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Settings"):readme.index("## Layout")]
+    for name in list(config.SETTINGS) + list(config.BUILD_AND_TEST):
+        assert f"`{name}`" in table, f"{name} is missing from the README's settings table"
+
+
+def test_the_package_reads_mpidp_variables_only_through_config():
+    for path in (ROOT / "python" / "mpidp").glob("*.py"):
+        if path.name == "_config.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not re.search(r"environ[^\n]*[\"']MPIDP_", line), (
+                f"{path.name}:{n} reads an MPIDP_ variable directly; use _config.get()")
