@@ -136,6 +136,31 @@ def test_paramsync_merge_matches_the_formula(wire):
         assert torch.allclose(ref[k].double(), expect, atol=tol), (wire, k)
 
 
+def test_paramsync_outer_gradient_and_restore():
+    """grad_into gives the averaged outer gradient ref - mean(p) (what SlowMo
+    and DiLoCo step with), restore goes back to the shared reference, and the
+    sum of one sync is read once."""
+    from mpidp._dtypes import CODE_OF
+    ref = [torch.randn(7, 5, generator=seeded(1)), torch.randn(1000, generator=seeded(2))]
+    params = [r.clone() for r in ref]
+    sync = mpidp._C.ParamSync(mpidp._mpi.world(), tuple(params), CODE_OF[torch.float32], 64)
+    for k, p in enumerate(params):
+        p.add_(0.01 * (RANK + 1) * (k + 1))
+    sync.send()
+    grads = tuple(torch.full_like(p, float("nan")) for p in params)   # never read
+    sync.grad_into(grads, -1.0 / SIZE)
+    for k, g in enumerate(grads):
+        expect = -0.01 * (k + 1) * (SIZE + 1) / 2                     # ref - mean over ranks
+        assert torch.allclose(g, torch.full_like(g, expect), atol=1e-6), (k, g.flatten()[:3])
+    with pytest.raises(RuntimeError, match="no received sync"):
+        sync.merge_average(SIZE, 0)
+    sync.restore()
+    for p, r in zip(params, ref):
+        assert torch.equal(p, r)
+    with pytest.raises(ValueError, match="grads: expected 2 tensors"):
+        sync.grad_into(grads[:1], 1.0)
+
+
 # --- training ---------------------------------------------------------------------
 
 

@@ -1,32 +1,15 @@
-/* mpidp._C.ParamSync: DASO's global parameter average across nodes.
- *
- * Holds borrowed pointers to the model's trainable float32 parameters (CPU),
- * a reference copy `ref` of them that every rank shares (the parameters after
- * the last blocking sync), and a wire buffer. A sync:
- *   send()         packs every parameter's difference from the reference,
- *                  p - ref, into the wire buffer in one fused pass per tensor
- *                  (cast to bf16/fp16, or kept fp32), then posts the chunked
- *                  allreduce (native half sum op) with every chunk in flight;
- *   test()/wait()  progress / complete it;
- *   merge(a, b, c) p = a*p + b*sum_of_differences + c*ref, one fused pass per
- *                  tensor straight from the wire buffer.
- * Differences are small next to the parameters, so bf16 on the wire costs far
- * less accuracy than sending the parameters themselves; the merge is Heat's
- * staleness-weighted average rewritten on differences: with n senders and
- * weight w, (w*p + sum(ref + d_i)) / (n + w) = a*p + b*sum(d_i) + c*ref with
- * a = w/(n+w), b = 1/(n+w), c = n/(n+w).
- * flatten()/unflatten() copy the parameters to/from one flat tensor for the
- * node-local broadcast that follows a merge. */
+/* mpidp._C.ParamSync: the glue of the parameter-sync engine (core/paramsync.c,
+ * mpidp/paramsync.h), which DASO's global average uses. It borrows the
+ * parameters (CPU float32 tensors) for the engine's lifetime, forwards each
+ * call, releases the GIL over whole-model passes and turns statuses into
+ * exceptions; the engine owns the reference copy, the wire buffer and the
+ * state of the sync in flight. */
 #include "module.h"
 
 #include <stdlib.h>
-#include <string.h>
 
-#include "mpidp/allreduce.h"
-#include "mpidp/pack.h"
+#include "mpidp/paramsync.h"
 #include "mpidp/status.h"
-
-enum { SYNC_IDLE = 0, SYNC_POSTED = 1 };
 
 typedef struct {
     PyObject_HEAD
@@ -36,19 +19,43 @@ typedef struct {
     PyObject *params;            /* tuple of the parameters, kept alive */
     mpidp_py_borrowed_t *p;      /* their DLPack views */
     size_t n_params;
-    size_t *offset;              /* element offset of each parameter in the flat layout */
-    size_t numel;                /* total elements */
-    float *ref;                  /* numel */
-    void *buf;                   /* numel wire elements */
-    int wire;                    /* MPIDP_F32, MPIDP_BF16 or MPIDP_F16 */
-    size_t chunk;
-    mpidp_allreduce_t *x;
-    int state;
+    mpidp_paramsync_t *core;
 } paramsync_t;
 
 /* Large passes release the GIL; each is one sweep over the parameters. */
-#define PASS_BEGIN(s) PyThreadState *_ts = (s)->numel >= (1u << 16) ? PyEval_SaveThread() : NULL
-#define PASS_END() if (_ts) PyEval_RestoreThread(_ts)
+#define PASS(s, rc, call)                                                       \
+    do {                                                                        \
+        int big_ = mpidp_paramsync_numel((s)->core) >= (1u << 16);              \
+        PyThreadState *ts_ = big_ ? PyEval_SaveThread() : NULL;                 \
+        mpidp_error_clear();                                                    \
+        (rc) = (call);                                                          \
+        if (ts_) PyEval_RestoreThread(ts_);                                     \
+    } while (0)
+
+static PyObject *fail(paramsync_t *s, int rc) { return mpidp_py_raise(s->st, rc, "DASO global sync"); }
+
+/* Borrows a tuple of float32 CPU tensors (named `what[i]` in errors). */
+static int borrow_all(mpidp_py_state *st, PyObject *tuple, const char *what,
+                      mpidp_py_borrowed_t *out, float **data, size_t *numel)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        char name[48];
+        PyOS_snprintf(name, sizeof name, "%s[%zd]", what, i);
+        if (mpidp_py_borrow(st, PyTuple_GET_ITEM(tuple, i),
+                            MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, name, &out[i]) < 0)
+            return -1;
+        if (out[i].t.dtype != MPIDP_F32) {
+            PyErr_Format(PyExc_TypeError, "%s: DASO syncs float32 parameters, got %s", name,
+                         mpidp_dtype_name(out[i].t.dtype));
+            mpidp_py_release(&out[i]);
+            for (Py_ssize_t j = 0; j < i; j++) mpidp_py_release(&out[j]);
+            return -1;
+        }
+        data[i] = out[i].t.data;
+        if (numel) numel[i] = out[i].t.numel;
+    }
+    return 0;
+}
 
 static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -60,150 +67,158 @@ static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwd
                                      &params, &wire, &chunk))
         return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(type);
-    if (st == NULL || mpidp_py_as_comm(st, comm, "comm") == NULL) return NULL;
+    if (st == NULL) return NULL;
+    mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
+    if (c == NULL) return NULL;
     if (wire != MPIDP_F32 && wire != MPIDP_BF16 && wire != MPIDP_F16)
         return PyErr_Format(PyExc_ValueError, "wire_dtype: expected float32, bfloat16 or float16");
     if (chunk < 1 || chunk > 0x7fffffff)
         return PyErr_Format(PyExc_ValueError, "chunk_elems: expected 1 .. 2^31-1, got %zd", chunk);
+    size_t np = (size_t)PyTuple_GET_SIZE(params);
     paramsync_t *s = (paramsync_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
     s->st = st;
     s->module = Py_NewRef(PyType_GetModule(type));
     s->comm = Py_NewRef(comm);
     s->params = Py_NewRef(params);
-    s->wire = wire;
-    s->chunk = (size_t)chunk;
-    s->n_params = (size_t)PyTuple_GET_SIZE(params);
-    s->p = calloc(s->n_params ? s->n_params : 1, sizeof *s->p);
-    s->offset = calloc(s->n_params ? s->n_params : 1, sizeof *s->offset);
-    if (s->p == NULL || s->offset == NULL) {
+    float **data = calloc(np ? np : 1, sizeof *data);
+    size_t *numel = calloc(np ? np : 1, sizeof *numel);
+    s->p = calloc(np ? np : 1, sizeof *s->p);
+    if (data == NULL || numel == NULL || s->p == NULL) {
+        free(data);
+        free(numel);
         Py_DECREF(s);
         return PyErr_NoMemory();
     }
-    for (size_t i = 0; i < s->n_params; i++) {
-        char name[48];
-        PyOS_snprintf(name, sizeof name, "params[%zu]", i);
-        if (mpidp_py_borrow(st, PyTuple_GET_ITEM(params, i),
-                            MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, name, &s->p[i]) < 0) {
-            Py_DECREF(s);
-            return NULL;
-        }
-        if (s->p[i].t.dtype != MPIDP_F32) {
-            PyErr_Format(PyExc_TypeError, "%s: DASO syncs float32 parameters, got %s", name,
-                         mpidp_dtype_name(s->p[i].t.dtype));
-            Py_DECREF(s);
-            return NULL;
-        }
-        s->offset[i] = s->numel;
-        s->numel += s->p[i].t.numel;
+    int rc = -1;
+    if (borrow_all(st, params, "params", s->p, data, numel) == 0) {
+        s->n_params = np;
+        mpidp_paramsync_config_t cfg = {
+            .comm = c->comm, .reqs = st->reqs, .n_params = np, .params = data, .numel = numel,
+            .wire = wire, .chunk_elems = (size_t)chunk, .drain_timeout_s = mpidp_py_timeout_s,
+            .what = "DASO global sync"};
+        mpidp_error_clear();
+        rc = mpidp_paramsync_create(&cfg, &s->core);
+        if (rc != MPIDP_OK) mpidp_py_raise(st, rc, "ParamSync");
     }
-    s->ref = malloc((s->numel ? s->numel : 1) * sizeof(float));
-    s->buf = malloc((s->numel ? s->numel : 1) * mpidp_dtype_size(wire));
-    if (s->ref == NULL || s->buf == NULL) {
+    free(data);
+    free(numel);
+    if (rc != MPIDP_OK) {
         Py_DECREF(s);
-        return PyErr_NoMemory();
+        return NULL;
     }
-    for (size_t i = 0; i < s->n_params; i++)
-        memcpy(s->ref + s->offset[i], s->p[i].t.data, s->p[i].t.numel * sizeof(float));
     return (PyObject *)s;
 }
 
-/* set_reference(): ref = the parameters now (after a blocking sync, when every
- * rank holds the same values). */
 static PyObject *paramsync_set_reference(paramsync_t *s, PyObject *unused)
 {
     (void)unused;
-    PASS_BEGIN(s);
-    for (size_t i = 0; i < s->n_params; i++)
-        memcpy(s->ref + s->offset[i], s->p[i].t.data, s->p[i].t.numel * sizeof(float));
-    PASS_END();
-    Py_RETURN_NONE;
+    int rc;
+    PASS(s, rc, mpidp_paramsync_set_reference(s->core));
+    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
 }
 
 /* send(zero=False): with zero, contribute nothing (a node whose ranks have
  * all run out of data during join(): it answers the collective with zeros). */
 static PyObject *paramsync_send(paramsync_t *s, PyObject *args)
 {
-    int zero = 0;
+    int zero = 0, rc;
     if (!PyArg_ParseTuple(args, "|p:send", &zero)) return NULL;
-    if (s->state != SYNC_IDLE)
-        return PyErr_Format(PyExc_RuntimeError, "ParamSync.send: a sync is already in flight");
-    const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
-    PASS_BEGIN(s);
-    if (zero) memset(s->buf, 0, s->numel * mpidp_dtype_size(s->wire));
-    for (size_t i = 0; i < s->n_params && !zero; i++) {
-        const float *p = s->p[i].t.data, *r = s->ref + s->offset[i];
-        size_t n = s->p[i].t.numel, off = s->offset[i];
-        if (s->wire == MPIDP_BF16) k->pack_bf16((uint16_t *)s->buf + off, p, r, 1.0f, n);
-        else if (s->wire == MPIDP_F16) k->pack_fp16((uint16_t *)s->buf + off, p, r, 1.0f, n);
-        else k->merge_f32((float *)s->buf + off, p, r, 0.0f, 1.0f, -1.0f, n);
-    }
-    PASS_END();
-    mpidp_py_comm_t *c = (mpidp_py_comm_t *)s->comm;
-    mpidp_tensor_t t = {.data = s->buf, .numel = s->numel, .dtype = s->wire,
-                        .device = MPIDP_DEV_CPU};
-    mpidp_allreduce_opts_t opts = {.op = MPIDP_OP_SUM, .wire = -1, .chunk_elems = s->chunk,
-                                   .max_in_flight = 0, .keep_wire = 0,
-                                   .drain_timeout_s = mpidp_py_timeout_s, .what = "DASO global sync"};
-    mpidp_error_clear();
-    int rc = mpidp_allreduce_start(c->comm, &t, &opts, s->st->reqs, &s->x);
-    if (rc != MPIDP_OK) return mpidp_py_raise(s->st, rc, "DASO global sync");
-    s->state = SYNC_POSTED;
-    Py_RETURN_NONE;
+    PASS(s, rc, mpidp_paramsync_send(s->core, zero));
+    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
 }
 
 static PyObject *paramsync_test(paramsync_t *s, PyObject *unused)
 {
     (void)unused;
-    if (s->state != SYNC_POSTED) Py_RETURN_TRUE;
     int done = 0;
     mpidp_error_clear();
-    int rc = mpidp_allreduce_test(s->x, &done);
-    if (rc != MPIDP_OK) return mpidp_py_raise(s->st, rc, "DASO global sync");
-    return PyBool_FromLong(done);
+    int rc = mpidp_paramsync_test(s->core, &done);
+    return rc == MPIDP_OK ? PyBool_FromLong(done) : fail(s, rc);
 }
 
-static int wait_posted(paramsync_t *s)
+static int wait_sync(paramsync_t *s)
 {
-    if (s->state != SYNC_POSTED) return 0;
     int rc;
     mpidp_error_clear();
-    MPIDP_PY_WAIT(s->st, rc, mpidp_allreduce_wait(s->x, mpidp_py_timeout_s));
-    if (rc != MPIDP_OK) {
-        mpidp_py_raise(s->st, rc, "DASO global sync");
-        return -1;
-    }
-    mpidp_allreduce_free(s->x);
-    s->x = NULL;
-    s->state = SYNC_IDLE;
-    return 0;
+    MPIDP_PY_WAIT(s->st, rc, mpidp_paramsync_wait(s->core, mpidp_py_timeout_s));
+    if (rc != MPIDP_OK) fail(s, rc);
+    return rc == MPIDP_OK ? 0 : -1;
 }
 
 static PyObject *paramsync_wait(paramsync_t *s, PyObject *unused)
 {
     (void)unused;
-    if (wait_posted(s) < 0) return NULL;
-    Py_RETURN_NONE;
+    return wait_sync(s) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* merge(a, b, c): completes the sync, then p = a*p + b*sum + c*ref. */
 static PyObject *paramsync_merge(paramsync_t *s, PyObject *args)
 {
     float a, b, c;
+    int rc;
     if (!PyArg_ParseTuple(args, "fff:merge", &a, &b, &c)) return NULL;
-    if (wait_posted(s) < 0) return NULL;
-    const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
-    PASS_BEGIN(s);
-    for (size_t i = 0; i < s->n_params; i++) {
-        float *p = s->p[i].t.data;
-        const float *r = s->ref + s->offset[i];
-        size_t n = s->p[i].t.numel, off = s->offset[i];
-        if (s->wire == MPIDP_BF16) k->unpack_bf16(p, (uint16_t *)s->buf + off, r, a, b, c, n);
-        else if (s->wire == MPIDP_F16) k->unpack_fp16(p, (uint16_t *)s->buf + off, r, a, b, c, n);
-        else k->merge_f32(p, (float *)s->buf + off, r, a, b, c, n);
+    if (wait_sync(s) < 0) return NULL;
+    PASS(s, rc, mpidp_paramsync_merge(s->core, a, b, c));
+    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+}
+
+/* merge_average(n_senders, batches_waited): completes the sync, then merges
+ * with Heat's staleness weights (mpidp_paramsync_merge_weights). */
+static PyObject *paramsync_merge_average(paramsync_t *s, PyObject *args)
+{
+    int n;
+    long long btw;
+    float a, b, c;
+    if (!PyArg_ParseTuple(args, "iL:merge_average", &n, &btw)) return NULL;
+    mpidp_error_clear();
+    int rc = mpidp_paramsync_merge_weights(n, btw, &a, &b, &c);
+    if (rc != MPIDP_OK) return fail(s, rc);
+    if (wait_sync(s) < 0) return NULL;
+    PASS(s, rc, mpidp_paramsync_merge(s->core, a, b, c));
+    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+}
+
+/* grad_into(grads, scale): completes the sync, then grads[i] = scale * sum. */
+static PyObject *paramsync_grad_into(paramsync_t *s, PyObject *args)
+{
+    PyObject *grads;
+    float scale;
+    if (!PyArg_ParseTuple(args, "O!f:grad_into", &PyTuple_Type, &grads, &scale)) return NULL;
+    if ((size_t)PyTuple_GET_SIZE(grads) != s->n_params)
+        return PyErr_Format(PyExc_ValueError, "grads: expected %zu tensors, got %zd", s->n_params,
+                            PyTuple_GET_SIZE(grads));
+    size_t np = s->n_params ? s->n_params : 1;
+    mpidp_py_borrowed_t *g = calloc(np, sizeof *g);
+    float **data = calloc(np, sizeof *data);
+    if (g == NULL || data == NULL) {
+        free(g);
+        free(data);
+        return PyErr_NoMemory();
     }
-    PASS_END();
-    Py_RETURN_NONE;
+    int borrowed = borrow_all(s->st, grads, "grads", g, data, NULL) == 0;
+    int rc = MPIDP_OK, ok = borrowed;
+    for (size_t i = 0; ok && i < s->n_params; i++)
+        if (g[i].t.numel != s->p[i].t.numel) {
+            PyErr_Format(PyExc_ValueError, "grads[%zu]: expected %zu elements, got %zu", i,
+                         s->p[i].t.numel, g[i].t.numel);
+            ok = 0;
+        }
+    if (ok && wait_sync(s) < 0) ok = 0;
+    if (ok) PASS(s, rc, mpidp_paramsync_grad_into(s->core, data, scale));
+    for (size_t i = 0; borrowed && i < s->n_params; i++) mpidp_py_release(&g[i]);
+    free(g);
+    free(data);
+    if (!ok) return NULL;
+    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+}
+
+static PyObject *paramsync_restore(paramsync_t *s, PyObject *unused)
+{
+    (void)unused;
+    int rc;
+    PASS(s, rc, mpidp_paramsync_restore(s->core));
+    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
 }
 
 /* flatten(flat): flat[offset_i ...] = p_i; unflatten(flat): the reverse. */
@@ -213,20 +228,15 @@ static PyObject *copy_flat(paramsync_t *s, PyObject *flat_obj, int into_flat)
     if (mpidp_py_borrow(s->st, flat_obj, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "flat",
                         &flat) < 0)
         return NULL;
-    if (flat.t.dtype != MPIDP_F32 || flat.t.numel != s->numel) {
+    size_t numel = mpidp_paramsync_numel(s->core);
+    if (flat.t.dtype != MPIDP_F32 || flat.t.numel != numel) {
         mpidp_py_release(&flat);
-        return PyErr_Format(PyExc_ValueError, "flat: expected %zu float32 elements", s->numel);
+        return PyErr_Format(PyExc_ValueError, "flat: expected %zu float32 elements", numel);
     }
-    PASS_BEGIN(s);
-    for (size_t i = 0; i < s->n_params; i++) {
-        float *f = (float *)flat.t.data + s->offset[i];
-        size_t bytes = s->p[i].t.numel * sizeof(float);
-        if (into_flat) memcpy(f, s->p[i].t.data, bytes);
-        else memcpy(s->p[i].t.data, f, bytes);
-    }
-    PASS_END();
+    int rc;
+    PASS(s, rc, mpidp_paramsync_copy_flat(s->core, flat.t.data, into_flat));
     mpidp_py_release(&flat);
-    Py_RETURN_NONE;
+    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
 }
 
 static PyObject *paramsync_flatten(paramsync_t *s, PyObject *flat) { return copy_flat(s, flat, 1); }
@@ -249,13 +259,9 @@ static PyObject *paramsync_pointers(paramsync_t *s, PyObject *unused)
     return out;
 }
 
-static PyObject *paramsync_get_numel(paramsync_t *s, void *c) { (void)c; return PyLong_FromSize_t(s->numel); }
-static PyObject *paramsync_get_pending(paramsync_t *s, void *c) { (void)c; return PyBool_FromLong(s->state == SYNC_POSTED); }
-static PyObject *paramsync_get_wire_bytes(paramsync_t *s, void *c)
-{
-    (void)c;
-    return PyLong_FromSize_t(s->numel * mpidp_dtype_size(s->wire));
-}
+static PyObject *paramsync_get_numel(paramsync_t *s, void *c) { (void)c; return PyLong_FromSize_t(mpidp_paramsync_numel(s->core)); }
+static PyObject *paramsync_get_pending(paramsync_t *s, void *c) { (void)c; return PyBool_FromLong(mpidp_paramsync_pending(s->core)); }
+static PyObject *paramsync_get_wire_bytes(paramsync_t *s, void *c) { (void)c; return PyLong_FromSize_t(mpidp_paramsync_wire_bytes(s->core)); }
 
 static int paramsync_traverse(paramsync_t *s, visitproc visit, void *arg)
 {
@@ -269,18 +275,15 @@ static void paramsync_dealloc(paramsync_t *s)
     PyTypeObject *tp = Py_TYPE(s);
     PyObject_GC_UnTrack(s);
     int leak = 0;
-    if (s->state == SYNC_POSTED) {
+    if (s->core && mpidp_paramsync_pending(s->core)) {
         int finalized = 1;
         MPI_Finalized(&finalized);
-        if (finalized || mpidp_allreduce_wait(s->x, mpidp_py_timeout_s) != MPIDP_OK ||
-            mpidp_allreduce_free(s->x) != MPIDP_OK)
-            leak = 1; /* MPI may still write into buf: never free it */
+        leak = finalized || mpidp_paramsync_wait(s->core, mpidp_py_timeout_s) != MPIDP_OK;
     }
+    /* A sync still in flight writes into the engine's buffers: never free them. */
+    if (!leak) mpidp_paramsync_free(s->core);
     for (size_t i = 0; s->p && i < s->n_params; i++) mpidp_py_release(&s->p[i]);
     free(s->p);
-    free(s->offset);
-    free(s->ref);
-    if (!leak) free(s->buf);
     Py_CLEAR(s->params);
     Py_CLEAR(s->comm);
     Py_CLEAR(s->module);
@@ -297,6 +300,11 @@ static PyMethodDef paramsync_methods[] = {
     {"wait", (PyCFunction)paramsync_wait, METH_NOARGS, "Complete the sync in flight."},
     {"merge", (PyCFunction)paramsync_merge, METH_VARARGS,
      "merge(a, b, c): complete, then p = a*p + b*sum_of_differences + c*ref."},
+    {"merge_average", (PyCFunction)paramsync_merge_average, METH_VARARGS,
+     "merge_average(n_senders, batches_waited): complete, then merge with Heat's staleness weights."},
+    {"grad_into", (PyCFunction)paramsync_grad_into, METH_VARARGS,
+     "grad_into(grads, scale): complete, then grads[i] = scale * sum_of_differences."},
+    {"restore", (PyCFunction)paramsync_restore, METH_NOARGS, "p = ref."},
     {"flatten", (PyCFunction)paramsync_flatten, METH_O, "Copy the parameters into a flat tensor."},
     {"unflatten", (PyCFunction)paramsync_unflatten, METH_O, "Copy a flat tensor into the parameters."},
     {"pointers", (PyCFunction)paramsync_pointers, METH_NOARGS, "The borrowed data pointers."},

@@ -466,9 +466,8 @@ class DASO:
         weighting: the members' current parameters count 2*btw times, a plain
         average when btw is 0), then give the whole node the merged values."""
         if self._sync is not None and self.local_rank == group:
-            n, w = float(self._pending_senders), 2.0 * btw
             self._pull()   # the local steps since the send moved the parameters
-            self._sync.merge(w / (n + w), 1.0 / (n + w), n / (n + w))
+            self._sync.merge_average(self._pending_senders, btw)
             self._push()
         if self.loc_size > 1:
             self._node_broadcast(group)
