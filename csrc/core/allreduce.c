@@ -84,13 +84,7 @@ static int post_chunk(mpidp_allreduce_t *x, size_t k)
     char what[MPIDP_REQ_WHAT_LEN + 64];
     snprintf(what, sizeof what, "%s: MPI_Iallreduce of %zu %s (chunk %zu/%zu)", x->what, n,
              mpidp_dtype_name(dtype), k + 1, x->n_chunks);
-    mpidp_req_t slot;
-    int rc = mpidp_reqtable_claim(x->reqs, what, &slot);
-    if (rc != MPIDP_OK) return rc;
-    MPI_Request req;
-    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, mpidp_mpi_datatype(dtype),
-                        mpidp_mpi_sum_op(dtype), x->comm, &req);
-    return mpidp__post_done(x->reqs, slot, rc, req, what, &x->req[k % x->slots]);
+    return mpidp__post_iallreduce(x->comm, x->reqs, buf, n, dtype, what, &x->req[k % x->slots]);
 }
 
 static void finish_chunk(mpidp_allreduce_t *x, size_t k)

@@ -1,9 +1,11 @@
 /* MPI posting and failure reporting (see mpidp/mpi_util.h). */
 #include "mpidp/mpi_util.h"
 
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 
+#include "mpidp/mpiops.h"
 #include "mpidp/status.h"
 
 /* The message of an MPI error code ("MPI_ERR_TRUNCATE: ..."). */
@@ -36,4 +38,18 @@ int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_R
     mpidp_reqtable_fill(reqs, slot, req, what);
     if (out) *out = slot;
     return MPIDP_OK;
+}
+
+int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, size_t count,
+                           int dtype, const char *what, mpidp_req_t *out)
+{
+    if (count > (size_t)INT_MAX)
+        return mpidp__fail(MPIDP_EINVAL, "%s: %zu elements exceed one MPI call's count", what, count);
+    mpidp_req_t slot;
+    int rc = mpidp_reqtable_claim(reqs, what, &slot);
+    if (rc != MPIDP_OK) return rc;
+    MPI_Request req;
+    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(dtype),
+                        mpidp_mpi_sum_op(dtype), comm, &req);
+    return mpidp__post_done(reqs, slot, rc, req, what, out);
 }

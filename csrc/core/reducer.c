@@ -297,13 +297,7 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
     char what[MPIDP_REQ_WHAT_LEN + 64]; /* the table keeps MPIDP_REQ_WHAT_LEN of it */
     snprintf(what, sizeof what, "%s: MPI_Iallreduce of gradient bucket %zu/%zu (%zu %s)", r->name,
              b + 1, r->n_buckets, bk->info.numel, mpidp_dtype_name(wire_dtype));
-    mpidp_req_t slot;
-    int rc = mpidp_reqtable_claim(r->reqs, what, &slot);
-    if (rc != MPIDP_OK) return rc;
-    MPI_Request req;
-    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(wire_dtype),
-                        mpidp_mpi_sum_op(wire_dtype), r->comm, &req);
-    rc = mpidp__post_done(r->reqs, slot, rc, req, what, &bk->req);
+    int rc = mpidp__post_iallreduce(r->comm, r->reqs, buf, count, wire_dtype, what, &bk->req);
     if (rc != MPIDP_OK) return rc;
     bk->state = MPIDP_BUCKET_POSTED;
     return MPIDP_OK;
