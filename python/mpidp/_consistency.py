@@ -88,7 +88,8 @@ def check_in_sync(c_comm, named_params, who: str, when: str) -> None:
     bad = _ranks_flagged(c_comm, bool(differs.any()))
     if not bad:
         return
-    c_comm.allreduce(differs, _C.OP_SUM, _C.NO_WIRE, False)           # how many ranks differ, per parameter
+    # How many ranks differ, per parameter.
+    c_comm.allreduce(differs, _C.OP_SUM, _C.NO_WIRE, False)
     drifted = [names[i] for i in range(len(names)) if differs[i] > 0]
     listed = ", ".join(repr(n) for n in drifted[:5]) + (" ..." if len(drifted) > 5 else "")
     raise RuntimeError(f"{who}: parameters drifted apart across ranks {when}: {listed} differ "
