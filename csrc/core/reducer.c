@@ -19,6 +19,8 @@ typedef struct {
     void *comm;            /* what MPI reduces when not the data itself: the data + flags
                             * packed to the wire dtype, or (separate mode) copied */
     size_t pending;        /* parameters not yet marked in this pass */
+    int staged_in;         /* staged mode: the caller copied this pass's gradients in */
+    int home;              /* staged mode: the result was copied back */
     mpidp_bucket_state_t state;
     mpidp_req_t req;
 } bucket_t;
@@ -40,9 +42,7 @@ struct mpidp_reducer {
     size_t next_to_post;   /* buckets below this index are posted (or done) */
     int wire;              /* MPIDP_BF16/MPIDP_F16: float32 buckets travel compressed; -1 */
     int separate;          /* results stay in bk->comm until delivered */
-    int (*before_post)(void *ctx, size_t bucket);
-    int (*after_complete)(void *ctx, size_t bucket);
-    void *callback_ctx;
+    int staged;            /* buckets are posted only once the caller staged them */
     char name[48];
 };
 
@@ -109,9 +109,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->n_buckets = nb;
     r->wire = cfg->wire_dtype;
     r->separate = cfg->separate != 0;
-    r->before_post = cfg->before_post;
-    r->after_complete = cfg->after_complete;
-    r->callback_ctx = cfg->callback_ctx;
+    r->staged = cfg->staged != 0;
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
 
     for (size_t b = 0; b < nb; b++) {
@@ -248,12 +246,25 @@ static void scale_data(bucket_t *bk, double s)
 }
 
 static int complete_bucket(mpidp_reducer_t *r, bucket_t *bk);
+static int post_bucket(mpidp_reducer_t *r, size_t b);
+
+/* Posts, strictly in bucket order, every bucket that is full (and, in staged
+ * mode, staged by the caller). */
+static int post_in_order(mpidp_reducer_t *r)
+{
+    while (r->next_to_post < r->n_buckets) {
+        const bucket_t *bk = &r->buckets[r->next_to_post];
+        if (bk->pending != 0 || (r->staged && !bk->staged_in)) break;
+        int rc = post_bucket(r, r->next_to_post);
+        if (rc != MPIDP_OK) return rc;
+        r->next_to_post++;
+    }
+    return MPIDP_OK;
+}
 
 static int post_bucket(mpidp_reducer_t *r, size_t b)
 {
     bucket_t *bk = &r->buckets[b];
-    if (r->before_post && r->before_post(r->callback_ctx, b) != 0)
-        return mpidp__fail(MPIDP_ECALLBACK, "%s: preparing bucket %zu failed", r->name, b);
     if (r->size == 1 && bk->comm == NULL) return complete_bucket(r, bk);
     size_t count = bk->info.numel + bk->info.n_params;
     void *buf = bk->data;
@@ -314,10 +325,6 @@ static int complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
         else k->unpack_fp16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
     }
     bk->state = MPIDP_BUCKET_DONE;
-    if (!r->separate && r->after_complete &&
-        r->after_complete(r->callback_ctx, (size_t)(bk - r->buckets)) != 0)
-        return mpidp__fail(MPIDP_ECALLBACK, "%s: bringing bucket %zu home failed", r->name,
-                           (size_t)(bk - r->buckets));
     return MPIDP_OK;
 }
 
@@ -334,16 +341,51 @@ int mpidp_reducer_mark_ready(mpidp_reducer_t *r, size_t param, int has_grad)
     bucket_t *bk = &r->buckets[r->param_bucket[param]];
     r->ready[param] = 1;
     r->n_ready++;
-    if (!has_grad)
+    /* Staged: the caller zeroes the slice where the gradients live, and the
+     * host bytes may still be the source of the previous pass's copy back. */
+    if (!has_grad && !r->staged)
         memset(element(bk, r->param_offset[param]), 0,
                r->param_numel[param] * mpidp_dtype_size(bk->info.dtype));
     set_flag(bk, r->param_flag[param], has_grad);
     bk->pending--;
-    while (r->next_to_post < r->n_buckets && r->buckets[r->next_to_post].pending == 0) {
-        int rc = post_bucket(r, r->next_to_post);
-        if (rc != MPIDP_OK) return rc;
-        r->next_to_post++;
+    return post_in_order(r);
+}
+
+int mpidp_reducer_next_to_stage(const mpidp_reducer_t *r, size_t from, size_t *b)
+{
+    if (r == NULL || !r->staged) return 0;
+    /* Any full bucket may be staged early; posting still follows the order. */
+    for (size_t k = from > r->next_to_post ? from : r->next_to_post; k < r->n_buckets; k++) {
+        const bucket_t *bk = &r->buckets[k];
+        if (bk->pending == 0 && !bk->staged_in && bk->state == MPIDP_BUCKET_COLLECTING) {
+            if (b) *b = k;
+            return 1;
+        }
     }
+    return 0;
+}
+
+int mpidp_reducer_staged(mpidp_reducer_t *r, size_t b)
+{
+    if (r == NULL || b >= r->n_buckets) return mpidp__fail(MPIDP_EINVAL, "reducer: no bucket %zu", b);
+    bucket_t *bk = &r->buckets[b];
+    if (!r->staged || bk->pending != 0 || bk->staged_in || bk->state != MPIDP_BUCKET_COLLECTING)
+        return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu is not waiting to be staged", r->name, b);
+    bk->staged_in = 1;
+    return post_in_order(r);
+}
+
+int mpidp_reducer_needs_unstaging(const mpidp_reducer_t *r, size_t b)
+{
+    return r && b < r->n_buckets && r->staged && !r->separate &&
+           r->buckets[b].state == MPIDP_BUCKET_DONE && !r->buckets[b].home;
+}
+
+int mpidp_reducer_unstaged(mpidp_reducer_t *r, size_t b)
+{
+    if (!mpidp_reducer_needs_unstaging(r, b))
+        return mpidp__fail(MPIDP_ESTATE, "reducer: bucket %zu has no result to copy back", b);
+    r->buckets[b].home = 1;
     return MPIDP_OK;
 }
 
@@ -477,6 +519,8 @@ int mpidp_reducer_reset(mpidp_reducer_t *r)
         r->buckets[b].pending = r->buckets[b].info.n_params;
         r->buckets[b].state = MPIDP_BUCKET_COLLECTING;
         r->buckets[b].req = MPIDP_REQ_NONE;
+        r->buckets[b].staged_in = 0;
+        r->buckets[b].home = 0;
     }
     return MPIDP_OK;
 }

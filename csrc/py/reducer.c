@@ -61,6 +61,10 @@ typedef struct {
     PyObject *views;           /* tuple of gradient views into the buckets */
     PyObject *bucket_tensors;  /* tuple of flat bucket tensors (host memory) */
     PyObject *device_buckets;  /* staging: the buckets the .grad views live in, or NULL */
+    PyObject *event_type;      /* staging on a GPU: torch.cuda.Event (copies run
+                                * asynchronously, tracked by events); NULL: synchronous */
+    PyObject **stage_event;    /* per bucket: the recorded event of its copy to the host */
+    uint8_t *copy_issued;      /* per bucket: copied (or copying) to the host in this pass */
     size_t *bucket_numel;      /* gradient elements of each bucket (before its flags) */
     PyObject *queue_callback;  /* autograd's Variable._execution_engine.queue_callback */
     mpidp_py_borrowed_t *buckets;
@@ -98,45 +102,110 @@ static PyObject *fail(reducer_t *r, int rc, const char *what)
 /* --- staging (gradients in GPU memory, reduced through host buckets) ------ */
 
 /* Copies the gradient part of bucket b between its device and host buffers
- * (the flags that follow it live on the host only). */
-static int stage(reducer_t *r, size_t b, int to_host)
+ * (the flags that follow it live on the host only). On a GPU the copy is
+ * asynchronous (pinned host memory, torch's current stream): to the host it
+ * is followed by an event that says when the host bytes are there; back to
+ * the device, stream order puts it before everything that reads the
+ * gradients, and the host bucket is next written only after the next pass's
+ * copy to the host has completed (see stage_full_buckets). */
+enum { TO_HOST, TO_HOST_ASYNC, TO_DEVICE };
+
+static int stage(reducer_t *r, size_t b, int how)
 {
     if (r->device_buckets == NULL) return 0;
+    int to_host = how != TO_DEVICE;
+    /* Only the backward hooks' copies to the host may run ahead (their arrival
+     * is checked before the core reads them); every other caller reads the
+     * host bucket right away. */
+    int non_blocking = r->event_type != NULL && how != TO_HOST;
     PyObject *host = PyTuple_GET_ITEM(r->bucket_tensors, b);
     PyObject *dev = PyTuple_GET_ITEM(r->device_buckets, b);
     PyObject *h = PyObject_CallMethod(host, "narrow", "inn", 0, (Py_ssize_t)0, (Py_ssize_t)r->bucket_numel[b]);
     PyObject *d = h ? PyObject_CallMethod(dev, "narrow", "inn", 0, (Py_ssize_t)0, (Py_ssize_t)r->bucket_numel[b]) : NULL;
-    PyObject *res = d ? PyObject_CallMethod(to_host ? h : d, "copy_", "O", to_host ? d : h) : NULL;
+    PyObject *copy = d ? PyObject_GetAttr(to_host ? h : d, str_copy_) : NULL;
+    PyObject *args = copy ? PyTuple_Pack(1, to_host ? d : h) : NULL;
+    PyObject *kwargs = args ? Py_BuildValue("{s:O}", "non_blocking", non_blocking ? Py_True : Py_False) : NULL;
+    PyObject *res = kwargs ? PyObject_Call(copy, args, kwargs) : NULL;
     Py_XDECREF(h);
     Py_XDECREF(d);
+    Py_XDECREF(copy);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
     if (res == NULL) return -1;
     Py_DECREF(res);
+    if (how == TO_HOST_ASYNC && non_blocking) {
+        PyObject *ev = PyObject_CallNoArgs(r->event_type);
+        PyObject *rec = ev ? PyObject_CallMethod(ev, "record", NULL) : NULL;
+        if (rec == NULL) {
+            Py_XDECREF(ev);
+            return -1;
+        }
+        Py_DECREF(rec);
+        Py_XSETREF(r->stage_event[b], ev);
+    }
     return 0;
 }
 
-/* Core callbacks; they may run while a wait has released the GIL. */
-static int before_post(void *ctx, size_t b)
+/* Tells the core that bucket b's gradients are in its host buffer (after its
+ * copy's event, if any, has passed: `wait` waits for it, else only a copy
+ * already done counts). Returns 1 when told, 0 when the copy is still running. */
+static int report_staged(reducer_t *r, size_t b, int wait)
 {
-    reducer_t *r = ctx;
-    PyGILState_STATE g = PyGILState_Ensure();
-    int rc = stage(r, b, 1);
-    if (rc == 0 && r->separate) {
-        /* The core zeroes the host bucket once it is copied for sending; the
-         * device bucket, where the .grad views are, must match. */
-        PyObject *res = PyObject_CallMethod(PyTuple_GET_ITEM(r->device_buckets, b), "zero_", NULL);
-        rc = res ? 0 : -1;
-        Py_XDECREF(res);
+    PyObject *ev = r->stage_event[b];
+    if (ev != NULL) {
+        PyObject *res = PyObject_CallMethod(ev, wait ? "synchronize" : "query", NULL);
+        if (res == NULL) return -1;
+        int done = wait || PyObject_IsTrue(res);
+        Py_DECREF(res);
+        if (!done) return 0;
+        Py_CLEAR(r->stage_event[b]);
     }
-    PyGILState_Release(g);
-    return rc;
+    mpidp_error_clear();
+    int rc = mpidp_reducer_staged(r->core, b);
+    if (rc != MPIDP_OK) {
+        fail(r, rc, "DataParallel backward");
+        return -1;
+    }
+    return 1;
 }
 
-static int after_complete(void *ctx, size_t b)
+/* What the core asks after parameters were marked: copy every full bucket to
+ * the host, and tell it which copies have arrived (it then posts in bucket
+ * order). With `flush`, wait for every copy: everything full gets posted. */
+static int stage_full_buckets(reducer_t *r, int flush)
 {
-    PyGILState_STATE g = PyGILState_Ensure();
-    int rc = stage((reducer_t *)ctx, b, 0);
-    PyGILState_Release(g);
-    return rc;
+    size_t b, from = 0;
+    while (from < r->n_buckets && mpidp_reducer_next_to_stage(r->core, from, &b)) {
+        from = b + 1;
+        if (!r->copy_issued[b]) {
+            if (stage(r, b, TO_HOST_ASYNC) < 0) return -1;
+            r->copy_issued[b] = 1;
+            if (r->separate) {
+                /* The core zeroes the host bucket once it is copied for sending;
+                 * the device bucket, where the .grad views are, must match
+                 * (stream order puts this after the copy). */
+                PyObject *res = PyObject_CallMethod(PyTuple_GET_ITEM(r->device_buckets, b), "zero_", NULL);
+                if (res == NULL) return -1;
+                Py_DECREF(res);
+            }
+        }
+        if (report_staged(r, b, flush) < 0) return -1;
+    }
+    return 0;
+}
+
+/* After bucket b completed: its averaged result back to the device. */
+static int unstage(reducer_t *r, size_t b)
+{
+    if (!mpidp_reducer_needs_unstaging(r->core, b)) return 0;
+    if (stage(r, b, TO_DEVICE) < 0) return -1;
+    mpidp_error_clear();
+    int rc = mpidp_reducer_unstaged(r->core, b);
+    if (rc != MPIDP_OK) {
+        fail(r, rc, "DataParallel");
+        return -1;
+    }
+    return 0;
 }
 
 /* The tensor whose version counter tells whether the user touched the .grad
@@ -195,7 +264,7 @@ static int mark_param(reducer_t *r, size_t i)
         fail(r, rc, "DataParallel backward");
         return -1;
     }
-    return 0;
+    return r->device_buckets ? stage_full_buckets(r, 0) : 0;
 }
 
 /* After bucket b completed: give parameters this rank had no gradient for the
@@ -231,6 +300,7 @@ static int wait_bucket(reducer_t *r, size_t b)
             return -1;
         }
     }
+    if (unstage(r, b) < 0) return -1;
     return fix_missing_grads(r, b);
 }
 
@@ -253,6 +323,7 @@ static int reset_pass(reducer_t *r)
     }
     memset(r->local_has, 0, r->n_params);
     memset(r->was_none, 0, r->n_params);
+    memset(r->copy_issued, 0, r->n_buckets);
     if (r->separate) {
         memset(r->delivered, 0, r->n_buckets);
         memset(r->after, 0, r->n_params);
@@ -301,7 +372,7 @@ static int complete_separate(reducer_t *r, long accumulated)
         long long expected = r->version[b];
         if (accumulated >= 0 && mpidp_reducer_bucket_of(r->core, (size_t)accumulated) == b) expected++;
         int cleared = now != expected;
-        if (stage(r, b, 1) < 0) return -1;  /* what autograd added since, if anything */
+        if (stage(r, b, TO_HOST) < 0) return -1;  /* what autograd added since, if anything */
         for (size_t i = 0; i < r->n_params; i++) {
             if (mpidp_reducer_bucket_of(r->core, i) != b) continue;
             PyObject *param = PyTuple_GET_ITEM(r->params, i);
@@ -319,7 +390,7 @@ static int complete_separate(reducer_t *r, long accumulated)
                 PyObject_SetAttr(param, str_grad, Py_None) < 0)
                 return -1;
         }
-        if (stage(r, b, 0) < 0) return -1;
+        if (stage(r, b, TO_DEVICE) < 0) return -1;
     }
     return reset_pass(r);
 }
@@ -384,7 +455,7 @@ static int deliver_bucket_for_step(reducer_t *r, size_t b)
          * optimizer then skips the parameter, as in a single process). */
         if (PyObject_SetAttr(param, str_grad, used ? view : Py_None) < 0) return -1;
     }
-    if (stage(r, b, 0) < 0) return -1;
+    if (stage(r, b, TO_DEVICE) < 0) return -1;
     r->delivered[b] = 1;
     return 0;
 }
@@ -445,6 +516,7 @@ static PyObject *on_grad(reducer_t *r, size_t i, PyObject *param)
      * what is in flight so buckets posted earlier progress during backward. */
     if (rc == MPIDP_OK && mpidp_py_hook_progress) rc = mpidp_reqtable_progress(r->st->reqs, NULL);
     if (rc != MPIDP_OK) return fail(r, rc, "DataParallel backward");
+    if (r->device_buckets && stage_full_buckets(r, 0) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -465,6 +537,9 @@ static PyObject *reducer_finalize_backward(reducer_t *r, PyObject *unused)
     r->queued = 0;
     for (size_t i = 0; i < r->n_params; i++)
         if (!mpidp_reducer_is_ready(r->core, i) && mark_param(r, i) < 0) return NULL;
+    /* Every bucket is full now: wait for the copies still on their way to the
+     * host, so that every bucket is posted when backward returns. */
+    if (r->device_buckets && stage_full_buckets(r, 1) < 0) return NULL;
     r->finalized = 1;
     if (r->separate) {
         /* Every bucket is posted (and zeroed): any in-place change from now on
@@ -551,6 +626,7 @@ static PyObject *reducer_shadow_pass(reducer_t *r, PyObject *unused)
         int rc = mpidp_reducer_mark_ready(r->core, i, 0);
         if (rc != MPIDP_OK) return fail(r, rc, "DataParallel.join");
     }
+    if (r->device_buckets && stage_full_buckets(r, 1) < 0) return NULL;
     for (size_t b = 0; b < r->n_buckets; b++)
         if (wait_core_bucket(r, b) < 0) return NULL;
     if (reset_pass(r) < 0) return NULL;
@@ -653,25 +729,26 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c)
 }
 
 /* Reducer(*, comm, params, views, buckets, param_bucket, param_offset,
- *         bucket_info, queue_callback, blocking, name, wire_dtype=-1, device_buckets=None):
+ *         bucket_info, queue_callback, blocking, name, wire_dtype=-1, device_buckets=None,
+ *         event_type=None):
  * keyword-only, so a caller cannot swap two of the many tuples unnoticed. */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
                              "bucket_info", "queue_callback", "blocking", "name", "wire_dtype",
-                             "device_buckets", NULL};
+                             "device_buckets", "event_type", NULL};
     PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pb = NULL, *po = NULL,
              *binfo = NULL, *qcb = NULL;
     int blocking = -1, wire = -1;
     const char *name = NULL;
-    PyObject *device_buckets = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!OpsiO:Reducer", kwlist, &comm,
+    PyObject *device_buckets = Py_None, *event_type = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!OpsiOO:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
                                      &PyTuple_Type, &binfo, &qcb, &blocking, &name, &wire,
-                                     &device_buckets))
+                                     &device_buckets, &event_type))
         return NULL;
-    /* The format makes every keyword optional; all but the last two are required. */
+    /* The format makes every keyword optional; all but the last three are required. */
     const void *given[] = {comm, params, views, buckets, pb, po, binfo, qcb,
                            blocking < 0 ? NULL : &blocking, name};
     for (size_t k = 0; k < sizeof given / sizeof given[0]; k++)
@@ -699,6 +776,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
     r->device_buckets = device_buckets == Py_None ? NULL : Py_NewRef(device_buckets);
+    r->event_type = event_type == Py_None || r->device_buckets == NULL ? NULL : Py_NewRef(event_type);
     r->queue_callback = Py_NewRef(qcb);
     r->blocking = blocking;
     r->separate = !blocking;
@@ -719,10 +797,12 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->after = calloc(n1, 1);
     r->used = calloc(n1, 1);
     r->bucket_numel = calloc(b1, sizeof *r->bucket_numel);
+    r->stage_event = calloc(b1, sizeof *r->stage_event);
+    r->copy_issued = calloc(b1, 1);
     PyObject *result = NULL;
     if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->was_none ||
         !r->local_has || !r->version || !r->delivered || !r->after || !r->used ||
-        !r->bucket_numel) {
+        !r->bucket_numel || !r->stage_event || !r->copy_issued) {
         PyErr_NoMemory();
         goto done;
     }
@@ -764,8 +844,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
         .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
         .bucket_data = data, .wire_dtype = wire, .separate = r->separate, .name = name,
-        .before_post = r->device_buckets ? before_post : NULL,
-        .after_complete = r->device_buckets ? after_complete : NULL, .callback_ctx = r};
+        .staged = r->device_buckets != NULL};
     mpidp_error_clear();
     int rc = mpidp_reducer_create(&cfg, &r->core);
     if (rc != MPIDP_OK) {
@@ -830,6 +909,10 @@ static void reducer_dealloc(reducer_t *r)
     free(r->after);
     free(r->used);
     free(r->bucket_numel);
+    for (size_t b = 0; r->stage_event && b < r->n_buckets; b++) Py_CLEAR(r->stage_event[b]);
+    free(r->stage_event);
+    free(r->copy_issued);
+    Py_CLEAR(r->event_type);
     reducer_clear(r);
     Py_CLEAR(r->bucket_tensors);
     Py_CLEAR(r->device_buckets);

@@ -47,7 +47,8 @@ class Reducer:
                  param_bucket: Tuple[int, ...], param_offset: Tuple[int, ...],
                  bucket_info: Tuple[Tuple[int, int, int], ...], queue_callback: Callable[[Any], None],
                  blocking: bool, name: str, wire_dtype: int = ...,
-                 device_buckets: Optional[Tuple[torch.Tensor, ...]] = None) -> None: ...
+                 device_buckets: Optional[Tuple[torch.Tensor, ...]] = None,
+                 event_type: Optional[type] = None) -> None: ...
     @property
     def pending(self) -> bool: ...
     @property

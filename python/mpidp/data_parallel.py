@@ -187,7 +187,9 @@ class DataParallel(torch.nn.Module):
             comm=self._c_comm, params=params, views=views, buckets=self._buckets,
             param_bucket=bucket_of, param_offset=offset, bucket_info=infos,
             queue_callback=engine.queue_callback, blocking=self.blocking_parameter_updates,
-            name="DataParallel", wire_dtype=self._wire, device_buckets=self._device_buckets)
+            name="DataParallel", wire_dtype=self._wire, device_buckets=self._device_buckets,
+            # GPU buckets are copied asynchronously, each copy tracked by an event.
+            event_type=torch.cuda.Event if device.type == "cuda" else None)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]
 

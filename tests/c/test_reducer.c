@@ -25,7 +25,7 @@ typedef struct {
 
 /* Four float32 parameters of 8 elements; 64-byte caps give two buckets:
  * bucket 0 = params 3, 2 and bucket 1 = params 1, 0. */
-static int setup(fixture_t *f)
+static int setup_mode(fixture_t *f, int staged, int separate)
 {
     memset(f, 0, sizeof *f);
     for (int i = 0; i < NP; i++) {
@@ -39,9 +39,12 @@ static int setup(fixture_t *f)
     mpidp_reducer_config_t cfg = {
         .comm = MPI_COMM_SELF, .reqs = f->reqs, .n_params = NP, .param_bucket = f->bucket,
         .param_offset = f->offset, .param_numel = f->numel, .n_buckets = f->nb,
-        .buckets = f->info, .bucket_data = f->data, .wire_dtype = -1, .name = "test"};
+        .buckets = f->info, .bucket_data = f->data, .wire_dtype = -1, .name = "test",
+        .staged = staged, .separate = separate};
     return mpidp_reducer_create(&cfg, &f->r);
 }
+
+static int setup(fixture_t *f) { return setup_mode(f, 0, 0); }
 
 static void teardown(fixture_t *f)
 {
@@ -137,6 +140,65 @@ TEST(inconsistent_layout_is_refused)
     teardown(&f);
 }
 
+TEST(staged_buckets_wait_for_the_caller_and_say_what_to_copy)
+{
+    fixture_t f;
+    ASSERT_OK(setup_mode(&f, 1, 0));
+    size_t b = 99;
+    ASSERT_EQ_INT(mpidp_reducer_next_to_stage(f.r, 0, &b), 0);          /* nothing full yet */
+    ASSERT_EQ_INT(mpidp_reducer_staged(f.r, 0), MPIDP_ESTATE);
+    /* Bucket 1 fills first: it may be staged at once, but not posted before 0. */
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 0, 1));
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 1, 1));
+    ASSERT_EQ_INT(mpidp_reducer_next_to_stage(f.r, 0, &b), 1);
+    ASSERT_EQ_INT(b, 1);
+    ASSERT_OK(mpidp_reducer_staged(f.r, 1));
+    ASSERT_EQ_INT(mpidp_reducer_staged(f.r, 1), MPIDP_ESTATE);       /* once */
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 1), MPIDP_BUCKET_COLLECTING);
+    ASSERT_EQ_INT(mpidp_reducer_next_to_stage(f.r, 0, &b), 0);
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 3, 1));
+    ASSERT_OK(mpidp_reducer_mark_ready(f.r, 2, 1));
+    /* Full but not staged: the core reads nothing yet. */
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 0), MPIDP_BUCKET_COLLECTING);
+    ASSERT_EQ_INT(mpidp_reducer_next_to_stage(f.r, 0, &b), 1);
+    ASSERT_EQ_INT(b, 0);
+    ASSERT_EQ_INT(mpidp_reducer_next_to_stage(f.r, 1, &b), 0);        /* none from 1 on */
+    ASSERT_EQ_INT(mpidp_reducer_needs_unstaging(f.r, 0), 0);
+    ASSERT_OK(mpidp_reducer_staged(f.r, 0));                          /* posts 0, then 1 */
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 0), MPIDP_BUCKET_DONE);
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 1), MPIDP_BUCKET_DONE);
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    for (size_t k = 0; k < 2; k++) {
+        ASSERT_EQ_INT(mpidp_reducer_needs_unstaging(f.r, k), 1);
+        ASSERT_OK(mpidp_reducer_unstaged(f.r, k));
+        ASSERT_EQ_INT(mpidp_reducer_needs_unstaging(f.r, k), 0);
+    }
+    ASSERT_EQ_INT(mpidp_reducer_unstaged(f.r, 0), MPIDP_ESTATE);
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    ASSERT_EQ_INT(mpidp_reducer_needs_unstaging(f.r, 0), 0);          /* a new pass */
+    teardown(&f);
+}
+
+TEST(nothing_to_stage_or_unstage_outside_staged_mode)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    for (size_t i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(f.r, i, 1));
+    size_t b;
+    ASSERT_EQ_INT(mpidp_reducer_next_to_stage(f.r, 0, &b), 0);
+    ASSERT_EQ_INT(mpidp_reducer_needs_unstaging(f.r, 0), 0);
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    teardown(&f);
+    /* Staged and separate: results are delivered by the caller, not copied back. */
+    ASSERT_OK(setup_mode(&f, 1, 1));
+    for (size_t i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(f.r, i, 1));
+    while (mpidp_reducer_next_to_stage(f.r, 0, &b)) ASSERT_OK(mpidp_reducer_staged(f.r, b));
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    ASSERT_EQ_INT(mpidp_reducer_needs_unstaging(f.r, 0), 0);
+    teardown(&f);
+}
+
 TEST_MAIN_MPI(buckets_are_posted_in_order, second_gradient_in_one_pass_is_refused,
               unused_parameter_is_zeroed_and_flagged, reset_and_wait_refuse_unfinished_pass,
-              inconsistent_layout_is_refused)
+              inconsistent_layout_is_refused, staged_buckets_wait_for_the_caller_and_say_what_to_copy,
+              nothing_to_stage_or_unstage_outside_staged_mode)

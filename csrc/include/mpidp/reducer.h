@@ -23,7 +23,21 @@
  * to the wire dtype) and then zeroes the bucket, so whatever the user does to
  * the gradients while the collective is in flight cannot race with MPI. The
  * result stays in the communication buffer until the caller delivers it into
- * each parameter's slice with mpidp_reducer_deliver(). */
+ * each parameter's slice with mpidp_reducer_deliver().
+ *
+ * With `staged` set (gradients that live elsewhere, e.g. GPU memory, reduced
+ * through these host buffers), the reducer does not read a full bucket until
+ * the caller says it has copied the gradients in: after marking parameters,
+ * the caller asks mpidp_reducer_next_to_stage() for a full bucket, copies it
+ * into the host buffer and calls mpidp_reducer_staged(), which posts whatever
+ * the order allows. After a bucket completes (not in separate mode),
+ * mpidp_reducer_needs_unstaging() says its result must be copied back;
+ * mpidp_reducer_unstaged() records that it was. The core calls nothing back:
+ * it says what needs doing, and the caller decides how and when (on a GPU the
+ * copies run asynchronously). In staged mode the core never writes a
+ * bucket's gradient elements before it is staged (a parameter without a
+ * gradient is zeroed by the caller where the gradients live), so a copy back
+ * from the previous pass may still be reading them. */
 #ifndef MPIDP_REDUCER_H
 #define MPIDP_REDUCER_H
 
@@ -49,14 +63,7 @@ typedef struct {
     int wire_dtype;                      /* -1: each bucket's own dtype */
     int separate;                        /* 1: separate communication buffers (see above) */
     const char *name;                    /* used in messages, e.g. "DataParallel" */
-    /* Optional hooks for buckets whose gradients live elsewhere (GPU memory
-     * staged through these host buffers): before_post runs just before bucket
-     * b is read for sending, after_complete right after its result has been
-     * written into it (not in separate mode, where the caller delivers). A
-     * non-zero return fails the call with MPIDP_ECALLBACK. */
-    int (*before_post)(void *ctx, size_t bucket);
-    int (*after_complete)(void *ctx, size_t bucket);
-    void *callback_ctx;
+    int staged;                          /* 1: the caller stages buckets (see above) */
 } mpidp_reducer_config_t;
 
 typedef enum {
@@ -84,6 +91,19 @@ int mpidp_reducer_destroy(mpidp_reducer_t *r);
  * parameter was already marked since the last reset (its bucket may be in
  * flight: a second gradient in one pass cannot be reduced). */
 int mpidp_reducer_mark_ready(mpidp_reducer_t *r, size_t param, int has_grad);
+
+/* Staged mode: the lowest bucket numbered `from` or more that is full (every
+ * parameter marked) and still waits for the caller to say it is staged.
+ * Returns 1 and sets *b, or 0 when there is none (and always outside staged
+ * mode). */
+int mpidp_reducer_next_to_stage(const mpidp_reducer_t *r, size_t from, size_t *b);
+/* Staged mode: bucket b's gradients are in its host buffer now; posts every
+ * bucket the order allows. MPIDP_ESTATE if b is not full or already staged. */
+int mpidp_reducer_staged(mpidp_reducer_t *r, size_t b);
+/* Staged mode, not separate: 1 when bucket b has completed and its result has
+ * not been copied back yet (mpidp_reducer_unstaged records that it was). */
+int mpidp_reducer_needs_unstaging(const mpidp_reducer_t *r, size_t b);
+int mpidp_reducer_unstaged(mpidp_reducer_t *r, size_t b);
 
 /* 1 if `param` was marked since the last reset. */
 int mpidp_reducer_is_ready(const mpidp_reducer_t *r, size_t param);
