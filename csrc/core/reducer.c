@@ -37,6 +37,8 @@ struct mpidp_reducer {
     size_t *param_flag;    /* index of the parameter's flag after the bucket data */
     uint8_t *ready;
     size_t n_ready;
+    size_t *bucket_first;  /* n_buckets + 1: bucket b's parameters are members[first[b] .. first[b+1]) */
+    size_t *members;       /* n_params parameter indices, grouped by bucket, in index order */
     size_t n_buckets;
     bucket_t *buckets;
     size_t next_to_post;   /* buckets below this index are posted (or done) */
@@ -66,6 +68,8 @@ static void free_reducer(mpidp_reducer_t *r)
     free(r->param_numel);
     free(r->param_flag);
     free(r->ready);
+    free(r->bucket_first);
+    free(r->members);
     for (size_t b = 0; r->buckets && b < r->n_buckets; b++) free(r->buckets[b].comm);
     free(r->buckets);
     free(r);
@@ -176,8 +180,41 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
         }
     }
     free(seen);
+    /* Per-bucket parameter lists (a counting sort by bucket, index order kept). */
+    r->bucket_first = calloc(nb + 1, sizeof *r->bucket_first);
+    r->members = malloc((np ? np : 1) * sizeof *r->members);
+    if (r->bucket_first == NULL || r->members == NULL) {
+        free_reducer(r);
+        return mpidp__fail(MPIDP_ENOMEM, "reducer: per-bucket parameter lists");
+    }
+    for (size_t b = 0; b < nb; b++) r->bucket_first[b + 1] = r->bucket_first[b] + r->buckets[b].info.n_params;
+    for (size_t i = 0; i < np; i++) /* a parameter's flag number is its place in index order */
+        r->members[r->bucket_first[r->param_bucket[i]] + r->param_flag[i]] = i;
     *out = r;
     return MPIDP_OK;
+}
+
+size_t mpidp_reducer_bucket_params(const mpidp_reducer_t *r, size_t b, const size_t **params)
+{
+    if (r == NULL || b >= r->n_buckets || params == NULL) return 0;
+    *params = r->members + r->bucket_first[b];
+    return r->bucket_first[b + 1] - r->bucket_first[b];
+}
+
+mpidp_accum_action_t mpidp_reducer_accumulate_action(int grad_is_view, int cleared, int used,
+                                                     int was_none, int new_grad_arrived)
+{
+    if (!grad_is_view || cleared) return MPIDP_ACCUM_DROP;
+    if (!used && was_none && !new_grad_arrived) return MPIDP_ACCUM_ADD_THEN_NONE;
+    return MPIDP_ACCUM_ADD;
+}
+
+mpidp_after_step_t mpidp_reducer_after_step(int none_at_step, int cleared, int used, int was_none)
+{
+    if (none_at_step) return MPIDP_AFTER_NONE;
+    if (cleared) return MPIDP_AFTER_ZEROED;
+    if (!used && was_none) return MPIDP_AFTER_NONE;
+    return MPIDP_AFTER_VIEW; /* the mean, or the zeros the user kept before backward */
 }
 
 int mpidp_reducer_destroy(mpidp_reducer_t *r)

@@ -48,8 +48,9 @@
 #include "mpidp/reducer.h"
 #include "mpidp/status.h"
 
-/* What a parameter's `.grad` becomes after a deferred step (non-blocking). */
-enum { AFTER_KEEP = 0, AFTER_ZERO = 1, AFTER_NONE = 2, AFTER_DONE = 3 };
+/* after[i]: the mpidp_after_step_t decided when the mean was delivered for a
+ * deferred step (non-blocking), or AFTER_DONE once carried out. */
+enum { AFTER_DONE = 0xFF };
 
 typedef struct {
     PyObject_HEAD
@@ -78,8 +79,7 @@ typedef struct {
     int finalized;             /* the current pass has every bucket posted */
     long long *version;        /* per bucket: version counter when the pass was posted */
     uint8_t *delivered;        /* per bucket: result delivered for a step */
-    uint8_t *after;            /* per parameter: AFTER_* */
-    uint8_t *used;             /* per parameter: some rank had a gradient in this pass */
+    uint8_t *after;            /* per parameter: mpidp_after_step_t, or AFTER_DONE */
     size_t n_done;             /* parameters whose after-step action is done */
 } reducer_t;
 
@@ -272,8 +272,11 @@ static int mark_param(reducer_t *r, size_t i)
  * one, else None. */
 static int fix_missing_grads(reducer_t *r, size_t b)
 {
-    for (size_t i = 0; i < r->n_params; i++) {
-        if (r->local_has[i] || mpidp_reducer_bucket_of(r->core, i) != b) continue;
+    const size_t *members;
+    size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
+    for (size_t k = 0; k < n; k++) {
+        size_t i = members[k];
+        if (r->local_has[i]) continue;
         int used = 0;
         mpidp_error_clear();
         int rc = mpidp_reducer_used_globally(r->core, i, &used);
@@ -327,7 +330,6 @@ static int reset_pass(reducer_t *r)
     if (r->separate) {
         memset(r->delivered, 0, r->n_buckets);
         memset(r->after, 0, r->n_params);
-        memset(r->used, 0, r->n_params);
         r->n_done = 0;
     }
     r->finalized = 0;
@@ -373,21 +375,22 @@ static int complete_separate(reducer_t *r, long accumulated)
         if (accumulated >= 0 && mpidp_reducer_bucket_of(r->core, (size_t)accumulated) == b) expected++;
         int cleared = now != expected;
         if (stage(r, b, TO_HOST) < 0) return -1;  /* what autograd added since, if anything */
-        for (size_t i = 0; i < r->n_params; i++) {
-            if (mpidp_reducer_bucket_of(r->core, i) != b) continue;
+        const size_t *members;
+        size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
+        for (size_t k = 0; k < n; k++) {
+            size_t i = members[k];
             PyObject *param = PyTuple_GET_ITEM(r->params, i);
-            PyObject *view = PyTuple_GET_ITEM(r->views, i);
             PyObject *grad = PyObject_GetAttr(param, str_grad);
             if (grad == NULL) return -1;
-            int is_view = grad == view;
+            int is_view = grad == PyTuple_GET_ITEM(r->views, i);
             Py_DECREF(grad);
-            if (!is_view || cleared) continue; /* None, replaced or zeroed: the mean is dropped */
             int used = 0;
             mpidp_reducer_used_globally(r->core, i, &used);
+            mpidp_accum_action_t act = mpidp_reducer_accumulate_action(
+                is_view, cleared, used, r->was_none[i], (long)i == accumulated);
+            if (act == MPIDP_ACCUM_DROP) continue;
             if (deliver(r, i, MPIDP_DELIVER_ADD) < 0) return -1;
-            /* Nobody had a gradient and `.grad` was None before backward: None again. */
-            if (!used && r->was_none[i] && (long)i != accumulated &&
-                PyObject_SetAttr(param, str_grad, Py_None) < 0)
+            if (act == MPIDP_ACCUM_ADD_THEN_NONE && PyObject_SetAttr(param, str_grad, Py_None) < 0)
                 return -1;
         }
         if (stage(r, b, TO_DEVICE) < 0) return -1;
@@ -430,8 +433,10 @@ static int deliver_bucket_for_step(reducer_t *r, size_t b)
     long long now;
     if (read_version(r, b, &now) < 0) return -1;
     int cleared = now != r->version[b];
-    for (size_t i = 0; i < r->n_params; i++) {
-        if (mpidp_reducer_bucket_of(r->core, i) != b) continue;
+    const size_t *members;
+    size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
+    for (size_t k = 0; k < n; k++) {
+        size_t i = members[k];
         PyObject *param = PyTuple_GET_ITEM(r->params, i);
         PyObject *view = PyTuple_GET_ITEM(r->views, i);
         PyObject *grad = PyObject_GetAttr(param, str_grad);
@@ -446,10 +451,9 @@ static int deliver_bucket_for_step(reducer_t *r, size_t b)
                          "blocking_parameter_updates=True for that)", i);
             return -1;
         }
-        r->after[i] = is_none ? AFTER_NONE : cleared ? AFTER_ZERO : AFTER_KEEP;
         int used = 0;
         mpidp_reducer_used_globally(r->core, i, &used);
-        r->used[i] = (uint8_t)used;
+        r->after[i] = (uint8_t)mpidp_reducer_after_step(is_none, cleared, used, r->was_none[i]);
         if (deliver(r, i, MPIDP_DELIVER_COPY) < 0) return -1;
         /* For the step: the mean, or None where no rank had a gradient (the
          * optimizer then skips the parameter, as in a single process). */
@@ -465,17 +469,11 @@ static int after_step_param(reducer_t *r, size_t i)
     if (r->after[i] == AFTER_DONE) return 0;
     PyObject *param = PyTuple_GET_ITEM(r->params, i);
     PyObject *view = PyTuple_GET_ITEM(r->views, i);
-    PyObject *value = view;
-    if (r->after[i] == AFTER_NONE) {
-        value = Py_None;
-    } else if (r->after[i] == AFTER_ZERO) {
+    PyObject *value = r->after[i] == MPIDP_AFTER_NONE ? Py_None : view;
+    if (r->after[i] == MPIDP_AFTER_ZEROED) {
         PyObject *res = PyObject_CallMethod(view, "zero_", NULL);
         if (res == NULL) return -1;
         Py_DECREF(res);
-    } else if (!r->used[i] && r->was_none[i]) {
-        value = Py_None;
-    } else if (!r->used[i]) {
-        value = view; /* zeros: the user kept zeroed gradients before backward */
     }
     if (PyObject_SetAttr(param, str_grad, value) < 0) return -1;
     r->after[i] = AFTER_DONE;
@@ -795,13 +793,12 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->version = calloc(b1, sizeof *r->version);
     r->delivered = calloc(b1, 1);
     r->after = calloc(n1, 1);
-    r->used = calloc(n1, 1);
     r->bucket_numel = calloc(b1, sizeof *r->bucket_numel);
     r->stage_event = calloc(b1, sizeof *r->stage_event);
     r->copy_issued = calloc(b1, 1);
     PyObject *result = NULL;
     if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->was_none ||
-        !r->local_has || !r->version || !r->delivered || !r->after || !r->used ||
+        !r->local_has || !r->version || !r->delivered || !r->after ||
         !r->bucket_numel || !r->stage_event || !r->copy_issued) {
         PyErr_NoMemory();
         goto done;
@@ -907,7 +904,6 @@ static void reducer_dealloc(reducer_t *r)
     free(r->version);
     free(r->delivered);
     free(r->after);
-    free(r->used);
     free(r->bucket_numel);
     for (size_t b = 0; r->stage_event && b < r->n_buckets; b++) Py_CLEAR(r->stage_event[b]);
     free(r->stage_event);

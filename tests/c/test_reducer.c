@@ -198,7 +198,56 @@ TEST(nothing_to_stage_or_unstage_outside_staged_mode)
     teardown(&f);
 }
 
+TEST(bucket_parameter_lists_follow_the_layout)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    const size_t *members;
+    ASSERT_EQ_INT(mpidp_reducer_bucket_params(f.r, 0, &members), 2);   /* params 3, 2: */
+    ASSERT_EQ_INT(members[0], 2);                                       /* index order */
+    ASSERT_EQ_INT(members[1], 3);
+    ASSERT_EQ_INT(mpidp_reducer_bucket_params(f.r, 1, &members), 2);
+    ASSERT_EQ_INT(members[0], 0);
+    ASSERT_EQ_INT(members[1], 1);
+    ASSERT_EQ_INT(mpidp_reducer_bucket_params(f.r, 2, &members), 0);
+    for (size_t b = 0; b < f.nb; b++) {
+        size_t n = mpidp_reducer_bucket_params(f.r, b, &members);
+        for (size_t k = 0; k < n; k++) ASSERT_EQ_INT(mpidp_reducer_bucket_of(f.r, members[k]), b);
+    }
+    teardown(&f);
+}
+
+/* Every combination of what the user did, against the rule written out. */
+TEST(nonblocking_decisions_cover_every_case)
+{
+    for (int is_view = 0; is_view < 2; is_view++)
+        for (int cleared = 0; cleared < 2; cleared++)
+            for (int used = 0; used < 2; used++)
+                for (int was_none = 0; was_none < 2; was_none++)
+                    for (int arrived = 0; arrived < 2; arrived++) {
+                        int want = !is_view || cleared ? MPIDP_ACCUM_DROP
+                                   : (!used && was_none && !arrived) ? MPIDP_ACCUM_ADD_THEN_NONE
+                                   : MPIDP_ACCUM_ADD;
+                        ASSERT_EQ_INT(mpidp_reducer_accumulate_action(is_view, cleared, used,
+                                                                      was_none, arrived), want);
+                    }
+    for (int none = 0; none < 2; none++)
+        for (int cleared = 0; cleared < 2; cleared++)
+            for (int used = 0; used < 2; used++)
+                for (int was_none = 0; was_none < 2; was_none++) {
+                    int want = none ? MPIDP_AFTER_NONE : cleared ? MPIDP_AFTER_ZEROED
+                               : (!used && was_none) ? MPIDP_AFTER_NONE : MPIDP_AFTER_VIEW;
+                    ASSERT_EQ_INT(mpidp_reducer_after_step(none, cleared, used, was_none), want);
+                }
+    /* The cases users hit, by name. */
+    ASSERT_EQ_INT(mpidp_reducer_after_step(1, 0, 1, 0), MPIDP_AFTER_NONE);   /* zero_grad(set_to_none) */
+    ASSERT_EQ_INT(mpidp_reducer_after_step(0, 1, 1, 0), MPIDP_AFTER_ZEROED); /* zero_grad(False) */
+    ASSERT_EQ_INT(mpidp_reducer_after_step(0, 0, 1, 1), MPIDP_AFTER_VIEW);   /* no zero_grad: mean */
+    ASSERT_EQ_INT(mpidp_reducer_after_step(0, 0, 0, 1), MPIDP_AFTER_NONE);   /* unused everywhere */
+}
+
 TEST_MAIN_MPI(buckets_are_posted_in_order, second_gradient_in_one_pass_is_refused,
               unused_parameter_is_zeroed_and_flagged, reset_and_wait_refuse_unfinished_pass,
               inconsistent_layout_is_refused, staged_buckets_wait_for_the_caller_and_say_what_to_copy,
-              nothing_to_stage_or_unstage_outside_staged_mode)
+              nothing_to_stage_or_unstage_outside_staged_mode,
+              bucket_parameter_lists_follow_the_layout, nonblocking_decisions_cover_every_case)

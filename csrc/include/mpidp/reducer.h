@@ -142,4 +142,36 @@ int mpidp_reducer_set_divisor(mpidp_reducer_t *r, int n);
  * MPIDP_ESTATE otherwise (with what is still missing in the detail). */
 int mpidp_reducer_reset(mpidp_reducer_t *r);
 
+/* The parameters of bucket b, in index order: returns how many and points
+ * *params at them (owned by the reducer); 0 for an unknown bucket. */
+size_t mpidp_reducer_bucket_params(const mpidp_reducer_t *r, size_t b, const size_t **params);
+
+/* --- non-blocking mode: what a parameter's `.grad` becomes ----------------
+ * Pure decisions, from what the caller observed of `.grad` and what the
+ * reduction says, so that the glue only reads and writes `.grad`. */
+
+/* A second backward (or a forward with no step due) completes the pass
+ * before the step: the averaged gradient is added into the bucket, or
+ * dropped when the user cleared or replaced the gradients since backward; a
+ * parameter no rank had a gradient for, whose `.grad` was None before
+ * backward, goes back to None (unless a new gradient has already arrived). */
+typedef enum {
+    MPIDP_ACCUM_DROP = 0,           /* leave `.grad` as the user made it */
+    MPIDP_ACCUM_ADD = 1,            /* add the mean into the bucket view */
+    MPIDP_ACCUM_ADD_THEN_NONE = 2,  /* add (zeros), then `.grad = None` */
+} mpidp_accum_action_t;
+mpidp_accum_action_t mpidp_reducer_accumulate_action(int grad_is_view, int cleared, int used,
+                                                     int was_none, int new_grad_arrived);
+
+/* After the deferred step, `.grad` is given back as the user left it before
+ * the step: None if it was None then; zeros if they zeroed it in place since
+ * backward; else the averaged gradient (the bucket view) -- or None where no
+ * rank had a gradient and `.grad` was None before backward. */
+typedef enum {
+    MPIDP_AFTER_VIEW = 0,       /* `.grad` = the bucket view (mean, or kept zeros) */
+    MPIDP_AFTER_ZEROED = 1,     /* zero the view, `.grad` = the view */
+    MPIDP_AFTER_NONE = 2,       /* `.grad` = None */
+} mpidp_after_step_t;
+mpidp_after_step_t mpidp_reducer_after_step(int none_at_step, int cleared, int used, int was_none);
+
 #endif /* MPIDP_REDUCER_H */
