@@ -388,6 +388,10 @@ static const struct {
     {-0.0f, 0.125f, 3.0f, 1},
 };
 
+/* Runs every kernel of `k` against the reference over every case. Long (~95
+ * lines) on purpose: each run (a length and alignment, sc_runs) sets up its
+ * buffers once and then checks pack, scale, merge/unpack and sum on them in
+ * one pass; split per kernel, every part would repeat that set-up. */
 static int sc_run_all(const mpidp_pack_kernels_t *k, sc_bufs_t *b, char *why, size_t len)
 {
     const mpidp_pack_kernels_t *r = &mpidp__pack_ref;

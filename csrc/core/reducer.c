@@ -75,6 +75,63 @@ static void free_reducer(mpidp_reducer_t *r)
     free(r);
 }
 
+/* Bucket b from the configuration: dtype checks, its communication buffer. */
+static int init_bucket(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg, size_t b)
+{
+    bucket_t *bk = &r->buckets[b];
+    bk->info = cfg->buckets[b];
+    bk->data = cfg->bucket_data[b];
+    int dt = bk->info.dtype;
+    if (mpidp_mpi_datatype(dt) == MPI_DATATYPE_NULL)
+        return mpidp__fail(MPIDP_EDTYPE, "reducer: cannot reduce %s gradients", mpidp_dtype_name(dt));
+    if (r->wire != -1 && dt != MPIDP_F32 && dt != r->wire)
+        return mpidp__fail(MPIDP_EDTYPE, "reducer: %s gradients cannot travel as %s (wire "
+                           "compression takes float32 to bfloat16 or float16)",
+                           mpidp_dtype_name(dt), mpidp_dtype_name(cfg->wire_dtype));
+    size_t count = bk->info.numel + bk->info.n_params;
+    if (count > (size_t)INT_MAX)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu exceeds INT_MAX elements", b);
+    if (bk->data == NULL && count > 0)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu has no buffer", b);
+    if (bk_compressed(r, bk) || r->separate) {
+        bk->comm = malloc((count + 1) * mpidp_dtype_size(comm_dtype(r, bk)));
+        if (bk->comm == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer: wire buffer of bucket %zu", b);
+    }
+    bk->pending = bk->info.n_params;
+    bk->state = MPIDP_BUCKET_COLLECTING;
+    return MPIDP_OK;
+}
+
+/* Checks the parameter layout against the buckets, numbers each parameter's
+ * flag within its bucket (its place in index order) and builds the
+ * per-bucket parameter lists. */
+static int init_layout(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg)
+{
+    size_t np = r->n_params, nb = r->n_buckets;
+    r->bucket_first = calloc(nb + 1, sizeof *r->bucket_first);
+    r->members = malloc((np ? np : 1) * sizeof *r->members);
+    if (r->bucket_first == NULL || r->members == NULL)
+        return mpidp__fail(MPIDP_ENOMEM, "reducer: per-bucket parameter lists");
+    size_t *seen = r->bucket_first + 1; /* counts per bucket, turned into offsets below */
+    for (size_t i = 0; i < np; i++) {
+        uint32_t b = cfg->param_bucket[i];
+        if (b >= nb || cfg->param_offset[i] + cfg->param_numel[i] > r->buckets[b].info.numel)
+            return mpidp__fail(MPIDP_EINVAL, "reducer: parameter %zu lies outside its bucket", i);
+        r->param_bucket[i] = b;
+        r->param_offset[i] = cfg->param_offset[i];
+        r->param_numel[i] = cfg->param_numel[i];
+        r->param_flag[i] = seen[b]++;
+    }
+    for (size_t b = 0; b < nb; b++)
+        if (seen[b] != r->buckets[b].info.n_params)
+            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu should hold %zu parameters, "
+                               "the layout puts %zu in it", b, r->buckets[b].info.n_params, seen[b]);
+    for (size_t b = 0; b < nb; b++) r->bucket_first[b + 1] += r->bucket_first[b];
+    for (size_t i = 0; i < np; i++)
+        r->members[r->bucket_first[r->param_bucket[i]] + r->param_flag[i]] = i;
+    return MPIDP_OK;
+}
+
 int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **out)
 {
     if (cfg == NULL || out == NULL || cfg->reqs == NULL)
@@ -115,81 +172,13 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->separate = cfg->separate != 0;
     r->staged = cfg->staged != 0;
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
-
-    for (size_t b = 0; b < nb; b++) {
-        bucket_t *bk = &r->buckets[b];
-        bk->info = cfg->buckets[b];
-        bk->data = cfg->bucket_data[b];
-        if (mpidp_mpi_datatype(bk->info.dtype) == MPI_DATATYPE_NULL) {
-            int dt = bk->info.dtype;
-            free_reducer(r);
-            return mpidp__fail(MPIDP_EDTYPE, "reducer: cannot reduce %s gradients",
-                               mpidp_dtype_name(dt));
-        }
-        if (r->wire != -1 && bk->info.dtype != MPIDP_F32 && bk->info.dtype != r->wire) {
-            int dt = bk->info.dtype;
-            free_reducer(r);
-            return mpidp__fail(MPIDP_EDTYPE, "reducer: %s gradients cannot travel as %s (wire "
-                               "compression takes float32 to bfloat16 or float16)",
-                               mpidp_dtype_name(dt), mpidp_dtype_name(cfg->wire_dtype));
-        }
-        if (bk_compressed(r, bk) || r->separate) {
-            size_t esize = mpidp_dtype_size(comm_dtype(r, bk));
-            bk->comm = malloc((bk->info.numel + bk->info.n_params + 1) * esize);
-            if (bk->comm == NULL) {
-                free_reducer(r);
-                return mpidp__fail(MPIDP_ENOMEM, "reducer: wire buffer of bucket %zu", b);
-            }
-        }
-        if (bk->info.numel + bk->info.n_params > (size_t)INT_MAX) {
-            free_reducer(r);
-            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu exceeds INT_MAX elements", b);
-        }
-        if (bk->data == NULL && bk->info.numel + bk->info.n_params > 0) {
-            free_reducer(r);
-            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu has no buffer", b);
-        }
-        bk->pending = bk->info.n_params;
-        bk->state = MPIDP_BUCKET_COLLECTING;
+    rc = MPIDP_OK;
+    for (size_t b = 0; b < nb && rc == MPIDP_OK; b++) rc = init_bucket(r, cfg, b);
+    if (rc == MPIDP_OK) rc = init_layout(r, cfg);
+    if (rc != MPIDP_OK) {
+        free_reducer(r); /* the detail was recorded before: free touches nothing of it */
+        return rc;
     }
-    /* Check the layout and number each parameter's flag within its bucket. */
-    size_t *seen = calloc(nb ? nb : 1, sizeof *seen);
-    if (seen == NULL) {
-        free_reducer(r);
-        return mpidp__fail(MPIDP_ENOMEM, "reducer");
-    }
-    for (size_t i = 0; i < np; i++) {
-        uint32_t b = cfg->param_bucket[i];
-        if (b >= nb || cfg->param_offset[i] + cfg->param_numel[i] > r->buckets[b].info.numel) {
-            free(seen);
-            free_reducer(r);
-            return mpidp__fail(MPIDP_EINVAL, "reducer: parameter %zu lies outside its bucket", i);
-        }
-        r->param_bucket[i] = b;
-        r->param_offset[i] = cfg->param_offset[i];
-        r->param_numel[i] = cfg->param_numel[i];
-        r->param_flag[i] = seen[b]++;
-    }
-    for (size_t b = 0; b < nb; b++) {
-        if (seen[b] != r->buckets[b].info.n_params) {
-            size_t expected = r->buckets[b].info.n_params, got = seen[b];
-            free(seen);
-            free_reducer(r);
-            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu should hold %zu parameters, "
-                               "the layout puts %zu in it", b, expected, got);
-        }
-    }
-    free(seen);
-    /* Per-bucket parameter lists (a counting sort by bucket, index order kept). */
-    r->bucket_first = calloc(nb + 1, sizeof *r->bucket_first);
-    r->members = malloc((np ? np : 1) * sizeof *r->members);
-    if (r->bucket_first == NULL || r->members == NULL) {
-        free_reducer(r);
-        return mpidp__fail(MPIDP_ENOMEM, "reducer: per-bucket parameter lists");
-    }
-    for (size_t b = 0; b < nb; b++) r->bucket_first[b + 1] = r->bucket_first[b] + r->buckets[b].info.n_params;
-    for (size_t i = 0; i < np; i++) /* a parameter's flag number is its place in index order */
-        r->members[r->bucket_first[r->param_bucket[i]] + r->param_flag[i]] = i;
     *out = r;
     return MPIDP_OK;
 }
