@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import mpidp
-from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
-                          on_device, rank_slice, reference_step, seeded)
+from dp_reference import (DEVICE, RANK, SIZE, assert_params_close, assert_same_on_all_ranks,
+                          build, on_device, rank_slice, reference_step, seeded)
 
 # --- models ------------------------------------------------------------------
 
@@ -148,6 +148,54 @@ def train_and_compare(make_model, make_opt=sgd, loss_fn=ce_loss, x_shape=(10,), 
         assert_params_close(model, reference, what=f"step {step}")
     assert_same_on_all_ranks(model)
     return net
+
+
+def train_with_habits(habit, steps=4, per_rank=6):
+    """Blocking DataParallel with what users do between backward and step --
+    gradient clipping, or AMP's GradScaler (scale, unscale_, clip, step,
+    update) -- against one process doing the same on the whole batch."""
+    model, reference = build(MLP, 100 + RANK), build(MLP, 100)
+    dp_opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=True)
+    ref_opt = sgd(reference.parameters())
+    scalers = [torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10) for _ in range(2)] \
+        if habit == "amp" else None
+    g = seeded(1)
+    n = per_rank * SIZE
+    for step in range(steps):
+        X, Y = on_device(torch.randn(n, 10, generator=g), torch.randint(0, 4, (n,), generator=g))
+        dp_opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(net(rank_slice(X)), rank_slice(Y))
+        ref_loss = sum(F.cross_entropy(reference(rank_slice(X, r, SIZE)), rank_slice(Y, r, SIZE))
+                       for r in range(SIZE)) / SIZE
+        if scalers:
+            scalers[0].scale(loss).backward()
+            scalers[1].scale(ref_loss).backward()
+            scalers[0].unscale_(dp_opt.torch_optimizer)
+            scalers[1].unscale_(ref_opt)
+        else:
+            loss.backward()
+            ref_loss.backward()
+        assert_grads_match(model, reference, step)
+        # A norm far below the gradients' own: clipping changes every step.
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05) for m in (model, reference)]
+        assert torch.allclose(norms[0], norms[1], rtol=1e-4), norms
+        if scalers:
+            scalers[0].step(dp_opt.torch_optimizer)
+            scalers[1].step(ref_opt)
+            for sc in scalers:
+                sc.update()
+        else:
+            dp_opt.step()
+            ref_opt.step()
+        assert_params_close(model, reference, what=f"{habit}, step {step}")
+    assert_same_on_all_ranks(model)
+
+
+@pytest.mark.parametrize("habit", ["clip", "amp"])
+def test_clipping_and_grad_scaler_between_backward_and_step(habit):
+    train_with_habits(habit)
 
 
 @pytest.mark.parametrize("make_opt", [sgd, adam], ids=["sgd-momentum", "adam"])

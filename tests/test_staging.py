@@ -35,3 +35,8 @@ def test_nonblocking_accumulation():
 
 def test_join():
     join_tests.test_uneven_batches_match_the_reference(False, blocking_tests.sgd)
+
+
+@pytest.mark.parametrize("habit", ["clip", "amp"])
+def test_blocking_clipping_and_grad_scaler(habit):
+    blocking_tests.train_with_habits(habit)

@@ -62,11 +62,12 @@ typedef struct {
     PyObject *views;           /* tuple of gradient views into the buckets */
     PyObject *bucket_tensors;  /* tuple of flat bucket tensors (host memory) */
     PyObject *device_buckets;  /* staging: the buckets the .grad views live in, or NULL */
+    PyObject *host_grads;      /* staging: per bucket, the gradient part of the host bucket */
+    PyObject *dev_grads;       /* ... and of the device bucket (narrowed once, at construction) */
     PyObject *event_type;      /* staging on a GPU: torch.cuda.Event (copies run
                                 * asynchronously, tracked by events); NULL: synchronous */
     PyObject **stage_event;    /* per bucket: the recorded event of its copy to the host */
     uint8_t *copy_issued;      /* per bucket: copied (or copying) to the host in this pass */
-    size_t *bucket_numel;      /* gradient elements of each bucket (before its flags) */
     PyObject *queue_callback;  /* autograd's Variable._execution_engine.queue_callback */
     mpidp_py_borrowed_t *buckets;
     size_t n_buckets;
@@ -91,6 +92,7 @@ typedef struct {
 } gradhook_t;
 
 static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize, *str_version;
+static PyObject *kw_non_blocking; /* ("non_blocking",): keyword names of stage()'s copy_ */
 
 /* --- helpers ----------------------------------------------------------- */
 
@@ -98,6 +100,17 @@ static PyObject *fail(reducer_t *r, int rc, const char *what)
 {
     return mpidp_py_raise(r->st, rc, what);
 }
+
+/* 0 when the core call's status is MPIDP_OK, else -1 with the exception set. */
+static int core_status(reducer_t *r, int rc, const char *what)
+{
+    if (rc == MPIDP_OK) return 0;
+    fail(r, rc, what);
+    return -1;
+}
+
+/* A core call with a fresh error detail: CORE(r, "what", mpidp_reducer_x(...)) < 0 on failure. */
+#define CORE(r, what, call) (mpidp_error_clear(), core_status((r), (call), (what)))
 
 /* --- staging (gradients in GPU memory, reduced through host buckets) ------ */
 
@@ -118,19 +131,11 @@ static int stage(reducer_t *r, size_t b, int how)
      * is checked before the core reads them); every other caller reads the
      * host bucket right away. */
     int non_blocking = r->event_type != NULL && how != TO_HOST;
-    PyObject *host = PyTuple_GET_ITEM(r->bucket_tensors, b);
-    PyObject *dev = PyTuple_GET_ITEM(r->device_buckets, b);
-    PyObject *h = PyObject_CallMethod(host, "narrow", "inn", 0, (Py_ssize_t)0, (Py_ssize_t)r->bucket_numel[b]);
-    PyObject *d = h ? PyObject_CallMethod(dev, "narrow", "inn", 0, (Py_ssize_t)0, (Py_ssize_t)r->bucket_numel[b]) : NULL;
-    PyObject *copy = d ? PyObject_GetAttr(to_host ? h : d, str_copy_) : NULL;
-    PyObject *args = copy ? PyTuple_Pack(1, to_host ? d : h) : NULL;
-    PyObject *kwargs = args ? Py_BuildValue("{s:O}", "non_blocking", non_blocking ? Py_True : Py_False) : NULL;
-    PyObject *res = kwargs ? PyObject_Call(copy, args, kwargs) : NULL;
-    Py_XDECREF(h);
-    Py_XDECREF(d);
-    Py_XDECREF(copy);
-    Py_XDECREF(args);
-    Py_XDECREF(kwargs);
+    PyObject *h = PyTuple_GET_ITEM(r->host_grads, b), *d = PyTuple_GET_ITEM(r->dev_grads, b);
+    /* dst.copy_(src, non_blocking=...), without building arguments per call */
+    PyObject *argv[] = {to_host ? h : d, to_host ? d : h, non_blocking ? Py_True : Py_False};
+    PyObject *res = PyObject_VectorcallMethod(str_copy_, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                              kw_non_blocking);
     if (res == NULL) return -1;
     Py_DECREF(res);
     if (how == TO_HOST_ASYNC && non_blocking) {
@@ -160,12 +165,7 @@ static int report_staged(reducer_t *r, size_t b, int wait)
         if (!done) return 0;
         Py_CLEAR(r->stage_event[b]);
     }
-    mpidp_error_clear();
-    int rc = mpidp_reducer_staged(r->core, b);
-    if (rc != MPIDP_OK) {
-        fail(r, rc, "DataParallel backward");
-        return -1;
-    }
+    if (CORE(r, "DataParallel backward", mpidp_reducer_staged(r->core, b)) < 0) return -1;
     return 1;
 }
 
@@ -199,12 +199,7 @@ static int unstage(reducer_t *r, size_t b)
 {
     if (!mpidp_reducer_needs_unstaging(r->core, b)) return 0;
     if (stage(r, b, TO_DEVICE) < 0) return -1;
-    mpidp_error_clear();
-    int rc = mpidp_reducer_unstaged(r->core, b);
-    if (rc != MPIDP_OK) {
-        fail(r, rc, "DataParallel");
-        return -1;
-    }
+    if (CORE(r, "DataParallel", mpidp_reducer_unstaged(r->core, b)) < 0) return -1;
     return 0;
 }
 
@@ -258,12 +253,7 @@ static int mark_param(reducer_t *r, size_t i)
         Py_DECREF(res);
     }
     r->local_has[i] = (uint8_t)has;
-    mpidp_error_clear();
-    rc = mpidp_reducer_mark_ready(r->core, i, has);
-    if (rc != MPIDP_OK) {
-        fail(r, rc, "DataParallel backward");
-        return -1;
-    }
+    if (CORE(r, "DataParallel backward", mpidp_reducer_mark_ready(r->core, i, has)) < 0) return -1;
     return r->device_buckets ? stage_full_buckets(r, 0) : 0;
 }
 
@@ -278,12 +268,7 @@ static int fix_missing_grads(reducer_t *r, size_t b)
         size_t i = members[k];
         if (r->local_has[i]) continue;
         int used = 0;
-        mpidp_error_clear();
-        int rc = mpidp_reducer_used_globally(r->core, i, &used);
-        if (rc != MPIDP_OK) {
-            fail(r, rc, "DataParallel");
-            return -1;
-        }
+        if (CORE(r, "DataParallel", mpidp_reducer_used_globally(r->core, i, &used)) < 0) return -1;
         PyObject *param = PyTuple_GET_ITEM(r->params, i);
         PyObject *value = used ? PyTuple_GET_ITEM(r->views, i) : Py_None;
         if (PyObject_SetAttr(param, str_grad, value) < 0) return -1;
@@ -298,10 +283,7 @@ static int wait_bucket(reducer_t *r, size_t b)
         int rc;
         mpidp_error_clear();
         MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
-        if (rc != MPIDP_OK) {
-            fail(r, rc, "DataParallel gradient allreduce");
-            return -1;
-        }
+        if (core_status(r, rc, "DataParallel gradient allreduce") < 0) return -1;
     }
     if (unstage(r, b) < 0) return -1;
     return fix_missing_grads(r, b);
@@ -318,12 +300,7 @@ static int read_version(reducer_t *r, size_t b, long long *out)
 
 static int reset_pass(reducer_t *r)
 {
-    mpidp_error_clear();
-    int rc = mpidp_reducer_reset(r->core);
-    if (rc != MPIDP_OK) {
-        fail(r, rc, "DataParallel");
-        return -1;
-    }
+    if (CORE(r, "DataParallel", mpidp_reducer_reset(r->core)) < 0) return -1;
     memset(r->local_has, 0, r->n_params);
     memset(r->was_none, 0, r->n_params);
     memset(r->copy_issued, 0, r->n_buckets);
@@ -342,21 +319,13 @@ static int wait_core_bucket(reducer_t *r, size_t b)
     int rc;
     mpidp_error_clear();
     MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
-    if (rc != MPIDP_OK) {
-        fail(r, rc, "DataParallel gradient allreduce");
-        return -1;
-    }
+    if (core_status(r, rc, "DataParallel gradient allreduce") < 0) return -1;
     return 0;
 }
 
 static int deliver(reducer_t *r, size_t i, int mode)
 {
-    mpidp_error_clear();
-    int rc = mpidp_reducer_deliver(r->core, i, mode);
-    if (rc != MPIDP_OK) {
-        fail(r, rc, "DataParallel");
-        return -1;
-    }
+    if (CORE(r, "DataParallel", mpidp_reducer_deliver(r->core, i, mode)) < 0) return -1;
     return 0;
 }
 
@@ -599,9 +568,7 @@ static PyObject *reducer_set_divisor(reducer_t *r, PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    mpidp_error_clear();
-    int rc = mpidp_reducer_set_divisor(r->core, (int)n);
-    if (rc != MPIDP_OK) return fail(r, rc, "DataParallel.join");
+    if (CORE(r, "DataParallel.join", mpidp_reducer_set_divisor(r->core, (int)n)) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -620,9 +587,7 @@ static PyObject *reducer_shadow_pass(reducer_t *r, PyObject *unused)
         Py_DECREF(res);
     }
     for (size_t i = 0; i < r->n_params; i++) {
-        mpidp_error_clear();
-        int rc = mpidp_reducer_mark_ready(r->core, i, 0);
-        if (rc != MPIDP_OK) return fail(r, rc, "DataParallel.join");
+        if (CORE(r, "DataParallel.join", mpidp_reducer_mark_ready(r->core, i, 0)) < 0) return NULL;
     }
     if (r->device_buckets && stage_full_buckets(r, 1) < 0) return NULL;
     for (size_t b = 0; b < r->n_buckets; b++)
@@ -793,13 +758,12 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->version = calloc(b1, sizeof *r->version);
     r->delivered = calloc(b1, 1);
     r->after = calloc(n1, 1);
-    r->bucket_numel = calloc(b1, sizeof *r->bucket_numel);
     r->stage_event = calloc(b1, sizeof *r->stage_event);
     r->copy_issued = calloc(b1, 1);
     PyObject *result = NULL;
     if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->was_none ||
         !r->local_has || !r->version || !r->delivered || !r->after ||
-        !r->bucket_numel || !r->stage_event || !r->copy_issued) {
+        !r->stage_event || !r->copy_issued) {
         PyErr_NoMemory();
         goto done;
     }
@@ -809,7 +773,6 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         int dt;
         if (!PyArg_ParseTuple(tup, "KKi", &bn, &bp, &dt)) goto done;
         info[b].numel = (size_t)bn;
-        r->bucket_numel[b] = (size_t)bn;
         info[b].n_params = (size_t)bp;
         info[b].dtype = dt;
         if (mpidp_py_borrow(st, PyTuple_GET_ITEM(buckets, b),
@@ -822,6 +785,21 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             goto done;
         }
         data[b] = r->buckets[b].t.data;
+    }
+    if (r->device_buckets) {
+        r->host_grads = PyTuple_New(nb);
+        r->dev_grads = PyTuple_New(nb);
+        if (r->host_grads == NULL || r->dev_grads == NULL) goto done;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            PyObject *h = PyObject_CallMethod(PyTuple_GET_ITEM(buckets, b), "narrow", "inn", 0,
+                                              (Py_ssize_t)0, (Py_ssize_t)info[b].numel);
+            if (h == NULL) goto done;
+            PyTuple_SET_ITEM(r->host_grads, b, h);
+            PyObject *d = PyObject_CallMethod(PyTuple_GET_ITEM(device_buckets, b), "narrow", "inn",
+                                              0, (Py_ssize_t)0, (Py_ssize_t)info[b].numel);
+            if (d == NULL) goto done;
+            PyTuple_SET_ITEM(r->dev_grads, b, d);
+        }
     }
     for (Py_ssize_t i = 0; i < np; i++) {
         bucket_of[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pb, i));
@@ -868,6 +846,8 @@ static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
     Py_VISIT(r->views);
     Py_VISIT(r->bucket_tensors);
     Py_VISIT(r->device_buckets);
+    Py_VISIT(r->host_grads);
+    Py_VISIT(r->dev_grads);
     Py_VISIT(r->queue_callback);
     return 0;
 }
@@ -904,7 +884,6 @@ static void reducer_dealloc(reducer_t *r)
     free(r->version);
     free(r->delivered);
     free(r->after);
-    free(r->bucket_numel);
     for (size_t b = 0; r->stage_event && b < r->n_buckets; b++) Py_CLEAR(r->stage_event[b]);
     free(r->stage_event);
     free(r->copy_issued);
@@ -912,6 +891,8 @@ static void reducer_dealloc(reducer_t *r)
     reducer_clear(r);
     Py_CLEAR(r->bucket_tensors);
     Py_CLEAR(r->device_buckets);
+    Py_CLEAR(r->host_grads);
+    Py_CLEAR(r->dev_grads);
     Py_CLEAR(r->comm);
     Py_CLEAR(r->module);
     tp->tp_free((PyObject *)r);
@@ -1030,7 +1011,10 @@ int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st)
         str_detach = PyUnicode_InternFromString("detach");
         str_finalize = PyUnicode_InternFromString("_finalize_backward");
         str_version = PyUnicode_InternFromString("_version");
-        if (!str_grad || !str_copy_ || !str_detach || !str_finalize || !str_version) return -1;
+        kw_non_blocking = Py_BuildValue("(s)", "non_blocking");
+        if (!str_grad || !str_copy_ || !str_detach || !str_finalize || !str_version ||
+            !kw_non_blocking)
+            return -1;
     }
     st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
     if (st->reducer_type == NULL || PyModule_AddType(module, st->reducer_type) < 0) return -1;

@@ -32,18 +32,14 @@ class Setting:
     doc: str
 
 
-def _positive_float(raw: str) -> float:
-    value = float(raw)
-    if not value > 0:
-        raise ValueError
-    return value
-
-
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise ValueError
-    return value
+def _positive(kind: type) -> Callable[[str], Any]:
+    """A parser of positive numbers of `kind` (int or float)."""
+    def parse(raw: str):
+        value = kind(raw)
+        if not value > 0:
+            raise ValueError
+        return value
+    return parse
 
 
 def _flag(raw: str) -> bool:
@@ -68,14 +64,14 @@ def _text(raw: str) -> str:
 
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in (
-    Setting("MPIDP_TIMEOUT", 1800.0, _positive_float, "a positive number of seconds",
+    Setting("MPIDP_TIMEOUT", 1800.0, _positive(float), "a positive number of seconds",
             "seconds any wait on a collective may take before it is reported as stuck"),
     Setting("MPIDP_ON_TIMEOUT", "abort", _choice("abort", "raise"), "'abort' or 'raise'",
             "abort: print what was pending and abort the job; raise: raise mpidp.CommTimeout"),
     Setting("MPIDP_ABORT_ON_EXCEPTION", True, _flag, "0 or 1",
             "1: an uncaught exception on any rank aborts the whole job instead of leaving the "
             "others waiting"),
-    Setting("MPIDP_RANKS_PER_NODE", None, _positive_int, "a positive integer",
+    Setting("MPIDP_RANKS_PER_NODE", None, _positive(int), "a positive integer",
             "split the ranks into 'nodes' of k consecutive ranks (emulate several nodes on one "
             "machine); unset: the machine's real nodes"),
     # The extension chooses its kernels when it loads, before any Python code
@@ -90,7 +86,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_CHECK", False, _flag, "0 or 1",
             "1: compare parameter checksums across ranks every MPIDP_CHECK_EVERY training "
             "steps and raise when they drifted apart"),
-    Setting("MPIDP_CHECK_EVERY", 100, _positive_int, "a positive integer",
+    Setting("MPIDP_CHECK_EVERY", 100, _positive(int), "a positive integer",
             "training steps between MPIDP_CHECK comparisons"),
     Setting("MPIDP_DP_STAGING", False, _flag, "0 or 1",
             "1: DataParallel reduces CPU gradients through the staging buckets GPU gradients "
