@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 import mpidp
-from mpidp import _C
+from mpidp import _C, kernels
 
 
 def load_average() -> str:
@@ -132,11 +132,11 @@ def main_cuda(args) -> int:
         cases += [
             (f"fp32->{d}", f"torch .to({d})", lambda dt=dt: src32.to(dt), 6 * n, None),
             (f"fp32->{d}", "torch copy_", lambda d=d: dst16[d].copy_(src32), 6 * n, None),
-            (f"fp32->{d}", "mpidp cuda", lambda d=d: _C.pack(dst16[d], src32), 6 * n, None),
+            (f"fp32->{d}", "mpidp cuda", lambda d=d: kernels.pack(dst16[d], src32), 6 * n, None),
             (f"{d}->fp32", "torch copy_", lambda d=d: out32.copy_(h[d]), 6 * n, None),
-            (f"{d}->fp32", "mpidp cuda", lambda d=d: _C.unpack(out32, h[d]), 6 * n, None),
+            (f"{d}->fp32", "mpidp cuda", lambda d=d: kernels.unpack(out32, h[d]), 6 * n, None),
             (f"sum {d}", "torch add_", lambda io=inout, d=d: io.add_(other[d]), 6 * n, None),
-            (f"sum {d}", "mpidp cuda", lambda io=inout, d=d: _C.sum16(io, other[d]), 6 * n, None),
+            (f"sum {d}", "mpidp cuda", lambda io=inout, d=d: kernels.sum16(io, other[d]), 6 * n, None),
         ]
     medians = run_interleaved_cuda([(fn, before) for *_, fn, _, before in cases], args.reps,
                                    args.batch)
@@ -147,14 +147,14 @@ def main_cuda(args) -> int:
     def torch_ref(op):
         return gbps[(op, "torch add_" if op.startswith("sum") else "torch copy_")]
 
-    kernels = [(op, v) for op, impl, v in rows if impl == "mpidp cuda"]
+    mpidp_rows = [(op, v) for op, impl, v in rows if impl == "mpidp cuda"]
     if args.json:
         out = {"device": torch.cuda.get_device_name(dev), "mib": args.mib, "reps": args.reps,
                "batch": args.batch, "d2d_copy_GBps": copy,
                "torch_to_bf16_GBps": gbps[("fp32->bf16", "torch .to(bf16)")],
-               "kernels_GBps": {op: v for op, v in kernels},
-               "kernels_x_d2d_copy": {op: v / copy for op, v in kernels},
-               "kernels_x_torch": {op: v / torch_ref(op) for op, v in kernels},
+               "kernels_GBps": {op: v for op, v in mpidp_rows},
+               "kernels_x_d2d_copy": {op: v / copy for op, v in mpidp_rows},
+               "kernels_x_torch": {op: v / torch_ref(op) for op, v in mpidp_rows},
                "all": {f"{op} | {impl}": v for op, impl, v in rows}}
         print(json.dumps(out))
         return 0
@@ -165,7 +165,7 @@ def main_cuda(args) -> int:
     for op, impl, v in rows:
         vs_torch = "" if op == "copy" else f"{v / torch_ref(op):8.2f}"
         print(f"{op:<11} {impl:<24} {v:8.1f} {v / copy:11.2f} {vs_torch:>8}")
-    worst = min(kernels, key=lambda kv: kv[1])
+    worst = min(mpidp_rows, key=lambda kv: kv[1])
     print(f"\nslowest kernel: {worst[0]} at {worst[1] / copy:.2f}x the device-to-device copy "
           f"(goal >= 0.8); fp32->bf16 {gbps[('fp32->bf16', 'mpidp cuda')] / copy:.2f}x copy, "
           f"{gbps[('fp32->bf16', 'mpidp cuda')] / gbps[('fp32->bf16', 'torch .to(bf16)')]:.2f}x "
@@ -225,11 +225,11 @@ def main() -> int:
                 before=lambda dt=dt: inout[dt].copy_(pristine[dt]))
         for path in _C.simd_paths():
             measure(f"fp32->{d}", f"mpidp {path}",
-                    lambda dt=dt, p=path: _C.pack(dst16[dt], src32, path=p), 6 * n)
+                    lambda dt=dt, p=path: kernels.pack(dst16[dt], src32, path=p), 6 * n)
             measure(f"{d}->fp32", f"mpidp {path}",
-                    lambda dt=dt, p=path: _C.unpack(out32, h[dt], path=p), 6 * n)
+                    lambda dt=dt, p=path: kernels.unpack(out32, h[dt], path=p), 6 * n)
             measure(f"sum {d}", f"mpidp {path}",
-                    lambda dt=dt, p=path: _C.sum16(inout[dt], other[dt], path=p), 6 * n,
+                    lambda dt=dt, p=path: kernels.sum16(inout[dt], other[dt], path=p), 6 * n,
                     before=lambda dt=dt: inout[dt].copy_(pristine[dt]))
 
     medians = run_interleaved([(fn, before) for _, _, fn, _, before in cases], args.reps)

@@ -3,7 +3,7 @@
 mpidp/cuda.h promises the same bits as the CPU reference (csrc/core/pack_ref.c)
 for every input, NaNs included (both write canonical NaNs), so a GPU rank and
 a CPU rank put identical data on the wire. Each test runs a kernel through
-mpidp._C.pack / unpack / sum16 on CUDA tensors and the same call with
+mpidp.kernels.pack / unpack / sum16 on CUDA tensors and the same call with
 path="ref" on CPU copies of the same inputs, and compares whole buffers:
 special values, random bit patterns, odd lengths, views at element offsets
 1..3 (which also turns the kernels' vector accesses off) with guard elements
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpidp import _C
+from mpidp import _C, kernels
 from test_kernels import (ABC, HALF_IDS, HALVES, LENGTHS, OFFSETS, all_16_bits, bits,
                           random_16_bits, random_f32_bits, realistic_f32, special_16,
                           special_f32)
@@ -55,9 +55,9 @@ def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def pack_both(src, ref, scale, dtype):
     want = torch.empty(src.shape, dtype=dtype)
-    _C.pack(want, src, ref, scale, path="ref")
+    kernels.pack(want, src, ref, scale, path="ref")
     got = torch.empty(src.shape, dtype=dtype, device=DEV)
-    _C.pack(got, src.to(DEV), None if ref is None else ref.to(DEV), scale)
+    kernels.pack(got, src.to(DEV), None if ref is None else ref.to(DEV), scale)
     return got, want
 
 
@@ -100,9 +100,9 @@ def test_unpack(src_dtype, with_ref, a, b, c):
     dst0 = torch.cat([special_f32(), random_f32_bits(n, 5)])[:n].flip(0).contiguous()
     ref = torch.cat([random_f32_bits(n - len(special_f32()), 6), special_f32()]) if with_ref else None
     want = dst0.clone()
-    _C.unpack(want, src, ref, a, b, c, path="ref")
+    kernels.unpack(want, src, ref, a, b, c, path="ref")
     got = dst0.to(DEV)
-    _C.unpack(got, src.to(DEV), None if ref is None else ref.to(DEV), a, b, c)
+    kernels.unpack(got, src.to(DEV), None if ref is None else ref.to(DEV), a, b, c)
     assert_bitwise(got, want, f"unpack from {src_dtype}, a={a} b={b} c={c}, ref {with_ref}")
 
 
@@ -114,17 +114,17 @@ def test_sum16(dtype):
     y = torch.cat([random_16_bits(1 << 16, 8, dtype), every.flip(0),
                    random_16_bits(1 << 20, 9, dtype), sp.repeat(len(sp))])
     want = y.clone()
-    _C.sum16(want, x, path="ref")
+    kernels.sum16(want, x, path="ref")
     got = y.to(DEV)
-    _C.sum16(got, x.to(DEV))
+    kernels.sum16(got, x.to(DEV))
     assert_bitwise(got, want, f"sum16 {dtype}")
 
 
 @kernels_run
 def test_empty_tensors_launch_nothing():
-    _C.pack(torch.empty(0, dtype=torch.bfloat16, device=DEV), torch.empty(0, device=DEV))
-    _C.unpack(torch.empty(0, device=DEV), torch.empty(0, dtype=torch.float16, device=DEV))
-    _C.sum16(torch.empty(0, dtype=torch.bfloat16, device=DEV),
+    kernels.pack(torch.empty(0, dtype=torch.bfloat16, device=DEV), torch.empty(0, device=DEV))
+    kernels.unpack(torch.empty(0, device=DEV), torch.empty(0, dtype=torch.float16, device=DEV))
+    kernels.sum16(torch.empty(0, dtype=torch.bfloat16, device=DEV),
              torch.empty(0, dtype=torch.bfloat16, device=DEV))
     torch.cuda.synchronize()
 
@@ -159,18 +159,18 @@ def run_views(kind, dt, params, n, off, device, path):
         dbuf, d = view(lambda m: r16(m, seed), 0)
         sbuf, s = view(lambda m: r32(m, seed + 1), 1)
         r = view(lambda m: r32(m, seed + 2), 2)[1] if with_ref else None
-        _C.pack(d, s, r, scale, **kw)
+        kernels.pack(d, s, r, scale, **kw)
         return [dbuf, sbuf]
     if kind == "unpack":
         a, b, c, with_ref = params
         dbuf, d = view(lambda m: r32(m, seed), 0)
         sbuf, s = view(lambda m: r32(m, seed + 1) if dt == torch.float32 else r16(m, seed + 1), 1)
         r = view(lambda m: r32(m, seed + 2), 2)[1] if with_ref else None
-        _C.unpack(d, s, r, a, b, c, **kw)
+        kernels.unpack(d, s, r, a, b, c, **kw)
         return [dbuf, sbuf]
     ibuf, io = view(lambda m: r16(m, seed), 0)
     sbuf, s = view(lambda m: r16(m, seed + 1), 1)
-    _C.sum16(io, s, **kw)
+    kernels.sum16(io, s, **kw)
     return [ibuf, sbuf]
 
 
@@ -208,7 +208,7 @@ def test_non_default_stream(how):
     n = (1 << 20) + 7
     values = random_f32_bits(n, 11)
     want = torch.empty(n, dtype=torch.bfloat16)
-    _C.pack(want, values, path="ref")
+    kernels.pack(want, values, path="ref")
     values_dev = values.to(DEV)
     src = torch.zeros(n, device=DEV)
     dst = torch.zeros(n, dtype=torch.bfloat16, device=DEV)
@@ -219,9 +219,9 @@ def test_non_default_stream(how):
         torch.cuda._sleep(200_000_000)  # on the order of 0.1 s of GPU time
         src.copy_(values_dev)
         if how == "current-stream":
-            _C.pack(dst, src)  # stream=None: torch's current stream, s
+            kernels.pack(dst, src)  # stream=None: torch's current stream, s
     if how == "explicit-handle":
-        _C.pack(dst, src, stream=s.cuda_stream)  # the current stream is the default one here
+        kernels.pack(dst, src, stream=s.cuda_stream)  # the current stream is the default one here
     s.synchronize()
     assert_bitwise(dst, want, f"pack on a side stream ({how})")
     # And the merge back on that stream, ordered after the pack.
@@ -229,30 +229,30 @@ def test_non_default_stream(how):
     torch.cuda.synchronize()  # the fill ran on the default stream
     with torch.cuda.stream(s):
         torch.cuda._sleep(50_000_000)
-        _C.unpack(out, dst, stream=s.cuda_stream)
+        kernels.unpack(out, dst, stream=s.cuda_stream)
     s.synchronize()
     want_out = torch.empty(n)
-    _C.unpack(want_out, want, path="ref")
+    kernels.unpack(want_out, want, path="ref")
     assert_bitwise(out, want_out, "unpack on a side stream")
 
 
 @kernels_run
 def test_mixing_devices_is_a_value_error():
     with pytest.raises(ValueError, match=r"pack: dst is on cuda:\d+ but src is on cpu"):
-        _C.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(4))
+        kernels.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(4))
     with pytest.raises(ValueError, match=r"unpack: dst is on cpu but src is on cuda:\d+"):
-        _C.unpack(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16, device=DEV))
+        kernels.unpack(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(ValueError, match=r"pack: dst is on cuda:\d+ but ref is on cpu"):
-        _C.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(4, device=DEV),
+        kernels.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(4, device=DEV),
                 torch.zeros(4))
     with pytest.raises(ValueError, match=r"path: selects a CPU kernel path"):
-        _C.sum16(torch.zeros(4, dtype=torch.bfloat16, device=DEV),
+        kernels.sum16(torch.zeros(4, dtype=torch.bfloat16, device=DEV),
                  torch.zeros(4, dtype=torch.bfloat16, device=DEV), path="ref")
     with pytest.raises(TypeError, match=r"stream: expected an int"):
-        _C.sum16(torch.zeros(4, dtype=torch.bfloat16, device=DEV),
+        kernels.sum16(torch.zeros(4, dtype=torch.bfloat16, device=DEV),
                  torch.zeros(4, dtype=torch.bfloat16, device=DEV), stream=torch.cuda.current_stream())
     with pytest.raises(ValueError, match=r"contiguous"):
-        _C.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(8, device=DEV)[::2])
+        kernels.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(8, device=DEV)[::2])
 
 
 @kernels_run
@@ -260,19 +260,19 @@ def test_mixing_devices_is_a_value_error():
 def test_tensors_on_another_device_than_the_current_one():
     values = random_f32_bits(10007, 12)
     want = torch.empty(10007, dtype=torch.float16)
-    _C.pack(want, values, path="ref")
+    kernels.pack(want, values, path="ref")
     with torch.cuda.device(0):
         dst = torch.empty(10007, dtype=torch.float16, device="cuda:1")
-        _C.pack(dst, values.to("cuda:1"))
+        kernels.pack(dst, values.to("cuda:1"))
         assert torch.cuda.current_device() == 0, "the call must restore the current device"
         torch.cuda.synchronize(1)
         assert_bitwise(dst, want, "pack on cuda:1 with cuda:0 current")
         with pytest.raises(ValueError, match=r"sum16: inout is on cuda:0 but src is on cuda:1"):
-            _C.sum16(torch.zeros(4, dtype=torch.bfloat16, device="cuda:0"),
+            kernels.sum16(torch.zeros(4, dtype=torch.bfloat16, device="cuda:0"),
                      torch.zeros(4, dtype=torch.bfloat16, device="cuda:1"))
 
 
 @pytest.mark.skipif(_C.cuda_available(), reason="mpidp's CUDA kernels run here")
 def test_without_usable_cuda_kernels_calls_fail_cleanly():
     with pytest.raises((NotImplementedError, RuntimeError), match=r"pack: .*(without CUDA|CUDA|cuda)"):
-        _C.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(4, device=DEV))
+        kernels.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(4, device=DEV))

@@ -1,4 +1,4 @@
-"""The bf16/fp16 conversion kernels (mpidp._C.pack / unpack / sum16) on the CPU.
+"""The bf16/fp16 conversion kernels (mpidp.kernels.pack / unpack / sum16) on the CPU.
 
 Single-process tests (marked `serial`: they run once, in the 1-rank pass):
   - the reference path ("ref") against torch: the casts of Tensor.to(bfloat16 /
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import mpidp
-from mpidp import _C
+from mpidp import _C, kernels
 from mpi_jobs import ROOT, clean_env
 
 pytestmark = pytest.mark.serial
@@ -173,13 +173,13 @@ def pack_inputs(seed: int) -> torch.Tensor:
 def test_pack_ref_matches_torch_cast(dtype):
     src = pack_inputs(1)
     dst = torch.empty(src.shape, dtype=dtype)
-    _C.pack(dst, src, path="ref")
+    kernels.pack(dst, src, path="ref")
     assert_matches_torch(dst, src.to(dtype), [src], f"pack to {dtype}")
     # torch's scalar (non-vectorised) cast too: element by element for the specials.
     sp = special_f32()
     one = torch.empty(1, dtype=dtype)
     for i in range(len(sp)):
-        _C.pack(one, sp[i:i + 1], path="ref")
+        kernels.pack(one, sp[i:i + 1], path="ref")
         assert_matches_torch(one, sp[i:i + 1].to(dtype), [sp[i:i + 1]], f"pack to {dtype}, scalar")
 
 
@@ -187,7 +187,7 @@ def test_pack_ref_matches_torch_cast(dtype):
 def test_unpack_ref_matches_torch_widening(dtype):
     src = all_16_bits(dtype)
     dst = torch.full(src.shape, 12345.0)
-    _C.unpack(dst, src, path="ref")
+    kernels.unpack(dst, src, path="ref")
     assert_matches_torch(dst, src.to(torch.float32), [src], f"unpack from {dtype}")
 
 
@@ -202,7 +202,7 @@ def test_sum16_ref_matches_widen_add_round(dtype):
                    sp.repeat(len(sp))])
     want = (y.float() + x.float()).to(dtype)
     inout = y.clone()
-    _C.sum16(inout, x, path="ref")
+    kernels.sum16(inout, x, path="ref")
     assert_matches_torch(inout, want, [y, x], f"sum16 {dtype}")
 
 
@@ -225,7 +225,7 @@ def test_fused_pack_matches_torch_order(dtype, with_ref, scale):
         t = t * f32(scale)
     want = t.to(dtype)
     dst = torch.empty(src.shape, dtype=dtype)
-    _C.pack(dst, src, ref, scale, path="ref")
+    kernels.pack(dst, src, ref, scale, path="ref")
     assert_matches_torch(dst, want, [src] + ([ref] if with_ref else []),
                          f"pack to {dtype}, scale {scale}, ref {with_ref}")
 
@@ -255,7 +255,7 @@ def test_fused_unpack_matches_torch_order(src_dtype, with_ref, a, b, c):
     if ref is not None:
         t = t + (ref * f32(c))
     dst = dst0.clone()
-    _C.unpack(dst, src, ref, a, b, c, path="ref")
+    kernels.unpack(dst, src, ref, a, b, c, path="ref")
     assert_matches_torch(dst, t, [src, dst0] + ([ref] if with_ref else []),
                          f"unpack from {src_dtype}, a={a} b={b} c={c}, ref {with_ref}")
 
@@ -263,9 +263,9 @@ def test_fused_unpack_matches_torch_order(src_dtype, with_ref, a, b, c):
 def test_unpack_with_a_zero_ignores_dst():
     src = realistic_f32(1000, 12).to(torch.bfloat16)
     want = torch.empty(1000)
-    _C.unpack(want, src, path="ref")
+    kernels.unpack(want, src, path="ref")
     dst = torch.full((1000,), float("nan"))
-    _C.unpack(dst, src, path="ref")
+    kernels.unpack(dst, src, path="ref")
     assert torch.equal(bits(dst), bits(want))
 
 
@@ -312,18 +312,18 @@ def run_case(kind, dt, with_ref, params, n, off, seed, path, dst_seed):
         dbuf, d = buf(lambda m: random_16_bits(m, dst_seed, dt), 0)
         sbuf, s_ = buf(lambda m: rnd32(m, seed), 1)
         rbuf, r = buf(lambda m: rnd32(m, seed + 1), 2) if with_ref else (None, None)
-        _C.pack(d, s_, r, params[0], path=path)
+        kernels.pack(d, s_, r, params[0], path=path)
         return [dbuf, sbuf] + ([rbuf] if with_ref else [])
     if kind == "unpack":
         dbuf, d = buf(lambda m: rnd32(m, dst_seed), 0)
         sbuf, s_ = buf(lambda m: (rnd32(m, seed) if dt == torch.float32 else rnd16(m, seed)), 1)
         rbuf, r = buf(lambda m: rnd32(m, seed + 1), 2) if with_ref else (None, None)
         a, b, c = params
-        _C.unpack(d, s_, r, a, b, c, path=path)
+        kernels.unpack(d, s_, r, a, b, c, path=path)
         return [dbuf, sbuf] + ([rbuf] if with_ref else [])
     ibuf, io = buf(lambda m: rnd16(m, dst_seed), 0)
     sbuf, s_ = buf(lambda m: rnd16(m, seed), 1)
-    _C.sum16(io, s_, path=path)
+    kernels.sum16(io, s_, path=path)
     return [ibuf, sbuf]
 
 
@@ -438,36 +438,36 @@ def read_only_f32():
 
 
 BAD_CALLS = [
-    ("pack dst fp32", lambda: _C.pack(f(), f()), TypeError, r"dst: unexpected dtype float32"),
-    ("pack src bf16", lambda: _C.pack(bf(), bf()), TypeError, r"src: unexpected dtype bfloat16"),
-    ("pack ref fp16", lambda: _C.pack(bf(), f(), fp()), TypeError, r"ref: unexpected dtype float16"),
-    ("pack int dst", lambda: _C.pack(torch.zeros(4, dtype=torch.int16), f()), TypeError, r"dst: .*int16"),
-    ("pack list", lambda: _C.pack([0.0], f()), TypeError, r"dst: expected a tensor"),
-    ("pack sizes", lambda: _C.pack(bf(3), f(4)), ValueError, r"pack: tensors differ in size"),
-    ("pack ref size", lambda: _C.pack(bf(4), f(4), f(5)), ValueError, r"pack: tensors differ in size"),
-    ("pack strided src", lambda: _C.pack(bf(4), f(8)[::2]), ValueError, r"src: .*contiguous"),
-    ("pack requires grad", lambda: _C.pack(bf(), torch.zeros(4, requires_grad=True)), ValueError,
+    ("pack dst fp32", lambda: kernels.pack(f(), f()), TypeError, r"dst: unexpected dtype float32"),
+    ("pack src bf16", lambda: kernels.pack(bf(), bf()), TypeError, r"src: unexpected dtype bfloat16"),
+    ("pack ref fp16", lambda: kernels.pack(bf(), f(), fp()), TypeError, r"ref: unexpected dtype float16"),
+    ("pack int dst", lambda: kernels.pack(torch.zeros(4, dtype=torch.int16), f()), TypeError, r"dst: .*int16"),
+    ("pack list", lambda: kernels.pack([0.0], f()), TypeError, r"dst: expected a tensor"),
+    ("pack sizes", lambda: kernels.pack(bf(3), f(4)), ValueError, r"pack: tensors differ in size"),
+    ("pack ref size", lambda: kernels.pack(bf(4), f(4), f(5)), ValueError, r"pack: tensors differ in size"),
+    ("pack strided src", lambda: kernels.pack(bf(4), f(8)[::2]), ValueError, r"src: .*contiguous"),
+    ("pack requires grad", lambda: kernels.pack(bf(), torch.zeros(4, requires_grad=True)), ValueError,
      r"src: .*gradient"),
-    ("pack scale str", lambda: _C.pack(bf(), f(), scale="2"), TypeError, r"scale: expected a real number"),
-    ("pack path int", lambda: _C.pack(bf(), f(), path=2), TypeError, r"path: expected a str"),
-    ("pack path unknown", lambda: _C.pack(bf(), f(), path="sse9"), ValueError, r"path: .*sse9"),
-    ("pack stream on cpu", lambda: _C.pack(bf(), f(), stream=0), ValueError, r"stream: only CUDA"),
-    ("pack unknown kw", lambda: _C.pack(bf(), f(), scal=2.0), TypeError, r"scal"),
-    ("unpack dst bf16", lambda: _C.unpack(bf(), bf()), TypeError, r"dst: unexpected dtype bfloat16"),
-    ("unpack src f64", lambda: _C.unpack(f(), torch.zeros(4, dtype=torch.float64)), TypeError,
+    ("pack scale str", lambda: kernels.pack(bf(), f(), scale="2"), TypeError, r"scale: expected a real number"),
+    ("pack path int", lambda: kernels.pack(bf(), f(), path=2), TypeError, r"path: expected a str"),
+    ("pack path unknown", lambda: kernels.pack(bf(), f(), path="sse9"), ValueError, r"path: .*sse9"),
+    ("pack stream on cpu", lambda: kernels.pack(bf(), f(), stream=0), ValueError, r"stream: only CUDA"),
+    ("pack unknown kw", lambda: kernels.pack(bf(), f(), scal=2.0), TypeError, r"scal"),
+    ("unpack dst bf16", lambda: kernels.unpack(bf(), bf()), TypeError, r"dst: unexpected dtype bfloat16"),
+    ("unpack src f64", lambda: kernels.unpack(f(), torch.zeros(4, dtype=torch.float64)), TypeError,
      r"src: unexpected dtype float64"),
-    ("unpack read-only dst", lambda: _C.unpack(read_only_f32(), bf()), ValueError, r"dst: .*writable"),
-    ("unpack a str", lambda: _C.unpack(f(), bf(), a="x"), TypeError, r"a: expected a real number"),
-    ("unpack b None", lambda: _C.unpack(f(), bf(), b=None), TypeError, r"b: expected a real number"),
-    ("unpack c list", lambda: _C.unpack(f(), bf(), f(), c=[1]), TypeError, r"c: expected a real number"),
-    ("unpack sizes", lambda: _C.unpack(f(5), bf(4)), ValueError, r"unpack: tensors differ in size"),
-    ("unpack stream on cpu", lambda: _C.unpack(f(), bf(), stream=1), ValueError, r"stream: only CUDA"),
-    ("sum16 mixed dtypes", lambda: _C.sum16(bf(), fp()), TypeError,
+    ("unpack read-only dst", lambda: kernels.unpack(read_only_f32(), bf()), ValueError, r"dst: .*writable"),
+    ("unpack a str", lambda: kernels.unpack(f(), bf(), a="x"), TypeError, r"a: expected a real number"),
+    ("unpack b None", lambda: kernels.unpack(f(), bf(), b=None), TypeError, r"b: expected a real number"),
+    ("unpack c list", lambda: kernels.unpack(f(), bf(), f(), c=[1]), TypeError, r"c: expected a real number"),
+    ("unpack sizes", lambda: kernels.unpack(f(5), bf(4)), ValueError, r"unpack: tensors differ in size"),
+    ("unpack stream on cpu", lambda: kernels.unpack(f(), bf(), stream=1), ValueError, r"stream: only CUDA"),
+    ("sum16 mixed dtypes", lambda: kernels.sum16(bf(), fp()), TypeError,
      r"sum16: inout and src must have the same dtype"),
-    ("sum16 fp32", lambda: _C.sum16(f(), f()), TypeError, r"inout: unexpected dtype float32"),
-    ("sum16 sizes", lambda: _C.sum16(bf(4), bf(3)), ValueError, r"sum16: tensors differ in size"),
-    ("sum16 path unknown", lambda: _C.sum16(bf(), bf(), path="x86"), ValueError, r"path: "),
-    ("sum16 missing arg", lambda: _C.sum16(bf()), TypeError, r"src"),
+    ("sum16 fp32", lambda: kernels.sum16(f(), f()), TypeError, r"inout: unexpected dtype float32"),
+    ("sum16 sizes", lambda: kernels.sum16(bf(4), bf(3)), ValueError, r"sum16: tensors differ in size"),
+    ("sum16 path unknown", lambda: kernels.sum16(bf(), bf(), path="x86"), ValueError, r"path: "),
+    ("sum16 missing arg", lambda: kernels.sum16(bf()), TypeError, r"src"),
 ]
 
 
@@ -481,13 +481,13 @@ def test_path_the_cpu_lacks_names_the_instruction_set():
     for path in ("avx2", "avx512", "avx512_bf16"):
         if not cpu_has(path):
             with pytest.raises(ValueError, match=r"path: .*(lacks|no).*"):
-                _C.pack(bf(), f(), path=path)
+                kernels.pack(bf(), f(), path=path)
 
 
 def test_numpy_arrays_are_accepted():
     src = np.linspace(-3, 3, 11, dtype=np.float32)
     dst = np.zeros(11, np.float32)
-    _C.unpack(dst, src, None, 0.0, 2.0)
+    kernels.unpack(dst, src, None, 0.0, 2.0)
     assert np.array_equal(dst, 2 * src)
 
 
@@ -559,13 +559,13 @@ no_cuda_kernels = pytest.mark.skipif(
 @no_cuda_kernels
 @pytest.mark.parametrize("stream", [None, 0])
 @pytest.mark.parametrize("call,kernel", [
-    (lambda s: _C.pack(cuda(bf()), cuda(f()), stream=s), "pack_bf16"),
-    (lambda s: _C.pack(cuda(fp()), cuda(f()), cuda(f()), 0.5, stream=s), "pack_fp16"),
-    (lambda s: _C.unpack(cuda(f()), cuda(bf()), stream=s), "unpack_bf16"),
-    (lambda s: _C.unpack(cuda(f()), cuda(fp()), None, 1.0, stream=s), "unpack_fp16"),
-    (lambda s: _C.unpack(cuda(f()), cuda(f()), cuda(f()), 0.5, 0.5, 1.0, stream=s), "merge_f32"),
-    (lambda s: _C.sum16(cuda(bf()), cuda(bf()), stream=s), "sum_bf16"),
-    (lambda s: _C.sum16(cuda(fp()), cuda(fp()), stream=s), "sum_fp16"),
+    (lambda s: kernels.pack(cuda(bf()), cuda(f()), stream=s), "pack_bf16"),
+    (lambda s: kernels.pack(cuda(fp()), cuda(f()), cuda(f()), 0.5, stream=s), "pack_fp16"),
+    (lambda s: kernels.unpack(cuda(f()), cuda(bf()), stream=s), "unpack_bf16"),
+    (lambda s: kernels.unpack(cuda(f()), cuda(fp()), None, 1.0, stream=s), "unpack_fp16"),
+    (lambda s: kernels.unpack(cuda(f()), cuda(f()), cuda(f()), 0.5, 0.5, 1.0, stream=s), "merge_f32"),
+    (lambda s: kernels.sum16(cuda(bf()), cuda(bf()), stream=s), "sum_bf16"),
+    (lambda s: kernels.sum16(cuda(fp()), cuda(fp()), stream=s), "sum_fp16"),
 ], ids=["pack_bf16", "pack_fp16", "unpack_bf16", "unpack_fp16", "merge_f32", "sum_bf16", "sum_fp16"])
 def test_cuda_tensors_reach_the_cuda_kernels(call, kernel, stream):
     with pytest.raises((NotImplementedError, RuntimeError)) as info:
@@ -579,24 +579,24 @@ def test_cuda_tensors_reach_the_cuda_kernels(call, kernel, stream):
 
 
 FAKE_BAD_CALLS = [
-    ("cuda dst, cpu src", lambda: _C.pack(cuda(bf()), f()), ValueError,
+    ("cuda dst, cpu src", lambda: kernels.pack(cuda(bf()), f()), ValueError,
      r"pack: dst is on cuda:0 but src is on cpu"),
-    ("cpu dst, cuda src", lambda: _C.unpack(f(), cuda(bf())), ValueError,
+    ("cpu dst, cuda src", lambda: kernels.unpack(f(), cuda(bf())), ValueError,
      r"unpack: dst is on cpu but src is on cuda:0"),
-    ("cuda ref on cpu call", lambda: _C.pack(bf(), f(), cuda(f())), ValueError,
+    ("cuda ref on cpu call", lambda: kernels.pack(bf(), f(), cuda(f())), ValueError,
      r"pack: dst is on cpu but ref is on cuda:0"),
-    ("two cuda devices", lambda: _C.sum16(cuda(bf(), 0), cuda(bf(), 1)), ValueError,
+    ("two cuda devices", lambda: kernels.sum16(cuda(bf(), 0), cuda(bf(), 1)), ValueError,
      r"sum16: inout is on cuda:0 but src is on cuda:1"),
-    ("path with cuda", lambda: _C.pack(cuda(bf()), cuda(f()), path="ref"), ValueError,
+    ("path with cuda", lambda: kernels.pack(cuda(bf()), cuda(f()), path="ref"), ValueError,
      r"path: selects a CPU kernel path"),
-    ("stream str", lambda: _C.pack(cuda(bf()), cuda(f()), stream="0"), TypeError,
+    ("stream str", lambda: kernels.pack(cuda(bf()), cuda(f()), stream="0"), TypeError,
      r"stream: expected an int"),
-    ("stream bool", lambda: _C.sum16(cuda(bf()), cuda(bf()), stream=True), TypeError,
+    ("stream bool", lambda: kernels.sum16(cuda(bf()), cuda(bf()), stream=True), TypeError,
      r"stream: expected an int"),
-    ("stream negative", lambda: _C.unpack(cuda(f()), cuda(bf()), stream=-1), ValueError,
+    ("stream negative", lambda: kernels.unpack(cuda(f()), cuda(bf()), stream=-1), ValueError,
      r"stream: expected a cudaStream_t"),
-    ("cuda dtype", lambda: _C.pack(cuda(f()), cuda(f())), TypeError, r"dst: unexpected dtype float32"),
-    ("cuda sizes", lambda: _C.pack(cuda(bf(3)), cuda(f(4))), ValueError, r"tensors differ in size"),
+    ("cuda dtype", lambda: kernels.pack(cuda(f()), cuda(f())), TypeError, r"dst: unexpected dtype float32"),
+    ("cuda sizes", lambda: kernels.pack(cuda(bf(3)), cuda(f(4))), ValueError, r"tensors differ in size"),
 ]
 
 

@@ -10,6 +10,7 @@
 #include "mpidp/allreduce.h"
 #include "mpidp/bucket.h"
 #include "mpidp/checksum.h"
+#include "mpidp/convert.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
@@ -302,7 +303,8 @@ static int module_exec(PyObject *m)
     static const struct { const char *name; int value; } constants[] = {
         {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},
         {"DTYPE_F16", MPIDP_F16}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
-        {"NO_WIRE", -1}};
+        {"NO_WIRE", -1}, {"CONVERT_PACK", MPIDP_CONVERT_PACK},
+        {"CONVERT_UNPACK", MPIDP_CONVERT_UNPACK}, {"CONVERT_SUM16", MPIDP_CONVERT_SUM16}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) return -1;
     if (mpidp_reqtable_create(MPIDP_REQTABLE_CAPACITY, &st->reqs) != MPIDP_OK) {

@@ -14,6 +14,9 @@ DTYPE_F16: int
 OP_SUM: int
 OP_AVG: int
 NO_WIRE: int   # wire_dtype: send tensors in their own dtype
+CONVERT_PACK: int    # convert()'s op codes (mpidp/convert.h)
+CONVERT_UNPACK: int
+CONVERT_SUM16: int
 
 class CommError(RuntimeError):
     rank: int
@@ -120,14 +123,9 @@ class Schedule:
                     max_global_skips: int, skip_reduction_factor: int, local_skip_factor: int,
                     n_groups: int, stability_level: float) -> None: ...
 
-# Kernels (CPU paths and, when built, CUDA).
-def pack(dst: torch.Tensor, src: torch.Tensor, ref: Optional[torch.Tensor] = None,
-         scale: float = 1.0, path: Optional[str] = None, stream: Any = None) -> None: ...
-def unpack(dst: torch.Tensor, src: torch.Tensor, ref: Optional[torch.Tensor] = None,
-           a: float = 0.0, b: float = 1.0, c: float = 0.0, path: Optional[str] = None,
-           stream: Any = None) -> None: ...
-def sum16(inout: torch.Tensor, src: torch.Tensor, path: Optional[str] = None,
-          stream: Any = None) -> None: ...
+# Kernels (CPU paths and, when built, CUDA); mpidp.kernels is the Python API.
+def convert(op: int, dst: Any, src: Any, ref: Any, a: float, b: float, c: float,
+            path: Optional[str], stream: Optional[int]) -> None: ...
 def simd_path() -> str: ...
 def simd_paths() -> Tuple[str, ...]: ...
 def simd_fallback_reason() -> str: ...

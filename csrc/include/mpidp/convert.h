@@ -1,0 +1,48 @@
+/* One entry point for the conversion kernels on any device.
+ *
+ * mpidp_convert runs one of the three public conversions on checked tensors
+ * (mpidp/tensor.h), choosing the kernels by where the tensors live: host
+ * memory (CPU or pinned) runs a SIMD table of mpidp/pack.h, CUDA memory the
+ * kernels of mpidp/cuda.h on `stream`. The caller (the glue) only borrows the
+ * tensors; which operand may have which dtype, that the sizes agree and that
+ * every tensor is on one device are decided here, so every binding gets the
+ * same rules and messages.
+ *
+ *   MPIDP_CONVERT_PACK    dst (bf16/fp16) = half(a * (src - ref)),   src, ref fp32
+ *   MPIDP_CONVERT_UNPACK  dst (fp32) = a*dst + b*widen(src) + c*ref,  src bf16/fp16/fp32
+ *   MPIDP_CONVERT_SUM16   dst = half(widen(dst) + widen(src)),       dst, src one half type
+ *
+ * (pack's scale is `a`; sum16 ignores a, b, c and ref must be NULL.) The
+ * formulas, rounding and operation order are those of mpidp/pack.h. */
+#ifndef MPIDP_CONVERT_H
+#define MPIDP_CONVERT_H
+
+#include "mpidp/pack.h"
+#include "mpidp/tensor.h"
+
+typedef enum {
+    MPIDP_CONVERT_PACK = 0,
+    MPIDP_CONVERT_UNPACK = 1,
+    MPIDP_CONVERT_SUM16 = 2,
+} mpidp_convert_op_t;
+
+/* The operation's name ("pack", "unpack", "sum16"), or NULL for an unknown op. */
+const char *mpidp_convert_name(int op);
+
+/* Runs `op`. ref may be NULL (no reference term). host: the SIMD table for
+ * host tensors (NULL: the chosen one, mpidp_pack_kernels()); it must be NULL
+ * for CUDA tensors. stream: the cudaStream_t for CUDA tensors (NULL is the
+ * legacy default stream); it must be NULL for host tensors. CUDA work is only
+ * enqueued, on the caller's current device, which must be the tensors'.
+ *
+ * Fails, before touching any memory, with MPIDP_EDTYPE (an operand's dtype,
+ * named: "dst: unexpected dtype float32"), MPIDP_EINVAL (sizes differ, dst
+ * read-only, unknown op, a host table with CUDA tensors or a stream with host
+ * ones), MPIDP_EDEVICE (tensors on different devices, both named); CUDA
+ * launches fail as in mpidp/cuda.h (MPIDP_ECUDA, or MPIDP_ENOTSUP built
+ * without CUDA). Thread-safe; takes no lock. */
+int mpidp_convert(int op, const mpidp_tensor_t *dst, const mpidp_tensor_t *src,
+                  const mpidp_tensor_t *ref, float a, float b, float c,
+                  const mpidp_pack_kernels_t *host, void *stream);
+
+#endif /* MPIDP_CONVERT_H */
