@@ -12,41 +12,7 @@
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
-
-typedef struct {
-    mpidp_bucket_info_t info;
-    void *data;            /* numel data elements, then n_params flags */
-    void *comm;            /* what MPI reduces when not the data itself: the data + flags
-                            * packed to the wire dtype, or (separate mode) copied */
-    size_t pending;        /* parameters not yet marked in this pass */
-    int staged_in;         /* staged mode: the caller copied this pass's gradients in */
-    int home;              /* staged mode: the result was copied back */
-    mpidp_bucket_state_t state;
-    mpidp_req_t req;
-} bucket_t;
-
-struct mpidp_reducer {
-    MPI_Comm comm;
-    int size;
-    int divisor;           /* gradients are averaged over this many ranks */
-    mpidp_reqtable_t *reqs;
-    size_t n_params;
-    uint32_t *param_bucket;
-    size_t *param_offset;
-    size_t *param_numel;
-    size_t *param_flag;    /* index of the parameter's flag after the bucket data */
-    uint8_t *ready;
-    size_t n_ready;
-    size_t *bucket_first;  /* n_buckets + 1: bucket b's parameters are members[first[b] .. first[b+1]) */
-    size_t *members;       /* n_params parameter indices, grouped by bucket, in index order */
-    size_t n_buckets;
-    bucket_t *buckets;
-    size_t next_to_post;   /* buckets below this index are posted (or done) */
-    int wire;              /* MPIDP_BF16/MPIDP_F16: float32 buckets travel compressed; -1 */
-    int separate;          /* results stay in bk->comm until delivered */
-    int staged;            /* buckets are posted only once the caller staged them */
-    char name[48];
-};
+#include "reducer_internal.h"
 
 /* A float32 bucket that travels as bf16/fp16. */
 static int bk_compressed(const mpidp_reducer_t *r, const bucket_t *bk)
@@ -72,6 +38,7 @@ static void free_reducer(mpidp_reducer_t *r)
     free(r->members);
     for (size_t b = 0; r->buckets && b < r->n_buckets; b++) free(r->buckets[b].comm);
     free(r->buckets);
+    mpidp__reducer_pass_free(r);
     free(r);
 }
 
@@ -147,6 +114,8 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
 
     mpidp_reducer_t *r = calloc(1, sizeof *r);
     if (r == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer");
+    r->n_params = np;
+    r->n_buckets = nb;
     r->param_bucket = malloc((np ? np : 1) * sizeof *r->param_bucket);
     r->param_offset = malloc((np ? np : 1) * sizeof *r->param_offset);
     r->param_numel = malloc((np ? np : 1) * sizeof *r->param_numel);
@@ -154,7 +123,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->ready = calloc(np ? np : 1, 1);
     r->buckets = calloc(nb ? nb : 1, sizeof *r->buckets);
     if (!r->param_bucket || !r->param_offset || !r->param_numel || !r->param_flag ||
-        !r->ready || !r->buckets) {
+        !r->ready || !r->buckets || mpidp__reducer_pass_alloc(r) != MPIDP_OK) {
         free_reducer(r);
         return mpidp__fail(MPIDP_ENOMEM, "reducer layout for %zu parameters", np);
     }
@@ -166,8 +135,6 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->comm = cfg->comm;
     r->divisor = r->size;
     r->reqs = cfg->reqs;
-    r->n_params = np;
-    r->n_buckets = nb;
     r->wire = cfg->wire_dtype;
     r->separate = cfg->separate != 0;
     r->staged = cfg->staged != 0;
@@ -188,22 +155,6 @@ size_t mpidp_reducer_bucket_params(const mpidp_reducer_t *r, size_t b, const siz
     if (r == NULL || b >= r->n_buckets || params == NULL) return 0;
     *params = r->members + r->bucket_first[b];
     return r->bucket_first[b + 1] - r->bucket_first[b];
-}
-
-mpidp_accum_action_t mpidp_reducer_accumulate_action(int grad_is_view, int cleared, int used,
-                                                     int was_none, int new_grad_arrived)
-{
-    if (!grad_is_view || cleared) return MPIDP_ACCUM_DROP;
-    if (!used && was_none && !new_grad_arrived) return MPIDP_ACCUM_ADD_THEN_NONE;
-    return MPIDP_ACCUM_ADD;
-}
-
-mpidp_after_step_t mpidp_reducer_after_step(int none_at_step, int cleared, int used, int was_none)
-{
-    if (none_at_step) return MPIDP_AFTER_NONE;
-    if (cleared) return MPIDP_AFTER_ZEROED;
-    if (!used && was_none) return MPIDP_AFTER_NONE;
-    return MPIDP_AFTER_VIEW; /* the mean, or the zeros the user kept before backward */
 }
 
 int mpidp_reducer_destroy(mpidp_reducer_t *r)
@@ -540,6 +491,7 @@ int mpidp_reducer_reset(mpidp_reducer_t *r)
     }
     memset(r->ready, 0, r->n_params);
     r->n_ready = 0;
+    mpidp__reducer_pass_clear(r);
     r->next_to_post = 0;
     for (size_t b = 0; b < r->n_buckets; b++) {
         r->buckets[b].pending = r->buckets[b].info.n_params;

@@ -183,6 +183,7 @@ class DataParallel(torch.nn.Module):
                       for p, b, off in zip(params, bucket_of, offset))
         engine = torch.autograd.Variable._execution_engine
         self._params = params
+        self._param_bucket = bucket_of
         self._reducer = _C.Reducer(
             comm=self._c_comm, params=params, views=views, buckets=self._buckets,
             param_bucket=bucket_of, param_offset=offset, bucket_info=infos,
@@ -200,16 +201,15 @@ class DataParallel(torch.nn.Module):
         index = {id(p): i for i, p in enumerate(self._params)}
         n_buckets = self._reducer.n_buckets
         self._bucket_params = [[] for _ in range(n_buckets)]
-        for i in range(len(self._params)):
-            self._bucket_params[self._reducer.bucket_of(i)].append(i)
+        for i, b in enumerate(self._param_bucket):
+            self._bucket_params[b].append(i)
         self._bucket_params = [tuple(ps) for ps in self._bucket_params]
-        self._bucket_done = [True] * n_buckets
         self._subset_sig = None
         for module in self.module.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
             if not own:
                 continue
-            buckets = tuple(sorted({self._reducer.bucket_of(i) for i in own}))
+            buckets = tuple(sorted({self._param_bucket[i] for i in own}))
             self._hook_handles.append(module.register_forward_pre_hook(
                 lambda _m, _args, buckets=buckets: self._apply_buckets(buckets)))
 
@@ -230,7 +230,6 @@ class DataParallel(torch.nn.Module):
         if not self.blocking_parameter_updates and reducer.finalized:
             if self._due:
                 self._applying = True
-                self._bucket_done = [False] * reducer.n_buckets
             else:
                 reducer.complete()  # no step due: gradients accumulate
         try:
@@ -247,15 +246,16 @@ class DataParallel(torch.nn.Module):
     def _apply_buckets(self, buckets) -> None:
         if not self._applying:
             return
+        reducer = self._reducer
         for b in buckets:
-            if self._bucket_done[b]:
+            if not reducer.finalized:
+                break
+            if reducer.stepped(b):
                 continue
-            params = self._bucket_params[b]
-            self._reducer.deliver_for_step(params)
+            reducer.deliver_for_step(b)
             self._step_bucket(b)
-            self._reducer.after_step(params)
-            self._bucket_done[b] = True
-        if all(self._bucket_done):
+            reducer.after_step(b)
+        if not reducer.finalized:  # the last bucket's after_step ended the pass
             self._applying = False
             self._due = False
 
@@ -290,7 +290,6 @@ class DataParallel(torch.nn.Module):
             self._reducer.complete()
         elif self._due:
             self._applying = True
-            self._bucket_done = [False] * self._reducer.n_buckets
             self._apply_buckets(range(self._reducer.n_buckets))
         else:
             self._reducer.complete()

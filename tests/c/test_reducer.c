@@ -8,49 +8,7 @@
 #include "mpidp/tensor.h"
 #include "test.h"
 
-#define NP 4
-
-typedef struct {
-    size_t numel[NP];
-    int dtype[NP];
-    uint32_t bucket[NP];
-    size_t offset[NP];
-    mpidp_bucket_info_t info[NP];
-    size_t nb;
-    float storage[NP][64];
-    void *data[NP];
-    mpidp_reqtable_t *reqs;
-    mpidp_reducer_t *r;
-} fixture_t;
-
-/* Four float32 parameters of 8 elements; 64-byte caps give two buckets:
- * bucket 0 = params 3, 2 and bucket 1 = params 1, 0. */
-static int setup_mode(fixture_t *f, int staged, int separate)
-{
-    memset(f, 0, sizeof *f);
-    for (int i = 0; i < NP; i++) {
-        f->numel[i] = 8;
-        f->dtype[i] = MPIDP_F32;
-    }
-    int rc = mpidp_bucket_plan(f->numel, f->dtype, NP, 64, 64, f->bucket, f->offset, f->info, &f->nb);
-    if (rc) return rc;
-    for (size_t b = 0; b < f->nb; b++) f->data[b] = f->storage[b];
-    if ((rc = mpidp_reqtable_create(16, &f->reqs))) return rc;
-    mpidp_reducer_config_t cfg = {
-        .comm = MPI_COMM_SELF, .reqs = f->reqs, .n_params = NP, .param_bucket = f->bucket,
-        .param_offset = f->offset, .param_numel = f->numel, .n_buckets = f->nb,
-        .buckets = f->info, .bucket_data = f->data, .wire_dtype = -1, .name = "test",
-        .staged = staged, .separate = separate};
-    return mpidp_reducer_create(&cfg, &f->r);
-}
-
-static int setup(fixture_t *f) { return setup_mode(f, 0, 0); }
-
-static void teardown(fixture_t *f)
-{
-    mpidp_reducer_destroy(f->r);
-    mpidp_reqtable_destroy(f->reqs);
-}
+#include "reducer_fixture.h"
 
 TEST(buckets_are_posted_in_order)
 {
@@ -237,13 +195,13 @@ TEST(nonblocking_decisions_cover_every_case)
                 for (int was_none = 0; was_none < 2; was_none++) {
                     int want = none ? MPIDP_AFTER_NONE : cleared ? MPIDP_AFTER_ZEROED
                                : (!used && was_none) ? MPIDP_AFTER_NONE : MPIDP_AFTER_VIEW;
-                    ASSERT_EQ_INT(mpidp_reducer_after_step(none, cleared, used, was_none), want);
+                    ASSERT_EQ_INT(mpidp_reducer_after_step_action(none, cleared, used, was_none), want);
                 }
     /* The cases users hit, by name. */
-    ASSERT_EQ_INT(mpidp_reducer_after_step(1, 0, 1, 0), MPIDP_AFTER_NONE);   /* zero_grad(set_to_none) */
-    ASSERT_EQ_INT(mpidp_reducer_after_step(0, 1, 1, 0), MPIDP_AFTER_ZEROED); /* zero_grad(False) */
-    ASSERT_EQ_INT(mpidp_reducer_after_step(0, 0, 1, 1), MPIDP_AFTER_VIEW);   /* no zero_grad: mean */
-    ASSERT_EQ_INT(mpidp_reducer_after_step(0, 0, 0, 1), MPIDP_AFTER_NONE);   /* unused everywhere */
+    ASSERT_EQ_INT(mpidp_reducer_after_step_action(1, 0, 1, 0), MPIDP_AFTER_NONE);   /* zero_grad(set_to_none) */
+    ASSERT_EQ_INT(mpidp_reducer_after_step_action(0, 1, 1, 0), MPIDP_AFTER_ZEROED); /* zero_grad(False) */
+    ASSERT_EQ_INT(mpidp_reducer_after_step_action(0, 0, 1, 1), MPIDP_AFTER_VIEW);   /* no zero_grad: mean */
+    ASSERT_EQ_INT(mpidp_reducer_after_step_action(0, 0, 0, 1), MPIDP_AFTER_NONE);   /* unused everywhere */
 }
 
 TEST_MAIN_MPI(buckets_are_posted_in_order, second_gradient_in_one_pass_is_refused,

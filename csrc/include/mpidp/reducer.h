@@ -146,32 +146,118 @@ int mpidp_reducer_reset(mpidp_reducer_t *r);
  * *params at them (owned by the reducer); 0 for an unknown bucket. */
 size_t mpidp_reducer_bucket_params(const mpidp_reducer_t *r, size_t b, const size_t **params);
 
-/* --- non-blocking mode: what a parameter's `.grad` becomes ----------------
- * Pure decisions, from what the caller observed of `.grad` and what the
- * reduction says, so that the glue only reads and writes `.grad`. */
+/* --- the pass: what each parameter's `.grad` must become ------------------
+ * The caller (the glue) reads and writes `.grad`; the reducer decides. Each
+ * call takes what the caller saw of the `.grad`s (mpidp_grad_seen_t) and
+ * returns what to do with them (mpidp_grad_action_t), one entry per
+ * parameter of the bucket in mpidp_reducer_bucket_params order (or, for
+ * prepare, per parameter). The caller applies the actions in order, right
+ * away. The reducer keeps everything it needs between calls: which `.grad`s
+ * were None before backward, which this rank contributed, each bucket's
+ * version counter at the end of backward, what must happen after a deferred
+ * step. mpidp_reducer_reset forgets it.
+ *
+ * Blocking mode:     prepare -> grad_arrived / mark_unhooked -> finalize ->
+ *                    wait_bucket + missing_grads (each bucket) -> reset
+ * Non-blocking mode: ... finalize -> either (a step is due)
+ *                    deliver_for_step + after_step (each bucket; the last one
+ *                    resets), or (no step due) accumulate (each bucket) -> reset */
 
-/* A second backward (or a forward with no step due) completes the pass
- * before the step: the averaged gradient is added into the bucket, or
- * dropped when the user cleared or replaced the gradients since backward; a
- * parameter no rank had a gradient for, whose `.grad` was None before
- * backward, goes back to None (unless a new gradient has already arrived). */
+typedef enum {
+    MPIDP_SEEN_VIEW = 0,   /* `.grad` is the parameter's bucket view */
+    MPIDP_SEEN_NONE = 1,   /* `.grad` is None */
+    MPIDP_SEEN_OTHER = 2,  /* `.grad` is some other tensor (the user replaced it) */
+} mpidp_grad_seen_t;
+
+typedef enum {
+    MPIDP_GRAD_KEEP = 0,       /* leave `.grad` alone */
+    MPIDP_GRAD_SET_VIEW = 1,   /* `.grad` = the bucket view */
+    MPIDP_GRAD_SET_NONE = 2,   /* `.grad` = None */
+    MPIDP_GRAD_ZERO_VIEW = 3,  /* zero the view, then `.grad` = the view */
+    MPIDP_GRAD_ADOPT = 4,      /* copy `.grad` (detached) into the view, `.grad` = the view */
+    MPIDP_GRAD_ZERO_ONLY = 5,  /* zero the view where the gradients live (staged
+                                * mode: the core does not write them), `.grad` kept */
+} mpidp_grad_action_t;
+
+/* Before backward: where `.grad` is None, zero the view and point `.grad`
+ * at it so autograd accumulates into the bucket (remembered: that zero is no
+ * gradient). seen/act have n_params entries. While a pass is open, nothing
+ * changes (all KEEP). */
+int mpidp_reducer_prepare(mpidp_reducer_t *r, const uint8_t *seen, uint8_t *act);
+
+/* From a gradient hook, after the caller adopted a foreign `.grad` (seen
+ * OTHER: ADOPT): parameter i's gradient arrived; has = `.grad` is not None.
+ * Marks it ready (and may post buckets). */
+int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has);
+
+/* End of backward, for each parameter not marked yet: the action to apply
+ * first (KEEP, ADOPT or ZERO_ONLY), then mark_unhooked marks it with the
+ * contribution that follows from `seen` (its view holds a real gradient
+ * unless prepare put the zeros there; None contributes nothing). */
+mpidp_grad_action_t mpidp_reducer_unhooked_action(const mpidp_reducer_t *r, size_t i, int seen);
+int mpidp_reducer_mark_unhooked(mpidp_reducer_t *r, size_t i, int seen);
+
+/* Every parameter is marked: the pass is finalized. versions: separate mode,
+ * the version counter of each bucket's gradient tensor now (NULL otherwise),
+ * so that later changes tell the user cleared gradients in place. */
+int mpidp_reducer_finalize(mpidp_reducer_t *r, const long long *versions);
+int mpidp_reducer_finalized(const mpidp_reducer_t *r);
+
+/* Blocking mode, bucket b DONE: parameters this rank had no gradient for get
+ * what a single process would see: the mean if some rank had a gradient
+ * (SET_VIEW), else None (SET_NONE); others KEEP. Each is fixed once. */
+int mpidp_reducer_missing_grads(mpidp_reducer_t *r, size_t b, uint8_t *act);
+
+/* Separate mode, no step due (a second backward, or a forward without a
+ * step), bucket b DONE: adds the mean into the bucket where the user kept the
+ * gradients (delivered here), act KEEP or SET_NONE. version: the bucket's
+ * version counter now; accumulated: a parameter whose new gradient autograd
+ * already added to its view (a second backward began), else -1. MPIDP_ESTATE
+ * once a step has begun delivering. */
+int mpidp_reducer_accumulate(mpidp_reducer_t *r, size_t b, long long version, long accumulated,
+                             const uint8_t *seen, uint8_t *act);
+
+/* Separate mode, a step is due: delivers bucket b's mean into its
+ * parameters' slices for the optimizer (act SET_VIEW, or SET_NONE where no
+ * rank had a gradient) and decides what each `.grad` becomes after the step.
+ * A `.grad` replaced since backward (seen OTHER) is MPIDP_ESTATE, with the
+ * parameter in the detail. A bucket already delivered: all KEEP. */
+int mpidp_reducer_deliver_for_step(mpidp_reducer_t *r, size_t b, long long version,
+                                   const uint8_t *seen, uint8_t *act);
+int mpidp_reducer_delivered(const mpidp_reducer_t *r, size_t b);
+
+/* Separate mode, after the optimizer stepped bucket b: `.grad` back as the
+ * user left it (SET_NONE, ZERO_VIEW or SET_VIEW; KEEP when already done).
+ * MPIDP_ESTATE if b was not delivered. *pass_over = 1 when this was the last
+ * bucket: the caller then resets. */
+int mpidp_reducer_after_step(mpidp_reducer_t *r, size_t b, uint8_t *act, int *pass_over);
+/* 1 when after_step has handed out bucket b's actions in the open pass. */
+int mpidp_reducer_stepped(const mpidp_reducer_t *r, size_t b);
+
+/* The pure decisions behind accumulate and after_step, exposed for tests. */
 typedef enum {
     MPIDP_ACCUM_DROP = 0,           /* leave `.grad` as the user made it */
     MPIDP_ACCUM_ADD = 1,            /* add the mean into the bucket view */
     MPIDP_ACCUM_ADD_THEN_NONE = 2,  /* add (zeros), then `.grad = None` */
 } mpidp_accum_action_t;
+/* A second backward (or a forward with no step due) completes the pass
+ * before the step: the averaged gradient is added into the bucket, or
+ * dropped when the user cleared or replaced the gradients since backward; a
+ * parameter no rank had a gradient for, whose `.grad` was None before
+ * backward, goes back to None (unless a new gradient has already arrived). */
 mpidp_accum_action_t mpidp_reducer_accumulate_action(int grad_is_view, int cleared, int used,
                                                      int was_none, int new_grad_arrived);
 
-/* After the deferred step, `.grad` is given back as the user left it before
- * the step: None if it was None then; zeros if they zeroed it in place since
- * backward; else the averaged gradient (the bucket view) -- or None where no
- * rank had a gradient and `.grad` was None before backward. */
 typedef enum {
     MPIDP_AFTER_VIEW = 0,       /* `.grad` = the bucket view (mean, or kept zeros) */
     MPIDP_AFTER_ZEROED = 1,     /* zero the view, `.grad` = the view */
     MPIDP_AFTER_NONE = 2,       /* `.grad` = None */
 } mpidp_after_step_t;
-mpidp_after_step_t mpidp_reducer_after_step(int none_at_step, int cleared, int used, int was_none);
+/* After the deferred step, `.grad` is given back as the user left it before
+ * the step: None if it was None then; zeros if they zeroed it in place since
+ * backward; else the averaged gradient (the bucket view) -- or None where no
+ * rank had a gradient and `.grad` was None before backward. */
+mpidp_after_step_t mpidp_reducer_after_step_action(int none_at_step, int cleared, int used,
+                                                   int was_none);
 
 #endif /* MPIDP_REDUCER_H */

@@ -1,0 +1,60 @@
+/* The reducer's private state, shared by csrc/core/reducer.c (buckets:
+ * readiness, posting, completion, delivery) and csrc/core/reducer_pass.c
+ * (what each parameter's .grad must become over a pass). Not a public
+ * header: callers use mpidp/reducer.h. */
+#ifndef MPIDP_REDUCER_INTERNAL_H
+#define MPIDP_REDUCER_INTERNAL_H
+
+#include "mpidp/reducer.h"
+
+typedef struct {
+    mpidp_bucket_info_t info;
+    void *data;            /* numel data elements, then n_params flags */
+    void *comm;            /* what MPI reduces when not the data itself: the data + flags
+                            * packed to the wire dtype, or (separate mode) copied */
+    size_t pending;        /* parameters not yet marked in this pass */
+    int staged_in;         /* staged mode: the caller copied this pass's gradients in */
+    int home;              /* staged mode: the result was copied back */
+    mpidp_bucket_state_t state;
+    mpidp_req_t req;
+} bucket_t;
+
+struct mpidp_reducer {
+    MPI_Comm comm;
+    int size;
+    int divisor;           /* gradients are averaged over this many ranks */
+    mpidp_reqtable_t *reqs;
+    size_t n_params;
+    uint32_t *param_bucket;
+    size_t *param_offset;
+    size_t *param_numel;
+    size_t *param_flag;    /* index of the parameter's flag after the bucket data */
+    uint8_t *ready;
+    size_t n_ready;
+    size_t *bucket_first;  /* n_buckets + 1: bucket b's parameters are members[first[b] .. first[b+1]) */
+    size_t *members;       /* n_params parameter indices, grouped by bucket, in index order */
+    size_t n_buckets;
+    bucket_t *buckets;
+    size_t next_to_post;   /* buckets below this index are posted (or done) */
+    int wire;              /* MPIDP_BF16/MPIDP_F16: float32 buckets travel compressed; -1 */
+    int separate;          /* results stay in bk->comm until delivered */
+    int staged;            /* buckets are posted only once the caller staged them */
+    char name[48];
+
+    /* The pass (reducer_pass.c): what the caller's .grad were and must become. */
+    uint8_t *was_none;     /* .grad was None when prepare pointed it at its view */
+    uint8_t *local_has;    /* this rank contributed a gradient (or it was fixed up since) */
+    uint8_t *after;        /* separate mode: the after-step action decided at delivery */
+    long long *version;    /* separate mode: each bucket's version counter at finalize */
+    uint8_t *delivered;    /* separate mode: bucket delivered for the step */
+    uint8_t *applied;      /* separate mode: bucket's after-step actions handed out */
+    int finalized;         /* every parameter marked: every bucket posted or staged */
+};
+
+/* Allocates and frees the pass arrays (called by create and free). */
+int mpidp__reducer_pass_alloc(mpidp_reducer_t *r);
+void mpidp__reducer_pass_free(mpidp_reducer_t *r);
+/* Forgets the pass (called by mpidp_reducer_reset). */
+void mpidp__reducer_pass_clear(mpidp_reducer_t *r);
+
+#endif /* MPIDP_REDUCER_INTERNAL_H */

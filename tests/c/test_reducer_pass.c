@@ -1,0 +1,191 @@
+/* The reducer's pass at one rank: from what the caller saw of each `.grad`
+ * to what it must do with it, in blocking mode, in staged mode and in
+ * non-blocking mode (deferred step, and accumulation without a step), with
+ * the values the core delivers into the buckets. (The rules themselves are
+ * swept exhaustively in test_reducer.c; the Python tests check the same
+ * habits against a single-process reference at 1-4 ranks.) */
+#include "mpidp/status.h"
+#include "test.h"
+
+#include "reducer_fixture.h"
+
+/* Layout of the fixture: bucket 0 holds parameters 2 and 3, bucket 1 holds
+ * 0 and 1 (members in index order). */
+enum { VIEW = MPIDP_SEEN_VIEW, NONE = MPIDP_SEEN_NONE, OTHER = MPIDP_SEEN_OTHER };
+
+static float *slice(fixture_t *f, size_t i) { return &f->storage[f->bucket[i]][f->offset[i]]; }
+
+static void fill(fixture_t *f, size_t i, float v)
+{
+    for (int k = 0; k < 8; k++) slice(f, i)[k] = v;
+}
+
+#define ASSERT_ACTS(act, a0, a1)                                                \
+    do {                                                                        \
+        ASSERT_EQ_INT((act)[0], (a0));                                          \
+        ASSERT_EQ_INT((act)[1], (a1));                                          \
+    } while (0)
+
+TEST(blocking_pass_fixes_missing_grads_like_one_process)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    uint8_t seen[NP] = {NONE, VIEW, NONE, OTHER}, act[NP];
+    ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
+    ASSERT_EQ_INT(act[0], MPIDP_GRAD_ZERO_VIEW);
+    ASSERT_EQ_INT(act[1], MPIDP_GRAD_KEEP);
+    ASSERT_EQ_INT(act[2], MPIDP_GRAD_ZERO_VIEW);
+    ASSERT_EQ_INT(act[3], MPIDP_GRAD_KEEP);
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 1, 1));
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 3, 1)); /* after the caller adopted it */
+    /* Unhooked: 0's view holds prepare's zeros (no gradient), 2's .grad was set to None. */
+    ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 0, VIEW), MPIDP_GRAD_KEEP);
+    ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 2, NONE), MPIDP_GRAD_KEEP);
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 0, VIEW));
+    ASSERT_EQ_INT(mpidp_reducer_missing_grads(f.r, 0, act), MPIDP_ESTATE); /* not finalized */
+    ASSERT_EQ_INT(mpidp_reducer_finalize(f.r, NULL), MPIDP_ESTATE);       /* 2 unmarked */
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "1 of 4 parameters") != NULL);
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 2, NONE));
+    ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
+    ASSERT_EQ_INT(mpidp_reducer_finalized(f.r), 1);
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    /* One rank: no other rank had a gradient for 0 or 2, so they go back to None. */
+    ASSERT_OK(mpidp_reducer_missing_grads(f.r, 0, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_SET_NONE, MPIDP_GRAD_KEEP);
+    ASSERT_OK(mpidp_reducer_missing_grads(f.r, 0, act)); /* fixed once */
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_KEEP);
+    ASSERT_OK(mpidp_reducer_missing_grads(f.r, 1, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_SET_NONE, MPIDP_GRAD_KEEP);
+    /* Non-blocking calls are refused in blocking mode. */
+    ASSERT_EQ_INT(mpidp_reducer_deliver_for_step(f.r, 0, 0, seen, act), MPIDP_ESTATE);
+    ASSERT_EQ_INT(mpidp_reducer_accumulate(f.r, 0, 0, -1, seen, act), MPIDP_ESTATE);
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    ASSERT_EQ_INT(mpidp_reducer_finalized(f.r), 0);
+    /* While a pass is open prepare changes nothing. */
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 0, 1));
+    uint8_t all_none[NP] = {NONE, NONE, NONE, NONE};
+    ASSERT_OK(mpidp_reducer_prepare(f.r, all_none, act));
+    for (int i = 0; i < NP; i++) ASSERT_EQ_INT(act[i], MPIDP_GRAD_KEEP);
+    ASSERT_EQ_INT(mpidp_reducer_grad_arrived(f.r, 9, 1), MPIDP_EINVAL);
+    teardown(&f);
+}
+
+TEST(staged_unhooked_parameters_are_zeroed_where_the_gradients_live)
+{
+    fixture_t f;
+    ASSERT_OK(setup_mode(&f, 1, 0));
+    uint8_t seen[NP] = {NONE, VIEW, VIEW, VIEW}, act[NP];
+    ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act)); /* parameter 0: zeros from prepare */
+    ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 0, VIEW), MPIDP_GRAD_ZERO_ONLY);
+    ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 1, NONE), MPIDP_GRAD_ZERO_ONLY);
+    ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 2, VIEW), MPIDP_GRAD_KEEP);
+    ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 3, OTHER), MPIDP_GRAD_ADOPT);
+    /* The core does not write staged gradients itself. */
+    fill(&f, 0, 7.0f);
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 0, VIEW));
+    ASSERT_NEAR(slice(&f, 0)[3], 7.0, 0);
+    teardown(&f);
+}
+
+/* Separate mode, one pass: prepare (all None), gradients of 1 + i for
+ * parameters 0-2, none for 3; finalize with versions 10 and 20. */
+static int deferred_pass(fixture_t *f, uint8_t *act)
+{
+    uint8_t seen[NP] = {NONE, NONE, NONE, NONE};
+    int rc = mpidp_reducer_prepare(f->r, seen, act);
+    for (size_t i = 0; rc == MPIDP_OK && i < 3; i++) {
+        fill(f, i, 1.0f + (float)i);
+        rc = mpidp_reducer_grad_arrived(f->r, i, 1);
+    }
+    if (rc == MPIDP_OK) rc = mpidp_reducer_mark_unhooked(f->r, 3, VIEW);
+    long long versions[2] = {10, 20};
+    if (rc == MPIDP_OK) rc = mpidp_reducer_finalize(f->r, versions);
+    return rc == MPIDP_OK ? mpidp_reducer_wait_all(f->r, 1.0) : rc;
+}
+
+TEST(deferred_step_gives_grads_back_as_the_user_left_them)
+{
+    fixture_t f;
+    uint8_t act[NP];
+    ASSERT_OK(setup_mode(&f, 0, 1));
+    ASSERT_EQ_INT(mpidp_reducer_finalize(f.r, NULL), MPIDP_ESTATE); /* nothing marked */
+    ASSERT_OK(deferred_pass(&f, act));
+    ASSERT_NEAR(slice(&f, 2)[0], 0.0, 0); /* posted: the bucket starts from zero */
+    /* Bucket 0, nothing changed in place; the user set 2's .grad to None. */
+    uint8_t seen0[2] = {NONE, VIEW};
+    ASSERT_OK(mpidp_reducer_deliver_for_step(f.r, 0, 10, seen0, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_SET_VIEW, MPIDP_GRAD_SET_NONE); /* 3: no rank had one */
+    ASSERT_NEAR(slice(&f, 2)[5], 3.0, 0);                       /* the mean, for the step */
+    ASSERT_OK(mpidp_reducer_deliver_for_step(f.r, 0, 10, seen0, act)); /* once */
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_KEEP);
+    ASSERT_EQ_INT(mpidp_reducer_delivered(f.r, 0), 1);
+    int over = -1;
+    ASSERT_EQ_INT(mpidp_reducer_after_step(f.r, 1, act, &over), MPIDP_ESTATE); /* not delivered */
+    /* Bucket 1 was zeroed in place (version moved); replacing a .grad is refused. */
+    uint8_t replaced[2] = {VIEW, OTHER}, views[2] = {VIEW, VIEW};
+    ASSERT_EQ_INT(mpidp_reducer_deliver_for_step(f.r, 1, 21, replaced, act), MPIDP_ESTATE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "parameter 1 was replaced") != NULL);
+    ASSERT_OK(mpidp_reducer_deliver_for_step(f.r, 1, 21, views, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_SET_VIEW, MPIDP_GRAD_SET_VIEW);
+    ASSERT_NEAR(slice(&f, 0)[7], 1.0, 0);
+    ASSERT_NEAR(slice(&f, 1)[0], 2.0, 0);
+    /* After the step: None where it was None at the step or nobody had one;
+     * zeros where the user zeroed in place. */
+    ASSERT_OK(mpidp_reducer_after_step(f.r, 0, act, &over));
+    ASSERT_ACTS(act, MPIDP_GRAD_SET_NONE, MPIDP_GRAD_SET_NONE);
+    ASSERT_EQ_INT(over, 0);
+    ASSERT_EQ_INT(mpidp_reducer_stepped(f.r, 0), 1);
+    ASSERT_EQ_INT(mpidp_reducer_stepped(f.r, 1), 0);
+    ASSERT_OK(mpidp_reducer_after_step(f.r, 0, act, &over)); /* once */
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_KEEP);
+    uint8_t seen[2] = {VIEW, VIEW};
+    ASSERT_EQ_INT(mpidp_reducer_accumulate(f.r, 1, 21, -1, seen, act), MPIDP_ESTATE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "half applied") != NULL);
+    ASSERT_OK(mpidp_reducer_after_step(f.r, 1, act, &over));
+    ASSERT_ACTS(act, MPIDP_GRAD_ZERO_VIEW, MPIDP_GRAD_ZERO_VIEW);
+    ASSERT_EQ_INT(over, 1);
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    ASSERT_EQ_INT(mpidp_reducer_stepped(f.r, 0), 0);
+    ASSERT_EQ_INT(mpidp_reducer_delivered(f.r, 0), 0);
+    teardown(&f);
+}
+
+TEST(accumulating_without_a_step_adds_the_mean_unless_cleared)
+{
+    fixture_t f;
+    uint8_t act[NP];
+    ASSERT_OK(setup_mode(&f, 0, 1));
+    ASSERT_OK(deferred_pass(&f, act));
+    /* A second backward's first gradient (parameter 0) was already added into
+     * its view: that moved bucket 1's counter by one, and is kept. */
+    fill(&f, 0, 100.0f);
+    uint8_t seen[2] = {VIEW, VIEW};
+    ASSERT_OK(mpidp_reducer_accumulate(f.r, 1, 21, 0, seen, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_KEEP);
+    ASSERT_NEAR(slice(&f, 0)[2], 101.0, 0);
+    ASSERT_NEAR(slice(&f, 1)[2], 2.0, 0);
+    /* Bucket 0 was cleared in place since backward: the mean is dropped; 3
+     * (None before backward, no gradient anywhere) would go back to None, but
+     * the clearing wins and leaves it as the user made it. */
+    ASSERT_OK(mpidp_reducer_accumulate(f.r, 0, 11, 0, seen, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_KEEP);
+    ASSERT_NEAR(slice(&f, 2)[2], 0.0, 0);
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    /* Unchanged bucket 0: 2 gets its mean added, 3 goes back to None. */
+    ASSERT_OK(deferred_pass(&f, act));
+    ASSERT_OK(mpidp_reducer_accumulate(f.r, 0, 10, -1, seen, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_SET_NONE);
+    ASSERT_NEAR(slice(&f, 2)[6], 3.0, 0);
+    /* A .grad the user set to None since is left alone (and nothing added). */
+    uint8_t gone[2] = {NONE, VIEW};
+    ASSERT_OK(mpidp_reducer_accumulate(f.r, 1, 20, -1, gone, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_KEEP);
+    ASSERT_NEAR(slice(&f, 0)[0], 0.0, 0);
+    ASSERT_NEAR(slice(&f, 1)[0], 2.0, 0);
+    teardown(&f);
+}
+
+TEST_MAIN_MPI(blocking_pass_fixes_missing_grads_like_one_process,
+              staged_unhooked_parameters_are_zeroed_where_the_gradients_live,
+              deferred_step_gives_grads_back_as_the_user_left_them,
+              accumulating_without_a_step_adds_the_mean_unless_cleared)
