@@ -5,10 +5,10 @@
  * owns the core reducer (csrc/core/reducer.c: buckets, posting, and the
  * pass's decisions of what each `.grad` becomes) and exposes one pass's
  * steps to DataParallel. What a pass does, and how the glue carries out the
- * core's decisions, is in csrc/py/reducer_pass.c. */
+ * core's decisions, is in csrc/py/reducer_pass.c; the per-parameter hook
+ * in csrc/py/gradhook.c. */
 #include "reducer.h"
 
-#include <structmember.h> /* PyMemberDef, T_PYSSIZET (Python < 3.12) */
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,25 +16,6 @@
 #include "mpidp/status.h"
 
 typedef mpidp_py_reducer_t reducer_t;
-
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    reducer_t *reducer;
-    Py_ssize_t index;
-} gradhook_t;
-
-/* --- the per-parameter hook (hot path) --------------------------------- */
-
-static PyObject *gradhook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf,
-                                     PyObject *kwnames)
-{
-    gradhook_t *h = (gradhook_t *)self;
-    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL)
-        return PyErr_Format(PyExc_TypeError, "GradHook takes exactly one argument (the parameter)");
-    if (mpidp_py_reducer_on_grad(h->reducer, (size_t)h->index, args[0]) < 0) return NULL;
-    Py_RETURN_NONE;
-}
 
 /* --- Reducer methods ---------------------------------------------------- */
 
@@ -112,13 +93,7 @@ static PyObject *reducer_hook(reducer_t *r, PyObject *arg)
 {
     Py_ssize_t i = index_arg(arg, r->n_params, "parameter");
     if (i < 0) return NULL;
-    gradhook_t *h = PyObject_GC_New(gradhook_t, r->st->gradhook_type);
-    if (h == NULL) return NULL;
-    h->vectorcall = gradhook_vectorcall;
-    h->reducer = (reducer_t *)Py_NewRef(r);
-    h->index = i;
-    PyObject_GC_Track(h);
-    return (PyObject *)h;
+    return mpidp_py_gradhook_new(r, (size_t)i);
 }
 
 static PyObject *reducer_get_finalized(reducer_t *r, void *c)
@@ -133,43 +108,52 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c)
     return PyLong_FromSize_t(r->n_buckets);
 }
 
-/* Reducer(*, comm, params, views, buckets, param_bucket, param_offset,
- *         bucket_info, queue_callback, blocking, name, wire_dtype=-1, device_buckets=None,
+/* Reducer(*, comm, params, views, buckets, param_bucket, param_offset, param_numel,
+ *         bucket_info, queue_callback, blocking, name, wire_dtype=-1, staging=None,
  *         event_type=None):
- * keyword-only, so a caller cannot swap two of the many tuples unnoticed. */
+ * keyword-only, so a caller cannot swap two of the many tuples unnoticed.
+ * staging: (device_buckets, host_grads, device_grads): the buckets the .grad
+ * views live in, and the gradient parts of the host and device buckets. */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
-                             "bucket_info", "queue_callback", "blocking", "name", "wire_dtype",
-                             "device_buckets", "event_type", NULL};
+                             "param_numel", "bucket_info", "queue_callback", "blocking", "name",
+                             "wire_dtype", "staging", "event_type", NULL};
     PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pb = NULL, *po = NULL,
-             *binfo = NULL, *qcb = NULL;
+             *pn = NULL, *binfo = NULL, *qcb = NULL;
     int blocking = -1, wire = -1;
     const char *name = NULL;
-    PyObject *device_buckets = Py_None, *event_type = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!OpsiOO:Reducer", kwlist, &comm,
+    PyObject *staging = Py_None, *event_type = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!O!OpsiOO:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
-                                     &PyTuple_Type, &binfo, &qcb, &blocking, &name, &wire,
-                                     &device_buckets, &event_type))
+                                     &PyTuple_Type, &pn, &PyTuple_Type, &binfo, &qcb, &blocking,
+                                     &name, &wire, &staging, &event_type))
         return NULL;
     /* The format makes every keyword optional; all but the last three are required. */
-    const void *given[] = {comm, params, views, buckets, pb, po, binfo, qcb,
+    const void *given[] = {comm, params, views, buckets, pb, po, pn, binfo, qcb,
                            blocking < 0 ? NULL : &blocking, name};
     for (size_t k = 0; k < sizeof given / sizeof given[0]; k++)
         if (given[k] == NULL)
             return PyErr_Format(PyExc_TypeError, "Reducer: missing keyword argument '%s'",
                                 kwlist[k]);
-    if (device_buckets != Py_None &&
-        (!PyTuple_Check(device_buckets) || PyTuple_GET_SIZE(device_buckets) != PyTuple_GET_SIZE(buckets)))
-        return PyErr_Format(PyExc_ValueError, "Reducer: device_buckets must match buckets");
+    Py_ssize_t np = PyTuple_GET_SIZE(params), nb = PyTuple_GET_SIZE(buckets);
+    int staged = staging != Py_None;
+    if (staged && !(PyTuple_Check(staging) && PyTuple_GET_SIZE(staging) == 3 &&
+                    PyTuple_Check(PyTuple_GET_ITEM(staging, 0)) &&
+                    PyTuple_GET_SIZE(PyTuple_GET_ITEM(staging, 0)) == nb &&
+                    PyTuple_Check(PyTuple_GET_ITEM(staging, 1)) &&
+                    PyTuple_GET_SIZE(PyTuple_GET_ITEM(staging, 1)) == nb &&
+                    PyTuple_Check(PyTuple_GET_ITEM(staging, 2)) &&
+                    PyTuple_GET_SIZE(PyTuple_GET_ITEM(staging, 2)) == nb))
+        return PyErr_Format(PyExc_ValueError, "Reducer: staging must be three tuples, one entry "
+                            "per bucket");
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     if (st == NULL) return NULL;
     mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
     if (c == NULL) return NULL;
-    Py_ssize_t np = PyTuple_GET_SIZE(params), nb = PyTuple_GET_SIZE(buckets);
     if (PyTuple_GET_SIZE(views) != np || PyTuple_GET_SIZE(pb) != np || PyTuple_GET_SIZE(po) != np ||
-        PyTuple_GET_SIZE(binfo) != nb)
+        PyTuple_GET_SIZE(pn) != np || PyTuple_GET_SIZE(binfo) != nb)
         return PyErr_Format(PyExc_ValueError, "Reducer: inconsistent layout lengths");
 
     reducer_t *r = (reducer_t *)type->tp_alloc(type, 0);
@@ -180,7 +164,11 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->params = Py_NewRef(params);
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
-    r->device_buckets = device_buckets == Py_None ? NULL : Py_NewRef(device_buckets);
+    if (staged) {
+        r->device_buckets = Py_NewRef(PyTuple_GET_ITEM(staging, 0));
+        r->host_grads = Py_NewRef(PyTuple_GET_ITEM(staging, 1));
+        r->dev_grads = Py_NewRef(PyTuple_GET_ITEM(staging, 2));
+    }
     r->event_type = event_type == Py_None || r->device_buckets == NULL ? NULL : Py_NewRef(event_type);
     r->queue_callback = Py_NewRef(qcb);
     r->blocking = blocking;
@@ -224,34 +212,15 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         data[b] = r->buckets[b].t.data;
     }
-    if (r->device_buckets) {
-        r->host_grads = PyTuple_New(nb);
-        r->dev_grads = PyTuple_New(nb);
-        if (r->host_grads == NULL || r->dev_grads == NULL) goto done;
-        for (Py_ssize_t b = 0; b < nb; b++) {
-            PyObject *h = PyObject_CallMethod(PyTuple_GET_ITEM(buckets, b), "narrow", "inn", 0,
-                                              (Py_ssize_t)0, (Py_ssize_t)info[b].numel);
-            if (h == NULL) goto done;
-            PyTuple_SET_ITEM(r->host_grads, b, h);
-            PyObject *d = PyObject_CallMethod(PyTuple_GET_ITEM(device_buckets, b), "narrow", "inn",
-                                              0, (Py_ssize_t)0, (Py_ssize_t)info[b].numel);
-            if (d == NULL) goto done;
-            PyTuple_SET_ITEM(r->dev_grads, b, d);
-        }
-    }
     for (Py_ssize_t i = 0; i < np; i++) {
         bucket_of[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pb, i));
         offset[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(po, i));
+        numel[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(pn, i));
         if (PyErr_Occurred()) goto done;
         if (bucket_of[i] >= (uint32_t)nb) {
             PyErr_Format(PyExc_ValueError, "Reducer: parameter %zd has no bucket", i);
             goto done;
         }
-        PyObject *n = PyObject_CallMethod(PyTuple_GET_ITEM(views, i), "numel", NULL);
-        if (n == NULL) goto done;
-        numel[i] = PyLong_AsSize_t(n);
-        Py_DECREF(n);
-        if (PyErr_Occurred()) goto done;
     }
     mpidp_reducer_config_t cfg = {
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
@@ -380,68 +349,10 @@ static PyType_Spec reducer_spec = {
     .slots = reducer_slots,
 };
 
-/* --- GradHook type ------------------------------------------------------ */
-
-static int gradhook_traverse(gradhook_t *h, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(h));
-    Py_VISIT(h->reducer);
-    return 0;
-}
-
-static int gradhook_clear(gradhook_t *h)
-{
-    Py_CLEAR(h->reducer);
-    return 0;
-}
-
-static void gradhook_dealloc(gradhook_t *h)
-{
-    PyTypeObject *tp = Py_TYPE(h);
-    PyObject_GC_UnTrack(h);
-    gradhook_clear(h);
-    PyObject_GC_Del(h);
-    Py_DECREF(tp);
-}
-
-static PyObject *gradhook_call(PyObject *self, PyObject *args, PyObject *kwds)
-{
-    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)
-        return PyErr_Format(PyExc_TypeError, "GradHook takes no keyword arguments");
-    return gradhook_vectorcall(self, &PyTuple_GET_ITEM(args, 0), (size_t)PyTuple_GET_SIZE(args),
-                               NULL);
-}
-
-static PyMemberDef gradhook_members[] = {
-    {"__vectorcalloffset__", T_PYSSIZET, offsetof(gradhook_t, vectorcall), READONLY, NULL},
-    {"index", T_PYSSIZET, offsetof(gradhook_t, index), READONLY, "The parameter's index."},
-    {NULL, 0, 0, 0, NULL},
-};
-
-static PyType_Slot gradhook_slots[] = {
-    {Py_tp_dealloc, gradhook_dealloc},
-    {Py_tp_traverse, gradhook_traverse},
-    {Py_tp_clear, gradhook_clear},
-    {Py_tp_call, gradhook_call},
-    {Py_tp_members, gradhook_members},
-    {Py_tp_doc, "Post-accumulate-grad hook of one parameter (internal)."},
-    {0, NULL},
-};
-
-static PyType_Spec gradhook_spec = {
-    .name = "mpidp._C.GradHook",
-    .basicsize = sizeof(gradhook_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
-             Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = gradhook_slots,
-};
-
 int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st)
 {
     if (mpidp_py_reducer_pass_init() < 0) return -1;
     st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
     if (st->reducer_type == NULL || PyModule_AddType(module, st->reducer_type) < 0) return -1;
-    st->gradhook_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &gradhook_spec, NULL);
-    if (st->gradhook_type == NULL) return -1;
-    return PyModule_AddType(module, st->gradhook_type);
+    return mpidp_py_gradhook_init(module, st);
 }

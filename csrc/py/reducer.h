@@ -56,6 +56,9 @@ int mpidp_py_reducer_deliver(mpidp_py_reducer_t *r, size_t b);
 int mpidp_py_reducer_after_step(mpidp_py_reducer_t *r, size_t b);
 /* join: one pass of bucket allreduces contributing zeros. */
 int mpidp_py_reducer_shadow_pass(mpidp_py_reducer_t *r);
+/* A GradHook for parameter i (csrc/py/gradhook.c), and its type's set-up. */
+PyObject *mpidp_py_gradhook_new(mpidp_py_reducer_t *r, size_t i);
+int mpidp_py_gradhook_init(PyObject *module, mpidp_py_state *st);
 /* Interned names used by the pass (set up by the type's init). */
 int mpidp_py_reducer_pass_init(void);
 

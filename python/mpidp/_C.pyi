@@ -48,9 +48,11 @@ class Reducer:
     def __init__(self, *, comm: Comm, params: Tuple[torch.Tensor, ...],
                  views: Tuple[torch.Tensor, ...], buckets: Tuple[torch.Tensor, ...],
                  param_bucket: Tuple[int, ...], param_offset: Tuple[int, ...],
-                 bucket_info: Tuple[Tuple[int, int, int], ...], queue_callback: Callable[[Any], None],
-                 blocking: bool, name: str, wire_dtype: int = ...,
-                 device_buckets: Optional[Tuple[torch.Tensor, ...]] = None,
+                 param_numel: Tuple[int, ...], bucket_info: Tuple[Tuple[int, int, int], ...],
+                 queue_callback: Callable[[Any], None], blocking: bool, name: str,
+                 wire_dtype: int = ...,
+                 staging: Optional[Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...],
+                                         Tuple[torch.Tensor, ...]]] = None,
                  event_type: Optional[type] = None) -> None: ...
     @property
     def finalized(self) -> bool: ...

@@ -184,11 +184,18 @@ class DataParallel(torch.nn.Module):
         engine = torch.autograd.Variable._execution_engine
         self._params = params
         self._param_bucket = bucket_of
+        # Staging copies move only the gradient part of a bucket (the flags
+        # after it live on the host).
+        staging = None if not staged else (
+            self._device_buckets,
+            tuple(h[:n] for h, (n, _, _) in zip(self._buckets, infos)),
+            tuple(d[:n] for d, (n, _, _) in zip(self._device_buckets, infos)))
         self._reducer = _C.Reducer(
             comm=self._c_comm, params=params, views=views, buckets=self._buckets,
-            param_bucket=bucket_of, param_offset=offset, bucket_info=infos,
-            queue_callback=engine.queue_callback, blocking=self.blocking_parameter_updates,
-            name="DataParallel", wire_dtype=self._wire, device_buckets=self._device_buckets,
+            param_bucket=bucket_of, param_offset=offset, param_numel=tuple(numel),
+            bucket_info=infos, queue_callback=engine.queue_callback,
+            blocking=self.blocking_parameter_updates, name="DataParallel", wire_dtype=self._wire,
+            staging=staging,
             # GPU buckets are copied asynchronously, each copy tracked by an event.
             event_type=torch.cuda.Event if device.type == "cuda" else None)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
