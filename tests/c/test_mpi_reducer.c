@@ -86,6 +86,45 @@ TEST(mean_over_ranks_with_unused_parameters)
     for (size_t b = 0; b < nb; b++) free(data[b]);
 }
 
+/* NP float32 parameters of PN elements in buckets of at most 80 bytes,
+ * reduced over MPI_COMM_WORLD. */
+typedef struct {
+    size_t numel[NP], offset[NP], nb;
+    uint32_t bucket[NP];
+    mpidp_bucket_info_t info[NP];
+    void *data[NP];
+    mpidp_reqtable_t *reqs;
+    mpidp_reducer_t *r;
+} f32_reducer_t;
+
+static int f32_reducer(f32_reducer_t *f, int wire, int separate)
+{
+    int dtype[NP], rc = mpidp_mpiops_init();
+    for (int i = 0; i < NP; i++) {
+        f->numel[i] = PN;
+        dtype[i] = MPIDP_F32;
+    }
+    if (rc == MPIDP_OK)
+        rc = mpidp_bucket_plan(f->numel, dtype, NP, 40, 80, f->bucket, f->offset, f->info, &f->nb);
+    for (size_t b = 0; rc == MPIDP_OK && b < f->nb; b++)
+        f->data[b] = calloc(f->info[b].numel + f->info[b].n_params, 4);
+    if (rc == MPIDP_OK) rc = mpidp_reqtable_create(16, &f->reqs);
+    mpidp_reducer_config_t cfg = {
+        .comm = MPI_COMM_WORLD, .reqs = f->reqs, .n_params = NP, .param_bucket = f->bucket,
+        .param_offset = f->offset, .param_numel = f->numel, .n_buckets = f->nb,
+        .buckets = f->info, .bucket_data = f->data, .wire_dtype = wire, .separate = separate,
+        .name = "test"};
+    return rc == MPIDP_OK ? mpidp_reducer_create(&cfg, &f->r) : rc;
+}
+
+static int f32_reducer_free(f32_reducer_t *f)
+{
+    int rc = mpidp_reducer_destroy(f->r);
+    if (rc == MPIDP_OK) rc = mpidp_reqtable_destroy(f->reqs);
+    for (size_t b = 0; b < f->nb; b++) free(f->data[b]);
+    return rc;
+}
+
 /* float32 buckets travelling as bf16 (and fp16): the mean of the 16-bit
  * values each rank sent, within the rounding of one sum per rank. */
 static void compressed_pass(int wire, int *mpidp__test_failed)
@@ -93,27 +132,12 @@ static void compressed_pass(int wire, int *mpidp__test_failed)
     int rank, size;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    ASSERT_OK(mpidp_mpiops_init());
-    size_t numel[NP];
-    int dtype[NP];
-    for (int i = 0; i < NP; i++) {
-        numel[i] = PN;
-        dtype[i] = MPIDP_F32;
-    }
-    uint32_t bucket[NP];
-    size_t offset[NP], nb;
-    mpidp_bucket_info_t info[NP];
-    ASSERT_OK(mpidp_bucket_plan(numel, dtype, NP, 40, 80, bucket, offset, info, &nb));
-    void *data[NP];
-    for (size_t b = 0; b < nb; b++) data[b] = calloc(info[b].numel + info[b].n_params, 4);
-    mpidp_reqtable_t *reqs;
-    ASSERT_OK(mpidp_reqtable_create(16, &reqs));
-    mpidp_reducer_config_t cfg = {
-        .comm = MPI_COMM_WORLD, .reqs = reqs, .n_params = NP, .param_bucket = bucket,
-        .param_offset = offset, .param_numel = numel, .n_buckets = nb, .buckets = info,
-        .bucket_data = data, .wire_dtype = wire, .name = "test"};
-    mpidp_reducer_t *r;
-    ASSERT_OK(mpidp_reducer_create(&cfg, &r));
+    f32_reducer_t f;
+    ASSERT_OK(f32_reducer(&f, wire, 0));
+    mpidp_reducer_t *r = f.r;
+    uint32_t *bucket = f.bucket;
+    size_t *offset = f.offset;
+    void **data = f.data;
     for (int i = 0; i < NP; i++)
         for (int k = 0; k < PN; k++)
             ((float *)data[bucket[i]])[offset[i] + (size_t)k] =
@@ -136,9 +160,7 @@ static void compressed_pass(int wire, int *mpidp__test_failed)
         }
     }
     ASSERT_OK(mpidp_reducer_reset(r));
-    ASSERT_OK(mpidp_reducer_destroy(r));
-    ASSERT_OK(mpidp_reqtable_destroy(reqs));
-    for (size_t b = 0; b < nb; b++) free(data[b]);
+    ASSERT_OK(f32_reducer_free(&f));
 }
 
 TEST(bf16_wire) { compressed_pass(MPIDP_BF16, mpidp__test_failed); }
@@ -152,27 +174,12 @@ static void separate_pass(int wire, int *mpidp__test_failed)
     int rank, size;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    ASSERT_OK(mpidp_mpiops_init());
-    size_t numel[NP];
-    int dtype[NP];
-    for (int i = 0; i < NP; i++) {
-        numel[i] = PN;
-        dtype[i] = MPIDP_F32;
-    }
-    uint32_t bucket[NP];
-    size_t offset[NP], nb;
-    mpidp_bucket_info_t info[NP];
-    ASSERT_OK(mpidp_bucket_plan(numel, dtype, NP, 40, 80, bucket, offset, info, &nb));
-    void *data[NP];
-    for (size_t b = 0; b < nb; b++) data[b] = calloc(info[b].numel + info[b].n_params, 4);
-    mpidp_reqtable_t *reqs;
-    ASSERT_OK(mpidp_reqtable_create(16, &reqs));
-    mpidp_reducer_config_t cfg = {
-        .comm = MPI_COMM_WORLD, .reqs = reqs, .n_params = NP, .param_bucket = bucket,
-        .param_offset = offset, .param_numel = numel, .n_buckets = nb, .buckets = info,
-        .bucket_data = data, .wire_dtype = wire, .separate = 1, .name = "test"};
-    mpidp_reducer_t *r;
-    ASSERT_OK(mpidp_reducer_create(&cfg, &r));
+    f32_reducer_t f;
+    ASSERT_OK(f32_reducer(&f, wire, 1));
+    mpidp_reducer_t *r = f.r;
+    uint32_t *bucket = f.bucket;
+    size_t *offset = f.offset;
+    void **data = f.data;
     for (int i = 0; i < NP; i++)
         for (int k = 0; k < PN; k++)
             ((float *)data[bucket[i]])[offset[i] + (size_t)k] = (float)(rank + 1) * (float)(i + k);
@@ -201,9 +208,7 @@ static void separate_pass(int wire, int *mpidp__test_failed)
         }
     }
     ASSERT_OK(mpidp_reducer_reset(r));
-    ASSERT_OK(mpidp_reducer_destroy(r));
-    ASSERT_OK(mpidp_reqtable_destroy(reqs));
-    for (size_t b = 0; b < nb; b++) free(data[b]);
+    ASSERT_OK(f32_reducer_free(&f));
 }
 
 TEST(separate_buffers) { separate_pass(-1, mpidp__test_failed); }
