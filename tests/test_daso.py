@@ -2,6 +2,7 @@
 and (where the size allows) nodes of 2 ranks (MPIDP_RANKS_PER_NODE)."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -350,3 +351,28 @@ def test_global_sync_is_progressed_by_forward_and_gradient_hooks():
         mpidp._C.set_hook_progress(before)
     losses = train(model, daso, net, problem(batches=4), epochs=3)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one node has no global sync to progress")
+def test_a_new_daso_for_the_same_model_takes_the_hooks_over():
+    """Rebuilding DASO for a model (a new training phase) used to leave every
+    earlier DASO's progress hooks on the parameters and submodules, piling up
+    with each rebuild; the newest one's are the only ones left, and a DASO
+    the program drops takes its hooks with it."""
+    model, opt, daso, net = make()
+    counts = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    for _ in range(5):
+        daso = mpidp.DASO(opt, total_epochs=6, warmup_epochs=1, cooldown_epochs=1)
+        net = mpidp.DataParallelMultiGPU(model, daso)
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == counts
+    losses = train(model, daso, net, problem(batches=4), epochs=3)
+    assert losses[-1] < losses[0]
+    del net, daso
+    gc.collect()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_wrapping_a_wrapper_is_refused():
+    model, opt, daso, net = make()
+    with pytest.raises(TypeError, match="module: is already a mpidp.DataParallelMultiGPU"):
+        mpidp.DataParallelMultiGPU(net, mpidp.DASO(opt, total_epochs=2))

@@ -78,3 +78,11 @@ def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Ten
     if dense:
         return flat.as_strided(param.shape, param.stride(), offset)
     return flat.narrow(0, offset, param.numel()).view(param.shape)
+
+
+def remove_handles(handles: list) -> None:
+    """Removes hook handles, emptying the list in place (a wrapper's
+    weakref.finalize and its explicit detach share one list)."""
+    for h in handles:
+        h.remove()
+    handles.clear()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 
 import torch
 
@@ -22,6 +23,7 @@ from . import _C
 from ._dtypes import CODE_OF
 from ._consistency import check_every, check_in_sync
 from ._mpi import MPI, as_mpi4py, resolve_comm
+from ._params import remove_handles
 from .topology import node_comm, topology
 
 __all__ = ["DASO"]
@@ -35,6 +37,11 @@ def _check_int(name, value, minimum):
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return int(value)
+
+
+# The DASO syncing each (unwrapped) model: a model rebuilt under a new DASO
+# leaves the old one's progress hooks behind otherwise.
+_DASO_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class DASO:
@@ -113,6 +120,8 @@ class DASO:
         self.bytes_sent = 0          # global-sync bytes this rank has put on the wire
         self._sync = None
         self._progress_handles = []   # hooks that progress a sync in flight
+        # A DASO the program dropped takes its hooks with it.
+        weakref.finalize(self, remove_handles, self._progress_handles)
         self._params = ()
         self._pointers = ()
         self._flat = None
@@ -213,9 +222,13 @@ class DASO:
         over a 1 Gbit/s link this took DASO's cycling epochs from 9.3-10.4 s
         to 8.2-8.6 s (benchmarks/bench_daso.py). The switch DataParallel's
         hooks obey (MPIDP_HOOK_PROGRESS=0, _C.set_hook_progress) turns it off."""
-        for handle in self._progress_handles:
-            handle.remove()
-        self._progress_handles = []
+        remove_handles(self._progress_handles)
+        plain = getattr(model, "module", model)  # under DataParallelMultiGPU's DDP
+        previous = _DASO_OF.get(plain)
+        previous = previous() if previous is not None else None
+        if previous is not None and previous is not self:
+            remove_handles(previous._progress_handles)
+        _DASO_OF[plain] = weakref.ref(self)
         if self._sync is None or not _C.get_hook_progress():
             return
         sync = self._sync
@@ -224,7 +237,7 @@ class DASO:
             if sync.pending:
                 sync.test()
 
-        self._progress_handles = [m.register_forward_pre_hook(progress) for m in model.modules()]
+        self._progress_handles += [m.register_forward_pre_hook(progress) for m in model.modules()]
         self._progress_handles += [p.register_post_accumulate_grad_hook(progress) for p in params]
 
     def add_scaler(self, scaler) -> None:

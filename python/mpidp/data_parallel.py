@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+import weakref
 from typing import List, Sequence, Union
 
 import torch
@@ -13,7 +15,7 @@ from . import _C
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import broadcast_state, check_module, grad_view
+from ._params import broadcast_state, check_module, grad_view, remove_handles
 from .optimizer import DataParallelOptimizer
 
 __all__ = ["DataParallel"]
@@ -43,6 +45,36 @@ def _nonblocking_obstacle(optimizers, module) -> str | None:
     if held != trainable:
         return "the optimizer does not hold exactly the model's trainable parameters"
     return None
+
+
+# The live DataParallel of each module: a module is wrapped by one at a time,
+# so that its gradients are averaged exactly once.
+_WRAPPER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _take_over(module: torch.nn.Module, wrapper: "DataParallel") -> None:
+    """Makes `wrapper` the module's DataParallel, detaching a previous one
+    that is still alive (its hooks would average every gradient a second
+    time, or apply a stale update)."""
+    if isinstance(module, DataParallel):
+        raise TypeError("module: is already a mpidp.DataParallel; wrap the plain model once "
+                        "(a second wrapper would average every gradient again)")
+    previous = _WRAPPER_OF.get(module)
+    previous = previous() if previous is not None else None
+    if previous is not None and previous._released is None:
+        previous._release("a newer DataParallel of the same module replaced it; use that one")
+        warnings.warn("DataParallel: this module was already wrapped by another DataParallel; "
+                      "that wrapper is detached (its hooks removed, using it raises), so that "
+                      "gradients are averaged once", stacklevel=3)
+    _WRAPPER_OF[module] = weakref.ref(wrapper)
+
+
+def _apply_pending(wrapper_ref, buckets, _module, _args) -> None:
+    """A layer's forward pre-hook: applies the pending update of its buckets.
+    Holds its DataParallel weakly, so the inner module does not keep it alive."""
+    wrapper = wrapper_ref()
+    if wrapper is not None:
+        wrapper._apply_buckets(buckets)
 
 
 def _check_optimizers(optimizer) -> List[DataParallelOptimizer]:
@@ -118,6 +150,8 @@ class DataParallel(torch.nn.Module):
             wire = _C.NO_WIRE  # float32 on the wire: no compression
         c_comm = resolve_comm(comm)
         super().__init__()
+        _take_over(module, self)
+        self._released = None    # why this wrapper no longer works (replaced, remove_hooks)
         self.module = module
         self.comm = comm
         self._c_comm = c_comm
@@ -200,6 +234,9 @@ class DataParallel(torch.nn.Module):
             event_type=torch.cuda.Event if device.type == "cuda" else None)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]
+        # A wrapper the program dropped takes its hooks with it: otherwise the
+        # parameters would go on averaging their gradients through it.
+        weakref.finalize(self, remove_handles, self._hook_handles)
 
     def _install_layer_hooks(self) -> None:
         """Forward pre-hooks on every module that owns trainable parameters: each
@@ -218,11 +255,13 @@ class DataParallel(torch.nn.Module):
                 continue
             buckets = tuple(sorted({self._param_bucket[i] for i in own}))
             self._hook_handles.append(module.register_forward_pre_hook(
-                lambda _m, _args, buckets=buckets: self._apply_buckets(buckets)))
+                functools.partial(_apply_pending, weakref.ref(self), buckets)))
 
     # -- training -------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        if self._released is not None:
+            raise RuntimeError(f"DataParallel: this wrapper is detached: {self._released}")
         reducer = self._reducer
         if self._joining and self.training and torch.is_grad_enabled():
             # Ranks that ran out of data answer this ballot with 0 and add zeros
@@ -255,13 +294,13 @@ class DataParallel(torch.nn.Module):
             return
         reducer = self._reducer
         for b in buckets:
-            if not reducer.finalized:
-                break
             if reducer.stepped(b):
                 continue
             reducer.deliver_for_step(b)
             self._step_bucket(b)
             reducer.after_step(b)
+            if not reducer.finalized:
+                break
         if not reducer.finalized:  # the last bucket's after_step ended the pass
             self._applying = False
             self._due = False
@@ -369,6 +408,9 @@ class DataParallel(torch.nn.Module):
         return super().state_dict(*args, **kwargs)
 
     def _step_due(self, optimizer: DataParallelOptimizer) -> None:
+        if self._released is not None:
+            raise RuntimeError(f"DataParallel: the optimizer's wrapper is detached: "
+                               f"{self._released}")
         if self.blocking_parameter_updates or not self._reducer.finalized:
             optimizer.torch_optimizer.step()
             return
@@ -384,11 +426,14 @@ class DataParallel(torch.nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach DataParallel from the module's parameters (the module keeps working
-        as a plain, local torch module)."""
-        self.synchronize()
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles = []
+        as a plain, local torch module; this wrapper cannot be used again)."""
+        self._release("remove_hooks() detached it from its module")
+
+    def _release(self, reason: str) -> None:
+        if self._released is None:
+            self.synchronize()
+            remove_handles(self._hook_handles)
+            self._released = reason
 
     @property
     def bucket_count(self) -> int:

@@ -12,6 +12,7 @@ from ._consistency import check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, check_module
 from .daso import DASO
+from .data_parallel import DataParallel
 from .process_group import init_process_group
 from .topology import node_comm, topology
 
@@ -32,6 +33,9 @@ class DataParallelMultiGPU(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, optimizer: DASO, comm=MPI.COMM_WORLD):
         check_module(module)
+        if isinstance(module, (DataParallelMultiGPU, DataParallel)):
+            raise TypeError(f"module: is already a mpidp.{type(module).__name__}; wrap the plain "
+                            "model once (a second wrapper would average every gradient again)")
         if not isinstance(optimizer, DASO):
             raise TypeError("optimizer: expected a mpidp.DASO (DataParallelMultiGPU runs DASO; for "
                             f"other optimizers use mpidp.DataParallel), got {type(optimizer).__name__}")

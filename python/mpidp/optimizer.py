@@ -45,10 +45,10 @@ class DataParallelOptimizer:
 
     def step(self) -> None:
         """Update the parameters (now if blocking, else during the next forward)."""
-        if self.blocking_parameter_updates or self._model is None:
-            self.torch_optimizer.step()
-        else:
+        if self._model is not None:
             self._model._step_due(self)
+        else:
+            self.torch_optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the optimizer's parameters. With non-blocking
