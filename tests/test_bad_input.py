@@ -74,3 +74,19 @@ def test_c_types_check_their_arguments():
         mpidp._C.GradHook()
     with pytest.raises(ValueError, match="plan_buckets"):
         mpidp._C.plan_buckets([1], [9], 10, 10)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 0,
+                    reason="this machine has a GPU: NCCL is possible")
+def test_nccl_without_gpus_says_so():
+    with pytest.raises(RuntimeError, match="backend='nccl' needs CUDA GPUs.*backend='gloo'"):
+        mpidp.init_process_group(MPI.COMM_SELF, backend="nccl")
+
+
+def test_messages_name_the_operation_once():
+    """The core's detail often starts with the operation the glue names too."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        mpidp._C.Comm(MPI.COMM_WORLD).allreduce(torch.zeros(3, dtype=torch.float64),
+                                                mpidp._C.OP_SUM, mpidp._C.DTYPE_BF16, False)
+    message = str(info.value)
+    assert message.startswith("allreduce: ") and "allreduce: allreduce" not in message, message

@@ -80,3 +80,42 @@ def _end_epoch_without_sync(daso):
     # The drift check itself, as epoch_loss_logic runs it after each epoch.
     from mpidp._consistency import check_in_sync
     check_in_sync(daso._world, list(zip(daso._param_names, daso._params)), "DASO", "after epoch 1")
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank has nothing to disagree with")
+@pytest.mark.parametrize("setting, mine, others", [
+    ("wire_dtype", torch.float16, torch.bfloat16),      # used to train on with diverged params
+    ("wire_dtype", None, torch.bfloat16),               # used to end in MPI_ERR_TRUNCATE
+    ("bucket_cap_mb", 0.001, 25.0),
+    ("blocking_parameter_updates", False, True),
+])
+def test_settings_that_differ_across_ranks_are_named(setting, mine, others):
+    kwargs = {"blocking_parameter_updates": True, setting: mine if RANK == LAST else others}
+    m = model(False)
+    opt = mpidp.DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=rf"settings differ: rank\(s\) \[{LAST}\] do not match "
+                                         rf"rank 0 .*'setting {setting} = "):
+        mpidp.DataParallel(m, optimizer=opt, **kwargs)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank has nothing to disagree with")
+def test_mpidp_check_on_one_rank_only_is_named(monkeypatch):
+    if RANK == LAST:
+        monkeypatch.setenv("MPIDP_CHECK", "1")
+    with pytest.raises(ValueError, match=r"settings differ.*MPIDP_CHECK every"):
+        mpidp.DataParallel(model(False), blocking_parameter_updates=True)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank has nothing to disagree with")
+@pytest.mark.parametrize("setting, mine, others", [
+    ("warmup_epochs", 2, 1),              # used to hang until the timeout, blaming uneven batches
+    ("max_global_skips", 4, 8),
+    ("downcast_type", torch.float16, torch.bfloat16),
+])
+def test_daso_settings_that_differ_across_ranks_are_named(monkeypatch, setting, mine, others):
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")
+    m = model(False)
+    kwargs = {setting: mine if RANK == LAST else others}
+    daso = mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=6, **kwargs)
+    with pytest.raises(ValueError, match=rf"settings differ.*'setting {setting} = "):
+        mpidp.DataParallelMultiGPU(m, daso)

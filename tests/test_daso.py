@@ -3,6 +3,7 @@ and (where the size allows) nodes of 2 ranks (MPIDP_RANKS_PER_NODE)."""
 
 import copy
 import gc
+import warnings
 
 import pytest
 import torch
@@ -376,3 +377,30 @@ def test_wrapping_a_wrapper_is_refused():
     model, opt, daso, net = make()
     with pytest.raises(TypeError, match="module: is already a mpidp.DataParallelMultiGPU"):
         mpidp.DataParallelMultiGPU(net, mpidp.DASO(opt, total_epochs=2))
+
+
+def one_epoch(daso, net, data):
+    for X, Y in data:
+        daso.zero_grad()
+        F.cross_entropy(net(my_slice(X)), my_slice(Y)).backward()
+        daso.step()
+
+
+def test_forgotten_epoch_loss_logic_and_non_finite_losses_warn_once():
+    """Without epoch_loss_logic the schedule never leaves warm-up, silently;
+    a NaN or infinite epoch loss tells it nothing. Each warns once."""
+    model, opt, daso, net = make()
+    data = problem(batches=2)
+    daso.last_batch = len(data) - 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            one_epoch(daso, net, data)
+        daso.epoch_loss_logic(float("nan"))
+        one_epoch(daso, net, data)
+        daso.epoch_loss_logic(float("inf"))
+    messages = [str(w.message) for w in caught]
+    unclosed = [m for m in messages if "ended without epoch_loss_logic" in m]
+    assert len(unclosed) == 1 and "warmup" in unclosed[0], messages
+    non_finite = [m for m in messages if "the epoch loss is" in m]
+    assert len(non_finite) == 1 and "nan" in non_finite[0], messages

@@ -150,16 +150,22 @@ def train_and_compare(make_model, make_opt=sgd, loss_fn=ce_loss, x_shape=(10,), 
     return net
 
 
-def train_with_habits(habit, steps=4, per_rank=6):
-    """Blocking DataParallel with what users do between backward and step --
-    gradient clipping, or AMP's GradScaler (scale, unscale_, clip, step,
-    update) -- against one process doing the same on the whole batch."""
+def train_with_habits(habit, blocking=True, steps=4, per_rank=6):
+    """DataParallel with what users do between backward and step -- gradient
+    clipping, or AMP's GradScaler (scale, unscale_, clip, step, update) --
+    against one process doing the same on the whole batch. Non-blocking mode
+    needs the averaged gradients in .grad first: optimizer.synchronize() for
+    clipping (Horovod's pattern), and GradScaler through the
+    DataParallelOptimizer, which synchronizes by itself."""
     model, reference = build(MLP, 100 + RANK), build(MLP, 100)
     dp_opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
-    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=True)
+    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=blocking)
     ref_opt = sgd(reference.parameters())
     scalers = [torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10) for _ in range(2)] \
-        if habit == "amp" else None
+        if habit.startswith("amp") else None
+    # Blocking mode may hand the torch optimizer to the scaler; non-blocking
+    # mode needs the wrapper (it is what knows the gradients are not in yet).
+    scaled_opt = dp_opt.torch_optimizer if blocking else dp_opt
     g = seeded(1)
     n = per_rank * SIZE
     for step in range(steps):
@@ -172,17 +178,21 @@ def train_with_habits(habit, steps=4, per_rank=6):
         if scalers:
             scalers[0].scale(loss).backward()
             scalers[1].scale(ref_loss).backward()
-            scalers[0].unscale_(dp_opt.torch_optimizer)
-            scalers[1].unscale_(ref_opt)
         else:
             loss.backward()
             ref_loss.backward()
-        assert_grads_match(model, reference, step)
-        # A norm far below the gradients' own: clipping changes every step.
-        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05) for m in (model, reference)]
-        assert torch.allclose(norms[0], norms[1], rtol=1e-4), norms
+            if not blocking:
+                dp_opt.synchronize()
+        if habit != "amp-step-only":
+            if scalers:
+                scalers[0].unscale_(scaled_opt)
+                scalers[1].unscale_(ref_opt)
+            assert_grads_match(model, reference, step)
+            # A norm far below the gradients' own: clipping changes every step.
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05) for m in (model, reference)]
+            assert torch.allclose(norms[0], norms[1], rtol=1e-4), norms
         if scalers:
-            scalers[0].step(dp_opt.torch_optimizer)
+            scalers[0].step(scaled_opt)
             scalers[1].step(ref_opt)
             for sc in scalers:
                 sc.update()
@@ -193,9 +203,34 @@ def train_with_habits(habit, steps=4, per_rank=6):
     assert_same_on_all_ranks(model)
 
 
-@pytest.mark.parametrize("habit", ["clip", "amp"])
-def test_clipping_and_grad_scaler_between_backward_and_step(habit):
-    train_with_habits(habit)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+@pytest.mark.parametrize("habit", ["clip", "amp", "amp-step-only"])
+def test_clipping_and_grad_scaler_between_backward_and_step(habit, blocking):
+    train_with_habits(habit, blocking)
+
+
+def nonblocking_after_backward(scaler=None):
+    model = build(MLP, 100 + RANK)
+    dp_opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=False)
+    loss = F.cross_entropy(net(torch.randn(4, 10)), torch.randint(0, 4, (4,)))
+    (scaler.scale(loss) if scaler else loss).backward()
+    return model, dp_opt
+
+
+def test_nonblocking_edit_without_synchronize_raises_instead_of_being_lost():
+    model, dp_opt = nonblocking_after_backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # on the zeros .grad holds now
+    with pytest.raises(RuntimeError, match=r"changed in place between backward\(\) and "
+                                           r"optimizer.step\(\).*optimizer.synchronize\(\)"):
+        dp_opt.step()
+
+
+def test_nonblocking_stepping_the_torch_optimizer_directly_raises():
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=4.0)
+    model, dp_opt = nonblocking_after_backward(scaler)
+    with pytest.raises(RuntimeError, match=r"torch optimizer was stepped directly.*scaler.step\(dp_opt\)"):
+        scaler.step(dp_opt.torch_optimizer)
 
 
 @pytest.mark.parametrize("make_opt", [sgd, adam], ids=["sgd-momentum", "adam"])

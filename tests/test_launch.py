@@ -98,6 +98,60 @@ def test_uneven_batches_without_join_end_with_a_clear_error(tmp_path):
     assert seconds < 30, f"the job took {seconds:.0f} s to end"
 
 
+def test_exiting_after_a_caught_timeout_ends_the_job_quickly(tmp_path):
+    """MPIDP_ON_TIMEOUT=raise: the program catches CommTimeout and exits
+    normally. Exit used to wait another full timeout for the pending request
+    and then hang in MPI_Finalize, waiting for the rank that never came."""
+    script = tmp_path / "caught.py"
+    script.write_text(textwrap.dedent("""
+        import time, torch, mpidp
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            try:
+                mpidp.allreduce(torch.ones(4))   # rank 1 never joins
+            except mpidp.CommTimeout as exc:
+                print("caught:", exc, flush=True)
+        else:
+            time.sleep(300)
+    """))
+    rc, out, seconds = run_mpi(2, [str(script)], timeout=120, MPIDP_TIMEOUT="2",
+                               MPIDP_ON_TIMEOUT="raise")
+    assert "caught:" in out and "timed out" in out, out
+    assert "exiting after a communication timeout" in out, out
+    assert rc != 0, out
+    assert seconds < 30, f"the job took {seconds:.0f} s to end"
+
+
+def test_communication_from_a_forked_child_is_refused(tmp_path):
+    """A child forked from a rank used to 'succeed' at an allreduce while the
+    parents then hung until the timeout; now the child gets a clear error and
+    the parents' own collectives are unaffected."""
+    script = tmp_path / "fork.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, mpidp
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                mpidp.allreduce(torch.ones(4))
+                os._exit(1)
+            except RuntimeError as exc:
+                ok = "forked from an MPI rank" in str(exc) and "spawn" in str(exc)
+                os._exit(0 if ok else 2)
+        _, status = os.waitpid(pid, 0)
+        t = torch.full((3,), float(rank + 1))
+        mpidp.allreduce(t)
+        print(f"rank {rank}: child exit {os.waitstatus_to_exitcode(status)}, sum {t[0].item()}",
+              flush=True)
+    """))
+    rc, out, seconds = run_mpi(2, [str(script)], timeout=120, MPIDP_TIMEOUT="20")
+    assert rc == 0, out
+    for rank in range(2):
+        assert f"rank {rank}: child exit 0, sum 3.0" in out, out
+    assert seconds < 60, f"the job took {seconds:.0f} s to end"
+
+
 @pytest.mark.parametrize("gpus, ranks, expected", [
     (0, 1, "gloo"), (0, 4, "gloo"), (1, 1, "nccl"), (4, 4, "nccl"), (8, 4, "nccl"),
     (1, 2, "gloo"), (2, 4, "gloo")])

@@ -81,6 +81,13 @@ def run(make_model=MLP, make_opt=sgd_wd, *, zero="before", set_to_none=True, ste
         net.synchronize()
     elif finish == "state_dict":
         net.state_dict()
+    elif finish == "inner_state_dict":   # reading the inner model, not the wrapper
+        saved, wanted = model.state_dict(), reference.state_dict()
+        for key, value in wanted.items():
+            assert torch.allclose(saved[key], value, atol=2e-5, rtol=1e-4), key
+    elif finish == "inner_forward":      # evaluating the inner model, not the wrapper
+        with torch.no_grad():
+            model(torch.zeros(1, *x_shape, device=next(model.parameters()).device))
     assert_params_close(model, reference, what="at the end")
     assert_same_on_all_ranks(model)
     return net, model
@@ -93,7 +100,8 @@ def test_against_reference(make_opt, zero, set_to_none):
     run(make_opt=make_opt, zero=zero, set_to_none=set_to_none)
 
 
-@pytest.mark.parametrize("finish", ["eval", "synchronize", "state_dict"])
+@pytest.mark.parametrize("finish", ["eval", "synchronize", "state_dict", "inner_state_dict",
+                                    "inner_forward"])
 def test_pending_update_is_finished_by(finish):
     run(finish=finish, steps=3)
 

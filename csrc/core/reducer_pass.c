@@ -263,3 +263,39 @@ int mpidp_reducer_stepped(const mpidp_reducer_t *r, size_t b)
 {
     return r != NULL && b < r->n_buckets && r->applied[b];
 }
+
+int mpidp_reducer_version_moved(const mpidp_reducer_t *r, size_t b, long long version)
+{
+    return r != NULL && r->separate && r->finalized && b < r->n_buckets && r->version[b] != version;
+}
+
+int mpidp_reducer_deliver_now(mpidp_reducer_t *r, size_t b, long long version, const uint8_t *seen,
+                              uint8_t *act)
+{
+    int rc = check_done(r, b, 1, "synchronizing gradients");
+    if (rc != MPIDP_OK) return rc;
+    if (r->delivered[b] || step_begun(r))
+        return mpidp__fail(MPIDP_ESTATE, "%s: the step of this pass is already being applied",
+                           r->name);
+    if (version != r->version[b])
+        return mpidp__fail(MPIDP_ESTATE, "gradients were changed in place between backward and "
+                           "synchronize(); in non-blocking mode they hold zeros until the averaged "
+                           "gradients are delivered, so the change would be lost -- call "
+                           "synchronize() right after backward, then edit");
+    const size_t *members;
+    size_t n = mpidp_reducer_bucket_params(r, b, &members);
+    for (size_t k = 0; k < n; k++)
+        if (seen[k] == MPIDP_SEEN_OTHER)
+            return mpidp__fail(MPIDP_ESTATE, "the .grad of parameter %zu was replaced between "
+                               "backward and synchronize(); assign to .grad only after "
+                               "synchronize()", members[k]);
+    for (size_t k = 0; k < n; k++) {
+        size_t i = members[k];
+        int used = used_by_any_rank(r, i);
+        if ((rc = mpidp_reducer_deliver(r, i, MPIDP_DELIVER_COPY)) != MPIDP_OK) return rc;
+        act[k] = seen[k] == MPIDP_SEEN_NONE     ? MPIDP_GRAD_KEEP
+                 : (!used && r->was_none[i]) ? MPIDP_GRAD_SET_NONE
+                                             : MPIDP_GRAD_SET_VIEW;
+    }
+    return MPIDP_OK;
+}

@@ -30,6 +30,7 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     if (kwnames != NULL || nargs != 4)
         return PyErr_Format(PyExc_TypeError, "Comm.allreduce(tensor, op, wire_dtype, async_op) "
                             "takes 4 positional arguments");
+    if (mpidp_py_check_not_forked("allreduce") < 0) return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
     if (st == NULL) return NULL;
     mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
@@ -67,6 +68,7 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
 {
     if (kwnames != NULL || nargs != 2)
         return PyErr_Format(PyExc_TypeError, "Comm.bcast(tensor, root) takes 2 positional arguments");
+    if (mpidp_py_check_not_forked("bcast") < 0) return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
     if (st == NULL) return NULL;
     mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
@@ -88,6 +90,7 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)
 {
     (void)unused;
+    if (mpidp_py_check_not_forked("barrier") < 0) return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
     if (st == NULL) return NULL;
     mpidp_error_clear();

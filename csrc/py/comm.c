@@ -29,6 +29,7 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"comm", NULL};
     PyObject *source;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Comm", kwlist, &source)) return NULL;
+    if (mpidp_py_check_not_forked("Comm") < 0) return NULL;
     if (ensure_mpi4py() < 0) return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     if (st == NULL) return NULL;

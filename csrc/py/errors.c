@@ -2,6 +2,8 @@
 #include "module.h"
 
 #include <stdio.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "mpidp/status.h"
 
@@ -23,6 +25,10 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
     /* A Python callback failed inside the core: its exception says it best. */
     if (status == MPIDP_ECALLBACK && PyErr_Occurred()) return NULL;
     const char *detail = mpidp_error_detail();
+    /* The core often names the operation itself ("allreduce: ..."): say it once. */
+    size_t what_len = strlen(what);
+    if (strncmp(detail, what, what_len) == 0 && detail[what_len] == ':' && detail[what_len + 1] == ' ')
+        detail += what_len + 2;
     PyObject *type;
     switch (status) {
     case MPIDP_EINVAL: type = PyExc_ValueError; break;
@@ -46,6 +52,7 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
         msg = PyUnicode_FromFormat("%s: %s", what, mpidp_strerror(status));
     if (msg == NULL) return NULL;
 
+    if (status == MPIDP_ETIMEDOUT) mpidp_py_timed_out = 1;
     if (status == MPIDP_ETIMEDOUT && mpidp_py_abort_on_timeout) {
         /* Another rank is most likely stuck (or dead) in a collective that will
          * never complete; raising here would leave every other rank waiting
@@ -75,4 +82,18 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
         Py_DECREF(exc);
     }
     return NULL;
+}
+
+int mpidp_py_forked = 0;
+int mpidp_py_timed_out = 0;
+
+int mpidp_py_check_not_forked(const char *what)
+{
+    if (!mpidp_py_forked) return 0;
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: this process was forked from an MPI rank (pid %ld); MPI cannot be used "
+                 "in a fork -- communicate from the parent process, and start helper processes "
+                 "with the 'spawn' or 'forkserver' method if they need MPI",
+                 what, (long)getpid());
+    return -1;
 }

@@ -247,6 +247,21 @@ static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* os.register_at_fork(after_in_child=...): communication refuses from now on. */
+static PyObject *mod_mark_forked(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    mpidp_py_forked = 1;
+    Py_RETURN_NONE;
+}
+
+/* Whether a wait in this process ran past its deadline (CommTimeout). */
+static PyObject *mod_timed_out(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    return PyBool_FromLong(mpidp_py_timed_out);
+}
+
 static PyMethodDef module_methods[] = {
     {"mpi_library_version", mod_mpi_library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI library this process runs on."},
@@ -270,6 +285,10 @@ static PyMethodDef module_methods[] = {
     {"progress", mod_progress, METH_NOARGS,
      "Test everything in flight once so MPI advances it; returns how many completed."},
     {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},
+    {"timed_out", mod_timed_out, METH_NOARGS,
+     "True once a wait in this process has run past its deadline (CommTimeout)."},
+    {"mark_forked", mod_mark_forked, METH_NOARGS,
+     "Called in a child after fork(): every later communication raises."},
     {NULL, NULL, 0, NULL},
 };
 

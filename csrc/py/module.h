@@ -28,6 +28,14 @@ typedef struct {
 extern double mpidp_py_timeout_s;   /* deadline of every wait; <= 0: none */
 extern int mpidp_py_abort_on_timeout;
 extern int mpidp_py_hook_progress;  /* gradient hooks call MPI_Test on what is in flight */
+extern int mpidp_py_forked;         /* this process is a fork() of an MPI rank */
+extern int mpidp_py_timed_out;      /* a wait raised CommTimeout: some rank is stuck */
+
+/* 0, or -1 with a RuntimeError naming `what` when this process was forked
+ * from an MPI rank: MPI state is not fork-safe, and a child's collective
+ * would mismatch or hang its parent's job. Checked where communication
+ * starts (collectives, the gradient hook, a DASO sync, a new Comm). */
+int mpidp_py_check_not_forked(const char *what);
 
 mpidp_py_state *mpidp_py_state_of_module(PyObject *module);
 mpidp_py_state *mpidp_py_state_of_type(PyTypeObject *type);

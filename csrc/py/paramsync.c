@@ -124,6 +124,7 @@ static PyObject *paramsync_send(paramsync_t *s, PyObject *args)
 {
     int zero = 0, rc;
     if (!PyArg_ParseTuple(args, "|p:send", &zero)) return NULL;
+    if (mpidp_py_check_not_forked("DASO global sync") < 0) return NULL;
     PASS(s, rc, mpidp_paramsync_send(s->core, zero));
     return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
 }

@@ -80,6 +80,19 @@ static PyObject *reducer_stepped(reducer_t *r, PyObject *arg)
     return b < 0 ? NULL : PyBool_FromLong(mpidp_reducer_stepped(r->core, (size_t)b));
 }
 
+static PyObject *reducer_deliver_now(reducer_t *r, PyObject *unused)
+{
+    (void)unused;
+    return none_or_null(mpidp_py_reducer_deliver_now(r));
+}
+
+static PyObject *reducer_edited(reducer_t *r, PyObject *unused)
+{
+    (void)unused;
+    int edited = mpidp_py_reducer_edited(r);
+    return edited < 0 ? NULL : PyBool_FromLong(edited);
+}
+
 /* set_divisor(n): average over n ranks from the next pass on (join). */
 static PyObject *reducer_set_divisor(reducer_t *r, PyObject *arg)
 {
@@ -318,6 +331,10 @@ static PyMethodDef reducer_methods[] = {
      "Non-blocking: after_step(b): bucket b's .grad back as the user left it."},
     {"stepped", (PyCFunction)reducer_stepped, METH_O,
      "Non-blocking: stepped(b) -> the step was applied to bucket b in the open pass."},
+    {"deliver_now", (PyCFunction)reducer_deliver_now, METH_NOARGS,
+     "Non-blocking, between backward and step: the means into .grad now; the pass ends."},
+    {"edited", (PyCFunction)reducer_edited, METH_NOARGS,
+     "Non-blocking: True when gradients were changed in place since the end of backward."},
     {"set_divisor", (PyCFunction)reducer_set_divisor, METH_O,
      "set_divisor(n): average gradients over n ranks from the next pass on."},
     {"shadow_pass", (PyCFunction)reducer_shadow_pass, METH_NOARGS,

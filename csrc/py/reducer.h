@@ -54,8 +54,25 @@ int mpidp_py_reducer_complete(mpidp_py_reducer_t *r);
  * its `.grad`s back as the user left them. */
 int mpidp_py_reducer_deliver(mpidp_py_reducer_t *r, size_t b);
 int mpidp_py_reducer_after_step(mpidp_py_reducer_t *r, size_t b);
+/* Non-blocking mode, between backward and the step: the mean into `.grad`
+ * now, and the pass ends (the step that follows is an ordinary one). */
+int mpidp_py_reducer_deliver_now(mpidp_py_reducer_t *r);
+/* Non-blocking mode: 1 when gradients were changed in place since the end of
+ * backward, 0 if not, -1 on error. */
+int mpidp_py_reducer_edited(mpidp_py_reducer_t *r);
 /* join: one pass of bucket allreduces contributing zeros. */
 int mpidp_py_reducer_shadow_pass(mpidp_py_reducer_t *r);
+/* Staging (csrc/py/reducer_staging.c): copies the gradient part of bucket b
+ * between device and host (TO_HOST_ASYNC: from a backward hook, may run
+ * ahead on a GPU); stage_full copies every full bucket and tells the core
+ * which have arrived (flush: waits for every copy). */
+enum { MPIDP_PY_TO_HOST, MPIDP_PY_TO_HOST_ASYNC, MPIDP_PY_TO_DEVICE };
+int mpidp_py_reducer_stage(mpidp_py_reducer_t *r, size_t b, int how);
+int mpidp_py_reducer_stage_full(mpidp_py_reducer_t *r, int flush);
+int mpidp_py_reducer_staging_init(void);
+/* obj.name(), result dropped: 0, or -1 with the exception set. */
+int mpidp_py_call_method0(PyObject *obj, PyObject *name);
+
 /* A GradHook for parameter i (csrc/py/gradhook.c), and its type's set-up. */
 PyObject *mpidp_py_gradhook_new(mpidp_py_reducer_t *r, size_t i);
 int mpidp_py_gradhook_init(PyObject *module, mpidp_py_state *st);

@@ -18,16 +18,15 @@
  *                  mean is added where the user kept the gradients
  *                  (non-blocking, no step due);
  *   deliver(b) / after_step(b)   non-blocking, a step due: the mean into
- *                  `.grad` for the optimizer, then `.grad` as the user left it. */
+ *                  `.grad` for the optimizer, then `.grad` as the user left it.
+ * Staging is csrc/py/reducer_staging.c. */
 #include "reducer.h"
 
 #include <string.h>
 
 #include "mpidp/status.h"
 
-static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize, *str_version, *str_zero_,
-    *str_record;
-static PyObject *kw_non_blocking; /* ("non_blocking",): keyword names of stage()'s copy_ */
+static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize, *str_version, *str_zero_;
 
 int mpidp_py_reducer_pass_init(void)
 {
@@ -38,10 +37,8 @@ int mpidp_py_reducer_pass_init(void)
     str_finalize = PyUnicode_InternFromString("_finalize_backward");
     str_version = PyUnicode_InternFromString("_version");
     str_zero_ = PyUnicode_InternFromString("zero_");
-    str_record = PyUnicode_InternFromString("record");
-    kw_non_blocking = Py_BuildValue("(s)", "non_blocking");
-    return str_grad && str_copy_ && str_detach && str_finalize && str_version && str_zero_ &&
-                   str_record && kw_non_blocking ? 0 : -1;
+    if (!(str_grad && str_copy_ && str_detach && str_finalize && str_version && str_zero_)) return -1;
+    return mpidp_py_reducer_staging_init();
 }
 
 int mpidp_py_reducer_core_status(mpidp_py_reducer_t *r, int rc, const char *what)
@@ -49,13 +46,6 @@ int mpidp_py_reducer_core_status(mpidp_py_reducer_t *r, int rc, const char *what
     if (rc == MPIDP_OK) return 0;
     mpidp_py_raise(r->st, rc, what);
     return -1;
-}
-
-static int call_method0(PyObject *obj, PyObject *name)
-{
-    PyObject *res = PyObject_CallMethodNoArgs(obj, name);
-    Py_XDECREF(res);
-    return res ? 0 : -1;
 }
 
 /* --- reading and writing .grad ------------------------------------------ */
@@ -108,9 +98,9 @@ static int apply_one(mpidp_py_reducer_t *r, size_t i, int action)
     case MPIDP_GRAD_SET_VIEW: return PyObject_SetAttr(param, str_grad, view);
     case MPIDP_GRAD_SET_NONE: return PyObject_SetAttr(param, str_grad, Py_None);
     case MPIDP_GRAD_ZERO_VIEW:
-        return call_method0(view, str_zero_) < 0 ? -1 : PyObject_SetAttr(param, str_grad, view);
+        return mpidp_py_call_method0(view, str_zero_) < 0 ? -1 : PyObject_SetAttr(param, str_grad, view);
     case MPIDP_GRAD_ADOPT: return adopt(r, i);
-    case MPIDP_GRAD_ZERO_ONLY: return call_method0(view, str_zero_);
+    case MPIDP_GRAD_ZERO_ONLY: return mpidp_py_call_method0(view, str_zero_);
     }
     PyErr_Format(PyExc_SystemError, "reducer: unknown .grad action %d", action);
     return -1;
@@ -132,82 +122,6 @@ static int read_version(mpidp_py_reducer_t *r, size_t b, long long *out)
     *out = PyLong_AsLongLong(v);
     Py_DECREF(v);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* --- staging (gradients in GPU memory, reduced through host buckets) ------ */
-
-/* Copies the gradient part of bucket b between its device and host buffers
- * (the flags that follow it live on the host only). On a GPU the copy is
- * asynchronous (pinned host memory, torch's current stream): to the host it
- * is followed by an event that says when the host bytes are there; back to
- * the device, stream order puts it before everything that reads the
- * gradients, and the host bucket is next written only after the next pass's
- * copy to the host has completed (see stage_full_buckets). */
-enum { TO_HOST, TO_HOST_ASYNC, TO_DEVICE };
-
-static int stage(mpidp_py_reducer_t *r, size_t b, int how)
-{
-    if (r->device_buckets == NULL) return 0;
-    int to_host = how != TO_DEVICE;
-    /* Only the backward hooks' copies to the host may run ahead (their arrival
-     * is checked before the core reads them); every other caller reads the
-     * host bucket right away. */
-    int non_blocking = r->event_type != NULL && how != TO_HOST;
-    PyObject *h = PyTuple_GET_ITEM(r->host_grads, b), *d = PyTuple_GET_ITEM(r->dev_grads, b);
-    /* dst.copy_(src, non_blocking=...), without building arguments per call */
-    PyObject *argv[] = {to_host ? h : d, to_host ? d : h, non_blocking ? Py_True : Py_False};
-    PyObject *res = PyObject_VectorcallMethod(str_copy_, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                              kw_non_blocking);
-    if (res == NULL) return -1;
-    Py_DECREF(res);
-    if (how == TO_HOST_ASYNC && non_blocking) {
-        PyObject *ev = PyObject_CallNoArgs(r->event_type);
-        if (ev == NULL || call_method0(ev, str_record) < 0) {
-            Py_XDECREF(ev);
-            return -1;
-        }
-        Py_XSETREF(r->stage_event[b], ev);
-    }
-    return 0;
-}
-
-/* Tells the core that bucket b's gradients are in its host buffer (after its
- * copy's event, if any, has passed: `wait` waits for it, else only a copy
- * already done counts). */
-static int report_staged(mpidp_py_reducer_t *r, size_t b, int wait)
-{
-    PyObject *ev = r->stage_event[b];
-    if (ev != NULL) {
-        PyObject *res = PyObject_CallMethod(ev, wait ? "synchronize" : "query", NULL);
-        if (res == NULL) return -1;
-        int done = wait || PyObject_IsTrue(res);
-        Py_DECREF(res);
-        if (!done) return 0;
-        Py_CLEAR(r->stage_event[b]);
-    }
-    return CORE(r, "DataParallel backward", mpidp_reducer_staged(r->core, b));
-}
-
-/* What the core asks after parameters were marked: copy every full bucket to
- * the host, and tell it which copies have arrived (it then posts in bucket
- * order). With `flush`, wait for every copy: everything full gets posted. */
-static int stage_full_buckets(mpidp_py_reducer_t *r, int flush)
-{
-    size_t b, from = 0;
-    while (from < r->n_buckets && mpidp_reducer_next_to_stage(r->core, from, &b)) {
-        from = b + 1;
-        if (!r->copy_issued[b]) {
-            if (stage(r, b, TO_HOST_ASYNC) < 0) return -1;
-            r->copy_issued[b] = 1;
-            /* Non-blocking mode: the core zeroes the host bucket once it is
-             * copied for sending; the device bucket, where the .grad views are,
-             * must match (stream order puts this after the copy). */
-            if (!r->blocking && call_method0(PyTuple_GET_ITEM(r->device_buckets, b), str_zero_) < 0)
-                return -1;
-        }
-        if (report_staged(r, b, flush) < 0) return -1;
-    }
-    return 0;
 }
 
 /* --- the pass --------------------------------------------------------------- */
@@ -234,7 +148,7 @@ static int complete_bucket(mpidp_py_reducer_t *r, size_t b)
 {
     if (wait_core_bucket(r, b) < 0) return -1;
     if (mpidp_reducer_needs_unstaging(r->core, b) &&
-        (stage(r, b, TO_DEVICE) < 0 || CORE(r, "DataParallel", mpidp_reducer_unstaged(r->core, b)) < 0))
+        (mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE) < 0 || CORE(r, "DataParallel", mpidp_reducer_unstaged(r->core, b)) < 0))
         return -1;
     const size_t *members;
     size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
@@ -248,14 +162,14 @@ static int accumulate_bucket(mpidp_py_reducer_t *r, size_t b, long accumulated)
 {
     long long now;
     if (wait_core_bucket(r, b) < 0 || read_version(r, b, &now) < 0) return -1;
-    if (stage(r, b, TO_HOST) < 0) return -1; /* what autograd added since, if anything */
+    if (mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_HOST) < 0) return -1; /* what autograd added since, if anything */
     const size_t *members;
     size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
     if (observe(r, members, n, r->seen) < 0 ||
         CORE(r, "DataParallel", mpidp_reducer_accumulate(r->core, b, now, accumulated, r->seen, r->act)) < 0 ||
         apply(r, members, n, r->act) < 0)
         return -1;
-    return stage(r, b, TO_DEVICE);
+    return mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE);
 }
 
 static int complete_pass_from(mpidp_py_reducer_t *r, long accumulated)
@@ -290,6 +204,7 @@ int mpidp_py_reducer_prepare(mpidp_py_reducer_t *r)
 
 int mpidp_py_reducer_on_grad(mpidp_py_reducer_t *r, size_t i, PyObject *param)
 {
+    if (mpidp_py_forked) return mpidp_py_check_not_forked("DataParallel backward");
     if (!r->queued) {
         /* First hook of a new backward: finish a previous pass still open
          * (non-blocking mode, or two backwards before one step), then ask
@@ -313,7 +228,7 @@ int mpidp_py_reducer_on_grad(mpidp_py_reducer_t *r, size_t i, PyObject *param)
      * what is in flight so buckets posted earlier progress during backward. */
     if (rc == MPIDP_OK && mpidp_py_hook_progress) rc = mpidp_reqtable_progress(r->st->reqs, NULL);
     if (mpidp_py_reducer_core_status(r, rc, "DataParallel backward") < 0) return -1;
-    return r->device_buckets ? stage_full_buckets(r, 0) : 0;
+    return r->device_buckets ? mpidp_py_reducer_stage_full(r, 0) : 0;
 }
 
 int mpidp_py_reducer_finalize(mpidp_py_reducer_t *r)
@@ -324,12 +239,12 @@ int mpidp_py_reducer_finalize(mpidp_py_reducer_t *r)
         int seen = observe_one(r, i);
         if (seen < 0 || apply_one(r, i, mpidp_reducer_unhooked_action(r->core, i, seen)) < 0 ||
             CORE(r, "DataParallel backward", mpidp_reducer_mark_unhooked(r->core, i, seen)) < 0 ||
-            (r->device_buckets && stage_full_buckets(r, 0) < 0))
+            (r->device_buckets && mpidp_py_reducer_stage_full(r, 0) < 0))
             return -1;
     }
     /* Every bucket is full now: wait for the copies still on their way to the
      * host, so that every bucket is posted when backward returns. */
-    if (r->device_buckets && stage_full_buckets(r, 1) < 0) return -1;
+    if (r->device_buckets && mpidp_py_reducer_stage_full(r, 1) < 0) return -1;
     /* Non-blocking: every bucket is posted (and zeroed); any in-place change
      * from now on is the user's (zero_grad(set_to_none=False)) or a new backward. */
     for (size_t b = 0; !r->blocking && b < r->n_buckets; b++)
@@ -352,7 +267,7 @@ int mpidp_py_reducer_deliver(mpidp_py_reducer_t *r, size_t b)
              mpidp_reducer_deliver_for_step(r->core, b, now, r->seen, r->act)) < 0 ||
         apply(r, members, n, r->act) < 0)
         return -1;
-    return stage(r, b, TO_DEVICE);
+    return mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE);
 }
 
 int mpidp_py_reducer_after_step(mpidp_py_reducer_t *r, size_t b)
@@ -366,6 +281,32 @@ int mpidp_py_reducer_after_step(mpidp_py_reducer_t *r, size_t b)
     return over ? reset_pass(r) : 0;
 }
 
+int mpidp_py_reducer_deliver_now(mpidp_py_reducer_t *r)
+{
+    for (size_t b = 0; b < r->n_buckets; b++) {
+        long long now;
+        if (wait_core_bucket(r, b) < 0 || read_version(r, b, &now) < 0) return -1;
+        const size_t *members;
+        size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
+        if (observe(r, members, n, r->seen) < 0 ||
+            CORE(r, "DataParallel (non-blocking)",
+                 mpidp_reducer_deliver_now(r->core, b, now, r->seen, r->act)) < 0 ||
+            apply(r, members, n, r->act) < 0 || mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE) < 0)
+            return -1;
+    }
+    return reset_pass(r);
+}
+
+int mpidp_py_reducer_edited(mpidp_py_reducer_t *r)
+{
+    for (size_t b = 0; b < r->n_buckets; b++) {
+        long long now;
+        if (read_version(r, b, &now) < 0) return -1;
+        if (mpidp_reducer_version_moved(r->core, b, now)) return 1;
+    }
+    return 0;
+}
+
 int mpidp_py_reducer_shadow_pass(mpidp_py_reducer_t *r)
 {
     if (mpidp_reducer_n_ready(r->core) != 0 || mpidp_reducer_finalized(r->core)) {
@@ -374,10 +315,10 @@ int mpidp_py_reducer_shadow_pass(mpidp_py_reducer_t *r)
     }
     /* Staged buckets are copied from the device before sending. */
     for (size_t b = 0; r->device_buckets && b < r->n_buckets; b++)
-        if (call_method0(PyTuple_GET_ITEM(r->device_buckets, b), str_zero_) < 0) return -1;
+        if (mpidp_py_call_method0(PyTuple_GET_ITEM(r->device_buckets, b), str_zero_) < 0) return -1;
     for (size_t i = 0; i < r->n_params; i++)
         if (CORE(r, "DataParallel.join", mpidp_reducer_mark_ready(r->core, i, 0)) < 0) return -1;
-    if (r->device_buckets && stage_full_buckets(r, 1) < 0) return -1;
+    if (r->device_buckets && mpidp_py_reducer_stage_full(r, 1) < 0) return -1;
     for (size_t b = 0; b < r->n_buckets; b++)
         if (wait_core_bucket(r, b) < 0) return -1;
     return reset_pass(r);

@@ -1,10 +1,12 @@
 """Checks that the ranks train the same model.
 
 check_same_structure(): at construction, every rank compares a fingerprint of
-its parameter list (count, names, shapes, dtypes, device kinds, which are
-trainable) with rank 0's. A mismatch raises the same clear error on every
-rank, naming the first differing parameter and the ranks concerned, instead
-of a hang or a job that quietly trains different models.
+the settings that must match (wire dtype, bucket caps, mode, DASO's schedule,
+MPIDP_CHECK) and of its parameter list (count, names, shapes, dtypes, device
+kinds, which are trainable) with rank 0's. A mismatch raises the same clear
+error on every rank, naming the first differing setting or parameter and the
+ranks concerned, instead of a hang, an MPI_ERR_TRUNCATE or a job that
+quietly trains different models.
 
 check_in_sync(): with MPIDP_CHECK=1, every MPIDP_CHECK_EVERY steps (default
 100) the parameters are compared bit for bit across ranks through 64-bit
@@ -43,10 +45,10 @@ def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
     return [r for r in range(c_comm.size) if flags[r] > 0]
 
 
-def check_same_structure(c_comm, mpi_comm, module, who: str) -> None:
+def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:
     if c_comm.size == 1:
         return
-    described = _describe(module)
+    described = [f"setting {k} = {v}" for k, v in (settings or {}).items()] + _describe(module)
     digest = hashlib.sha256("\n".join(described).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.float64).clone()
     root = mine.clone()
@@ -66,8 +68,10 @@ def check_same_structure(c_comm, mpi_comm, module, who: str) -> None:
     if first is None:
         first = f"{len(described)} parameters there, {len(reference)} on rank 0"
     details = mpi_comm.allgather(first if c_comm.rank in bad else None)
-    raise ValueError(f"{who}: the ranks' models differ: rank(s) {bad} do not match rank 0 "
-                     f"(rank {bad[0]}: {details[bad[0]]})")
+    what = "settings" if "'setting " in details[bad[0]] else "models"
+    advice = "; every rank must pass the same" if what == "settings" else ""
+    raise ValueError(f"{who}: the ranks' {what} differ: rank(s) {bad} do not match rank 0 "
+                     f"(rank {bad[0]}: {details[bad[0]]}){advice}")
 
 
 def check_every() -> int:

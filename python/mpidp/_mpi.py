@@ -67,10 +67,40 @@ def _read_env_settings() -> None:
 
 _read_env_settings()
 
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    """A child forked from this rank must not touch MPI (its collectives would
+    mismatch or hang the parent's job): every later communication raises."""
+    global _forked
+    _forked = True
+    _C.mark_forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _at_exit() -> None:
+    """Lands every pending request while MPI and the buffers still exist.
+
+    After a CommTimeout that the program caught (MPIDP_ON_TIMEOUT=raise), some
+    rank is stuck or gone: waiting again, and MPI_Finalize (which waits for
+    every rank), would hang the job, so the job is ended here instead."""
+    if _forked:
+        return
+    if _C.timed_out() and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stderr.write(f"mpidp: rank {MPI.COMM_WORLD.Get_rank()} is exiting after a "
+                         "communication timeout (CommTimeout); another rank is stuck or gone, so "
+                         "MPI_Finalize would wait forever: aborting the job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(3)
+    _C.finish_pending()
+
+
 # mpi4py registered MPI_Finalize with atexit when it was imported; handlers run
-# last-in first-out, so this one runs first and lands every pending request
-# while MPI and the buffers still exist.
-atexit.register(_C.finish_pending)
+# last-in first-out, so this one runs first.
+atexit.register(_at_exit)
 
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 import weakref
 
 import torch
@@ -117,6 +118,9 @@ class DASO:
         self.amp = False
         self.last_batch = None
         self.current_batch = 0
+        self._epochs_unclosed = 0      # epochs ended since the last epoch_loss_logic
+        self._warned_unclosed = False
+        self._warned_nonfinite = False
         self.bytes_sent = 0          # global-sync bytes this rank has put on the wire
         self._sync = None
         self._progress_handles = []   # hooks that progress a sync in flight
@@ -170,6 +174,18 @@ class DASO:
     def phase(self) -> str:
         """"warmup", "cycling" or "cooldown"."""
         return self._schedule.phase
+
+    def settings(self) -> dict:
+        """The settings every rank must share (DataParallelMultiGPU compares
+        them across ranks at construction: a difference would hang the
+        schedule's collectives or merge different wire formats)."""
+        return {"total_epochs": self.total_epochs, "warmup_epochs": self.warmup_epochs,
+                "cooldown_epochs": self.cooldown_epochs, "max_global_skips": self.max_global_skips,
+                "skip_reduction_factor": self.skip_reduction_factor,
+                "local_skip_factor": self.local_skip_factor,
+                "stability_level": self.stability_level, "downcast_type": self.downcast_type,
+                "sending_chunk_size": self.sending_chunk_size,
+                "use_mpi_groups": self.use_mpi_groups, "MPIDP_CHECK every": check_every()}
 
     def set_model(self, model: torch.nn.Module) -> None:
         """The (node-locally wrapped) model whose parameters DASO syncs;
@@ -300,6 +316,14 @@ class DASO:
             self._complete(act.send_group, 0)
         self._set_local_sync(act.local_sync)
         self.current_batch = 0 if act.epoch_done else self.current_batch + 1
+        if act.epoch_done:
+            self._epochs_unclosed += 1
+            if self._epochs_unclosed == 2 and not self._warned_unclosed:
+                self._warned_unclosed = True
+                warnings.warn("DASO: two epochs ended without epoch_loss_logic(loss); the schedule "
+                              "advances only through it, so DASO stays in its current phase "
+                              f"({self.phase}: warm-up syncs globally every batch) -- call "
+                              "daso.epoch_loss_logic(epoch_loss) after every epoch", stacklevel=2)
 
     # -- uneven inputs (driven by DataParallelMultiGPU.join) ----------------------------
 
@@ -362,6 +386,13 @@ class DASO:
             t = torch.tensor([value], dtype=torch.float64)
             self._world.allreduce(t, _C.OP_AVG, _C.NO_WIRE, False)
             value = t.item()
+        if not math.isfinite(value) and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(f"DASO.epoch_loss_logic: the epoch loss is {value} (on some rank, if "
+                          "averaged here); the schedule compares losses to decide when to skip "
+                          "syncs, and a non-finite loss tells it nothing -- training has diverged "
+                          "or the loss is computed wrongly", stacklevel=2)
+        self._epochs_unclosed = 0
         self._schedule.epoch_end(value)
         if check_every():
             # Every epoch ends with a blocking sync: all ranks must match bit for bit.

@@ -70,11 +70,42 @@ def _take_over(module: torch.nn.Module, wrapper: "DataParallel") -> None:
 
 
 def _apply_pending(wrapper_ref, buckets, _module, _args) -> None:
-    """A layer's forward pre-hook: applies the pending update of its buckets.
+    """A layer's forward pre-hook (non-blocking mode): inside the wrapper's
+    forward, applies the pending update of the layer's buckets; when the inner
+    module is run directly (evaluating `model` instead of `net`), applies the
+    whole pending update first, so it never computes with stale parameters.
     Holds its DataParallel weakly, so the inner module does not keep it alive."""
     wrapper = wrapper_ref()
-    if wrapper is not None:
+    if wrapper is None:
+        return
+    if wrapper._applying:
         wrapper._apply_buckets(buckets)
+    elif wrapper._due:
+        wrapper.synchronize()
+
+
+def _synchronize_before_reading(wrapper_ref, *_hook_args) -> None:
+    """A state_dict pre-hook of the inner modules (non-blocking mode): reading
+    `model.state_dict()` after the loop sees every step taken."""
+    wrapper = wrapper_ref()
+    if wrapper is not None and wrapper._due:
+        wrapper.synchronize()
+
+
+def _check_direct_step(wrapper_ref, _optimizer, _args, _kwargs) -> None:
+    """A step pre-hook of the wrapped torch optimizers (non-blocking mode):
+    stepping the torch optimizer itself between backward and the deferred
+    update (scaler.step(opt.torch_optimizer)) would step on the zeros that
+    `.grad` holds until the averaged gradients arrive."""
+    wrapper = wrapper_ref()
+    if (wrapper is None or wrapper._stepping or wrapper._released is not None
+            or wrapper._due or not wrapper._reducer.finalized):
+        return
+    raise RuntimeError(
+        "DataParallel (non-blocking): the torch optimizer was stepped directly between backward() "
+        "and the deferred update (e.g. scaler.step(opt.torch_optimizer)), but its gradients are "
+        "zeros until the averaged ones arrive. Step the DataParallelOptimizer instead "
+        "(scaler.step(dp_opt)), or call dp_opt.synchronize() first")
 
 
 def _check_optimizers(optimizer) -> List[DataParallelOptimizer]:
@@ -118,9 +149,13 @@ class DataParallel(torch.nn.Module):
         only starts the averaging, `optimizer.step()` only marks the update as
         due, and the next forward applies it bucket by bucket, each just before
         the first layer that needs it, so communication overlaps everything in
-        between. Gradients are then final only after that forward,
-        `synchronize()`, `eval()` or `state_dict()`; editing them between
-        backward and step (clipping) needs blocking mode. Falls back to blocking
+        between. `.grad` then holds zeros until that forward; code that reads
+        or edits gradients before `step()` (clipping, AMP's unscale_) calls
+        `optimizer.synchronize()` right after backward first (GradScaler
+        through the DataParallelOptimizer does it by itself), which makes that
+        step an ordinary, blocking one; an edit without it raises at `step()`.
+        The inner model's `state_dict()` and forward apply a pending update
+        before reading the parameters. Falls back to blocking
         with a warning for more than one optimizer, an optimizer not holding
         exactly the model's parameters, or one not known to be elementwise.
     wire_dtype : torch.bfloat16, torch.float16 or None, keyword-only
@@ -170,7 +205,10 @@ class DataParallel(torch.nn.Module):
             opt.blocking_parameter_updates = blocking_parameter_updates
             opt._model = self
 
-        check_same_structure(c_comm, as_mpi4py(comm), module, "DataParallel")
+        check_same_structure(c_comm, as_mpi4py(comm), module, "DataParallel", settings={
+            "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
+            "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
+            "MPIDP_CHECK every": check_every()})
         broadcast_state(module, c_comm)
         self._check_every = check_every()
         self._forwards = 0
@@ -180,8 +218,13 @@ class DataParallel(torch.nn.Module):
         self._due = False        # non-blocking: optimizer.step() was called, update pending
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
+        self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
         if not self.blocking_parameter_updates:
             self._install_layer_hooks()
+            self._hook_handles += [
+                opt.torch_optimizer.register_step_pre_hook(
+                    functools.partial(_check_direct_step, weakref.ref(self)))
+                for opt in optimizers]
 
     # -- construction -------------------------------------------------------
 
@@ -256,6 +299,10 @@ class DataParallel(torch.nn.Module):
             buckets = tuple(sorted({self._param_bucket[i] for i in own}))
             self._hook_handles.append(module.register_forward_pre_hook(
                 functools.partial(_apply_pending, weakref.ref(self), buckets)))
+        self._hook_handles += [
+            m.register_state_dict_pre_hook(functools.partial(_synchronize_before_reading,
+                                                             weakref.ref(self)))
+            for m in self.module.modules()]
 
     # -- training -------------------------------------------------------------
 
@@ -324,7 +371,8 @@ class DataParallel(torch.nn.Module):
             for g, subset, hyper in zip(groups, self._subsets[b], self._hyper):
                 g.update(hyper)
                 g["params"] = subset
-            opt.step()
+            with self._own_step():
+                opt.step()
         finally:
             for g, (params, current) in zip(groups, saved):
                 g["params"] = params
@@ -407,13 +455,28 @@ class DataParallel(torch.nn.Module):
         self.synchronize()
         return super().state_dict(*args, **kwargs)
 
+    def _gradients_now(self) -> None:
+        """Non-blocking mode, between backward and step: wait for the averaging
+        and put the means in `.grad`; the step that follows is an ordinary one."""
+        if not self.blocking_parameter_updates and not self._due and self._reducer.finalized:
+            self._reducer.deliver_now()
+
     def _step_due(self, optimizer: DataParallelOptimizer) -> None:
         if self._released is not None:
             raise RuntimeError(f"DataParallel: the optimizer's wrapper is detached: "
                                f"{self._released}")
         if self.blocking_parameter_updates or not self._reducer.finalized:
-            optimizer.torch_optimizer.step()
+            with self._own_step():
+                optimizer.torch_optimizer.step()
             return
+        if self._reducer.edited():
+            raise RuntimeError(
+                "DataParallel (non-blocking): gradients were changed in place between backward() "
+                "and optimizer.step() (clip_grad_norm_, GradScaler.unscale_, p.grad.mul_, ...), "
+                "but in non-blocking mode .grad holds zeros until the averaged gradients arrive, "
+                "so the change would be lost. Call optimizer.synchronize() right after backward() "
+                "to have the averaged gradients in .grad, then edit them and step; or use "
+                "blocking_parameter_updates=True")
         if self._due:
             raise RuntimeError("DataParallel (non-blocking): optimizer.step() was called twice "
                                "without a forward pass in between")
@@ -423,6 +486,16 @@ class DataParallel(torch.nn.Module):
         # LR schedulers check this flag (set by the real step) to warn about a
         # scheduler stepped before its optimizer; the step is merely deferred.
         optimizer.torch_optimizer._opt_called = True
+
+    @contextlib.contextmanager
+    def _own_step(self):
+        """Marks the torch optimizer's step as DataParallel's own (see
+        _check_direct_step)."""
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
 
     def remove_hooks(self) -> None:
         """Detach DataParallel from the module's parameters (the module keeps working

@@ -45,7 +45,8 @@ class DataParallelMultiGPU(torch.nn.Module):
         super().__init__()
         self.comm = comm
         self.loc_gpus = topo.local_size
-        check_same_structure(c_comm, mpi_comm, module, "DataParallelMultiGPU")
+        check_same_structure(c_comm, mpi_comm, module, "DataParallelMultiGPU",
+                             settings=optimizer.settings())
         broadcast_state(module, c_comm)
         if topo.local_size == 1:
             warnings.warn("DataParallelMultiGPU: one rank per node, so there is no node-local "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["DataParallelOptimizer"]
@@ -50,6 +52,30 @@ class DataParallelOptimizer:
         else:
             self.torch_optimizer.step()
 
+    def synchronize(self) -> None:
+        """Have the averaged gradients in `.grad` now (Horovod's name), for code
+        that reads or edits them before `step()`: gradient clipping, logging
+        gradient norms, AMP's unscale_. In non-blocking mode backward only
+        starts the averaging and `.grad` holds zeros until the next forward;
+        this waits for it, so the step that follows is applied at once, like a
+        blocking one. Nothing to do in blocking mode.
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+
+        Reading `param_groups` between backward and step (GradScaler's
+        unscale_ and step do) synchronizes too."""
+        if self._model is not None:
+            self._model._gradients_now()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod compatibility: `step()` after `synchronize()` never averages
+        again, so this context only marks the intent."""
+        yield
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the optimizer's parameters. With non-blocking
         updates it may come before the pending update is applied: DataParallel
@@ -59,6 +85,10 @@ class DataParallelOptimizer:
 
     @property
     def param_groups(self):
+        # Whoever reads the groups between backward and step may read the
+        # gradients in them (GradScaler.unscale_, hand-written clipping).
+        if self._model is not None:
+            self._model._gradients_now()
         return self.torch_optimizer.param_groups
 
     @property

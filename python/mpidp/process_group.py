@@ -57,13 +57,17 @@ def init_process_group(comm=None, backend: str | None = None,
     group = node_comm() if comm is None else comm
     if not isinstance(group, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py intra-communicator, got {type(group).__name__}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
         backend = default_backend(gpus, same_machine.Get_size())
         same_machine.Free()
     if backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and gpus == 0:
+        raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
+                           "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "
+                           "backend='gloo', or leave backend=None to choose")
     if dist.is_initialized():
         if dist.get_world_size() != group.Get_size() or dist.get_rank() != group.Get_rank():
             raise RuntimeError(
@@ -72,8 +76,7 @@ def init_process_group(comm=None, backend: str | None = None,
                 f"{group.Get_size()} as asked")
         return
     if backend == "nccl":
-        local_rank = topology().local_rank
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(topology().local_rank % gpus)
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
     host = _store_host(group)
     if host == "127.0.0.1":

@@ -185,7 +185,33 @@ TEST(accumulating_without_a_step_adds_the_mean_unless_cleared)
     teardown(&f);
 }
 
+TEST(synchronizing_before_the_step_delivers_the_mean_now)
+{
+    fixture_t f;
+    uint8_t act[NP];
+    ASSERT_OK(setup_mode(&f, 0, 1));
+    ASSERT_OK(deferred_pass(&f, act));
+    ASSERT_EQ_INT(mpidp_reducer_version_moved(f.r, 0, 10), 0);
+    ASSERT_EQ_INT(mpidp_reducer_version_moved(f.r, 0, 11), 1);
+    uint8_t views[2] = {VIEW, VIEW}, replaced[2] = {VIEW, OTHER}, none_first[2] = {NONE, VIEW};
+    /* Clipping on the zeros before synchronize() would be lost: refused. */
+    ASSERT_EQ_INT(mpidp_reducer_deliver_now(f.r, 0, 11, views, act), MPIDP_ESTATE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "changed in place") != NULL);
+    ASSERT_EQ_INT(mpidp_reducer_deliver_now(f.r, 0, 10, replaced, act), MPIDP_ESTATE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "parameter 3 was replaced") != NULL);
+    ASSERT_OK(mpidp_reducer_deliver_now(f.r, 0, 10, views, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_SET_VIEW, MPIDP_GRAD_SET_NONE); /* 3: None before, none anywhere */
+    ASSERT_NEAR(slice(&f, 2)[4], 3.0, 0);
+    ASSERT_OK(mpidp_reducer_deliver_now(f.r, 1, 20, none_first, act));
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_SET_VIEW);     /* 0: set to None since: stays */
+    ASSERT_NEAR(slice(&f, 1)[4], 2.0, 0);
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    ASSERT_EQ_INT(mpidp_reducer_version_moved(f.r, 0, 11), 0); /* no pass: nothing to compare */
+    teardown(&f);
+}
+
 TEST_MAIN_MPI(blocking_pass_fixes_missing_grads_like_one_process,
               staged_unhooked_parameters_are_zeroed_where_the_gradients_live,
               deferred_step_gives_grads_back_as_the_user_left_them,
-              accumulating_without_a_step_adds_the_mean_unless_cleared)
+              accumulating_without_a_step_adds_the_mean_unless_cleared,
+              synchronizing_before_the_step_delivers_the_mean_now)

@@ -226,6 +226,22 @@ int mpidp_reducer_deliver_for_step(mpidp_reducer_t *r, size_t b, long long versi
                                    const uint8_t *seen, uint8_t *act);
 int mpidp_reducer_delivered(const mpidp_reducer_t *r, size_t b);
 
+/* Separate mode, between backward and the step, when the caller wants the
+ * averaged gradients in `.grad` now (clipping, AMP's unscale_: Horovod's
+ * optimizer.synchronize()): delivers bucket b's mean into its slices, act
+ * SET_VIEW, or SET_NONE where no rank had a gradient and `.grad` was None
+ * before backward (KEEP where it is None now). The step that follows is then
+ * an ordinary one: once every bucket is delivered this way the caller resets
+ * the pass. `.grad` edited in place since backward (version moved: it held
+ * zeros then, so the edit is lost) or replaced is MPIDP_ESTATE naming the
+ * parameter. */
+int mpidp_reducer_deliver_now(mpidp_reducer_t *r, size_t b, long long version, const uint8_t *seen,
+                              uint8_t *act);
+/* Separate mode, after finalize: 1 when bucket b's version counter is no
+ * longer the one recorded at finalize (something changed the gradients in
+ * place since backward). */
+int mpidp_reducer_version_moved(const mpidp_reducer_t *r, size_t b, long long version);
+
 /* Separate mode, after the optimizer stepped bucket b: `.grad` back as the
  * user left it (SET_NONE, ZERO_VIEW or SET_VIEW; KEEP when already done).
  * MPIDP_ESTATE if b was not delivered. *pass_over = 1 when this was the last
