@@ -30,7 +30,10 @@ With inputs of one sign S is the exact sum itself.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import mpidp
+from mpi_jobs import clean_env
 from dp_reference import (RANK, SIZE, assert_same_on_all_ranks, build, on_device, rank_slice,
                           seeded)
 
@@ -422,3 +426,27 @@ def test_data_parallel_with_wire_dtype_tracks_fp32_reference(wire):
     # Compression did happen (at 1 rank too): the parameters are not bit-identical
     # to those of fp32 training.
     assert any(not torch.equal(q, p) for q, p in zip(model.parameters(), params))
+
+
+def test_values_beyond_float16_range_are_counted_and_warned_about():
+    """float16 on the wire turns finite values beyond +-65504 into inf: the
+    engines count them (every rank sends one here) and the first one warns,
+    once per process (a fresh process shows the warning)."""
+    before = mpidp._C.fp16_overflows()
+    t = torch.ones(64)
+    t[RANK] = 1e6  # beyond 65504 even after the 1/size pre-scaling of op="avg"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mpidp.allreduce(t, op="avg", wire_dtype=torch.float16)
+    assert mpidp._C.fp16_overflows() - before == 1   # this rank packed one such value
+    assert torch.isinf(t[RANK])
+    if RANK == 0 and SIZE == 1:
+        code = ("import torch, warnings, mpidp\n"
+                "warnings.simplefilter('always')\n"
+                "with warnings.catch_warnings(record=True) as w:\n"
+                "    warnings.simplefilter('always')\n"
+                "    for _ in range(3): mpidp.allreduce(torch.full((4,), 1e5), wire_dtype=torch.float16)\n"
+                "print(sum(\"beyond float16's range\" in str(x.message) for x in w))\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, env=clean_env())
+        assert out.stdout.strip().endswith("1"), out.stdout + out.stderr

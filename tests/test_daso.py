@@ -404,3 +404,38 @@ def test_forgotten_epoch_loss_logic_and_non_finite_losses_warn_once():
     assert len(unclosed) == 1 and "warmup" in unclosed[0], messages
     non_finite = [m for m in messages if "the epoch loss is" in m]
     assert len(non_finite) == 1 and "nan" in non_finite[0], messages
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one rank cannot differ from the others")
+@pytest.mark.parametrize("how", ["older checkpoint", "offset"])
+def test_a_rank_that_differs_is_brought_back_at_the_epoch_end(nodes_of, how):
+    """A rank that reloads an older checkpoint alone, or whose model is
+    changed alone, used to stay apart (a +0.1 offset through 5 epochs), each
+    rank averaging differences from its own reference. At every epoch end the
+    ranks are now equal (train() checks): where they are not, every rank
+    takes rank 0's, with a warning."""
+    model, opt, daso, net = make(epochs=6)
+    data = problem(batches=4)
+    train(model, daso, net, data, epochs=1)
+    older = copy.deepcopy(model.state_dict())
+    train(model, daso, net, data, epochs=1)
+    if RANK == SIZE - 1:
+        with torch.no_grad():
+            if how == "older checkpoint":
+                # Its DASO state is this epoch's (the schedule must match the
+                # others'), its model the older one: the reference is reset
+                # from it, so each rank would keep averaging from its own.
+                current = copy.deepcopy(daso.state_dict())
+                model.load_state_dict(older)
+                daso.load_state_dict(current)
+            else:
+                for p in model.parameters():
+                    p.add_(0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(model, daso, net, data, epochs=2)  # the same on every rank at each end
+    assert losses[-1] < 1.5
+    # Where the epoch's blocking sync did not already bring them together, the
+    # epoch end did, and said so.
+    told = [str(w.message) for w in caught if "parameters differ" in str(w.message)]
+    assert all(f"rank(s) [{SIZE - 1}] do not match rank 0" in m for m in told), told

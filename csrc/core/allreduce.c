@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "mpidp/convert.h"
 #include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
@@ -69,7 +70,10 @@ static int post_chunk(mpidp_allreduce_t *x, size_t k)
         for (size_t i = 0; i < n; i += CONVERT_STEP) {
             size_t m = n - i < CONVERT_STEP ? n - i : CONVERT_STEP;
             if (dtype == MPIDP_BF16) kern->pack_bf16((uint16_t *)buf + i, src + i, NULL, s, m);
-            else kern->pack_fp16((uint16_t *)buf + i, src + i, NULL, s, m);
+            else {
+                kern->pack_fp16((uint16_t *)buf + i, src + i, NULL, s, m);
+                mpidp_fp16_count_overflow((uint16_t *)buf + i, src + i, NULL, m);
+            }
             if (i + m < n) mpidp_reqtable_progress(x->reqs, NULL); /* errors surface in test/wait */
         }
     } else {

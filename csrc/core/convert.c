@@ -2,6 +2,8 @@
  * (contract in mpidp/convert.h). */
 #include "mpidp/convert.h"
 
+#include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 #include "mpidp/cuda.h"
@@ -130,3 +132,20 @@ int mpidp_convert(int op, const mpidp_tensor_t *dst, const mpidp_tensor_t *src,
     run_host(op, host ? host : mpidp_pack_kernels(), dst, src, r, a, b, c);
     return MPIDP_OK;
 }
+
+static _Atomic size_t fp16_overflows;
+
+size_t mpidp_fp16_count_overflow(const uint16_t *wire, const float *src, const float *ref, size_t n)
+{
+    size_t inf = 0;
+    for (size_t i = 0; i < n; i++) inf += (wire[i] & 0x7FFFu) == 0x7C00u; /* vectorises */
+    if (inf == 0) return 0;
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        if ((wire[i] & 0x7FFFu) == 0x7C00u && isfinite(src[i]) && (ref == NULL || isfinite(ref[i])))
+            count++;
+    atomic_fetch_add(&fp16_overflows, count);
+    return count;
+}
+
+size_t mpidp_fp16_overflow_total(void) { return atomic_load(&fp16_overflows); }

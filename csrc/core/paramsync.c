@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "mpidp/allreduce.h"
+#include "mpidp/convert.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
@@ -131,7 +132,10 @@ int mpidp_paramsync_send(mpidp_paramsync_t *s, int zero)
         const float *p = s->p[i], *r = s->ref + s->offset[i];
         size_t n = s->numel[i], off = s->offset[i];
         if (s->wire == MPIDP_BF16) k->pack_bf16((uint16_t *)s->wire_buf + off, p, r, 1.0f, n);
-        else if (s->wire == MPIDP_F16) k->pack_fp16((uint16_t *)s->wire_buf + off, p, r, 1.0f, n);
+        else if (s->wire == MPIDP_F16) {
+            k->pack_fp16((uint16_t *)s->wire_buf + off, p, r, 1.0f, n);
+            mpidp_fp16_count_overflow((uint16_t *)s->wire_buf + off, p, r, n);
+        }
         else k->merge_f32((float *)s->wire_buf + off, p, r, 0.0f, 1.0f, -1.0f, n);
     }
     mpidp_tensor_t t = {.data = s->wire_buf, .numel = s->total, .dtype = s->wire,

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "mpidp/allreduce.h"
+#include "mpidp/convert.h"
 #include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
@@ -257,6 +258,7 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
             k->pack_bf16(w + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
         } else {
             k->pack_fp16(w, src, NULL, s, bk->info.numel);
+            mpidp_fp16_count_overflow(w, src, NULL, bk->info.numel);
             k->pack_fp16(w + bk->info.numel, src + bk->info.numel, NULL, 1.0f, bk->info.n_params);
         }
         buf = bk->comm;

@@ -60,6 +60,7 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     mpidp_allreduce_free(x);
     mpidp_py_release(&tensor);
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "allreduce");
+    if (mpidp_py_warn_fp16_overflow() < 0) return NULL;
     Py_RETURN_NONE;
 }
 

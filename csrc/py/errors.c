@@ -3,13 +3,8 @@
 
 #include <stdio.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "mpidp/status.h"
-
-double mpidp_py_timeout_s = 1800.0;
-int mpidp_py_abort_on_timeout = 1;
-int mpidp_py_hook_progress = 1;
 
 static int world_rank(void)
 {
@@ -82,18 +77,4 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
         Py_DECREF(exc);
     }
     return NULL;
-}
-
-int mpidp_py_forked = 0;
-int mpidp_py_timed_out = 0;
-
-int mpidp_py_check_not_forked(const char *what)
-{
-    if (!mpidp_py_forked) return 0;
-    PyErr_Format(PyExc_RuntimeError,
-                 "%s: this process was forked from an MPI rank (pid %ld); MPI cannot be used "
-                 "in a fork -- communicate from the parent process, and start helper processes "
-                 "with the 'spawn' or 'forkserver' method if they need MPI",
-                 what, (long)getpid());
-    return -1;
 }

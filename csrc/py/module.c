@@ -164,104 +164,6 @@ static PyObject *mod_checksums(PyObject *m, PyObject *seq)
     return out;
 }
 
-static PyObject *mod_set_timeout(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    double t = PyFloat_AsDouble(arg);
-    if (t == -1.0 && PyErr_Occurred()) return NULL;
-    mpidp_py_timeout_s = t;
-    Py_RETURN_NONE;
-}
-
-static PyObject *mod_get_timeout(PyObject *m, PyObject *unused)
-{
-    (void)m, (void)unused;
-    return PyFloat_FromDouble(mpidp_py_timeout_s);
-}
-
-static PyObject *mod_set_abort_on_timeout(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    int v = PyObject_IsTrue(arg);
-    if (v < 0) return NULL;
-    mpidp_py_abort_on_timeout = v;
-    Py_RETURN_NONE;
-}
-
-static PyObject *mod_set_hook_progress(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    int v = PyObject_IsTrue(arg);
-    if (v < 0) return NULL;
-    mpidp_py_hook_progress = v;
-    Py_RETURN_NONE;
-}
-
-static PyObject *mod_get_hook_progress(PyObject *m, PyObject *unused)
-{
-    (void)m;
-    (void)unused;
-    return PyBool_FromLong(mpidp_py_hook_progress);
-}
-
-static PyObject *mod_pending(PyObject *m, PyObject *unused)
-{
-    (void)unused;
-    return PyLong_FromSize_t(mpidp_reqtable_pending(mpidp_py_state_of_module(m)->reqs));
-}
-
-/* progress(): one MPI_Test over everything in flight (Open MPI advances
- * non-blocking collectives only inside MPI calls); returns how many completed. */
-static PyObject *mod_progress(PyObject *m, PyObject *unused)
-{
-    (void)unused;
-    mpidp_py_state *st = mpidp_py_state_of_module(m);
-    size_t done = 0;
-    mpidp_error_clear();
-    int rc = mpidp_reqtable_progress(st->reqs, &done);
-    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "progress");
-    return PyLong_FromSize_t(done);
-}
-
-static PyObject *mod_describe_pending(PyObject *m, PyObject *unused)
-{
-    (void)unused;
-    char buf[4096];
-    mpidp_reqtable_describe(mpidp_py_state_of_module(m)->reqs, buf, sizeof buf);
-    return PyUnicode_FromString(buf);
-}
-
-/* finish_pending(): waits for everything in flight (called at exit, before
- * mpi4py finalizes MPI, so no request outlives MPI or its buffer). */
-static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
-{
-    (void)unused;
-    mpidp_py_state *st = mpidp_py_state_of_module(m);
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (finalized) Py_RETURN_NONE;
-    int rc;
-    mpidp_error_clear();
-    MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait_all(st->reqs, mpidp_py_timeout_s));
-    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "finishing pending communication");
-    Py_RETURN_NONE;
-}
-
-/* os.register_at_fork(after_in_child=...): communication refuses from now on. */
-static PyObject *mod_mark_forked(PyObject *m, PyObject *unused)
-{
-    (void)m, (void)unused;
-    mpidp_py_forked = 1;
-    Py_RETURN_NONE;
-}
-
-/* Whether a wait in this process ran past its deadline (CommTimeout). */
-static PyObject *mod_timed_out(PyObject *m, PyObject *unused)
-{
-    (void)m, (void)unused;
-    return PyBool_FromLong(mpidp_py_timed_out);
-}
-
 static PyMethodDef module_methods[] = {
     {"mpi_library_version", mod_mpi_library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI library this process runs on."},
@@ -272,23 +174,6 @@ static PyMethodDef module_methods[] = {
      "plan_buckets(numel, dtype, first_cap_bytes, cap_bytes) -> (bucket_of, offset, infos)"},
     {"checksums", mod_checksums, METH_O,
      "checksums(tensors) -> 64-bit checksums of each CPU tensor's bytes (MPIDP_CHECK)."},
-    {"set_timeout", mod_set_timeout, METH_O, "Deadline in seconds for every wait (<= 0: none)."},
-    {"get_timeout", mod_get_timeout, METH_NOARGS, "The current deadline in seconds."},
-    {"set_abort_on_timeout", mod_set_abort_on_timeout, METH_O,
-     "True: a deadline aborts the job; False: it raises mpidp.CommTimeout."},
-    {"set_hook_progress", mod_set_hook_progress, METH_O,
-     "True (default): gradient hooks test what is in flight, so MPI progresses during backward."},
-    {"get_hook_progress", mod_get_hook_progress, METH_NOARGS,
-     "Whether hooks drive MPI progress (MPIDP_HOOK_PROGRESS)."},
-    {"pending", mod_pending, METH_NOARGS, "Number of mpidp requests in flight."},
-    {"describe_pending", mod_describe_pending, METH_NOARGS, "What is in flight, as text."},
-    {"progress", mod_progress, METH_NOARGS,
-     "Test everything in flight once so MPI advances it; returns how many completed."},
-    {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},
-    {"timed_out", mod_timed_out, METH_NOARGS,
-     "True once a wait in this process has run past its deadline (CommTimeout)."},
-    {"mark_forked", mod_mark_forked, METH_NOARGS,
-     "Called in a child after fork(): every later communication raises."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -318,6 +203,7 @@ static int module_exec(PyObject *m)
         return -1;
     }
     if (PyModule_AddFunctions(m, mpidp_py_kernel_methods) < 0) return -1;
+    if (PyModule_AddFunctions(m, mpidp_py_process_methods) < 0) return -1;
     /* The codes Python passes to the core, exported so that Python keeps no copies. */
     static const struct { const char *name; int value; } constants[] = {
         {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},

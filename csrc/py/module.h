@@ -37,6 +37,11 @@ extern int mpidp_py_timed_out;      /* a wait raised CommTimeout: some rank is s
  * starts (collectives, the gradient hook, a DASO sync, a new Comm). */
 int mpidp_py_check_not_forked(const char *what);
 
+/* Warns once per process (RuntimeWarning) when the engines counted values
+ * that overflowed float16 on the wire (mpidp/convert.h). 0, or -1 when the
+ * warning was turned into an exception. */
+int mpidp_py_warn_fp16_overflow(void);
+
 mpidp_py_state *mpidp_py_state_of_module(PyObject *module);
 mpidp_py_state *mpidp_py_state_of_type(PyTypeObject *type);
 
@@ -107,7 +112,9 @@ struct mpidp_allreduce;
 PyObject *mpidp_py_work_new(mpidp_py_state *st, struct mpidp_allreduce *x,
                             mpidp_py_borrowed_t *keepalive, PyObject *comm);
 
-/* Module functions binding the conversion kernels (csrc/py/kernels.c). */
+/* Module functions binding the conversion kernels (csrc/py/kernels.c) and
+ * over the process-wide state (csrc/py/process.c). */
 extern PyMethodDef mpidp_py_kernel_methods[];
+extern PyMethodDef mpidp_py_process_methods[];
 
 #endif /* MPIDP_PY_MODULE_H */

@@ -126,6 +126,7 @@ static PyObject *paramsync_send(paramsync_t *s, PyObject *args)
     if (!PyArg_ParseTuple(args, "|p:send", &zero)) return NULL;
     if (mpidp_py_check_not_forked("DASO global sync") < 0) return NULL;
     PASS(s, rc, mpidp_paramsync_send(s->core, zero));
+    if (rc == MPIDP_OK && mpidp_py_warn_fp16_overflow() < 0) return NULL;
     return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
 }
 

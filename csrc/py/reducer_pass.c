@@ -142,6 +142,17 @@ static int wait_core_bucket(mpidp_py_reducer_t *r, size_t b)
     return mpidp_py_reducer_core_status(r, rc, "DataParallel gradient allreduce");
 }
 
+/* What the core's per-bucket decisions take: waits for bucket b, reads its
+ * version counter (*now) and what each member's .grad is (r->seen). Returns
+ * the number of members (*members points at them), or -1. */
+static Py_ssize_t read_bucket(mpidp_py_reducer_t *r, size_t b, long long *now,
+                              const size_t **members)
+{
+    if (wait_core_bucket(r, b) < 0 || read_version(r, b, now) < 0) return -1;
+    size_t n = mpidp_reducer_bucket_params(r->core, b, members);
+    return observe(r, *members, n, r->seen) < 0 ? -1 : (Py_ssize_t)n;
+}
+
 /* Blocking mode: bucket b's mean back where the gradients live, and the
  * .grad of parameters this rank had nothing for fixed up. */
 static int complete_bucket(mpidp_py_reducer_t *r, size_t b)
@@ -161,13 +172,12 @@ static int complete_bucket(mpidp_py_reducer_t *r, size_t b)
 static int accumulate_bucket(mpidp_py_reducer_t *r, size_t b, long accumulated)
 {
     long long now;
-    if (wait_core_bucket(r, b) < 0 || read_version(r, b, &now) < 0) return -1;
-    if (mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_HOST) < 0) return -1; /* what autograd added since, if anything */
     const size_t *members;
-    size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
-    if (observe(r, members, n, r->seen) < 0 ||
-        CORE(r, "DataParallel", mpidp_reducer_accumulate(r->core, b, now, accumulated, r->seen, r->act)) < 0 ||
-        apply(r, members, n, r->act) < 0)
+    Py_ssize_t n = read_bucket(r, b, &now, &members);
+    if (n < 0 || mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_HOST) < 0) /* what autograd added since */
+        return -1;
+    if (CORE(r, "DataParallel", mpidp_reducer_accumulate(r->core, b, now, accumulated, r->seen, r->act)) < 0 ||
+        apply(r, members, (size_t)n, r->act) < 0)
         return -1;
     return mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE);
 }
@@ -250,7 +260,8 @@ int mpidp_py_reducer_finalize(mpidp_py_reducer_t *r)
     for (size_t b = 0; !r->blocking && b < r->n_buckets; b++)
         if (read_version(r, b, &r->versions[b]) < 0) return -1;
     if (CORE(r, "DataParallel backward",
-             mpidp_reducer_finalize(r->core, r->blocking ? NULL : r->versions)) < 0)
+             mpidp_reducer_finalize(r->core, r->blocking ? NULL : r->versions)) < 0 ||
+        mpidp_py_warn_fp16_overflow() < 0)
         return -1;
     return r->blocking ? mpidp_py_reducer_complete(r) : 0;
 }
@@ -259,13 +270,12 @@ int mpidp_py_reducer_deliver(mpidp_py_reducer_t *r, size_t b)
 {
     if (mpidp_reducer_delivered(r->core, b)) return 0;
     long long now;
-    if (wait_core_bucket(r, b) < 0 || read_version(r, b, &now) < 0) return -1;
     const size_t *members;
-    size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
-    if (observe(r, members, n, r->seen) < 0 ||
+    Py_ssize_t n = read_bucket(r, b, &now, &members);
+    if (n < 0 ||
         CORE(r, "DataParallel (non-blocking)",
              mpidp_reducer_deliver_for_step(r->core, b, now, r->seen, r->act)) < 0 ||
-        apply(r, members, n, r->act) < 0)
+        apply(r, members, (size_t)n, r->act) < 0)
         return -1;
     return mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE);
 }
@@ -285,13 +295,13 @@ int mpidp_py_reducer_deliver_now(mpidp_py_reducer_t *r)
 {
     for (size_t b = 0; b < r->n_buckets; b++) {
         long long now;
-        if (wait_core_bucket(r, b) < 0 || read_version(r, b, &now) < 0) return -1;
         const size_t *members;
-        size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
-        if (observe(r, members, n, r->seen) < 0 ||
+        Py_ssize_t n = read_bucket(r, b, &now, &members);
+        if (n < 0 ||
             CORE(r, "DataParallel (non-blocking)",
                  mpidp_reducer_deliver_now(r->core, b, now, r->seen, r->act)) < 0 ||
-            apply(r, members, n, r->act) < 0 || mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE) < 0)
+            apply(r, members, (size_t)n, r->act) < 0 ||
+            mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE) < 0)
             return -1;
     }
     return reset_pass(r);

@@ -79,16 +79,30 @@ def check_every() -> int:
     return config.get("MPIDP_CHECK_EVERY") if config.get("MPIDP_CHECK") else 0
 
 
+def _differs_from_root(c_comm, tensors) -> torch.Tensor:
+    """Per tensor, 1.0 where this rank's bytes differ from rank 0's (64-bit
+    checksums, one broadcast)."""
+    sums = _C.checksums([t.detach().cpu() if t.device.type != "cpu" else t.detach()
+                         for t in tensors])
+    mine = torch.tensor([s - (1 << 64) if s >= (1 << 63) else s for s in sums], dtype=torch.int64)
+    root = mine.clone()
+    c_comm.bcast(root.view(torch.float64), 0)
+    return (mine != root).to(torch.float64)
+
+
+def ranks_differing(c_comm, tensors) -> list[int]:
+    """The ranks whose tensors are not bit for bit rank 0's (every rank gets
+    the same list)."""
+    if c_comm.size == 1:
+        return []
+    return _ranks_flagged(c_comm, bool(_differs_from_root(c_comm, tensors).any()))
+
+
 def check_in_sync(c_comm, named_params, who: str, when: str) -> None:
     if c_comm.size == 1:
         return
     names = [n for n, _ in named_params]
-    sums = _C.checksums([p.detach().cpu() if p.device.type != "cpu" else p.detach()
-                         for _, p in named_params])
-    mine = torch.tensor([s - (1 << 64) if s >= (1 << 63) else s for s in sums], dtype=torch.int64)
-    root = mine.clone()
-    c_comm.bcast(root.view(torch.float64), 0)
-    differs = (mine != root).to(torch.float64)
+    differs = _differs_from_root(c_comm, [p for _, p in named_params])
     bad = _ranks_flagged(c_comm, bool(differs.any()))
     if not bad:
         return

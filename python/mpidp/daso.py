@@ -22,9 +22,9 @@ import torch
 from . import _config as config
 from . import _C
 from ._dtypes import CODE_OF
-from ._consistency import check_every, check_in_sync
+from ._consistency import check_every, check_in_sync, ranks_differing
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import remove_handles
+from ._params import broadcast_state, remove_handles
 from .topology import node_comm, topology
 
 __all__ = ["DASO"]
@@ -386,6 +386,12 @@ class DASO:
             t = torch.tensor([value], dtype=torch.float64)
             self._world.allreduce(t, _C.OP_AVG, _C.NO_WIRE, False)
             value = t.item()
+        if check_every():
+            # Every epoch ends with a blocking sync: all ranks must match bit for bit.
+            check_in_sync(self._world, list(zip(self._param_names, self._params)), "DASO",
+                          f"after epoch {self.epoch + 1}")
+        else:
+            self._reconcile()
         if not math.isfinite(value) and not self._warned_nonfinite:
             self._warned_nonfinite = True
             warnings.warn(f"DASO.epoch_loss_logic: the epoch loss is {value} (on some rank, if "
@@ -394,10 +400,6 @@ class DASO:
                           "or the loss is computed wrongly", stacklevel=2)
         self._epochs_unclosed = 0
         self._schedule.epoch_end(value)
-        if check_every():
-            # Every epoch ends with a blocking sync: all ranks must match bit for bit.
-            check_in_sync(self._world, list(zip(self._param_names, self._params)), "DASO",
-                          f"after epoch {self.epoch}")
         self.print0(f"DASO epoch {self.epoch}: loss {value:.5g}, phase {self.phase}, global_skip "
                     f"{self.global_skip}, local_skip {self.local_skip}, batches_to_wait "
                     f"{self.batches_to_wait}")
@@ -481,11 +483,37 @@ class DASO:
                 dev.copy_(host)
 
     def _set_reference(self) -> None:
+        """The values the ranks share, from which the global syncs average
+        differences (equal on every rank; see _reconcile)."""
         if self._sync is not None:
             self._check_pointers()
             self._pull()
             self._sync.set_reference()
         self._needs_reference = False
+
+    def _reconcile(self) -> None:
+        """At every epoch end (which every rank reaches, after a blocking sync)
+        all ranks must hold the same parameters: the global syncs average
+        differences from a reference each rank keeps, so a rank that loaded
+        another checkpoint, or changed its model alone, would otherwise keep
+        its offset for ever. Where they differ, every rank takes rank 0's
+        parameters and buffers (with a warning) and the reference is set
+        again; with MPIDP_CHECK=1 the difference is an error instead. One
+        checksum pass and two small collectives per epoch."""
+        if self._world.size == 1:
+            return
+        if self._sync is not None and self._sync.pending:
+            self._sync.wait()
+        # Parameters only: buffers (BatchNorm statistics) are node-local under DASO.
+        differ = ranks_differing(self._world, self._device_params)
+        if differ:
+            warnings.warn(f"DASO: at the end of epoch {self.epoch + 1} the ranks' parameters "
+                          f"differ (rank(s) {differ} do not match rank 0: a rank that "
+                          "loaded another checkpoint, or changed its model alone); every rank "
+                          "takes rank 0's, so that the global syncs average from one common "
+                          "reference", stacklevel=3)
+            broadcast_state(self.module, self._world)
+            self._set_reference()
 
     def _check_pointers(self) -> None:
         now = tuple(p.data_ptr() for p in self.module.parameters() if p.requires_grad)

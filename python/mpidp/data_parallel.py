@@ -16,6 +16,7 @@ from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, check_module, grad_view, remove_handles
+from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
 
 __all__ = ["DataParallel"]
@@ -44,6 +45,10 @@ def _nonblocking_obstacle(optimizers, module) -> str | None:
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     if held != trainable:
         return "the optimizer does not hold exactly the model's trainable parameters"
+    if any(type(m).__name__ == "OptimizedModule" for m in module.modules()):
+        # Compiled graphs save parameters for backward; updating them in place
+        # during the next forward breaks autograd's version check.
+        return "a torch.compile'd module cannot take its update layer by layer during forward"
     return None
 
 
@@ -219,6 +224,8 @@ class DataParallel(torch.nn.Module):
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
+        self._reads_checked = False   # non-blocking: the first applying forward watched reads
+        self._apply_all_first = False  # ... and found a parameter read before its layer
         if not self.blocking_parameter_updates:
             self._install_layer_hooks()
             self._hook_handles += [
@@ -326,7 +333,12 @@ class DataParallel(torch.nn.Module):
             else:
                 reducer.complete()  # no step due: gradients accumulate
         try:
-            out = self.module(*inputs, **kwargs)
+            if self._applying and self._apply_all_first:
+                self._apply_buckets(range(reducer.n_buckets))
+            if self._applying and not self._reads_checked:
+                out = self._forward_watching_reads(inputs, kwargs)
+            else:
+                out = self.module(*inputs, **kwargs)
         finally:
             # Layers this forward did not reach (dynamic graphs, or an exception)
             # still get their update, so the step is never left half applied.
@@ -336,6 +348,23 @@ class DataParallel(torch.nn.Module):
             reducer.prepare()
         return out
 
+    def _forward_watching_reads(self, inputs, kwargs):
+        """The first forward that applies an update: see _stale_reads.py."""
+        self._reads_checked = True
+        params = self._params
+        detector = StaleReadDetector(self, {id(p): b for p, b in zip(params, self._param_bucket)},
+                                     {id(p): n for p, n in zip(params, self._param_names)})
+        with detector:
+            out = self.module(*inputs, **kwargs)
+        if detector.found is not None:
+            self._apply_all_first = True
+            warnings.warn(f"DataParallel (non-blocking): parameter {detector.found!r} is read "
+                          "before its own layer runs (weight tying through a functional call, or "
+                          "a module using another's parameter), so applying the update layer by "
+                          "layer would hand it out one step stale; the whole pending update is "
+                          "applied at the start of each forward instead", stacklevel=3)
+        return out
+
     def _apply_buckets(self, buckets) -> None:
         if not self._applying:
             return
@@ -343,9 +372,10 @@ class DataParallel(torch.nn.Module):
         for b in buckets:
             if reducer.stepped(b):
                 continue
-            reducer.deliver_for_step(b)
-            self._step_bucket(b)
-            reducer.after_step(b)
+            with self._own_step():
+                reducer.deliver_for_step(b)
+                self._step_bucket(b)
+                reducer.after_step(b)
             if not reducer.finalized:
                 break
         if not reducer.finalized:  # the last bucket's after_step ended the pass
@@ -489,13 +519,13 @@ class DataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def _own_step(self):
-        """Marks the torch optimizer's step as DataParallel's own (see
-        _check_direct_step)."""
-        self._stepping = True
+        """Marks what runs inside as DataParallel's own delivering and stepping
+        (see _check_direct_step and _stale_reads.py); nests."""
+        before, self._stepping = self._stepping, True
         try:
             yield
         finally:
-            self._stepping = False
+            self._stepping = before
 
     def remove_hooks(self) -> None:
         """Detach DataParallel from the module's parameters (the module keeps working

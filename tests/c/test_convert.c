@@ -138,5 +138,28 @@ TEST(cuda_tensors_reach_the_cuda_entry_points)
             mpidp_convert(MPIDP_CONVERT_PACK, &d, &s, NULL, 1, 0, 0, NULL, NULL));
 }
 
+TEST(fp16_overflows_are_counted_once_per_element)
+{
+    float src[N], ref[N];
+    uint16_t wire[N];
+    for (int i = 0; i < N; i++) {
+        src[i] = (float)i;
+        ref[i] = 0.0f;
+    }
+    src[3] = 7e4f;       /* beyond 65504: overflows */
+    src[5] = -1e9f;      /* overflows */
+    src[8] = INFINITY;   /* already infinite: not an overflow */
+    ref[9] = NAN;        /* NaN reference: whatever comes out is not an overflow */
+    src[9] = 1e6f;
+    size_t before = mpidp_fp16_overflow_total();
+    mpidp_pack_kernels()->pack_fp16(wire, src, NULL, 1.0f, N);
+    ASSERT_EQ_INT(mpidp_fp16_count_overflow(wire, src, ref, N), 2);
+    ASSERT_EQ_INT(mpidp_fp16_overflow_total(), before + 2);
+    ASSERT_EQ_INT(mpidp_fp16_count_overflow(wire, src, NULL, N), 3); /* 9 counts without ref */
+    for (int i = 0; i < N; i++) src[i] = 1.0f;
+    mpidp_pack_kernels()->pack_fp16(wire, src, NULL, 65504.0f, N);   /* exactly the largest */
+    ASSERT_EQ_INT(mpidp_fp16_count_overflow(wire, src, NULL, N), 0);
+}
+
 TEST_MAIN(ops_match_the_table_functions, bad_combinations_are_refused_before_any_write,
-          cuda_tensors_reach_the_cuda_entry_points)
+          cuda_tensors_reach_the_cuda_entry_points, fp16_overflows_are_counted_once_per_element)

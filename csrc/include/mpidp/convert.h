@@ -45,4 +45,17 @@ int mpidp_convert(int op, const mpidp_tensor_t *dst, const mpidp_tensor_t *src,
                   const mpidp_tensor_t *ref, float a, float b, float c,
                   const mpidp_pack_kernels_t *host, void *stream);
 
+/* float16 on the wire holds finite values up to 65504 only: larger ones
+ * become infinite, and values below 2^-24 (6e-8) become zero. The engines
+ * that pack to float16 (gradient buckets, allreduce chunks, DASO's syncs)
+ * count, right after packing, the elements that were finite before and are
+ * infinite on the wire (a second pass over the wire buffer, which is still in
+ * cache), so the glue can warn once. bfloat16 has float32's range. */
+
+/* The elements i < n with wire[i] = +-inf (float16) while src[i] (and ref[i],
+ * when given) are finite; adds them to the process-wide count. */
+size_t mpidp_fp16_count_overflow(const uint16_t *wire, const float *src, const float *ref, size_t n);
+/* Elements that overflowed float16 on the wire since the process started. Thread-safe. */
+size_t mpidp_fp16_overflow_total(void);
+
 #endif /* MPIDP_CONVERT_H */
