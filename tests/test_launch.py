@@ -76,6 +76,7 @@ def test_a_stuck_collective_times_out_and_aborts(tmp_path):
     rc, out, seconds = run_mpi(2, [str(script)], timeout=120, MPIDP_TIMEOUT="2")
     assert rc != 0, out
     assert "timed out" in out and "MPI_Iallreduce" in out, out
+    assert "MPI cannot tell which rank has not joined" in out, out
     assert seconds < 30, f"the job took {seconds:.0f} s to end"
 
 

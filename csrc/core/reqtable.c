@@ -188,8 +188,11 @@ static int timed_out(mpidp_reqtable_t *t, double timeout_s)
 {
     char pending[1024];
     mpidp_reqtable_describe(t, pending, sizeof pending);
-    return mpidp__fail(MPIDP_ETIMEDOUT, "no progress for %.1f s (MPIDP_TIMEOUT); pending: %s",
-                       timeout_s, pending);
+    /* A collective does not report which peers have joined it, so the
+     * missing rank cannot be named here. */
+    return mpidp__fail(MPIDP_ETIMEDOUT, "no progress for %.1f s (MPIDP_TIMEOUT; MPI cannot tell "
+                       "which rank has not joined: look for one stuck elsewhere or gone); "
+                       "pending: %s", timeout_s, pending);
 }
 
 int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
