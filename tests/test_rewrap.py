@@ -11,6 +11,7 @@ parameter's gradient by 0.5-0.75 (blocking) or never updated it
 from __future__ import annotations
 
 import gc
+import weakref
 import warnings
 
 import pytest
@@ -107,3 +108,24 @@ def test_wrapping_a_wrapper_is_refused():
     net, _ = wrap(build(MLP, 100), True)
     with pytest.raises(TypeError, match="module: is already a mpidp.DataParallel"):
         mpidp.DataParallel(net)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_a_dropped_wrapper_is_freed_at_once(blocking):
+    """No reference cycle keeps a dropped wrapper (and its gradient buckets,
+    a copy of the model's size) alive until the garbage collector runs: 200
+    wrap/drop cycles used to add 143 MiB and more."""
+    model = build(MLP, 100 + RANK)
+    gc.disable()
+    try:
+        net, opt = wrap(model, blocking)
+        opt.zero_grad()
+        loss_fn(net, torch.randn(4, 6), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+        net(torch.randn(2, 6))                      # applies a pending update
+        dropped = weakref.ref(net)
+        del net, opt
+        assert dropped() is None
+        assert all(hooks_on(p) == 0 for p in model.parameters())
+    finally:
+        gc.enable()

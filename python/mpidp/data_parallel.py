@@ -205,7 +205,10 @@ class DataParallel(torch.nn.Module):
         self.blocking_parameter_updates = blocking_parameter_updates
         self.wire_dtype = wire_dtype
         self._wire = wire
-        self._dp_optimizers = optimizers
+        # Held weakly: each optimizer holds its wrapper (opt._model), and the
+        # reverse reference would make a cycle that keeps a dropped wrapper
+        # and its buckets alive until the garbage collector runs.
+        self._optimizer_refs = [weakref.ref(opt) for opt in optimizers]
         for opt in optimizers:
             opt.blocking_parameter_updates = blocking_parameter_updates
             opt._model = self
@@ -220,7 +223,9 @@ class DataParallel(torch.nn.Module):
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
         self._joining = False    # inside join(): every training forward takes part in a ballot
         self._join_steps = 0     # training steps this rank took inside join()
-        self._due = False        # non-blocking: optimizer.step() was called, update pending
+        # Non-blocking: the DataParallelOptimizer whose step() is pending (held
+        # until the update is applied), else None.
+        self._due = None
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
@@ -348,6 +353,10 @@ class DataParallel(torch.nn.Module):
             reducer.prepare()
         return out
 
+    @property
+    def _dp_optimizers(self) -> List[DataParallelOptimizer]:
+        return [opt for opt in (ref() for ref in self._optimizer_refs) if opt is not None]
+
     def _forward_watching_reads(self, inputs, kwargs):
         """The first forward that applies an update: see _stale_reads.py."""
         self._reads_checked = True
@@ -380,14 +389,14 @@ class DataParallel(torch.nn.Module):
                 break
         if not reducer.finalized:  # the last bucket's after_step ended the pass
             self._applying = False
-            self._due = False
+            self._due = None
 
     def _step_bucket(self, b: int) -> None:
         """Steps the optimizer on bucket b's parameters only, with the
         hyperparameters it had when step() was called (a scheduler may have
         changed the learning rate since). Per-parameter state (momentum, Adam
         moments, step counts) ends exactly as a full step leaves it."""
-        opt = self._dp_optimizers[0].torch_optimizer
+        opt = self._due.torch_optimizer
         groups = opt.param_groups
         sig = tuple(id(g["params"]) for g in groups) + tuple(len(g["params"]) for g in groups)
         if sig != self._subset_sig:
@@ -512,7 +521,7 @@ class DataParallel(torch.nn.Module):
                                "without a forward pass in between")
         groups = optimizer.torch_optimizer.param_groups
         self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        self._due = True
+        self._due = optimizer
         # LR schedulers check this flag (set by the real step) to warn about a
         # scheduler stepped before its optimizer; the step is merely deferred.
         optimizer.torch_optimizer._opt_called = True
