@@ -299,3 +299,15 @@ int mpidp_reducer_deliver_now(mpidp_reducer_t *r, size_t b, long long version, c
     }
     return MPIDP_OK;
 }
+
+int mpidp_reducer_contribute_nothing(mpidp_reducer_t *r)
+{
+    if (r == NULL) return mpidp__fail(MPIDP_EINVAL, "reducer: NULL");
+    if (r->n_ready != 0 || r->finalized)
+        return mpidp__fail(MPIDP_ESTATE, "%s: a backward pass is still open", r->name);
+    for (size_t i = 0; i < r->n_params; i++) {
+        int rc = mpidp_reducer_mark_ready(r, i, 0);
+        if (rc != MPIDP_OK) return rc;
+    }
+    return MPIDP_OK;
+}

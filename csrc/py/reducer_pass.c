@@ -266,18 +266,27 @@ int mpidp_py_reducer_finalize(mpidp_py_reducer_t *r)
     return r->blocking ? mpidp_py_reducer_complete(r) : 0;
 }
 
-int mpidp_py_reducer_deliver(mpidp_py_reducer_t *r, size_t b)
+/* Delivers bucket b's mean into `.grad` as the core's `deliver` decides
+ * (deliver_for_step or deliver_now: same arguments), then copies it to where
+ * the gradients live. */
+typedef int (*deliver_fn)(mpidp_reducer_t *, size_t, long long, const uint8_t *, uint8_t *);
+
+static int deliver_bucket(mpidp_py_reducer_t *r, size_t b, deliver_fn deliver)
 {
-    if (mpidp_reducer_delivered(r->core, b)) return 0;
     long long now;
     const size_t *members;
     Py_ssize_t n = read_bucket(r, b, &now, &members);
     if (n < 0 ||
-        CORE(r, "DataParallel (non-blocking)",
-             mpidp_reducer_deliver_for_step(r->core, b, now, r->seen, r->act)) < 0 ||
+        CORE(r, "DataParallel (non-blocking)", deliver(r->core, b, now, r->seen, r->act)) < 0 ||
         apply(r, members, (size_t)n, r->act) < 0)
         return -1;
     return mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE);
+}
+
+int mpidp_py_reducer_deliver(mpidp_py_reducer_t *r, size_t b)
+{
+    if (mpidp_reducer_delivered(r->core, b)) return 0;
+    return deliver_bucket(r, b, mpidp_reducer_deliver_for_step);
 }
 
 int mpidp_py_reducer_after_step(mpidp_py_reducer_t *r, size_t b)
@@ -293,17 +302,8 @@ int mpidp_py_reducer_after_step(mpidp_py_reducer_t *r, size_t b)
 
 int mpidp_py_reducer_deliver_now(mpidp_py_reducer_t *r)
 {
-    for (size_t b = 0; b < r->n_buckets; b++) {
-        long long now;
-        const size_t *members;
-        Py_ssize_t n = read_bucket(r, b, &now, &members);
-        if (n < 0 ||
-            CORE(r, "DataParallel (non-blocking)",
-                 mpidp_reducer_deliver_now(r->core, b, now, r->seen, r->act)) < 0 ||
-            apply(r, members, (size_t)n, r->act) < 0 ||
-            mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE) < 0)
-            return -1;
-    }
+    for (size_t b = 0; b < r->n_buckets; b++)
+        if (deliver_bucket(r, b, mpidp_reducer_deliver_now) < 0) return -1;
     return reset_pass(r);
 }
 
@@ -319,15 +319,11 @@ int mpidp_py_reducer_edited(mpidp_py_reducer_t *r)
 
 int mpidp_py_reducer_shadow_pass(mpidp_py_reducer_t *r)
 {
-    if (mpidp_reducer_n_ready(r->core) != 0 || mpidp_reducer_finalized(r->core)) {
-        PyErr_SetString(PyExc_RuntimeError, "DataParallel.join: a backward pass is still open");
-        return -1;
-    }
-    /* Staged buckets are copied from the device before sending. */
+    if (CORE(r, "DataParallel.join", mpidp_reducer_contribute_nothing(r->core)) < 0) return -1;
+    /* Staged buckets are posted only once copied from the device: zero them
+     * there first (the core does not write staged gradients). */
     for (size_t b = 0; r->device_buckets && b < r->n_buckets; b++)
         if (mpidp_py_call_method0(PyTuple_GET_ITEM(r->device_buckets, b), str_zero_) < 0) return -1;
-    for (size_t i = 0; i < r->n_params; i++)
-        if (CORE(r, "DataParallel.join", mpidp_reducer_mark_ready(r->core, i, 0)) < 0) return -1;
     if (r->device_buckets && mpidp_py_reducer_stage_full(r, 1) < 0) return -1;
     for (size_t b = 0; b < r->n_buckets; b++)
         if (wait_core_bucket(r, b) < 0) return -1;

@@ -67,6 +67,25 @@ TEST(blocking_pass_fixes_missing_grads_like_one_process)
     ASSERT_OK(mpidp_reducer_prepare(f.r, all_none, act));
     for (int i = 0; i < NP; i++) ASSERT_EQ_INT(act[i], MPIDP_GRAD_KEEP);
     ASSERT_EQ_INT(mpidp_reducer_grad_arrived(f.r, 9, 1), MPIDP_EINVAL);
+    /* join's shadow pass: refused while a pass is open; else every bucket is
+     * posted with zeros and no "had a gradient" flag. */
+    ASSERT_EQ_INT(mpidp_reducer_contribute_nothing(f.r), MPIDP_ESTATE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "still open") != NULL);
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 1, VIEW));
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 2, VIEW));
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 3, VIEW));
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    fill(&f, 2, 5.0f);
+    ASSERT_OK(mpidp_reducer_contribute_nothing(f.r));
+    ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), NP);
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    for (size_t i = 0; i < NP; i++) {
+        int used = -1;
+        ASSERT_OK(mpidp_reducer_used_globally(f.r, i, &used));
+        ASSERT_EQ_INT(used, 0);
+    }
+    ASSERT_NEAR(slice(&f, 2)[0], 0.0, 0);
     teardown(&f);
 }
 

@@ -250,6 +250,12 @@ int mpidp_reducer_after_step(mpidp_reducer_t *r, size_t b, uint8_t *act, int *pa
 /* 1 when after_step has handed out bucket b's actions in the open pass. */
 int mpidp_reducer_stepped(const mpidp_reducer_t *r, size_t b);
 
+/* join: this rank has run out of data but the others have not: marks every
+ * parameter with no contribution, so that this rank posts every bucket (in
+ * order, zeros with "no gradient" flags) like the others. MPIDP_ESTATE while
+ * a pass is open. The caller then waits and resets; `.grad` is not touched. */
+int mpidp_reducer_contribute_nothing(mpidp_reducer_t *r);
+
 /* The pure decisions behind accumulate and after_step, exposed for tests. */
 typedef enum {
     MPIDP_ACCUM_DROP = 0,           /* leave `.grad` as the user made it */
