@@ -25,9 +25,14 @@ mpidp_py_state *mpidp_py_state_of_module(PyObject *module)
     return (mpidp_py_state *)PyModule_GetState(module);
 }
 
+PyObject *mpidp_py_module_of_type(PyTypeObject *type)
+{
+    return PyType_GetModuleByDef(type, &mpidp_module);
+}
+
 mpidp_py_state *mpidp_py_state_of_type(PyTypeObject *type)
 {
-    PyObject *module = PyType_GetModule(type);
+    PyObject *module = mpidp_py_module_of_type(type);
     return module ? mpidp_py_state_of_module(module) : NULL;
 }
 
@@ -245,7 +250,6 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->comm_type);
     Py_VISIT(st->work_type);
     Py_VISIT(st->reducer_type);
-    Py_VISIT(st->gradhook_type);
     Py_VISIT(st->paramsync_type);
     Py_VISIT(st->schedule_type);
     Py_VISIT(st->schedule_actions_type);
@@ -260,7 +264,6 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->comm_type);
     Py_CLEAR(st->work_type);
     Py_CLEAR(st->reducer_type);
-    Py_CLEAR(st->gradhook_type);
     Py_CLEAR(st->paramsync_type);
     Py_CLEAR(st->schedule_type);
     Py_CLEAR(st->schedule_actions_type);

@@ -14,7 +14,6 @@ typedef struct {
     PyTypeObject *comm_type;
     PyTypeObject *work_type;
     PyTypeObject *reducer_type;
-    PyTypeObject *gradhook_type;
     PyTypeObject *paramsync_type;
     PyTypeObject *schedule_type;
     PyTypeObject *schedule_actions_type; /* struct sequence: Schedule.batch's result */
@@ -44,6 +43,8 @@ int mpidp_py_warn_fp16_overflow(void);
 
 mpidp_py_state *mpidp_py_state_of_module(PyObject *module);
 mpidp_py_state *mpidp_py_state_of_type(PyTypeObject *type);
+/* The module of one of its types or of a Python subclass of one (borrowed). */
+PyObject *mpidp_py_module_of_type(PyTypeObject *type);
 
 /* Sets a Python exception for core status `status` (< 0) and returns NULL.
  * `what` names the operation ("allreduce", "DataParallel backward"); the core's

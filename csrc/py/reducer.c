@@ -1,23 +1,21 @@
-/* mpidp._C.Reducer and mpidp._C.GradHook: DataParallel's gradient path.
+/* mpidp._C.Reducer: DataParallel's gradient path.
  *
  * Python plans the buckets, allocates one flat tensor per bucket and makes a
  * view into it for every trainable parameter; the Reducer keeps all of them,
  * owns the core reducer (csrc/core/reducer.c: buckets, posting, and the
- * pass's decisions of what each `.grad` becomes) and exposes one pass's
- * steps to DataParallel. What a pass does, and how the glue carries out the
- * core's decisions, is in csrc/py/reducer_pass.c; the per-parameter hook
- * in csrc/py/gradhook.c. */
+ * pass's decisions of what each `.grad` becomes) and exposes its calls one
+ * by one. The methods that read and write `.grad` are csrc/py/reducer_pass.c;
+ * the order of a pass's calls and staging are python/mpidp/_reducer.py. */
 #include "reducer.h"
 
 #include <stdlib.h>
-#include <string.h>
 
 #include "mpidp/bucket.h"
 #include "mpidp/status.h"
 
 typedef mpidp_py_reducer_t reducer_t;
 
-/* --- Reducer methods ---------------------------------------------------- */
+/* --- Reducer methods: the core's per-bucket calls and queries ----------- */
 
 static PyObject *none_or_null(int rc)
 {
@@ -25,32 +23,14 @@ static PyObject *none_or_null(int rc)
     Py_RETURN_NONE;
 }
 
-static PyObject *reducer_finalize_backward(reducer_t *r, PyObject *unused)
+int mpidp_py_reducer_core_status(mpidp_py_reducer_t *r, int rc, const char *what)
 {
-    (void)unused;
-    return none_or_null(mpidp_py_reducer_finalize(r));
+    if (rc == MPIDP_OK) return 0;
+    mpidp_py_raise(r->st, rc, what);
+    return -1;
 }
 
-static PyObject *reducer_prepare(reducer_t *r, PyObject *unused)
-{
-    (void)unused;
-    return none_or_null(mpidp_py_reducer_prepare(r));
-}
-
-static PyObject *reducer_complete(reducer_t *r, PyObject *unused)
-{
-    (void)unused;
-    return none_or_null(mpidp_py_reducer_complete(r));
-}
-
-static PyObject *reducer_shadow_pass(reducer_t *r, PyObject *unused)
-{
-    (void)unused;
-    return none_or_null(mpidp_py_reducer_shadow_pass(r));
-}
-
-/* An index argument below `limit`, or -1 with an exception. */
-static Py_ssize_t index_arg(PyObject *arg, size_t limit, const char *what)
+Py_ssize_t mpidp_py_index_arg(PyObject *arg, size_t limit, const char *what)
 {
     Py_ssize_t i = PyLong_AsSsize_t(arg);
     if (i == -1 && PyErr_Occurred()) return -1;
@@ -61,36 +41,80 @@ static Py_ssize_t index_arg(PyObject *arg, size_t limit, const char *what)
     return i;
 }
 
-static PyObject *reducer_deliver_for_step(reducer_t *r, PyObject *arg)
+/* A method of one bucket index argument `b` that returns `result`. */
+#define BUCKET_METHOD(name, result)                                             \
+    static PyObject *reducer_##name(reducer_t *r, PyObject *arg)                \
+    {                                                                           \
+        Py_ssize_t b = mpidp_py_index_arg(arg, r->n_buckets, "bucket");         \
+        if (b < 0) return NULL;                                                 \
+        return result;                                                          \
+    }
+BUCKET_METHOD(stepped, PyBool_FromLong(mpidp_reducer_stepped(r->core, b)))
+BUCKET_METHOD(delivered, PyBool_FromLong(mpidp_reducer_delivered(r->core, b)))
+BUCKET_METHOD(needs_unstaging, PyBool_FromLong(mpidp_reducer_needs_unstaging(r->core, b)))
+BUCKET_METHOD(staged, none_or_null(CORE(r, "DataParallel backward", mpidp_reducer_staged(r->core, b))))
+BUCKET_METHOD(unstaged, none_or_null(CORE(r, "DataParallel", mpidp_reducer_unstaged(r->core, b))))
+#undef BUCKET_METHOD
+
+/* wait_bucket(b): bucket b's allreduce has completed (GIL released while waiting). */
+static PyObject *reducer_wait_bucket(reducer_t *r, PyObject *arg)
 {
-    Py_ssize_t b = index_arg(arg, r->n_buckets, "bucket");
-    return b < 0 ? NULL : none_or_null(mpidp_py_reducer_deliver(r, (size_t)b));
+    Py_ssize_t b = mpidp_py_index_arg(arg, r->n_buckets, "bucket");
+    if (b < 0) return NULL;
+    if (mpidp_reducer_bucket_state(r->core, b) == MPIDP_BUCKET_DONE) Py_RETURN_NONE;
+    int rc;
+    mpidp_error_clear();
+    MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
+    return none_or_null(mpidp_py_reducer_core_status(r, rc, "DataParallel gradient allreduce"));
 }
 
-static PyObject *reducer_after_step(reducer_t *r, PyObject *arg)
+/* next_to_stage(start) -> the first full bucket >= start that waits for its
+ * copy to the host, or None. */
+static PyObject *reducer_next_to_stage(reducer_t *r, PyObject *arg)
 {
-    Py_ssize_t b = index_arg(arg, r->n_buckets, "bucket");
-    return b < 0 ? NULL : none_or_null(mpidp_py_reducer_after_step(r, (size_t)b));
+    size_t start = PyLong_AsSize_t(arg), b;
+    if (start == (size_t)-1 && PyErr_Occurred()) return NULL;
+    if (start < r->n_buckets && mpidp_reducer_next_to_stage(r->core, start, &b))
+        return PyLong_FromSize_t(b);
+    Py_RETURN_NONE;
 }
 
-/* stepped(b): the optimizer step was applied to bucket b in the open pass. */
-static PyObject *reducer_stepped(reducer_t *r, PyObject *arg)
+/* version_moved(b, version) -> bucket b's version counter moved since finalize. */
+static PyObject *reducer_version_moved(reducer_t *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t b = index_arg(arg, r->n_buckets, "bucket");
-    return b < 0 ? NULL : PyBool_FromLong(mpidp_reducer_stepped(r->core, (size_t)b));
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "version_moved(b, version)");
+    Py_ssize_t b = mpidp_py_index_arg(args[0], r->n_buckets, "bucket");
+    long long version = b < 0 ? -1 : PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(mpidp_reducer_version_moved(r->core, (size_t)b, version));
 }
 
-static PyObject *reducer_deliver_now(reducer_t *r, PyObject *unused)
+/* finalize(versions): every parameter is marked; versions: non-blocking
+ * mode, each bucket's version counter now (else None). */
+static PyObject *reducer_finalize(reducer_t *r, PyObject *versions)
+{
+    int given = versions != Py_None;
+    if (given && !(PyTuple_Check(versions) && (size_t)PyTuple_GET_SIZE(versions) == r->n_buckets))
+        return PyErr_Format(PyExc_TypeError, "versions: expected None or one int per bucket");
+    for (size_t b = 0; given && b < r->n_buckets; b++)
+        if ((r->versions[b] = PyLong_AsLongLong(PyTuple_GET_ITEM(versions, b))) == -1 && PyErr_Occurred())
+            return NULL;
+    if (CORE(r, "DataParallel backward", mpidp_reducer_finalize(r->core, given ? r->versions : NULL)) < 0)
+        return NULL;
+    return none_or_null(mpidp_py_warn_fp16_overflow());
+}
+
+static PyObject *reducer_reset(reducer_t *r, PyObject *unused)
 {
     (void)unused;
-    return none_or_null(mpidp_py_reducer_deliver_now(r));
+    return none_or_null(CORE(r, "DataParallel", mpidp_reducer_reset(r->core)));
 }
 
-static PyObject *reducer_edited(reducer_t *r, PyObject *unused)
+/* contribute_nothing(): join's shadow pass (mpidp_reducer_contribute_nothing). */
+static PyObject *reducer_contribute_nothing(reducer_t *r, PyObject *unused)
 {
     (void)unused;
-    int edited = mpidp_py_reducer_edited(r);
-    return edited < 0 ? NULL : PyBool_FromLong(edited);
+    return none_or_null(CORE(r, "DataParallel.join", mpidp_reducer_contribute_nothing(r->core)));
 }
 
 /* set_divisor(n): average over n ranks from the next pass on (join). */
@@ -98,69 +122,41 @@ static PyObject *reducer_set_divisor(reducer_t *r, PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    if (CORE(r, "DataParallel.join", mpidp_reducer_set_divisor(r->core, (int)n)) < 0) return NULL;
-    Py_RETURN_NONE;
+    return none_or_null(CORE(r, "DataParallel.join", mpidp_reducer_set_divisor(r->core, (int)n)));
 }
 
-static PyObject *reducer_hook(reducer_t *r, PyObject *arg)
-{
-    Py_ssize_t i = index_arg(arg, r->n_params, "parameter");
-    if (i < 0) return NULL;
-    return mpidp_py_gradhook_new(r, (size_t)i);
-}
-
-static PyObject *reducer_get_finalized(reducer_t *r, void *c)
-{
-    (void)c;
-    return PyBool_FromLong(mpidp_reducer_finalized(r->core));
-}
-
-static PyObject *reducer_get_n_buckets(reducer_t *r, void *c)
-{
-    (void)c;
-    return PyLong_FromSize_t(r->n_buckets);
-}
+static PyObject *reducer_get_finalized(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(mpidp_reducer_finalized(r->core)); }
+static PyObject *reducer_get_n_ready(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(mpidp_reducer_n_ready(r->core)); }
+static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(r->n_buckets); }
 
 /* Reducer(*, comm, params, views, buckets, param_bucket, param_offset, param_numel,
- *         bucket_info, queue_callback, blocking, name, wire_dtype=-1, staging=None,
- *         event_type=None):
+ *         bucket_info, blocking, name, wire_dtype=-1, staged=False):
  * keyword-only, so a caller cannot swap two of the many tuples unnoticed.
- * staging: (device_buckets, host_grads, device_grads): the buckets the .grad
- * views live in, and the gradient parts of the host and device buckets. */
+ * staged: the .grad views live in device buckets that Python copies to and
+ * from `buckets` (the core then waits for `staged(b)` before posting). */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
-                             "param_numel", "bucket_info", "queue_callback", "blocking", "name",
-                             "wire_dtype", "staging", "event_type", NULL};
+                             "param_numel", "bucket_info", "blocking", "name", "wire_dtype",
+                             "staged", NULL};
     PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pb = NULL, *po = NULL,
-             *pn = NULL, *binfo = NULL, *qcb = NULL;
-    int blocking = -1, wire = -1;
+             *pn = NULL, *binfo = NULL;
+    int blocking = -1, wire = -1, staged = 0;
     const char *name = NULL;
-    PyObject *staging = Py_None, *event_type = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!O!OpsiOO:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!O!psip:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
-                                     &PyTuple_Type, &pn, &PyTuple_Type, &binfo, &qcb, &blocking,
-                                     &name, &wire, &staging, &event_type))
+                                     &PyTuple_Type, &pn, &PyTuple_Type, &binfo, &blocking, &name,
+                                     &wire, &staged))
         return NULL;
-    /* The format makes every keyword optional; all but the last three are required. */
-    const void *given[] = {comm, params, views, buckets, pb, po, pn, binfo, qcb,
+    /* The format makes every keyword optional; all but the last two are required. */
+    const void *given[] = {comm, params, views, buckets, pb, po, pn, binfo,
                            blocking < 0 ? NULL : &blocking, name};
     for (size_t k = 0; k < sizeof given / sizeof given[0]; k++)
         if (given[k] == NULL)
             return PyErr_Format(PyExc_TypeError, "Reducer: missing keyword argument '%s'",
                                 kwlist[k]);
     Py_ssize_t np = PyTuple_GET_SIZE(params), nb = PyTuple_GET_SIZE(buckets);
-    int staged = staging != Py_None;
-    if (staged && !(PyTuple_Check(staging) && PyTuple_GET_SIZE(staging) == 3 &&
-                    PyTuple_Check(PyTuple_GET_ITEM(staging, 0)) &&
-                    PyTuple_GET_SIZE(PyTuple_GET_ITEM(staging, 0)) == nb &&
-                    PyTuple_Check(PyTuple_GET_ITEM(staging, 1)) &&
-                    PyTuple_GET_SIZE(PyTuple_GET_ITEM(staging, 1)) == nb &&
-                    PyTuple_Check(PyTuple_GET_ITEM(staging, 2)) &&
-                    PyTuple_GET_SIZE(PyTuple_GET_ITEM(staging, 2)) == nb))
-        return PyErr_Format(PyExc_ValueError, "Reducer: staging must be three tuples, one entry "
-                            "per bucket");
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     if (st == NULL) return NULL;
     mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
@@ -172,19 +168,11 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     reducer_t *r = (reducer_t *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     r->st = st;
-    r->module = Py_NewRef(PyType_GetModule(type));
+    r->module = Py_NewRef(mpidp_py_module_of_type(type));
     r->comm = Py_NewRef(comm);
     r->params = Py_NewRef(params);
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
-    if (staged) {
-        r->device_buckets = Py_NewRef(PyTuple_GET_ITEM(staging, 0));
-        r->host_grads = Py_NewRef(PyTuple_GET_ITEM(staging, 1));
-        r->dev_grads = Py_NewRef(PyTuple_GET_ITEM(staging, 2));
-    }
-    r->event_type = event_type == Py_None || r->device_buckets == NULL ? NULL : Py_NewRef(event_type);
-    r->queue_callback = Py_NewRef(qcb);
-    r->blocking = blocking;
     r->n_params = (size_t)np;
     r->n_buckets = (size_t)nb;
 
@@ -198,11 +186,9 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->seen = calloc(n1, 1);
     r->act = calloc(n1, 1);
     r->versions = calloc(b1, sizeof *r->versions);
-    r->stage_event = calloc(b1, sizeof *r->stage_event);
-    r->copy_issued = calloc(b1, 1);
     PyObject *result = NULL;
     if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->seen ||
-        !r->act || !r->versions || !r->stage_event || !r->copy_issued) {
+        !r->act || !r->versions) {
         PyErr_NoMemory();
         goto done;
     }
@@ -239,7 +225,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
         .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
         .bucket_data = data, .wire_dtype = wire, .separate = !blocking, .name = name,
-        .staged = r->device_buckets != NULL};
+        .staged = staged};
     mpidp_error_clear();
     int rc = mpidp_reducer_create(&cfg, &r->core);
     if (rc != MPIDP_OK) {
@@ -265,10 +251,6 @@ static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
     Py_VISIT(r->params);
     Py_VISIT(r->views);
     Py_VISIT(r->bucket_tensors);
-    Py_VISIT(r->device_buckets);
-    Py_VISIT(r->host_grads);
-    Py_VISIT(r->dev_grads);
-    Py_VISIT(r->queue_callback);
     return 0;
 }
 
@@ -276,7 +258,6 @@ static int reducer_clear(reducer_t *r)
 {
     Py_CLEAR(r->params);
     Py_CLEAR(r->views);
-    Py_CLEAR(r->queue_callback);
     return 0;
 }
 
@@ -302,48 +283,44 @@ static void reducer_dealloc(reducer_t *r)
     free(r->seen);
     free(r->act);
     free(r->versions);
-    for (size_t b = 0; r->stage_event && b < r->n_buckets; b++) Py_CLEAR(r->stage_event[b]);
-    free(r->stage_event);
-    free(r->copy_issued);
-    Py_CLEAR(r->event_type);
     reducer_clear(r);
     Py_CLEAR(r->bucket_tensors);
-    Py_CLEAR(r->device_buckets);
-    Py_CLEAR(r->host_grads);
-    Py_CLEAR(r->dev_grads);
     Py_CLEAR(r->comm);
     Py_CLEAR(r->module);
     tp->tp_free((PyObject *)r);
     Py_DECREF(tp);
 }
 
+#define METHOD(name, flags, doc) {#name, (PyCFunction)(void (*)(void))reducer_##name, flags, doc}
 static PyMethodDef reducer_methods[] = {
-    {"_finalize_backward", (PyCFunction)reducer_finalize_backward, METH_NOARGS,
-     "Called by autograd at the end of backward: post every remaining bucket."},
-    {"prepare", (PyCFunction)reducer_prepare, METH_NOARGS,
+    {"grad_arrived", (PyCFunction)(void (*)(void))mpidp_py_reducer_grad_arrived, METH_FASTCALL,
+     "grad_arrived(i, param): parameter i's gradient hook (the hot path)."},
+    {"prepare", mpidp_py_reducer_prepare, METH_NOARGS,
      "Before backward: point None grads at their zeroed bucket views."},
-    {"complete", (PyCFunction)reducer_complete, METH_NOARGS,
-     "Finish the open pass (wait for every bucket); no-op when none is open."},
-    {"hook", (PyCFunction)reducer_hook, METH_O, "hook(i) -> GradHook for parameter i."},
-    {"deliver_for_step", (PyCFunction)reducer_deliver_for_step, METH_O,
-     "Non-blocking: deliver_for_step(b): bucket b's mean into .grad for the step."},
-    {"after_step", (PyCFunction)reducer_after_step, METH_O,
-     "Non-blocking: after_step(b): bucket b's .grad back as the user left it."},
-    {"stepped", (PyCFunction)reducer_stepped, METH_O,
-     "Non-blocking: stepped(b) -> the step was applied to bucket b in the open pass."},
-    {"deliver_now", (PyCFunction)reducer_deliver_now, METH_NOARGS,
-     "Non-blocking, between backward and step: the means into .grad now; the pass ends."},
-    {"edited", (PyCFunction)reducer_edited, METH_NOARGS,
-     "Non-blocking: True when gradients were changed in place since the end of backward."},
-    {"set_divisor", (PyCFunction)reducer_set_divisor, METH_O,
-     "set_divisor(n): average gradients over n ranks from the next pass on."},
-    {"shadow_pass", (PyCFunction)reducer_shadow_pass, METH_NOARGS,
-     "Take part in one pass of bucket allreduces with zero contributions (join)."},
+    {"mark_unhooked", mpidp_py_reducer_mark_unhooked, METH_NOARGS,
+     "End of backward: mark the parameters no hook marked."},
+    {"decide", (PyCFunction)(void (*)(void))mpidp_py_reducer_decide, METH_FASTCALL,
+     "decide(kind, b, version=-1, accumulated=-1) -> pass over: a core decision, applied."},
+    METHOD(finalize, METH_O, "finalize(versions): every parameter is marked (versions: "
+           "non-blocking, each bucket's version counter; else None)."),
+    METHOD(wait_bucket, METH_O, "wait_bucket(b): until bucket b's allreduce completed."),
+    METHOD(next_to_stage, METH_O, "next_to_stage(start) -> full bucket >= start to copy to the host, or None."),
+    METHOD(staged, METH_O, "staged(b): bucket b's gradients are in its host bucket."),
+    METHOD(needs_unstaging, METH_O, "needs_unstaging(b) -> bucket b's mean must be copied back."),
+    METHOD(unstaged, METH_O, "unstaged(b): bucket b's mean was copied back."),
+    METHOD(stepped, METH_O, "stepped(b) -> the step was applied to bucket b in the open pass."),
+    METHOD(delivered, METH_O, "delivered(b) -> bucket b's mean is in .grad for the step."),
+    METHOD(version_moved, METH_FASTCALL, "version_moved(b, version) -> changed since finalize."),
+    METHOD(reset, METH_NOARGS, "End the pass."),
+    METHOD(contribute_nothing, METH_NOARGS, "join: post every bucket with no contribution."),
+    METHOD(set_divisor, METH_O, "set_divisor(n): average over n ranks from the next pass on."),
     {NULL, NULL, 0, NULL},
 };
+#undef METHOD
 
 static PyGetSetDef reducer_getset[] = {
     {"finalized", (getter)reducer_get_finalized, NULL, "The open pass has every bucket posted.", NULL},
+    {"n_ready", (getter)reducer_get_n_ready, NULL, "Parameters marked in the open pass.", NULL},
     {"n_buckets", (getter)reducer_get_n_buckets, NULL, "Number of buckets.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -355,14 +332,16 @@ static PyType_Slot reducer_slots[] = {
     {Py_tp_clear, reducer_clear},
     {Py_tp_methods, reducer_methods},
     {Py_tp_getset, reducer_getset},
-    {Py_tp_doc, "DataParallel's gradient reducer (internal)."},
+    {Py_tp_doc, "DataParallel's gradient reducer: the .grad loops and the core's decisions "
+                "(internal; python/mpidp/_reducer.py orders the calls)."},
     {0, NULL},
 };
 
+/* BASETYPE: python/mpidp/_reducer.py subclasses it with the pass's flows. */
 static PyType_Spec reducer_spec = {
     .name = "mpidp._C.Reducer",
     .basicsize = sizeof(reducer_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_BASETYPE,
     .slots = reducer_slots,
 };
 
@@ -370,6 +349,12 @@ int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st)
 {
     if (mpidp_py_reducer_pass_init() < 0) return -1;
     st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
-    if (st->reducer_type == NULL || PyModule_AddType(module, st->reducer_type) < 0) return -1;
-    return mpidp_py_gradhook_init(module, st);
+    if (st->reducer_type == NULL) return -1;
+    static const struct { const char *name; int value; } kinds[] = {
+        {"PASS_MISSING_GRADS", MPIDP_PY_PASS_MISSING_GRADS}, {"PASS_ACCUMULATE", MPIDP_PY_PASS_ACCUMULATE},
+        {"PASS_DELIVER_FOR_STEP", MPIDP_PY_PASS_DELIVER_FOR_STEP},
+        {"PASS_DELIVER_NOW", MPIDP_PY_PASS_DELIVER_NOW}, {"PASS_AFTER_STEP", MPIDP_PY_PASS_AFTER_STEP}};
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
+        if (PyModule_AddIntConstant(module, kinds[k].name, kinds[k].value) < 0) return -1;
+    return PyModule_AddType(module, st->reducer_type);
 }

@@ -1,32 +1,24 @@
-/* A backward pass of DataParallel's reducer, on the Python side: what the
- * glue does is read `.grad` (mpidp_grad_seen_t), let the core reducer decide
- * (csrc/core/reducer_pass.c, "the pass" in mpidp/reducer.h), and carry out
- * its actions (mpidp_grad_action_t); plus staging, the copies of buckets
- * between the device the gradients live on and the host buffers MPI reads.
+/* The reducer's methods that read and write `.grad`: the glue observes what
+ * each `.grad` is (mpidp_grad_seen_t), the core decides (csrc/core/reducer_pass.c,
+ * "the pass" in mpidp/reducer.h), and the glue applies its actions
+ * (mpidp_grad_action_t). These are the per-parameter loops, kept in C
+ * because a Python loop would cost about 0.5 us per parameter per step; the
+ * per-bucket order of calls is python/mpidp/_reducer.py.
  *
- *   prepare()      before backward: None grads -> their zeroed bucket views,
- *                  so autograd accumulates straight into the buckets;
- *   on_grad(i)     per parameter after accumulation (the hot path): the first
- *                  one of a backward completes a pass still open and queues
- *                  finalize with autograd; a foreign `.grad` is copied in;
- *                  the core marks the parameter and posts full buckets;
- *   finalize()     end of backward: parameters no hook marked are marked
- *                  (zero contribution), so every bucket is posted on every
- *                  rank; blocking mode then completes the pass;
- *   complete()     waits for every bucket; `.grad` of parameters this rank
- *                  had nothing for becomes the mean or None (blocking), or the
- *                  mean is added where the user kept the gradients
- *                  (non-blocking, no step due);
- *   deliver(b) / after_step(b)   non-blocking, a step due: the mean into
- *                  `.grad` for the optimizer, then `.grad` as the user left it.
- * Staging is csrc/py/reducer_staging.c. */
+ *   grad_arrived(i, param)  the hot path, every parameter's gradient hook:
+ *                  the first one of a backward calls self._begin_backward(i);
+ *                  a foreign `.grad` is copied in; the core marks the
+ *                  parameter and posts full buckets;
+ *   prepare()      before backward: None grads -> their zeroed bucket views;
+ *   mark_unhooked() end of backward: parameters no hook marked are marked
+ *                  (zero contribution), so every bucket is posted on every rank;
+ *   decide(kind, b, version, accumulated)  one per-bucket decision of the
+ *                  core (_C.PASS_*), applied to the bucket's parameters. */
 #include "reducer.h"
-
-#include <string.h>
 
 #include "mpidp/status.h"
 
-static PyObject *str_grad, *str_copy_, *str_detach, *str_finalize, *str_version, *str_zero_;
+static PyObject *str_grad, *str_copy_, *str_detach, *str_begin, *str_zero_;
 
 int mpidp_py_reducer_pass_init(void)
 {
@@ -34,21 +26,18 @@ int mpidp_py_reducer_pass_init(void)
     str_grad = PyUnicode_InternFromString("grad");
     str_copy_ = PyUnicode_InternFromString("copy_");
     str_detach = PyUnicode_InternFromString("detach");
-    str_finalize = PyUnicode_InternFromString("_finalize_backward");
-    str_version = PyUnicode_InternFromString("_version");
+    str_begin = PyUnicode_InternFromString("_begin_backward");
     str_zero_ = PyUnicode_InternFromString("zero_");
-    if (!(str_grad && str_copy_ && str_detach && str_finalize && str_version && str_zero_)) return -1;
-    return mpidp_py_reducer_staging_init();
+    return str_grad && str_copy_ && str_detach && str_begin && str_zero_ ? 0 : -1;
 }
 
-int mpidp_py_reducer_core_status(mpidp_py_reducer_t *r, int rc, const char *what)
+/* obj.name(), result dropped: 0, or -1 with the exception set. */
+static int call_method0(PyObject *obj, PyObject *name)
 {
-    if (rc == MPIDP_OK) return 0;
-    mpidp_py_raise(r->st, rc, what);
-    return -1;
+    PyObject *res = PyObject_CallMethodNoArgs(obj, name);
+    Py_XDECREF(res);
+    return res ? 0 : -1;
 }
-
-/* --- reading and writing .grad ------------------------------------------ */
 
 /* What parameter i's .grad is (mpidp_grad_seen_t), or -1. */
 static int observe_one(mpidp_py_reducer_t *r, size_t i)
@@ -98,9 +87,9 @@ static int apply_one(mpidp_py_reducer_t *r, size_t i, int action)
     case MPIDP_GRAD_SET_VIEW: return PyObject_SetAttr(param, str_grad, view);
     case MPIDP_GRAD_SET_NONE: return PyObject_SetAttr(param, str_grad, Py_None);
     case MPIDP_GRAD_ZERO_VIEW:
-        return mpidp_py_call_method0(view, str_zero_) < 0 ? -1 : PyObject_SetAttr(param, str_grad, view);
+        return call_method0(view, str_zero_) < 0 ? -1 : PyObject_SetAttr(param, str_grad, view);
     case MPIDP_GRAD_ADOPT: return adopt(r, i);
-    case MPIDP_GRAD_ZERO_ONLY: return mpidp_py_call_method0(view, str_zero_);
+    case MPIDP_GRAD_ZERO_ONLY: return call_method0(view, str_zero_);
     }
     PyErr_Format(PyExc_SystemError, "reducer: unknown .grad action %d", action);
     return -1;
@@ -113,219 +102,102 @@ static int apply(mpidp_py_reducer_t *r, const size_t *idx, size_t n, const uint8
     return 0;
 }
 
-/* The version counter of the tensor bucket b's .grad views are views of. */
-static int read_version(mpidp_py_reducer_t *r, size_t b, long long *out)
+static PyObject *none_or_null(int rc)
 {
-    PyObject *t = PyTuple_GET_ITEM(r->device_buckets ? r->device_buckets : r->bucket_tensors, b);
-    PyObject *v = PyObject_GetAttr(t, str_version);
-    if (v == NULL) return -1;
-    *out = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
-/* --- the pass --------------------------------------------------------------- */
-
-static int reset_pass(mpidp_py_reducer_t *r)
+PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (CORE(r, "DataParallel", mpidp_reducer_reset(r->core)) < 0) return -1;
-    memset(r->copy_issued, 0, r->n_buckets);
-    return 0;
-}
-
-static int wait_core_bucket(mpidp_py_reducer_t *r, size_t b)
-{
-    if (mpidp_reducer_bucket_state(r->core, b) == MPIDP_BUCKET_DONE) return 0;
-    int rc;
-    mpidp_error_clear();
-    MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
-    return mpidp_py_reducer_core_status(r, rc, "DataParallel gradient allreduce");
-}
-
-/* What the core's per-bucket decisions take: waits for bucket b, reads its
- * version counter (*now) and what each member's .grad is (r->seen). Returns
- * the number of members (*members points at them), or -1. */
-static Py_ssize_t read_bucket(mpidp_py_reducer_t *r, size_t b, long long *now,
-                              const size_t **members)
-{
-    if (wait_core_bucket(r, b) < 0 || read_version(r, b, now) < 0) return -1;
-    size_t n = mpidp_reducer_bucket_params(r->core, b, members);
-    return observe(r, *members, n, r->seen) < 0 ? -1 : (Py_ssize_t)n;
-}
-
-/* Blocking mode: bucket b's mean back where the gradients live, and the
- * .grad of parameters this rank had nothing for fixed up. */
-static int complete_bucket(mpidp_py_reducer_t *r, size_t b)
-{
-    if (wait_core_bucket(r, b) < 0) return -1;
-    if (mpidp_reducer_needs_unstaging(r->core, b) &&
-        (mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE) < 0 || CORE(r, "DataParallel", mpidp_reducer_unstaged(r->core, b)) < 0))
-        return -1;
-    const size_t *members;
-    size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
-    if (CORE(r, "DataParallel", mpidp_reducer_missing_grads(r->core, b, r->act)) < 0) return -1;
-    return apply(r, members, n, r->act);
-}
-
-/* Non-blocking mode, no step due: the mean is added where the user kept the
- * gradients. `accumulated`: see mpidp_reducer_accumulate. */
-static int accumulate_bucket(mpidp_py_reducer_t *r, size_t b, long accumulated)
-{
-    long long now;
-    const size_t *members;
-    Py_ssize_t n = read_bucket(r, b, &now, &members);
-    if (n < 0 || mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_HOST) < 0) /* what autograd added since */
-        return -1;
-    if (CORE(r, "DataParallel", mpidp_reducer_accumulate(r->core, b, now, accumulated, r->seen, r->act)) < 0 ||
-        apply(r, members, (size_t)n, r->act) < 0)
-        return -1;
-    return mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE);
-}
-
-static int complete_pass_from(mpidp_py_reducer_t *r, long accumulated)
-{
-    if (mpidp_reducer_n_ready(r->core) == 0) return 0;
-    if (!mpidp_reducer_finalized(r->core)) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "DataParallel: the previous backward pass did not finish (it raised, or "
-                        "its end was never reached); its gradients cannot be completed");
-        return -1;
-    }
-    for (size_t b = 0; b < r->n_buckets; b++)
-        if ((r->blocking ? complete_bucket(r, b) : accumulate_bucket(r, b, accumulated)) < 0)
-            return -1;
-    return reset_pass(r);
-}
-
-int mpidp_py_reducer_complete(mpidp_py_reducer_t *r) { return complete_pass_from(r, -1); }
-
-int mpidp_py_reducer_prepare(mpidp_py_reducer_t *r)
-{
-    /* A pass still open must be completed (or its step applied) before grads
-     * move; in non-blocking mode DataParallel.forward decides which. */
-    if (mpidp_reducer_finalized(r->core) && r->blocking && mpidp_py_reducer_complete(r) < 0)
-        return -1;
-    if (mpidp_reducer_n_ready(r->core) != 0) return 0;
-    if (observe(r, NULL, r->n_params, r->seen) < 0 ||
-        CORE(r, "DataParallel", mpidp_reducer_prepare(r->core, r->seen, r->act)) < 0)
-        return -1;
-    return apply(r, NULL, r->n_params, r->act);
-}
-
-int mpidp_py_reducer_on_grad(mpidp_py_reducer_t *r, size_t i, PyObject *param)
-{
-    if (mpidp_py_forked) return mpidp_py_check_not_forked("DataParallel backward");
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "grad_arrived(i, param) takes 2 arguments");
+    if (mpidp_py_forked) return none_or_null(mpidp_py_check_not_forked("DataParallel backward"));
+    Py_ssize_t i = mpidp_py_index_arg(args[0], r->n_params, "parameter");
+    if (i < 0) return NULL;
     if (!r->queued) {
-        /* First hook of a new backward: finish a previous pass still open
-         * (non-blocking mode, or two backwards before one step), then ask
-         * autograd to call us when this backward ends. */
-        if (mpidp_reducer_finalized(r->core) && complete_pass_from(r, (long)i) < 0) return -1;
-        PyObject *cb = PyObject_GetAttr((PyObject *)r, str_finalize);
-        PyObject *res = cb ? PyObject_CallOneArg(r->queue_callback, cb) : NULL;
-        Py_XDECREF(cb);
-        if (res == NULL) return -1;
+        /* First hook of a new backward: Python finishes a pass still open
+         * and asks autograd to end this backward with _finalize_backward. */
+        PyObject *res = PyObject_CallMethodOneArg(self, str_begin, args[0]);
+        if (res == NULL) return NULL;
         Py_DECREF(res);
         r->queued = 1;
     }
-    PyObject *grad = PyObject_GetAttr(param, str_grad);
-    if (grad == NULL) return -1;
+    PyObject *grad = PyObject_GetAttr(args[1], str_grad);
+    if (grad == NULL) return NULL;
     int has = grad != Py_None, foreign = has && grad != PyTuple_GET_ITEM(r->views, i);
     Py_DECREF(grad);
-    if (foreign && adopt(r, i) < 0) return -1;
+    if (foreign && adopt(r, (size_t)i) < 0) return NULL;
     mpidp_error_clear();
-    int rc = mpidp_reducer_grad_arrived(r->core, i, has);
+    int rc = mpidp_reducer_grad_arrived(r->core, (size_t)i, has);
     /* Open MPI advances non-blocking collectives only inside MPI calls: test
      * what is in flight so buckets posted earlier progress during backward. */
     if (rc == MPIDP_OK && mpidp_py_hook_progress) rc = mpidp_reqtable_progress(r->st->reqs, NULL);
-    if (mpidp_py_reducer_core_status(r, rc, "DataParallel backward") < 0) return -1;
-    return r->device_buckets ? mpidp_py_reducer_stage_full(r, 0) : 0;
+    return none_or_null(mpidp_py_reducer_core_status(r, rc, "DataParallel backward"));
 }
 
-int mpidp_py_reducer_finalize(mpidp_py_reducer_t *r)
+PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused)
 {
+    (void)unused;
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    if (observe(r, NULL, r->n_params, r->seen) < 0 ||
+        CORE(r, "DataParallel", mpidp_reducer_prepare(r->core, r->seen, r->act)) < 0)
+        return NULL;
+    return none_or_null(apply(r, NULL, r->n_params, r->act));
+}
+
+PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused)
+{
+    (void)unused;
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
     r->queued = 0;
     for (size_t i = 0; i < r->n_params; i++) {
         if (mpidp_reducer_is_ready(r->core, i)) continue;
         int seen = observe_one(r, i);
         if (seen < 0 || apply_one(r, i, mpidp_reducer_unhooked_action(r->core, i, seen)) < 0 ||
-            CORE(r, "DataParallel backward", mpidp_reducer_mark_unhooked(r->core, i, seen)) < 0 ||
-            (r->device_buckets && mpidp_py_reducer_stage_full(r, 0) < 0))
-            return -1;
+            CORE(r, "DataParallel backward", mpidp_reducer_mark_unhooked(r->core, i, seen)) < 0)
+            return NULL;
     }
-    /* Every bucket is full now: wait for the copies still on their way to the
-     * host, so that every bucket is posted when backward returns. */
-    if (r->device_buckets && mpidp_py_reducer_stage_full(r, 1) < 0) return -1;
-    /* Non-blocking: every bucket is posted (and zeroed); any in-place change
-     * from now on is the user's (zero_grad(set_to_none=False)) or a new backward. */
-    for (size_t b = 0; !r->blocking && b < r->n_buckets; b++)
-        if (read_version(r, b, &r->versions[b]) < 0) return -1;
-    if (CORE(r, "DataParallel backward",
-             mpidp_reducer_finalize(r->core, r->blocking ? NULL : r->versions)) < 0 ||
-        mpidp_py_warn_fp16_overflow() < 0)
-        return -1;
-    return r->blocking ? mpidp_py_reducer_complete(r) : 0;
+    Py_RETURN_NONE;
 }
 
-/* Delivers bucket b's mean into `.grad` as the core's `deliver` decides
- * (deliver_for_step or deliver_now: same arguments), then copies it to where
- * the gradients live. */
-typedef int (*deliver_fn)(mpidp_reducer_t *, size_t, long long, const uint8_t *, uint8_t *);
-
-static int deliver_bucket(mpidp_py_reducer_t *r, size_t b, deliver_fn deliver)
+/* decide(kind, b, version=-1, accumulated=-1) -> bool: one per-bucket
+ * decision of the core, applied to bucket b's parameters. The result is
+ * after_step's "the pass is over" (False for the others). */
+PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    long long now;
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    if (nargs < 2 || nargs > 4)
+        return PyErr_Format(PyExc_TypeError, "decide(kind, b, version=-1, accumulated=-1)");
+    int kind = PyLong_AsLong(args[0]);
+    long long version = nargs > 2 ? PyLong_AsLongLong(args[2]) : -1;
+    long accumulated = nargs > 3 ? PyLong_AsLong(args[3]) : -1;
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t b = mpidp_py_index_arg(args[1], r->n_buckets, "bucket");
+    if (b < 0) return NULL;
     const size_t *members;
-    Py_ssize_t n = read_bucket(r, b, &now, &members);
-    if (n < 0 ||
-        CORE(r, "DataParallel (non-blocking)", deliver(r->core, b, now, r->seen, r->act)) < 0 ||
-        apply(r, members, (size_t)n, r->act) < 0)
-        return -1;
-    return mpidp_py_reducer_stage(r, b, MPIDP_PY_TO_DEVICE);
-}
-
-int mpidp_py_reducer_deliver(mpidp_py_reducer_t *r, size_t b)
-{
-    if (mpidp_reducer_delivered(r->core, b)) return 0;
-    return deliver_bucket(r, b, mpidp_reducer_deliver_for_step);
-}
-
-int mpidp_py_reducer_after_step(mpidp_py_reducer_t *r, size_t b)
-{
-    const size_t *members;
-    size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
-    int over = 0;
-    if (CORE(r, "DataParallel", mpidp_reducer_after_step(r->core, b, r->act, &over)) < 0 ||
-        apply(r, members, n, r->act) < 0)
-        return -1;
-    return over ? reset_pass(r) : 0;
-}
-
-int mpidp_py_reducer_deliver_now(mpidp_py_reducer_t *r)
-{
-    for (size_t b = 0; b < r->n_buckets; b++)
-        if (deliver_bucket(r, b, mpidp_reducer_deliver_now) < 0) return -1;
-    return reset_pass(r);
-}
-
-int mpidp_py_reducer_edited(mpidp_py_reducer_t *r)
-{
-    for (size_t b = 0; b < r->n_buckets; b++) {
-        long long now;
-        if (read_version(r, b, &now) < 0) return -1;
-        if (mpidp_reducer_version_moved(r->core, b, now)) return 1;
+    size_t n = mpidp_reducer_bucket_params(r->core, (size_t)b, &members);
+    int over = 0, rc;
+    if (kind != MPIDP_PY_PASS_MISSING_GRADS && kind != MPIDP_PY_PASS_AFTER_STEP &&
+        observe(r, members, n, r->seen) < 0)
+        return NULL;
+    mpidp_error_clear();
+    switch (kind) {
+    case MPIDP_PY_PASS_MISSING_GRADS: rc = mpidp_reducer_missing_grads(r->core, b, r->act); break;
+    case MPIDP_PY_PASS_ACCUMULATE:
+        rc = mpidp_reducer_accumulate(r->core, b, version, accumulated, r->seen, r->act);
+        break;
+    case MPIDP_PY_PASS_DELIVER_FOR_STEP:
+        rc = mpidp_reducer_deliver_for_step(r->core, b, version, r->seen, r->act);
+        break;
+    case MPIDP_PY_PASS_DELIVER_NOW:
+        rc = mpidp_reducer_deliver_now(r->core, b, version, r->seen, r->act);
+        break;
+    case MPIDP_PY_PASS_AFTER_STEP: rc = mpidp_reducer_after_step(r->core, b, r->act, &over); break;
+    default: return PyErr_Format(PyExc_ValueError, "kind: expected one of _C.PASS_*, got %d", kind);
     }
-    return 0;
-}
-
-int mpidp_py_reducer_shadow_pass(mpidp_py_reducer_t *r)
-{
-    if (CORE(r, "DataParallel.join", mpidp_reducer_contribute_nothing(r->core)) < 0) return -1;
-    /* Staged buckets are posted only once copied from the device: zero them
-     * there first (the core does not write staged gradients). */
-    for (size_t b = 0; r->device_buckets && b < r->n_buckets; b++)
-        if (mpidp_py_call_method0(PyTuple_GET_ITEM(r->device_buckets, b), str_zero_) < 0) return -1;
-    if (r->device_buckets && mpidp_py_reducer_stage_full(r, 1) < 0) return -1;
-    for (size_t b = 0; b < r->n_buckets; b++)
-        if (wait_core_bucket(r, b) < 0) return -1;
-    return reset_pass(r);
+    if (mpidp_py_reducer_core_status(r, rc, "DataParallel") < 0 || apply(r, members, n, r->act) < 0)
+        return NULL;
+    return PyBool_FromLong(over);
 }

@@ -15,7 +15,8 @@ from . import _C
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import broadcast_state, check_module, grad_view, remove_handles
+from ._params import broadcast_state, check_module, remove_handles
+from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
 
@@ -253,40 +254,17 @@ class DataParallel(torch.nn.Module):
         staged = device.type != "cpu" or config.get("MPIDP_DP_STAGING")
         self._param_names = [n for n, _ in named]
         params = tuple(p for _, p in named)
-        numel = [p.numel() for p in params]
         dtypes = [code_of(p.dtype, f"module: parameter {n!r}") for n, p in named]
         if self._wire != _C.NO_WIRE:
             for (name, p), code in zip(named, dtypes):
                 if code not in (code_of(torch.float32, ""), self._wire):
                     raise ValueError(f"wire_dtype: parameter {name!r} is {p.dtype}; gradients can "
                                      f"be compressed to {self.wire_dtype} from float32 only")
-        bucket_of, offset, infos = _C.plan_buckets(numel, dtypes, first_cap, cap)
-        by_code = {code_of(p.dtype, "dtype"): p.dtype for p in params}
-        pin = device.type == "cuda"
-        self._buckets = tuple(torch.zeros(n + k, dtype=by_code[dt], pin_memory=pin)
-                              for n, k, dt in infos)
-        self._device_buckets = (tuple(torch.zeros(n + k, dtype=by_code[dt], device=device)
-                                      for n, k, dt in infos) if staged else None)
-        grad_buckets = self._device_buckets if staged else self._buckets
-        views = tuple(grad_view(grad_buckets[b], off, p)
-                      for p, b, off in zip(params, bucket_of, offset))
-        engine = torch.autograd.Variable._execution_engine
         self._params = params
-        self._param_bucket = bucket_of
-        # Staging copies move only the gradient part of a bucket (the flags
-        # after it live on the host).
-        staging = None if not staged else (
-            self._device_buckets,
-            tuple(h[:n] for h, (n, _, _) in zip(self._buckets, infos)),
-            tuple(d[:n] for d, (n, _, _) in zip(self._device_buckets, infos)))
-        self._reducer = _C.Reducer(
-            comm=self._c_comm, params=params, views=views, buckets=self._buckets,
-            param_bucket=bucket_of, param_offset=offset, param_numel=tuple(numel),
-            bucket_info=infos, queue_callback=engine.queue_callback,
-            blocking=self.blocking_parameter_updates, name="DataParallel", wire_dtype=self._wire,
-            staging=staging,
-            # GPU buckets are copied asynchronously, each copy tracked by an event.
-            event_type=torch.cuda.Event if device.type == "cuda" else None)
+        self._reducer = GradientReducer.build(
+            self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
+            wire=self._wire, staged=staged)
+        self._param_bucket = self._reducer.param_bucket
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]
         # A wrapper the program dropped takes its hooks with it: otherwise the

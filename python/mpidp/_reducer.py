@@ -1,0 +1,256 @@
+"""DataParallel's gradient reducer: the order of a backward pass's calls.
+
+`_C.Reducer` holds the buckets and the per-parameter loops over `.grad`; its
+core (csrc/core/reducer.c, reducer_pass.c) decides everything (what each
+`.grad` becomes, when a bucket is posted, what a deferred step needs). This
+subclass says in which order those calls happen, per bucket, and copies
+buckets between the device the gradients live on and the host buffers MPI
+reads (staging, torch's API).
+
+A pass:
+  prepare()            before backward: None grads -> their zeroed bucket views;
+  grad_arrived(i, p)   every parameter's hook (C, the hot path); the first of a
+                       backward calls _begin_backward, which completes a pass
+                       still open and queues _finalize_backward with autograd;
+  _finalize_backward() end of backward: unhooked parameters are marked, every
+                       bucket is posted; blocking mode then completes the pass;
+  complete()           waits for every bucket; blocking: the mean is in `.grad`;
+                       non-blocking, no step due: added where the user kept them;
+  deliver_for_step(b) / after_step(b)   non-blocking, a step due: bucket b's
+                       mean into `.grad` for the optimizer, then `.grad` back as
+                       the user left it (the last bucket ends the pass).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import _C
+from ._params import grad_view
+
+# Directions of a staging copy (host <-> where the .grad views live).
+_TO_HOST, _TO_HOST_ASYNC, _TO_DEVICE = range(3)
+
+
+class GradientReducer(_C.Reducer):
+    """Create with `GradientReducer.build`; the C type's methods are the core's calls."""
+
+    @classmethod
+    def build(cls, comm: _C.Comm, params: Tuple[torch.Tensor, ...], dtypes: Sequence[int],
+              first_cap: int, cap: int, blocking: bool, wire: int, staged: bool,
+              name: str = "DataParallel") -> "GradientReducer":
+        """Plans the buckets (core), allocates them, and makes every parameter's
+        gradient a view into its bucket. `staged`: the views live in device
+        buckets (GPU gradients; forced on CPU by MPIDP_DP_STAGING), copied to
+        pinned host buckets for MPI and back."""
+        numel = [p.numel() for p in params]
+        bucket_of, offset, infos = _C.plan_buckets(numel, list(dtypes), first_cap, cap)
+        by_code = dict(zip(dtypes, (p.dtype for p in params)))
+        device = params[0].device if params else torch.device("cpu")
+        on_gpu = device.type == "cuda"
+        host = tuple(torch.zeros(n + k, dtype=by_code[dt], pin_memory=on_gpu)
+                     for n, k, dt in infos)
+        dev = (tuple(torch.zeros(n + k, dtype=by_code[dt], device=device) for n, k, dt in infos)
+               if staged else None)
+        grads_in = dev if staged else host
+        views = tuple(grad_view(grads_in[b], off, p) for p, b, off in zip(params, bucket_of, offset))
+        self = cls(comm=comm, params=params, views=views, buckets=host, param_bucket=bucket_of,
+                   param_offset=offset, param_numel=tuple(numel), bucket_info=infos,
+                   blocking=blocking, name=name, wire_dtype=wire, staged=staged)
+        self.blocking = blocking
+        self.param_bucket = bucket_of
+        # The tensors the .grad views are views of: their version counters
+        # tell in-place changes (the user's zero_grad, clipping) apart.
+        self._grad_buckets = grads_in
+        self._staging = None if not staged else _Staging(self, host, dev, infos, on_gpu)
+        return self
+
+    def hook(self, i: int):
+        """Parameter i's post-accumulate-grad hook."""
+        if self._staging is None:
+            # A C call per gradient, no Python frame (the hot path).
+            return functools.partial(self.grad_arrived, i)
+        staging = self._staging
+
+        def staged_hook(param, i=i, arrived=self.grad_arrived):
+            arrived(i, param)
+            staging.stage_full(flush=False)
+        return staged_hook
+
+    # -- backward -------------------------------------------------------------
+
+    def _begin_backward(self, first: int) -> None:
+        """Called by grad_arrived for the first hook of a backward: finish a
+        pass still open (non-blocking mode, or two backwards before one
+        step), then ask autograd to call us when this backward ends."""
+        if self.finalized:
+            self._complete(accumulated=first)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _finalize_backward(self) -> None:
+        self.mark_unhooked()
+        if self._staging is not None:
+            # Every bucket is full now: wait for the copies still on their way
+            # to the host, so that every bucket is posted when backward returns.
+            self._staging.stage_full(flush=True)
+        # Non-blocking: every bucket is posted (and zeroed); any in-place change
+        # from now on is the user's (zero_grad(set_to_none=False)) or a new backward.
+        self.finalize(None if self.blocking else self._versions())
+        if self.blocking:
+            self.complete()
+
+    def prepare(self) -> None:
+        """Before backward: None grads point at their zeroed bucket views. A
+        pass still open must be completed (blocking) or its step applied
+        (non-blocking: DataParallel.forward decides which) first."""
+        if self.finalized and self.blocking:
+            self.complete()
+        if self.n_ready == 0:
+            super().prepare()
+
+    # -- completing a pass ----------------------------------------------------
+
+    def complete(self) -> None:
+        """Finish the open pass (no step due); nothing when none is open."""
+        self._complete(accumulated=-1)
+
+    def _complete(self, accumulated: int) -> None:
+        if self.n_ready == 0:
+            return
+        if not self.finalized:
+            raise RuntimeError("DataParallel: the previous backward pass did not finish (it "
+                               "raised, or its end was never reached); its gradients cannot be "
+                               "completed")
+        for b in range(self.n_buckets):
+            self.wait_bucket(b)
+            if self.blocking:
+                if self.needs_unstaging(b):
+                    self._stage(b, _TO_DEVICE)
+                    self.unstaged(b)
+                self.decide(_C.PASS_MISSING_GRADS, b)
+            else:
+                now = self._grad_buckets[b]._version
+                self._stage(b, _TO_HOST)  # what autograd added since
+                self.decide(_C.PASS_ACCUMULATE, b, now, accumulated)
+                self._stage(b, _TO_DEVICE)
+        self._reset()
+
+    # -- non-blocking: a deferred step ------------------------------------------
+
+    def deliver_for_step(self, b: int) -> None:
+        if not self.delivered(b):
+            self._deliver(_C.PASS_DELIVER_FOR_STEP, b)
+
+    def after_step(self, b: int) -> None:
+        if self.decide(_C.PASS_AFTER_STEP, b):
+            self._reset()
+
+    def deliver_now(self) -> None:
+        """Between backward and step: the means into `.grad` now; the pass ends
+        (the step that follows is an ordinary one)."""
+        for b in range(self.n_buckets):
+            self._deliver(_C.PASS_DELIVER_NOW, b)
+        self._reset()
+
+    def _deliver(self, kind: int, b: int) -> None:
+        self.wait_bucket(b)
+        self.decide(kind, b, self._grad_buckets[b]._version)
+        self._stage(b, _TO_DEVICE)
+
+    def edited(self) -> bool:
+        """True when gradients were changed in place since the end of backward."""
+        return any(map(self.version_moved, range(self.n_buckets), self._versions()))
+
+    # -- join ---------------------------------------------------------------------
+
+    def shadow_pass(self) -> None:
+        """Take part in one pass of bucket allreduces with zero contributions."""
+        self.contribute_nothing()
+        if self._staging is not None:
+            # Staged buckets are posted only once copied from the device: zero
+            # them there first (the core does not write staged gradients).
+            for t in self._grad_buckets:
+                t.zero_()
+            self._staging.stage_full(flush=True)
+        for b in range(self.n_buckets):
+            self.wait_bucket(b)
+        self._reset()
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _versions(self) -> Tuple[int, ...]:
+        return tuple(t._version for t in self._grad_buckets)
+
+    def _stage(self, b: int, how: int) -> None:
+        if self._staging is not None:
+            self._staging.copy(b, how)
+
+    def _reset(self) -> None:
+        self.reset()
+        if self._staging is not None:
+            self._staging.new_pass()
+
+
+class _Staging:
+    """Copies of buckets between the device the gradients live on and the host
+    buckets MPI reads. The core says which full bucket must go to the host
+    (next_to_stage) and which mean must come back (needs_unstaging); this
+    copies and reports (staged / unstaged). On a GPU the copies run
+    asynchronously on torch's current stream: a copy to the host is followed
+    by an event that says when its bytes are there; a copy back is ordered by
+    the stream before everything that reads the gradients, and the host bucket
+    is next written only after the next pass's copy to the host completed."""
+
+    def __init__(self, reducer: GradientReducer, host, dev, infos, on_gpu: bool):
+        self._reducer = reducer
+        self._dev_buckets = dev
+        # Only the gradient part is copied (the flags after it live on the host).
+        self._host = tuple(h[:n] for h, (n, _, _) in zip(host, infos))
+        self._dev = tuple(d[:n] for d, (n, _, _) in zip(dev, infos))
+        self._on_gpu = on_gpu
+        self._events: list = [None] * len(host)
+        self._issued = [False] * len(host)
+
+    def new_pass(self) -> None:
+        self._issued = [False] * len(self._issued)
+
+    def copy(self, b: int, how: int) -> None:
+        # Only the backward hooks' copies to the host may run ahead (their
+        # arrival is checked before the core reads them); every other caller
+        # reads the host bucket right away.
+        non_blocking = self._on_gpu and how != _TO_HOST
+        if how == _TO_DEVICE:
+            self._dev[b].copy_(self._host[b], non_blocking=non_blocking)
+            return
+        self._host[b].copy_(self._dev[b], non_blocking=non_blocking)
+        if how == _TO_HOST_ASYNC and non_blocking:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[b] = event
+
+    def stage_full(self, flush: bool) -> None:
+        """Copy every full bucket to the host and tell the core which copies
+        have arrived (it posts in bucket order); `flush` waits for every copy."""
+        r = self._reducer
+        start = 0
+        while (b := r.next_to_stage(start)) is not None:
+            start = b + 1
+            if not self._issued[b]:
+                self.copy(b, _TO_HOST_ASYNC)
+                self._issued[b] = True
+                if not r.blocking:
+                    # Non-blocking mode: the core zeroes the host bucket once it
+                    # is copied for sending; the device bucket, where the .grad
+                    # views are, must match (stream order puts this after the copy).
+                    self._dev_buckets[b].zero_()
+            event: Optional[torch.cuda.Event] = self._events[b]
+            if event is not None:
+                if flush:
+                    event.synchronize()
+                elif not event.query():
+                    continue
+                self._events[b] = None
+            r.staged(b)
