@@ -237,19 +237,6 @@ int mpidp_paramsync_restore(mpidp_paramsync_t *s)
     return MPIDP_OK;
 }
 
-int mpidp_paramsync_copy_flat(mpidp_paramsync_t *s, float *flat, int into_flat)
-{
-    if (s == NULL || (flat == NULL && s->total)) return mpidp__fail(MPIDP_EINVAL, "paramsync: NULL argument");
-    for (size_t i = 0; i < s->n_params; i++) {
-        if (!s->numel[i]) continue;
-        float *f = flat + s->offset[i];
-        size_t bytes = s->numel[i] * sizeof(float);
-        if (into_flat) memcpy(f, s->p[i], bytes);
-        else memcpy(s->p[i], f, bytes);
-    }
-    return MPIDP_OK;
-}
-
 size_t mpidp_paramsync_numel(const mpidp_paramsync_t *s) { return s ? s->total : 0; }
 size_t mpidp_paramsync_wire_bytes(const mpidp_paramsync_t *s)
 {

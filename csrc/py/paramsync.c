@@ -223,44 +223,6 @@ static PyObject *paramsync_restore(paramsync_t *s, PyObject *unused)
     return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
 }
 
-/* flatten(flat): flat[offset_i ...] = p_i; unflatten(flat): the reverse. */
-static PyObject *copy_flat(paramsync_t *s, PyObject *flat_obj, int into_flat)
-{
-    mpidp_py_borrowed_t flat;
-    if (mpidp_py_borrow(s->st, flat_obj, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "flat",
-                        &flat) < 0)
-        return NULL;
-    size_t numel = mpidp_paramsync_numel(s->core);
-    if (flat.t.dtype != MPIDP_F32 || flat.t.numel != numel) {
-        mpidp_py_release(&flat);
-        return PyErr_Format(PyExc_ValueError, "flat: expected %zu float32 elements", numel);
-    }
-    int rc;
-    PASS(s, rc, mpidp_paramsync_copy_flat(s->core, flat.t.data, into_flat));
-    mpidp_py_release(&flat);
-    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
-}
-
-static PyObject *paramsync_flatten(paramsync_t *s, PyObject *flat) { return copy_flat(s, flat, 1); }
-static PyObject *paramsync_unflatten(paramsync_t *s, PyObject *flat) { return copy_flat(s, flat, 0); }
-
-/* The data pointers borrowed at construction: a parameter whose storage was
- * replaced since (module.to(), p.data = ...) needs a new ParamSync. */
-static PyObject *paramsync_pointers(paramsync_t *s, PyObject *unused)
-{
-    (void)unused;
-    PyObject *out = PyTuple_New((Py_ssize_t)s->n_params);
-    for (size_t i = 0; out && i < s->n_params; i++) {
-        PyObject *v = PyLong_FromVoidPtr(s->p[i].t.data);
-        if (v == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
-    }
-    return out;
-}
-
 static PyObject *paramsync_get_numel(paramsync_t *s, void *c) { (void)c; return PyLong_FromSize_t(mpidp_paramsync_numel(s->core)); }
 static PyObject *paramsync_get_pending(paramsync_t *s, void *c) { (void)c; return PyBool_FromLong(mpidp_paramsync_pending(s->core)); }
 static PyObject *paramsync_get_wire_bytes(paramsync_t *s, void *c) { (void)c; return PyLong_FromSize_t(mpidp_paramsync_wire_bytes(s->core)); }
@@ -307,9 +269,6 @@ static PyMethodDef paramsync_methods[] = {
     {"grad_into", (PyCFunction)paramsync_grad_into, METH_VARARGS,
      "grad_into(grads, scale): complete, then grads[i] = scale * sum_of_differences."},
     {"restore", (PyCFunction)paramsync_restore, METH_NOARGS, "p = ref."},
-    {"flatten", (PyCFunction)paramsync_flatten, METH_O, "Copy the parameters into a flat tensor."},
-    {"unflatten", (PyCFunction)paramsync_unflatten, METH_O, "Copy a flat tensor into the parameters."},
-    {"pointers", (PyCFunction)paramsync_pointers, METH_NOARGS, "The borrowed data pointers."},
     {NULL, NULL, 0, NULL},
 };
 

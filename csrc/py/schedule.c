@@ -16,26 +16,27 @@ typedef struct {
     mpidp_py_state *st;
 } schedule_t;
 
-static PyObject *schedule_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+/* The schedule's settings by keyword, for Schedule() and reconfigure()
+ * (`fmt` ends with ":name" for error messages). 0, or -1 with an exception. */
+static int parse_config(PyObject *args, PyObject *kwds, const char *fmt,
+                        mpidp_schedule_config_t *cfg)
 {
     static char *kwlist[] = {"total_epochs", "warmup_epochs", "cooldown_epochs", "max_global_skips",
                              "skip_reduction_factor", "local_skip_factor", "n_groups",
                              "stability_level", NULL};
-    mpidp_schedule_config_t cfg;
-    mpidp_schedule_config_default(&cfg);
     long long te, we, ce, mgs, srf, lsf, ng;
     double sl;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLLLLLLd:Schedule", kwlist, &te, &we, &ce, &mgs,
-                                     &srf, &lsf, &ng, &sl))
-        return NULL;
-    cfg.total_epochs = te;
-    cfg.warmup_epochs = we;
-    cfg.cooldown_epochs = ce;
-    cfg.max_global_skips = mgs;
-    cfg.skip_reduction_factor = srf;
-    cfg.local_skip_factor = lsf;
-    cfg.n_groups = ng;
-    cfg.stability_level = sl;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, fmt, kwlist, &te, &we, &ce, &mgs, &srf, &lsf,
+                                     &ng, &sl))
+        return -1;
+    *cfg = (mpidp_schedule_config_t){te, we, ce, mgs, srf, lsf, ng, sl};
+    return 0;
+}
+
+static PyObject *schedule_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    mpidp_schedule_config_t cfg;
+    if (parse_config(args, kwds, "LLLLLLLd:Schedule", &cfg) < 0) return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     if (st == NULL) return NULL;
     schedule_t *self = (schedule_t *)type->tp_alloc(type, 0);
@@ -174,15 +175,8 @@ static PyObject *schedule_load(schedule_t *self, PyObject *d)
  * epochs (a restarted job's own settings over the checkpoint's). */
 static PyObject *schedule_reconfigure(schedule_t *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"total_epochs", "warmup_epochs", "cooldown_epochs", "max_global_skips",
-                             "skip_reduction_factor", "local_skip_factor", "n_groups",
-                             "stability_level", NULL};
-    long long te, we, ce, mgs, srf, lsf, ng;
-    double sl;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLLLLLLd:reconfigure", kwlist, &te, &we, &ce,
-                                     &mgs, &srf, &lsf, &ng, &sl))
-        return NULL;
-    mpidp_schedule_config_t cfg = {te, we, ce, mgs, srf, lsf, ng, sl};
+    mpidp_schedule_config_t cfg;
+    if (parse_config(args, kwds, "LLLLLLLd:reconfigure", &cfg) < 0) return NULL;
     mpidp_error_clear();
     int rc = mpidp_schedule_reconfigure(&self->s, &cfg);
     if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.load_state_dict");

@@ -547,26 +547,14 @@ class DASO:
             self._set_reference()  # every rank now holds the same parameters
 
     def _node_broadcast(self, root: int) -> None:
-        if self.local_rank == root:
-            self._pull()
-        if self._sync is not None:
-            if self.local_rank == root:
-                self._sync.flatten(self._flat)
-            self._node.bcast(self._flat, root)
-            if self.local_rank != root:
-                self._sync.unflatten(self._flat)
-                self._push()
-            return
-        # One node: no ParamSync; copy with torch (rare path: single node, no global sync).
         params = self._params
         if self.local_rank == root:
+            self._pull()
             torch.cat([p.reshape(-1) for p in params], out=self._flat)
         self._node.bcast(self._flat, root)
         if self.local_rank != root:
-            offset = 0
-            for p in params:
-                p.copy_(self._flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, part in zip(params, self._flat.split([p.numel() for p in params])):
+                p.copy_(part.view_as(p))
             self._push()
 
     def _set_local_sync(self, on: bool) -> None:

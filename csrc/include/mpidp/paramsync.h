@@ -76,10 +76,6 @@ int mpidp_paramsync_grad_into(mpidp_paramsync_t *s, float *const *grads, float s
  * MPIDP_ESTATE while a sync is in flight. */
 int mpidp_paramsync_restore(mpidp_paramsync_t *s);
 
-/* Copies the parameters into (into_flat = 1) or out of (0) one flat float32
- * buffer of mpidp_paramsync_numel elements, in parameter order. */
-int mpidp_paramsync_copy_flat(mpidp_paramsync_t *s, float *flat, int into_flat);
-
 size_t mpidp_paramsync_numel(const mpidp_paramsync_t *s);
 size_t mpidp_paramsync_wire_bytes(const mpidp_paramsync_t *s);
 int mpidp_paramsync_pending(const mpidp_paramsync_t *s);
