@@ -19,9 +19,7 @@ LAYOUTS = [k for k in (1, 2) if SIZE % k == 0]
 
 @pytest.fixture(autouse=True)
 def one_rank_per_node_by_default(monkeypatch):
-    """torch.distributed has one default (node-local) group per process, so a
-    process cannot use several node sizes; tests without a layout use nodes
-    of one rank, which need no group."""
+    """Tests without a layout use nodes of one rank (no DDP inside a node)."""
     monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")
 
 
@@ -96,6 +94,24 @@ def make(seed=0, frozen=False, epochs=6, **kw):
     daso = mpidp.DASO(opt, total_epochs=epochs, **kw)
     net = mpidp.DataParallelMultiGPU(model, daso)
     return model, opt, daso, net
+
+
+def test_torch_defaults_span_the_whole_job(nodes_of):
+    """Under DataParallelMultiGPU, torch's default group is every rank of the
+    job (not the node): DistributedSampler with its defaults gives each rank a
+    shard of its own, and dist.all_reduce sums over every rank."""
+    from torch.utils.data import TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+    import torch.distributed as dist
+    make()
+    assert (dist.get_rank(), dist.get_world_size()) == (RANK, SIZE)
+    dataset = TensorDataset(torch.arange(8 * SIZE))
+    mine = list(DistributedSampler(dataset, shuffle=False))
+    everyone = mpidp.MPI.COMM_WORLD.allgather(mine)
+    assert sorted(i for shard in everyone for i in shard) == list(range(8 * SIZE))
+    t = torch.tensor([float(RANK + 1)])
+    dist.all_reduce(t)
+    assert t.item() == SIZE * (SIZE + 1) / 2
 
 
 def restart(model, daso, **kw):

@@ -13,8 +13,8 @@ from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, check_module
 from .daso import DASO
 from .data_parallel import DataParallel
-from .process_group import init_process_group
-from .topology import node_comm, topology
+from .process_group import init_process_group, node_process_group
+from .topology import topology
 
 __all__ = ["DataParallelMultiGPU"]
 
@@ -24,8 +24,10 @@ class DataParallelMultiGPU(torch.nn.Module):
     node (gloo on CPUs, NCCL on GPUs), for training with mpidp.DASO, which
     syncs the nodes with each other.
 
-    The node-local process group is created from MPI if torch.distributed is
-    not initialised yet (see mpidp.init_process_group). Parameters and buffers
+    torch.distributed's default group spans `comm` (created from MPI if it is
+    not initialised yet, see mpidp.init_process_group), so torch's defaults
+    (DistributedSampler, dist.all_reduce) mean every rank of the job; DDP gets
+    the node-local group (mpidp.process_group.node_process_group). Parameters and buffers
     start equal on every rank of `comm` (rank 0's), then `optimizer.set_model`
     is called. With one rank per node there is nothing to do within a node, so
     the module is used as it is (with a warning).
@@ -48,26 +50,33 @@ class DataParallelMultiGPU(torch.nn.Module):
         check_same_structure(c_comm, mpi_comm, module, "DataParallelMultiGPU",
                              settings=optimizer.settings())
         broadcast_state(module, c_comm)
+        # torch's default group spans `comm` (the whole job), so that
+        # DistributedSampler and dist.all_reduce with their defaults mean every
+        # rank; DDP gets the node-local group explicitly.
+        if not dist.is_initialized():
+            init_process_group(mpi_comm)
+        elif dist.get_world_size() != mpi_comm.Get_size() or dist.get_rank() != mpi_comm.Get_rank():
+            raise RuntimeError(
+                f"DataParallelMultiGPU: torch.distributed is initialised as rank "
+                f"{dist.get_rank()} of {dist.get_world_size()}, but this is rank "
+                f"{mpi_comm.Get_rank()} of {mpi_comm.Get_size()} in comm; the default group must "
+                "span comm's ranks (DataParallelMultiGPU makes the node-local groups itself): "
+                "call mpidp.init_process_group() before, or let DataParallelMultiGPU do it")
         if topo.local_size == 1:
             warnings.warn("DataParallelMultiGPU: one rank per node, so there is no node-local "
                           "data parallelism; DASO syncs the nodes only", stacklevel=2)
             self.module = module
         else:
-            if not dist.is_initialized():
-                init_process_group(node_comm(mpi_comm))
-            elif dist.get_world_size() != topo.local_size:
-                raise RuntimeError(
-                    f"DataParallelMultiGPU: torch.distributed is initialised with "
-                    f"{dist.get_world_size()} ranks, but this node has {topo.local_size}; DASO "
-                    "needs the node-local group (call mpidp.init_process_group() instead)")
+            node_group = node_process_group(mpi_comm)
             device_ids = None
             first = next(module.parameters(), None)
             if first is not None and first.is_cuda:
                 device_ids = [first.device.index]
-            self.module = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+            self.module = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=device_ids, process_group=node_group)
             # Node-local gradients are summed and divided by this many ranks:
             # all of the node's, except during join() when some are out of data.
-            self._divisor = _Divisor(topo.local_size)
+            self._divisor = _NodeMean(topo.local_size, node_group)
             self.module.register_comm_hook(self._divisor, _allreduce_mean)
         optimizer.set_model(self.module)
         self._daso = optimizer
@@ -142,15 +151,16 @@ class DataParallelMultiGPU(torch.nn.Module):
         torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
 
 
-class _Divisor:
-    def __init__(self, n: int):
+class _NodeMean:
+    def __init__(self, n: int, group):
         self.n = n
+        self.group = group
 
 
-def _allreduce_mean(state: _Divisor, bucket):
+def _allreduce_mean(state: _NodeMean, bucket):
     """DDP comm hook: sum the bucket over the node, divide by state.n."""
     tensor = bucket.buffer()
-    fut = dist.all_reduce(tensor, async_op=True).get_future()
+    fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0].div_(state.n))
 
 

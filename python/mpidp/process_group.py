@@ -16,7 +16,7 @@ from . import _config as config
 from ._mpi import MPI
 from .topology import node_comm, topology
 
-__all__ = ["init_process_group"]
+__all__ = ["init_process_group", "node_process_group"]
 
 
 def _store_host(comm: MPI.Intracomm) -> str:
@@ -48,13 +48,14 @@ def init_process_group(comm=None, backend: str | None = None,
                        timeout: datetime.timedelta | None = None) -> None:
     """Create torch.distributed's default process group from MPI.
 
-    comm: the ranks of the group (an mpi4py communicator); default: the ranks
-    of this node (see mpidp.topology), which is what DASO and
-    DataParallelMultiGPU use. backend: "gloo" or "nccl"; default NCCL when the
-    node has at least one GPU for each of its ranks (each rank then uses GPU
+    comm: the ranks of the group (an mpi4py communicator); default: every
+    rank of the job (MPI.COMM_WORLD), so that torch's defaults
+    (DistributedSampler, dist.all_reduce) mean the whole job, as under
+    torchrun. backend: "gloo" or "nccl"; default NCCL when the node has at
+    least one GPU for each of its ranks (each rank then uses GPU
     `local_rank`), else gloo. Calling it again with the same ranks does
     nothing; with other ranks it raises."""
-    group = node_comm() if comm is None else comm
+    group = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(group, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py intra-communicator, got {type(group).__name__}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -95,3 +96,20 @@ def init_process_group(comm=None, backend: str | None = None,
     if rank != 0:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+# Node-local groups made so far, by (the default group, the nodes' ranks).
+_node_groups: dict = {}
+
+
+def node_process_group(comm: MPI.Intracomm) -> dist.ProcessGroup:
+    """The torch.distributed group of this rank's node (mpidp.topology), within
+    the default group, which must be `comm`'s ranks in `comm`'s order. Every
+    rank of `comm` must call it (creating groups is collective); later calls
+    for the same layout return the same group."""
+    members = tuple(node_comm(comm).allgather(comm.Get_rank()))
+    nodes = tuple(sorted(set(comm.allgather(members))))
+    key = (id(dist.group.WORLD), nodes)
+    if key not in _node_groups:
+        _node_groups[key], _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
+    return _node_groups[key]
