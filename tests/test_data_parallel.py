@@ -6,6 +6,8 @@ rank 0's); a single process trains the same model on whole batches. After
 every backward the averaged gradients must equal the reference's (including
 which are None), and after every step the parameters must too."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -285,6 +287,24 @@ def test_without_optimizer_gradients_are_averaged():
     F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
     reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
     assert_grads_match(model, reference, 0)
+
+
+def test_ddp_style_wrapping_chooses_the_mode_without_a_warning():
+    """DataParallel(model) with no optimizer (torch DDP's habit) is blocking,
+    silently; with one DataParallelOptimizer it is non-blocking (Heat's
+    default); asking for non-blocking where it cannot work still warns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = mpidp.DataParallel(build(MLP, seed=7))
+    assert net.blocking_parameter_updates
+    model = build(MLP, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net = mpidp.DataParallel(model, optimizer=mpidp.DataParallelOptimizer(sgd(model.parameters())))
+    assert not net.blocking_parameter_updates
+    with pytest.warns(UserWarning, match="falling back to blocking"):
+        net = mpidp.DataParallel(build(MLP, seed=7), blocking_parameter_updates=False)
+    assert net.blocking_parameter_updates
 
 
 def test_construction_keeps_rank0_values_and_rng():

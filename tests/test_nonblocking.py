@@ -5,6 +5,9 @@ so the parameters are compared right after that forward (and after eval() /
 synchronize() at the end). Every rank trains on its own slice of each batch
 and starts from a different init."""
 
+import re
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,22 +165,30 @@ def test_gradient_accumulation():
         assert_params_close(model, reference, what=f"two_forwards_first={two_forwards_first}")
 
 
-def test_fallbacks_to_blocking():
+@pytest.mark.parametrize("asked", [False, None], ids=["asked_nonblocking", "default"])
+def test_fallbacks_to_blocking(asked):
+    """Where non-blocking updates cannot work, DataParallel is blocking: with a
+    warning when non-blocking was asked for, silently by default."""
+    def fallback(match, model, optimizer=None):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            net = mpidp.DataParallel(model, optimizer=optimizer, blocking_parameter_updates=asked)
+        assert net.blocking_parameter_updates
+        said = [str(w.message) for w in seen if "falling back" in str(w.message)]
+        if asked is False:
+            assert len(said) == 1 and re.search(match, said[0]), said
+        else:
+            assert said == []
     m = build(MLP, 0)
     two = [mpidp.DataParallelOptimizer(torch.optim.SGD(m.l1.parameters(), lr=0.1)),
            mpidp.DataParallelOptimizer(torch.optim.SGD(list(m.l2.parameters()) + list(m.l3.parameters()), lr=0.1))]
-    with pytest.warns(UserWarning, match="exactly one DataParallelOptimizer"):
-        assert mpidp.DataParallel(m, optimizer=two).blocking_parameter_updates
+    fallback("exactly one DataParallelOptimizer", m, two)
     m = build(MLP, 0)
-    part = mpidp.DataParallelOptimizer(torch.optim.SGD(m.l1.parameters(), lr=0.1))
-    with pytest.warns(UserWarning, match="exactly the model's trainable parameters"):
-        assert mpidp.DataParallel(m, optimizer=part).blocking_parameter_updates
+    fallback("exactly the model's trainable parameters",
+             m, mpidp.DataParallelOptimizer(torch.optim.SGD(m.l1.parameters(), lr=0.1)))
     m = build(MLP, 0)
-    lbfgs = mpidp.DataParallelOptimizer(torch.optim.LBFGS(m.parameters()))
-    with pytest.warns(UserWarning, match="LBFGS is not known"):
-        assert mpidp.DataParallel(m, optimizer=lbfgs).blocking_parameter_updates
-    with pytest.warns(UserWarning, match="exactly one"):
-        assert mpidp.DataParallel(build(MLP, 0)).blocking_parameter_updates
+    fallback("LBFGS is not known", m, mpidp.DataParallelOptimizer(torch.optim.LBFGS(m.parameters())))
+    fallback("exactly one", build(MLP, 0))
 
 
 def test_step_twice_without_forward_is_an_error():

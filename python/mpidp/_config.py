@@ -71,6 +71,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_ABORT_ON_EXCEPTION", True, _flag, "0 or 1",
             "1: an uncaught exception on any rank aborts the whole job instead of leaving the "
             "others waiting"),
+    Setting("MPIDP_IGNORE_LAUNCHER", False, _flag, "0 or 1",
+            "1: run even when torchrun, Slurm or another MPI's launcher started several "
+            "processes but MPI sees one (each would train alone; refused by default)"),
     Setting("MPIDP_RANKS_PER_NODE", None, _positive(int), "a positive integer",
             "split the ranks into 'nodes' of k consecutive ranks (emulate several nodes on one "
             "machine); unset: the machine's real nodes"),

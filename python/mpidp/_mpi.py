@@ -23,6 +23,7 @@ from mpi4py import MPI  # noqa: E402  initialises MPI (thread level MULTIPLE by 
 
 from . import _C
 from . import _config as config
+from ._launch import check_launch
 
 __all__ = ["MPI", "resolve_comm", "world", "mpi_library_version"]
 
@@ -135,6 +136,7 @@ def world() -> _C.Comm:
     """mpidp's duplicate of MPI.COMM_WORLD (created once)."""
     global _world
     if _world is None:
+        check_launch(MPI.COMM_WORLD.Get_size())
         _world = _C.Comm(MPI.COMM_WORLD)
     return _world
 

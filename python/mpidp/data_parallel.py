@@ -6,7 +6,7 @@ import contextlib
 import functools
 import warnings
 import weakref
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -149,9 +149,12 @@ class DataParallel(torch.nn.Module):
     optimizer : DataParallelOptimizer or a list of them, optional
         Heat's API: the optimizer(s) whose `step()` follows DataParallel's mode.
         With None, gradients are averaged and any optimizer can be stepped.
-    blocking_parameter_updates : bool
+    blocking_parameter_updates : bool or None
+        None (default): non-blocking when `optimizer` is one
+        DataParallelOptimizer that allows it (Heat's behaviour), else blocking
+        (a DDP-style `DataParallel(model)`), without a warning.
         True: gradients are averaged before `backward()` returns and
-        `optimizer.step()` updates at once. False (Heat's default): backward
+        `optimizer.step()` updates at once. False: backward
         only starts the averaging, `optimizer.step()` only marks the update as
         due, and the next forward applies it bucket by bucket, each just before
         the first layer that needs it, so communication overlaps everything in
@@ -161,8 +164,8 @@ class DataParallel(torch.nn.Module):
         through the DataParallelOptimizer does it by itself), which makes that
         step an ordinary, blocking one; an edit without it raises at `step()`.
         The inner model's `state_dict()` and forward apply a pending update
-        before reading the parameters. Falls back to blocking
-        with a warning for more than one optimizer, an optimizer not holding
+        before reading the parameters. False falls back to blocking with a
+        warning for no or more than one optimizer, an optimizer not holding
         exactly the model's parameters, or one not known to be elementwise.
     wire_dtype : torch.bfloat16, torch.float16 or None, keyword-only
         Send float32 gradient buckets compressed to this dtype (halving the
@@ -175,12 +178,12 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, comm=MPI.COMM_WORLD,
                  optimizer: Union[DataParallelOptimizer, Sequence[DataParallelOptimizer], None] = None,
-                 blocking_parameter_updates: bool = False, *, wire_dtype=None,
+                 blocking_parameter_updates: Optional[bool] = None, *, wire_dtype=None,
                  bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0):
         check_module(module)
         optimizers = _check_optimizers(optimizer)
-        if not isinstance(blocking_parameter_updates, bool):
-            raise TypeError("blocking_parameter_updates: expected a bool, got "
+        if blocking_parameter_updates is not None and not isinstance(blocking_parameter_updates, bool):
+            raise TypeError("blocking_parameter_updates: expected a bool or None, got "
                             f"{type(blocking_parameter_updates).__name__}")
         for name, value in (("bucket_cap_mb", bucket_cap_mb),
                             ("first_bucket_cap_mb", first_bucket_cap_mb)):
@@ -199,10 +202,10 @@ class DataParallel(torch.nn.Module):
         self._mpi_comm = as_mpi4py(comm)
         if not blocking_parameter_updates:
             obstacle = _nonblocking_obstacle(optimizers, module)
-            if obstacle:
+            if obstacle and blocking_parameter_updates is False:  # asked for explicitly
                 warnings.warn(f"DataParallel: {obstacle}; falling back to blocking parameter "
                               "updates", stacklevel=2)
-                blocking_parameter_updates = True
+            blocking_parameter_updates = bool(obstacle)
         self.blocking_parameter_updates = blocking_parameter_updates
         self.wire_dtype = wire_dtype
         self._wire = wire
