@@ -6,6 +6,7 @@ reference comparisons as the direct path."""
 import pytest
 
 import test_data_parallel as blocking_tests
+import test_ddp_habits as ddp_habits
 import test_join as join_tests
 import test_nonblocking as nonblocking_tests
 
@@ -40,3 +41,9 @@ def test_join():
 @pytest.mark.parametrize("habit", ["clip", "amp"])
 def test_blocking_clipping_and_grad_scaler(habit):
     blocking_tests.train_with_habits(habit)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_no_sync(blocking):
+    ddp_habits.test_no_sync_accumulates_locally_then_averages_the_sum(blocking)
+    ddp_habits.test_no_sync_keeps_gradients_of_parameters_the_last_backward_misses(blocking)

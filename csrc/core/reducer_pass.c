@@ -109,6 +109,17 @@ int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has)
     return mpidp_reducer_mark_ready(r, i, has);
 }
 
+int mpidp_reducer_grad_held(mpidp_reducer_t *r, size_t i, int has)
+{
+    int rc = check_param(r, i);
+    if (rc != MPIDP_OK) return rc;
+    if (r->n_ready != 0)
+        return mpidp__fail(MPIDP_ESTATE, "%s: a backward without communication (no_sync) while "
+                           "a pass is open", r->name);
+    if (has) r->was_none[i] = 0;
+    return MPIDP_OK;
+}
+
 /* The contribution of an unhooked parameter: its view holds a gradient
  * unless prepare put the zeros there; a foreign tensor is adopted. */
 static int unhooked_has(const mpidp_reducer_t *r, size_t i, int seen)

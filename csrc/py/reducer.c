@@ -125,6 +125,25 @@ static PyObject *reducer_set_divisor(reducer_t *r, PyObject *arg)
     return none_or_null(CORE(r, "DataParallel.join", mpidp_reducer_set_divisor(r->core, (int)n)));
 }
 
+static PyObject *reducer_get_paused(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(r->paused); }
+static PyObject *reducer_get_held(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(r->held); }
+
+static int reducer_set_paused(reducer_t *r, PyObject *value, void *c)
+{
+    (void)c;
+    int v = value ? PyObject_IsTrue(value) : -1;
+    if (v < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "paused cannot be deleted");
+        return -1;
+    }
+    if (v && mpidp_reducer_n_ready(r->core) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "DataParallel.no_sync: a backward pass is still open");
+        return -1;
+    }
+    r->paused = v;
+    return 0;
+}
+
 static PyObject *reducer_get_finalized(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(mpidp_reducer_finalized(r->core)); }
 static PyObject *reducer_get_n_ready(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(mpidp_reducer_n_ready(r->core)); }
 static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(r->n_buckets); }
@@ -322,6 +341,10 @@ static PyGetSetDef reducer_getset[] = {
     {"finalized", (getter)reducer_get_finalized, NULL, "The open pass has every bucket posted.", NULL},
     {"n_ready", (getter)reducer_get_n_ready, NULL, "Parameters marked in the open pass.", NULL},
     {"n_buckets", (getter)reducer_get_n_buckets, NULL, "Number of buckets.", NULL},
+    {"paused", (getter)reducer_get_paused, (setter)reducer_set_paused,
+     "no_sync: hooks hold gradients for the next pass instead of reducing them.", NULL},
+    {"held", (getter)reducer_get_held, NULL,
+     "A paused backward held gradients that no pass has reduced yet.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

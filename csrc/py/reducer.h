@@ -27,6 +27,8 @@ typedef struct {
     uint8_t *seen, *act;       /* scratch: mpidp_grad_seen_t / mpidp_grad_action_t per parameter */
     long long *versions;       /* scratch: per bucket */
     int queued;                /* _begin_backward ran for the current backward */
+    int paused;                /* no_sync: hooks only hold gradients (mpidp_reducer_grad_held) */
+    int held;                  /* a paused backward held gradients the next pass must reduce */
 } mpidp_py_reducer_t;
 
 /* 0, or -1 with the Python exception for core status rc. */

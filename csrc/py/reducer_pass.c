@@ -8,7 +8,8 @@
  *   grad_arrived(i, param)  the hot path, every parameter's gradient hook:
  *                  the first one of a backward calls self._begin_backward(i);
  *                  a foreign `.grad` is copied in; the core marks the
- *                  parameter and posts full buckets;
+ *                  parameter and posts full buckets (while `paused`, for
+ *                  no_sync, it only records that the view holds a gradient);
  *   prepare()      before backward: None grads -> their zeroed bucket views;
  *   mark_unhooked() end of backward: parameters no hook marked are marked
  *                  (zero contribution), so every bucket is posted on every rank;
@@ -108,6 +109,17 @@ static PyObject *none_or_null(int rc)
     Py_RETURN_NONE;
 }
 
+/* What parameter i's `.grad` holds, after adopting a foreign tensor into the
+ * view: 1 a gradient, 0 None, -1 error. */
+static int take_grad(mpidp_py_reducer_t *r, size_t i, PyObject *param)
+{
+    PyObject *grad = PyObject_GetAttr(param, str_grad);
+    if (grad == NULL) return -1;
+    int has = grad != Py_None, foreign = has && grad != PyTuple_GET_ITEM(r->views, i);
+    Py_DECREF(grad);
+    return foreign && adopt(r, i) < 0 ? -1 : has;
+}
+
 PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
@@ -116,6 +128,14 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     if (mpidp_py_forked) return none_or_null(mpidp_py_check_not_forked("DataParallel backward"));
     Py_ssize_t i = mpidp_py_index_arg(args[0], r->n_params, "parameter");
     if (i < 0) return NULL;
+    if (r->paused) {
+        /* no_sync: the gradient stays in the view, for the next pass. */
+        int has = take_grad(r, (size_t)i, args[1]);
+        if (has < 0) return NULL;
+        r->held = 1;
+        return none_or_null(CORE(r, "DataParallel.no_sync backward",
+                                 mpidp_reducer_grad_held(r->core, (size_t)i, has)));
+    }
     if (!r->queued) {
         /* First hook of a new backward: Python finishes a pass still open
          * and asks autograd to end this backward with _finalize_backward. */
@@ -123,12 +143,10 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
         if (res == NULL) return NULL;
         Py_DECREF(res);
         r->queued = 1;
+        r->held = 0; /* this pass reduces what no_sync backwards held */
     }
-    PyObject *grad = PyObject_GetAttr(args[1], str_grad);
-    if (grad == NULL) return NULL;
-    int has = grad != Py_None, foreign = has && grad != PyTuple_GET_ITEM(r->views, i);
-    Py_DECREF(grad);
-    if (foreign && adopt(r, (size_t)i) < 0) return NULL;
+    int has = take_grad(r, (size_t)i, args[1]);
+    if (has < 0) return NULL;
     mpidp_error_clear();
     int rc = mpidp_reducer_grad_arrived(r->core, (size_t)i, has);
     /* Open MPI advances non-blocking collectives only inside MPI calls: test

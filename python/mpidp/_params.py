@@ -24,20 +24,25 @@ def check_module(module, argname: str = "module") -> None:
 def broadcast_state(module: torch.nn.Module, comm: "_C.Comm", root: int = 0) -> None:
     """Make every parameter and buffer of `module` equal to rank `root`'s.
 
+    Rank `root`'s values are kept as they are: no re-seeding, no
+    reset_parameters(), so a loaded checkpoint and the user's RNG survive."""
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), comm, root)
+
+
+def broadcast_tensors(tensors, comm: "_C.Comm", root: int = 0) -> None:
+    """Make `tensors` (any dtypes and devices) equal to rank `root`'s, in place.
+
     Everything travels as bytes in one message per device (a model of 500 small
     tensors costs one broadcast, not 500), so integer buffers such as
-    BatchNorm's num_batches_tracked come along too. Rank `root`'s values are
-    kept as they are: no re-seeding, no reset_parameters(), so a loaded
-    checkpoint and the user's RNG survive."""
-    if comm.size == 1:
+    BatchNorm's num_batches_tracked come along too."""
+    if comm.size == 1 or not tensors:
         return
-    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
     by_device: dict = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
     for device, group in by_device.items():
         if device.type != "cpu":
-            # Device memory travels through host copies (once, at construction).
+            # Device memory travels through host copies.
             staged = [t.detach().to("cpu") for t in group]
             broadcast_state_tensors(staged, comm, root)
             with torch.no_grad():

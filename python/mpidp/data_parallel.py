@@ -15,7 +15,7 @@ from . import _C
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import broadcast_state, check_module, remove_handles
+from ._params import broadcast_state, broadcast_tensors, check_module, remove_handles
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
@@ -174,12 +174,18 @@ class DataParallel(torch.nn.Module):
     bucket_cap_mb, first_bucket_cap_mb : float, keyword-only
         Size caps of the gradient buckets (one allreduce each). The first
         bucket is small so communication starts early in backward.
+    broadcast_buffers : bool, keyword-only
+        As in torch DDP: every training forward (outside `no_sync()` and
+        `join()`) first makes the module's buffers (BatchNorm running
+        statistics) rank 0's, in one broadcast, so they cannot drift apart.
+        False keeps each rank's own.
     """
 
     def __init__(self, module: torch.nn.Module, comm=MPI.COMM_WORLD,
                  optimizer: Union[DataParallelOptimizer, Sequence[DataParallelOptimizer], None] = None,
                  blocking_parameter_updates: Optional[bool] = None, *, wire_dtype=None,
-                 bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0):
+                 bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
+                 broadcast_buffers: bool = True):
         check_module(module)
         optimizers = _check_optimizers(optimizer)
         if blocking_parameter_updates is not None and not isinstance(blocking_parameter_updates, bool):
@@ -189,6 +195,8 @@ class DataParallel(torch.nn.Module):
                             ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: expected a positive number of MiB, got {value!r}")
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
         wire = wire_code(wire_dtype)
         if wire == code_of(torch.float32, "wire_dtype"):
             wire = _C.NO_WIRE  # float32 on the wire: no compression
@@ -220,7 +228,8 @@ class DataParallel(torch.nn.Module):
         check_same_structure(c_comm, as_mpi4py(comm), module, "DataParallel", settings={
             "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
             "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
-            "MPIDP_CHECK every": check_every()})
+            "broadcast_buffers": broadcast_buffers, "MPIDP_CHECK every": check_every()})
+        self.broadcast_buffers = broadcast_buffers
         broadcast_state(module, c_comm)
         self._check_every = check_every()
         self._forwards = 0
@@ -308,6 +317,9 @@ class DataParallel(torch.nn.Module):
             # to this step's gradients, which are averaged over the rest.
             reducer.set_divisor(self._ballot(True))
             self._join_steps += 1
+        if (self.broadcast_buffers and self.training and torch.is_grad_enabled()
+                and not self._joining and not reducer.paused):
+            broadcast_tensors(list(self.module.buffers()), self._c_comm)
         if self._check_every and self.training:
             if self._forwards % self._check_every == 0:
                 check_in_sync(self._c_comm, list(self.module.named_parameters()), "DataParallel",
@@ -408,6 +420,35 @@ class DataParallel(torch.nn.Module):
         else:
             self._reducer.complete()
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """torch DDP's gradient accumulation without communication:
+
+            with net.no_sync():
+                for x, y in micro_batches[:-1]:
+                    loss_fn(net(x), y).backward()   # no communication
+            loss_fn(net(x_last), y_last).backward()  # reduces the accumulated sum
+            optimizer.step()
+
+        Backward passes inside leave this rank's gradients in `.grad`, added
+        up; the first backward after the context averages the whole sum over
+        the ranks. A step before that backward raises (the gradients would be
+        this rank's alone). Buffers are not broadcast inside, as in DDP."""
+        if self._released is not None:
+            raise RuntimeError(f"DataParallel: this wrapper is detached: {self._released}")
+        reducer = self._reducer
+        if reducer.paused:
+            raise RuntimeError("DataParallel.no_sync() is already active")
+        if self._joining:
+            raise RuntimeError("DataParallel.no_sync() inside join() is not supported: join's "
+                               "ballot expects one averaged backward per forward")
+        self.synchronize()  # a pass still open, or an update due, is finished first
+        reducer.paused = True
+        try:
+            yield
+        finally:
+            reducer.paused = False
+
     # -- uneven inputs ------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -485,6 +526,12 @@ class DataParallel(torch.nn.Module):
         if self._released is not None:
             raise RuntimeError(f"DataParallel: the optimizer's wrapper is detached: "
                                f"{self._released}")
+        if self._reducer.held:
+            raise RuntimeError(
+                "DataParallel: optimizer.step() after a backward inside no_sync(), before any "
+                "backward outside it: those gradients are this rank's alone, so the ranks would "
+                "drift apart. Run the accumulation's last backward outside no_sync() (torch DDP's "
+                "pattern); it averages everything accumulated")
         if self.blocking_parameter_updates or not self._reducer.finalized:
             with self._own_step():
                 optimizer.torch_optimizer.step()

@@ -229,8 +229,42 @@ TEST(synchronizing_before_the_step_delivers_the_mean_now)
     teardown(&f);
 }
 
+TEST(gradients_held_without_communication_count_in_the_next_pass)
+{
+    /* no_sync: prepare, then a backward whose hooks only hold (0 and 2 get
+     * gradients, 1 and 3 none), then a pass whose hooks fire for 1 only. */
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    uint8_t seen[NP] = {NONE, NONE, NONE, NONE}, act[NP];
+    ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
+    ASSERT_OK(mpidp_reducer_grad_held(f.r, 0, 1));
+    ASSERT_OK(mpidp_reducer_grad_held(f.r, 2, 1));
+    fill(&f, 0, 3.0f);
+    fill(&f, 2, 4.0f);
+    ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), 0);        /* nothing marked or posted */
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 1, 1));
+    ASSERT_EQ_INT(mpidp_reducer_grad_held(f.r, 3, 1), MPIDP_ESTATE); /* a pass is open */
+    for (size_t i = 0; i < NP; i++)
+        if (!mpidp_reducer_is_ready(f.r, i)) ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, i, VIEW));
+    ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    /* 0 and 2 contributed what they held; 3 held nothing and goes back to None. */
+    for (size_t i = 0; i < NP; i++) {
+        int used = -1;
+        ASSERT_OK(mpidp_reducer_used_globally(f.r, i, &used));
+        ASSERT_EQ_INT(used, i != 3);
+    }
+    ASSERT_NEAR(slice(&f, 0)[0], 3.0, 0);
+    ASSERT_NEAR(slice(&f, 2)[7], 4.0, 0);
+    ASSERT_OK(mpidp_reducer_missing_grads(f.r, 0, act));   /* bucket 0: parameters 2, 3 */
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_SET_NONE);
+    ASSERT_EQ_INT(mpidp_reducer_grad_held(f.r, 9, 1), MPIDP_EINVAL);
+    teardown(&f);
+}
+
 TEST_MAIN_MPI(blocking_pass_fixes_missing_grads_like_one_process,
               staged_unhooked_parameters_are_zeroed_where_the_gradients_live,
               deferred_step_gives_grads_back_as_the_user_left_them,
               accumulating_without_a_step_adds_the_mean_unless_cleared,
-              synchronizing_before_the_step_delivers_the_mean_now)
+              synchronizing_before_the_step_delivers_the_mean_now,
+              gradients_held_without_communication_count_in_the_next_pass)

@@ -190,6 +190,13 @@ int mpidp_reducer_prepare(mpidp_reducer_t *r, const uint8_t *seen, uint8_t *act)
  * Marks it ready (and may post buckets). */
 int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has);
 
+/* no_sync (DDP's gradient accumulation): parameter i's gradient was
+ * accumulated into its view (has = `.grad` is not None) by a backward that
+ * does not communicate. Nothing is marked or posted; the view now holds a
+ * gradient, so the next pass counts it even if no hook of that pass fires
+ * for i. MPIDP_ESTATE while a pass is open. */
+int mpidp_reducer_grad_held(mpidp_reducer_t *r, size_t i, int has);
+
 /* End of backward, for each parameter not marked yet: the action to apply
  * first (KEEP, ADOPT or ZERO_ONLY), then mark_unhooked marks it with the
  * contribution that follows from `seen` (its view holds a real gradient

@@ -1,0 +1,152 @@
+"""Habits of torch DDP users, against single-process references, at 1-4 ranks:
+buffers broadcast from rank 0 before every training forward (BatchNorm
+statistics cannot drift apart), and no_sync() for gradient accumulation, in
+both of DataParallel's modes."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpidp
+from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
+                          on_device, rank_slice, reference_step, seeded)
+from mpidp import MPI
+from test_data_parallel import MLP, sgd
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.l2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.bn(self.l1(x))))
+
+
+def rank0s(tensors):
+    """Rank 0's values of `tensors` (copies)."""
+    return [torch.from_numpy(MPI.COMM_WORLD.bcast(t.detach().cpu().numpy(), root=0)).to(t.device)
+            for t in tensors]
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_buffers_follow_rank0_before_every_training_forward(broadcast, blocking):
+    """With broadcast_buffers (the default) each training forward starts from
+    rank 0's running statistics and updates them with this rank's batch; without
+    it each rank keeps its own chain. Checked after every step against a copy
+    of the module that starts each forward from those statistics."""
+    model = build(BNNet, seed=3)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking,
+                             broadcast_buffers=broadcast)
+    g = seeded(9)
+    for step in range(4):
+        X = on_device(torch.randn(4 * SIZE, 6, generator=g) * (1 + step))
+        Y = on_device(torch.randint(0, 3, (4 * SIZE,), generator=g))
+        buffers = list(model.buffers())
+        start = rank0s(buffers) if broadcast else [b.detach().clone() for b in buffers]
+        net.synchronize()  # the pending update (non-blocking) is applied before we copy
+        expected = copy.deepcopy(model).train()
+        for b, v in zip(expected.buffers(), start):
+            b.copy_(v)
+        with torch.no_grad():
+            expected(rank_slice(X))
+        opt.zero_grad()
+        F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+        opt.step()
+        for (name, mine), want in zip(model.named_buffers(), expected.buffers()):
+            assert torch.allclose(mine, want, atol=1e-6), f"step {step}: buffer {name}"
+
+
+def test_broadcast_buffers_must_be_a_bool():
+    with pytest.raises(TypeError, match="broadcast_buffers: expected a bool"):
+        mpidp.DataParallel(build(BNNet, 0), broadcast_buffers="yes")
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_no_sync_accumulates_locally_then_averages_the_sum(blocking):
+    """Three micro-batches, the first two inside no_sync(): the update equals
+    one single-process step on the accumulated gradients of all ranks."""
+    model = build(MLP, seed=11 + RANK)
+    reference = build(MLP, seed=11)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    ref_opt = sgd(reference.parameters())
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    g = seeded(4)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        batches = [on_device(torch.randn(2 * SIZE, 10, generator=g),
+                             torch.randint(0, 4, (2 * SIZE,), generator=g)) for _ in range(3)]
+        with net.no_sync():
+            for X, Y in batches[:2]:
+                F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+        X, Y = batches[2]
+        F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+        for X, Y in batches:
+            reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+        opt.step()
+        ref_opt.step()
+        net.synchronize()
+        assert_params_close(model, reference, what=f"step {step}")
+    assert_same_on_all_ranks(model)
+
+
+class Gated(torch.nn.Module):
+    """`extra` takes part only when asked: a parameter whose gradient comes
+    from the no_sync micro-batches alone."""
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(5, 3)
+        self.extra = torch.nn.Linear(5, 3)
+
+    def forward(self, x, use_extra):
+        out = self.body(x)
+        return out + self.extra(x) if use_extra else out
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_no_sync_keeps_gradients_of_parameters_the_last_backward_misses(blocking):
+    """`extra` gets gradients inside no_sync only: its accumulated gradient is
+    still averaged (not dropped, not zero with weight decay applied)."""
+    model = build(Gated, seed=2 + RANK)
+    reference = build(Gated, seed=2)
+    opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, weight_decay=0.1)
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    g = seeded(8)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        X1, X2 = (on_device(torch.randn(2 * SIZE, 5, generator=g)) for _ in range(2))
+        with net.no_sync():
+            net(rank_slice(X1), True).pow(2).mean().backward()
+        net(rank_slice(X2), False).pow(2).mean().backward()
+        reference_step(reference, X1, X1, lambda m, x, y, r: m(x, True).pow(2).mean())
+        reference_step(reference, X2, X2, lambda m, x, y, r: m(x, False).pow(2).mean())
+        opt.step()
+        ref_opt.step()
+        net.synchronize()
+        assert_params_close(model, reference, what=f"step {step}")
+
+
+def test_step_right_after_a_no_sync_backward_raises():
+    model = build(MLP, seed=1)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=True)
+    with net.no_sync():
+        net(on_device(torch.randn(2, 10))).sum().backward()
+        with pytest.raises(RuntimeError, match="no_sync"):
+            opt.step()
+        with pytest.raises(RuntimeError, match="already active"):
+            with net.no_sync():
+                pass
+    with pytest.raises(RuntimeError, match="no_sync"):
+        opt.step()
+    net(on_device(torch.randn(2, 10))).sum().backward()
+    opt.step()  # after a backward outside no_sync the step is fine
