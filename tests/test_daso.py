@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mpidp
+from mpidp.topology import node_comm
 from dp_reference import (DEVICE, RANK, SIZE, assert_params_close, assert_same_on_all_ranks,
                           on_device, seeded)
 
@@ -458,3 +459,63 @@ def test_a_rank_that_differs_is_brought_back_at_the_epoch_end(nodes_of, how):
     for message in told:   # the changed rank, and the node-local ranks its DDP spread it to
         named = re.search(r"rank\(s\) \[([\d, ]+)\] do not match rank 0", message)
         assert named and SIZE - 1 in {int(r) for r in named.group(1).split(",")}, message
+
+
+class BNMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(10, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.l2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.bn(self.l1(x))))
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_are_rank0s_after_every_blocking_sync(nodes_of, broadcast):
+    """Warm-up syncs globally (blocking) every batch: with broadcast_buffers
+    every rank then holds rank 0's BatchNorm statistics; without it each
+    rank's own (ranks train on different data)."""
+    torch.manual_seed(5)
+    model = BNMLP().to(DEVICE)
+    daso = mpidp.DASO(torch.optim.SGD(model.parameters(), lr=0.05), total_epochs=4,
+                      warmup_epochs=1, cooldown_epochs=1)
+    net = mpidp.DataParallelMultiGPU(model, daso, broadcast_buffers=broadcast)
+    data = problem(batches=4)
+    daso.last_batch = len(data) - 1
+    for X, Y in data:
+        daso.zero_grad()
+        F.cross_entropy(net(my_slice(X)), my_slice(Y)).backward()
+        daso.step()
+        mean = model.bn.running_mean.detach().cpu()
+        everyone = mpidp.MPI.COMM_WORLD.allgather(mean)
+        same = all(torch.equal(everyone[0], m) for m in everyone)
+        assert same == (broadcast or SIZE == 1), [m[:3] for m in everyone]
+
+
+def test_no_sync_accumulates_within_the_node(nodes_of):
+    """Inside no_sync the node's ranks keep their own gradients; the first
+    backward after it gives each the node's mean of the accumulated sums.
+    DASO.step() inside raises."""
+    model, opt, daso, net = make()
+    plain = copy.deepcopy(model)   # the same values, no wrapper: each rank's own sums
+    node = node_comm(mpidp.MPI.COMM_WORLD)
+    batches = problem(batches=3)
+    daso.zero_grad()
+    for X, Y in batches[:2]:
+        F.cross_entropy(plain(my_slice(X)), my_slice(Y)).backward()
+    with net.no_sync():
+        for X, Y in batches[:2]:
+            F.cross_entropy(net(my_slice(X)), my_slice(Y)).backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), f"{name}: averaged inside no_sync"
+        with pytest.raises(RuntimeError, match="no_sync"):
+            daso.step()
+    X, Y = batches[2]
+    F.cross_entropy(net(my_slice(X)), my_slice(Y)).backward()
+    F.cross_entropy(plain(my_slice(X)), my_slice(Y)).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        sums = node.allgather(q.grad.detach().cpu())
+        want = torch.stack(sums).mean(0)
+        assert torch.allclose(p.grad.detach().cpu(), want, atol=1e-6), name

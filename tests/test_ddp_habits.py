@@ -86,6 +86,9 @@ def test_no_sync_accumulates_locally_then_averages_the_sum(blocking):
         with net.no_sync():
             for X, Y in batches[:2]:
                 F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+            # Nothing was averaged: each rank holds its own sum (ranks' data differ).
+            own = MPI.COMM_WORLD.allgather(model.l1.weight.grad.detach().cpu())
+            assert SIZE == 1 or not all(torch.equal(own[0], g) for g in own[1:])
         X, Y = batches[2]
         F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
         for X, Y in batches:

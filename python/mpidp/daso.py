@@ -24,7 +24,7 @@ from . import _C
 from ._dtypes import CODE_OF
 from ._consistency import check_every, check_in_sync, ranks_differing
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import broadcast_state, remove_handles
+from ._params import broadcast_state, broadcast_tensors, remove_handles
 from .topology import node_comm, topology
 
 __all__ = ["DASO"]
@@ -130,6 +130,10 @@ class DASO:
         self._pointers = ()
         self._flat = None
         self._needs_reference = False
+        # Set by DataParallelMultiGPU: rank 0's buffers at every blocking global
+        # sync (broadcast_buffers), and whether its no_sync() is active.
+        self._broadcast_buffers = False
+        self._no_sync = False
         # Uneven inputs (DataParallelMultiGPU.join): what the last ballot said.
         self._joining = False
         self._common_last = None      # the epoch's last batch: the longest rank's
@@ -281,6 +285,11 @@ class DASO:
         if self.module is None:
             raise RuntimeError("DASO.step: no model; wrap it with mpidp.DataParallelMultiGPU(module, "
                                "daso) or call daso.set_model(model)")
+        if self._no_sync:
+            raise RuntimeError(
+                "DASO.step() inside DataParallelMultiGPU.no_sync(): the gradients of its backward "
+                "passes are not averaged within the node yet, so the node's ranks would drift "
+                "apart. Run the accumulation's last backward outside no_sync(), then step")
         if self.last_batch is None:
             raise ValueError("last_batch: set daso.last_batch to the index of the epoch's last "
                              "batch (len(loader) - 1) before training")
@@ -545,6 +554,10 @@ class DASO:
             self._node_broadcast(group)
         if btw == 0:
             self._set_reference()  # every rank now holds the same parameters
+            if self._broadcast_buffers:
+                # ... and the same buffers (BatchNorm statistics): node-local DDP
+                # keeps a node's equal, this keeps the nodes together.
+                broadcast_tensors(list(self.module.buffers()), self._world)
 
     def _node_broadcast(self, root: int) -> None:
         params = self._params

@@ -29,11 +29,15 @@ class DataParallelMultiGPU(torch.nn.Module):
     (DistributedSampler, dist.all_reduce) mean every rank of the job; DDP gets
     the node-local group (mpidp.process_group.node_process_group). Parameters and buffers
     start equal on every rank of `comm` (rank 0's), then `optimizer.set_model`
-    is called. With one rank per node there is nothing to do within a node, so
-    the module is used as it is (with a warning).
+    is called. broadcast_buffers (default True): buffers (BatchNorm
+    statistics) are node rank 0's before every training forward (DDP's
+    broadcast_buffers) and world rank 0's at every blocking global sync.
+    With one rank per node there is nothing to do within a node, so the
+    module is used as it is (with a warning).
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: DASO, comm=MPI.COMM_WORLD):
+    def __init__(self, module: torch.nn.Module, optimizer: DASO, comm=MPI.COMM_WORLD, *,
+                 broadcast_buffers: bool = True):
         check_module(module)
         if isinstance(module, (DataParallelMultiGPU, DataParallel)):
             raise TypeError(f"module: is already a mpidp.{type(module).__name__}; wrap the plain "
@@ -41,6 +45,8 @@ class DataParallelMultiGPU(torch.nn.Module):
         if not isinstance(optimizer, DASO):
             raise TypeError("optimizer: expected a mpidp.DASO (DataParallelMultiGPU runs DASO; for "
                             f"other optimizers use mpidp.DataParallel), got {type(optimizer).__name__}")
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
         c_comm = resolve_comm(comm)
         mpi_comm = as_mpi4py(comm)
         topo = topology(mpi_comm)
@@ -48,7 +54,7 @@ class DataParallelMultiGPU(torch.nn.Module):
         self.comm = comm
         self.loc_gpus = topo.local_size
         check_same_structure(c_comm, mpi_comm, module, "DataParallelMultiGPU",
-                             settings=optimizer.settings())
+                             settings=dict(optimizer.settings(), broadcast_buffers=broadcast_buffers))
         broadcast_state(module, c_comm)
         # torch's default group spans `comm` (the whole job), so that
         # DistributedSampler and dist.all_reduce with their defaults mean every
@@ -73,12 +79,14 @@ class DataParallelMultiGPU(torch.nn.Module):
             if first is not None and first.is_cuda:
                 device_ids = [first.device.index]
             self.module = torch.nn.parallel.DistributedDataParallel(
-                module, device_ids=device_ids, process_group=node_group)
+                module, device_ids=device_ids, process_group=node_group,
+                broadcast_buffers=broadcast_buffers)
             # Node-local gradients are summed and divided by this many ranks:
             # all of the node's, except during join() when some are out of data.
             self._divisor = _NodeMean(topo.local_size, node_group)
             self.module.register_comm_hook(self._divisor, _allreduce_mean)
         optimizer.set_model(self.module)
+        optimizer._broadcast_buffers = broadcast_buffers
         self._daso = optimizer
         self._joining = False
         self._last_inputs = None
@@ -89,6 +97,25 @@ class DataParallelMultiGPU(torch.nn.Module):
             active_here, _ = self._daso._join_ballot(True)
             self._set_divisor(active_here)
         return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """torch DDP's gradient accumulation: backward passes inside do not
+        average gradients within the node; the first backward after the
+        context averages the accumulated sum. DASO.step() inside raises."""
+        if self._daso._no_sync:
+            raise RuntimeError("DataParallelMultiGPU.no_sync() is already active")
+        if self._joining:
+            raise RuntimeError("DataParallelMultiGPU.no_sync() inside join() is not supported")
+        local = (self.module.no_sync()
+                 if isinstance(self.module, torch.nn.parallel.DistributedDataParallel)
+                 else contextlib.nullcontext())
+        self._daso._no_sync = True
+        try:
+            with local:
+                yield
+        finally:
+            self._daso._no_sync = False
 
     def _set_divisor(self, n: int) -> None:
         if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
