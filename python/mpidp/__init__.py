@@ -17,6 +17,8 @@ from .data_parallel_multi import DataParallelMultiGPU
 from .optimizer import DataParallelOptimizer
 from .process_group import init_process_group
 from .topology import Topology, topology
+from . import nn, optim                                   # Heat's names: ht.nn, ht.optim
+from .communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.MPI_WORLD
 
 __version__ = "0.1.0"
 
@@ -28,9 +30,14 @@ __all__ = [
     "DataParallelMultiGPU",
     "DataParallelOptimizer",
     "MPI",
+    "MPI_SELF",
+    "MPI_WORLD",
+    "MPICommunication",
     "Work",
     "allreduce",
     "mpi_library_version",
+    "nn",
+    "optim",
     "Topology",
     "get_timeout",
     "init_process_group",

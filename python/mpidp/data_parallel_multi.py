@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 
 import torch
@@ -59,8 +60,19 @@ class DataParallelMultiGPU(torch.nn.Module):
         # torch's default group spans `comm` (the whole job), so that
         # DistributedSampler and dist.all_reduce with their defaults mean every
         # rank; DDP gets the node-local group explicitly.
+        node_default = False
         if not dist.is_initialized():
             init_process_group(mpi_comm)
+        elif (dist.get_world_size(), dist.get_rank()) == (topo.local_size, topo.local_rank) \
+                and topo.n_nodes > 1:
+            # Heat's convention: the script made the node-local group the
+            # default one. It stays the user's choice, with what it implies.
+            node_default = True
+            warnings.warn("DataParallelMultiGPU: torch.distributed's default group is this node "
+                          "(Heat's convention), so torch's defaults (DistributedSampler without "
+                          "num_replicas/rank, dist.all_reduce) cover this node only; let "
+                          "DataParallelMultiGPU create the process group to have them span the job",
+                          stacklevel=2)
         elif dist.get_world_size() != mpi_comm.Get_size() or dist.get_rank() != mpi_comm.Get_rank():
             raise RuntimeError(
                 f"DataParallelMultiGPU: torch.distributed is initialised as rank "
@@ -73,14 +85,14 @@ class DataParallelMultiGPU(torch.nn.Module):
                           "data parallelism; DASO syncs the nodes only", stacklevel=2)
             self.module = module
         else:
-            node_group = node_process_group(mpi_comm)
+            node_group = None if node_default else node_process_group(mpi_comm)
             device_ids = None
             first = next(module.parameters(), None)
             if first is not None and first.is_cuda:
                 device_ids = [first.device.index]
             self.module = torch.nn.parallel.DistributedDataParallel(
                 module, device_ids=device_ids, process_group=node_group,
-                broadcast_buffers=broadcast_buffers)
+                **_ddp_buffer_sync(broadcast_buffers))
             # Node-local gradients are summed and divided by this many ranks:
             # all of the node's, except during join() when some are out of data.
             self._divisor = _NodeMean(topo.local_size, node_group)
@@ -176,6 +188,13 @@ class DataParallelMultiGPU(torch.nn.Module):
             out = self.module(*inputs, **kwargs)
         tensors = [t for t in _tensors_in(out) if t.requires_grad]
         torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
+
+
+def _ddp_buffer_sync(on: bool) -> dict:
+    """DDP's switch for syncing buffers before each forward: newer torch calls
+    it forward_sync_buffers (broadcast_buffers is deprecated there)."""
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": on}
 
 
 class _NodeMean:
