@@ -519,3 +519,22 @@ def test_no_sync_accumulates_within_the_node(nodes_of):
         sums = node.allgather(q.grad.detach().cpu())
         want = torch.stack(sums).mean(0)
         assert torch.allclose(p.grad.detach().cpu(), want, atol=1e-6), name
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one rank cannot differ from the others")
+def test_a_rank_that_loads_another_epochs_checkpoint_is_named_not_hung(nodes_of):
+    """A rank that reloads an older epoch's DASO state alone would run other
+    collectives than the rest (it used to end at the timeout); the first
+    training forward of the next epoch compares the schedules and every rank
+    raises, naming it."""
+    model, opt, daso, net = make(epochs=6)
+    data = problem(batches=4)
+    train(model, daso, net, data, epochs=1)
+    older = (copy.deepcopy(model.state_dict()), copy.deepcopy(daso.state_dict()))
+    train(model, daso, net, data, epochs=1)
+    if RANK == SIZE - 1:
+        model.load_state_dict(older[0])
+        daso.load_state_dict(older[1])
+    with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{SIZE - 1}\] do not match rank 0.*"
+                                           r"checkpoint of the same epoch"):
+        train(model, daso, net, data, epochs=1)

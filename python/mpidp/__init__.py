@@ -10,6 +10,7 @@ Launch with `mpirun -np N python train.py` or `srun python train.py`.
 from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
 from . import _C
 from ._C import CommError, CommTimeout
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .collectives import Work, allreduce
 from .daso import DASO
 from .data_parallel import DataParallel
@@ -35,6 +36,8 @@ __all__ = [
     "MPICommunication",
     "Work",
     "allreduce",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "mpi_library_version",
     "nn",
     "optim",

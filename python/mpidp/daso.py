@@ -134,6 +134,7 @@ class DASO:
         # sync (broadcast_buffers), and whether its no_sync() is active.
         self._broadcast_buffers = False
         self._no_sync = False
+        self._schedule_checked = None   # the epoch whose schedule the ranks compared
         # Uneven inputs (DataParallelMultiGPU.join): what the last ballot said.
         self._joining = False
         self._common_last = None      # the epoch's last batch: the longest rank's
@@ -473,6 +474,7 @@ class DASO:
             self.scaler.load_state_dict(state["scaler"])
         if self.last_batch is None:  # the data may have changed: a value set already stays
             self.last_batch = state["last_batch"]
+        self._schedule_checked = None
         self.bytes_sent = state["bytes_sent"]
         self.current_batch = 0
         self._needs_reference = True
@@ -523,6 +525,24 @@ class DASO:
                           "reference", stacklevel=3)
             broadcast_state(self.module, self._world)
             self._set_reference()
+
+    def _check_schedules_agree(self) -> None:
+        """Called at the first training forward of each epoch, where every rank
+        is at batch 0 of some epoch: the ranks' schedules must be one. A rank
+        that loaded another epoch's checkpoint would otherwise run other
+        collectives than the rest and hang them until the timeout."""
+        epoch = self._schedule.epoch
+        if self._schedule_checked == epoch or self._world.size == 1:
+            return
+        self._schedule_checked = epoch
+        state = self._schedule.state()
+        numbers = torch.tensor([float(v) for _, v in sorted(state.items())], dtype=torch.float64)
+        differ = ranks_differing(self._world, [numbers])
+        if differ:
+            raise RuntimeError(
+                f"DASO: at the start of an epoch the ranks' schedules differ: rank(s) {differ} "
+                f"do not match rank 0 (this rank has completed {epoch} epochs). A rank loaded "
+                "another epoch's DASO checkpoint? Load every rank's checkpoint of the same epoch")
 
     def _check_pointers(self) -> None:
         now = tuple(p.data_ptr() for p in self.module.parameters() if p.requires_grad)

@@ -16,6 +16,7 @@ from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, broadcast_tensors, check_module, remove_handles
+from ._loads import LoadWatch, bytes_of, optimizer_fingerprint
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
@@ -234,6 +235,10 @@ class DataParallel(torch.nn.Module):
         self._check_every = check_every()
         self._forwards = 0
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
+        # Loads on one rank only are found at the next training forwards (_loads.py).
+        self._loads = LoadWatch(c_comm, "DataParallel")
+        self._hook_handles += self._loads.hooks(list(module.modules()),
+                                                [opt.torch_optimizer for opt in optimizers])
         self._joining = False    # inside join(): every training forward takes part in a ballot
         self._join_steps = 0     # training steps this rank took inside join()
         # Non-blocking: the DataParallelOptimizer whose step() is pending (held
@@ -317,9 +322,11 @@ class DataParallel(torch.nn.Module):
             # to this step's gradients, which are averaged over the rest.
             reducer.set_divisor(self._ballot(True))
             self._join_steps += 1
-        if (self.broadcast_buffers and self.training and torch.is_grad_enabled()
-                and not self._joining and not reducer.paused):
-            broadcast_tensors(list(self.module.buffers()), self._c_comm)
+        if self.training and torch.is_grad_enabled() and not self._joining and not reducer.paused:
+            if self.broadcast_buffers:
+                broadcast_tensors(list(self.module.buffers()), self._c_comm)
+            self._loads.check(self._shared_state, "mpidp.broadcast_parameters(model) and "
+                              "mpidp.broadcast_optimizer_state(optimizer)")
         if self._check_every and self.training:
             if self._forwards % self._check_every == 0:
                 check_in_sync(self._c_comm, list(self.module.named_parameters()), "DataParallel",
@@ -345,6 +352,16 @@ class DataParallel(torch.nn.Module):
         if self.training and torch.is_grad_enabled():
             reducer.prepare()
         return out
+
+    def _shared_state(self) -> list:
+        """What every rank must hold alike: parameters, buffers (when broadcast)
+        and the optimizers' states."""
+        tensors = [bytes_of(p) for p in self.module.parameters()]
+        if self.broadcast_buffers:
+            tensors += [bytes_of(b) for b in self.module.buffers()]
+        for opt in self._dp_optimizers:
+            tensors += optimizer_fingerprint(opt.torch_optimizer)
+        return tensors
 
     @property
     def _dp_optimizers(self) -> List[DataParallelOptimizer]:

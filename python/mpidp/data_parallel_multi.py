@@ -104,6 +104,9 @@ class DataParallelMultiGPU(torch.nn.Module):
         self._last_inputs = None
 
     def forward(self, *inputs, **kwargs):
+        if (self.training and torch.is_grad_enabled() and not self._joining
+                and self._daso.current_batch == 0):
+            self._daso._check_schedules_agree()
         if self._joining and self.training and torch.is_grad_enabled():
             self._last_inputs = (inputs, kwargs)
             active_here, _ = self._daso._join_ballot(True)

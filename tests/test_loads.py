@@ -1,0 +1,156 @@
+"""Checkpoints loaded on one rank: Horovod's broadcasts make the others follow
+(mpidp.broadcast_parameters / broadcast_optimizer_state), and a load that the
+ranks do not share is an error at the next training forwards instead of ranks
+quietly training different models. At 1-4 ranks, against references."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpidp
+from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
+                          on_device, rank_slice, reference_step, seeded)
+from mpidp import MPI
+from test_data_parallel import MLP
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def trained_checkpoint(seed=50):
+    """A model and Adam state as if read from disk: trained alone for 3 steps."""
+    model = build(MLP, seed)
+    opt = adam(model.parameters())
+    g = seeded(seed)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(on_device(torch.randn(8, 10, generator=g))),
+                        on_device(torch.randint(0, 4, (8,), generator=g))).backward()
+        opt.step()
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def rank0(x):
+    return MPI.COMM_WORLD.bcast(x, root=0)
+
+
+def train_steps(net, opt, steps, seed=6):
+    g = seeded(seed)
+    for _ in range(steps):
+        X = on_device(torch.randn(4 * SIZE, 10, generator=g))
+        Y = on_device(torch.randint(0, 4, (4 * SIZE,), generator=g))
+        opt.zero_grad()
+        F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_loading_on_rank0_then_broadcasting_trains_like_one_process(blocking):
+    model_state, opt_state = trained_checkpoint()
+    model = build(MLP, seed=1 + RANK)
+    dp_opt = mpidp.DataParallelOptimizer(adam(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=blocking)
+    if RANK == 0:
+        model.load_state_dict(model_state)
+        dp_opt.load_state_dict(copy.deepcopy(opt_state))  # torch keeps the tensors it is given
+    mpidp.broadcast_parameters(model, root=0)
+    mpidp.broadcast_optimizer_state(dp_opt, root=0)
+    reference = build(MLP, seed=1)
+    reference.load_state_dict(model_state)
+    ref_opt = adam(reference.parameters())
+    ref_opt.load_state_dict(opt_state)
+    g = seeded(6)
+    for step in range(3):
+        X = on_device(torch.randn(4 * SIZE, 10, generator=g))
+        Y = on_device(torch.randint(0, 4, (4 * SIZE,), generator=g))
+        dp_opt.zero_grad()
+        ref_opt.zero_grad()
+        F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+        reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+        dp_opt.step()
+        ref_opt.step()
+    net.synchronize()
+    assert_params_close(model, reference)
+    assert_same_on_all_ranks(model)
+
+
+@pytest.mark.parametrize("what", ["model", "optimizer", "inner_submodule"])
+@pytest.mark.skipif(SIZE == 1, reason="one rank shares everything with itself")
+def test_a_load_on_one_rank_alone_is_an_error_on_every_rank(what):
+    model_state, opt_state = trained_checkpoint()
+    model = build(MLP, seed=1)
+    dp_opt = mpidp.DataParallelOptimizer(adam(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=True)
+    train_steps(net, dp_opt, 1)
+    if RANK == SIZE - 1:
+        if what == "model":
+            net.load_state_dict({"module." + k: v for k, v in model_state.items()})
+        elif what == "optimizer":
+            dp_opt.load_state_dict(copy.deepcopy(opt_state))
+        else:
+            model.l1.load_state_dict({k[3:]: v for k, v in model_state.items() if k.startswith("l1.")})
+    with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{SIZE - 1}\] differ from rank 0.*"
+                                           r"broadcast_optimizer_state"):
+        train_steps(net, dp_opt, 2)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank shares everything with itself")
+def test_loading_the_same_checkpoint_everywhere_is_fine():
+    model_state, opt_state = trained_checkpoint()
+    model = build(MLP, seed=1)
+    dp_opt = mpidp.DataParallelOptimizer(adam(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=True)
+    train_steps(net, dp_opt, 1)
+    model.load_state_dict(model_state)
+    dp_opt.load_state_dict(copy.deepcopy(opt_state))
+    train_steps(net, dp_opt, 3)
+    assert_same_on_all_ranks(model)
+
+
+def test_broadcast_optimizer_state_from_any_root():
+    """Each rank's own Adam state (trained alone on its own data) becomes the
+    root's, moments and step counts alike; DASO-style local optimizers too."""
+    root = SIZE - 1
+    model = build(MLP, seed=3)
+    opt = adam(model.parameters())
+    g = seeded(20 + RANK)
+    opt.zero_grad()
+    model(on_device(torch.randn(4, 10, generator=g))).sum().backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.001 * (RANK + 1)
+    mpidp.broadcast_optimizer_state(opt, root=root)
+    mine = opt.state_dict()
+    theirs = MPI.COMM_WORLD.bcast(mine, root=root)
+    assert mine["param_groups"][0]["lr"] == pytest.approx(0.001 * SIZE)
+    for k, state in theirs["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(mine["state"][k][name]).cpu(),
+                               torch.as_tensor(value).cpu()), (k, name)
+
+
+def test_broadcast_parameters_takes_modules_state_dicts_and_pairs():
+    for form in ("module", "state_dict", "named"):
+        model = build(MLP, seed=30 + RANK)
+        target = {"module": model, "state_dict": model.state_dict(),
+                  "named": model.named_parameters()}[form]
+        mpidp.broadcast_parameters(target, root=0)
+        want = rank0({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        for k, v in model.state_dict().items():
+            assert torch.equal(v.detach().cpu(), want[k]), (form, k)
+
+
+def test_broadcasts_check_their_arguments():
+    model = build(MLP, seed=0)
+    with pytest.raises(ValueError, match=r"root: expected a rank in 0 \.\. "):
+        mpidp.broadcast_parameters(model, root=SIZE)
+    with pytest.raises(TypeError, match="root: expected an int"):
+        mpidp.broadcast_parameters(model, root=True)
+    with pytest.raises(TypeError, match="params: expected a torch.nn.Module"):
+        mpidp.broadcast_parameters(3)
+    with pytest.raises(TypeError, match="params: entry 0 is a str"):
+        mpidp.broadcast_parameters(["x"])
+    with pytest.raises(TypeError, match="optimizer: expected a torch optimizer"):
+        mpidp.broadcast_optimizer_state(model)
