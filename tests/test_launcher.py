@@ -2,12 +2,13 @@
 mpirun is an MPI singleton that would train alone: mpidp refuses it with how
 to launch, unless MPIDP_IGNORE_LAUNCHER=1."""
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from mpi_jobs import ROOT, clean_env
+from mpi_jobs import ROOT, clean_env, run_mpi
 from mpidp._launch import launcher_mismatch
 
 LAUNCHERS = [
@@ -58,3 +59,34 @@ def test_training_under_a_non_mpi_launcher_is_refused(env, says):
     assert says in refused.stdout and "mpirun -np N" in refused.stdout, refused.stdout
     allowed = run(MPIDP_IGNORE_LAUNCHER="1")
     assert allowed.returncode == 0 and "trained" in allowed.stdout, allowed.stdout
+
+
+def run_info(env=None, ranks=1):
+    if ranks == 1:
+        proc = subprocess.run([sys.executable, "-m", "mpidp"], cwd=ROOT, env=clean_env(**(env or {})),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        return proc.returncode, proc.stdout
+    rc, out, _ = run_mpi(ranks, ["-m", "mpidp"], timeout=120, **(env or {}))
+    return rc, out
+
+
+@pytest.mark.serial
+def test_python_m_mpidp_reports_what_a_bug_report_needs():
+    rc, out = run_info()
+    assert rc == 0, out
+    for field in ("mpidp ", "torch", "mpi4py", "MPI library (mpidp)", "same MPI                  yes",
+                  "MPI thread level", "SIMD path", "CUDA kernels", "GPUs visible to torch",
+                  "rank 0 of 1: host", "MPIDP_TIMEOUT", "MPIDP_CHECK "):
+        assert field in out, (field, out)
+    rc, out = run_info(ranks=2, env={"MPIDP_RANKS_PER_NODE": "1", "MPIDP_CHECK": "1"})
+    assert rc == 0, out
+    assert "rank 0 of 2: host" in out and "rank 1 of 2: host" in out and "node 1 of 2" in out, out
+    assert re.search(r"MPIDP_CHECK\s+True \(set\)", out), out
+
+
+@pytest.mark.serial
+def test_python_m_mpidp_exits_1_with_the_reason():
+    rc, out = run_info(env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert rc == 1 and "PROBLEMS" in out and "torchrun" in out, out
+    rc, out = run_info(env={"MPIDP_CHECK_EVERY": "-3"})
+    assert rc == 1 and "MPIDP_CHECK_EVERY must be a positive integer" in out, out
