@@ -72,13 +72,110 @@ def test_heat_style_communicator_wrapper():
 
 @pytest.mark.parametrize("call, exc, words", [
     (lambda: mpidp.allreduce([1.0, 2.0]), TypeError, "tensor"),
-    (lambda: mpidp.allreduce(torch.ones(3), op="max"), ValueError, "op"),
+    (lambda: mpidp.allreduce(torch.ones(3), op="mean"), ValueError, "op: expected one of"),
     (lambda: mpidp.allreduce(torch.ones(3), comm="world"), TypeError, "comm"),
-    (lambda: mpidp.allreduce(torch.ones(3, dtype=torch.int32)), TypeError, "float"),
+    (lambda: mpidp.allreduce(torch.ones(3, dtype=torch.int32), op="avg"), ValueError,
+     "'avg' needs a floating-point tensor"),
+    (lambda: mpidp.allreduce(torch.ones(3, dtype=torch.bool)), ValueError, "bool"),
+    (lambda: mpidp.allreduce(torch.ones(3, dtype=torch.bfloat16), op="max"), ValueError, "float32"),
+    (lambda: mpidp.allreduce(torch.ones(3), op="max", wire_dtype=torch.bfloat16), ValueError,
+     "only 'sum' and 'avg' can be compressed"),
+    (lambda: mpidp.allreduce(torch.ones(3, dtype=torch.complex64)), TypeError, "not supported"),
     (lambda: mpidp.allreduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
     (lambda: mpidp.allreduce(torch.ones(3, requires_grad=True)), ValueError, "requires grad"),
     (lambda: mpidp.allreduce(torch.ones(3), wire_dtype=torch.int8), ValueError, "wire_dtype"),
+    (lambda: mpidp.broadcast(torch.ones(3), root=SIZE), ValueError, r"root: expected a rank in 0 \.\. "),
+    (lambda: mpidp.broadcast(torch.ones(3), root=0.0), TypeError, "root: expected an int"),
+    (lambda: mpidp.allreduce_scalar("1"), TypeError, "value: expected a number"),
+    (lambda: mpidp.allreduce_scalar(torch.ones(2)), ValueError, "one-element"),
 ])
 def test_bad_input(call, exc, words):
     with pytest.raises(exc, match=words):
         call()
+
+
+INTEGERS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+
+
+def everyone(t):
+    """Every rank's copy of `t`, in rank order (mpi4py, independent of mpidp)."""
+    return [torch.as_tensor(x) for x in MPI.COMM_WORLD.allgather(t.numpy())]
+
+
+def small_values(rank, dtype, n=37):
+    """Distinct per rank, never 0, and small enough that a product over 4 ranks
+    fits every integer dtype."""
+    v = (torch.arange(n) + rank) % 5 - 2
+    v = torch.where(v == 0, torch.ones_like(v), v)
+    return (v.abs() if dtype == torch.uint8 else v).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", INTEGERS + [torch.float32, torch.float64])
+@pytest.mark.parametrize("op", ["sum", "min", "max", "prod"])
+def test_every_op_of_integers_and_floats(dtype, op):
+    mine = small_values(RANK, dtype)
+    inputs = everyone(mine)
+    want = {"sum": lambda xs: torch.stack(xs).sum(0),
+            "min": lambda xs: torch.stack(xs).amin(0),
+            "max": lambda xs: torch.stack(xs).amax(0),
+            "prod": lambda xs: torch.stack(xs).prod(0)}[op](inputs).to(dtype)
+    t = mine.clone()
+    mpidp.allreduce(t, op)
+    assert t.dtype == dtype and torch.equal(t, want), (t, want)
+
+
+def test_bool_min_is_all_and_max_is_any():
+    mine = torch.tensor([True, False, RANK % 2 == 0, RANK == 0])
+    inputs = torch.stack(everyone(mine))
+    t = mine.clone()
+    mpidp.allreduce(t, "min")
+    assert torch.equal(t, inputs.all(0))
+    t = mine.clone()
+    mpidp.allreduce(t, "max")
+    assert torch.equal(t, inputs.any(0))
+
+
+def test_integer_allreduce_can_be_asynchronous():
+    t = torch.full((1 << 12,), RANK + 1, dtype=torch.int64)
+    work = mpidp.allreduce(t, async_op=True)
+    work.wait()
+    assert torch.all(t == SIZE * (SIZE + 1) // 2)
+
+
+def test_allreduce_scalar_for_metrics():
+    assert mpidp.allreduce_scalar(float(RANK)) == pytest.approx((SIZE - 1) / 2)
+    assert mpidp.allreduce_scalar(RANK + 1, op="sum") == SIZE * (SIZE + 1) // 2
+    assert isinstance(mpidp.allreduce_scalar(RANK, op="max"), int)
+    assert mpidp.allreduce_scalar(RANK, op="max") == SIZE - 1
+    assert mpidp.allreduce_scalar(torch.tensor(2.0 * RANK), op="min") == 0.0
+    assert mpidp.allreduce_scalar(RANK == 0, op="max") is True
+    assert mpidp.allreduce_scalar(RANK == 0, op="min") is (SIZE == 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float32, torch.bfloat16])
+def test_broadcast_from_every_root(dtype):
+    for root in range(SIZE):
+        t = (torch.arange(7) * (RANK + 3)).to(dtype)
+        out = mpidp.broadcast(t, root=root)
+        assert out is t
+        assert torch.equal(t, (torch.arange(7) * (root + 3)).to(dtype))
+
+
+def test_allgather_concatenates_uneven_first_dimensions():
+    mine = torch.arange(3 * (RANK + 1), dtype=torch.int32).view(RANK + 1, 3) + 100 * RANK
+    got = mpidp.allgather(mine)
+    assert torch.equal(got, torch.cat(everyone(mine)))
+    scalar = mpidp.allgather(torch.tensor(float(RANK)))
+    assert torch.equal(scalar, torch.arange(SIZE, dtype=torch.float32))
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank always agrees with itself")
+def test_allgather_refuses_other_trailing_shapes_on_every_rank():
+    with pytest.raises(ValueError, match=r"ranks \[1\] have another dtype or trailing shape"):
+        mpidp.allgather(torch.zeros(2, 3 if RANK != 1 else 4))
+
+
+def test_rank_size_local_rank_barrier():
+    assert (mpidp.rank(), mpidp.size()) == (RANK, SIZE)
+    assert mpidp.local_rank() == mpidp.topology().local_rank
+    mpidp.barrier()

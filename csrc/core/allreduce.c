@@ -88,7 +88,8 @@ static int post_chunk(mpidp_allreduce_t *x, size_t k)
     char what[MPIDP_REQ_WHAT_LEN + 64];
     snprintf(what, sizeof what, "%s: MPI_Iallreduce of %zu %s (chunk %zu/%zu)", x->what, n,
              mpidp_dtype_name(dtype), k + 1, x->n_chunks);
-    return mpidp__post_iallreduce(x->comm, x->reqs, buf, n, dtype, what, &x->req[k % x->slots]);
+    return mpidp__post_iallreduce(x->comm, x->reqs, buf, n, x->o.op, dtype, what,
+                                  &x->req[k % x->slots]);
 }
 
 static void finish_chunk(mpidp_allreduce_t *x, size_t k)
@@ -123,7 +124,7 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
 {
     if (t == NULL || opts == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
-    if (opts->op != MPIDP_OP_SUM && opts->op != MPIDP_OP_AVG)
+    if (opts->op < MPIDP_OP_SUM || opts->op > MPIDP_OP_PROD)
         return mpidp__fail(MPIDP_EINVAL, "allreduce: unknown op %d", opts->op);
     if (opts->chunk_elems == 0 || opts->chunk_elems > (size_t)INT_MAX)
         return mpidp__fail(MPIDP_EINVAL, "allreduce: chunk_elems must be in 1..INT_MAX");
@@ -134,9 +135,18 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
         return mpidp__fail(MPIDP_EDTYPE, "allreduce: a %s tensor cannot travel as %s (wire "
                            "compression takes float32 to bfloat16 or float16)",
                            mpidp_dtype_name(t->dtype), mpidp_dtype_name(opts->wire));
+    if (compressed && opts->op != MPIDP_OP_SUM && opts->op != MPIDP_OP_AVG)
+        return mpidp__fail(MPIDP_EINVAL, "allreduce: op %s cannot be compressed on the wire "
+                           "(sum and avg only)", mpidp_op_name(opts->op));
     if (mpidp_mpi_datatype(compressed ? opts->wire : (int)t->dtype) == MPI_DATATYPE_NULL)
         return mpidp__fail(MPIDP_EDTYPE, "allreduce: no MPI datatype for %s (MPI ops not "
                            "initialised?)", mpidp_dtype_name(compressed ? opts->wire : (int)t->dtype));
+    if (mpidp_mpi_op(opts->op, (int)t->dtype) == MPI_OP_NULL)
+        return mpidp__fail(MPIDP_EDTYPE, "allreduce: op %s is not defined for %s tensors%s",
+                           mpidp_op_name(opts->op), mpidp_dtype_name(t->dtype),
+                           t->dtype == MPIDP_BOOL ? " (bool takes min = all, max = any, prod)"
+                           : mpidp_dtype_is_float(t->dtype) ? " (use float32 for min, max, prod)"
+                                                            : " (avg needs a floating-point tensor)");
     if (opts->keep_wire && (!compressed || opts->max_in_flight != 0))
         return mpidp__fail(MPIDP_EINVAL, "allreduce: keep_wire needs a compressing wire dtype "
                            "and every chunk in flight (max_in_flight 0)");

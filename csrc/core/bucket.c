@@ -27,8 +27,9 @@ int mpidp_bucket_plan(const size_t *numel, const int *dtype, size_t n_params,
         size_t i = n_params - 1 - k;
         int dt = dtype[i];
         size_t esize = mpidp_dtype_size(dt);
-        if (esize == 0)
-            return mpidp__fail(MPIDP_EINVAL, "bucket plan: parameter %zu has unknown dtype %d", i, dt);
+        if (esize == 0 || !mpidp_dtype_is_float(dt))
+            return mpidp__fail(MPIDP_EINVAL, "bucket plan: parameter %zu has dtype %d, not a "
+                               "floating-point one", i, dt);
         size_t bytes = numel[i] * esize;
         long b = open[dt];
         if (b >= 0) {

@@ -1,4 +1,4 @@
-/* Broadcast and barrier (see mpidp/collectives.h). */
+/* Broadcast, allgather and barrier (see mpidp/collectives.h). */
 #include "mpidp/collectives.h"
 
 #include <limits.h>
@@ -37,6 +37,38 @@ int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_re
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ibcast(t->data, (int)(t->numel * esize), MPI_BYTE, root, comm, &req);
+    return mpidp__post_done(reqs, slot, rc, req, what, out);
+}
+
+int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
+                          mpidp_reqtable_t *reqs, mpidp_req_t *out)
+{
+    if (send == NULL || recv == NULL || reqs == NULL || out == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "allgather: NULL argument");
+    size_t esize = mpidp_dtype_size(send->dtype);
+    if (esize == 0 || send->numel > (size_t)INT_MAX / esize)
+        return mpidp__fail(MPIDP_EINVAL, "allgather: %zu elements per rank is too many", send->numel);
+    int size, rc = comm_size(comm, &size);
+    if (rc != MPIDP_OK) return rc;
+    size_t bytes = send->numel * esize;
+    if (recv->dtype != send->dtype || recv->numel != (size_t)size * send->numel)
+        return mpidp__fail(MPIDP_EINVAL, "allgather: the result must hold %d x %zu %s elements, "
+                           "got %zu %s", size, send->numel, mpidp_dtype_name(send->dtype),
+                           recv->numel, mpidp_dtype_name(recv->dtype));
+    const char *s = send->data, *r = recv->data;
+    if (bytes && s < r + (size_t)size * bytes && r < s + bytes)
+        return mpidp__fail(MPIDP_EINVAL, "allgather: the result overlaps the input");
+    *out = MPIDP_REQ_NONE;
+    if (bytes == 0) return MPIDP_OK;
+    char what[MPIDP_REQ_WHAT_LEN];
+    snprintf(what, sizeof what, "MPI_Iallgather of %zu %s per rank", send->numel,
+             mpidp_dtype_name(send->dtype));
+    mpidp_req_t slot;
+    rc = mpidp_reqtable_claim(reqs, what, &slot);
+    if (rc != MPIDP_OK) return rc;
+    MPI_Request req;
+    rc = MPI_Iallgather(send->data, (int)bytes, MPI_BYTE, recv->data, (int)bytes, MPI_BYTE, comm,
+                        &req);
     return mpidp__post_done(reqs, slot, rc, req, what, out);
 }
 

@@ -40,7 +40,7 @@ int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_R
     return MPIDP_OK;
 }
 
-int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, size_t count,
+int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, size_t count, int op,
                            int dtype, const char *what, mpidp_req_t *out)
 {
     if (count > (size_t)INT_MAX)
@@ -50,6 +50,6 @@ int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, siz
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(dtype),
-                        mpidp_mpi_sum_op(dtype), comm, &req);
+                        mpidp_mpi_op(op, dtype), comm, &req);
     return mpidp__post_done(reqs, slot, rc, req, what, out);
 }

@@ -121,17 +121,42 @@ MPI_Datatype mpidp_mpi_datatype(int dtype)
     case MPIDP_F64: return MPI_DOUBLE;
     case MPIDP_BF16: return mpidp_mpi_bf16_type();
     case MPIDP_F16: return mpidp_mpi_fp16_type();
+    case MPIDP_I8: return MPI_INT8_T;
+    case MPIDP_U8: return MPI_UINT8_T;
+    case MPIDP_I16: return MPI_INT16_T;
+    case MPIDP_I32: return MPI_INT32_T;
+    case MPIDP_I64: return MPI_INT64_T;
+    case MPIDP_BOOL: return MPI_C_BOOL;
     }
     return MPI_DATATYPE_NULL;
 }
 
-MPI_Op mpidp_mpi_sum_op(int dtype)
+MPI_Op mpidp_mpi_op(int op, int dtype)
 {
-    switch (dtype) {
-    case MPIDP_F32:
-    case MPIDP_F64: return MPI_SUM;
-    case MPIDP_BF16:
-    case MPIDP_F16: return mpidp_mpi_half_sum_op();
+    if (mpidp_mpi_datatype(dtype) == MPI_DATATYPE_NULL) return MPI_OP_NULL;
+    int half = dtype == MPIDP_BF16 || dtype == MPIDP_F16;
+    if (dtype == MPIDP_BOOL) {
+        switch (op) {
+        case MPIDP_OP_MIN:
+        case MPIDP_OP_PROD: return MPI_LAND;
+        case MPIDP_OP_MAX: return MPI_LOR;
+        }
+        return MPI_OP_NULL;
+    }
+    /* An average is a sum of values scaled by 1/size first. */
+    if (op == MPIDP_OP_AVG && !mpidp_dtype_is_float(dtype)) return MPI_OP_NULL;
+    switch (op) {
+    case MPIDP_OP_AVG:
+    case MPIDP_OP_SUM: return half ? mpidp_mpi_half_sum_op() : MPI_SUM;
+    case MPIDP_OP_MIN: return half ? MPI_OP_NULL : MPI_MIN;
+    case MPIDP_OP_MAX: return half ? MPI_OP_NULL : MPI_MAX;
+    case MPIDP_OP_PROD: return half ? MPI_OP_NULL : MPI_PROD;
     }
     return MPI_OP_NULL;
+}
+
+const char *mpidp_op_name(int op)
+{
+    static const char *const names[] = {"sum", "avg", "min", "max", "prod"};
+    return op >= 0 && op < (int)(sizeof names / sizeof names[0]) ? names[op] : "unknown";
 }

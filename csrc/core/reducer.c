@@ -287,7 +287,8 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
     char what[MPIDP_REQ_WHAT_LEN + 64]; /* the table keeps MPIDP_REQ_WHAT_LEN of it */
     snprintf(what, sizeof what, "%s: MPI_Iallreduce of gradient bucket %zu/%zu (%zu %s)", r->name,
              b + 1, r->n_buckets, bk->info.numel, mpidp_dtype_name(wire_dtype));
-    int rc = mpidp__post_iallreduce(r->comm, r->reqs, buf, count, wire_dtype, what, &bk->req);
+    int rc = mpidp__post_iallreduce(r->comm, r->reqs, buf, count, MPIDP_OP_SUM, wire_dtype, what,
+                                    &bk->req);
     if (rc != MPIDP_OK) return rc;
     bk->state = MPIDP_BUCKET_POSTED;
     return MPIDP_OK;

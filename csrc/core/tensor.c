@@ -9,10 +9,18 @@ size_t mpidp_dtype_size(int dtype)
     case MPIDP_F32: return 4;
     case MPIDP_F64: return 8;
     case MPIDP_BF16:
-    case MPIDP_F16: return 2;
+    case MPIDP_F16:
+    case MPIDP_I16: return 2;
+    case MPIDP_I8:
+    case MPIDP_U8:
+    case MPIDP_BOOL: return 1;
+    case MPIDP_I32: return 4;
+    case MPIDP_I64: return 8;
     }
     return 0;
 }
+
+int mpidp_dtype_is_float(int dtype) { return dtype >= MPIDP_F32 && dtype <= MPIDP_F16; }
 
 const char *mpidp_dtype_name(int dtype)
 {
@@ -21,6 +29,12 @@ const char *mpidp_dtype_name(int dtype)
     case MPIDP_F64: return "float64";
     case MPIDP_BF16: return "bfloat16";
     case MPIDP_F16: return "float16";
+    case MPIDP_I8: return "int8";
+    case MPIDP_U8: return "uint8";
+    case MPIDP_I16: return "int16";
+    case MPIDP_I32: return "int32";
+    case MPIDP_I64: return "int64";
+    case MPIDP_BOOL: return "bool";
     }
     return "unknown";
 }
@@ -32,6 +46,12 @@ static int dtype_from_dl(mpidp_dl_dtype_t t, mpidp_dtype_t *out)
     if (t.code == MPIDP_DL_FLOAT && t.bits == 64) { *out = MPIDP_F64; return 0; }
     if (t.code == MPIDP_DL_FLOAT && t.bits == 16) { *out = MPIDP_F16; return 0; }
     if (t.code == MPIDP_DL_BFLOAT && t.bits == 16) { *out = MPIDP_BF16; return 0; }
+    if (t.code == MPIDP_DL_INT && t.bits == 8) { *out = MPIDP_I8; return 0; }
+    if (t.code == MPIDP_DL_UINT && t.bits == 8) { *out = MPIDP_U8; return 0; }
+    if (t.code == MPIDP_DL_INT && t.bits == 16) { *out = MPIDP_I16; return 0; }
+    if (t.code == MPIDP_DL_INT && t.bits == 32) { *out = MPIDP_I32; return 0; }
+    if (t.code == MPIDP_DL_INT && t.bits == 64) { *out = MPIDP_I64; return 0; }
+    if (t.code == MPIDP_DL_BOOL && t.bits == 8) { *out = MPIDP_BOOL; return 0; }
     return -1;
 }
 
@@ -55,10 +75,12 @@ int mpidp_tensor_from_dlpack(const mpidp_dl_tensor_t *dl, int read_only,
         return mpidp__fail(MPIDP_EINVAL, "tensor: NULL DLPack tensor");
 
     mpidp_dtype_t dtype;
-    if (dtype_from_dl(dl->dtype, &dtype) != 0)
+    int any = (requirements & MPIDP_TENSOR_ANY_DTYPE) != 0;
+    if (dtype_from_dl(dl->dtype, &dtype) != 0 || (!any && !mpidp_dtype_is_float(dtype)))
         return mpidp__fail(MPIDP_EDTYPE,
-                           "expected a float32, float64, bfloat16 or float16 tensor, "
+                           "expected a float32, float64, bfloat16 or float16 tensor%s, "
                            "got %s%u (lanes %u)",
+                           any ? " (or int8, uint8, int16, int32, int64, bool)" : "",
                            dl_code_name(dl->dtype.code), (unsigned)dl->dtype.bits,
                            (unsigned)dl->dtype.lanes);
 

@@ -1,5 +1,6 @@
-/* Comm.allreduce / Comm.bcast / Comm.barrier: argument parsing, DLPack
- * intake, posting through the core, and waiting with the GIL released. */
+/* Comm.allreduce / bcast / allgather / barrier: argument parsing, DLPack
+ * intake (any dtype the core knows: which op suits which dtype is the core's
+ * check), posting through the core, and waiting with the GIL released. */
 #include "module.h"
 
 #include "mpidp/allreduce.h"
@@ -12,6 +13,9 @@
 #define WIRE_CHUNK (1u << 22)
 #define WIRE_IN_FLIGHT 2
 #define PLAIN_CHUNK (1u << 30)
+
+/* Host tensors of any dtype the core knows. */
+#define ANY_CPU (MPIDP_TENSOR_CPU_ONLY | MPIDP_TENSOR_ANY_DTYPE)
 
 /* Waits for a posted request (no Work needed): returns None or raises. */
 static PyObject *wait_req(mpidp_py_state *st, mpidp_req_t req, mpidp_py_borrowed_t *tensor,
@@ -39,8 +43,7 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     int async_op = PyObject_IsTrue(args[3]);
     if (PyErr_Occurred() || async_op < 0) return NULL;
     mpidp_py_borrowed_t tensor;
-    if (mpidp_py_borrow(st, args[0], MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "tensor",
-                        &tensor) < 0)
+    if (mpidp_py_borrow(st, args[0], ANY_CPU | MPIDP_TENSOR_WRITABLE, "tensor", &tensor) < 0)
         return NULL;
     int compressed = wire != -1 && wire != (int)tensor.t.dtype;
     mpidp_allreduce_opts_t opts = {
@@ -75,7 +78,7 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
     mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
     int root = PyLong_AsLong(args[1]);
     if (PyErr_Occurred()) return NULL;
-    unsigned need = MPIDP_TENSOR_CPU_ONLY | (comm->rank == root ? 0u : MPIDP_TENSOR_WRITABLE);
+    unsigned need = ANY_CPU | (comm->rank == root ? 0u : MPIDP_TENSOR_WRITABLE);
     mpidp_py_borrowed_t tensor;
     if (mpidp_py_borrow(st, args[0], need, "tensor", &tensor) < 0) return NULL;
     mpidp_error_clear();
@@ -86,6 +89,29 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
         return mpidp_py_raise(st, rc, "bcast");
     }
     return wait_req(st, req, &tensor, "bcast");
+}
+
+PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames)
+{
+    if (kwnames != NULL || nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "Comm.allgather(tensor, out) takes 2 positional arguments");
+    if (mpidp_py_check_not_forked("allgather") < 0) return NULL;
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    if (st == NULL) return NULL;
+    mpidp_py_borrowed_t t[2];
+    if (mpidp_py_borrow(st, args[0], ANY_CPU, "tensor", &t[0]) < 0) return NULL;
+    if (mpidp_py_borrow(st, args[1], ANY_CPU | MPIDP_TENSOR_WRITABLE, "out", &t[1]) < 0) {
+        mpidp_py_release(&t[0]);
+        return NULL;
+    }
+    mpidp_error_clear();
+    mpidp_req_t req;
+    int rc = mpidp_allgather_start(((mpidp_py_comm_t *)self)->comm, &t[0].t, &t[1].t, st->reqs, &req);
+    PyObject *res = rc == MPIDP_OK ? wait_req(st, req, &t[1], "allgather")
+                                   : (mpidp_py_release(&t[1]), mpidp_py_raise(st, rc, "allgather"));
+    mpidp_py_release(&t[0]);
+    return res;
 }
 
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)

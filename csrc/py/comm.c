@@ -120,6 +120,8 @@ static PyMethodDef comm_methods[] = {
      "allreduce(tensor, op, wire_dtype, async_op) -> Work | None (in place)"},
     {"bcast", (PyCFunction)(void (*)(void))mpidp_py_comm_bcast, METH_FASTCALL | METH_KEYWORDS,
      "bcast(tensor, root) (in place, blocking)"},
+    {"allgather", (PyCFunction)(void (*)(void))mpidp_py_comm_allgather, METH_FASTCALL | METH_KEYWORDS,
+     "allgather(tensor, out): every rank's tensor into out, in rank order (blocking)"},
     {"barrier", (PyCFunction)mpidp_py_comm_barrier, METH_NOARGS, "barrier()"},
     {"py2f", (PyCFunction)comm_py2f, METH_NOARGS, "The Fortran handle of the duplicate."},
     {NULL, NULL, 0, NULL},

@@ -148,8 +148,8 @@ static PyObject *mod_checksums(PyObject *m, PyObject *seq)
     PyObject *out = PyTuple_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         mpidp_py_borrowed_t t;
-        if (mpidp_py_borrow(st, PySequence_Fast_GET_ITEM(fast, i), MPIDP_TENSOR_CPU_ONLY, "tensors",
-                            &t) < 0) {
+        if (mpidp_py_borrow(st, PySequence_Fast_GET_ITEM(fast, i),
+                            MPIDP_TENSOR_CPU_ONLY | MPIDP_TENSOR_ANY_DTYPE, "tensors", &t) < 0) {
             Py_CLEAR(out);
             break;
         }
@@ -213,6 +213,7 @@ static int module_exec(PyObject *m)
     static const struct { const char *name; int value; } constants[] = {
         {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},
         {"DTYPE_F16", MPIDP_F16}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
+        {"OP_MIN", MPIDP_OP_MIN}, {"OP_MAX", MPIDP_OP_MAX}, {"OP_PROD", MPIDP_OP_PROD},
         {"NO_WIRE", -1}, {"CONVERT_PACK", MPIDP_CONVERT_PACK},
         {"CONVERT_UNPACK", MPIDP_CONVERT_UNPACK}, {"CONVERT_SUM16", MPIDP_CONVERT_SUM16}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)

@@ -98,6 +98,8 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
                                   PyObject *kwnames);
 PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames);
+PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames);
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused);
 
 /* Type specs and module-init hooks, one per file. */

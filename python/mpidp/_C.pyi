@@ -13,6 +13,9 @@ DTYPE_BF16: int
 DTYPE_F16: int
 OP_SUM: int
 OP_AVG: int
+OP_MIN: int
+OP_MAX: int
+OP_PROD: int
 NO_WIRE: int   # wire_dtype: send tensors in their own dtype
 CONVERT_PACK: int    # convert()'s op codes (mpidp/convert.h)
 CONVERT_UNPACK: int
@@ -39,6 +42,7 @@ class Comm:
     def allreduce(self, tensor: torch.Tensor, op: int, wire_dtype: int,
                   async_op: bool) -> Optional["Work"]: ...
     def bcast(self, tensor: torch.Tensor, root: int) -> None: ...
+    def allgather(self, tensor: torch.Tensor, out: torch.Tensor) -> None: ...
     def barrier(self) -> None: ...
     def py2f(self) -> int: ...
 

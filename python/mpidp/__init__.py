@@ -11,7 +11,8 @@ from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks t
 from . import _C
 from ._C import CommError, CommTimeout
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
-from .collectives import Work, allreduce
+from .collectives import (Work, allgather, allreduce, allreduce_scalar, barrier, broadcast,
+                          local_rank, rank, size)
 from .daso import DASO
 from .data_parallel import DataParallel
 from .data_parallel_multi import DataParallelMultiGPU
@@ -35,7 +36,11 @@ __all__ = [
     "MPI_WORLD",
     "MPICommunication",
     "Work",
+    "allgather",
     "allreduce",
+    "allreduce_scalar",
+    "barrier",
+    "broadcast",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "mpi_library_version",
@@ -44,6 +49,9 @@ __all__ = [
     "Topology",
     "get_timeout",
     "init_process_group",
+    "local_rank",
+    "rank",
+    "size",
     "set_timeout",
     "simd_path",
     "topology",

@@ -10,19 +10,12 @@ from collections.abc import Mapping
 import torch
 
 from ._loads import bytes_of
+from .collectives import check_root
 from ._mpi import resolve_comm
 from .optimizer import DataParallelOptimizer
 from ._params import broadcast_tensors
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
-
-
-def _check_root(root, comm) -> int:
-    if isinstance(root, bool) or not isinstance(root, int):
-        raise TypeError(f"root: expected an int, got {type(root).__name__}")
-    if not 0 <= root < comm.size:
-        raise ValueError(f"root: expected a rank in 0 .. {comm.size - 1}, got {root}")
-    return root
 
 
 def broadcast_parameters(params, root: int = 0, comm=None) -> None:
@@ -33,7 +26,7 @@ def broadcast_parameters(params, root: int = 0, comm=None) -> None:
     (Horovod's `model.named_parameters()`). Tensors of any dtype and device
     travel in one message per device."""
     c_comm = resolve_comm(comm)
-    root = _check_root(root, c_comm)
+    root = check_root(root, c_comm)
     if isinstance(params, torch.nn.Module):
         tensors = list(params.parameters()) + list(params.buffers())
     elif isinstance(params, Mapping):
@@ -69,7 +62,7 @@ def broadcast_optimizer_state(optimizer, root: int = 0, comm=None) -> None:
     is serialised, broadcast and loaded with load_state_dict() on the others
     (which moves it to the parameters' devices)."""
     c_comm = resolve_comm(comm)
-    root = _check_root(root, c_comm)
+    root = check_root(root, c_comm)
     # A DataParallelOptimizer's own state_dict/load_state_dict finish a pending update first.
     target = (optimizer if isinstance(optimizer, DataParallelOptimizer)
               else _torch_optimizer(optimizer))

@@ -1,37 +1,164 @@
-"""Tensor collectives on MPI communicators: `mpidp.allreduce`."""
+"""Collectives on tensors and Python numbers, over MPI communicators.
+
+Every call is collective over `comm` (default MPI.COMM_WORLD; an mpi4py
+communicator or Heat's wrapper), runs through mpidp's C core and waits with
+the MPIDP_TIMEOUT deadline, so a missing rank ends in mpidp.CommTimeout
+instead of a hang. Tensors live in host memory and are contiguous."""
 
 from __future__ import annotations
+
+import numbers
+import zlib
 
 import torch
 
 from . import _C
 from ._dtypes import wire_code
-from ._mpi import resolve_comm
+from ._mpi import MPI, resolve_comm
+from .topology import topology
 
-__all__ = ["allreduce", "Work"]
+__all__ = ["allreduce", "allreduce_scalar", "allgather", "broadcast", "barrier", "rank", "size",
+           "local_rank", "Work"]
 
 Work = _C.Work
 
-_OPS = {"sum": _C.OP_SUM, "avg": _C.OP_AVG}
+_OPS = {"sum": _C.OP_SUM, "avg": _C.OP_AVG, "min": _C.OP_MIN, "max": _C.OP_MAX,
+        "prod": _C.OP_PROD}
+_INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_tensor(tensor, argname: str = "tensor", writable: bool = True) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{argname}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _INTEGERS + _FLOATS + (torch.bool,):
+        raise TypeError(f"{argname}: dtype {tensor.dtype} is not supported (float32, float64, "
+                        "bfloat16, float16, int8, uint8, int16, int32, int64, bool)")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{argname}: expected a CPU tensor, got one on {tensor.device} "
+                         "(copy it to the host first)")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{argname}: expected a contiguous tensor (call .contiguous() and use that)")
+    if writable and tensor.requires_grad and tensor.is_leaf:
+        raise ValueError(f"{argname}: a leaf tensor that requires grad cannot be changed in place; "
+                         "pass tensor.detach() or tensor.data")
+
+
+def _check_op(op: str, dtype: torch.dtype, wire_dtype=None) -> int:
+    if op not in _OPS:
+        raise ValueError(f"op: expected one of {', '.join(map(repr, _OPS))}, got {op!r}")
+    if op == "avg" and dtype not in _FLOATS:
+        raise ValueError(f"op: 'avg' needs a floating-point tensor, got {dtype} (use 'sum' and "
+                         "divide, or convert to float)")
+    if dtype == torch.bool and op not in ("min", "max", "prod"):
+        raise ValueError(f"op: {op!r} is not defined for bool tensors; 'min' is all, 'max' is any")
+    if dtype in (torch.bfloat16, torch.float16) and op in ("min", "max", "prod"):
+        raise ValueError(f"op: {op!r} of {dtype} tensors is not supported; use float32")
+    if wire_dtype is not None and op not in ("sum", "avg"):
+        raise ValueError(f"wire_dtype: only 'sum' and 'avg' can be compressed, got op={op!r}")
+    return _OPS[op]
 
 
 def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,
               async_op: bool = False):
-    """Reduce `tensor` in place over every rank of `comm` (default COMM_WORLD).
+    """Reduce `tensor` in place over every rank of `comm`.
 
-    op: "sum" or "avg". wire_dtype: None (send the tensor's own dtype) or
-    torch.bfloat16 / torch.float16 to send compressed. With async_op=True a
-    `Work` is returned: `wait()` completes it, `is_completed()` polls it; the
-    tensor must not be used until then. Every wait has a deadline
-    (MPIDP_TIMEOUT seconds)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
-    if op not in _OPS:
-        raise ValueError(f"op: expected 'sum' or 'avg', got {op!r}")
-    if not tensor.is_contiguous():
-        raise ValueError("tensor: expected a contiguous tensor (call .contiguous() and reduce that)")
-    if tensor.requires_grad and tensor.is_leaf:
-        raise ValueError("tensor: a leaf tensor that requires grad cannot be reduced in place; "
-                         "pass tensor.detach() or tensor.data")
-    return resolve_comm(comm).allreduce(tensor.detach(), _OPS[op], wire_code(wire_dtype),
+    op: "sum", "avg" (floating-point tensors), "min", "max" or "prod" (not
+    for bfloat16/float16); bool tensors take "min" (all), "max" (any) and
+    "prod". Integer results wrap around as in C on overflow. wire_dtype: None
+    (send the tensor's own dtype) or torch.bfloat16 / torch.float16 to send a
+    float32 tensor compressed ("sum" and "avg"). With async_op=True a `Work` is
+    returned: `wait()` completes it, `is_completed()` polls it; the tensor
+    must not be used until then."""
+    _check_tensor(tensor)
+    code = _check_op(op, tensor.dtype, wire_dtype)
+    return resolve_comm(comm).allreduce(tensor.detach(), code, wire_code(wire_dtype),
                                         bool(async_op))
+
+
+def allreduce_scalar(value, op: str = "avg", comm=None):
+    """The reduction of a Python number (or 1-element tensor) over the ranks:
+    metric averaging such as `allreduce_scalar(loss.item())`. Returns a float
+    for floats and for "avg", an int for integers, a bool for bools."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"value: expected a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool):
+        t = torch.tensor([value], dtype=torch.bool)
+    elif isinstance(value, numbers.Integral) and op != "avg":
+        t = torch.tensor([int(value)], dtype=torch.int64)
+    elif isinstance(value, numbers.Real):
+        t = torch.tensor([float(value)], dtype=torch.float64)
+    else:
+        raise TypeError(f"value: expected a number, got {type(value).__name__}")
+    allreduce(t, op, comm)
+    return t.item()
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, comm=None) -> torch.Tensor:
+    """Make `tensor` rank `root`'s on every rank (in place; returned too)."""
+    c = resolve_comm(comm)
+    _check_tensor(tensor, writable=c.rank != root)
+    c.bcast(tensor.detach(), check_root(root, c))
+    return tensor
+
+
+def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dimension 0, in rank order
+    (Horovod's allgather). The first dimension may differ between ranks; the
+    others, and the dtype, must not."""
+    _check_tensor(tensor, writable=False)
+    c = resolve_comm(comm)
+    t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    # Each rank's first dimension and a code of the rest (one small allgather).
+    shape = torch.zeros(3, dtype=torch.int64)
+    shape[0] = t.shape[0]
+    shape[1] = zlib.crc32(repr((tuple(t.shape[1:]), str(t.dtype))).encode())
+    shapes = torch.empty(c.size * 3, dtype=torch.int64)
+    c.allgather(shape, shapes)
+    shapes = shapes.view(c.size, 3)
+    if not bool((shapes[:, 1] == shape[1]).all()):
+        odd = [r for r in range(c.size) if shapes[r, 1] != shapes[0, 1]]
+        raise ValueError(f"tensor: ranks {odd} have another dtype or trailing shape than rank 0 "
+                         f"(this rank: {t.dtype}, {tuple(t.shape[1:])})")
+    rows = shapes[:, 0].tolist()
+    # Equal blocks on the wire: pad to the longest, then drop the padding.
+    longest = max(rows)
+    block = t if t.shape[0] == longest else torch.cat(
+        [t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
+    out = torch.empty((c.size * longest,) + tuple(t.shape[1:]), dtype=t.dtype)
+    c.allgather(block.contiguous(), out)
+    if all(n == longest for n in rows):
+        return out
+    return torch.cat([out[r * longest:r * longest + n] for r, n in enumerate(rows)])
+
+
+def barrier(comm=None) -> None:
+    """Wait until every rank of `comm` has called barrier()."""
+    resolve_comm(comm).barrier()
+
+
+def rank(comm=None) -> int:
+    """This process's rank in `comm` (default MPI.COMM_WORLD)."""
+    return resolve_comm(comm).rank
+
+
+def size(comm=None) -> int:
+    """The number of ranks in `comm` (default MPI.COMM_WORLD)."""
+    return resolve_comm(comm).size
+
+
+def local_rank() -> int:
+    """This rank's index on its node (mpidp.topology().local_rank)."""
+    return topology(MPI.COMM_WORLD).local_rank
+
+
+def check_root(root, c) -> int:
+    """`root` as a rank of `c` (a _C.Comm), or a clear error."""
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(f"root: expected an int, got {type(root).__name__}")
+    if not 0 <= root < c.size:
+        raise ValueError(f"root: expected a rank in 0 .. {c.size - 1}, got {root}")
+    return root

@@ -65,6 +65,24 @@ TEST(refuses_non_contiguous_and_bad_dtypes)
     ASSERT_EQ_INT(mpidp_tensor_from_dlpack(&dl, 0, 0, &t), MPIDP_EDTYPE);
     dl.dtype = (mpidp_dl_dtype_t){MPIDP_DL_COMPLEX, 64, 1};
     ASSERT_EQ_INT(mpidp_tensor_from_dlpack(&dl, 0, 0, &t), MPIDP_EDTYPE);
+    /* Integers and bool only on request (the collectives), each its own size. */
+    static const struct { uint8_t code, bits; int dtype; size_t size; } ints[] = {
+        {MPIDP_DL_INT, 8, MPIDP_I8, 1},   {MPIDP_DL_UINT, 8, MPIDP_U8, 1},
+        {MPIDP_DL_INT, 16, MPIDP_I16, 2}, {MPIDP_DL_INT, 32, MPIDP_I32, 4},
+        {MPIDP_DL_INT, 64, MPIDP_I64, 8}, {MPIDP_DL_BOOL, 8, MPIDP_BOOL, 1}};
+    for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++) {
+        dl.dtype = (mpidp_dl_dtype_t){ints[k].code, ints[k].bits, 1};
+        ASSERT_EQ_INT(mpidp_tensor_from_dlpack(&dl, 0, 0, &t), MPIDP_EDTYPE);
+        ASSERT_OK(mpidp_tensor_from_dlpack(&dl, 0, MPIDP_TENSOR_ANY_DTYPE, &t));
+        ASSERT_EQ_INT(t.dtype, ints[k].dtype);
+        ASSERT_EQ_INT(mpidp_dtype_size(t.dtype), ints[k].size);
+        ASSERT_EQ_INT(mpidp_dtype_is_float(t.dtype), 0);
+    }
+    dl.dtype = (mpidp_dl_dtype_t){MPIDP_DL_UINT, 16, 1};   /* no uint16 */
+    ASSERT_EQ_INT(mpidp_tensor_from_dlpack(&dl, 0, MPIDP_TENSOR_ANY_DTYPE, &t), MPIDP_EDTYPE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "int64, bool") != NULL);
+    ASSERT_EQ_INT(mpidp_dtype_is_float(MPIDP_BF16), 1);
+    ASSERT_TRUE(strcmp(mpidp_dtype_name(MPIDP_BOOL), "bool") == 0);
 }
 
 TEST(devices_flags_and_shapes)

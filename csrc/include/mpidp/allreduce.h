@@ -19,16 +19,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mpidp/mpiops.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/tensor.h"
 
-typedef enum {
-    MPIDP_OP_SUM = 0,
-    MPIDP_OP_AVG = 1,
-} mpidp_op_t;
-
 typedef struct {
-    int op;               /* mpidp_op_t */
+    int op;               /* mpidp_op_t (mpidp/mpiops.h); min/max/prod: uncompressed only */
     int wire;             /* MPIDP_BF16 / MPIDP_F16 to compress a float32 tensor; -1: none */
     size_t chunk_elems;   /* elements per MPI call, 1 .. INT_MAX */
     size_t max_in_flight; /* chunks posted at once; 0: all */

@@ -36,7 +36,7 @@ int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_R
 /* The in-place sum of `count` elements of core dtype `dtype` over `comm`
  * (MPI_Iallreduce with mpiops.c's datatype and op), posted as above: claim,
  * post, register into *out. Every allreduce of the core goes through here. */
-int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, size_t count,
+int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, size_t count, int op,
                            int dtype, const char *what, mpidp_req_t *out);
 
 #endif /* MPIDP_MPI_UTIL_H */

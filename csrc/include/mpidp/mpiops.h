@@ -33,12 +33,25 @@ MPI_Datatype mpidp_mpi_bf16_type(void);
 MPI_Datatype mpidp_mpi_fp16_type(void);
 MPI_Op mpidp_mpi_half_sum_op(void);
 
-/* The MPI datatype and sum op of a core dtype (MPIDP_F32 ...; see
- * mpidp/tensor.h): MPI_DATATYPE_NULL / MPI_OP_NULL when unknown, and for the
- * 16-bit types before a successful mpidp_mpiops_init. The one place the core
- * maps its dtypes to MPI. */
+/* Reductions. AVG is a SUM of values scaled by 1/size first (floats only). */
+typedef enum {
+    MPIDP_OP_SUM = 0,
+    MPIDP_OP_AVG = 1,
+    MPIDP_OP_MIN = 2,
+    MPIDP_OP_MAX = 3,
+    MPIDP_OP_PROD = 4,
+} mpidp_op_t;
+
+/* The MPI datatype of a core dtype (MPIDP_F32 ...; see mpidp/tensor.h), and
+ * the MPI op reducing it with `op`: MPI_DATATYPE_NULL / MPI_OP_NULL when
+ * unknown or not defined for that dtype (avg of integers; min, max or prod
+ * of bfloat16/float16; sum or avg of bool -- bool takes min = all, max = any,
+ * prod = all), and for the 16-bit types before a successful
+ * mpidp_mpiops_init. The one place the core maps its dtypes and ops to MPI. */
 MPI_Datatype mpidp_mpi_datatype(int dtype);
-MPI_Op mpidp_mpi_sum_op(int dtype);
+MPI_Op mpidp_mpi_op(int op, int dtype);
+/* "sum", "avg", "min", "max", "prod", or "unknown". */
+const char *mpidp_op_name(int op);
 
 /* Frees the handles when MPI is still initialized (after MPI_Finalize it only
  * forgets them), so that mpidp_mpiops_init can create them again. Never call it

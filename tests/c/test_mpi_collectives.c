@@ -1,0 +1,166 @@
+/* The collectives on integer and bool tensors across real ranks (mpirun -np 2,
+ * also 3 and 4; rank-agnostic): allreduce with sum, min, max and prod of every
+ * integer dtype and min/max of bool against results computed here from all
+ * ranks' inputs; the op/dtype combinations MPI has no meaning for refused
+ * before anything is posted; allgather of equal blocks; a broadcast of int64. */
+#include <mpi.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "mpidp/allreduce.h"
+#include "mpidp/collectives.h"
+#include "mpidp/mpiops.h"
+#include "mpidp/status.h"
+#include "mpidp/tensor.h"
+#include "test.h"
+
+#define N 11
+
+static int rank_, size_;
+
+static mpidp_reqtable_t *table(void)
+{
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+    mpidp_mpiops_init();
+    mpidp_reqtable_t *t = NULL;
+    mpidp_reqtable_create(8, &t);
+    return t;
+}
+
+/* Rank r's value at i: small, signed, never 0 for prod (stays in int8 for 4 ranks). */
+static int64_t input(int r, size_t i) { return (int64_t)((i + (size_t)r) % 5) - 2 + (((i + (size_t)r) % 5) == 2); }
+
+static int64_t expected(int op, size_t i)
+{
+    int64_t acc = input(0, i);
+    for (int r = 1; r < size_; r++) {
+        int64_t v = input(r, i);
+        if (op == MPIDP_OP_SUM) acc += v;
+        else if (op == MPIDP_OP_MIN) acc = v < acc ? v : acc;
+        else if (op == MPIDP_OP_MAX) acc = v > acc ? v : acc;
+        else acc *= v;
+    }
+    return acc;
+}
+
+static int reduce(void *data, int dtype, int op, mpidp_reqtable_t *reqs)
+{
+    mpidp_tensor_t t = {.data = data, .numel = N, .dtype = dtype, .device = MPIDP_DEV_CPU};
+    mpidp_allreduce_opts_t o = {.op = op, .wire = -1, .chunk_elems = 4, .max_in_flight = 2,
+                                .drain_timeout_s = 10.0, .what = "t"};
+    mpidp_allreduce_t *x = NULL;
+    int rc = mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x);
+    if (rc != MPIDP_OK) return rc;
+    rc = mpidp_allreduce_wait(x, 10.0);
+    return rc == MPIDP_OK ? mpidp_allreduce_free(x) : rc;
+}
+
+/* Fills data (dtype) with this rank's inputs, reduces, and returns element i. */
+#define CASE(ctype, dtype_code)                                                 \
+    do {                                                                        \
+        ctype v[N];                                                             \
+        for (size_t i = 0; i < N; i++) v[i] = (ctype)input(rank_, i);          \
+        ASSERT_OK(reduce(v, dtype_code, op, reqs));                             \
+        for (size_t i = 0; i < N; i++) ASSERT_EQ_INT((int64_t)v[i], (ctype)expected(op, i)); \
+    } while (0)
+
+TEST(integer_allreduce_sum_min_max_prod)
+{
+    mpidp_reqtable_t *reqs = table();
+    static const int ops[] = {MPIDP_OP_SUM, MPIDP_OP_MIN, MPIDP_OP_MAX, MPIDP_OP_PROD};
+    for (size_t k = 0; k < 4; k++) {
+        int op = ops[k];
+        CASE(int8_t, MPIDP_I8);
+        CASE(int16_t, MPIDP_I16);
+        CASE(int32_t, MPIDP_I32);
+        CASE(int64_t, MPIDP_I64);
+        if (op != MPIDP_OP_PROD && op != MPIDP_OP_SUM) {
+            uint8_t u[N];
+            for (size_t i = 0; i < N; i++) u[i] = (uint8_t)(input(rank_, i) + 2);
+            ASSERT_OK(reduce(u, MPIDP_U8, op, reqs));
+            for (size_t i = 0; i < N; i++) ASSERT_EQ_INT(u[i], expected(op, i) + 2);
+        }
+    }
+    /* float32 min/max/prod too (exact for these values) */
+    float f[N];
+    for (size_t i = 0; i < N; i++) f[i] = (float)input(rank_, i);
+    ASSERT_OK(reduce(f, MPIDP_F32, MPIDP_OP_MAX, reqs));
+    for (size_t i = 0; i < N; i++) ASSERT_NEAR(f[i], (double)expected(MPIDP_OP_MAX, i), 0);
+    ASSERT_EQ_INT(mpidp_reqtable_pending(reqs), 0);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
+TEST(bool_allreduce_is_all_and_any)
+{
+    mpidp_reqtable_t *reqs = table();
+    _Bool all[N], any[N];
+    for (size_t i = 0; i < N; i++) all[i] = any[i] = (i + (size_t)rank_) % 3 != 0;
+    ASSERT_OK(reduce(all, MPIDP_BOOL, MPIDP_OP_MIN, reqs));
+    ASSERT_OK(reduce(any, MPIDP_BOOL, MPIDP_OP_MAX, reqs));
+    for (size_t i = 0; i < N; i++) {
+        int want_all = 1, want_any = 0;
+        for (int r = 0; r < size_; r++) {
+            int v = (i + (size_t)r) % 3 != 0;
+            want_all &= v;
+            want_any |= v;
+        }
+        ASSERT_EQ_INT(all[i], want_all);
+        ASSERT_EQ_INT(any[i], want_any);
+    }
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
+TEST(meaningless_op_dtype_pairs_are_refused_before_posting)
+{
+    mpidp_reqtable_t *reqs = table();
+    int32_t i32[N] = {0};
+    uint16_t h[N] = {0};
+    _Bool b[N] = {0};
+    ASSERT_EQ_INT(reduce(i32, MPIDP_I32, MPIDP_OP_AVG, reqs), MPIDP_EDTYPE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "avg needs a floating-point tensor") != NULL);
+    ASSERT_EQ_INT(reduce(h, MPIDP_BF16, MPIDP_OP_MIN, reqs), MPIDP_EDTYPE);
+    ASSERT_EQ_INT(reduce(b, MPIDP_BOOL, MPIDP_OP_SUM, reqs), MPIDP_EDTYPE);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "max = any") != NULL);
+    ASSERT_EQ_INT(reduce(i32, MPIDP_I32, 9, reqs), MPIDP_EINVAL);
+    float f[N] = {0};
+    mpidp_tensor_t t = {.data = f, .numel = N, .dtype = MPIDP_F32, .device = MPIDP_DEV_CPU};
+    mpidp_allreduce_opts_t o = {.op = MPIDP_OP_MAX, .wire = MPIDP_BF16, .chunk_elems = 4};
+    mpidp_allreduce_t *x = NULL;
+    ASSERT_EQ_INT(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "cannot be compressed") != NULL);
+    ASSERT_EQ_INT(mpidp_reqtable_pending(reqs), 0);
+    ASSERT_TRUE(strcmp(mpidp_op_name(MPIDP_OP_PROD), "prod") == 0);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
+TEST(allgather_and_bcast_move_any_dtype)
+{
+    mpidp_reqtable_t *reqs = table();
+    int64_t mine[3], all[4 * 3];
+    for (int k = 0; k < 3; k++) mine[k] = 100 * rank_ + k;
+    mpidp_tensor_t s = {.data = mine, .numel = 3, .dtype = MPIDP_I64, .device = MPIDP_DEV_CPU};
+    mpidp_tensor_t r = {.data = all, .numel = (size_t)size_ * 3, .dtype = MPIDP_I64,
+                        .device = MPIDP_DEV_CPU};
+    mpidp_req_t req;
+    ASSERT_OK(mpidp_allgather_start(MPI_COMM_WORLD, &s, &r, reqs, &req));
+    ASSERT_OK(mpidp_reqtable_wait(reqs, req, 10.0));
+    for (int q = 0; q < size_; q++)
+        for (int k = 0; k < 3; k++) ASSERT_EQ_INT(all[q * 3 + k], 100 * q + k);
+    mpidp_tensor_t small = r;
+    small.numel = 2;
+    ASSERT_EQ_INT(mpidp_allgather_start(MPI_COMM_WORLD, &s, &small, reqs, &req), MPIDP_EINVAL);
+    mpidp_tensor_t overlap = s;
+    overlap.numel = (size_t)size_ * 3;
+    if (size_ == 1) ASSERT_EQ_INT(mpidp_allgather_start(MPI_COMM_WORLD, &s, &overlap, reqs, &req), MPIDP_EINVAL);
+    for (int k = 0; k < 3; k++) mine[k] = rank_ == size_ - 1 ? -7 * k : 0;
+    ASSERT_OK(mpidp_bcast_start(MPI_COMM_WORLD, &s, size_ - 1, reqs, &req));
+    ASSERT_OK(mpidp_reqtable_wait(reqs, req, 10.0)); /* MPIDP_REQ_NONE at one rank: done */
+    for (int k = 0; k < 3; k++) ASSERT_EQ_INT(mine[k], -7 * k);
+    ASSERT_EQ_INT(mpidp_reqtable_pending(reqs), 0);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
+TEST_MAIN_MPI(integer_allreduce_sum_min_max_prod, bool_allreduce_is_all_and_any,
+              meaningless_op_dtype_pairs_are_refused_before_posting,
+              allgather_and_bcast_move_any_dtype)
