@@ -122,3 +122,15 @@ def test_unshaped_links_are_much_faster(cluster):
     t = res["seconds"][0]
     assert t < 0.5, f"20 MB took {t:.3f} s without shaping; the tbf shaper must be what slows them down"
     assert traffic["total_bytes"] >= MB20, traffic
+
+
+def test_daso_across_two_emulated_nodes(cluster):
+    """torch's default group across nodes (rank 0's TCP store, reached from the
+    other node) and node-local DDP inside each: the Heat-style DASO script
+    trains, and every rank ends with the same model."""
+    proc = check(script("run.sh", "--nodes", 2, "--ranks-per-node", 2, "--rate", "none", "--",
+                        sys.executable, ROOT / "tests" / "heat_style_train.py", "daso",
+                        timeout=240))
+    digests = {line.rsplit(" ", 1)[1] for line in proc.stdout.splitlines()
+               if line.startswith("rank ") and " digest " in line}
+    assert len(digests) == 1 and proc.stdout.count(" digest ") == 4, proc.stdout + proc.stderr

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import mpidp
 from mpidp.topology import node_comm
+from test_ddp_habits import BNNet
 from dp_reference import (DEVICE, RANK, SIZE, assert_params_close, assert_same_on_all_ranks,
                           on_device, seeded)
 
@@ -461,24 +462,13 @@ def test_a_rank_that_differs_is_brought_back_at_the_epoch_end(nodes_of, how):
         assert named and SIZE - 1 in {int(r) for r in named.group(1).split(",")}, message
 
 
-class BNMLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(10, 16)
-        self.bn = torch.nn.BatchNorm1d(16)
-        self.l2 = torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.l2(torch.relu(self.bn(self.l1(x))))
-
-
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_buffers_are_rank0s_after_every_blocking_sync(nodes_of, broadcast):
     """Warm-up syncs globally (blocking) every batch: with broadcast_buffers
     every rank then holds rank 0's BatchNorm statistics; without it each
     rank's own (ranks train on different data)."""
     torch.manual_seed(5)
-    model = BNMLP().to(DEVICE)
+    model = BNNet(inputs=10, hidden=16).to(DEVICE)
     daso = mpidp.DASO(torch.optim.SGD(model.parameters(), lr=0.05), total_epochs=4,
                       warmup_epochs=1, cooldown_epochs=1)
     net = mpidp.DataParallelMultiGPU(model, daso, broadcast_buffers=broadcast)

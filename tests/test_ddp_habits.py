@@ -17,11 +17,12 @@ from test_data_parallel import MLP, sgd
 
 
 class BNNet(torch.nn.Module):
-    def __init__(self):
+    """Linear, BatchNorm (running statistics: buffers), Linear."""
+    def __init__(self, inputs=6, hidden=8):
         super().__init__()
-        self.l1 = torch.nn.Linear(6, 8)
-        self.bn = torch.nn.BatchNorm1d(8)
-        self.l2 = torch.nn.Linear(8, 3)
+        self.l1 = torch.nn.Linear(inputs, hidden)
+        self.bn = torch.nn.BatchNorm1d(hidden)
+        self.l2 = torch.nn.Linear(hidden, 3)
 
     def forward(self, x):
         return self.l2(torch.relu(self.bn(self.l1(x))))

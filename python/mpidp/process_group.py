@@ -90,7 +90,9 @@ def init_process_group(comm=None, backend: str | None = None,
                                   wait_for_workers=False)
         except Exception as exc:  # tell the others instead of leaving them waiting
             error = f"rank 0 could not open a TCP store on {host}: {exc}"
-    port, error = group.bcast((store.port if store else None, error), root=0)
+    # Every rank connects to rank 0's address: each rank resolving its own
+    # hostname would send the other nodes' ranks to themselves.
+    host, port, error = group.bcast((host, store.port if store else None, error), root=0)
     if error:
         raise RuntimeError(f"init_process_group: {error}")
     if rank != 0:
