@@ -110,11 +110,13 @@ def test_wrapping_a_wrapper_is_refused():
         mpidp.DataParallel(net)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
-def test_a_dropped_wrapper_is_freed_at_once(blocking):
+def test_a_dropped_wrapper_is_freed_at_once(blocking, staged, monkeypatch):
     """No reference cycle keeps a dropped wrapper (and its gradient buckets,
-    a copy of the model's size) alive until the garbage collector runs: 200
-    wrap/drop cycles used to add 143 MiB and more."""
+    a copy of the model's size, in device memory when staged) alive until the
+    garbage collector runs: 200 wrap/drop cycles used to add 143 MiB and more."""
+    monkeypatch.setenv("MPIDP_DP_STAGING", "1" if staged else "0")
     model = build(MLP, 100 + RANK)
     gc.disable()
     try:
@@ -123,9 +125,9 @@ def test_a_dropped_wrapper_is_freed_at_once(blocking):
         loss_fn(net, torch.randn(4, 6), torch.tensor([0, 1, 2, 0])).backward()
         opt.step()
         net(torch.randn(2, 6))                      # applies a pending update
-        dropped = weakref.ref(net)
+        dropped, buckets = weakref.ref(net), weakref.ref(net._reducer)
         del net, opt
-        assert dropped() is None
+        assert dropped() is None and buckets() is None
         assert all(hooks_on(p) == 0 for p in model.parameters())
     finally:
         gc.enable()

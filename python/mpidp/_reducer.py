@@ -65,7 +65,7 @@ class GradientReducer(_C.Reducer):
         # The tensors the .grad views are views of: their version counters
         # tell in-place changes (the user's zero_grad, clipping) apart.
         self._grad_buckets = grads_in
-        self._staging = None if not staged else _Staging(self, host, dev, infos, on_gpu)
+        self._staging = None if not staged else _Staging(host, dev, infos, on_gpu)
         return self
 
     def hook(self, i: int):
@@ -75,9 +75,9 @@ class GradientReducer(_C.Reducer):
             return functools.partial(self.grad_arrived, i)
         staging = self._staging
 
-        def staged_hook(param, i=i, arrived=self.grad_arrived):
-            arrived(i, param)
-            staging.stage_full(flush=False)
+        def staged_hook(param, i=i, reducer=self):
+            reducer.grad_arrived(i, param)
+            staging.stage_full(reducer, flush=False)
         return staged_hook
 
     # -- backward -------------------------------------------------------------
@@ -95,7 +95,7 @@ class GradientReducer(_C.Reducer):
         if self._staging is not None:
             # Every bucket is full now: wait for the copies still on their way
             # to the host, so that every bucket is posted when backward returns.
-            self._staging.stage_full(flush=True)
+            self._staging.stage_full(self, flush=True)
         # Non-blocking: every bucket is posted (and zeroed); any in-place change
         # from now on is the user's (zero_grad(set_to_none=False)) or a new backward.
         self.finalize(None if self.blocking else self._versions())
@@ -174,7 +174,7 @@ class GradientReducer(_C.Reducer):
             # them there first (the core does not write staged gradients).
             for t in self._grad_buckets:
                 t.zero_()
-            self._staging.stage_full(flush=True)
+            self._staging.stage_full(self, flush=True)
         for b in range(self.n_buckets):
             self.wait_bucket(b)
         self._reset()
@@ -204,8 +204,7 @@ class _Staging:
     the stream before everything that reads the gradients, and the host bucket
     is next written only after the next pass's copy to the host completed."""
 
-    def __init__(self, reducer: GradientReducer, host, dev, infos, on_gpu: bool):
-        self._reducer = reducer
+    def __init__(self, host, dev, infos, on_gpu: bool):
         self._dev_buckets = dev
         # Only the gradient part is copied (the flags after it live on the host).
         self._host = tuple(h[:n] for h, (n, _, _) in zip(host, infos))
@@ -231,10 +230,10 @@ class _Staging:
             event.record()
             self._events[b] = event
 
-    def stage_full(self, flush: bool) -> None:
-        """Copy every full bucket to the host and tell the core which copies
+    def stage_full(self, r: GradientReducer, flush: bool) -> None:
+        """Copy every full bucket of `r` (its reducer; passed in, so that the
+        two do not hold each other) to the host and tell the core which copies
         have arrived (it posts in bucket order); `flush` waits for every copy."""
-        r = self._reducer
         start = 0
         while (b := r.next_to_stage(start)) is not None:
             start = b + 1
