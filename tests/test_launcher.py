@@ -90,3 +90,21 @@ def test_python_m_mpidp_exits_1_with_the_reason():
     assert rc == 1 and "PROBLEMS" in out and "torchrun" in out, out
     rc, out = run_info(env={"MPIDP_CHECK_EVERY": "-3"})
     assert rc == 1 and "MPIDP_CHECK_EVERY must be a positive integer" in out, out
+
+
+STORE_ON_LOOPBACK = (
+    "import mpidp, mpidp.process_group as pg\n"
+    "pg._store_host = lambda comm: ('127.0.1.1', True)  # rank 0's hostname in Debian's /etc/hosts\n"
+    "try:\n"
+    "    pg.init_process_group(mpidp.MPI.COMM_WORLD)\n"
+    "except RuntimeError as exc:\n"
+    "    print('refused:', exc)\n")
+
+
+@pytest.mark.serial
+def test_a_store_on_a_loopback_address_across_nodes_is_refused_not_waited_for():
+    proc = subprocess.run([sys.executable, "-c", STORE_ON_LOOPBACK], cwd=ROOT, env=clean_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert "refused: init_process_group: rank 0's hostname resolves to 127.0.1.1" in proc.stdout, \
+        proc.stdout
+    assert "MPIDP_STORE_ADDR" in proc.stdout, proc.stdout

@@ -19,19 +19,21 @@ from .topology import node_comm, topology
 __all__ = ["init_process_group", "node_process_group"]
 
 
-def _store_host(comm: MPI.Intracomm) -> str:
+def _store_host(comm: MPI.Intracomm) -> tuple:
+    """(the address this rank would give rank 0's TCP store, whether the
+    group spans several nodes); collective over `comm`."""
     explicit = config.get("MPIDP_STORE_ADDR")
     if explicit:
-        return explicit
+        return explicit, False   # the user's choice, not second-guessed
     on_one_node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local = on_one_node.Get_size() == comm.Get_size()
     on_one_node.Free()
     if local:
-        return "127.0.0.1"
+        return "127.0.0.1", False
     try:
-        return socket.gethostbyname(socket.gethostname())
+        return socket.gethostbyname(socket.gethostname()), True
     except OSError:
-        return socket.getfqdn()
+        return socket.getfqdn(), True
 
 
 def default_backend(cuda_devices: int, ranks_on_node: int) -> str:
@@ -79,8 +81,8 @@ def init_process_group(comm=None, backend: str | None = None,
     if backend == "nccl":
         torch.cuda.set_device(topology().local_rank % gpus)
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
-    host = _store_host(group)
-    if host == "127.0.0.1":
+    host, spans_nodes = _store_host(group)
+    if host == "127.0.0.1" and not spans_nodes:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     rank, size = group.Get_rank(), group.Get_size()
     store, error = None, None
@@ -93,6 +95,13 @@ def init_process_group(comm=None, backend: str | None = None,
     # Every rank connects to rank 0's address: each rank resolving its own
     # hostname would send the other nodes' ranks to themselves.
     host, port, error = group.bcast((host, store.port if store else None, error), root=0)
+    if error is None and spans_nodes and host.startswith("127."):
+        # The group spans nodes, but rank 0's hostname resolves to a loopback
+        # address (127.0.1.1 in Debian's /etc/hosts): the other nodes would
+        # wait for it until the timeout.
+        error = (f"rank 0's hostname resolves to {host}, which the other nodes cannot reach; "
+                 "set MPIDP_STORE_ADDR to an address of rank 0's node that they can (and "
+                 "GLOO_SOCKET_IFNAME to the interface the nodes share)")
     if error:
         raise RuntimeError(f"init_process_group: {error}")
     if rank != 0:
