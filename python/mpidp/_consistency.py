@@ -80,10 +80,9 @@ def check_every() -> int:
 
 
 def _differs_from_root(c_comm, tensors) -> torch.Tensor:
-    """Per tensor, 1.0 where this rank's bytes differ from rank 0's (64-bit
-    checksums, one broadcast)."""
-    sums = _C.checksums([t.detach().cpu() if t.device.type != "cpu" else t.detach()
-                         for t in tensors])
+    """Per tensor (any dtype), 1.0 where this rank's bytes differ from rank 0's
+    (64-bit checksums, one broadcast)."""
+    sums = _C.checksums([t.detach().cpu().contiguous() for t in tensors])
     mine = torch.tensor([s - (1 << 64) if s >= (1 << 63) else s for s in sums], dtype=torch.int64)
     root = mine.clone()
     c_comm.bcast(root.view(torch.float64), 0)

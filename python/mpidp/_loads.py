@@ -22,16 +22,7 @@ import torch
 from . import _C
 from ._consistency import ranks_differing
 
-__all__ = ["LoadWatch", "bytes_of", "optimizer_fingerprint"]
-
-
-def bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bytes as a float64 tensor (zero-padded), so that checksums and
-    broadcasts treat tensors of any dtype alike."""
-    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    padded = torch.zeros((raw.numel() + 7) // 8 * 8, dtype=torch.uint8)
-    padded[:raw.numel()] = raw
-    return padded.view(torch.float64)
+__all__ = ["LoadWatch", "optimizer_fingerprint"]
 
 
 def optimizer_fingerprint(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -45,7 +36,7 @@ def optimizer_fingerprint(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
         for p in group["params"]:
             for k, v in sorted(opt.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
-                    tensors.append(bytes_of(v))
+                    tensors.append(v)
                 elif isinstance(v, (bool, int, float)):
                     numbers.append(float(v))
     return tensors + [torch.tensor(numbers or [0.0], dtype=torch.float64)]

@@ -34,41 +34,38 @@ def broadcast_tensors(tensors, comm: "_C.Comm", root: int = 0) -> None:
 
     Everything travels as bytes in one message per device (a model of 500 small
     tensors costs one broadcast, not 500), so integer buffers such as
-    BatchNorm's num_batches_tracked come along too."""
+    BatchNorm's num_batches_tracked come along too. The bytes are packed where
+    the tensors live, so device memory crosses to the host once each way."""
     if comm.size == 1 or not tensors:
         return
     by_device: dict = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
-    for device, group in by_device.items():
-        if device.type != "cpu":
-            # Device memory travels through host copies.
-            staged = [t.detach().to("cpu") for t in group]
-            broadcast_state_tensors(staged, comm, root)
-            with torch.no_grad():
-                for t, h in zip(group, staged):
-                    t.copy_(h)
-            continue
-        broadcast_state_tensors(group, comm, root)
-
-
-def broadcast_state_tensors(group, comm, root: int) -> None:
-    """Broadcast CPU tensors of any dtypes from `root`, as one byte message."""
     with torch.no_grad():
-        # Each tensor starts at a multiple of 8 bytes, so that its slice of
-        # the byte buffer can be viewed as its own dtype again.
-        chunks = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in group]
-        offsets, nbytes = [], 0
-        for c in chunks:
-            offsets.append(nbytes)
-            nbytes += (c.numel() + 7) // 8 * 8
-        flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8)
-        for c, off in zip(chunks, offsets):
-            flat[off:off + c.numel()] = c
-        # Our broadcast takes float tensors; bytes are bytes, so view them as float64.
-        comm.bcast(flat.view(torch.float64), root)
-        for t, c, off in zip(group, chunks, offsets):
-            t.detach().copy_(flat[off:off + c.numel()].view(t.dtype).view(t.shape))
+        for group in by_device.values():
+            flat, chunks, offsets = _pack_bytes(group)
+            host = flat.cpu()
+            comm.bcast(host, root)
+            if comm.rank == root:
+                continue
+            flat.copy_(host)
+            for t, c, off in zip(group, chunks, offsets):
+                t.copy_(flat[off:off + c.numel()].view(t.dtype).view(t.shape))
+
+
+def _pack_bytes(group):
+    """The bytes of `group` in one uint8 tensor on their device, each tensor at
+    a multiple of 8 bytes so that its slice can be viewed as its dtype again;
+    with each tensor's bytes and offset."""
+    chunks = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in group]
+    offsets, nbytes = [], 0
+    for c in chunks:
+        offsets.append(nbytes)
+        nbytes += (c.numel() + 7) // 8 * 8
+    flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8, device=group[0].device)
+    for c, off in zip(chunks, offsets):
+        flat[off:off + c.numel()] = c
+    return flat, chunks, offsets
 
 
 def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:

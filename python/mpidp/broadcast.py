@@ -9,7 +9,6 @@ from collections.abc import Mapping
 
 import torch
 
-from ._loads import bytes_of
 from .collectives import check_root
 from ._mpi import resolve_comm
 from .optimizer import DataParallelOptimizer
@@ -68,19 +67,18 @@ def broadcast_optimizer_state(optimizer, root: int = 0, comm=None) -> None:
               else _torch_optimizer(optimizer))
     if c_comm.size == 1:
         return
-    size = torch.zeros(1, dtype=torch.float64)
+    size = torch.zeros(1, dtype=torch.int64)
     payload = None
     if c_comm.rank == root:
         buf = io.BytesIO()
         torch.save(target.state_dict(), buf)
-        payload = bytes_of(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
-        size[0] = buf.getbuffer().nbytes
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size[0] = payload.numel()
     c_comm.bcast(size, root)
-    nbytes = int(size.item())
     if payload is None:
-        payload = torch.zeros((nbytes + 7) // 8, dtype=torch.float64)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
     c_comm.bcast(payload, root)
     if c_comm.rank != root:
-        raw = payload.view(torch.uint8)[:nbytes].numpy().tobytes()
-        state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu",
+                           weights_only=True)
         target.load_state_dict(state)

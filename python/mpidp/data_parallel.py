@@ -16,7 +16,7 @@ from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, broadcast_tensors, check_module, remove_handles
-from ._loads import LoadWatch, bytes_of, optimizer_fingerprint
+from ._loads import LoadWatch, optimizer_fingerprint
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
@@ -356,9 +356,9 @@ class DataParallel(torch.nn.Module):
     def _shared_state(self) -> list:
         """What every rank must hold alike: parameters, buffers (when broadcast)
         and the optimizers' states."""
-        tensors = [bytes_of(p) for p in self.module.parameters()]
+        tensors = list(self.module.parameters())
         if self.broadcast_buffers:
-            tensors += [bytes_of(b) for b in self.module.buffers()]
+            tensors += list(self.module.buffers())
         for opt in self._dp_optimizers:
             tensors += optimizer_fingerprint(opt.torch_optimizer)
         return tensors
