@@ -148,29 +148,30 @@ static PyObject *reducer_get_finalized(reducer_t *r, void *c) { (void)c; return 
 static PyObject *reducer_get_n_ready(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(mpidp_reducer_n_ready(r->core)); }
 static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(r->n_buckets); }
 
-/* Reducer(*, comm, params, views, buckets, param_bucket, param_offset, param_numel,
- *         bucket_info, blocking, name, wire_dtype=-1, staged=False):
- * keyword-only, so a caller cannot swap two of the many tuples unnoticed.
- * staged: the .grad views live in device buckets that Python copies to and
- * from `buckets` (the core then waits for `staged(b)` before posting). */
+/* Reducer(*, comm, params, views, buckets, param_numel, param_dtype, first_cap, cap,
+ *         blocking, name, wire_dtype=-1, staged=False):
+ * keyword-only, so a caller cannot swap two of the many arguments unnoticed.
+ * The bucket layout is planned here from the parameters' sizes and dtypes
+ * and the caps (mpidp_bucket_plan, as _C.plan_buckets gave Python to allocate
+ * `buckets`), and each bucket tensor is checked against it. staged: the .grad
+ * views live in device buckets that Python copies to and from `buckets` (the
+ * core then waits for `staged(b)` before posting). */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"comm", "params", "views", "buckets", "param_bucket", "param_offset",
-                             "param_numel", "bucket_info", "blocking", "name", "wire_dtype",
-                             "staged", NULL};
-    PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pb = NULL, *po = NULL,
-             *pn = NULL, *binfo = NULL;
+    static char *kwlist[] = {"comm", "params", "views", "buckets", "param_numel", "param_dtype",
+                             "first_cap", "cap", "blocking", "name", "wire_dtype", "staged", NULL};
+    PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pn = NULL, *pd = NULL;
+    unsigned long long first_cap = 0, cap = 0;
     int blocking = -1, wire = -1, staged = 0;
     const char *name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!O!O!psip:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!KKpsip:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
-                                     &buckets, &PyTuple_Type, &pb, &PyTuple_Type, &po,
-                                     &PyTuple_Type, &pn, &PyTuple_Type, &binfo, &blocking, &name,
-                                     &wire, &staged))
+                                     &buckets, &PyTuple_Type, &pn, &PyTuple_Type, &pd, &first_cap,
+                                     &cap, &blocking, &name, &wire, &staged))
         return NULL;
     /* The format makes every keyword optional; all but the last two are required. */
-    const void *given[] = {comm, params, views, buckets, pb, po, pn, binfo,
-                           blocking < 0 ? NULL : &blocking, name};
+    const void *given[] = {comm, params, views, buckets, pn, pd, first_cap ? &first_cap : NULL,
+                           cap ? &cap : NULL, blocking < 0 ? NULL : &blocking, name};
     for (size_t k = 0; k < sizeof given / sizeof given[0]; k++)
         if (given[k] == NULL)
             return PyErr_Format(PyExc_TypeError, "Reducer: missing keyword argument '%s'",
@@ -180,8 +181,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (st == NULL) return NULL;
     mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
     if (c == NULL) return NULL;
-    if (PyTuple_GET_SIZE(views) != np || PyTuple_GET_SIZE(pb) != np || PyTuple_GET_SIZE(po) != np ||
-        PyTuple_GET_SIZE(pn) != np || PyTuple_GET_SIZE(binfo) != nb)
+    if (PyTuple_GET_SIZE(views) != np || PyTuple_GET_SIZE(pn) != np || PyTuple_GET_SIZE(pd) != np)
         return PyErr_Format(PyExc_ValueError, "Reducer: inconsistent layout lengths");
 
     reducer_t *r = (reducer_t *)type->tp_alloc(type, 0);
@@ -197,65 +197,57 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
     size_t n1 = np ? (size_t)np : 1, b1 = nb ? (size_t)nb : 1;
     uint32_t *bucket_of = malloc(n1 * sizeof *bucket_of);
-    size_t *offset = malloc(n1 * sizeof *offset);
-    size_t *numel = malloc(n1 * sizeof *numel);
-    mpidp_bucket_info_t *info = malloc(b1 * sizeof *info);
+    size_t *offset = malloc(n1 * sizeof *offset), *numel = malloc(n1 * sizeof *numel);
+    int *dtype = malloc(n1 * sizeof *dtype);
+    mpidp_bucket_info_t *info = malloc(n1 * sizeof *info);
     void **data = malloc(b1 * sizeof *data);
     r->buckets = calloc(b1, sizeof *r->buckets);
     r->seen = calloc(n1, 1);
     r->act = calloc(n1, 1);
     r->versions = calloc(b1, sizeof *r->versions);
     PyObject *result = NULL;
-    if (!bucket_of || !offset || !numel || !info || !data || !r->buckets || !r->seen ||
+    if (!bucket_of || !offset || !numel || !dtype || !info || !data || !r->buckets || !r->seen ||
         !r->act || !r->versions) {
         PyErr_NoMemory();
         goto done;
     }
+    for (Py_ssize_t i = 0; i < np; i++) {
+        numel[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(pn, i));
+        dtype[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(pd, i));
+        if (PyErr_Occurred()) goto done;
+    }
+    size_t planned = 0;
+    if (CORE(r, "DataParallel", mpidp_bucket_plan(numel, dtype, (size_t)np, (size_t)first_cap,
+                                                  (size_t)cap, bucket_of, offset, info, &planned)) < 0)
+        goto done;
+    if (planned != (size_t)nb) {
+        PyErr_Format(PyExc_ValueError, "Reducer: the plan has %zu buckets, got %zd", planned, nb);
+        goto done;
+    }
     for (Py_ssize_t b = 0; b < nb; b++) {
-        PyObject *tup = PyTuple_GET_ITEM(binfo, b);
-        unsigned long long bn, bp;
-        int dt;
-        if (!PyArg_ParseTuple(tup, "KKi", &bn, &bp, &dt)) goto done;
-        info[b].numel = (size_t)bn;
-        info[b].n_params = (size_t)bp;
-        info[b].dtype = dt;
         if (mpidp_py_borrow(st, PyTuple_GET_ITEM(buckets, b),
                             MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "bucket",
                             &r->buckets[b]) < 0)
             goto done;
         if (r->buckets[b].t.numel != info[b].numel + info[b].n_params ||
-            (int)r->buckets[b].t.dtype != dt) {
+            (int)r->buckets[b].t.dtype != info[b].dtype) {
             PyErr_Format(PyExc_ValueError, "Reducer: bucket %zd has the wrong size or dtype", b);
             goto done;
         }
         data[b] = r->buckets[b].t.data;
-    }
-    for (Py_ssize_t i = 0; i < np; i++) {
-        bucket_of[i] = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pb, i));
-        offset[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(po, i));
-        numel[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(pn, i));
-        if (PyErr_Occurred()) goto done;
-        if (bucket_of[i] >= (uint32_t)nb) {
-            PyErr_Format(PyExc_ValueError, "Reducer: parameter %zd has no bucket", i);
-            goto done;
-        }
     }
     mpidp_reducer_config_t cfg = {
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
         .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
         .bucket_data = data, .wire_dtype = wire, .separate = !blocking, .name = name,
         .staged = staged};
-    mpidp_error_clear();
-    int rc = mpidp_reducer_create(&cfg, &r->core);
-    if (rc != MPIDP_OK) {
-        mpidp_py_raise(st, rc, "DataParallel");
-        goto done;
-    }
+    if (CORE(r, "DataParallel", mpidp_reducer_create(&cfg, &r->core)) < 0) goto done;
     result = (PyObject *)r;
 done:
     free(bucket_of);
     free(offset);
     free(numel);
+    free(dtype);
     free(info);
     free(data);
     if (result == NULL) Py_DECREF(r);
@@ -374,9 +366,9 @@ int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st)
     st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
     if (st->reducer_type == NULL) return -1;
     static const struct { const char *name; int value; } kinds[] = {
-        {"PASS_MISSING_GRADS", MPIDP_PY_PASS_MISSING_GRADS}, {"PASS_ACCUMULATE", MPIDP_PY_PASS_ACCUMULATE},
-        {"PASS_DELIVER_FOR_STEP", MPIDP_PY_PASS_DELIVER_FOR_STEP},
-        {"PASS_DELIVER_NOW", MPIDP_PY_PASS_DELIVER_NOW}, {"PASS_AFTER_STEP", MPIDP_PY_PASS_AFTER_STEP}};
+        {"PASS_MISSING_GRADS", MPIDP_DECIDE_MISSING_GRADS}, {"PASS_ACCUMULATE", MPIDP_DECIDE_ACCUMULATE},
+        {"PASS_DELIVER_FOR_STEP", MPIDP_DECIDE_DELIVER_FOR_STEP},
+        {"PASS_DELIVER_NOW", MPIDP_DECIDE_DELIVER_NOW}, {"PASS_AFTER_STEP", MPIDP_DECIDE_AFTER_STEP}};
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
         if (PyModule_AddIntConstant(module, kinds[k].name, kinds[k].value) < 0) return -1;
     return PyModule_AddType(module, st->reducer_type);

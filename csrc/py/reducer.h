@@ -46,13 +46,4 @@ PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused);
 PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 int mpidp_py_reducer_pass_init(void);
 
-/* What `decide` asks the core (its `kind` argument, exported as _C.PASS_*). */
-enum {
-    MPIDP_PY_PASS_MISSING_GRADS,
-    MPIDP_PY_PASS_ACCUMULATE,
-    MPIDP_PY_PASS_DELIVER_FOR_STEP,
-    MPIDP_PY_PASS_DELIVER_NOW,
-    MPIDP_PY_PASS_AFTER_STEP,
-};
-
 #endif /* MPIDP_PY_REDUCER_H */

@@ -181,8 +181,8 @@ PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused)
 }
 
 /* decide(kind, b, version=-1, accumulated=-1) -> bool: one per-bucket
- * decision of the core, applied to bucket b's parameters. The result is
- * after_step's "the pass is over" (False for the others). */
+ * decision of the core (mpidp_reducer_decide), applied to bucket b's
+ * parameters. The result is after_step's "the pass is over". */
 PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
@@ -196,26 +196,11 @@ PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssiz
     if (b < 0) return NULL;
     const size_t *members;
     size_t n = mpidp_reducer_bucket_params(r->core, (size_t)b, &members);
-    int over = 0, rc;
-    if (kind != MPIDP_PY_PASS_MISSING_GRADS && kind != MPIDP_PY_PASS_AFTER_STEP &&
-        observe(r, members, n, r->seen) < 0)
-        return NULL;
-    mpidp_error_clear();
-    switch (kind) {
-    case MPIDP_PY_PASS_MISSING_GRADS: rc = mpidp_reducer_missing_grads(r->core, b, r->act); break;
-    case MPIDP_PY_PASS_ACCUMULATE:
-        rc = mpidp_reducer_accumulate(r->core, b, version, accumulated, r->seen, r->act);
-        break;
-    case MPIDP_PY_PASS_DELIVER_FOR_STEP:
-        rc = mpidp_reducer_deliver_for_step(r->core, b, version, r->seen, r->act);
-        break;
-    case MPIDP_PY_PASS_DELIVER_NOW:
-        rc = mpidp_reducer_deliver_now(r->core, b, version, r->seen, r->act);
-        break;
-    case MPIDP_PY_PASS_AFTER_STEP: rc = mpidp_reducer_after_step(r->core, b, r->act, &over); break;
-    default: return PyErr_Format(PyExc_ValueError, "kind: expected one of _C.PASS_*, got %d", kind);
-    }
-    if (mpidp_py_reducer_core_status(r, rc, "DataParallel") < 0 || apply(r, members, n, r->act) < 0)
+    int over;
+    if ((mpidp_reducer_decision_reads(kind) && observe(r, members, n, r->seen) < 0) ||
+        CORE(r, "DataParallel", mpidp_reducer_decide(r->core, kind, (size_t)b, version, accumulated,
+                                                     r->seen, r->act, &over)) < 0 ||
+        apply(r, members, n, r->act) < 0)
         return NULL;
     return PyBool_FromLong(over);
 }

@@ -20,7 +20,7 @@ NO_WIRE: int   # wire_dtype: send tensors in their own dtype
 CONVERT_PACK: int    # convert()'s op codes (mpidp/convert.h)
 CONVERT_UNPACK: int
 CONVERT_SUM16: int
-PASS_MISSING_GRADS: int      # Reducer.decide()'s kinds (csrc/py/reducer.h)
+PASS_MISSING_GRADS: int      # Reducer.decide()'s kinds (mpidp_reducer_decision_t, mpidp/reducer.h)
 PASS_ACCUMULATE: int
 PASS_DELIVER_FOR_STEP: int
 PASS_DELIVER_NOW: int
@@ -54,9 +54,9 @@ class Reducer:
     """The gradient reducer's C half; python/mpidp/_reducer.py subclasses it."""
     def __init__(self, *, comm: Comm, params: Tuple[torch.Tensor, ...],
                  views: Tuple[torch.Tensor, ...], buckets: Tuple[torch.Tensor, ...],
-                 param_bucket: Tuple[int, ...], param_offset: Tuple[int, ...],
-                 param_numel: Tuple[int, ...], bucket_info: Tuple[Tuple[int, int, int], ...],
-                 blocking: bool, name: str, wire_dtype: int = ..., staged: bool = False) -> None: ...
+                 param_numel: Tuple[int, ...], param_dtype: Tuple[int, ...], first_cap: int,
+                 cap: int, blocking: bool, name: str, wire_dtype: int = ...,
+                 staged: bool = False) -> None: ...
     @property
     def finalized(self) -> bool: ...
     @property

@@ -57,9 +57,9 @@ class GradientReducer(_C.Reducer):
                if staged else None)
         grads_in = dev if staged else host
         views = tuple(grad_view(grads_in[b], off, p) for p, b, off in zip(params, bucket_of, offset))
-        self = cls(comm=comm, params=params, views=views, buckets=host, param_bucket=bucket_of,
-                   param_offset=offset, param_numel=tuple(numel), bucket_info=infos,
-                   blocking=blocking, name=name, wire_dtype=wire, staged=staged)
+        self = cls(comm=comm, params=params, views=views, buckets=host, param_numel=tuple(numel),
+                   param_dtype=tuple(dtypes), first_cap=first_cap, cap=cap, blocking=blocking,
+                   name=name, wire_dtype=wire, staged=staged)
         self.blocking = blocking
         self.param_bucket = bucket_of
         # The tensors the .grad views are views of: their version counters

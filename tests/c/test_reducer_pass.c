@@ -262,9 +262,38 @@ TEST(gradients_held_without_communication_count_in_the_next_pass)
     teardown(&f);
 }
 
+TEST(decide_names_each_decision)
+{
+    /* Blocking pass, every bucket done: MISSING_GRADS by name is missing_grads. */
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    uint8_t seen[NP] = {NONE, NONE, NONE, NONE}, act[NP];
+    int over = -1;
+    ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 2, 1));
+    for (size_t i = 0; i < NP; i++)
+        if (!mpidp_reducer_is_ready(f.r, i)) ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, i, VIEW));
+    ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    ASSERT_OK(mpidp_reducer_decide(f.r, MPIDP_DECIDE_MISSING_GRADS, 0, -1, -1, seen, act, &over));
+    ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_SET_NONE);   /* 2 had a gradient, 3 none */
+    ASSERT_EQ_INT(over, 0);
+    /* Non-blocking decisions are refused in blocking mode, as when called directly. */
+    ASSERT_EQ_INT(mpidp_reducer_decide(f.r, MPIDP_DECIDE_DELIVER_FOR_STEP, 0, 0, -1, seen, act,
+                                       &over), MPIDP_ESTATE);
+    ASSERT_EQ_INT(mpidp_reducer_decide(f.r, 9, 0, 0, -1, seen, act, &over), MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_reducer_decide(f.r, MPIDP_DECIDE_AFTER_STEP, 0, 0, -1, seen, act, NULL),
+                  MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_reducer_decision_reads(MPIDP_DECIDE_ACCUMULATE), 1);
+    ASSERT_EQ_INT(mpidp_reducer_decision_reads(MPIDP_DECIDE_MISSING_GRADS), 0);
+    ASSERT_EQ_INT(mpidp_reducer_decision_reads(MPIDP_DECIDE_AFTER_STEP), 0);
+    teardown(&f);
+}
+
 TEST_MAIN_MPI(blocking_pass_fixes_missing_grads_like_one_process,
               staged_unhooked_parameters_are_zeroed_where_the_gradients_live,
               deferred_step_gives_grads_back_as_the_user_left_them,
               accumulating_without_a_step_adds_the_mean_unless_cleared,
               synchronizing_before_the_step_delivers_the_mean_now,
-              gradients_held_without_communication_count_in_the_next_pass)
+              gradients_held_without_communication_count_in_the_next_pass,
+              decide_names_each_decision)
