@@ -7,6 +7,17 @@
 #include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
+/* The bytes of `t` as one MPI count (int), or MPIDP_EINVAL naming `what`. */
+static int byte_count(const mpidp_tensor_t *t, const char *what, size_t *bytes)
+{
+    size_t esize = mpidp_dtype_size(t->dtype);
+    if (esize == 0 || t->numel > (size_t)INT_MAX / esize)
+        return mpidp__fail(MPIDP_EINVAL, "%s: %zu elements is too many for one MPI call", what,
+                           t->numel);
+    *bytes = t->numel * esize;
+    return MPIDP_OK;
+}
+
 static int comm_size(MPI_Comm comm, int *size)
 {
     int rc = MPI_Comm_size(comm, size);
@@ -18,10 +29,9 @@ int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_re
 {
     if (t == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "bcast: NULL argument");
-    size_t esize = mpidp_dtype_size(t->dtype);
-    if (esize == 0 || t->numel > (size_t)INT_MAX / esize)
-        return mpidp__fail(MPIDP_EINVAL, "bcast: %zu elements is too many", t->numel);
-    int size, rc = comm_size(comm, &size);
+    size_t bytes = 0;
+    int size = 0, rc = byte_count(t, "bcast", &bytes);
+    if (rc == MPIDP_OK) rc = comm_size(comm, &size);
     if (rc != MPIDP_OK) return rc;
     if (root < 0 || root >= size)
         return mpidp__fail(MPIDP_EINVAL, "bcast: root %d is not a rank of a %d-process communicator",
@@ -36,7 +46,7 @@ int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_re
     rc = mpidp_reqtable_claim(reqs, what, &slot);
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
-    rc = MPI_Ibcast(t->data, (int)(t->numel * esize), MPI_BYTE, root, comm, &req);
+    rc = MPI_Ibcast(t->data, (int)bytes, MPI_BYTE, root, comm, &req);
     return mpidp__post_done(reqs, slot, rc, req, what, out);
 }
 
@@ -45,12 +55,10 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
 {
     if (send == NULL || recv == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "allgather: NULL argument");
-    size_t esize = mpidp_dtype_size(send->dtype);
-    if (esize == 0 || send->numel > (size_t)INT_MAX / esize)
-        return mpidp__fail(MPIDP_EINVAL, "allgather: %zu elements per rank is too many", send->numel);
-    int size, rc = comm_size(comm, &size);
+    size_t bytes = 0;
+    int size = 0, rc = byte_count(send, "allgather", &bytes);
+    if (rc == MPIDP_OK) rc = comm_size(comm, &size);
     if (rc != MPIDP_OK) return rc;
-    size_t bytes = send->numel * esize;
     if (recv->dtype != send->dtype || recv->numel != (size_t)size * send->numel)
         return mpidp__fail(MPIDP_EINVAL, "allgather: the result must hold %d x %zu %s elements, "
                            "got %zu %s", size, send->numel, mpidp_dtype_name(send->dtype),

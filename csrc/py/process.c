@@ -53,23 +53,19 @@ static PyObject *mod_get_timeout(PyObject *m, PyObject *unused)
     return PyFloat_FromDouble(mpidp_py_timeout_s);
 }
 
-static PyObject *mod_set_abort_on_timeout(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    int v = PyObject_IsTrue(arg);
-    if (v < 0) return NULL;
-    mpidp_py_abort_on_timeout = v;
-    Py_RETURN_NONE;
-}
-
-static PyObject *mod_set_hook_progress(PyObject *m, PyObject *arg)
-{
-    (void)m;
-    int v = PyObject_IsTrue(arg);
-    if (v < 0) return NULL;
-    mpidp_py_hook_progress = v;
-    Py_RETURN_NONE;
-}
+/* set_<name>(bool): one process-wide flag. */
+#define FLAG_SETTER(name, flag)                                                 \
+    static PyObject *mod_set_##name(PyObject *m, PyObject *arg)                 \
+    {                                                                           \
+        (void)m;                                                                \
+        int v = PyObject_IsTrue(arg);                                           \
+        if (v < 0) return NULL;                                                 \
+        (flag) = v;                                                             \
+        Py_RETURN_NONE;                                                         \
+    }
+FLAG_SETTER(abort_on_timeout, mpidp_py_abort_on_timeout)
+FLAG_SETTER(hook_progress, mpidp_py_hook_progress)
+#undef FLAG_SETTER
 
 static PyObject *mod_get_hook_progress(PyObject *m, PyObject *unused)
 {
