@@ -88,6 +88,7 @@ def _end_epoch_without_sync(daso):
     ("wire_dtype", None, torch.bfloat16),               # used to end in MPI_ERR_TRUNCATE
     ("bucket_cap_mb", 0.001, 25.0),
     ("blocking_parameter_updates", False, True),
+    ("broadcast_buffers", False, True),                 # one rank would skip the broadcasts
 ])
 def test_settings_that_differ_across_ranks_are_named(setting, mine, others):
     kwargs = {"blocking_parameter_updates": True, setting: mine if RANK == LAST else others}
@@ -119,3 +120,12 @@ def test_daso_settings_that_differ_across_ranks_are_named(monkeypatch, setting, 
     daso = mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=6, **kwargs)
     with pytest.raises(ValueError, match=rf"settings differ.*'setting {setting} = "):
         mpidp.DataParallelMultiGPU(m, daso)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank has nothing to disagree with")
+def test_daso_wrapper_broadcast_buffers_that_differ_are_named(monkeypatch):
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")
+    m = model(False)
+    daso = mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=6)
+    with pytest.raises(ValueError, match=r"settings differ.*'setting broadcast_buffers = "):
+        mpidp.DataParallelMultiGPU(m, daso, broadcast_buffers=RANK != LAST)

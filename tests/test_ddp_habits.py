@@ -139,6 +139,38 @@ def test_no_sync_keeps_gradients_of_parameters_the_last_backward_misses(blocking
         assert_params_close(model, reference, what=f"step {step}")
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_no_sync_accumulation_then_clipping_matches_one_process(blocking):
+    """The habits around an accumulation: micro-batches in no_sync, the last
+    one outside, optimizer.synchronize() (Horovod's; needed in non-blocking
+    mode to read .grad), clip_grad_norm_, step -- as one process would."""
+    model = build(MLP, seed=21 + RANK)
+    reference = build(MLP, seed=21)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    ref_opt = sgd(reference.parameters())
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    g = seeded(12)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        batches = [on_device(torch.randn(2 * SIZE, 10, generator=g) * 4,
+                             torch.randint(0, 4, (2 * SIZE,), generator=g)) for _ in range(2)]
+        with net.no_sync():
+            X, Y = batches[0]
+            F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+        X, Y = batches[1]
+        F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
+        for X, Y in batches:
+            reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        opt.step()
+        ref_opt.step()
+        net.synchronize()
+        assert_params_close(model, reference, what=f"step {step}")
+
+
 def test_step_right_after_a_no_sync_backward_raises():
     model = build(MLP, seed=1)
     opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
