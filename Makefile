@@ -4,7 +4,7 @@
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests (ASan/UBSan) and a replay of the fuzz corpus
 #   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
-#   make fuzz     libFuzzer harnesses (DLPack intake, DASO schedule), FUZZ_SECONDS each
+#   make fuzz     libFuzzer harnesses (DLPack intake, DASO and averaging schedules), FUZZ_SECONDS each
 #   make valgrind a short DataParallel and DASO job under valgrind memcheck
 #   make bench    the step-time benchmark (benchmarks/bench_step.py) at 2 ranks
 #   make bench-daso  DASO vs DDP and DataParallel on an emulated 2-node cluster (root)

@@ -17,6 +17,8 @@ STUB = ast.parse((ROOT / "python" / "mpidp" / "_C.pyi").read_text())
 def stub_names():
     names = {}
     for node in STUB.body:
+        if isinstance(node, ast.ClassDef) and node.name.startswith("_"):
+            continue  # the stub's own typing helpers (TypedDicts), not in the extension
         if isinstance(node, ast.ClassDef):
             members = set()
             for item in node.body:

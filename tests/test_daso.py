@@ -355,8 +355,8 @@ def test_global_sync_is_progressed_by_forward_and_gradient_hooks():
     them); with hook progress off (MPIDP_HOOK_PROGRESS=0) none are installed.
     Training with them in place is checked against the references by the
     other tests."""
-    before = mpidp._C.get_hook_progress()
-    mpidp._C.set_hook_progress(True)
+    before = mpidp._C.process_state()["hook_progress"]
+    mpidp._C.configure(hook_progress=True)
     try:
         model, opt, daso, net = make(frozen=True)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -364,11 +364,11 @@ def test_global_sync_is_progressed_by_forward_and_gradient_hooks():
         assert len(daso._progress_handles) == expected
         daso.set_model(net.module)
         assert len(daso._progress_handles) == expected
-        mpidp._C.set_hook_progress(False)
+        mpidp._C.configure(hook_progress=False)
         daso.set_model(net.module)
         assert daso._progress_handles == []
     finally:
-        mpidp._C.set_hook_progress(before)
+        mpidp._C.configure(hook_progress=before)
     losses = train(model, daso, net, problem(batches=4), epochs=3)
     assert losses[-1] < losses[0]
 

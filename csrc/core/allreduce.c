@@ -118,6 +118,17 @@ static int post_more(mpidp_allreduce_t *x)
     return MPIDP_OK;
 }
 
+mpidp_allreduce_opts_t mpidp_allreduce_default_opts(int dtype, int op, int wire,
+                                                    double drain_timeout_s, const char *what)
+{
+    int compressed = wire != -1 && wire != dtype;
+    return (mpidp_allreduce_opts_t){
+        .op = op, .wire = wire,
+        .chunk_elems = compressed ? MPIDP_ALLREDUCE_WIRE_CHUNK : MPIDP_ALLREDUCE_PLAIN_CHUNK,
+        .max_in_flight = compressed ? MPIDP_ALLREDUCE_WIRE_IN_FLIGHT : 0, .keep_wire = 0,
+        .drain_timeout_s = drain_timeout_s, .what = what};
+}
+
 int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
                           const mpidp_allreduce_opts_t *opts, mpidp_reqtable_t *reqs,
                           mpidp_allreduce_t **out)

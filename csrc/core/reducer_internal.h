@@ -49,6 +49,9 @@ struct mpidp_reducer {
     uint8_t *delivered;    /* separate mode: bucket delivered for the step */
     uint8_t *applied;      /* separate mode: bucket's after-step actions handed out */
     int finalized;         /* every parameter marked: every bucket posted or staged */
+    int backward_open;     /* a communicating backward's first gradient arrived; until finalize */
+    int paused;            /* no_sync: gradients arriving are held, not marked */
+    int held;              /* a paused backward held gradients no pass has reduced yet */
 };
 
 /* Allocates and frees the pass arrays (called by create and free). */

@@ -100,25 +100,40 @@ int mpidp_reducer_prepare(mpidp_reducer_t *r, const uint8_t *seen, uint8_t *act)
     return MPIDP_OK;
 }
 
+int mpidp_reducer_opens_backward(const mpidp_reducer_t *r)
+{
+    return r != NULL && !r->paused && !r->backward_open;
+}
+
 int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has)
 {
     int rc = check_param(r, i);
     if (rc != MPIDP_OK) return rc;
+    if (r->paused) {
+        /* no_sync: set_paused refused while a pass was open, and a
+         * communicating hook cannot run while paused, so none is. */
+        if (has) r->was_none[i] = 0;
+        r->held = 1;
+        return MPIDP_OK;
+    }
+    if (!r->backward_open) r->held = 0; /* this pass reduces what was held */
+    r->backward_open = 1;
     r->was_none[i] = 0; /* a gradient arrived: the view holds real data (or None) */
     r->local_has[i] = (uint8_t)(has != 0);
     return mpidp_reducer_mark_ready(r, i, has);
 }
 
-int mpidp_reducer_grad_held(mpidp_reducer_t *r, size_t i, int has)
+int mpidp_reducer_set_paused(mpidp_reducer_t *r, int on)
 {
-    int rc = check_param(r, i);
-    if (rc != MPIDP_OK) return rc;
-    if (r->n_ready != 0)
-        return mpidp__fail(MPIDP_ESTATE, "%s: a backward without communication (no_sync) while "
-                           "a pass is open", r->name);
-    if (has) r->was_none[i] = 0;
+    if (r == NULL) return mpidp__fail(MPIDP_EINVAL, "reducer: NULL");
+    if (on && r->n_ready != 0)
+        return mpidp__fail(MPIDP_ESTATE, "%s.no_sync: a backward pass is still open", r->name);
+    r->paused = on != 0;
     return MPIDP_OK;
 }
+
+int mpidp_reducer_paused(const mpidp_reducer_t *r) { return r != NULL && r->paused; }
+int mpidp_reducer_held(const mpidp_reducer_t *r) { return r != NULL && r->held; }
 
 /* The contribution of an unhooked parameter: its view holds a gradient
  * unless prepare put the zeros there; a foreign tensor is adopted. */
@@ -158,6 +173,7 @@ int mpidp_reducer_finalize(mpidp_reducer_t *r, const long long *versions)
         memcpy(r->version, versions, r->n_buckets * sizeof *versions);
     }
     r->finalized = 1;
+    r->backward_open = 0;
     return MPIDP_OK;
 }
 

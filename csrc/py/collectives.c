@@ -5,14 +5,6 @@
 
 #include "mpidp/allreduce.h"
 #include "mpidp/collectives.h"
-#include "mpidp/status.h"
-
-/* Elements per MPI call of a compressed allreduce, and chunks in flight: the
- * wire copy stays at 2 x 8 MiB however large the tensor. Uncompressed tensors
- * are reduced in place, in chunks of up to 2^30 elements (MPI counts are int). */
-#define WIRE_CHUNK (1u << 22)
-#define WIRE_IN_FLIGHT 2
-#define PLAIN_CHUNK (1u << 30)
 
 /* Host tensors of any dtype the core knows. */
 #define ANY_CPU (MPIDP_TENSOR_CPU_ONLY | MPIDP_TENSOR_ANY_DTYPE)
@@ -45,11 +37,8 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     mpidp_py_borrowed_t tensor;
     if (mpidp_py_borrow(st, args[0], ANY_CPU | MPIDP_TENSOR_WRITABLE, "tensor", &tensor) < 0)
         return NULL;
-    int compressed = wire != -1 && wire != (int)tensor.t.dtype;
-    mpidp_allreduce_opts_t opts = {
-        .op = op, .wire = wire, .chunk_elems = compressed ? WIRE_CHUNK : PLAIN_CHUNK,
-        .max_in_flight = compressed ? WIRE_IN_FLIGHT : 0, .keep_wire = 0,
-        .drain_timeout_s = mpidp_py_timeout_s, .what = "mpidp.allreduce"};
+    mpidp_allreduce_opts_t opts = mpidp_allreduce_default_opts(tensor.t.dtype, op, wire,
+                                                                mpidp_py_timeout_s, "mpidp.allreduce");
     mpidp_allreduce_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_allreduce_start(comm->comm, &tensor.t, &opts, st->reqs, &x);

@@ -15,7 +15,7 @@
 
 static int mpi4py_ready = 0;
 
-static int ensure_mpi4py(void)
+int mpidp_py_import_mpi4py(void)
 {
     if (!mpi4py_ready) {
         if (import_mpi4py() < 0) return -1;
@@ -30,7 +30,7 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *source;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Comm", kwlist, &source)) return NULL;
     if (mpidp_py_check_not_forked("Comm") < 0) return NULL;
-    if (ensure_mpi4py() < 0) return NULL;
+    if (mpidp_py_import_mpi4py() < 0) return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     if (st == NULL) return NULL;
     if (!PyObject_TypeCheck(source, &PyMPIComm_Type))
@@ -136,17 +136,9 @@ static PyType_Slot comm_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec comm_spec = {
+PyType_Spec mpidp_py_comm_spec = {
     .name = "mpidp._C.Comm",
     .basicsize = sizeof(mpidp_py_comm_t),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = comm_slots,
 };
-
-int mpidp_py_comm_init(PyObject *module, mpidp_py_state *st)
-{
-    if (ensure_mpi4py() < 0) return -1;
-    st->comm_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &comm_spec, NULL);
-    if (st->comm_type == NULL) return -1;
-    return PyModule_AddType(module, st->comm_type);
-}

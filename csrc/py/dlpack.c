@@ -104,3 +104,29 @@ void mpidp_py_release(mpidp_py_borrowed_t *b)
 {
     Py_CLEAR(b->capsule);
 }
+
+int mpidp_py_borrow_all(mpidp_py_state *st, PyObject *tuple, unsigned requirements, int dtype,
+                        const char *what, mpidp_py_borrowed_t *out)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        char name[64];
+        PyOS_snprintf(name, sizeof name, "%s[%zd]", what, i);
+        int rc = mpidp_py_borrow(st, PyTuple_GET_ITEM(tuple, i), requirements, name, &out[i]);
+        if (rc == 0 && dtype >= 0 && (int)out[i].t.dtype != dtype) {
+            PyErr_Format(PyExc_TypeError, "%s: expected %s, got %s", name,
+                         mpidp_dtype_name(dtype), mpidp_dtype_name(out[i].t.dtype));
+            mpidp_py_release(&out[i]);
+            rc = -1;
+        }
+        if (rc < 0) {
+            mpidp_py_release_all(out, (size_t)i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void mpidp_py_release_all(mpidp_py_borrowed_t *b, size_t n)
+{
+    for (size_t i = 0; b && i < n; i++) mpidp_py_release(&b[i]);
+}

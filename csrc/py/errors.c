@@ -79,3 +79,10 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
     }
     return NULL;
 }
+
+int mpidp_py_check(mpidp_py_state *st, int status, const char *what)
+{
+    if (status == MPIDP_OK) return 0;
+    mpidp_py_raise(st, status, what);
+    return -1;
+}

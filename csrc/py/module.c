@@ -8,12 +8,11 @@
 #include <stdlib.h>
 
 #include "mpidp/allreduce.h"
-#include "mpidp/bucket.h"
 #include "mpidp/checksum.h"
 #include "mpidp/convert.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
-#include "mpidp/status.h"
+#include "mpidp/reducer.h"
 
 /* Room for this many requests in flight at once, over all of mpidp. */
 #define MPIDP_REQTABLE_CAPACITY 65536
@@ -59,85 +58,6 @@ static PyObject *mod_mpi_header_version(PyObject *m, PyObject *unused)
 #endif
 }
 
-static PyObject *mod_thread_level(PyObject *m, PyObject *unused)
-{
-    (void)unused;
-    return PyLong_FromLong(mpidp_py_state_of_module(m)->thread_level);
-}
-
-/* plan_buckets(numel, dtype, first_cap_bytes, cap_bytes)
- *   -> (bucket_of, offset, ((numel, n_params, dtype), ...)) */
-static PyObject *mod_plan_buckets(PyObject *m, PyObject *args)
-{
-    PyObject *numel_seq, *dtype_seq;
-    unsigned long long first_cap, cap;
-    if (!PyArg_ParseTuple(args, "OOKK:plan_buckets", &numel_seq, &dtype_seq, &first_cap, &cap))
-        return NULL;
-    PyObject *numel_fast = PySequence_Fast(numel_seq, "numel must be a sequence");
-    PyObject *dtype_fast = numel_fast ? PySequence_Fast(dtype_seq, "dtype must be a sequence") : NULL;
-    if (dtype_fast == NULL) {
-        Py_XDECREF(numel_fast);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(numel_fast);
-    PyObject *result = NULL;
-    size_t n1 = n ? (size_t)n : 1;
-    size_t *numel = malloc(n1 * sizeof *numel), *offset = malloc(n1 * sizeof *offset);
-    int *dtype = malloc(n1 * sizeof *dtype);
-    uint32_t *bucket = malloc(n1 * sizeof *bucket);
-    mpidp_bucket_info_t *info = malloc(n1 * sizeof *info);
-    if (!numel || !offset || !dtype || !bucket || !info) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (PySequence_Fast_GET_SIZE(dtype_fast) != n) {
-        PyErr_SetString(PyExc_ValueError, "plan_buckets: numel and dtype differ in length");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        numel[i] = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(numel_fast, i));
-        dtype[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(dtype_fast, i));
-        if (PyErr_Occurred()) goto done;
-    }
-    size_t nb = 0;
-    mpidp_error_clear();
-    int rc = mpidp_bucket_plan(numel, dtype, (size_t)n, (size_t)first_cap, (size_t)cap, bucket,
-                               offset, info, &nb);
-    if (rc != MPIDP_OK) {
-        mpidp_py_raise(mpidp_py_state_of_module(m), rc, "plan_buckets");
-        goto done;
-    }
-    PyObject *pb = PyTuple_New(n), *po = PyTuple_New(n), *bi = PyTuple_New((Py_ssize_t)nb);
-    if (pb && po && bi) {
-        int ok = 1;
-        for (Py_ssize_t i = 0; i < n && ok; i++) {
-            PyObject *a = PyLong_FromUnsignedLong(bucket[i]), *b = PyLong_FromSize_t(offset[i]);
-            ok = a && b;
-            if (a) PyTuple_SET_ITEM(pb, i, a);
-            if (b) PyTuple_SET_ITEM(po, i, b);
-        }
-        for (size_t b = 0; b < nb && ok; b++) {
-            PyObject *t = Py_BuildValue("(nni)", (Py_ssize_t)info[b].numel,
-                                        (Py_ssize_t)info[b].n_params, info[b].dtype);
-            ok = t != NULL;
-            if (t) PyTuple_SET_ITEM(bi, (Py_ssize_t)b, t);
-        }
-        if (ok) result = PyTuple_Pack(3, pb, po, bi);
-    }
-    Py_XDECREF(pb);
-    Py_XDECREF(po);
-    Py_XDECREF(bi);
-done:
-    free(numel);
-    free(offset);
-    free(dtype);
-    free(bucket);
-    free(info);
-    Py_DECREF(numel_fast);
-    Py_DECREF(dtype_fast);
-    return result;
-}
-
 /* checksums(tensors) -> tuple of 64-bit checksums of each CPU tensor's bytes. */
 static PyObject *mod_checksums(PyObject *m, PyObject *seq)
 {
@@ -174,9 +94,6 @@ static PyMethodDef module_methods[] = {
      "MPI_Get_library_version() of the MPI library this process runs on."},
     {"mpi_header_version", mod_mpi_header_version, METH_NOARGS,
      "The MPI implementation whose headers the extension was built with."},
-    {"thread_level", mod_thread_level, METH_NOARGS, "MPI_Query_thread() at import."},
-    {"plan_buckets", mod_plan_buckets, METH_VARARGS,
-     "plan_buckets(numel, dtype, first_cap_bytes, cap_bytes) -> (bucket_of, offset, infos)"},
     {"checksums", mod_checksums, METH_O,
      "checksums(tensors) -> 64-bit checksums of each CPU tensor's bytes (MPIDP_CHECK)."},
     {NULL, NULL, 0, NULL},
@@ -207,15 +124,22 @@ static int module_exec(PyObject *m)
                      "failed: %s", mpidp_error_detail());
         return -1;
     }
-    if (PyModule_AddFunctions(m, mpidp_py_kernel_methods) < 0) return -1;
-    if (PyModule_AddFunctions(m, mpidp_py_process_methods) < 0) return -1;
+    if (PyModule_AddFunctions(m, mpidp_py_kernel_methods) < 0 ||
+        PyModule_AddFunctions(m, mpidp_py_process_methods) < 0 ||
+        PyModule_AddFunctions(m, mpidp_py_bucket_plan_functions) < 0 ||
+        PyModule_AddFunctions(m, mpidp_py_avgsched_functions) < 0)
+        return -1;
     /* The codes Python passes to the core, exported so that Python keeps no copies. */
     static const struct { const char *name; int value; } constants[] = {
         {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},
         {"DTYPE_F16", MPIDP_F16}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
         {"OP_MIN", MPIDP_OP_MIN}, {"OP_MAX", MPIDP_OP_MAX}, {"OP_PROD", MPIDP_OP_PROD},
         {"NO_WIRE", -1}, {"CONVERT_PACK", MPIDP_CONVERT_PACK},
-        {"CONVERT_UNPACK", MPIDP_CONVERT_UNPACK}, {"CONVERT_SUM16", MPIDP_CONVERT_SUM16}};
+        {"CONVERT_UNPACK", MPIDP_CONVERT_UNPACK}, {"CONVERT_SUM16", MPIDP_CONVERT_SUM16},
+        {"PASS_MISSING_GRADS", MPIDP_DECIDE_MISSING_GRADS},
+        {"PASS_ACCUMULATE", MPIDP_DECIDE_ACCUMULATE},
+        {"PASS_DELIVER_FOR_STEP", MPIDP_DECIDE_DELIVER_FOR_STEP},
+        {"PASS_DELIVER_NOW", MPIDP_DECIDE_DELIVER_NOW}, {"PASS_AFTER_STEP", MPIDP_DECIDE_AFTER_STEP}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) return -1;
     if (mpidp_reqtable_create(MPIDP_REQTABLE_CAPACITY, &st->reqs) != MPIDP_OK) {
@@ -238,11 +162,25 @@ static int module_exec(PyObject *m)
     Py_DECREF(bases);
     if (st->comm_timeout == NULL || PyModule_AddObjectRef(m, "CommTimeout", st->comm_timeout) < 0)
         return -1;
-    if (mpidp_py_comm_init(m, st) < 0 || mpidp_py_work_init(m, st) < 0 ||
-        mpidp_py_reducer_init(m, st) < 0 || mpidp_py_paramsync_init(m, st) < 0 ||
-        mpidp_py_schedule_init(m, st) < 0)
+    if (mpidp_py_import_mpi4py() < 0 || mpidp_py_reducer_pass_init() < 0) return -1;
+    /* The types; the module state keeps those the glue creates objects of. */
+    PyTypeObject **kept[] = {&st->comm_type, &st->work_type, NULL, NULL, NULL};
+    PyType_Spec *specs[] = {&mpidp_py_comm_spec, &mpidp_py_work_spec, &mpidp_py_reducer_spec,
+                            &mpidp_py_paramsync_spec, &mpidp_py_schedule_spec};
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        PyTypeObject *t = (PyTypeObject *)PyType_FromModuleAndSpec(m, specs[i], NULL);
+        int rc = t ? PyModule_AddType(m, t) : -1;
+        if (kept[i] && t) *kept[i] = t;
+        else Py_XDECREF(t);
+        if (rc < 0) return -1;
+    }
+    /* The struct sequences of the schedules' actions. */
+    st->schedule_actions_type = PyStructSequence_NewType(&mpidp_py_schedule_actions_desc);
+    st->avgsched_actions_type = PyStructSequence_NewType(&mpidp_py_avgsched_actions_desc);
+    if (st->schedule_actions_type == NULL || st->avgsched_actions_type == NULL ||
+        PyModule_AddType(m, st->schedule_actions_type) < 0)
         return -1;
-    return 0;
+    return PyModule_AddType(m, st->avgsched_actions_type);
 }
 
 static int module_traverse(PyObject *m, visitproc visit, void *arg)
@@ -250,10 +188,8 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     mpidp_py_state *st = mpidp_py_state_of_module(m);
     Py_VISIT(st->comm_type);
     Py_VISIT(st->work_type);
-    Py_VISIT(st->reducer_type);
-    Py_VISIT(st->paramsync_type);
-    Py_VISIT(st->schedule_type);
     Py_VISIT(st->schedule_actions_type);
+    Py_VISIT(st->avgsched_actions_type);
     Py_VISIT(st->comm_error);
     Py_VISIT(st->comm_timeout);
     return 0;
@@ -264,10 +200,8 @@ static int module_clear(PyObject *m)
     mpidp_py_state *st = mpidp_py_state_of_module(m);
     Py_CLEAR(st->comm_type);
     Py_CLEAR(st->work_type);
-    Py_CLEAR(st->reducer_type);
-    Py_CLEAR(st->paramsync_type);
-    Py_CLEAR(st->schedule_type);
     Py_CLEAR(st->schedule_actions_type);
+    Py_CLEAR(st->avgsched_actions_type);
     Py_CLEAR(st->comm_error);
     Py_CLEAR(st->comm_timeout);
     return 0;

@@ -8,15 +8,14 @@
 #include <mpi.h>
 
 #include "mpidp/reqtable.h"
+#include "mpidp/status.h"
 #include "mpidp/tensor.h"
 
 typedef struct {
     PyTypeObject *comm_type;
     PyTypeObject *work_type;
-    PyTypeObject *reducer_type;
-    PyTypeObject *paramsync_type;
-    PyTypeObject *schedule_type;
     PyTypeObject *schedule_actions_type; /* struct sequence: Schedule.batch's result */
+    PyTypeObject *avgsched_actions_type; /* struct sequence: avgsched_actions' result */
     PyObject *comm_error;      /* mpidp.CommError(RuntimeError) */
     PyObject *comm_timeout;    /* mpidp.CommTimeout(CommError) */
     mpidp_reqtable_t *reqs;    /* every request mpidp has in flight */
@@ -53,6 +52,17 @@ PyObject *mpidp_py_module_of_type(PyTypeObject *type);
  * MPIDP_ON_TIMEOUT=raise, first prints the message and aborts the job so that
  * no other rank is left waiting. */
 PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what);
+/* 0 for MPIDP_OK, else -1 with mpidp_py_raise's exception. */
+int mpidp_py_check(mpidp_py_state *st, int status, const char *what);
+/* A core call with a fresh error detail: MPIDP_PY_CALL(st, "what", mpidp_x(...)) < 0 on failure. */
+#define MPIDP_PY_CALL(st, what, call) (mpidp_error_clear(), mpidp_py_check((st), (call), (what)))
+
+/* None for a glue status >= 0, NULL (the exception is set) for -1. */
+static inline PyObject *mpidp_py_none_or_null(int rc)
+{
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
 
 /* Runs `call` (an expression of type int) with the GIL released when MPI
  * allows other threads to call it concurrently, so that waiting on a peer does
@@ -79,6 +89,12 @@ typedef struct {
 int mpidp_py_borrow(mpidp_py_state *st, PyObject *obj, unsigned requirements,
                     const char *argname, mpidp_py_borrowed_t *out);
 void mpidp_py_release(mpidp_py_borrowed_t *b);
+/* Borrows every tensor of the tuple `tuple` into out[0..len) (errors name
+ * `what[i]`); dtype >= 0: each must have that mpidp_dtype_t. 0, or -1 with
+ * an exception and nothing left borrowed. */
+int mpidp_py_borrow_all(mpidp_py_state *st, PyObject *tuple, unsigned requirements, int dtype,
+                        const char *what, mpidp_py_borrowed_t *out);
+void mpidp_py_release_all(mpidp_py_borrowed_t *b, size_t n);
 
 /* mpidp._C.Comm: a duplicate of the user's communicator with
  * MPI_ERRORS_RETURN, so MPI failures come back as status codes. */
@@ -102,12 +118,14 @@ PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssiz
                                   PyObject *kwnames);
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused);
 
-/* Type specs and module-init hooks, one per file. */
-int mpidp_py_comm_init(PyObject *module, mpidp_py_state *st);
-int mpidp_py_work_init(PyObject *module, mpidp_py_state *st);
-int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st);
-int mpidp_py_paramsync_init(PyObject *module, mpidp_py_state *st);
-int mpidp_py_schedule_init(PyObject *module, mpidp_py_state *st);
+/* The types, one per file; module.c creates them. */
+extern PyType_Spec mpidp_py_comm_spec, mpidp_py_work_spec, mpidp_py_reducer_spec,
+    mpidp_py_paramsync_spec, mpidp_py_schedule_spec;
+extern PyStructSequence_Desc mpidp_py_schedule_actions_desc, mpidp_py_avgsched_actions_desc;
+/* Module-init hooks: mpi4py's C API (comm.c), the gradient path's interned
+ * names (reducer_pass.c). 0, or -1 with an exception. */
+int mpidp_py_import_mpi4py(void);
+int mpidp_py_reducer_pass_init(void);
 
 struct mpidp_allreduce;
 /* Creates a Work that owns the allreduce `x` and keeps `keepalive` (the
@@ -115,9 +133,12 @@ struct mpidp_allreduce;
 PyObject *mpidp_py_work_new(mpidp_py_state *st, struct mpidp_allreduce *x,
                             mpidp_py_borrowed_t *keepalive, PyObject *comm);
 
-/* Module functions binding the conversion kernels (csrc/py/kernels.c) and
- * over the process-wide state (csrc/py/process.c). */
+/* Module functions binding the conversion kernels (csrc/py/kernels.c), over
+ * the process-wide state (process.c), planning buckets (bucket_plan.c) and
+ * the averaging schedule (avgsched.c). */
 extern PyMethodDef mpidp_py_kernel_methods[];
 extern PyMethodDef mpidp_py_process_methods[];
+extern PyMethodDef mpidp_py_bucket_plan_functions[];
+extern PyMethodDef mpidp_py_avgsched_functions[];
 
 #endif /* MPIDP_PY_MODULE_H */

@@ -9,7 +9,8 @@
 #include <stdlib.h>
 
 #include "mpidp/paramsync.h"
-#include "mpidp/status.h"
+
+#define WHAT "DASO global sync"
 
 typedef struct {
     PyObject_HEAD
@@ -22,39 +23,25 @@ typedef struct {
     mpidp_paramsync_t *core;
 } paramsync_t;
 
-/* Large passes release the GIL; each is one sweep over the parameters. */
+/* One sweep over the parameters, `call` (a core status), into `rc` (0 or
+ * -1 with the exception). Large ones release the GIL. */
 #define PASS(s, rc, call)                                                       \
     do {                                                                        \
         int big_ = mpidp_paramsync_numel((s)->core) >= (1u << 16);              \
         PyThreadState *ts_ = big_ ? PyEval_SaveThread() : NULL;                 \
         mpidp_error_clear();                                                    \
-        (rc) = (call);                                                          \
+        int status_ = (call);                                                   \
         if (ts_) PyEval_RestoreThread(ts_);                                     \
+        (rc) = mpidp_py_check((s)->st, status_, WHAT);                          \
     } while (0)
 
-static PyObject *fail(paramsync_t *s, int rc) { return mpidp_py_raise(s->st, rc, "DASO global sync"); }
-
-/* Borrows a tuple of float32 CPU tensors (named `what[i]` in errors). */
-static int borrow_all(mpidp_py_state *st, PyObject *tuple, const char *what,
-                      mpidp_py_borrowed_t *out, float **data, size_t *numel)
+/* Completes the sync in flight (GIL released while waiting). */
+static int wait_sync(paramsync_t *s)
 {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
-        char name[48];
-        PyOS_snprintf(name, sizeof name, "%s[%zd]", what, i);
-        if (mpidp_py_borrow(st, PyTuple_GET_ITEM(tuple, i),
-                            MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, name, &out[i]) < 0)
-            return -1;
-        if (out[i].t.dtype != MPIDP_F32) {
-            PyErr_Format(PyExc_TypeError, "%s: DASO syncs float32 parameters, got %s", name,
-                         mpidp_dtype_name(out[i].t.dtype));
-            mpidp_py_release(&out[i]);
-            for (Py_ssize_t j = 0; j < i; j++) mpidp_py_release(&out[j]);
-            return -1;
-        }
-        data[i] = out[i].t.data;
-        if (numel) numel[i] = out[i].t.numel;
-    }
-    return 0;
+    int rc;
+    mpidp_error_clear();
+    MPIDP_PY_WAIT(s->st, rc, mpidp_paramsync_wait(s->core, mpidp_py_timeout_s));
+    return mpidp_py_check(s->st, rc, WHAT);
 }
 
 static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -67,46 +54,38 @@ static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwd
                                      &params, &wire, &chunk))
         return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(type);
-    if (st == NULL) return NULL;
-    mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
+    mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
     if (c == NULL) return NULL;
     if (wire != MPIDP_F32 && wire != MPIDP_BF16 && wire != MPIDP_F16)
         return PyErr_Format(PyExc_ValueError, "wire_dtype: expected float32, bfloat16 or float16");
     if (chunk < 1 || chunk > 0x7fffffff)
         return PyErr_Format(PyExc_ValueError, "chunk_elems: expected 1 .. 2^31-1, got %zd", chunk);
-    size_t np = (size_t)PyTuple_GET_SIZE(params);
+    size_t np = (size_t)PyTuple_GET_SIZE(params), n1 = np ? np : 1;
     paramsync_t *s = (paramsync_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
     s->st = st;
     s->module = Py_NewRef(PyType_GetModule(type));
     s->comm = Py_NewRef(comm);
     s->params = Py_NewRef(params);
-    float **data = calloc(np ? np : 1, sizeof *data);
-    size_t *numel = calloc(np ? np : 1, sizeof *numel);
-    s->p = calloc(np ? np : 1, sizeof *s->p);
-    if (data == NULL || numel == NULL || s->p == NULL) {
-        free(data);
-        free(numel);
-        Py_DECREF(s);
-        return PyErr_NoMemory();
-    }
-    int rc = -1;
-    if (borrow_all(st, params, "params", s->p, data, numel) == 0) {
+    float **data = calloc(n1, sizeof *data);
+    size_t *numel = calloc(n1, sizeof *numel);
+    s->p = calloc(n1, sizeof *s->p);
+    int ok = data && numel && s->p;
+    if (!ok) PyErr_NoMemory();
+    ok = ok && mpidp_py_borrow_all(st, params, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY,
+                                   MPIDP_F32, "params", s->p) == 0;
+    if (ok) {
         s->n_params = np;
+        for (size_t i = 0; i < np; i++) data[i] = s->p[i].t.data, numel[i] = s->p[i].t.numel;
         mpidp_paramsync_config_t cfg = {
             .comm = c->comm, .reqs = st->reqs, .n_params = np, .params = data, .numel = numel,
             .wire = wire, .chunk_elems = (size_t)chunk, .drain_timeout_s = mpidp_py_timeout_s,
-            .what = "DASO global sync"};
-        mpidp_error_clear();
-        rc = mpidp_paramsync_create(&cfg, &s->core);
-        if (rc != MPIDP_OK) mpidp_py_raise(st, rc, "ParamSync");
+            .what = WHAT};
+        ok = MPIDP_PY_CALL(st, "ParamSync", mpidp_paramsync_create(&cfg, &s->core)) == 0;
     }
     free(data);
     free(numel);
-    if (rc != MPIDP_OK) {
-        Py_DECREF(s);
-        return NULL;
-    }
+    if (!ok) Py_CLEAR(s);
     return (PyObject *)s;
 }
 
@@ -115,7 +94,15 @@ static PyObject *paramsync_set_reference(paramsync_t *s, PyObject *unused)
     (void)unused;
     int rc;
     PASS(s, rc, mpidp_paramsync_set_reference(s->core));
-    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+    return mpidp_py_none_or_null(rc);
+}
+
+static PyObject *paramsync_restore(paramsync_t *s, PyObject *unused)
+{
+    (void)unused;
+    int rc;
+    PASS(s, rc, mpidp_paramsync_restore(s->core));
+    return mpidp_py_none_or_null(rc);
 }
 
 /* send(zero=False): with zero, contribute nothing (a node whose ranks have
@@ -123,46 +110,35 @@ static PyObject *paramsync_set_reference(paramsync_t *s, PyObject *unused)
 static PyObject *paramsync_send(paramsync_t *s, PyObject *args)
 {
     int zero = 0, rc;
-    if (!PyArg_ParseTuple(args, "|p:send", &zero)) return NULL;
-    if (mpidp_py_check_not_forked("DASO global sync") < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "|p:send", &zero) || mpidp_py_check_not_forked(WHAT) < 0)
+        return NULL;
     PASS(s, rc, mpidp_paramsync_send(s->core, zero));
-    if (rc == MPIDP_OK && mpidp_py_warn_fp16_overflow() < 0) return NULL;
-    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+    if (rc < 0) return NULL;
+    return mpidp_py_none_or_null(mpidp_py_warn_fp16_overflow());
 }
 
 static PyObject *paramsync_test(paramsync_t *s, PyObject *unused)
 {
     (void)unused;
     int done = 0;
-    mpidp_error_clear();
-    int rc = mpidp_paramsync_test(s->core, &done);
-    return rc == MPIDP_OK ? PyBool_FromLong(done) : fail(s, rc);
-}
-
-static int wait_sync(paramsync_t *s)
-{
-    int rc;
-    mpidp_error_clear();
-    MPIDP_PY_WAIT(s->st, rc, mpidp_paramsync_wait(s->core, mpidp_py_timeout_s));
-    if (rc != MPIDP_OK) fail(s, rc);
-    return rc == MPIDP_OK ? 0 : -1;
+    if (MPIDP_PY_CALL(s->st, WHAT, mpidp_paramsync_test(s->core, &done)) < 0) return NULL;
+    return PyBool_FromLong(done);
 }
 
 static PyObject *paramsync_wait(paramsync_t *s, PyObject *unused)
 {
     (void)unused;
-    return wait_sync(s) < 0 ? NULL : Py_NewRef(Py_None);
+    return mpidp_py_none_or_null(wait_sync(s));
 }
 
 /* merge(a, b, c): completes the sync, then p = a*p + b*sum + c*ref. */
 static PyObject *paramsync_merge(paramsync_t *s, PyObject *args)
 {
     float a, b, c;
-    int rc;
+    int rc = -1;
     if (!PyArg_ParseTuple(args, "fff:merge", &a, &b, &c)) return NULL;
-    if (wait_sync(s) < 0) return NULL;
-    PASS(s, rc, mpidp_paramsync_merge(s->core, a, b, c));
-    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+    if (wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_merge(s->core, a, b, c));
+    return mpidp_py_none_or_null(rc);
 }
 
 /* merge_average(n_senders, batches_waited): completes the sync, then merges
@@ -172,13 +148,12 @@ static PyObject *paramsync_merge_average(paramsync_t *s, PyObject *args)
     int n;
     long long btw;
     float a, b, c;
-    if (!PyArg_ParseTuple(args, "iL:merge_average", &n, &btw)) return NULL;
-    mpidp_error_clear();
-    int rc = mpidp_paramsync_merge_weights(n, btw, &a, &b, &c);
-    if (rc != MPIDP_OK) return fail(s, rc);
-    if (wait_sync(s) < 0) return NULL;
-    PASS(s, rc, mpidp_paramsync_merge(s->core, a, b, c));
-    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+    int rc = -1;
+    if (!PyArg_ParseTuple(args, "iL:merge_average", &n, &btw) ||
+        MPIDP_PY_CALL(s->st, WHAT, mpidp_paramsync_merge_weights(n, btw, &a, &b, &c)) < 0)
+        return NULL;
+    if (wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_merge(s->core, a, b, c));
+    return mpidp_py_none_or_null(rc);
 }
 
 /* grad_into(grads, scale): completes the sync, then grads[i] = scale * sum. */
@@ -190,37 +165,27 @@ static PyObject *paramsync_grad_into(paramsync_t *s, PyObject *args)
     if ((size_t)PyTuple_GET_SIZE(grads) != s->n_params)
         return PyErr_Format(PyExc_ValueError, "grads: expected %zu tensors, got %zd", s->n_params,
                             PyTuple_GET_SIZE(grads));
-    size_t np = s->n_params ? s->n_params : 1;
-    mpidp_py_borrowed_t *g = calloc(np, sizeof *g);
-    float **data = calloc(np, sizeof *data);
-    if (g == NULL || data == NULL) {
-        free(g);
-        free(data);
-        return PyErr_NoMemory();
-    }
-    int borrowed = borrow_all(s->st, grads, "grads", g, data, NULL) == 0;
-    int rc = MPIDP_OK, ok = borrowed;
-    for (size_t i = 0; ok && i < s->n_params; i++)
-        if (g[i].t.numel != s->p[i].t.numel) {
+    size_t n1 = s->n_params ? s->n_params : 1;
+    mpidp_py_borrowed_t *b = calloc(n1, sizeof *b);
+    float **data = calloc(n1, sizeof *data);
+    int borrowed = 0, rc = -1;
+    if (b == NULL || data == NULL) PyErr_NoMemory();
+    else borrowed = mpidp_py_borrow_all(s->st, grads, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY,
+                                        MPIDP_F32, "grads", b) == 0;
+    for (size_t i = 0; borrowed && i < s->n_params; i++) {
+        data[i] = b[i].t.data;
+        if (b[i].t.numel != s->p[i].t.numel) {
             PyErr_Format(PyExc_ValueError, "grads[%zu]: expected %zu elements, got %zu", i,
-                         s->p[i].t.numel, g[i].t.numel);
-            ok = 0;
+                         s->p[i].t.numel, b[i].t.numel);
+            goto done;
         }
-    if (ok && wait_sync(s) < 0) ok = 0;
-    if (ok) PASS(s, rc, mpidp_paramsync_grad_into(s->core, data, scale));
-    for (size_t i = 0; borrowed && i < s->n_params; i++) mpidp_py_release(&g[i]);
-    free(g);
+    }
+    if (borrowed && wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_grad_into(s->core, data, scale));
+done:
+    if (borrowed) mpidp_py_release_all(b, s->n_params);
+    free(b);
     free(data);
-    if (!ok) return NULL;
-    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
-}
-
-static PyObject *paramsync_restore(paramsync_t *s, PyObject *unused)
-{
-    (void)unused;
-    int rc;
-    PASS(s, rc, mpidp_paramsync_restore(s->core));
-    return rc == MPIDP_OK ? Py_NewRef(Py_None) : fail(s, rc);
+    return mpidp_py_none_or_null(rc);
 }
 
 static PyObject *paramsync_get_numel(paramsync_t *s, void *c) { (void)c; return PyLong_FromSize_t(mpidp_paramsync_numel(s->core)); }
@@ -246,7 +211,7 @@ static void paramsync_dealloc(paramsync_t *s)
     }
     /* A sync still in flight writes into the engine's buffers: never free them. */
     if (!leak) mpidp_paramsync_free(s->core);
-    for (size_t i = 0; s->p && i < s->n_params; i++) mpidp_py_release(&s->p[i]);
+    mpidp_py_release_all(s->p, s->n_params);
     free(s->p);
     Py_CLEAR(s->params);
     Py_CLEAR(s->comm);
@@ -289,16 +254,9 @@ static PyType_Slot paramsync_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec paramsync_spec = {
+PyType_Spec mpidp_py_paramsync_spec = {
     .name = "mpidp._C.ParamSync",
     .basicsize = sizeof(paramsync_t),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = paramsync_slots,
 };
-
-int mpidp_py_paramsync_init(PyObject *module, mpidp_py_state *st)
-{
-    st->paramsync_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &paramsync_spec, NULL);
-    if (st->paramsync_type == NULL) return -1;
-    return PyModule_AddType(module, st->paramsync_type);
-}

@@ -10,25 +10,12 @@
 
 #include <stdlib.h>
 
-#include "mpidp/bucket.h"
-#include "mpidp/status.h"
 
 typedef mpidp_py_reducer_t reducer_t;
 
 /* --- Reducer methods: the core's per-bucket calls and queries ----------- */
 
-static PyObject *none_or_null(int rc)
-{
-    if (rc < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-int mpidp_py_reducer_core_status(mpidp_py_reducer_t *r, int rc, const char *what)
-{
-    if (rc == MPIDP_OK) return 0;
-    mpidp_py_raise(r->st, rc, what);
-    return -1;
-}
+#define none_or_null mpidp_py_none_or_null
 
 Py_ssize_t mpidp_py_index_arg(PyObject *arg, size_t limit, const char *what)
 {
@@ -65,7 +52,7 @@ static PyObject *reducer_wait_bucket(reducer_t *r, PyObject *arg)
     int rc;
     mpidp_error_clear();
     MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
-    return none_or_null(mpidp_py_reducer_core_status(r, rc, "DataParallel gradient allreduce"));
+    return none_or_null(mpidp_py_check(r->st, rc, "DataParallel gradient allreduce"));
 }
 
 /* next_to_stage(start) -> the first full bucket >= start that waits for its
@@ -125,23 +112,15 @@ static PyObject *reducer_set_divisor(reducer_t *r, PyObject *arg)
     return none_or_null(CORE(r, "DataParallel.join", mpidp_reducer_set_divisor(r->core, (int)n)));
 }
 
-static PyObject *reducer_get_paused(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(r->paused); }
-static PyObject *reducer_get_held(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(r->held); }
+static PyObject *reducer_get_paused(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(mpidp_reducer_paused(r->core)); }
+static PyObject *reducer_get_held(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(mpidp_reducer_held(r->core)); }
 
 static int reducer_set_paused(reducer_t *r, PyObject *value, void *c)
 {
     (void)c;
     int v = value ? PyObject_IsTrue(value) : -1;
-    if (v < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "paused cannot be deleted");
-        return -1;
-    }
-    if (v && mpidp_reducer_n_ready(r->core) != 0) {
-        PyErr_SetString(PyExc_RuntimeError, "DataParallel.no_sync: a backward pass is still open");
-        return -1;
-    }
-    r->paused = v;
-    return 0;
+    if (v < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "paused cannot be deleted");
+    return v < 0 ? -1 : CORE(r, "DataParallel.no_sync", mpidp_reducer_set_paused(r->core, v));
 }
 
 static PyObject *reducer_get_finalized(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(mpidp_reducer_finalized(r->core)); }
@@ -152,10 +131,10 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return 
  *         blocking, name, wire_dtype=-1, staged=False):
  * keyword-only, so a caller cannot swap two of the many arguments unnoticed.
  * The bucket layout is planned here from the parameters' sizes and dtypes
- * and the caps (mpidp_bucket_plan, as _C.plan_buckets gave Python to allocate
- * `buckets`), and each bucket tensor is checked against it. staged: the .grad
- * views live in device buckets that Python copies to and from `buckets` (the
- * core then waits for `staged(b)` before posting). */
+ * and the caps (as plan_buckets gave Python to allocate `buckets`), and each
+ * bucket tensor is checked against it. staged: the .grad views live in
+ * device buckets that Python copies to and from `buckets` (the core then
+ * waits for `staged(b)` before posting). */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_numel", "param_dtype",
@@ -164,10 +143,10 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     unsigned long long first_cap = 0, cap = 0;
     int blocking = -1, wire = -1, staged = 0;
     const char *name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!O!O!KKpsip:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsip:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
-                                     &buckets, &PyTuple_Type, &pn, &PyTuple_Type, &pd, &first_cap,
-                                     &cap, &blocking, &name, &wire, &staged))
+                                     &buckets, &pn, &pd, &first_cap, &cap, &blocking, &name,
+                                     &wire, &staged))
         return NULL;
     /* The format makes every keyword optional; all but the last two are required. */
     const void *given[] = {comm, params, views, buckets, pn, pd, first_cap ? &first_cap : NULL,
@@ -178,14 +157,18 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                                 kwlist[k]);
     Py_ssize_t np = PyTuple_GET_SIZE(params), nb = PyTuple_GET_SIZE(buckets);
     mpidp_py_state *st = mpidp_py_state_of_type(type);
-    if (st == NULL) return NULL;
-    mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
-    if (c == NULL) return NULL;
-    if (PyTuple_GET_SIZE(views) != np || PyTuple_GET_SIZE(pn) != np || PyTuple_GET_SIZE(pd) != np)
-        return PyErr_Format(PyExc_ValueError, "Reducer: inconsistent layout lengths");
-
+    mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
+    mpidp_py_plan_t p;
+    if (c == NULL || mpidp_py_plan(st, "Reducer", pn, pd, first_cap, cap, &p) < 0) return NULL;
+    if (PyTuple_GET_SIZE(views) != np || p.n != (size_t)np || p.n_buckets != (size_t)nb) {
+        mpidp_py_plan_free(&p);
+        return PyErr_Format(PyExc_ValueError, "Reducer: %zd params, %zd views, %zu sizes and %zd "
+                            "buckets do not match a plan of %zu buckets", np,
+                            PyTuple_GET_SIZE(views), p.n, nb, p.n_buckets);
+    }
+    void **data = NULL;
     reducer_t *r = (reducer_t *)type->tp_alloc(type, 0);
-    if (r == NULL) return NULL;
+    if (r == NULL) goto done;
     r->st = st;
     r->module = Py_NewRef(mpidp_py_module_of_type(type));
     r->comm = Py_NewRef(comm);
@@ -193,65 +176,39 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
     r->n_params = (size_t)np;
-    r->n_buckets = (size_t)nb;
-
-    size_t n1 = np ? (size_t)np : 1, b1 = nb ? (size_t)nb : 1;
-    uint32_t *bucket_of = malloc(n1 * sizeof *bucket_of);
-    size_t *offset = malloc(n1 * sizeof *offset), *numel = malloc(n1 * sizeof *numel);
-    int *dtype = malloc(n1 * sizeof *dtype);
-    mpidp_bucket_info_t *info = malloc(n1 * sizeof *info);
-    void **data = malloc(b1 * sizeof *data);
-    r->buckets = calloc(b1, sizeof *r->buckets);
-    r->seen = calloc(n1, 1);
-    r->act = calloc(n1, 1);
-    r->versions = calloc(b1, sizeof *r->versions);
-    PyObject *result = NULL;
-    if (!bucket_of || !offset || !numel || !dtype || !info || !data || !r->buckets || !r->seen ||
-        !r->act || !r->versions) {
+    r->buckets = calloc(nb ? (size_t)nb : 1, sizeof *r->buckets);
+    r->seen = calloc(np ? (size_t)np : 1, 1);
+    r->act = calloc(np ? (size_t)np : 1, 1);
+    r->versions = calloc(nb ? (size_t)nb : 1, sizeof *r->versions);
+    data = malloc((nb ? (size_t)nb : 1) * sizeof *data);
+    if (!r->buckets || !r->seen || !r->act || !r->versions || !data) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
-    for (Py_ssize_t i = 0; i < np; i++) {
-        numel[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(pn, i));
-        dtype[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(pd, i));
-        if (PyErr_Occurred()) goto done;
-    }
-    size_t planned = 0;
-    if (CORE(r, "DataParallel", mpidp_bucket_plan(numel, dtype, (size_t)np, (size_t)first_cap,
-                                                  (size_t)cap, bucket_of, offset, info, &planned)) < 0)
-        goto done;
-    if (planned != (size_t)nb) {
-        PyErr_Format(PyExc_ValueError, "Reducer: the plan has %zu buckets, got %zd", planned, nb);
-        goto done;
-    }
+    if (mpidp_py_borrow_all(st, buckets, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, -1,
+                            "buckets", r->buckets) < 0)
+        goto fail;
+    r->n_buckets = (size_t)nb;
     for (Py_ssize_t b = 0; b < nb; b++) {
-        if (mpidp_py_borrow(st, PyTuple_GET_ITEM(buckets, b),
-                            MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, "bucket",
-                            &r->buckets[b]) < 0)
-            goto done;
-        if (r->buckets[b].t.numel != info[b].numel + info[b].n_params ||
-            (int)r->buckets[b].t.dtype != info[b].dtype) {
+        if (r->buckets[b].t.numel != p.info[b].numel + p.info[b].n_params ||
+            (int)r->buckets[b].t.dtype != p.info[b].dtype) {
             PyErr_Format(PyExc_ValueError, "Reducer: bucket %zd has the wrong size or dtype", b);
-            goto done;
+            goto fail;
         }
         data[b] = r->buckets[b].t.data;
     }
     mpidp_reducer_config_t cfg = {
-        .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = bucket_of,
-        .param_offset = offset, .param_numel = numel, .n_buckets = (size_t)nb, .buckets = info,
-        .bucket_data = data, .wire_dtype = wire, .separate = !blocking, .name = name,
-        .staged = staged};
-    if (CORE(r, "DataParallel", mpidp_reducer_create(&cfg, &r->core)) < 0) goto done;
-    result = (PyObject *)r;
+        .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = p.bucket_of,
+        .param_offset = p.offset, .param_numel = p.numel, .n_buckets = (size_t)nb,
+        .buckets = p.info, .bucket_data = data, .wire_dtype = wire, .separate = !blocking,
+        .name = name, .staged = staged};
+    if (CORE(r, "DataParallel", mpidp_reducer_create(&cfg, &r->core)) == 0) goto done;
+fail:
+    Py_CLEAR(r);
 done:
-    free(bucket_of);
-    free(offset);
-    free(numel);
-    free(dtype);
-    free(info);
     free(data);
-    if (result == NULL) Py_DECREF(r);
-    return result;
+    mpidp_py_plan_free(&p);
+    return (PyObject *)r;
 }
 
 static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
@@ -353,23 +310,9 @@ static PyType_Slot reducer_slots[] = {
 };
 
 /* BASETYPE: python/mpidp/_reducer.py subclasses it with the pass's flows. */
-static PyType_Spec reducer_spec = {
+PyType_Spec mpidp_py_reducer_spec = {
     .name = "mpidp._C.Reducer",
     .basicsize = sizeof(reducer_t),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_BASETYPE,
     .slots = reducer_slots,
 };
-
-int mpidp_py_reducer_init(PyObject *module, mpidp_py_state *st)
-{
-    if (mpidp_py_reducer_pass_init() < 0) return -1;
-    st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
-    if (st->reducer_type == NULL) return -1;
-    static const struct { const char *name; int value; } kinds[] = {
-        {"PASS_MISSING_GRADS", MPIDP_DECIDE_MISSING_GRADS}, {"PASS_ACCUMULATE", MPIDP_DECIDE_ACCUMULATE},
-        {"PASS_DELIVER_FOR_STEP", MPIDP_DECIDE_DELIVER_FOR_STEP},
-        {"PASS_DELIVER_NOW", MPIDP_DECIDE_DELIVER_NOW}, {"PASS_AFTER_STEP", MPIDP_DECIDE_AFTER_STEP}};
-    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
-        if (PyModule_AddIntConstant(module, kinds[k].name, kinds[k].value) < 0) return -1;
-    return PyModule_AddType(module, st->reducer_type);
-}

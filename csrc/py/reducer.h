@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include "mpidp/bucket.h"
 #include "mpidp/reducer.h"
 
 typedef struct {
@@ -26,15 +27,26 @@ typedef struct {
     size_t n_params;
     uint8_t *seen, *act;       /* scratch: mpidp_grad_seen_t / mpidp_grad_action_t per parameter */
     long long *versions;       /* scratch: per bucket */
-    int queued;                /* _begin_backward ran for the current backward */
-    int paused;                /* no_sync: hooks only hold gradients (mpidp_reducer_grad_held) */
-    int held;                  /* a paused backward held gradients the next pass must reduce */
 } mpidp_py_reducer_t;
 
-/* 0, or -1 with the Python exception for core status rc. */
-int mpidp_py_reducer_core_status(mpidp_py_reducer_t *r, int rc, const char *what);
 /* A core call with a fresh error detail: CORE(r, "what", mpidp_reducer_x(...)) < 0 on failure. */
-#define CORE(r, what, call) (mpidp_error_clear(), mpidp_py_reducer_core_status((r), (call), (what)))
+#define CORE(r, what, call) MPIDP_PY_CALL((r)->st, what, call)
+
+/* A bucket layout (mpidp_bucket_plan) of parameters of given sizes and dtypes. */
+typedef struct {
+    size_t n, n_buckets;
+    size_t *numel, *offset;
+    int *dtype;
+    uint32_t *bucket_of;
+    mpidp_bucket_info_t *info;
+} mpidp_py_plan_t;
+
+/* Plans the buckets of parameters with sizes `numel` and dtype codes `dtype`
+ * (sequences of ints) under the caps in bytes. 0, or -1 with an exception
+ * naming `what` (*p is then freed). */
+int mpidp_py_plan(mpidp_py_state *st, const char *what, PyObject *numel, PyObject *dtype,
+                  unsigned long long first_cap, unsigned long long cap, mpidp_py_plan_t *p);
+void mpidp_py_plan_free(mpidp_py_plan_t *p);
 
 /* An index argument below `limit`, or -1 with an exception. */
 Py_ssize_t mpidp_py_index_arg(PyObject *arg, size_t limit, const char *what);
@@ -44,6 +56,5 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
 PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused);
 PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused);
 PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-int mpidp_py_reducer_pass_init(void);
 
 #endif /* MPIDP_PY_REDUCER_H */

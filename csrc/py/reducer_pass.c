@@ -6,9 +6,9 @@
  * per-bucket order of calls is python/mpidp/_reducer.py.
  *
  *   grad_arrived(i, param)  the hot path, every parameter's gradient hook:
- *                  the first one of a backward calls self._begin_backward(i);
+ *                  the one that opens a backward calls self._begin_backward(i);
  *                  a foreign `.grad` is copied in; the core marks the
- *                  parameter and posts full buckets (while `paused`, for
+ *                  parameter and posts full buckets (while paused, for
  *                  no_sync, it only records that the view holds a gradient);
  *   prepare()      before backward: None grads -> their zeroed bucket views;
  *   mark_unhooked() end of backward: parameters no hook marked are marked
@@ -17,7 +17,6 @@
  *                  core (_C.PASS_*), applied to the bucket's parameters. */
 #include "reducer.h"
 
-#include "mpidp/status.h"
 
 static PyObject *str_grad, *str_copy_, *str_detach, *str_begin, *str_zero_;
 
@@ -103,11 +102,7 @@ static int apply(mpidp_py_reducer_t *r, const size_t *idx, size_t n, const uint8
     return 0;
 }
 
-static PyObject *none_or_null(int rc)
-{
-    if (rc < 0) return NULL;
-    Py_RETURN_NONE;
-}
+#define none_or_null mpidp_py_none_or_null
 
 /* What parameter i's `.grad` holds, after adopting a foreign tensor into the
  * view: 1 a gradient, 0 None, -1 error. */
@@ -128,22 +123,12 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     if (mpidp_py_forked) return none_or_null(mpidp_py_check_not_forked("DataParallel backward"));
     Py_ssize_t i = mpidp_py_index_arg(args[0], r->n_params, "parameter");
     if (i < 0) return NULL;
-    if (r->paused) {
-        /* no_sync: the gradient stays in the view, for the next pass. */
-        int has = take_grad(r, (size_t)i, args[1]);
-        if (has < 0) return NULL;
-        r->held = 1;
-        return none_or_null(CORE(r, "DataParallel.no_sync backward",
-                                 mpidp_reducer_grad_held(r->core, (size_t)i, has)));
-    }
-    if (!r->queued) {
+    if (mpidp_reducer_opens_backward(r->core)) {
         /* First hook of a new backward: Python finishes a pass still open
          * and asks autograd to end this backward with _finalize_backward. */
         PyObject *res = PyObject_CallMethodOneArg(self, str_begin, args[0]);
         if (res == NULL) return NULL;
         Py_DECREF(res);
-        r->queued = 1;
-        r->held = 0; /* this pass reduces what no_sync backwards held */
     }
     int has = take_grad(r, (size_t)i, args[1]);
     if (has < 0) return NULL;
@@ -151,8 +136,9 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     int rc = mpidp_reducer_grad_arrived(r->core, (size_t)i, has);
     /* Open MPI advances non-blocking collectives only inside MPI calls: test
      * what is in flight so buckets posted earlier progress during backward. */
-    if (rc == MPIDP_OK && mpidp_py_hook_progress) rc = mpidp_reqtable_progress(r->st->reqs, NULL);
-    return none_or_null(mpidp_py_reducer_core_status(r, rc, "DataParallel backward"));
+    if (rc == MPIDP_OK && mpidp_py_hook_progress && !mpidp_reducer_paused(r->core))
+        rc = mpidp_reqtable_progress(r->st->reqs, NULL);
+    return none_or_null(mpidp_py_check(r->st, rc, "DataParallel backward"));
 }
 
 PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused)
@@ -169,7 +155,6 @@ PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused)
 {
     (void)unused;
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
-    r->queued = 0;
     for (size_t i = 0; i < r->n_params; i++) {
         if (mpidp_reducer_is_ready(r->core, i)) continue;
         int seen = observe_one(r, i);

@@ -65,7 +65,7 @@ static PyStructSequence_Field actions_fields[] = {
     {NULL, NULL},
 };
 
-static PyStructSequence_Desc actions_desc = {
+PyStructSequence_Desc mpidp_py_schedule_actions_desc = {
     .name = "mpidp._C.ScheduleActions",
     .doc = "What DASO does after one batch (Schedule.batch's result).",
     .fields = actions_fields,
@@ -81,23 +81,15 @@ static PyObject *schedule_batch(schedule_t *self, PyObject *args)
     mpidp_error_clear();
     int rc = mpidp_schedule_batch(&self->s, batch, last, &a);
     if (rc != MPIDP_OK) return mpidp_py_raise(self->st, rc, "DASO.step");
-    PyObject *out = PyStructSequence_New(self->st->schedule_actions_type);
-    if (out == NULL) return NULL;
-    PyObject *items[] = {
-        PyBool_FromLong(a.complete), PyLong_FromLongLong((long long)a.complete_group),
-        PyLong_FromLongLong((long long)a.complete_btw), PyBool_FromLong(a.send),
-        PyLong_FromLongLong((long long)a.send_group), PyLong_FromLongLong((long long)a.send_btw),
-        PyBool_FromLong(a.send_blocking), PyBool_FromLong(a.local_sync),
-        PyBool_FromLong(a.epoch_done)};
-    for (Py_ssize_t i = 0; i < (Py_ssize_t)(sizeof items / sizeof items[0]); i++) {
-        if (items[i] == NULL) {
-            for (Py_ssize_t j = i + 1; j < (Py_ssize_t)(sizeof items / sizeof items[0]); j++)
-                Py_XDECREF(items[j]);
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyStructSequence_SetItem(out, i, items[i]); /* steals the reference */
-    }
+#define B(x) ((x) ? Py_True : Py_False)
+    PyObject *fields = Py_BuildValue("(OLLOLLOOO)", B(a.complete), (long long)a.complete_group,
+                                     (long long)a.complete_btw, B(a.send), (long long)a.send_group,
+                                     (long long)a.send_btw, B(a.send_blocking), B(a.local_sync),
+                                     B(a.epoch_done));
+#undef B
+    PyObject *out = fields ? PyObject_CallOneArg((PyObject *)self->st->schedule_actions_type, fields)
+                           : NULL;
+    Py_XDECREF(fields);
     return out;
 }
 
@@ -221,19 +213,9 @@ static PyType_Slot schedule_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec schedule_spec = {
+PyType_Spec mpidp_py_schedule_spec = {
     .name = "mpidp._C.Schedule",
     .basicsize = sizeof(schedule_t),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = schedule_slots,
 };
-
-int mpidp_py_schedule_init(PyObject *module, mpidp_py_state *st)
-{
-    st->schedule_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &schedule_spec, NULL);
-    if (st->schedule_type == NULL) return -1;
-    st->schedule_actions_type = PyStructSequence_NewType(&actions_desc);
-    if (st->schedule_actions_type == NULL || PyModule_AddType(module, st->schedule_actions_type) < 0)
-        return -1;
-    return PyModule_AddType(module, st->schedule_type);
-}

@@ -122,16 +122,9 @@ static PyType_Slot work_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec work_spec = {
+PyType_Spec mpidp_py_work_spec = {
     .name = "mpidp._C.Work",
     .basicsize = sizeof(work_t),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = work_slots,
 };
-
-int mpidp_py_work_init(PyObject *module, mpidp_py_state *st)
-{
-    st->work_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &work_spec, NULL);
-    if (st->work_type == NULL) return -1;
-    return PyModule_AddType(module, st->work_type);
-}

@@ -10,10 +10,12 @@ Launch with `mpirun -np N python train.py` or `srun python train.py`.
 from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
 from . import _C
 from ._C import CommError, CommTimeout
+from .averaging import HierarchicalModelAverager, PeriodicModelAverager, PostLocalSGDOptimizer
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (Work, allgather, allreduce, allreduce_scalar, barrier, broadcast,
                           local_rank, rank, size)
 from .daso import DASO
+from .diloco import DiLoCo
 from .data_parallel import DataParallel
 from .data_parallel_multi import DataParallelMultiGPU
 from .optimizer import DataParallelOptimizer
@@ -28,6 +30,10 @@ __all__ = [
     "CommError",
     "CommTimeout",
     "DASO",
+    "DiLoCo",
+    "HierarchicalModelAverager",
+    "PeriodicModelAverager",
+    "PostLocalSGDOptimizer",
     "DataParallel",
     "DataParallelMultiGPU",
     "DataParallelOptimizer",
@@ -43,6 +49,7 @@ __all__ = [
     "broadcast",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "fp16_overflows",
     "mpi_library_version",
     "nn",
     "optim",
@@ -73,8 +80,14 @@ if _C.simd_fallback_reason():
 def set_timeout(seconds: float) -> None:
     """Deadline, in seconds, of every mpidp wait on a collective (<= 0: none).
     Default 1800, or MPIDP_TIMEOUT from the environment."""
-    _C.set_timeout(float(seconds))
+    _C.configure(timeout=float(seconds))
 
 
 def get_timeout() -> float:
-    return _C.get_timeout()
+    return _C.process_state()["timeout"]
+
+
+def fp16_overflows() -> int:
+    """Finite values this process packed to float16 for the wire that became
+    inf (beyond +-65504) so far (wire_dtype=torch.float16)."""
+    return _C.process_state()["fp16_overflows"]

@@ -47,7 +47,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
         ("MPI library (mpi4py)", theirs),
         ("same MPI", "yes" if ours == theirs else "NO"),
         ("built against", _C.mpi_header_version()),
-        ("MPI thread level", _THREAD_LEVELS.get(_C.thread_level(), str(_C.thread_level()))),
+        ("MPI thread level", _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
         ("SIMD path", f"{_C.simd_path()} (this CPU: {', '.join(_C.simd_paths())})"),
         ("CUDA kernels", "built, GPU usable" if _C.cuda_available() else "not usable here"),
         ("GPUs visible to torch", str(torch.cuda.device_count() if torch.cuda.is_available() else 0)),

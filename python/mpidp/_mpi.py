@@ -60,10 +60,11 @@ _check_same_mpi()
 
 
 def _read_env_settings() -> None:
-    _C.set_timeout(config.get("MPIDP_TIMEOUT"))
-    _C.set_abort_on_timeout(config.get("MPIDP_ON_TIMEOUT") == "abort")
-    # Diagnostic switch: 0 stops the gradient hooks from driving MPI progress.
-    _C.set_hook_progress(config.get("MPIDP_HOOK_PROGRESS"))
+    # MPIDP_HOOK_PROGRESS is a diagnostic switch: 0 stops the gradient hooks
+    # from driving MPI progress.
+    _C.configure(timeout=config.get("MPIDP_TIMEOUT"),
+                 abort_on_timeout=config.get("MPIDP_ON_TIMEOUT") == "abort",
+                 hook_progress=config.get("MPIDP_HOOK_PROGRESS"))
 
 
 _read_env_settings()
@@ -76,7 +77,7 @@ def _after_fork_in_child() -> None:
     mismatch or hang the parent's job): every later communication raises."""
     global _forked
     _forked = True
-    _C.mark_forked()
+    _C.configure(forked=True)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -90,7 +91,7 @@ def _at_exit() -> None:
     every rank), would hang the job, so the job is ended here instead."""
     if _forked:
         return
-    if _C.timed_out() and MPI.COMM_WORLD.Get_size() > 1:
+    if _C.process_state()["timed_out"] and MPI.COMM_WORLD.Get_size() > 1:
         sys.stderr.write(f"mpidp: rank {MPI.COMM_WORLD.Get_rank()} is exiting after a "
                          "communication timeout (CommTimeout); another rank is stuck or gone, so "
                          "MPI_Finalize would wait forever: aborting the job\n")

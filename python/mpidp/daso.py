@@ -25,6 +25,7 @@ from ._dtypes import CODE_OF
 from ._consistency import check_every, check_in_sync, ranks_differing
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import broadcast_state, broadcast_tensors, remove_handles
+from ._progress import install_progress_hooks
 from .topology import node_comm, topology
 
 __all__ = ["DASO"]
@@ -235,14 +236,8 @@ class DASO:
         self._install_progress_hooks(model, params)
 
     def _install_progress_hooks(self, model: torch.nn.Module, params) -> None:
-        """A global sync sent at one step is merged one or more batches later,
-        and MPI moves its bytes over TCP only inside MPI calls: without them
-        nothing would happen until the merge waits. So every submodule's
-        forward and every parameter's gradient accumulation test the sync in
-        flight (one MPI_Test when one is pending, a boolean check otherwise):
-        over a 1 Gbit/s link this took DASO's cycling epochs from 9.3-10.4 s
-        to 8.2-8.6 s (benchmarks/bench_daso.py). The switch DataParallel's
-        hooks obey (MPIDP_HOOK_PROGRESS=0, _C.set_hook_progress) turns it off."""
+        """Forward and gradient hooks test the global sync in flight
+        (_progress.py); a newer DASO of the same model takes them over."""
         remove_handles(self._progress_handles)
         plain = getattr(model, "module", model)  # under DataParallelMultiGPU's DDP
         previous = _DASO_OF.get(plain)
@@ -250,16 +245,8 @@ class DASO:
         if previous is not None and previous is not self:
             remove_handles(previous._progress_handles)
         _DASO_OF[plain] = weakref.ref(self)
-        if self._sync is None or not _C.get_hook_progress():
-            return
-        sync = self._sync
-
-        def progress(*_):
-            if sync.pending:
-                sync.test()
-
-        self._progress_handles += [m.register_forward_pre_hook(progress) for m in model.modules()]
-        self._progress_handles += [p.register_post_accumulate_grad_hook(progress) for p in params]
+        if self._sync is not None:
+            self._progress_handles += install_progress_hooks(model, params, [self._sync])
 
     def add_scaler(self, scaler) -> None:
         """Use `scaler` (torch.amp.GradScaler) for automatic mixed precision:

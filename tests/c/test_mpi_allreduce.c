@@ -163,6 +163,39 @@ TEST(bad_options_are_refused_before_posting)
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
+TEST(default_options_bound_the_wire_copy_and_reduce_plain_tensors_in_place)
+{
+    mpidp_allreduce_opts_t c = mpidp_allreduce_default_opts(MPIDP_F32, MPIDP_OP_AVG, MPIDP_BF16,
+                                                            5.0, "x");
+    ASSERT_EQ_INT(c.op, MPIDP_OP_AVG);
+    ASSERT_EQ_INT(c.wire, MPIDP_BF16);
+    ASSERT_EQ_INT(c.chunk_elems, MPIDP_ALLREDUCE_WIRE_CHUNK);
+    ASSERT_EQ_INT(c.max_in_flight, MPIDP_ALLREDUCE_WIRE_IN_FLIGHT);
+    ASSERT_EQ_INT(c.keep_wire, 0);
+    ASSERT_TRUE(c.drain_timeout_s == 5.0 && strcmp(c.what, "x") == 0);
+    /* No wire dtype, or the tensor's own: in place, every chunk posted at once. */
+    static const int plain_wires[] = {-1, MPIDP_BF16};
+    for (int w = 0; w < 2; w++) {
+        mpidp_allreduce_opts_t p =
+            mpidp_allreduce_default_opts(MPIDP_BF16, MPIDP_OP_SUM, plain_wires[w], 0, "y");
+        ASSERT_EQ_INT(p.chunk_elems, MPIDP_ALLREDUCE_PLAIN_CHUNK);
+        ASSERT_EQ_INT(p.max_in_flight, 0);
+    }
+    /* And they work: a compressed average of N elements. */
+    mpidp_reqtable_t *reqs = table(8);
+    float data[N];
+    for (size_t i = 0; i < N; i++) data[i] = input(rank_, i);
+    mpidp_tensor_t t = {.data = data, .numel = N, .dtype = MPIDP_F32, .device = MPIDP_DEV_CPU};
+    mpidp_allreduce_t *x = NULL;
+    ASSERT_OK(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &c, reqs, &x));
+    ASSERT_OK(mpidp_allreduce_wait(x, 60.0));
+    ASSERT_OK(mpidp_allreduce_free(x));
+    double tol = (size_ & (size_ - 1)) == 0 ? 0.0 : 0.02; /* as in the test above */
+    for (size_t i = 0; i < N; i++) ASSERT_NEAR(data[i], expected_sum(i) / (float)size_, tol);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
 TEST_MAIN_MPI(sum_and_avg_over_chunks_and_in_flight_limits, float64_in_place,
               keep_wire_leaves_the_summed_wire_buffer, a_full_request_table_is_a_status_not_a_wait,
-              bad_options_are_refused_before_posting)
+              bad_options_are_refused_before_posting,
+              default_options_bound_the_wire_copy_and_reduce_plain_tensors_in_place)

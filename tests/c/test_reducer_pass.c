@@ -231,22 +231,31 @@ TEST(synchronizing_before_the_step_delivers_the_mean_now)
 
 TEST(gradients_held_without_communication_count_in_the_next_pass)
 {
-    /* no_sync: prepare, then a backward whose hooks only hold (0 and 2 get
-     * gradients, 1 and 3 none), then a pass whose hooks fire for 1 only. */
+    /* no_sync: prepare, then a paused backward whose hooks only hold (0 and 2
+     * get gradients, 1 and 3 none), then a pass whose hooks fire for 1 only. */
     fixture_t f;
     ASSERT_OK(setup(&f));
     uint8_t seen[NP] = {NONE, NONE, NONE, NONE}, act[NP];
     ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
-    ASSERT_OK(mpidp_reducer_grad_held(f.r, 0, 1));
-    ASSERT_OK(mpidp_reducer_grad_held(f.r, 2, 1));
+    ASSERT_OK(mpidp_reducer_set_paused(f.r, 1));
+    ASSERT_EQ_INT(mpidp_reducer_opens_backward(f.r), 0);  /* paused hooks open nothing */
+    ASSERT_EQ_INT(mpidp_reducer_held(f.r), 0);
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 0, 1));
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 2, 1));
     fill(&f, 0, 3.0f);
     fill(&f, 2, 4.0f);
     ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), 0);        /* nothing marked or posted */
+    ASSERT_EQ_INT(mpidp_reducer_held(f.r), 1);
+    ASSERT_OK(mpidp_reducer_set_paused(f.r, 0));
+    ASSERT_EQ_INT(mpidp_reducer_opens_backward(f.r), 1);
     ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 1, 1));
-    ASSERT_EQ_INT(mpidp_reducer_grad_held(f.r, 3, 1), MPIDP_ESTATE); /* a pass is open */
+    ASSERT_EQ_INT(mpidp_reducer_held(f.r), 0);           /* this pass reduces what was held */
+    ASSERT_EQ_INT(mpidp_reducer_opens_backward(f.r), 0); /* open until finalize */
+    ASSERT_EQ_INT(mpidp_reducer_set_paused(f.r, 1), MPIDP_ESTATE); /* a pass is open */
     for (size_t i = 0; i < NP; i++)
         if (!mpidp_reducer_is_ready(f.r, i)) ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, i, VIEW));
     ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
+    ASSERT_EQ_INT(mpidp_reducer_opens_backward(f.r), 1);
     ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
     /* 0 and 2 contributed what they held; 3 held nothing and goes back to None. */
     for (size_t i = 0; i < NP; i++) {
@@ -258,7 +267,7 @@ TEST(gradients_held_without_communication_count_in_the_next_pass)
     ASSERT_NEAR(slice(&f, 2)[7], 4.0, 0);
     ASSERT_OK(mpidp_reducer_missing_grads(f.r, 0, act));   /* bucket 0: parameters 2, 3 */
     ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_SET_NONE);
-    ASSERT_EQ_INT(mpidp_reducer_grad_held(f.r, 9, 1), MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_reducer_set_paused(NULL, 1), MPIDP_EINVAL);
     teardown(&f);
 }
 

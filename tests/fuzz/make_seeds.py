@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the committed seed corpora, corpus/tensor and corpus/schedule.
+"""Writes the committed seed corpora, corpus/tensor, corpus/schedule and corpus/avgsched.
 
 Each seed is a hand-written input in the harnesses' encoding (fuzz_common.h,
 fuzz_tensor.c, fuzz_schedule.c): small, readable here, and aimed at one corner
@@ -203,6 +203,37 @@ SCHEDULE_SEEDS = {
     "max_gs_1": config(total=25, warmup=0, cooldown=0, max_gs=1, lsf=6) + bytes([OP_AUTO, 255, 0x00]),
 }
 
+# ---- averaging schedule ------------------------------------------------------
+# fuzz_avgsched.c: warmup, n_levels, periods, three flags (u8: bit 0 the value,
+# bit 1 set: the raw byte, invalid), slow_every, n_fragments, fragment_every,
+# fragment_delay, then the steps asked about.
+
+
+def avg_config(warmup=0, periods=(), from_warmup=0, after=0, replace=0, slow=0, fragments=0,
+               every=1, delay=0) -> bytes:
+    def f(v, lo, hi):
+        return sp(v) if isinstance(v, str) else small(v, lo, hi)
+    out = f(warmup, 0, 20) + f(len(periods), 0, 3) + b"".join(f(p, 1, 12) for p in periods)
+    out += bytes([from_warmup, after, replace])
+    return out + f(slow, 0, 12) + f(fragments, 0, 4) + f(every, 1, 8) + f(delay, 0, 7)
+
+
+def steps(*ts) -> bytes:
+    return b"".join(sp(t) if isinstance(t, str) else small(t, 0, 64) for t in ts)
+
+
+AVGSCHED_SEEDS = {
+    "periodic_warmup": avg_config(warmup=10, periods=(4,), from_warmup=1) + steps(*range(0, 30)),
+    "hierarchical": avg_config(warmup=10, periods=(2, 4, 8)) + steps(*range(8, 26)),
+    "slowmo": avg_config(periods=(3,), after=1, slow=6, replace=1) + steps(*range(0, 14)),
+    "streaming_diloco": avg_config(fragments=3, every=2, delay=1) + steps(*range(0, 12)),
+    "huge_steps": avg_config(warmup="INT64_MAX-1", periods=(1, 5), after=1, slow="INT64_MAX",
+                             fragments="INT64_MAX", every="INT64_MAX", delay="INT64_MAX-1")
+    + steps("INT64_MAX", "INT64_MAX-1", "0", "2^62"),
+    "invalid": avg_config(periods=(5, 2), from_warmup=2) + steps(0, 1, "-1"),
+    "delay_too_long": avg_config(fragments=2, every=3, delay=3) + steps(0, 2),
+}
+
 
 def write(kind: str, seeds: dict) -> None:
     d = os.path.join(HERE, "corpus", kind)
@@ -218,4 +249,6 @@ def write(kind: str, seeds: dict) -> None:
 if __name__ == "__main__":
     write("tensor", TENSOR_SEEDS)
     write("schedule", SCHEDULE_SEEDS)
-    print(f"wrote {len(TENSOR_SEEDS)} tensor and {len(SCHEDULE_SEEDS)} schedule seeds")
+    write("avgsched", AVGSCHED_SEEDS)
+    print(f"wrote {len(TENSOR_SEEDS)} tensor, {len(SCHEDULE_SEEDS)} schedule and "
+          f"{len(AVGSCHED_SEEDS)} averaging schedule seeds")

@@ -37,6 +37,20 @@ typedef struct {
 
 typedef struct mpidp_allreduce mpidp_allreduce_t;
 
+/* Elements per MPI call of a compressed allreduce, and chunks in flight: the
+ * wire copy stays at 2 x 8 MiB however large the tensor. Uncompressed tensors
+ * are reduced in place, in chunks of up to 2^30 elements (MPI counts are int),
+ * all posted at once. */
+#define MPIDP_ALLREDUCE_WIRE_CHUNK ((size_t)1 << 22)
+#define MPIDP_ALLREDUCE_WIRE_IN_FLIGHT 2
+#define MPIDP_ALLREDUCE_PLAIN_CHUNK ((size_t)1 << 30)
+
+/* The options of a one-off allreduce of a tensor of dtype `dtype` (the
+ * chunking above; the wire result is unpacked): returns them with `op`,
+ * `wire`, `drain_timeout_s` and `what` filled in. */
+mpidp_allreduce_opts_t mpidp_allreduce_default_opts(int dtype, int op, int wire,
+                                                    double drain_timeout_s, const char *what);
+
 /* Starts reducing `t` (a CPU tensor that must stay alive and untouched until
  * completion) and posts the first chunks. Fails with MPIDP_EINVAL/MPIDP_EDTYPE
  * for bad options (with a detail), MPIDP_ENOMEM, MPIDP_EMPI. */

@@ -185,17 +185,26 @@ typedef enum {
  * changes (all KEEP). */
 int mpidp_reducer_prepare(mpidp_reducer_t *r, const uint8_t *seen, uint8_t *act);
 
+/* Whether the next gradient hook opens a backward: not paused and none open
+ * yet. The caller then completes a pass still open and arranges to be told
+ * when this backward ends (mark_unhooked, finalize) before grad_arrived. */
+int mpidp_reducer_opens_backward(const mpidp_reducer_t *r);
+
 /* From a gradient hook, after the caller adopted a foreign `.grad` (seen
  * OTHER: ADOPT): parameter i's gradient arrived; has = `.grad` is not None.
- * Marks it ready (and may post buckets). */
+ * Marks it ready (and may post buckets), opening the backward (which the
+ * next finalize closes). While paused (no_sync, DDP's gradient accumulation)
+ * nothing is marked or posted: the view now holds a gradient, so the next
+ * pass counts it even if no hook of that pass fires for i. */
 int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has);
 
-/* no_sync (DDP's gradient accumulation): parameter i's gradient was
- * accumulated into its view (has = `.grad` is not None) by a backward that
- * does not communicate. Nothing is marked or posted; the view now holds a
- * gradient, so the next pass counts it even if no hook of that pass fires
- * for i. MPIDP_ESTATE while a pass is open. */
-int mpidp_reducer_grad_held(mpidp_reducer_t *r, size_t i, int has);
+/* no_sync: pause (on = 1) or resume the communication of gradients.
+ * Pausing while a pass is open (some parameter marked) is MPIDP_ESTATE. */
+int mpidp_reducer_set_paused(mpidp_reducer_t *r, int on);
+int mpidp_reducer_paused(const mpidp_reducer_t *r);
+/* A paused backward held gradients that no pass has reduced yet (cleared
+ * when the next communicating backward opens). */
+int mpidp_reducer_held(const mpidp_reducer_t *r);
 
 /* End of backward, for each parameter not marked yet: the action to apply
  * first (KEEP, ADOPT or ZERO_ONLY), then mark_unhooked marks it with the

@@ -1,0 +1,251 @@
+"""Model averaging with torch's names: post-local SGD over MPI.
+
+`PeriodicModelAverager`, `HierarchicalModelAverager` and
+`PostLocalSGDOptimizer` behave as torch.distributed's (the same arguments,
+the same `step` counter, the same parameters averaged on the same steps, to
+the same values), with an mpi4py communicator as `process_group` and
+mpidp's allreduce underneath. When to average is the core's averaging
+schedule (mpidp/avgsched.h), shared with SlowMo and DiLoCo.
+
+One difference from torch, on purpose: torch averages only the parameters
+whose `.grad` is not None, and ranks that disagree on which those are post
+allreduces of different sizes (undefined behaviour in MPI). Here the ranks
+first compare how many elements each averages and all raise a ValueError
+naming the counts instead."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Iterable, List, Mapping
+
+import torch
+
+from . import _C
+from ._mpi import MPI, resolve_comm
+
+__all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
+           "PostLocalSGDOptimizer", "average_parameters"]
+
+
+def _params_to_average(params: Iterable[Any]) -> List[torch.Tensor]:
+    """torch's rule: parameters (or optimizer parameter groups' parameters)
+    whose .grad is not None."""
+    chosen = []
+    for item in params:
+        if isinstance(item, torch.Tensor):
+            group = [item]
+        elif isinstance(item, Mapping) and "params" in item:
+            group = item["params"]
+        else:
+            raise TypeError(f"params: expected parameters or optimizer parameter groups, got "
+                            f"{type(item).__name__}")
+        chosen.extend(p for p in group if p.grad is not None)
+    return chosen
+
+
+def _check_same_count(numel: int, comm: _C.Comm) -> None:
+    """All ranks of `comm` average the same number of elements, or all raise."""
+    bounds = torch.tensor([numel, -numel], dtype=torch.int64)
+    comm.allreduce(bounds, _C.OP_MAX, _C.NO_WIRE, False)
+    if bounds[0] != -bounds[1]:
+        raise ValueError(
+            f"params: the ranks average different numbers of elements (from {-int(bounds[1])} to "
+            f"{int(bounds[0])}; {numel} on this rank). Parameters whose .grad is None are left "
+            "out, as in torch: give every rank the same parameters with gradients (set unused "
+            "ones' .grad to zeros), or pass the parameters themselves")
+
+
+def average_parameters(params: Iterable[Any], process_group=None) -> None:
+    """Average `params` (parameters, or optimizer parameter groups) over the
+    ranks of `process_group` (an mpi4py communicator; None: all ranks), as
+    torch's model_averaging.utils.average_parameters_or_parameter_groups:
+    flattened (mixed dtypes are upcast for the sum and cast back), divided by
+    the group size, summed. Parameters whose .grad is None are left out."""
+    comm = resolve_comm(process_group, "process_group")
+    chosen = _params_to_average(params)
+    numel = sum(p.numel() for p in chosen)
+    if comm.size > 1:
+        _check_same_count(numel, comm)
+    if numel == 0:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in chosen])
+        flat /= comm.size
+        host = flat.cpu() if flat.device.type != "cpu" else flat
+        comm.allreduce(host, _C.OP_SUM, _C.NO_WIRE, False)
+        offset = 0
+        for p in chosen:
+            p.copy_(host[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _check_count(value, argname: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{argname}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class ModelAverager:
+    """The base of the averagers: `process_group` (an mpi4py communicator, or
+    None for all ranks) and `step`, the number of average_parameters() calls
+    so far (checkpointed by PostLocalSGDOptimizer)."""
+
+    def __init__(self, process_group=None):
+        self._comm = resolve_comm(process_group, "process_group")
+        self.process_group = process_group if process_group is not None else MPI.COMM_WORLD
+        self.step = 0
+
+    def _schedule(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _group(self, level: int) -> _C.Comm:
+        raise NotImplementedError
+
+    def average_parameters(self, params: Iterable[Any]) -> None:
+        """Average `params` (model parameters or optimizer parameter groups)
+        if this step is due, then count the step."""
+        due = _C.avgsched_actions(self.step, **self._schedule())
+        if due.average:
+            average_parameters(params, self._group(due.level))
+        self.step += 1
+
+
+class PeriodicModelAverager(ModelAverager):
+    """Averages every `period` steps once `warmup_steps` have passed: on steps
+    warmup_steps, warmup_steps + period, ... (torch's PeriodicModelAverager)."""
+
+    def __init__(self, period: int, warmup_steps: int = 0, process_group=None):
+        _check_count(period, "period", 1)
+        _check_count(warmup_steps, "warmup_steps", 0)
+        super().__init__(process_group)
+        if period == 1:
+            warnings.warn("PeriodicModelAverager: period=1 averages the parameters after every "
+                          "step, which costs at least as much as averaging gradients "
+                          "(mpidp.DataParallel): use that instead", UserWarning, stacklevel=2)
+        self.period = period
+        self.warmup_steps = warmup_steps
+
+    def _schedule(self) -> Dict[str, Any]:
+        return {"warmup_steps": self.warmup_steps, "periods": (self.period,),
+                "count_from_warmup": True}
+
+    def _group(self, level: int) -> _C.Comm:
+        return self._comm
+
+
+class HierarchicalModelAverager(ModelAverager):
+    """Averages over nested groups (torch's HierarchicalModelAverager):
+    `period_group_size_dict` maps periods, ascending, to group sizes; after
+    `warmup_steps`, a step divisible by some periods averages over the group
+    of the largest of them. Groups are consecutive ranks of `process_group`
+    (ranks 0..k-1, k..2k-1, ...), and the last size must be the whole group's."""
+
+    def __init__(self, period_group_size_dict: Mapping[int, int] = None, warmup_steps: int = 0,
+                 process_group=None):
+        if not period_group_size_dict:
+            raise ValueError("period_group_size_dict: expected a non-empty mapping of periods "
+                             "to group sizes")
+        periods = list(period_group_size_dict)
+        sizes = [period_group_size_dict[p] for p in periods]
+        for p in periods:
+            _check_count(p, "period_group_size_dict: a period", 1)
+        if periods != sorted(set(periods)):
+            raise ValueError(f"period_group_size_dict: periods must be ascending, got {periods}")
+        _check_count(warmup_steps, "warmup_steps", 0)
+        super().__init__(process_group)
+        world = self._comm.size
+        if sizes[-1] != world:
+            raise ValueError(f"period_group_size_dict: the last group size must be the size of "
+                             f"process_group ({world}), got {sizes[-1]}")
+        for size in sizes:
+            _check_count(size, "period_group_size_dict: a group size", 1)
+            if world % size:
+                raise ValueError(f"period_group_size_dict: group size {size} does not divide "
+                                 f"the {world} ranks of process_group")
+        if periods[-1] == 1:
+            warnings.warn("HierarchicalModelAverager: a largest period of 1 averages after every "
+                          "step, which costs at least as much as averaging gradients "
+                          "(mpidp.DataParallel): use that instead", UserWarning, stacklevel=2)
+        self.period_group_size_dict = dict(zip(periods, sizes))
+        self.warmup_steps = warmup_steps
+        self._periods = tuple(periods)
+        self._groups = [self._comm if size == world else self._subgroup(size) for size in sizes]
+
+    def _subgroup(self, size: int) -> _C.Comm:
+        """mpidp's communicator over this rank's group of `size` consecutive
+        ranks (collective: every rank creates every level's group, in order)."""
+        group = self.process_group
+        mpi = group if isinstance(group, MPI.Comm) else group.handle  # Heat's wrapper
+        rank = self._comm.rank
+        split = mpi.Split(rank // size, rank)
+        try:
+            return _C.Comm(split)
+        finally:
+            split.Free()
+
+    def _schedule(self) -> Dict[str, Any]:
+        return {"warmup_steps": self.warmup_steps, "periods": self._periods}
+
+    def _group(self, level: int) -> _C.Comm:
+        return self._groups[level]
+
+
+class PostLocalSGDOptimizer(torch.optim.Optimizer):
+    """Steps `optim`, then lets `averager` average its parameter groups
+    (torch's PostLocalSGDOptimizer). state_dict() adds the averager's step
+    under "step"; load_state_dict() restores it (0, with a warning, when the
+    state has none)."""
+
+    def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager):
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise TypeError(f"optim: expected a torch.optim.Optimizer, got {type(optim).__name__}")
+        if not isinstance(averager, ModelAverager):
+            raise TypeError(f"averager: expected an mpidp model averager (PeriodicModelAverager, "
+                            f"HierarchicalModelAverager), got {type(averager).__name__}")
+        # Not Optimizer.__init__: the wrapped optimizer owns the groups and state.
+        self.optim = optim
+        self.averager = averager
+
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's groups, looked up on every use: its
+        load_state_dict() replaces the list, and a copy taken here would leave
+        LR schedulers adjusting groups the optimizer no longer reads (as
+        torch's PostLocalSGDOptimizer does after a reload)."""
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    def __repr__(self) -> str:
+        return repr(self.optim)
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = self.optim.state_dict()
+        state["step"] = self.averager.step
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+        if "step" in state_dict:
+            self.averager.step = state_dict["step"]
+        else:
+            warnings.warn("PostLocalSGDOptimizer.load_state_dict: the state has no averager step "
+                          "counter; starting it at 0", UserWarning, stacklevel=2)
+            self.averager.step = 0
+
+    def step(self, closure=None):
+        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        self.averager.average_parameters(params=self.param_groups)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)

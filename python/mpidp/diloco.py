@@ -1,0 +1,239 @@
+"""DiLoCo and Streaming DiLoCo over MPI (torchft's semantics).
+
+Every rank trains its replica with its own inner optimizer; every
+`sync_every` inner steps the ranks average the outer gradient -- the shared
+parameters θ minus the replica, Δ = θ - x -- and an outer optimizer steps θ
+with it (DiLoCo: SGD, lr 0.7, momentum 0.9, Nesterov). Streaming DiLoCo
+splits the model into fragments that take turns, one every
+sync_every / len(fragments) steps, sends each fragment's Δ
+`fragment_sync_delay` steps before it is applied (the allreduce overlaps the
+inner steps in between), and can keep part of the local progress
+(`fragment_update_alpha`: x = (1 - α) θ_new + α x_local).
+
+The engines are the core's: the averaging schedule says when to send and
+apply (mpidp/avgsched.h), and one parameter sync per fragment (core
+paramsync.c) holds θ, sends x - θ (compressed with `wire_dtype`) and writes
+the averaged outer gradient."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from . import _C
+from ._dtypes import wire_code
+from ._mpi import resolve_comm
+from ._params import broadcast_tensors, remove_handles
+from ._progress import install_progress_hooks
+
+__all__ = ["DiLoCo"]
+
+# Elements per MPI call of a fragment's sync (chunks are all posted at once).
+_CHUNK = 1 << 22
+
+
+def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class DiLoCo:
+    """with DiLoCo(model, inner_optimizer, outer_optimizer, sync_every) as diloco:
+    train as usual, stepping `inner_optimizer`; the syncs happen after its steps.
+
+    model_fragments: modules whose trainable parameters partition the model's
+    (default: the whole model, plain DiLoCo). comm: an mpi4py communicator
+    (None: every rank). wire_dtype: None (float32), torch.bfloat16 or
+    torch.float16 for the averaged outer gradients. The outer optimizer must
+    hold exactly the model's trainable parameters. Replicas start from rank
+    0's parameters. state_dict() / load_state_dict() hold θ, this rank's
+    replica, the step count, the outer optimizer's state and any outer
+    gradient in flight, so a resumed job continues exactly (save the inner
+    optimizer beside it; each rank saves its own)."""
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: torch.optim.Optimizer, sync_every: int, comm=None, *,
+                 model_fragments: Optional[Sequence[torch.nn.Module]] = None,
+                 fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
+                 wire_dtype: Optional[torch.dtype] = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"{name}: expected a torch.optim.Optimizer, got {type(opt).__name__}")
+        fragments = [model] if model_fragments is None else list(model_fragments)
+        self._fragments = self._partition(model, fragments)
+        n = len(fragments)
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < n \
+                or sync_every % n:
+            raise ValueError(f"sync_every: expected a positive multiple of the {n} fragment(s), "
+                             f"got {sync_every!r}")
+        every = sync_every // n
+        if isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int) \
+                or not 0 <= fragment_sync_delay < every:
+            raise ValueError(f"fragment_sync_delay: expected 0 .. {every - 1} (a fragment's send "
+                             f"must come before its turn, every {every} steps), got "
+                             f"{fragment_sync_delay!r}")
+        if not isinstance(fragment_update_alpha, numbers.Real) or not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha: expected a number in [0, 1], got "
+                             f"{fragment_update_alpha!r}")
+        params = [p for frag in self._fragments for p in frag]
+        outer = [p for g in outer_optimizer.param_groups for p in g["params"]]
+        if {id(p) for p in outer} != {id(p) for p in params} or len(outer) != len(params):
+            raise ValueError("outer_optimizer: expected exactly the model's trainable parameters "
+                             "(build it from model.parameters())")
+        wire = wire_code(wire_dtype)
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.outer_optimizer = outer_optimizer
+        self.sync_every = sync_every
+        self.fragment_sync_delay = fragment_sync_delay
+        self.fragment_update_alpha = float(fragment_update_alpha)
+        self.wire_dtype = wire_dtype
+        self._comm = resolve_comm(comm, "comm")
+        self._schedule = {"n_fragments": n, "fragment_every": every,
+                          "fragment_delay": fragment_sync_delay}
+        self.step = 0  # inner steps taken under this DiLoCo
+        broadcast_tensors([p.data for p in params], self._comm)
+        self._syncs = [_C.ParamSync(self._comm, tuple(p.data for p in frag),
+                                    _C.DTYPE_F32 if wire == _C.NO_WIRE else wire, _CHUNK)
+                       for frag in self._fragments]
+        for sync in self._syncs:
+            sync.set_reference()
+        self._outer_grads = [None] * n     # per fragment, allocated at its first sync
+        self._received: Dict[int, List[torch.Tensor]] = {}  # outer gradients kept by state_dict
+        self._handles: List = []
+
+    @staticmethod
+    def _partition(model, fragments) -> List[List[torch.nn.Parameter]]:
+        if not fragments:
+            raise ValueError("model_fragments: expected at least one module")
+        seen: Dict[int, int] = {}
+        out = []
+        for i, frag in enumerate(fragments):
+            if not isinstance(frag, torch.nn.Module):
+                raise TypeError(f"model_fragments[{i}]: expected a torch.nn.Module, got "
+                                f"{type(frag).__name__}")
+            params = _trainable(frag)
+            for p in params:
+                if id(p) in seen:
+                    raise ValueError(f"model_fragments[{i}]: shares parameters with fragment "
+                                     f"{seen[id(p)]} (fragments must not overlap)")
+                seen[id(p)] = i
+                if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                    raise TypeError(f"model: DiLoCo syncs contiguous float32 CPU parameters, got "
+                                    f"{p.dtype} on {p.device}")
+            out.append(params)
+        own = {id(p) for p in _trainable(model)}
+        missing = sum(1 for i in own if i not in seen)
+        foreign = sum(1 for i in seen if i not in own)
+        if missing or foreign:
+            raise ValueError(f"model_fragments: the fragments must cover the model's trainable "
+                             f"parameters exactly ({missing} not covered, {foreign} not the "
+                             f"model's)")
+        return out
+
+    # -- the context -------------------------------------------------------------
+
+    def __enter__(self) -> "DiLoCo":
+        if self._handles:
+            raise RuntimeError("DiLoCo: already entered")
+        self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
+        self._handles += install_progress_hooks(self.model, [p for f in self._fragments for p in f],
+                                                self._syncs)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        remove_handles(self._handles)
+
+    # -- the syncs ---------------------------------------------------------------
+
+    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        due = _C.avgsched_actions(self.step, **self._schedule)
+        if due.send_fragment >= 0:
+            self._syncs[due.send_fragment].send()
+        if due.apply_fragment >= 0:
+            self._apply(due.apply_fragment)
+        self.step += 1
+
+    def _outer_gradient(self, f: int) -> List[torch.Tensor]:
+        """Completes fragment f's sync: θ - mean(x) over the ranks."""
+        if f in self._received:
+            return self._received.pop(f)
+        if self._outer_grads[f] is None:
+            self._outer_grads[f] = [torch.empty_like(p) for p in self._fragments[f]]
+        grads = self._outer_grads[f]
+        self._syncs[f].grad_into(tuple(grads), -1.0 / self._comm.size)  # -(sum of x - θ) / n
+        return grads
+
+    def _apply(self, f: int) -> None:
+        params, sync = self._fragments[f], self._syncs[f]
+        grads = self._outer_gradient(f)
+        alpha = self.fragment_update_alpha
+        local = [p.detach().clone() for p in params] if alpha > 0.0 else None
+        sync.restore()  # x = θ
+        # The outer step sees this fragment's outer gradient only; the
+        # gradients the user's backward left are put back afterwards.
+        saved = [(p, p.grad) for g in self.outer_optimizer.param_groups for p in g["params"]]
+        mine = {id(p): g for p, g in zip(params, grads)}
+        try:
+            for p, _ in saved:
+                p.grad = mine.get(id(p))
+            self.outer_optimizer.step()
+        finally:
+            for p, g in saved:
+                p.grad = g
+        sync.set_reference()  # θ = the outer step's result
+        if local is not None:
+            with torch.no_grad():
+                for p, x in zip(params, local):
+                    p.lerp_(x, alpha)
+
+    # -- checkpoints ---------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """θ of every fragment, this rank's replica (so loading works before
+        or after the model's own state), the step, the outer optimizer's
+        state and the averaged outer gradients of syncs in flight (completed
+        here)."""
+        in_flight = {f: [g.clone() for g in self._outer_gradient(f)]
+                     for f, s in enumerate(self._syncs) if s.pending or f in self._received}
+        self._received.update({f: [g.clone() for g in gs] for f, gs in in_flight.items()})
+        return {"step": self.step, "shared": [self._shared(f) for f in range(len(self._syncs))],
+                "local": [[p.detach().clone() for p in frag] for frag in self._fragments],
+                "outer_optimizer": self.outer_optimizer.state_dict(), "in_flight": in_flight}
+
+    def _shared(self, f: int) -> List[torch.Tensor]:
+        """θ of fragment f (read through restore, the parameters put back)."""
+        params = self._fragments[f]
+        with torch.no_grad():
+            now = [p.detach().clone() for p in params]
+            self._syncs[f].restore()
+            shared = [p.detach().clone() for p in params]
+            for p, x in zip(params, now):
+                p.copy_(x)
+        return shared
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores θ and this rank's replica (construction made the replicas
+        rank 0's), the step, the outer optimizer and syncs in flight."""
+        for key in ("shared", "local"):
+            values = state[key]
+            if len(values) != len(self._fragments) or any(
+                    len(v) != len(f) or any(a.shape != p.shape for a, p in zip(v, f))
+                    for v, f in zip(values, self._fragments)):
+                raise ValueError(f"state: its {key!r} fragments do not match this DiLoCo's")
+        for sync in self._syncs:
+            if sync.pending:
+                sync.wait()
+        with torch.no_grad():
+            for f, params in enumerate(self._fragments):
+                for p, x in zip(params, state["shared"][f]):
+                    p.copy_(x)
+                self._syncs[f].set_reference()
+                for p, x in zip(params, state["local"][f]):
+                    p.copy_(x)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.step = int(state["step"])
+        self._received = {int(f): [g.clone() for g in gs] for f, gs in state["in_flight"].items()}

@@ -1,0 +1,237 @@
+"""DiLoCo and Streaming DiLoCo against a single-process simulation of every
+replica, at 1-4 ranks: each rank trains on its own slice of each batch, and
+after every inner step compares its model with the simulation's replica of
+its rank. The simulation follows torchft's description (and the spec in the
+docs): at a fragment's send, Δ = θ - mean(x); at its turn, x_local = x,
+x = θ, x.grad = Δ, outer step, θ = x, x = (1 - α) x + α x_local. Its timing
+is recomputed here from torchft's counters, not taken from the schedule.
+
+Also: torchft's gradient check (two replicas 2 apart give an outer gradient
+of the mean difference), replicas equal on every rank after each turn,
+bf16/fp16 on the wire within their rounding, a checkpoint taken with a sync
+in flight resumes bit for bit, and bad arguments."""
+
+import copy
+
+import pytest
+import torch
+
+import mpidp
+from dp_reference import RANK, SIZE, rank_slice, seeded
+from mpidp import MPI
+
+pytestmark = pytest.mark.ranks3  # a group size that is not a power of two
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(6, 10)
+        self.l2 = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def fragments_of(model, n):
+    return None if n == 1 else [model.l1, model.l2]
+
+
+def outer_sgd(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def inner_adam(params):
+    return torch.optim.Adam(params, lr=0.02)
+
+
+def batches(steps):
+    gen = seeded(7)
+    return [(torch.randn(4 * SIZE, 6, generator=gen), torch.randn(4 * SIZE, 3, generator=gen))
+            for _ in range(steps)]
+
+
+def inner_step(model, opt, x, y, rank):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(rank_slice(x, rank)), rank_slice(y, rank)).backward()
+    opt.step()
+
+
+def simulate(init, data, sync_every, n_fragments, delay, alpha):
+    """Every replica's parameters after every step: states[t][r] (lists of tensors)."""
+    replicas = [copy.deepcopy(init) for _ in range(SIZE)]
+    inner = [inner_adam(m.parameters()) for m in replicas]
+    shared = copy.deepcopy(init)
+    outer = outer_sgd(shared.parameters())
+    frag_params = lambda m: ([list(m.parameters())] if n_fragments == 1
+                             else [list(m.l1.parameters()), list(m.l2.parameters())])
+    every, local_step, syncs, pending, states = sync_every // n_fragments, 0, 0, {}, []
+    for x, y in data:
+        for r in range(SIZE):
+            inner_step(replicas[r], inner[r], x, y, r)
+        local_step += 1
+        if local_step == every - delay:                       # send: Δ = θ - mean(x)
+            f = syncs % n_fragments
+            pending[f] = [s.detach() - torch.stack([frag_params(m)[f][k].detach() for m in replicas]).mean(0)
+                          for k, s in enumerate(frag_params(shared)[f])]
+        if local_step == every:                               # this fragment's turn
+            f = syncs % n_fragments
+            syncs, local_step = syncs + 1, 0
+            for p in shared.parameters():
+                p.grad = None
+            for p, g in zip(frag_params(shared)[f], pending.pop(f)):
+                p.grad = g.clone()
+            outer.step()
+            with torch.no_grad():
+                for m in replicas:
+                    for p, s in zip(frag_params(m)[f], frag_params(shared)[f]):
+                        p.copy_(torch.lerp(s, p, alpha))
+        states.append([[p.detach().clone() for p in m.parameters()] for m in replicas])
+    return states
+
+
+def train(model, data, sync_every, n_fragments, delay, alpha, wire=None, each=None):
+    inner = inner_adam(model.parameters())
+    diloco = mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), sync_every,
+                          model_fragments=fragments_of(model, n_fragments),
+                          fragment_sync_delay=delay, fragment_update_alpha=alpha, wire_dtype=wire)
+    with diloco:
+        for t, (x, y) in enumerate(data):
+            inner_step(model, inner, x, y, RANK)
+            if each:
+                each(t, diloco)
+    return diloco, inner
+
+
+@pytest.mark.parametrize("n_fragments,delay,alpha", [
+    (1, 0, 0.0), (1, 1, 0.0), (1, 0, 0.5), (2, 0, 0.0), (2, 1, 0.0), (2, 1, 0.5), (2, 0, 1.0)])
+def test_every_step_matches_the_simulated_replica(n_fragments, delay, alpha):
+    torch.manual_seed(0)
+    init = Net()
+    data = batches(13)
+    states = simulate(init, data, 4, n_fragments, delay, alpha)
+
+    def compare(t, diloco):
+        for p, want in zip(diloco.model.parameters(), states[t][RANK]):
+            torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {t}: {m}")
+
+    train(copy.deepcopy(init), data, 4, n_fragments, delay, alpha, each=compare)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_replicas_meet_after_each_turn_with_alpha_zero():
+    torch.manual_seed(0)
+    model = Net()
+    turns = []
+
+    def check(t, diloco):
+        if (t + 1) % 4 == 0:  # sync_every 4, one fragment: every rank holds θ
+            turns.append(t)
+            gathered = MPI.COMM_WORLD.allgather(flat(diloco.model))
+            assert all(torch.equal(g, gathered[0]) for g in gathered), f"step {t}"
+        elif SIZE > 1 and t % 4 != 0:
+            gathered = MPI.COMM_WORLD.allgather(flat(diloco.model))
+            assert not all(torch.equal(g, gathered[0]) for g in gathered), f"step {t}"
+
+    train(model, batches(9), 4, 1, 0, 0.0, each=check)
+    assert turns == [3, 7]
+
+
+def test_outer_gradient_is_the_mean_distance_from_the_shared_parameters():
+    """torchft's test_gradient_correctness: parameters moved by +2 (rank r by
+    2 + r here) give the outer gradient -(2 + mean r) with outer SGD lr 1."""
+    model = torch.nn.Linear(2, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    diloco = mpidp.DiLoCo(model, inner, outer, sync_every=1)
+    start = flat(model).clone()
+    seen = []
+    outer.register_step_pre_hook(lambda opt, a, k: seen.append([p.grad.clone() for p in model.parameters()]))
+    with diloco:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(2.0 + RANK)
+        inner.step()  # no gradients: the inner step changes nothing
+    mean_shift = 2.0 + (SIZE - 1) / 2
+    assert all(torch.allclose(g, torch.full_like(g, -mean_shift)) for g in seen[0])
+    assert torch.allclose(flat(model), start + mean_shift)  # θ - lr * Δ = the mean replica
+
+
+@pytest.mark.parametrize("wire,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_compressed_outer_gradients_stay_within_their_rounding(wire, tol):
+    torch.manual_seed(0)
+    init = Net()
+    data = batches(8)
+    states = simulate(init, data, 4, 2, 1, 0.0)
+    diloco, _ = train(copy.deepcopy(init), data, 4, 2, 1, 0.0, wire=wire)
+    for p, want in zip(diloco.model.parameters(), states[-1][RANK]):
+        torch.testing.assert_close(p.detach(), want, rtol=tol, atol=tol)
+    # The last step was fragment 1's turn (l2): every rank holds its θ.
+    gathered = MPI.COMM_WORLD.allgather(flat(diloco.model.l2))
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def test_a_checkpoint_with_a_sync_in_flight_resumes_exactly():
+    torch.manual_seed(0)
+    init = Net()
+    data = batches(12)
+    model = copy.deepcopy(init)
+    inner = inner_adam(model.parameters())
+    diloco = mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), 4,
+                          model_fragments=fragments_of(model, 2), fragment_sync_delay=1)
+    with diloco:
+        for x, y in data[:7]:           # step 6 sends fragment 1; its turn is step 7
+            inner_step(model, inner, x, y, RANK)
+        saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(),
+                               "diloco": diloco.state_dict()})
+        for x, y in data[7:]:
+            inner_step(model, inner, x, y, RANK)
+    assert 1 in saved["diloco"]["in_flight"]
+
+    resumed = Net()
+    resumed.load_state_dict(saved["model"])
+    inner2 = inner_adam(resumed.parameters())
+    inner2.load_state_dict(saved["inner"])
+    diloco2 = mpidp.DiLoCo(resumed, inner2, outer_sgd(resumed.parameters()), 4,
+                           model_fragments=fragments_of(resumed, 2), fragment_sync_delay=1)
+    diloco2.load_state_dict(saved["diloco"])
+    with diloco2:
+        for x, y in data[7:]:
+            inner_step(resumed, inner2, x, y, RANK)
+    assert torch.equal(flat(resumed), flat(model))
+    assert diloco2.step == diloco.step == 12
+
+
+def test_bad_arguments_are_named():
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = outer_sgd(model.parameters())
+    for every in (0, 3, -2, 2.0):
+        with pytest.raises(ValueError, match="sync_every"):
+            mpidp.DiLoCo(model, inner, outer, every, model_fragments=[model.l1, model.l2])
+    with pytest.raises(ValueError, match="fragment_sync_delay"):
+        mpidp.DiLoCo(model, inner, outer, 4, model_fragments=[model.l1, model.l2],
+                     fragment_sync_delay=2)
+    with pytest.raises(ValueError, match="fragment_update_alpha"):
+        mpidp.DiLoCo(model, inner, outer, 4, fragment_update_alpha=1.5)
+    with pytest.raises(ValueError, match="cover"):
+        mpidp.DiLoCo(model, inner, outer, 4, model_fragments=[model.l1])
+    with pytest.raises(ValueError, match="overlap"):
+        mpidp.DiLoCo(model, inner, outer, 4, model_fragments=[model, model.l2])
+    with pytest.raises(ValueError, match="outer_optimizer"):
+        mpidp.DiLoCo(model, inner, outer_sgd([*model.parameters(), torch.nn.Parameter(torch.ones(2))]), 4)
+    with pytest.raises(ValueError, match="outer_optimizer"):
+        mpidp.DiLoCo(model, inner, outer_sgd(model.l1.parameters()), 4)
+    with pytest.raises(TypeError, match="float32 CPU"):
+        double = Net().double()
+        mpidp.DiLoCo(double, inner, outer_sgd(double.parameters()), 4)
+    with pytest.raises(TypeError, match="inner_optimizer"):
+        mpidp.DiLoCo(model, object(), outer, 4)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        mpidp.DiLoCo(model, inner, outer, 4, wire_dtype=torch.int8)
+    with pytest.raises(TypeError, match="comm"):
+        mpidp.DiLoCo(model, inner, outer, 4, comm="world")
