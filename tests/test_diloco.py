@@ -175,7 +175,8 @@ def test_compressed_outer_gradients_stay_within_their_rounding(wire, tol):
     assert all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def test_a_checkpoint_with_a_sync_in_flight_resumes_exactly():
+@pytest.mark.parametrize("received", [False, True])
+def test_a_checkpoint_with_a_sync_in_flight_resumes_exactly(received):
     torch.manual_seed(0)
     init = Net()
     data = batches(12)
@@ -186,6 +187,10 @@ def test_a_checkpoint_with_a_sync_in_flight_resumes_exactly():
     with diloco:
         for x, y in data[:7]:           # step 6 sends fragment 1; its turn is step 7
             inner_step(model, inner, x, y, RANK)
+        # The progress hooks may already have completed the send (received,
+        # not yet applied): the checkpoint must hold it either way.
+        if received:
+            diloco._syncs[1].wait()
         saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(),
                                "diloco": diloco.state_dict()})
         for x, y in data[7:]:

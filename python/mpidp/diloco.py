@@ -102,6 +102,7 @@ class DiLoCo:
         for sync in self._syncs:
             sync.set_reference()
         self._outer_grads = [None] * n     # per fragment, allocated at its first sync
+        self._sent: set = set()  # fragments sent and not yet applied
         self._received: Dict[int, List[torch.Tensor]] = {}  # outer gradients kept by state_dict
         self._handles: List = []
 
@@ -153,6 +154,7 @@ class DiLoCo:
         due = _C.avgsched_actions(self.step, **self._schedule)
         if due.send_fragment >= 0:
             self._syncs[due.send_fragment].send()
+            self._sent.add(due.send_fragment)
         if due.apply_fragment >= 0:
             self._apply(due.apply_fragment)
         self.step += 1
@@ -170,6 +172,7 @@ class DiLoCo:
     def _apply(self, f: int) -> None:
         params, sync = self._fragments[f], self._syncs[f]
         grads = self._outer_gradient(f)
+        self._sent.discard(f)
         alpha = self.fragment_update_alpha
         local = [p.detach().clone() for p in params] if alpha > 0.0 else None
         sync.restore()  # x = θ
@@ -197,8 +200,7 @@ class DiLoCo:
         or after the model's own state), the step, the outer optimizer's
         state and the averaged outer gradients of syncs in flight (completed
         here)."""
-        in_flight = {f: [g.clone() for g in self._outer_gradient(f)]
-                     for f, s in enumerate(self._syncs) if s.pending or f in self._received}
+        in_flight = {f: [g.clone() for g in self._outer_gradient(f)] for f in sorted(self._sent)}
         self._received.update({f: [g.clone() for g in gs] for f, gs in in_flight.items()})
         return {"step": self.step, "shared": [self._shared(f) for f in range(len(self._syncs))],
                 "local": [[p.detach().clone() for p in frag] for frag in self._fragments],
@@ -237,3 +239,4 @@ class DiLoCo:
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.step = int(state["step"])
         self._received = {int(f): [g.clone() for g in gs] for f, gs in state["in_flight"].items()}
+        self._sent = set(self._received)
