@@ -16,6 +16,7 @@ from .collectives import (Work, allgather, allreduce, allreduce_scalar, barrier,
                           local_rank, rank, size)
 from .daso import DASO
 from .diloco import DiLoCo
+from .slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from .data_parallel import DataParallel
 from .data_parallel_multi import DataParallelMultiGPU
 from .optimizer import DataParallelOptimizer
@@ -31,6 +32,8 @@ __all__ = [
     "CommTimeout",
     "DASO",
     "DiLoCo",
+    "SlowMoBaseAlgorithm",
+    "SlowMoDistributedDataParallel",
     "HierarchicalModelAverager",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, List, Mapping
 import torch
 
 from . import _C
-from ._mpi import MPI, resolve_comm
+from ._mpi import MPI, as_mpi4py, resolve_comm
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
            "PostLocalSGDOptimizer", "average_parameters"]
@@ -63,20 +63,25 @@ def average_parameters(params: Iterable[Any], process_group=None) -> None:
     the group size, summed. Parameters whose .grad is None are left out."""
     comm = resolve_comm(process_group, "process_group")
     chosen = _params_to_average(params)
-    numel = sum(p.numel() for p in chosen)
     if comm.size > 1:
-        _check_same_count(numel, comm)
-    if numel == 0:
+        _check_same_count(sum(p.numel() for p in chosen), comm)
+    average_tensors(chosen, comm)
+
+
+def average_tensors(tensors: List[torch.Tensor], comm: _C.Comm) -> None:
+    """Every tensor becomes its mean over the ranks of `comm`, in place: one
+    flat buffer (mixed dtypes upcast), divided by the size, summed."""
+    if not tensors:
         return
     with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in chosen])
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         flat /= comm.size
         host = flat.cpu() if flat.device.type != "cpu" else flat
         comm.allreduce(host, _C.OP_SUM, _C.NO_WIRE, False)
         offset = 0
-        for p in chosen:
-            p.copy_(host[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for t in tensors:
+            t.copy_(host[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def _check_count(value, argname: str, minimum: int) -> int:
@@ -174,10 +179,8 @@ class HierarchicalModelAverager(ModelAverager):
     def _subgroup(self, size: int) -> _C.Comm:
         """mpidp's communicator over this rank's group of `size` consecutive
         ranks (collective: every rank creates every level's group, in order)."""
-        group = self.process_group
-        mpi = group if isinstance(group, MPI.Comm) else group.handle  # Heat's wrapper
         rank = self._comm.rank
-        split = mpi.Split(rank // size, rank)
+        split = as_mpi4py(self.process_group).Split(rank // size, rank)
         try:
             return _C.Comm(split)
         finally:

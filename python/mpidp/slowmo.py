@@ -1,0 +1,236 @@
+"""SlowMo over MPI, with fairscale's names and semantics (LocalSGD base).
+
+Within a node the ranks average gradients every backward (mpidp.DataParallel
+on the node's communicator), so a node's ranks hold one replica. Every
+`localsgd_frequency` steps the nodes average their replicas; every
+`slowmo_frequency` steps the slow momentum step runs, with γ the parameter
+group's lr, α = slowmo_lr and β = slowmo_momentum:
+
+    u ← β u + (θ - x̄) / γ,    θ ← θ - α γ u,    x ← θ
+
+(for constant γ, torch's SGD(lr=α, momentum=β) on the gradient θ - x̄). With
+slowmo_memory_efficient, θ and u are sharded over min(world, slowmo_num_shards)
+ranks: the parameters' world mean is reduced to every rank, each shard owner
+steps its slice, and the slices are gathered back; that mean replaces the
+LocalSGD average on steps where both fall, as in fairscale. When to do what
+is the core's averaging schedule (mpidp/avgsched.h)."""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import _C
+from ._mpi import as_mpi4py, resolve_comm
+from ._params import broadcast_tensors
+from .averaging import average_tensors
+from .collectives import allgather
+from .data_parallel import DataParallel
+from .topology import node_comm
+
+__all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
+
+
+class SlowMoBaseAlgorithm(str, enum.Enum):
+    LOCALSGD = "localsgd"
+    SGP = "sgp"
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+class SlowMoDistributedDataParallel(torch.nn.Module):
+    """model = SlowMoDistributedDataParallel(module); after each
+    optimizer.step(), call model.perform_slowmo(optimizer).
+
+    nprocs_per_node: ranks that share a replica (consecutive blocks of the
+    world; default: the real nodes, or MPIDP_RANKS_PER_NODE's). comm: an
+    mpi4py communicator (None: every rank). fairscale's torch-group arguments
+    (process groups, ranks, devices) have no meaning here and must stay
+    None; SGP is not available yet (a clear error)."""
+
+    def __init__(self, module: torch.nn.Module, nprocs_per_node: Optional[int] = None,
+                 broadcast_buffers: bool = True,
+                 slowmo_base_algorithm: SlowMoBaseAlgorithm = SlowMoBaseAlgorithm.LOCALSGD,
+                 slowmo_momentum: float = 0.5, slowmo_memory_efficient: bool = True,
+                 slowmo_frequency: int = 48, slowmo_lr: float = 1.0, slowmo_num_shards: int = 32,
+                 localsgd_frequency: int = 3, graph=None, mixing=None, push_sum: bool = True,
+                 overlap: bool = False, synch_freq: int = 0, use_streams: bool = True,
+                 slowmo_sgp_average_params: bool = False, verbose: bool = False,
+                 profile_mode: bool = False, process_rank=None, process_world_size=None,
+                 global_group=None, master_group=None, local_node_group=None, comm_device=None,
+                 *, comm=None):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        if SlowMoBaseAlgorithm(slowmo_base_algorithm) is SlowMoBaseAlgorithm.SGP:
+            raise NotImplementedError("slowmo_base_algorithm: SGP (gossip) is not available yet; "
+                                      "use SlowMoBaseAlgorithm.LOCALSGD")
+        for name, value in (("graph", graph), ("mixing", mixing), ("process_rank", process_rank),
+                            ("process_world_size", process_world_size),
+                            ("global_group", global_group), ("master_group", master_group),
+                            ("local_node_group", local_node_group), ("comm_device", comm_device)):
+            if value is not None:
+                raise ValueError(f"{name}: only used by fairscale's torch.distributed set-up or "
+                                 "by SGP; leave it None (pass comm= for the communicator)")
+        if overlap or synch_freq:
+            raise ValueError("overlap, synch_freq: SGP settings; leave them at False and 0")
+        for name, value in (("slowmo_momentum", slowmo_momentum), ("slowmo_lr", slowmo_lr)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+                raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+        self.slowmo_frequency = _positive_int("slowmo_frequency", slowmo_frequency)
+        self.localsgd_frequency = _positive_int("localsgd_frequency", localsgd_frequency)
+        _positive_int("slowmo_num_shards", slowmo_num_shards)
+        mpi = as_mpi4py(comm)
+        self._world = resolve_comm(mpi, "comm")
+        world, rank = self._world.size, self._world.rank
+        if nprocs_per_node is None:
+            node = node_comm(mpi)
+        else:
+            _positive_int("nprocs_per_node", nprocs_per_node)
+            if world % nprocs_per_node:
+                raise ValueError(f"nprocs_per_node: {nprocs_per_node} does not divide the {world} "
+                                 "ranks")
+            node = mpi.Split(rank // nprocs_per_node, rank)
+        self.nprocs_per_node = node.Get_size()
+        self.local_rank = node.Get_rank()
+        self.logical_world_size = world // self.nprocs_per_node
+        self._node = resolve_comm(node)
+        masters = mpi.Split(0 if self.local_rank == 0 else 1, rank)
+        self._masters = resolve_comm(masters)
+
+        self.module = module
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.slowmo_momentum = float(slowmo_momentum)
+        self.slowmo_lr = float(slowmo_lr)
+        self.slowmo = self.slowmo_lr != 1.0 or self.slowmo_momentum != 0.0
+        self.slowmo_memory_efficient = bool(slowmo_memory_efficient)
+        self.slowmo_num_shards = min(world, slowmo_num_shards)
+        self.num_updates = 0
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        broadcast_tensors([p.data for p in self._params] + list(module.buffers()), self._world)
+        # θ starts as the shared parameters (this rank's shard of them), u at 0.
+        # fairscale copies θ after the first step instead, from each rank's own
+        # replica, which leaves θ different on every node and the first step
+        # out of the first slow step; the SlowMo paper starts from the shared point.
+        self._theta = self._flat()[self._shard()].clone() if self.slowmo else None
+        self._u = torch.zeros_like(self._theta) if self.slowmo else None
+        # The node's ranks average gradients every backward: one replica per node.
+        self._node_dp = (DataParallel(module, comm=node, blocking_parameter_updates=True,
+                                      broadcast_buffers=False) if self.nprocs_per_node > 1 else None)
+
+    def forward(self, *inputs: Any, **kwargs: Any):
+        if self.broadcast_buffers and self.training:
+            broadcast_tensors(list(self.module.buffers()), self._world)
+        runner = self._node_dp if self._node_dp is not None else self.module
+        return runner(*inputs, **kwargs)
+
+    # -- the slow momentum -----------------------------------------------------------
+
+    def _shard(self) -> slice:
+        """This rank's slice of the flat parameters in memory-efficient mode
+        (empty for ranks past the shards)."""
+        total = sum(p.numel() for p in self._params)
+        length = -(-total // self.slowmo_num_shards)
+        r = self._world.rank
+        if not self.slowmo_memory_efficient:
+            return slice(0, total)
+        return slice(min(r * length, total), min((r + 1) * length, total)) \
+            if r < self.slowmo_num_shards else slice(total, total)
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+
+    def _lrs(self, optimizer, part: slice) -> torch.Tensor:
+        """Each element's group lr over `part` of the flat parameters."""
+        lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+        missing = [p for p in self._params if id(p) not in lr_of]
+        if missing:
+            raise ValueError("optimizer: expected it to hold every trainable parameter of the "
+                             f"module ({len(missing)} missing)")
+        return torch.cat([torch.full((p.numel(),), float(lr_of[id(p)])) for p in self._params])[part]
+
+    def _write(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for p in self._params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params=None) -> None:
+        """Call after optimizer.step(): the LocalSGD average and the slow
+        momentum step when due (both counted by this call)."""
+        if fp32_params is not None:
+            raise ValueError("fp32_params: fp16 master copies are not supported; keep the "
+                             "parameters float32 (torch.autocast does)")
+        due = _C.avgsched_actions(
+            self.num_updates, periods=(self.localsgd_frequency,), after_period=True,
+            slow_every=self.slowmo_frequency if self.slowmo else 0,
+            slow_replaces_average=self.slowmo_memory_efficient)
+        if due.average:
+            self._average_replicas()
+        if due.slow_step:
+            self._slow_step(optimizer)
+        self.num_updates += 1
+
+    def _average_replicas(self) -> None:
+        """Node masters average over the nodes; each node's ranks then take
+        their master's values."""
+        if self.local_rank == 0 and self.logical_world_size > 1:
+            average_tensors([p.data for p in self._params], self._masters)
+        if self.nprocs_per_node > 1:
+            broadcast_tensors([p.data for p in self._params], self._node)
+
+    def _slow_step(self, optimizer) -> None:
+        part = self._shard()
+        if self.slowmo_memory_efficient:
+            flat = self._flat() / self._world.size   # the world mean, reduced to every rank
+            self._world.allreduce(flat, _C.OP_SUM, _C.NO_WIRE, False)
+        else:
+            flat = self._flat()                      # x̄ when a LocalSGD average just ran
+        lr = self._lrs(optimizer, part)
+        x = flat[part]
+        self._u.mul_(self.slowmo_momentum).add_((self._theta - x) / lr)
+        self._theta.sub_(self.slowmo_lr * lr * self._u)
+        # Memory-efficient: every rank takes the owners' slices of θ.
+        self._write(allgather(self._theta, comm=self._world) if self.slowmo_memory_efficient
+                    else self._theta)
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def slowmo_state_dict(self) -> Dict[str, Any]:
+        """num_updates, this rank's replica (construction made every replica
+        rank 0's, so loading restores it) and its slow parameters and momentum
+        (its shard in memory-efficient mode). Save beside the optimizer's."""
+        return {"num_updates": self.num_updates,
+                "local": [p.detach().clone() for p in self._params],
+                "theta": None if self._theta is None else self._theta.clone(),
+                "u": None if self._u is None else self._u.clone()}
+
+    def load_slowmo_state_dict(self, state: Dict[str, Any]) -> None:
+        theta, u, local = state["theta"], state["u"], state["local"]
+        part = self._shard()
+        if (theta is None) != (self._theta is None) or (
+                theta is not None and theta.shape != (part.stop - part.start,)):
+            raise ValueError("state: the slow buffers do not match this rank's (another world "
+                             "size, slowmo_num_shards, slow momentum setting or model?)")
+        if len(local) != len(self._params) or any(a.shape != p.shape
+                                                  for a, p in zip(local, self._params)):
+            raise ValueError("state: its parameters do not match the module's")
+        with torch.no_grad():
+            for p, x in zip(self._params, local):
+                p.copy_(x)
+        self.num_updates = int(state["num_updates"])
+        self._theta = None if theta is None else theta.clone()
+        self._u = None if u is None else u.clone()
+
+    @property
+    def slowmo_buffer_numel(self) -> int:
+        """Elements of θ and u this rank holds (2 x its shard; 0 without slow momentum)."""
+        return 0 if self._theta is None else self._theta.numel() + self._u.numel()

@@ -1,0 +1,216 @@
+"""SlowMoDistributedDataParallel (LocalSGD base) against a single-process
+simulation of every node's replica, at 1-4 ranks, with one rank per node and
+(at 2 and 4 ranks) two: each rank trains on its own slice of each batch and
+compares its model with the simulation's replica of its node after every
+step. The simulation is written from the update rules (fairscale's counting:
+LocalSGD after every localsgd_frequency-th step, the slow step after every
+slowmo_frequency-th; u = βu + (θ - x̄)/γ, θ -= αγu, x = θ) with its own
+counters, not the schedule's.
+
+Ported checks of fairscale's tests (written here from their behaviour):
+LocalSGD alone equals per-rank SGD with an average every k steps; with
+constant lr the slow step equals torch's SGD(lr=α, momentum=β) on the
+gradient θ - x̄; the memory-efficient mode holds 2 x numel / shards extra
+elements on shard owners only. Bad arguments are named."""
+
+import copy
+
+import pytest
+import torch
+
+import mpidp
+from dp_reference import RANK, SIZE, rank_slice, seeded
+from mpidp import MPI
+
+pytestmark = pytest.mark.ranks3
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(5, 7)
+        self.l2 = torch.nn.Linear(7, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+LR = 0.1
+
+
+def batches(steps):
+    gen = seeded(3)
+    return [(torch.randn(4 * SIZE, 5, generator=gen), torch.randn(4 * SIZE, 2, generator=gen))
+            for _ in range(steps)]
+
+
+def node_loss(model, x, y, ranks):
+    """The mean over the node's ranks of each rank's slice loss (what the
+    node's averaged gradients are the gradient of)."""
+    return sum(torch.nn.functional.mse_loss(model(rank_slice(x, r)), rank_slice(y, r))
+               for r in ranks) / len(ranks)
+
+
+def simulate(init, data, per_node, k, m, alpha, beta, memory_efficient):
+    nodes = SIZE // per_node
+    replicas = [copy.deepcopy(init) for _ in range(nodes)]
+    opts = [torch.optim.SGD(r.parameters(), lr=LR, momentum=0.9) for r in replicas]
+    flat = lambda model: torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    slow = alpha != 1.0 or beta != 0.0
+    theta = [flat(init).clone() for _ in range(nodes)]
+    u = [torch.zeros_like(theta[0]) for _ in range(nodes)]
+    history = []
+    for t, (x, y) in enumerate(data):
+        for n, (model, opt) in enumerate(zip(replicas, opts)):
+            opt.zero_grad()
+            node_loss(model, x, y, range(n * per_node, (n + 1) * per_node)).backward()
+            opt.step()
+        slow_now = slow and (t + 1) % m == 0
+        if (t + 1) % k == 0 and not (slow_now and memory_efficient):
+            mean = torch.stack([flat(r) for r in replicas]).mean(0)
+            for r in replicas:
+                torch.nn.utils.vector_to_parameters(mean.clone(), r.parameters())
+        if slow_now:
+            world_mean = torch.stack([flat(r) for r in replicas]).mean(0)
+            for n, r in enumerate(replicas):
+                x_bar = world_mean if memory_efficient else flat(r)
+                u[n] = beta * u[n] + (theta[n] - x_bar) / LR
+                theta[n] = theta[n] - alpha * LR * u[n]
+                torch.nn.utils.vector_to_parameters(theta[n].clone(), r.parameters())
+        history.append(flat(replicas[RANK // per_node]).clone())
+    return history
+
+
+def per_node_options():
+    return [1, 2] if SIZE % 2 == 0 and SIZE > 1 else [1]
+
+
+@pytest.mark.parametrize("per_node", per_node_options())
+@pytest.mark.parametrize("k,m,alpha,beta,memory_efficient", [
+    (3, 48, 1.0, 0.0, True),      # LocalSGD alone (no slow momentum)
+    (1, 1, 0.5, 0.5, False),      # a slow step after every averaged step
+    (1, 1, 0.5, 0.5, True),
+    (2, 4, 1.0, 0.5, False),      # slow steps on every other average
+    (2, 4, 1.0, 0.5, True),
+    (2, 3, 0.7, 0.3, False),      # slow steps off the averaging grid: nodes drift apart
+    (2, 3, 0.7, 0.3, True),
+])
+def test_every_step_matches_the_simulated_node_replica(per_node, k, m, alpha, beta,
+                                                        memory_efficient):
+    torch.manual_seed(0)
+    init = Net()
+    data = batches(12)
+    want = simulate(init, data, per_node, k, m, alpha, beta, memory_efficient)
+    model = copy.deepcopy(init)
+    net = mpidp.SlowMoDistributedDataParallel(
+        model, nprocs_per_node=per_node, slowmo_momentum=beta, slowmo_lr=alpha,
+        slowmo_frequency=m, localsgd_frequency=k, slowmo_memory_efficient=memory_efficient,
+        slowmo_num_shards=3)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    for t, (x, y) in enumerate(data):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+        opt.step()
+        net.perform_slowmo(opt)
+        got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(got, want[t], rtol=1e-5, atol=1e-6, msg=lambda s: f"step {t}: {s}")
+    assert net.num_updates == 12
+
+
+def test_slow_step_is_sgd_with_momentum_on_the_outer_gradient():
+    """fairscale's check, with constant lr: SlowMo's slow step equals torch's
+    SGD(lr=slowmo_lr, momentum=slowmo_momentum) stepping θ with the gradient
+    θ - x̄ (x̄: the replicas' mean after the period)."""
+    torch.manual_seed(0)
+    model = Net()
+    net = mpidp.SlowMoDistributedDataParallel(model, nprocs_per_node=1, slowmo_momentum=0.6,
+                                              slowmo_lr=0.8, slowmo_frequency=2,
+                                              localsgd_frequency=2, slowmo_memory_efficient=False)
+    theta = copy.deepcopy(model)
+    outer = torch.optim.SGD(theta.parameters(), lr=0.8, momentum=0.6)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for t, (x, y) in enumerate(batches(8)):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+        opt.step()
+        if (t + 1) % 2 == 0:  # the expected slow step, from the replicas' mean
+            replicas = MPI.COMM_WORLD.allgather([p.detach().clone() for p in model.parameters()])
+            for i, p in enumerate(theta.parameters()):
+                p.grad = p.detach() - torch.stack([r[i] for r in replicas]).mean(0)
+            outer.step()
+        net.perform_slowmo(opt)
+        if (t + 1) % 2 == 0:
+            for p, q in zip(model.parameters(), theta.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 32])
+def test_memory_efficient_buffers_live_on_shard_owners(shards):
+    model = Net()
+    numel = sum(p.numel() for p in model.parameters())
+    net = mpidp.SlowMoDistributedDataParallel(model, nprocs_per_node=1, slowmo_momentum=0.5,
+                                              slowmo_num_shards=shards)
+    owners = min(SIZE, shards)
+    length = -(-numel // owners)
+    mine = max(0, min(length, numel - RANK * length)) if RANK < owners else 0
+    assert net.slowmo_buffer_numel == 2 * mine
+    plain = mpidp.SlowMoDistributedDataParallel(Net(), nprocs_per_node=1, slowmo_momentum=0.5,
+                                                slowmo_memory_efficient=False)
+    assert plain.slowmo_buffer_numel == 2 * numel
+    off = mpidp.SlowMoDistributedDataParallel(Net(), nprocs_per_node=1, slowmo_momentum=0.0)
+    assert off.slowmo_buffer_numel == 0  # slowmo_lr 1 and momentum 0: LocalSGD only
+
+
+def test_state_round_trip_continues_exactly():
+    torch.manual_seed(0)
+    init = Net()
+    data = batches(10)
+
+    def run(steps, state=None, start=None):
+        model = copy.deepcopy(init) if start is None else start
+        net = mpidp.SlowMoDistributedDataParallel(model, nprocs_per_node=1, slowmo_momentum=0.5,
+                                                  slowmo_lr=0.9, slowmo_frequency=4,
+                                                  localsgd_frequency=2)
+        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+        if state is not None:
+            net.load_slowmo_state_dict(state["slowmo"])
+            opt.load_state_dict(state["opt"])
+        for x, y in steps:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+            opt.step()
+            net.perform_slowmo(opt)
+        return model, net, opt
+
+    straight, _, _ = run(data)
+    half, net, opt = run(data[:5])
+    state = copy.deepcopy({"slowmo": net.slowmo_state_dict(), "opt": opt.state_dict(),
+                           "model": half.state_dict()})
+    resumed_model = Net()
+    resumed_model.load_state_dict(state["model"])
+    resumed, _, _ = run(data[5:], state, resumed_model)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(NotImplementedError, match="SGP"):
+        mpidp.SlowMoDistributedDataParallel(Net(), slowmo_base_algorithm=mpidp.SlowMoBaseAlgorithm.SGP)
+    with pytest.raises(ValueError, match="global_group"):
+        mpidp.SlowMoDistributedDataParallel(Net(), global_group=object())
+    with pytest.raises(ValueError, match="graph"):
+        mpidp.SlowMoDistributedDataParallel(Net(), graph=object())
+    for name in ("slowmo_frequency", "localsgd_frequency", "slowmo_num_shards", "nprocs_per_node"):
+        with pytest.raises(ValueError, match=name):
+            mpidp.SlowMoDistributedDataParallel(Net(), **{name: 0})
+    with pytest.raises(ValueError, match="slowmo_lr"):
+        mpidp.SlowMoDistributedDataParallel(Net(), slowmo_lr=-1.0)
+    if SIZE == 4:
+        with pytest.raises(ValueError, match="does not divide"):
+            mpidp.SlowMoDistributedDataParallel(Net(), nprocs_per_node=3)
+    net = mpidp.SlowMoDistributedDataParallel(Net(), nprocs_per_node=1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="fp32_params"):
+        net.perform_slowmo(opt, fp32_params=torch.zeros(3))
+    with pytest.raises(TypeError, match="module"):
+        mpidp.SlowMoDistributedDataParallel("model")
