@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
