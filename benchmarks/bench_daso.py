@@ -24,6 +24,15 @@ Methods:
                 parameter syncs between the nodes; --warmup/--cooldown epochs
   local         (not in the default set) no communication at all: each rank
                 trains alone on its shard; the compute floor
+  localsgd      mpidp.SlowMoDistributedDataParallel without slow momentum: the
+                node's ranks average gradients, the nodes average parameters
+                every --local-every steps
+  slowmo        the same with slow momentum 0.5 every --slow-every steps
+  diloco        mpidp.DiLoCo, every rank a worker: an outer Nesterov step
+                (lr 0.7, momentum 0.9) on the averaged outer gradient every
+                --sync-every steps
+  diloco-stream the same in 2 fragments taking turns, each sent --delay steps
+                before its turn, bf16 on the wire
 
 Per method it reports the training time per epoch (test evaluation excluded),
 total training time, final test accuracy (every rank evaluates a quarter of
@@ -42,9 +51,12 @@ The cluster is torn down at the end unless --keep-up. It is named
 left alone. Exits 77 where the cluster cannot be built (not root, no
 namespaces, no Open MPI), with the reason.
 
+The table's "to ddp-1" column is the training time a method took to first
+reach DDP's final test accuracy minus 1 point (at an epoch end; "-" if never).
+
 --json prints one line: for the first rate, ddp_epoch_s, daso_epoch_s,
-ddp_acc, daso_acc, daso_over_ddp and <method>_{epoch_s,total_s,acc,link_mb}
-for every method; results of further rates under "rates".
+ddp_acc, daso_acc, daso_over_ddp and <method>_{epoch_s,total_s,acc,link_mb,
+to_target_s} for every method; results of further rates under "rates".
 """
 
 from __future__ import annotations
@@ -71,7 +83,8 @@ NODES, PER_NODE = 2, 2
 CANNOT_RUN = 77
 RESULT_TAG = "BENCH_DASO_RESULT "
 DEFAULT_METHODS = ("ddp", "dp-block", "dp-block-bf16", "dp-nb", "dp-nb-bf16", "daso")
-ALL_METHODS = DEFAULT_METHODS + ("local",)
+SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream")
+ALL_METHODS = DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS
 
 
 # --------------------------------------------------------------------------- worker
@@ -121,6 +134,7 @@ def worker(args) -> None:
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     daso = None
     sync = None              # completes a pending non-blocking update before the clock stops
+    after_step = None        # SlowMo's perform_slowmo after every optimizer step
     if method == "ddp":
         mpidp.init_process_group(comm, backend="gloo")
         net = torch.nn.parallel.DistributedDataParallel(model)
@@ -140,6 +154,27 @@ def worker(args) -> None:
         daso.last_batch = n_batches - 1
         opt = daso
     elif method == "local":
+        net, opt = model, inner
+    elif method in ("localsgd", "slowmo"):
+        net = mpidp.SlowMoDistributedDataParallel(
+            model, comm=comm, slowmo_momentum=0.5 if method == "slowmo" else 0.0,
+            localsgd_frequency=args.local_every, slowmo_frequency=args.slow_every)
+        opt = inner
+        after_step = lambda: net.perform_slowmo(inner)  # noqa: E731
+    elif method.startswith("diloco"):
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        stream = method == "diloco-stream"
+        fragments = None
+        if stream:  # the model's top-level blocks in two halves by parameter count
+            blocks = [c for c in model.children() if any(True for _ in c.parameters())]
+            sizes = [sum(p.numel() for p in c.parameters()) for c in blocks]
+            cut = next(i for i in range(1, len(blocks)) if sum(sizes[:i]) * 2 >= sum(sizes))
+            fragments = [torch.nn.ModuleList(blocks[:cut]), torch.nn.ModuleList(blocks[cut:])]
+        diloco = mpidp.DiLoCo(model, inner, outer, args.sync_every, comm,
+                              model_fragments=fragments,
+                              fragment_sync_delay=args.delay if stream else 0,
+                              wire_dtype=torch.bfloat16 if stream else None)
+        diloco.__enter__()     # syncs after the inner optimizer's steps from here on
         net, opt = model, inner
     else:
         raise SystemExit(f"unknown method {method!r}")
@@ -220,6 +255,8 @@ def worker(args) -> None:
             loss.backward()
             td = clock()
             opt.step()
+            if after_step is not None:
+                after_step()
             te = clock()
             parts["data"] += tb - ta
             parts["fwd"] += tc - tb
@@ -312,7 +349,9 @@ def run_method(args, name: str, method: str, netstats) -> dict:
                    "--epochs", args.epochs, "--batch-size", args.batch_size, "--width", args.width,
                    "--lr", args.lr, "--seed", args.seed, "--warmup", args.warmup,
                    "--cooldown", args.cooldown, "--threads", args.threads,
-                   "--train-images", args.train_images]
+                   "--train-images", args.train_images, "--local-every", args.local_every,
+                   "--slow-every", args.slow_every, "--sync-every", args.sync_every,
+                   "--delay", args.delay]
     mpirun_opts = list(args.mpirun_args)
     if method == "ddp":
         # The global gloo group's TCP store is opened by rank 0 on node 0's
@@ -379,6 +418,15 @@ def run_rate(args, name: str, rate: str, netstats, saved: Path) -> dict:
     return res
 
 
+def to_target_s(run: dict, ddp: dict):
+    """Training seconds until `run` first reached DDP's final accuracy minus 1
+    point at an epoch end, or None (also without a ddp run)."""
+    if ddp is None:
+        return None
+    goal = ddp["final_acc"] - 1.0
+    return next((e["wall_s"] for e in run["history"] if e["acc"] >= goal), None)
+
+
 def table(res: dict) -> str:
     runs = res["runs"]
     ref = runs.get("ddp")
@@ -390,13 +438,16 @@ def table(res: dict) -> str:
              f"{cfg['epochs']} epochs"
              + (f", mpirun {' '.join(cfg['mpirun_args'])}" if cfg.get("mpirun_args") else ""),
              f"{'method':<14}{'s/epoch':>9}{'vs ddp':>8}{'total s':>9}{'acc %':>8}"
-             f"{'link MB':>9}{'ms/step':>9}{'fwd':>7}{'bwd':>7}{'step':>7}{'cpu':>6}{'other':>6}"]
+             f"{'to ddp-1':>9}{'link MB':>9}{'ms/step':>9}{'fwd':>7}{'bwd':>7}{'step':>7}"
+             f"{'cpu':>6}{'other':>6}"]
     for m, r in runs.items():
         p = r["parts_ms"]
         vs = f"{r['epoch_s'] / ref['epoch_s']:8.3f}" if ref else f"{'-':>8}"
         other = f"{100 * r['cpu_other']:5.0f}%" if r.get("cpu_other") is not None else f"{'-':>6}"
+        target = to_target_s(r, ref)
+        target = f"{target:9.1f}" if target is not None else f"{'-':>9}"
         lines.append(f"{m:<14}{r['epoch_s']:9.2f}{vs}{r['total_s']:9.1f}{r['final_acc']:8.2f}"
-                     f"{r['link_bytes'] / 1e6:9.1f}{r['step_ms']:9.1f}{p['fwd']:7.1f}"
+                     f"{target}{r['link_bytes'] / 1e6:9.1f}{r['step_ms']:9.1f}{p['fwd']:7.1f}"
                      f"{p['bwd']:7.1f}{p['step']:7.1f}{100 * r['cpu_busy']:5.0f}%{other}")
     reps = res.get("repeats") or {}
     if any(len(v) > 1 for v in reps.values()):
@@ -427,6 +478,8 @@ def summary(results: list) -> dict:
             out[f"{key}_total_s"] = round(r["total_s"], 2)
             out[f"{key}_acc"] = round(r["final_acc"], 2)
             out[f"{key}_link_mb"] = round(r["link_bytes"] / 1e6, 2)
+            target = to_target_s(r, res["runs"].get("ddp"))
+            out[f"{key}_to_target_s"] = None if target is None else round(target, 2)
         if "ddp" in res["runs"] and "daso" in res["runs"]:
             out["daso_over_ddp"] = round(res["runs"]["daso"]["epoch_s"]
                                          / res["runs"]["ddp"]["epoch_s"], 3)
@@ -517,6 +570,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1, help="DASO warm-up epochs")
     parser.add_argument("--cooldown", type=int, default=1, help="DASO cool-down epochs")
+    parser.add_argument("--local-every", type=int, default=3,
+                        help="localsgd/slowmo: steps between parameter averages (fairscale's 3)")
+    parser.add_argument("--slow-every", type=int, default=48,
+                        help="slowmo: steps between slow momentum steps (fairscale's 48)")
+    parser.add_argument("--sync-every", type=int, default=48,
+                        help="diloco: inner steps between outer steps")
+    parser.add_argument("--delay", type=int, default=4,
+                        help="diloco-stream: steps between a fragment's send and its turn")
     parser.add_argument("--batch-size", type=int, default=4, help="per rank")
     parser.add_argument("--width", type=int, default=32, help="ResNet-18 channels of the stem")
     parser.add_argument("--lr", type=float, default=0.05)
