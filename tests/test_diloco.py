@@ -240,3 +240,40 @@ def test_bad_arguments_are_named():
         mpidp.DiLoCo(model, inner, outer, 4, wire_dtype=torch.int8)
     with pytest.raises(TypeError, match="comm"):
         mpidp.DiLoCo(model, inner, outer, 4, comm="world")
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(6, 10)
+        self.bn = torch.nn.BatchNorm1d(10)
+        self.l2 = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.bn(self.l1(x))))
+
+
+@pytest.mark.parametrize("sync_buffers", [True, False])
+def test_batchnorm_statistics_become_the_ranks_mean_at_each_turn(sync_buffers):
+    """With sync_buffers (the default) every rank ends a turn with the mean of
+    the replicas' running statistics; without, each keeps its own."""
+    torch.manual_seed(0)
+    model = BNNet()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), 2,
+                          sync_buffers=sync_buffers)
+    with diloco:
+        for t, (x, y) in enumerate(batches(4)):
+            inner.zero_grad()
+            torch.nn.functional.mse_loss(model(rank_slice(x)), rank_slice(y)).backward()
+            stats = [model.bn.running_mean.clone(), model.bn.running_var.clone()]
+            replicas = MPI.COMM_WORLD.allgather(stats)
+            inner.step()
+            if (t + 1) % 2:
+                continue  # a turn after steps 1 and 3
+            for i, now in enumerate((model.bn.running_mean, model.bn.running_var)):
+                mean = torch.stack([r[i] for r in replicas]).mean(0)
+                if sync_buffers:
+                    torch.testing.assert_close(now, mean, rtol=1e-6, atol=1e-7)
+                else:
+                    assert torch.equal(now, stats[i])

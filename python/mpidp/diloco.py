@@ -27,6 +27,7 @@ from ._dtypes import wire_code
 from ._mpi import resolve_comm
 from ._params import broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
+from .averaging import average_tensors
 
 __all__ = ["DiLoCo"]
 
@@ -45,7 +46,12 @@ class DiLoCo:
     model_fragments: modules whose trainable parameters partition the model's
     (default: the whole model, plain DiLoCo). comm: an mpi4py communicator
     (None: every rank). wire_dtype: None (float32), torch.bfloat16 or
-    torch.float16 for the averaged outer gradients. The outer optimizer must
+    torch.float16 for the averaged outer gradients. sync_buffers (mpidp's
+    addition, on by default): at a fragment's turn its floating-point buffers
+    (BatchNorm's running statistics) become their mean over the ranks, so the
+    replicas evaluate the shared parameters with statistics of the shared
+    data rather than each its own (without it, a BatchNorm model evaluated
+    right after a turn can be far worse than its training loss suggests). The outer optimizer must
     hold exactly the model's trainable parameters. Replicas start from rank
     0's parameters. state_dict() / load_state_dict() hold θ, this rank's
     replica, the step count, the outer optimizer's state and any outer
@@ -56,7 +62,7 @@ class DiLoCo:
                  outer_optimizer: torch.optim.Optimizer, sync_every: int, comm=None, *,
                  model_fragments: Optional[Sequence[torch.nn.Module]] = None,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
-                 wire_dtype: Optional[torch.dtype] = None):
+                 wire_dtype: Optional[torch.dtype] = None, sync_buffers: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
@@ -64,6 +70,7 @@ class DiLoCo:
                 raise TypeError(f"{name}: expected a torch.optim.Optimizer, got {type(opt).__name__}")
         fragments = [model] if model_fragments is None else list(model_fragments)
         self._fragments = self._partition(model, fragments)
+        self._buffers = self._fragment_buffers(model, fragments) if sync_buffers else None
         n = len(fragments)
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < n \
                 or sync_every % n:
@@ -91,6 +98,7 @@ class DiLoCo:
         self.fragment_sync_delay = fragment_sync_delay
         self.fragment_update_alpha = float(fragment_update_alpha)
         self.wire_dtype = wire_dtype
+        self.sync_buffers = bool(sync_buffers)
         self._comm = resolve_comm(comm, "comm")
         self._schedule = {"n_fragments": n, "fragment_every": every,
                           "fragment_delay": fragment_sync_delay}
@@ -105,6 +113,15 @@ class DiLoCo:
         self._sent: set = set()  # fragments sent and not yet applied
         self._received: Dict[int, List[torch.Tensor]] = {}  # outer gradients kept by state_dict
         self._handles: List = []
+
+    @staticmethod
+    def _fragment_buffers(model, fragments) -> List[List[torch.Tensor]]:
+        """Each fragment's floating-point buffers; buffers of the model outside
+        every fragment go with every turn."""
+        mine = [[b for b in f.buffers() if b.is_floating_point()] for f in fragments]
+        claimed = {id(b) for bs in mine for b in bs}
+        orphans = [b for b in model.buffers() if b.is_floating_point() and id(b) not in claimed]
+        return [bs + orphans for bs in mine]
 
     @staticmethod
     def _partition(model, fragments) -> List[List[torch.nn.Parameter]]:
@@ -192,6 +209,8 @@ class DiLoCo:
             with torch.no_grad():
                 for p, x in zip(params, local):
                     p.lerp_(x, alpha)
+        if self._buffers is not None:
+            average_tensors(self._buffers[f], self._comm)
 
     # -- checkpoints ---------------------------------------------------------------
 
