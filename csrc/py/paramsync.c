@@ -56,10 +56,7 @@ static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
     if (c == NULL) return NULL;
-    if (wire != MPIDP_F32 && wire != MPIDP_BF16 && wire != MPIDP_F16)
-        return PyErr_Format(PyExc_ValueError, "wire_dtype: expected float32, bfloat16 or float16");
-    if (chunk < 1 || chunk > 0x7fffffff)
-        return PyErr_Format(PyExc_ValueError, "chunk_elems: expected 1 .. 2^31-1, got %zd", chunk);
+    /* wire and chunk are the engine's to check (mpidp_paramsync_create). */
     size_t np = (size_t)PyTuple_GET_SIZE(params), n1 = np ? np : 1;
     paramsync_t *s = (paramsync_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
@@ -81,7 +78,7 @@ static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwd
             .comm = c->comm, .reqs = st->reqs, .n_params = np, .params = data, .numel = numel,
             .wire = wire, .chunk_elems = (size_t)chunk, .drain_timeout_s = mpidp_py_timeout_s,
             .what = WHAT};
-        ok = MPIDP_PY_CALL(st, "ParamSync", mpidp_paramsync_create(&cfg, &s->core)) == 0;
+        ok = MPIDP_PY_CALL(st, "paramsync", mpidp_paramsync_create(&cfg, &s->core)) == 0;
     }
     free(data);
     free(numel);
