@@ -208,8 +208,8 @@ def test_ranks_averaging_different_parameters_all_raise():
 
 def test_bad_arguments_are_named():
     torch_world()
-    for period in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="period"):
+    for period, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="period"):
             mpidp.PeriodicModelAverager(period)
     with pytest.raises(ValueError, match="warmup_steps"):
         mpidp.PeriodicModelAverager(4, warmup_steps=-1)
@@ -236,3 +236,12 @@ def test_bad_arguments_are_named():
                                     torch_averagers.PeriodicModelAverager(2))
     with pytest.raises(TypeError, match="params"):
         averager.average_parameters([3.0])
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
+def test_settings_that_differ_across_ranks_are_named():
+    """Different periods would post mismatched allreduces: every rank raises."""
+    with pytest.raises(ValueError, match=r"PeriodicModelAverager: the ranks' settings differ.*period"):
+        mpidp.PeriodicModelAverager(4 if RANK == 0 else 8)
+    with pytest.raises(ValueError, match="HierarchicalModelAverager: the ranks' settings differ"):
+        mpidp.HierarchicalModelAverager({2: 1, 4: SIZE}, warmup_steps=RANK)

@@ -51,7 +51,7 @@ def node_loss(model, x, y, ranks):
                for r in ranks) / len(ranks)
 
 
-def simulate(init, data, per_node, k, m, alpha, beta, memory_efficient):
+def simulate(init, data, per_node, k, m, alpha, beta, memory_efficient, clip=False):
     nodes = SIZE // per_node
     replicas = [copy.deepcopy(init) for _ in range(nodes)]
     opts = [torch.optim.SGD(r.parameters(), lr=LR, momentum=0.9) for r in replicas]
@@ -64,6 +64,8 @@ def simulate(init, data, per_node, k, m, alpha, beta, memory_efficient):
         for n, (model, opt) in enumerate(zip(replicas, opts)):
             opt.zero_grad()
             node_loss(model, x, y, range(n * per_node, (n + 1) * per_node)).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             opt.step()
         slow_now = slow and (t + 1) % m == 0
         if (t + 1) % k == 0 and not (slow_now and memory_efficient):
@@ -86,21 +88,22 @@ def per_node_options():
 
 
 @pytest.mark.parametrize("per_node", per_node_options())
-@pytest.mark.parametrize("k,m,alpha,beta,memory_efficient", [
-    (3, 48, 1.0, 0.0, True),      # LocalSGD alone (no slow momentum)
-    (1, 1, 0.5, 0.5, False),      # a slow step after every averaged step
-    (1, 1, 0.5, 0.5, True),
-    (2, 4, 1.0, 0.5, False),      # slow steps on every other average
-    (2, 4, 1.0, 0.5, True),
-    (2, 3, 0.7, 0.3, False),      # slow steps off the averaging grid: nodes drift apart
-    (2, 3, 0.7, 0.3, True),
+@pytest.mark.parametrize("k,m,alpha,beta,memory_efficient,clip", [
+    (3, 48, 1.0, 0.0, True, False),      # LocalSGD alone (no slow momentum)
+    (1, 1, 0.5, 0.5, False, False),      # a slow step after every averaged step
+    (1, 1, 0.5, 0.5, True, False),
+    (2, 4, 1.0, 0.5, False, False),      # slow steps on every other average
+    (2, 4, 1.0, 0.5, True, False),
+    (2, 3, 0.7, 0.3, False, False),      # slow steps off the averaging grid: nodes drift apart
+    (2, 3, 0.7, 0.3, True, False),
+    (2, 4, 0.8, 0.5, True, True),      # habit: gradients clipped before the step
 ])
 def test_every_step_matches_the_simulated_node_replica(per_node, k, m, alpha, beta,
-                                                        memory_efficient):
+                                                        memory_efficient, clip):
     torch.manual_seed(0)
     init = Net()
     data = batches(12)
-    want = simulate(init, data, per_node, k, m, alpha, beta, memory_efficient)
+    want = simulate(init, data, per_node, k, m, alpha, beta, memory_efficient, clip)
     model = copy.deepcopy(init)
     net = mpidp.SlowMoDistributedDataParallel(
         model, nprocs_per_node=per_node, slowmo_momentum=beta, slowmo_lr=alpha,
@@ -110,6 +113,8 @@ def test_every_step_matches_the_simulated_node_replica(per_node, k, m, alpha, be
     for t, (x, y) in enumerate(data):
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+        if clip:  # on the node's averaged gradients, as the simulation does
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
         opt.step()
         net.perform_slowmo(opt)
         got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -214,3 +219,30 @@ def test_bad_arguments_are_named():
         net.perform_slowmo(opt, fp32_params=torch.zeros(3))
     with pytest.raises(TypeError, match="module"):
         mpidp.SlowMoDistributedDataParallel("model")
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
+def test_settings_that_differ_across_ranks_are_named():
+    with pytest.raises(ValueError, match=r"SlowMoDistributedDataParallel: the ranks' settings "
+                                         r"differ.*localsgd_frequency"):
+        mpidp.SlowMoDistributedDataParallel(Net(), nprocs_per_node=1,
+                                            localsgd_frequency=3 if RANK == 0 else 4)
+
+
+def test_wrapping_twice_hands_over_to_the_newer_wrapper():
+    model = Net()
+    old = mpidp.SlowMoDistributedDataParallel(model, nprocs_per_node=1)
+    with pytest.warns(UserWarning, match="already wrapped"):
+        new = mpidp.SlowMoDistributedDataParallel(model, nprocs_per_node=1)
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match="newer wrapper"):
+        old(rank_slice(x))
+    opt = torch.optim.SGD(new.parameters(), lr=LR)
+    with pytest.raises(RuntimeError, match="newer wrapper"):
+        old.perform_slowmo(opt)
+    torch.nn.functional.mse_loss(new(rank_slice(x)), rank_slice(y)).backward()
+    opt.step()
+    new.perform_slowmo(opt)
+    assert new.num_updates == 1
+    with pytest.raises(TypeError, match="already a SlowMoDistributedDataParallel"):
+        mpidp.SlowMoDistributedDataParallel(new)

@@ -46,9 +46,11 @@ def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
 
 
 def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:
+    """module None: the settings only (a model averager has no model)."""
     if c_comm.size == 1:
         return
-    described = [f"setting {k} = {v}" for k, v in (settings or {}).items()] + _describe(module)
+    described = [f"setting {k} = {v}" for k, v in (settings or {}).items()]
+    described += _describe(module) if module is not None else []
     digest = hashlib.sha256("\n".join(described).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.float64).clone()
     root = mine.clone()

@@ -21,6 +21,8 @@ from typing import Any, Dict, Iterable, List, Mapping
 import torch
 
 from . import _C
+from ._args import check_int
+from ._consistency import check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
@@ -84,12 +86,6 @@ def average_tensors(tensors: List[torch.Tensor], comm: _C.Comm) -> None:
             offset += t.numel()
 
 
-def _check_count(value, argname: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{argname}: expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
 class ModelAverager:
     """The base of the averagers: `process_group` (an mpi4py communicator, or
     None for all ranks) and `step`, the number of average_parameters() calls
@@ -99,6 +95,12 @@ class ModelAverager:
         self._comm = resolve_comm(process_group, "process_group")
         self.process_group = process_group if process_group is not None else MPI.COMM_WORLD
         self.step = 0
+
+    def _check_settings_agree(self, settings: Dict[str, Any]) -> None:
+        """Every rank of the group built the same averager, or all raise
+        (different periods would post mismatched allreduces)."""
+        check_same_structure(self._comm, as_mpi4py(self.process_group), None,
+                             type(self).__name__, settings)
 
     def _schedule(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -120,8 +122,8 @@ class PeriodicModelAverager(ModelAverager):
     warmup_steps, warmup_steps + period, ... (torch's PeriodicModelAverager)."""
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group=None):
-        _check_count(period, "period", 1)
-        _check_count(warmup_steps, "warmup_steps", 0)
+        check_int("period", period, 1)
+        check_int("warmup_steps", warmup_steps, 0)
         super().__init__(process_group)
         if period == 1:
             warnings.warn("PeriodicModelAverager: period=1 averages the parameters after every "
@@ -129,6 +131,7 @@ class PeriodicModelAverager(ModelAverager):
                           "(mpidp.DataParallel): use that instead", UserWarning, stacklevel=2)
         self.period = period
         self.warmup_steps = warmup_steps
+        self._check_settings_agree({"period": period, "warmup_steps": warmup_steps})
 
     def _schedule(self) -> Dict[str, Any]:
         return {"warmup_steps": self.warmup_steps, "periods": (self.period,),
@@ -153,17 +156,17 @@ class HierarchicalModelAverager(ModelAverager):
         periods = list(period_group_size_dict)
         sizes = [period_group_size_dict[p] for p in periods]
         for p in periods:
-            _check_count(p, "period_group_size_dict: a period", 1)
+            check_int("period_group_size_dict: a period", p, 1)
         if periods != sorted(set(periods)):
             raise ValueError(f"period_group_size_dict: periods must be ascending, got {periods}")
-        _check_count(warmup_steps, "warmup_steps", 0)
+        check_int("warmup_steps", warmup_steps, 0)
         super().__init__(process_group)
         world = self._comm.size
         if sizes[-1] != world:
             raise ValueError(f"period_group_size_dict: the last group size must be the size of "
                              f"process_group ({world}), got {sizes[-1]}")
         for size in sizes:
-            _check_count(size, "period_group_size_dict: a group size", 1)
+            check_int("period_group_size_dict: a group size", size, 1)
             if world % size:
                 raise ValueError(f"period_group_size_dict: group size {size} does not divide "
                                  f"the {world} ranks of process_group")
@@ -173,6 +176,8 @@ class HierarchicalModelAverager(ModelAverager):
                           "(mpidp.DataParallel): use that instead", UserWarning, stacklevel=2)
         self.period_group_size_dict = dict(zip(periods, sizes))
         self.warmup_steps = warmup_steps
+        self._check_settings_agree({"period_group_size_dict": self.period_group_size_dict,
+                                    "warmup_steps": warmup_steps})
         self._periods = tuple(periods)
         self._groups = [self._comm if size == world else self._subgroup(size) for size in sizes]
 

@@ -21,6 +21,7 @@ import torch
 
 from . import _config as config
 from . import _C
+from ._args import check_int
 from ._dtypes import CODE_OF
 from ._consistency import check_every, check_in_sync, ranks_differing
 from ._mpi import MPI, as_mpi4py, resolve_comm
@@ -31,14 +32,6 @@ from .topology import node_comm, topology
 __all__ = ["DASO"]
 
 _STATE_FORMAT = "mpidp.DASO/1"
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
 
 
 # The DASO syncing each (unwrapped) model: a model rebuilt under a new DASO
@@ -64,15 +57,15 @@ class DASO:
         if not isinstance(local_optimizer, torch.optim.Optimizer):
             raise TypeError("local_optimizer: expected a torch.optim.Optimizer, got "
                             f"{type(local_optimizer).__name__}")
-        total_epochs = _check_int("total_epochs", total_epochs, 1)
-        warmup_epochs = _check_int("warmup_epochs", warmup_epochs, 0)
-        cooldown_epochs = _check_int("cooldown_epochs", cooldown_epochs, 0)
-        max_global_skips = _check_int("max_global_skips", max_global_skips, 1)
-        sending_chunk_size = _check_int("sending_chunk_size", sending_chunk_size, 1)
+        total_epochs = check_int("total_epochs", total_epochs, 1)
+        warmup_epochs = check_int("warmup_epochs", warmup_epochs, 0)
+        cooldown_epochs = check_int("cooldown_epochs", cooldown_epochs, 0)
+        max_global_skips = check_int("max_global_skips", max_global_skips, 1)
+        sending_chunk_size = check_int("sending_chunk_size", sending_chunk_size, 1)
         if sending_chunk_size > 2**31 - 1:
             raise ValueError(f"sending_chunk_size: expected at most 2**31 - 1, got {sending_chunk_size}")
-        skip_reduction_factor = _check_int("skip_reduction_factor", skip_reduction_factor, 2)
-        local_skip_factor = _check_int("local_skip_factor", local_skip_factor, 1)
+        skip_reduction_factor = check_int("skip_reduction_factor", skip_reduction_factor, 2)
+        local_skip_factor = check_int("local_skip_factor", local_skip_factor, 1)
         if isinstance(stability_level, bool) or not isinstance(stability_level, numbers.Real):
             raise TypeError(f"stability_level: expected a float, got {type(stability_level).__name__}")
         if not (0.0 <= stability_level < 1.0) or math.isnan(stability_level):
@@ -281,7 +274,7 @@ class DASO:
         if self.last_batch is None:
             raise ValueError("last_batch: set daso.last_batch to the index of the epoch's last "
                              "batch (len(loader) - 1) before training")
-        last = _check_int("last_batch", self.last_batch, 0)
+        last = check_int("last_batch", self.last_batch, 0)
         if self._joining:
             last = self._common_last
         if self._needs_reference:
@@ -342,7 +335,7 @@ class DASO:
         vote = torch.zeros(2 * world, dtype=torch.float64)
         if active:
             vote[self.rank] = 1.0
-            vote[world + self.rank] = float(_check_int("last_batch", self.last_batch, 0))
+            vote[world + self.rank] = float(check_int("last_batch", self.last_batch, 0))
         self._world.allreduce(vote, _C.OP_SUM, _C.NO_WIRE, False)
         training = [r for r in range(world) if vote[r] > 0]
         if not training:

@@ -18,13 +18,16 @@ the averaged outer gradient."""
 from __future__ import annotations
 
 import numbers
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from . import _C
+from ._args import check_int
 from ._dtypes import wire_code
-from ._mpi import resolve_comm
+from ._consistency import check_same_structure
+from ._mpi import as_mpi4py, resolve_comm
 from ._params import broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
 from .averaging import average_tensors
@@ -33,6 +36,9 @@ __all__ = ["DiLoCo"]
 
 # Elements per MPI call of a fragment's sync (chunks are all posted at once).
 _CHUNK = 1 << 22
+
+# The entered DiLoCo of each model: two at once would sync every turn twice.
+_ENTERED: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -72,13 +78,11 @@ class DiLoCo:
         self._fragments = self._partition(model, fragments)
         self._buffers = self._fragment_buffers(model, fragments) if sync_buffers else None
         n = len(fragments)
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < n \
-                or sync_every % n:
+        if check_int("sync_every", sync_every, 1) % n:
             raise ValueError(f"sync_every: expected a positive multiple of the {n} fragment(s), "
                              f"got {sync_every!r}")
         every = sync_every // n
-        if isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int) \
-                or not 0 <= fragment_sync_delay < every:
+        if check_int("fragment_sync_delay", fragment_sync_delay, 0) >= every:
             raise ValueError(f"fragment_sync_delay: expected 0 .. {every - 1} (a fragment's send "
                              f"must come before its turn, every {every} steps), got "
                              f"{fragment_sync_delay!r}")
@@ -100,6 +104,11 @@ class DiLoCo:
         self.wire_dtype = wire_dtype
         self.sync_buffers = bool(sync_buffers)
         self._comm = resolve_comm(comm, "comm")
+        check_same_structure(self._comm, as_mpi4py(comm), model, "DiLoCo", settings={
+            "sync_every": sync_every, "fragments": len(self._fragments),
+            "fragment_sync_delay": fragment_sync_delay,
+            "fragment_update_alpha": float(fragment_update_alpha), "wire_dtype": wire_dtype,
+            "sync_buffers": bool(sync_buffers)})
         self._schedule = {"n_fragments": n, "fragment_every": every,
                           "fragment_delay": fragment_sync_delay}
         self.step = 0  # inner steps taken under this DiLoCo
@@ -157,6 +166,11 @@ class DiLoCo:
     def __enter__(self) -> "DiLoCo":
         if self._handles:
             raise RuntimeError("DiLoCo: already entered")
+        other = _ENTERED.get(self.model)
+        if other is not None and other() is not None:
+            raise RuntimeError("DiLoCo: this model is already under another DiLoCo's `with` "
+                               "block; leave that one first (both would sync every turn)")
+        _ENTERED[self.model] = weakref.ref(self)
         self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
         self._handles += install_progress_hooks(self.model, [p for f in self._fragments for p in f],
                                                 self._syncs)
@@ -164,6 +178,8 @@ class DiLoCo:
 
     def __exit__(self, *exc) -> None:
         remove_handles(self._handles)
+        if _ENTERED.get(self.model) is not None and _ENTERED[self.model]() is self:
+            del _ENTERED[self.model]
 
     # -- the syncs ---------------------------------------------------------------
 

@@ -18,12 +18,16 @@ is the core's averaging schedule (mpidp/avgsched.h)."""
 from __future__ import annotations
 
 import enum
+import warnings
+import weakref
 import numbers
 from typing import Any, Dict, Optional
 
 import torch
 
 from . import _C
+from ._args import check_int
+from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
 from ._params import broadcast_tensors
 from .averaging import average_tensors
@@ -34,15 +38,13 @@ from .topology import node_comm
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
 
 
+# The SlowMo wrapper of each module: a newer one takes over, the older raises.
+_SLOWMO_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
 class SlowMoBaseAlgorithm(str, enum.Enum):
     LOCALSGD = "localsgd"
     SGP = "sgp"
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-    return value
 
 
 class SlowMoDistributedDataParallel(torch.nn.Module):
@@ -69,6 +71,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, (SlowMoDistributedDataParallel, DataParallel)):
+            raise TypeError(f"module: is already a {type(module).__name__}; pass the plain module")
         if SlowMoBaseAlgorithm(slowmo_base_algorithm) is SlowMoBaseAlgorithm.SGP:
             raise NotImplementedError("slowmo_base_algorithm: SGP (gossip) is not available yet; "
                                       "use SlowMoBaseAlgorithm.LOCALSGD")
@@ -84,16 +88,22 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         for name, value in (("slowmo_momentum", slowmo_momentum), ("slowmo_lr", slowmo_lr)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
                 raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
-        self.slowmo_frequency = _positive_int("slowmo_frequency", slowmo_frequency)
-        self.localsgd_frequency = _positive_int("localsgd_frequency", localsgd_frequency)
-        _positive_int("slowmo_num_shards", slowmo_num_shards)
+        self.slowmo_frequency = check_int("slowmo_frequency", slowmo_frequency, 1)
+        self.localsgd_frequency = check_int("localsgd_frequency", localsgd_frequency, 1)
+        check_int("slowmo_num_shards", slowmo_num_shards, 1)
         mpi = as_mpi4py(comm)
         self._world = resolve_comm(mpi, "comm")
         world, rank = self._world.size, self._world.rank
+        check_same_structure(self._world, mpi, module, "SlowMoDistributedDataParallel", settings={
+            "nprocs_per_node": nprocs_per_node, "broadcast_buffers": bool(broadcast_buffers),
+            "slowmo_momentum": float(slowmo_momentum), "slowmo_lr": float(slowmo_lr),
+            "slowmo_memory_efficient": bool(slowmo_memory_efficient),
+            "slowmo_frequency": slowmo_frequency, "slowmo_num_shards": slowmo_num_shards,
+            "localsgd_frequency": localsgd_frequency})
         if nprocs_per_node is None:
             node = node_comm(mpi)
         else:
-            _positive_int("nprocs_per_node", nprocs_per_node)
+            check_int("nprocs_per_node", nprocs_per_node, 1)
             if world % nprocs_per_node:
                 raise ValueError(f"nprocs_per_node: {nprocs_per_node} does not divide the {world} "
                                  "ranks")
@@ -121,11 +131,24 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         # out of the first slow step; the SlowMo paper starts from the shared point.
         self._theta = self._flat()[self._shard()].clone() if self.slowmo else None
         self._u = torch.zeros_like(self._theta) if self.slowmo else None
+        previous = _SLOWMO_OF.get(module)
+        if previous is not None and previous() is not None:
+            warnings.warn("SlowMoDistributedDataParallel: the module was already wrapped; the "
+                          "new wrapper takes over and the earlier one raises if used",
+                          UserWarning, stacklevel=2)
+        _SLOWMO_OF[module] = weakref.ref(self)
         # The node's ranks average gradients every backward: one replica per node.
         self._node_dp = (DataParallel(module, comm=node, blocking_parameter_updates=True,
                                       broadcast_buffers=False) if self.nprocs_per_node > 1 else None)
 
+    def _check_current(self) -> None:
+        current = _SLOWMO_OF.get(self.module)
+        if current is None or current() is not self:
+            raise RuntimeError("SlowMoDistributedDataParallel: a newer wrapper of this module "
+                               "took over; use that one")
+
     def forward(self, *inputs: Any, **kwargs: Any):
+        self._check_current()
         if self.broadcast_buffers and self.training:
             broadcast_tensors(list(self.module.buffers()), self._world)
         runner = self._node_dp if self._node_dp is not None else self.module
@@ -148,13 +171,20 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         return torch.cat([p.detach().reshape(-1).float() for p in self._params])
 
     def _lrs(self, optimizer, part: slice) -> torch.Tensor:
-        """Each element's group lr over `part` of the flat parameters."""
+        """Each element's group lr over `part` of the flat parameters (built
+        for the part only: a shard in memory-efficient mode)."""
         lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
         missing = [p for p in self._params if id(p) not in lr_of]
         if missing:
             raise ValueError("optimizer: expected it to hold every trainable parameter of the "
                              f"module ({len(missing)} missing)")
-        return torch.cat([torch.full((p.numel(),), float(lr_of[id(p)])) for p in self._params])[part]
+        pieces, offset = [], 0
+        for p in self._params:
+            lo, hi = max(offset, part.start), min(offset + p.numel(), part.stop)
+            if lo < hi:
+                pieces.append(torch.full((hi - lo,), float(lr_of[id(p)])))
+            offset += p.numel()
+        return torch.cat(pieces) if pieces else torch.zeros(0)
 
     def _write(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
@@ -166,6 +196,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
     def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params=None) -> None:
         """Call after optimizer.step(): the LocalSGD average and the slow
         momentum step when due (both counted by this call)."""
+        self._check_current()
         if fp32_params is not None:
             raise ValueError("fp32_params: fp16 master copies are not supported; keep the "
                              "parameters float32 (torch.autocast does)")
