@@ -347,7 +347,7 @@ def cluster_script(name: str, script: str, *args, timeout=300) -> subprocess.Com
 
 def run_method(args, name: str, method: str, netstats) -> dict:
     worker_args = [sys.executable, str(Path(__file__).resolve()), "--worker", method,
-                   "--epochs", args.epochs, "--batch-size", args.batch_size, "--width", args.width,
+                   "--epochs", args.method_epochs.get(method, args.epochs), "--batch-size", args.batch_size, "--width", args.width,
                    "--lr", args.lr, "--seed", args.seed, "--warmup", args.warmup,
                    "--cooldown", args.cooldown, "--threads", args.threads,
                    "--train-images", args.train_images, "--local-every", args.local_every,
@@ -398,13 +398,14 @@ def run_rate(args, name: str, rate: str, netstats, saved: Path) -> dict:
     cluster_script(name, "up.sh", "--nodes", NODES, "--rate", rate)
     res = {"rate": rate, "config": {k: getattr(args, k) for k in (
                "epochs", "batch_size", "width", "lr", "seed", "warmup", "cooldown", "threads",
-               "train_images", "mpirun_args", "repeat")},
+               "train_images", "mpirun_args", "repeat", "method_epochs")},
            "runs": {}, "repeats": {}}
     for rep in range(args.repeat):
         # Repeats alternate the order of the methods, so a drift in what else
         # the machine is doing weighs on every method alike.
         for method in (args.methods if rep % 2 == 0 else args.methods[::-1]):
-            log(f"{method} at {rate}: {NODES} nodes x {PER_NODE} ranks, {args.epochs} epochs"
+            log(f"{method} at {rate}: {NODES} nodes x {PER_NODE} ranks, "
+                f"{args.method_epochs.get(method, args.epochs)} epochs"
                 + (f" (repeat {rep + 1} of {args.repeat})" if args.repeat > 1 else ""))
             r = run_method(args, name, method, netstats)
             runs = res["repeats"].setdefault(method, [])
@@ -438,6 +439,7 @@ def table(res: dict) -> str:
              f"{res['model']['grad_mb']:.1f} MB fp32), {res['train_images']} training images, "
              f"{res['batches_per_epoch']} batches of {cfg['batch_size']} per rank per epoch, "
              f"{cfg['epochs']} epochs"
+             + "".join(f", {m} {n}" for m, n in (cfg.get("method_epochs") or {}).items())
              + (f", mpirun {' '.join(cfg['mpirun_args'])}" if cfg.get("mpirun_args") else ""),
              f"{'method':<14}{'s/epoch':>9}{'vs ddp':>8}{'total s':>9}{'acc %':>8}"
              f"{'to ddp-1':>9}{'link MB':>9}{'ms/step':>9}{'fwd':>7}{'bwd':>7}{'step':>7}"
@@ -570,6 +572,10 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help=f"comma-separated, from {','.join(ALL_METHODS)}")
     parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs-of", default="", metavar="METHOD=N,...",
+                        help="other epoch counts for some methods, e.g. diloco=24: the "
+                             "methods that communicate little can train longer in DDP's time; "
+                             "the cosine lr spans each method's own epochs")
     parser.add_argument("--warmup", type=int, default=1, help="DASO warm-up epochs")
     parser.add_argument("--cooldown", type=int, default=1, help="DASO cool-down epochs")
     parser.add_argument("--local-every", type=int, default=3,
@@ -616,6 +622,13 @@ def main() -> None:
     args.mpirun_args = args.mpirun_args.split()
     args.rate = [r.strip() for r in args.rate.split(",") if r.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.method_epochs = {}
+    for item in filter(None, (i.strip() for i in args.epochs_of.split(","))):
+        m, _, n = item.partition("=")
+        if m not in ALL_METHODS or not n.isdigit() or int(n) < 1:
+            parser.error(f"--epochs-of: expected METHOD=N with a method of {ALL_METHODS} "
+                         f"and N >= 1, got {item!r}")
+        args.method_epochs[m] = int(n)
     bad = [m for m in args.methods if m not in ALL_METHODS]
     if bad:
         parser.error(f"unknown method(s) {bad}; choose from {ALL_METHODS}")
