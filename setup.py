@@ -145,7 +145,8 @@ ext = Extension(
     "mpidp._C",
     sources=_rel(glob.glob(os.path.join(HERE, "csrc/core/*.c")) + glob.glob(os.path.join(HERE, "csrc/py/*.c"))),
     include_dirs=["csrc/include"],
-    depends=_rel(glob.glob(os.path.join(HERE, "csrc/include/mpidp/*.h")) + glob.glob(os.path.join(HERE, "csrc/py/*.h"))),
+    depends=_rel(glob.glob(os.path.join(HERE, "csrc/include/mpidp/*.h")) + glob.glob(os.path.join(HERE, "csrc/core/*.h"))
+                 + glob.glob(os.path.join(HERE, "csrc/py/*.h"))),
     extra_compile_args=C_FLAGS,
     extra_link_args=["-lm"],
 )

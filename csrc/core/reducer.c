@@ -43,57 +43,72 @@ static void free_reducer(mpidp_reducer_t *r)
     free(r);
 }
 
-/* Bucket b from the configuration: dtype checks, its communication buffer. */
-static int init_bucket(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg, size_t b)
+/* Bucket b: its planned layout `info`, the caller's tensor checked against
+ * it, and its communication buffer. */
+static int init_bucket(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg, size_t b,
+                       mpidp_bucket_info_t info)
 {
     bucket_t *bk = &r->buckets[b];
-    bk->info = cfg->buckets[b];
-    bk->data = cfg->bucket_data[b];
-    int dt = bk->info.dtype;
+    const mpidp_tensor_t *t = &cfg->bucket_tensors[b];
+    bk->info = info;
+    int dt = info.dtype;
+    size_t count = info.numel + info.n_params;
+    if (t->numel != count || (int)t->dtype != dt || t->device != MPIDP_DEV_CPU || t->read_only ||
+        (t->data == NULL && count > 0))
+        return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu: expected a writable host tensor of "
+                           "%zu %s elements, got %zu %s%s%s", b, count, mpidp_dtype_name(dt),
+                           t->numel, mpidp_dtype_name(t->dtype),
+                           t->device != MPIDP_DEV_CPU ? " in device memory" : "",
+                           t->read_only ? " (read-only)" : "");
+    bk->data = t->data;
     if (mpidp_mpi_datatype(dt) == MPI_DATATYPE_NULL)
         return mpidp__fail(MPIDP_EDTYPE, "reducer: cannot reduce %s gradients", mpidp_dtype_name(dt));
     if (r->wire != -1 && dt != MPIDP_F32 && dt != r->wire)
         return mpidp__fail(MPIDP_EDTYPE, "reducer: %s gradients cannot travel as %s (wire "
                            "compression takes float32 to bfloat16 or float16)",
                            mpidp_dtype_name(dt), mpidp_dtype_name(cfg->wire_dtype));
-    size_t count = bk->info.numel + bk->info.n_params;
     if (count > (size_t)INT_MAX)
         return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu exceeds INT_MAX elements", b);
-    if (bk->data == NULL && count > 0)
-        return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu has no buffer", b);
     if (bk_compressed(r, bk) || r->separate) {
         bk->comm = malloc((count + 1) * mpidp_dtype_size(comm_dtype(r, bk)));
         if (bk->comm == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer: wire buffer of bucket %zu", b);
     }
-    bk->pending = bk->info.n_params;
+    bk->pending = info.n_params;
     bk->state = MPIDP_BUCKET_COLLECTING;
     return MPIDP_OK;
 }
 
-/* Checks the parameter layout against the buckets, numbers each parameter's
- * flag within its bucket (its place in index order) and builds the
- * per-bucket parameter lists. */
+/* Plans the layout (mpidp_bucket_plan, into r's per-parameter arrays),
+ * checks the caller's buckets against it, numbers each parameter's flag
+ * within its bucket (its place in index order) and builds the per-bucket
+ * parameter lists. */
 static int init_layout(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg)
 {
-    size_t np = r->n_params, nb = r->n_buckets;
-    r->bucket_first = calloc(nb + 1, sizeof *r->bucket_first);
+    size_t np = r->n_params, nb = 0;
+    mpidp_bucket_info_t *info = malloc((np ? np : 1) * sizeof *info);
+    r->bucket_first = calloc(np + 1, sizeof *r->bucket_first);
     r->members = malloc((np ? np : 1) * sizeof *r->members);
-    if (r->bucket_first == NULL || r->members == NULL)
-        return mpidp__fail(MPIDP_ENOMEM, "reducer: per-bucket parameter lists");
+    r->buckets = calloc(np ? np : 1, sizeof *r->buckets);
+    if (info == NULL || r->bucket_first == NULL || r->members == NULL || r->buckets == NULL) {
+        free(info);
+        return mpidp__fail(MPIDP_ENOMEM, "reducer: layout of %zu parameters", np);
+    }
+    int rc = mpidp_bucket_plan(cfg->param_numel, cfg->param_dtype, np, cfg->first_cap, cfg->cap,
+                               r->param_bucket, r->param_offset, info, &nb);
+    if (rc == MPIDP_OK && nb != cfg->n_buckets)
+        rc = mpidp__fail(MPIDP_EINVAL, "reducer: %zu bucket tensors for a plan of %zu buckets",
+                         cfg->n_buckets, nb);
+    for (size_t b = 0; rc == MPIDP_OK && b < nb; b++) {
+        r->n_buckets = b + 1;  /* what free_reducer releases */
+        rc = init_bucket(r, cfg, b, info[b]);
+    }
+    free(info);
+    if (rc != MPIDP_OK) return rc;
     size_t *seen = r->bucket_first + 1; /* counts per bucket, turned into offsets below */
     for (size_t i = 0; i < np; i++) {
-        uint32_t b = cfg->param_bucket[i];
-        if (b >= nb || cfg->param_offset[i] + cfg->param_numel[i] > r->buckets[b].info.numel)
-            return mpidp__fail(MPIDP_EINVAL, "reducer: parameter %zu lies outside its bucket", i);
-        r->param_bucket[i] = b;
-        r->param_offset[i] = cfg->param_offset[i];
         r->param_numel[i] = cfg->param_numel[i];
-        r->param_flag[i] = seen[b]++;
+        r->param_flag[i] = seen[r->param_bucket[i]]++;
     }
-    for (size_t b = 0; b < nb; b++)
-        if (seen[b] != r->buckets[b].info.n_params)
-            return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu should hold %zu parameters, "
-                               "the layout puts %zu in it", b, r->buckets[b].info.n_params, seen[b]);
     for (size_t b = 0; b < nb; b++) r->bucket_first[b + 1] += r->bucket_first[b];
     for (size_t i = 0; i < np; i++)
         r->members[r->bucket_first[r->param_bucket[i]] + r->param_flag[i]] = i;
@@ -104,27 +119,23 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
 {
     if (cfg == NULL || out == NULL || cfg->reqs == NULL)
         return mpidp__fail(MPIDP_EINVAL, "reducer: NULL argument");
-    size_t np = cfg->n_params, nb = cfg->n_buckets;
-    if (np > 0 && (cfg->param_bucket == NULL || cfg->param_offset == NULL ||
-                   cfg->param_numel == NULL))
-        return mpidp__fail(MPIDP_EINVAL, "reducer: missing parameter layout");
-    if (nb > 0 && (cfg->buckets == NULL || cfg->bucket_data == NULL))
-        return mpidp__fail(MPIDP_EINVAL, "reducer: missing bucket layout");
+    size_t np = cfg->n_params;
+    if (np > 0 && (cfg->param_numel == NULL || cfg->param_dtype == NULL))
+        return mpidp__fail(MPIDP_EINVAL, "reducer: missing parameter sizes or dtypes");
+    if (cfg->n_buckets > 0 && cfg->bucket_tensors == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: missing bucket tensors");
     if (cfg->wire_dtype != -1 && cfg->wire_dtype != MPIDP_BF16 && cfg->wire_dtype != MPIDP_F16)
         return mpidp__fail(MPIDP_EINVAL, "reducer: wire dtype must be bfloat16 or float16");
 
     mpidp_reducer_t *r = calloc(1, sizeof *r);
     if (r == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer");
     r->n_params = np;
-    r->n_buckets = nb;
     r->param_bucket = malloc((np ? np : 1) * sizeof *r->param_bucket);
     r->param_offset = malloc((np ? np : 1) * sizeof *r->param_offset);
     r->param_numel = malloc((np ? np : 1) * sizeof *r->param_numel);
     r->param_flag = malloc((np ? np : 1) * sizeof *r->param_flag);
     r->ready = calloc(np ? np : 1, 1);
-    r->buckets = calloc(nb ? nb : 1, sizeof *r->buckets);
-    if (!r->param_bucket || !r->param_offset || !r->param_numel || !r->param_flag ||
-        !r->ready || !r->buckets || mpidp__reducer_pass_alloc(r) != MPIDP_OK) {
+    if (!r->param_bucket || !r->param_offset || !r->param_numel || !r->param_flag || !r->ready) {
         free_reducer(r);
         return mpidp__fail(MPIDP_ENOMEM, "reducer layout for %zu parameters", np);
     }
@@ -140,9 +151,9 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->separate = cfg->separate != 0;
     r->staged = cfg->staged != 0;
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
-    rc = MPIDP_OK;
-    for (size_t b = 0; b < nb && rc == MPIDP_OK; b++) rc = init_bucket(r, cfg, b);
-    if (rc == MPIDP_OK) rc = init_layout(r, cfg);
+    rc = init_layout(r, cfg);
+    if (rc == MPIDP_OK && mpidp__reducer_pass_alloc(r) != MPIDP_OK)
+        rc = mpidp__fail(MPIDP_ENOMEM, "reducer: pass state of %zu buckets", r->n_buckets);
     if (rc != MPIDP_OK) {
         free_reducer(r); /* the detail was recorded before: free touches nothing of it */
         return rc;

@@ -130,11 +130,11 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return 
 /* Reducer(*, comm, params, views, buckets, param_numel, param_dtype, first_cap, cap,
  *         blocking, name, wire_dtype=-1, staged=False):
  * keyword-only, so a caller cannot swap two of the many arguments unnoticed.
- * The bucket layout is planned here from the parameters' sizes and dtypes
- * and the caps (as plan_buckets gave Python to allocate `buckets`), and each
- * bucket tensor is checked against it. staged: the .grad views live in
- * device buckets that Python copies to and from `buckets` (the core then
- * waits for `staged(b)` before posting). */
+ * The core plans the bucket layout from the parameters' sizes and dtypes and
+ * the caps (as plan_buckets gave Python to allocate `buckets`) and checks
+ * each bucket tensor against it. staged: the .grad views live in device
+ * buckets that Python copies to and from `buckets` (the core then waits for
+ * `staged(b)` before posting). */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_numel", "param_dtype",
@@ -158,16 +158,16 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_ssize_t np = PyTuple_GET_SIZE(params), nb = PyTuple_GET_SIZE(buckets);
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
-    mpidp_py_plan_t p;
-    if (c == NULL || mpidp_py_plan(st, "Reducer", pn, pd, first_cap, cap, &p) < 0) return NULL;
-    if (PyTuple_GET_SIZE(views) != np || p.n != (size_t)np || p.n_buckets != (size_t)nb) {
-        mpidp_py_plan_free(&p);
-        return PyErr_Format(PyExc_ValueError, "Reducer: %zd params, %zd views, %zu sizes and %zd "
-                            "buckets do not match a plan of %zu buckets", np,
-                            PyTuple_GET_SIZE(views), p.n, nb, p.n_buckets);
+    mpidp_py_sizes_t sz;
+    if (c == NULL || mpidp_py_sizes(pn, pd, &sz) < 0) return NULL;
+    mpidp_tensor_t *tensors = NULL;
+    reducer_t *r = NULL;
+    if (PyTuple_GET_SIZE(views) != np || sz.n != (size_t)np) {
+        PyErr_Format(PyExc_ValueError, "Reducer: %zd params, %zd views and %zu sizes do not "
+                     "match", np, PyTuple_GET_SIZE(views), sz.n);
+        goto done;
     }
-    void **data = NULL;
-    reducer_t *r = (reducer_t *)type->tp_alloc(type, 0);
+    r = (reducer_t *)type->tp_alloc(type, 0);
     if (r == NULL) goto done;
     r->st = st;
     r->module = Py_NewRef(mpidp_py_module_of_type(type));
@@ -180,34 +180,26 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->seen = calloc(np ? (size_t)np : 1, 1);
     r->act = calloc(np ? (size_t)np : 1, 1);
     r->versions = calloc(nb ? (size_t)nb : 1, sizeof *r->versions);
-    data = malloc((nb ? (size_t)nb : 1) * sizeof *data);
-    if (!r->buckets || !r->seen || !r->act || !r->versions || !data) {
+    tensors = malloc((nb ? (size_t)nb : 1) * sizeof *tensors);
+    if (!r->buckets || !r->seen || !r->act || !r->versions || !tensors) {
         PyErr_NoMemory();
         goto fail;
     }
-    if (mpidp_py_borrow_all(st, buckets, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY, -1,
-                            "buckets", r->buckets) < 0)
-        goto fail;
+    /* Host memory and writability are the core's to check, naming the bucket. */
+    if (mpidp_py_borrow_all(st, buckets, 0, -1, "buckets", r->buckets) < 0) goto fail;
     r->n_buckets = (size_t)nb;
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        if (r->buckets[b].t.numel != p.info[b].numel + p.info[b].n_params ||
-            (int)r->buckets[b].t.dtype != p.info[b].dtype) {
-            PyErr_Format(PyExc_ValueError, "Reducer: bucket %zd has the wrong size or dtype", b);
-            goto fail;
-        }
-        data[b] = r->buckets[b].t.data;
-    }
+    for (Py_ssize_t b = 0; b < nb; b++) tensors[b] = r->buckets[b].t;
     mpidp_reducer_config_t cfg = {
-        .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_bucket = p.bucket_of,
-        .param_offset = p.offset, .param_numel = p.numel, .n_buckets = (size_t)nb,
-        .buckets = p.info, .bucket_data = data, .wire_dtype = wire, .separate = !blocking,
-        .name = name, .staged = staged};
+        .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_numel = sz.numel,
+        .param_dtype = sz.dtype, .first_cap = (size_t)first_cap, .cap = (size_t)cap,
+        .n_buckets = (size_t)nb, .bucket_tensors = tensors, .wire_dtype = wire,
+        .separate = !blocking, .name = name, .staged = staged};
     if (CORE(r, "DataParallel", mpidp_reducer_create(&cfg, &r->core)) == 0) goto done;
 fail:
     Py_CLEAR(r);
 done:
-    free(data);
-    mpidp_py_plan_free(&p);
+    free(tensors);
+    mpidp_py_sizes_free(&sz);
     return (PyObject *)r;
 }
 

@@ -32,21 +32,17 @@ typedef struct {
 /* A core call with a fresh error detail: CORE(r, "what", mpidp_reducer_x(...)) < 0 on failure. */
 #define CORE(r, what, call) MPIDP_PY_CALL((r)->st, what, call)
 
-/* A bucket layout (mpidp_bucket_plan) of parameters of given sizes and dtypes. */
+/* The parameters' sizes and dtype codes, as the bucket plan takes them. */
 typedef struct {
-    size_t n, n_buckets;
-    size_t *numel, *offset;
+    size_t n;
+    size_t *numel;
     int *dtype;
-    uint32_t *bucket_of;
-    mpidp_bucket_info_t *info;
-} mpidp_py_plan_t;
+} mpidp_py_sizes_t;
 
-/* Plans the buckets of parameters with sizes `numel` and dtype codes `dtype`
- * (sequences of ints) under the caps in bytes. 0, or -1 with an exception
- * naming `what` (*p is then freed). */
-int mpidp_py_plan(mpidp_py_state *st, const char *what, PyObject *numel, PyObject *dtype,
-                  unsigned long long first_cap, unsigned long long cap, mpidp_py_plan_t *p);
-void mpidp_py_plan_free(mpidp_py_plan_t *p);
+/* Reads `numel` and `dtype` (sequences of ints, one per parameter). 0, or -1
+ * with an exception (*s is then freed). */
+int mpidp_py_sizes(PyObject *numel, PyObject *dtype, mpidp_py_sizes_t *s);
+void mpidp_py_sizes_free(mpidp_py_sizes_t *s);
 
 /* An index argument below `limit`, or -1 with an exception. */
 Py_ssize_t mpidp_py_index_arg(PyObject *arg, size_t limit, const char *what);

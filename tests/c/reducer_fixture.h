@@ -8,6 +8,7 @@
 #include "mpidp/bucket.h"
 #include "mpidp/reducer.h"
 #include "mpidp/tensor.h"
+#include "bucket_tensors.h"
 
 #define NP 4
 
@@ -20,6 +21,7 @@ typedef struct {
     size_t nb;
     float storage[NP][64];
     void *data[NP];
+    mpidp_tensor_t tensors[NP];
     mpidp_reqtable_t *reqs;
     mpidp_reducer_t *r;
 } fixture_t;
@@ -36,11 +38,12 @@ static int setup_mode(fixture_t *f, int staged, int separate)
     int rc = mpidp_bucket_plan(f->numel, f->dtype, NP, 64, 64, f->bucket, f->offset, f->info, &f->nb);
     if (rc) return rc;
     for (size_t b = 0; b < f->nb; b++) f->data[b] = f->storage[b];
+    bucket_tensors(f->tensors, f->data, f->info, f->nb);
     if ((rc = mpidp_reqtable_create(16, &f->reqs))) return rc;
     mpidp_reducer_config_t cfg = {
-        .comm = MPI_COMM_SELF, .reqs = f->reqs, .n_params = NP, .param_bucket = f->bucket,
-        .param_offset = f->offset, .param_numel = f->numel, .n_buckets = f->nb,
-        .buckets = f->info, .bucket_data = f->data, .wire_dtype = -1, .name = "test",
+        .comm = MPI_COMM_SELF, .reqs = f->reqs, .n_params = NP, .param_numel = f->numel,
+        .param_dtype = f->dtype, .first_cap = 64, .cap = 64, .n_buckets = f->nb,
+        .bucket_tensors = f->tensors, .wire_dtype = -1, .name = "test",
         .staged = staged, .separate = separate};
     return mpidp_reducer_create(&cfg, &f->r);
 }

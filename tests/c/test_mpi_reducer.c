@@ -10,6 +10,7 @@
 #include "mpidp/reducer.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
+#include "bucket_tensors.h"
 #include "test.h"
 
 #define NP 6
@@ -37,12 +38,14 @@ TEST(mean_over_ranks_with_unused_parameters)
     void *data[NP];
     for (size_t b = 0; b < nb; b++)
         data[b] = calloc(info[b].numel + info[b].n_params, mpidp_dtype_size(info[b].dtype));
+    mpidp_tensor_t tensors[NP];
+    bucket_tensors(tensors, data, info, nb);
     mpidp_reqtable_t *reqs;
     ASSERT_OK(mpidp_reqtable_create(16, &reqs));
     mpidp_reducer_config_t cfg = {
-        .comm = MPI_COMM_WORLD, .reqs = reqs, .n_params = NP, .param_bucket = bucket,
-        .param_offset = offset, .param_numel = numel, .n_buckets = nb, .buckets = info,
-        .bucket_data = data, .wire_dtype = -1, .name = "test"};
+        .comm = MPI_COMM_WORLD, .reqs = reqs, .n_params = NP, .param_numel = numel,
+        .param_dtype = dtype, .first_cap = 24, .cap = 48, .n_buckets = nb,
+        .bucket_tensors = tensors, .wire_dtype = -1, .name = "test"};
     mpidp_reducer_t *r;
     ASSERT_OK(mpidp_reducer_create(&cfg, &r));
 
@@ -109,11 +112,12 @@ static int f32_reducer(f32_reducer_t *f, int wire, int separate)
     for (size_t b = 0; rc == MPIDP_OK && b < f->nb; b++)
         f->data[b] = calloc(f->info[b].numel + f->info[b].n_params, 4);
     if (rc == MPIDP_OK) rc = mpidp_reqtable_create(16, &f->reqs);
+    mpidp_tensor_t tensors[NP];
+    bucket_tensors(tensors, f->data, f->info, f->nb);
     mpidp_reducer_config_t cfg = {
-        .comm = MPI_COMM_WORLD, .reqs = f->reqs, .n_params = NP, .param_bucket = f->bucket,
-        .param_offset = f->offset, .param_numel = f->numel, .n_buckets = f->nb,
-        .buckets = f->info, .bucket_data = f->data, .wire_dtype = wire, .separate = separate,
-        .name = "test"};
+        .comm = MPI_COMM_WORLD, .reqs = f->reqs, .n_params = NP, .param_numel = f->numel,
+        .param_dtype = dtype, .first_cap = 40, .cap = 80, .n_buckets = f->nb,
+        .bucket_tensors = tensors, .wire_dtype = wire, .separate = separate, .name = "test"};
     return rc == MPIDP_OK ? mpidp_reducer_create(&cfg, &f->r) : rc;
 }
 

@@ -72,29 +72,54 @@ TEST(reset_and_wait_refuse_unfinished_pass)
     teardown(&f);
 }
 
-TEST(inconsistent_layout_is_refused)
+TEST(buckets_that_do_not_match_the_plan_are_refused)
 {
     fixture_t f;
     ASSERT_OK(setup(&f));
     mpidp_reducer_t *r2 = NULL;
-    f.offset[0] = 60; /* runs past the end of its bucket */
     mpidp_reducer_config_t cfg = {
-        .comm = MPI_COMM_SELF, .reqs = f.reqs, .n_params = NP, .param_bucket = f.bucket,
-        .param_offset = f.offset, .param_numel = f.numel, .n_buckets = f.nb,
-        .buckets = f.info, .bucket_data = f.data, .wire_dtype = -1, .name = "bad"};
+        .comm = MPI_COMM_SELF, .reqs = f.reqs, .n_params = NP, .param_numel = f.numel,
+        .param_dtype = f.dtype, .first_cap = 64, .cap = 64, .n_buckets = f.nb,
+        .bucket_tensors = f.tensors, .wire_dtype = -1, .name = "bad"};
+    cfg.n_buckets = f.nb - 1; /* one bucket short of the plan */
     ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
-    f.offset[0] = 8;
-    f.info[1].n_params = 3; /* the layout puts only two parameters there */
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "1 bucket tensors for a plan of 2") != NULL);
+    cfg.n_buckets = f.nb;
+    cfg.cap = 32; /* another plan: more buckets than tensors */
     ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
-    f.info[1].n_params = 2;
-    f.info[1].dtype = 99; /* no such dtype */
-    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EDTYPE);
-    f.info[1].dtype = MPIDP_F32;
+    cfg.cap = 64;
+    f.tensors[1].numel -= 1; /* one element short */
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "bucket 1: expected a writable host tensor of 18 "
+                                             "float32 elements, got 17 float32") != NULL);
+    f.tensors[1].numel += 1;
+    f.tensors[0].dtype = MPIDP_F64; /* not the parameters' dtype */
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    f.tensors[0].dtype = MPIDP_F32;
+    f.tensors[0].read_only = 1;
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "(read-only)") != NULL);
+    f.tensors[0].read_only = 0;
+    f.tensors[0].device = MPIDP_DEV_CUDA;
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "in device memory") != NULL);
+    f.tensors[0].device = MPIDP_DEV_CPU;
+    f.dtype[1] = 99; /* no such dtype */
+    ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
+    f.dtype[1] = MPIDP_F32;
     cfg.wire_dtype = MPIDP_F64; /* only bf16/fp16 can be wire dtypes */
     ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EINVAL);
-    f.info[0].dtype = MPIDP_F64; /* float64 gradients cannot be compressed */
+    for (int i = 0; i < NP; i++) f.dtype[i] = MPIDP_F64; /* float64 cannot be compressed */
+    static double storage[NP][NP * 9];
+    void *data[NP] = {storage[0], storage[1], storage[2], storage[3]};
+    ASSERT_OK(mpidp_bucket_plan(f.numel, f.dtype, NP, 64, 64, f.bucket, f.offset, f.info, &f.nb));
+    bucket_tensors(f.tensors, data, f.info, f.nb);
+    cfg.n_buckets = f.nb;
     cfg.wire_dtype = MPIDP_BF16;
     ASSERT_EQ_INT(mpidp_reducer_create(&cfg, &r2), MPIDP_EDTYPE);
+    cfg.wire_dtype = -1; /* the same float64 buckets reduce uncompressed */
+    ASSERT_OK(mpidp_reducer_create(&cfg, &r2));
+    ASSERT_OK(mpidp_reducer_destroy(r2));
     teardown(&f);
 }
 
@@ -206,6 +231,7 @@ TEST(nonblocking_decisions_cover_every_case)
 
 TEST_MAIN_MPI(buckets_are_posted_in_order, second_gradient_in_one_pass_is_refused,
               unused_parameter_is_zeroed_and_flagged, reset_and_wait_refuse_unfinished_pass,
-              inconsistent_layout_is_refused, staged_buckets_wait_for_the_caller_and_say_what_to_copy,
+              buckets_that_do_not_match_the_plan_are_refused,
+              staged_buckets_wait_for_the_caller_and_say_what_to_copy,
               nothing_to_stage_or_unstage_outside_staged_mode,
               bucket_parameter_lists_follow_the_layout, nonblocking_decisions_cover_every_case)

@@ -47,6 +47,7 @@
 
 #include "mpidp/bucket.h"
 #include "mpidp/reqtable.h"
+#include "mpidp/tensor.h"
 
 typedef struct mpidp_reducer mpidp_reducer_t;
 
@@ -54,12 +55,14 @@ typedef struct {
     MPI_Comm comm;                       /* the communicator to reduce on */
     mpidp_reqtable_t *reqs;              /* where posted requests are registered */
     size_t n_params;
-    const uint32_t *param_bucket;        /* n_params, from mpidp_bucket_plan */
-    const size_t *param_offset;          /* n_params */
-    const size_t *param_numel;           /* n_params */
+    const size_t *param_numel;           /* n_params: elements of each parameter */
+    const int *param_dtype;              /* n_params: mpidp_dtype_t of each */
+    size_t first_cap, cap;               /* bucket caps in bytes (mpidp_bucket_plan) */
+    /* The caller's buckets, laid out as mpidp_bucket_plan plans them for the
+     * parameters and caps above: bucket b is a writable host tensor of the
+     * bucket's dtype and numel + n_params elements (checked). */
     size_t n_buckets;
-    const mpidp_bucket_info_t *buckets;  /* n_buckets */
-    void *const *bucket_data;            /* n_buckets buffers of numel + n_params elements */
+    const mpidp_tensor_t *bucket_tensors;
     int wire_dtype;                      /* -1: each bucket's own dtype */
     int separate;                        /* 1: separate communication buffers (see above) */
     const char *name;                    /* used in messages, e.g. "DataParallel" */
@@ -77,9 +80,12 @@ typedef enum {
     MPIDP_BUCKET_DONE = 2,        /* averaged result in the buffer */
 } mpidp_bucket_state_t;
 
-/* Creates a reducer; copies the layout arrays, not the buffers (which must
- * outlive the reducer). Fails with MPIDP_EINVAL for an inconsistent layout or
- * MPIDP_EDTYPE for a dtype/wire combination the core cannot reduce. */
+/* Creates a reducer: plans the bucket layout (mpidp_bucket_plan) and checks
+ * the caller's bucket tensors against it; keeps their data pointers, not the
+ * tensors (whose memory must outlive the reducer). Fails with MPIDP_EINVAL
+ * for buckets that do not match the plan (naming the bucket and what it
+ * expected) or MPIDP_EDTYPE for a dtype/wire combination the core cannot
+ * reduce. */
 int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **out);
 
 /* Frees the reducer. Refuses (MPIDP_ESTATE) while a bucket is in flight. */
