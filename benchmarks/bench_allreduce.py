@@ -20,6 +20,9 @@ and ratios are taken within a group. Ops:
   fp16 native op           the same on fp16
   fp32 -> bf16 wire        mpidp.allreduce(fp32, wire_dtype=bf16): pack, reduce
                            with the native op, unpack; 2^22-element chunks, 2 in flight
+  fp32 -> uint8 wire       mpidp.allreduce(fp32, wire_dtype=uint8): the 8-bit
+                           quantized allreduce (quantize, MPI_Ialltoall, decode
+                           and sum, requantize, MPI_Iallgather, decode)
   bf16 python op           an op from MPI.Op.Create whose Python function views
                            both buffers as torch bf16 tensors (torch.frombuffer)
                            and adds in place: the idea of Heat's mpi_sum_bfloat
@@ -28,6 +31,13 @@ and ratios are taken within a group. Ops:
                            the sum back into the output buffer, as Heat's
                            __sum_bfloat_cb does (Storage.from_buffer copies)
 Goal: bf16 native >= 1.3x fp32 and >= 10x the Python op.
+
+"B/elem" is what each rank sends per element reduced, from the algorithms
+(not measured): 2 (P - 1) / P times the wire element's bytes for the
+reduce-scatter + allgather allreduces (Rabenseifner, ring) and for the
+quantized one (whose element is 264/256 bytes: a record of 256 codes and an
+8-byte header); on a link-bound cluster time follows it (bench_daso.py
+measures the bytes on emulated links).
 
 Open MPI 4.1's own MPI_Iallreduce algorithm for in-place calls is slow for
 large messages; importing mpidp sets OMPI_MCA_coll_libnbc_iallreduce_algorithm=3
@@ -137,6 +147,7 @@ def main() -> int:
         ("bf16 native op", "mpidp", lambda: mpidp.allreduce(t16), r16),
         ("fp16 native op", "mpidp", lambda: mpidp.allreduce(th), rh),
         ("fp32 -> bf16 wire", "mpidp", lambda: mpidp.allreduce(t32, wire_dtype=torch.bfloat16), r32),
+        ("fp32 -> uint8 wire", "mpidp", lambda: mpidp.allreduce(t32, wire_dtype=torch.uint8), r32),
     ]
     if args.skip_python_op:
         methods = [m for m in methods if "python" not in m[0]]
@@ -169,7 +180,13 @@ def main() -> int:
         "mpidp_native_vs_python_op [Iallreduce]":
             rate("bf16 native op [mpidp]") / rate("bf16 python op [Iallreduce]"),
         "wire_bf16_vs_fp32_mpidp": rate("fp32 -> bf16 wire [mpidp]") / rate("fp32 mpidp [mpidp]"),
+        "wire_u8_vs_fp32_mpidp": rate("fp32 -> uint8 wire [mpidp]") / rate("fp32 mpidp [mpidp]"),
+        "wire_u8_vs_bf16_wire_mpidp": rate("fp32 -> uint8 wire [mpidp]") / rate("fp32 -> bf16 wire [mpidp]"),
     }
+    share = 2 * (SIZE - 1) / SIZE
+    for key, r in results.items():
+        wire = 264 / 256 if "uint8" in key else 4 if key.startswith("fp32") and "wire" not in key else 2
+        r["bytes_per_elem"] = share * wire
     alg = os.environ.get("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "default")
     if RANK != 0:
         return 0
@@ -185,12 +202,13 @@ def main() -> int:
           "comm.Iallreduce + Wait (coll/libnbc);\n  [mpidp]: mpidp.allreduce (MPI_Iallreduce, libnbc)")
     base = {"Allreduce": rate("fp32 MPI_SUM [Allreduce]"), "Iallreduce": rate("fp32 MPI_SUM [Iallreduce]"),
             "mpidp": rate("fp32 mpidp [mpidp]")}
-    print(f"{'method':<38} {'median ms':>10} {'best ms':>9} {'Melem/s':>9} {'x fp32 (same call)':>19}")
+    print(f"{'method':<38} {'median ms':>10} {'best ms':>9} {'Melem/s':>9} {'x fp32 (same call)':>19}"
+          f" {'B/elem':>7}")
     for key, r in results.items():
         family = key.rsplit("[", 1)[1].rstrip("]")
         e = r["elems_per_s"]
         print(f"{key:<38} {r['median_s'] * 1e3:10.1f} {r['best_s'] * 1e3:9.1f} {e / 1e6:9.1f} "
-              f"{e / base[family]:19.2f}")
+              f"{e / base[family]:19.2f} {r['bytes_per_elem']:7.2f}")
     print()
     for k, v in ratios.items():
         print(f"  {k:<42} {v:6.2f}")

@@ -276,3 +276,30 @@ def test_tensors_on_another_device_than_the_current_one():
 def test_without_usable_cuda_kernels_calls_fail_cleanly():
     with pytest.raises((NotImplementedError, RuntimeError), match=r"pack: .*(without CUDA|CUDA|cuda)"):
         kernels.pack(torch.empty(4, dtype=torch.bfloat16, device=DEV), torch.zeros(4, device=DEV))
+
+
+# --- the 8-bit block quantizer ---------------------------------------------------------
+
+
+@kernels_run
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 4099, 1 << 20])
+@pytest.mark.parametrize("scale", [1.0, -0.375])
+def test_quant8_bit_identical_to_cpu_ref(n, scale):
+    """Records from quantize8 and values from dequantize8 (plain and
+    accumulating) equal the CPU reference's, over random bit patterns (NaN and
+    infinity blocks included) mixed with ordinary numbers."""
+    x = random_f32_bits(n, seed=n)
+    x[::2] = realistic_f32(len(x[::2]), seed=n + 1)
+    want_q = torch.empty(kernels.quant8_bytes(n), dtype=torch.uint8)
+    kernels.quantize8(want_q, x, scale, path="ref")
+    got_q = torch.empty(kernels.quant8_bytes(n), dtype=torch.uint8, device=DEV)
+    kernels.quantize8(got_q, x.to(DEV), scale)
+    torch.cuda.synchronize()
+    assert torch.equal(got_q.cpu(), want_q), "quantize8: records differ from the CPU reference"
+    for accumulate in (False, True):
+        base = realistic_f32(n, seed=n + 2)
+        want = base.clone()
+        kernels.dequantize8(want, want_q, accumulate=accumulate, path="ref")
+        got = base.to(DEV)
+        kernels.dequantize8(got, want_q.to(DEV), accumulate=accumulate)
+        assert_bitwise(got, want, f"dequantize8(accumulate={accumulate})")

@@ -9,6 +9,7 @@
 #include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
+#include "mpidp/qallreduce.h"
 #include "mpidp/status.h"
 
 struct mpidp_allreduce {
@@ -24,6 +25,7 @@ struct mpidp_allreduce {
     size_t slots;          /* wire buffers in rotation (chunks in flight at most) */
     uint16_t *wire;        /* slots * chunk_elems elements, compressed only */
     mpidp_req_t *req;      /* per slot */
+    mpidp_qallreduce_t *q; /* wire uint8: the quantized engine does the work */
     char what[64];
 };
 
@@ -129,6 +131,34 @@ mpidp_allreduce_opts_t mpidp_allreduce_default_opts(int dtype, int op, int wire,
         .drain_timeout_s = drain_timeout_s, .what = what};
 }
 
+/* wire uint8: mpidp/qallreduce.h, for a float32 sum or average. */
+static int start_quantized(MPI_Comm comm, const mpidp_tensor_t *t,
+                           const mpidp_allreduce_opts_t *opts, mpidp_reqtable_t *reqs,
+                           mpidp_allreduce_t **out)
+{
+    if (t->dtype != MPIDP_F32)
+        return mpidp__fail(MPIDP_EDTYPE, "allreduce: a %s tensor cannot travel as uint8 (8-bit "
+                           "quantization takes float32)", mpidp_dtype_name(t->dtype));
+    if (opts->op != MPIDP_OP_SUM && opts->op != MPIDP_OP_AVG)
+        return mpidp__fail(MPIDP_EINVAL, "allreduce: op %s cannot be quantized on the wire (sum "
+                           "and avg only)", mpidp_op_name(opts->op));
+    if (opts->keep_wire)
+        return mpidp__fail(MPIDP_EINVAL, "allreduce: keep_wire is for 16-bit wire dtypes");
+    mpidp_allreduce_t *x = calloc(1, sizeof *x);
+    if (x == NULL) return mpidp__fail(MPIDP_ENOMEM, "allreduce");
+    mpidp_qallreduce_opts_t qo = {.average = opts->op == MPIDP_OP_AVG,
+                                  .drain_timeout_s = opts->drain_timeout_s, .what = opts->what};
+    int rc = mpidp_qallreduce_start(comm, t, &qo, reqs, &x->q);
+    if (rc != MPIDP_OK) {
+        free(x);
+        return rc;
+    }
+    x->o = *opts;
+    snprintf(x->what, sizeof x->what, "%s", opts->what ? opts->what : "allreduce");
+    *out = x;
+    return MPIDP_OK;
+}
+
 int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
                           const mpidp_allreduce_opts_t *opts, mpidp_reqtable_t *reqs,
                           mpidp_allreduce_t **out)
@@ -137,6 +167,7 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
         return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
     if (opts->op < MPIDP_OP_SUM || opts->op > MPIDP_OP_PROD)
         return mpidp__fail(MPIDP_EINVAL, "allreduce: unknown op %d", opts->op);
+    if (opts->wire == MPIDP_U8) return start_quantized(comm, t, opts, reqs, out);
     if (opts->chunk_elems == 0 || opts->chunk_elems > (size_t)INT_MAX)
         return mpidp__fail(MPIDP_EINVAL, "allreduce: chunk_elems must be in 1..INT_MAX");
     if (t->device != MPIDP_DEV_CPU)
@@ -213,6 +244,7 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
 int mpidp_allreduce_test(mpidp_allreduce_t *x, int *done)
 {
     if (x == NULL || done == NULL) return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
+    if (x->q) return mpidp_qallreduce_test(x->q, done);
     while (x->next_done < x->next_post) {
         int chunk_done = 0;
         int rc = mpidp_reqtable_test(x->reqs, x->req[x->next_done % x->slots], &chunk_done);
@@ -230,6 +262,7 @@ int mpidp_allreduce_test(mpidp_allreduce_t *x, int *done)
 int mpidp_allreduce_wait(mpidp_allreduce_t *x, double timeout_s)
 {
     if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
+    if (x->q) return mpidp_qallreduce_wait(x->q, timeout_s);
     for (;;) {
         int done = 0;
         int rc = mpidp_allreduce_test(x, &done);
@@ -248,6 +281,11 @@ const uint16_t *mpidp_allreduce_wire(const mpidp_allreduce_t *x)
 int mpidp_allreduce_free(mpidp_allreduce_t *x)
 {
     if (x == NULL) return MPIDP_OK;
+    if (x->q) {
+        int rc = mpidp_qallreduce_free(x->q);
+        if (rc == MPIDP_OK) free(x);
+        return rc;
+    }
     for (size_t k = x->next_done; k < x->next_post; k++) {
         int done = 0;
         mpidp_reqtable_test(x->reqs, x->req[k % x->slots], &done);

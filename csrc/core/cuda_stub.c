@@ -1,7 +1,7 @@
 /* The CUDA entry points of mpidp/cuda.h when mpidp is built without CUDA.
  *
  * Compiled always; setup.py defines MPIDP_WITH_CUDA when it compiles
- * csrc/cuda/pack.cu into the extension, and then this file is empty. Without
+ * csrc/cuda/ (every .cu file) into the extension, and then this file is empty. Without
  * CUDA every call fails with MPIDP_ENOTSUP, so the glue reports a clear error
  * for a GPU tensor instead of failing to link or import. */
 #ifndef MPIDP_WITH_CUDA
@@ -67,6 +67,18 @@ int mpidp_cuda_merge_f32(float *dst, const float *src, const float *ref, float a
                          float c, size_t n, void *stream)
 {
     (void)dst, (void)src, (void)ref, (void)a, (void)b, (void)c, (void)n, (void)stream;
+    return no_cuda();
+}
+
+int mpidp_cuda_q8_encode(uint8_t *dst, const float *src, float s, size_t n, void *stream)
+{
+    (void)dst, (void)src, (void)s, (void)n, (void)stream;
+    return no_cuda();
+}
+
+int mpidp_cuda_q8_decode(float *dst, const uint8_t *src, int accumulate, size_t n, void *stream)
+{
+    (void)dst, (void)src, (void)accumulate, (void)n, (void)stream;
     return no_cuda();
 }
 

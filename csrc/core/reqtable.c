@@ -28,7 +28,57 @@ struct mpidp_reqtable {
     size_t hint;      /* where to start looking for a free slot */
     uint32_t next_gen;
     slot_t *slots;
+    size_t n_engines;
+    struct {
+        mpidp_reqtable_engine_fn fn;
+        void *ctx;
+    } engines[MPIDP_REQTABLE_ENGINES];
 };
+
+int mpidp_reqtable_engine_add(mpidp_reqtable_t *t, mpidp_reqtable_engine_fn fn, void *ctx)
+{
+    if (t == NULL || fn == NULL) return mpidp__fail(MPIDP_EINVAL, "request table: NULL argument");
+    pthread_mutex_lock(&t->lock);
+    int full = t->n_engines == MPIDP_REQTABLE_ENGINES;
+    if (!full) {
+        t->engines[t->n_engines].fn = fn;
+        t->engines[t->n_engines].ctx = ctx;
+        t->n_engines++;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (full)
+        return mpidp__fail(MPIDP_EFULL, "request table: %d multi-stage operations in flight at once",
+                           MPIDP_REQTABLE_ENGINES);
+    return MPIDP_OK;
+}
+
+void mpidp_reqtable_engine_remove(mpidp_reqtable_t *t, void *ctx)
+{
+    if (t == NULL) return;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->n_engines; i++)
+        if (t->engines[i].ctx == ctx) {
+            t->engines[i] = t->engines[--t->n_engines];
+            break;
+        }
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* Runs the engines' progress functions outside the lock (they post). A
+ * snapshot: an engine removed meanwhile (its operation freed by another
+ * thread) would be a use after free, so removal and progress must not race:
+ * the glue serialises them (the GIL), as it does every reducer call. */
+static void run_engines(mpidp_reqtable_t *t)
+{
+    if (t->n_engines == 0) return; /* unlocked peek: a stale answer costs one round */
+    size_t n;
+    struct { mpidp_reqtable_engine_fn fn; void *ctx; } snap[MPIDP_REQTABLE_ENGINES];
+    pthread_mutex_lock(&t->lock);
+    n = t->n_engines;
+    for (size_t i = 0; i < n; i++) snap[i].fn = t->engines[i].fn, snap[i].ctx = t->engines[i].ctx;
+    pthread_mutex_unlock(&t->lock);
+    for (size_t i = 0; i < n; i++) snap[i].fn(snap[i].ctx);
+}
 
 double mpidp_now(void)
 {
@@ -202,6 +252,7 @@ int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
         int done = 0;
         int rc = mpidp_reqtable_test(t, h, &done);
         if (rc != MPIDP_OK || done) return rc;
+        run_engines(t);
         double waited = mpidp_now() - start;
         if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
         backoff(it, waited);
@@ -224,7 +275,9 @@ int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done)
     }
     pthread_mutex_unlock(&t->lock);
     if (n_done) *n_done = completed;
-    return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "%s failed", what);
+    if (rc != MPI_SUCCESS) return mpidp__mpi_fail(rc, "%s failed", what);
+    run_engines(t);
+    return MPIDP_OK;
 }
 
 int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s)

@@ -48,13 +48,16 @@ static PyObject *mod_convert(PyObject *m, PyObject *const *args, Py_ssize_t narg
             return PyErr_Format(PyExc_ValueError, "path: %s", mpidp_error_detail());
     }
     mpidp_py_state *st = mpidp_py_state_of_module(m);
-    static const char *const names[3][3] = {{"dst", "src", "ref"}, {"dst", "src", "ref"},
-                                            {"inout", "src", "ref"}};
+    static const char *const names[5][3] = {{"dst", "src", "ref"}, {"dst", "src", "ref"},
+                                            {"inout", "src", "ref"}, {"dst", "src", "ref"},
+                                            {"dst", "src", "ref"}};
     mpidp_py_borrowed_t t[3];
     int n_borrowed = 0, rc = MPIDP_OK;
     PyObject *result = NULL;
     for (int k = 0; k < 3 && args[1 + k] != Py_None; k++) {
-        unsigned need = (k == 0 ? MPIDP_TENSOR_WRITABLE : 0u) | (on_host ? MPIDP_TENSOR_CPU_ONLY : 0u);
+        /* Any dtype: the core checks each operand's for the op, by name. */
+        unsigned need = (k == 0 ? MPIDP_TENSOR_WRITABLE : 0u) | (on_host ? MPIDP_TENSOR_CPU_ONLY : 0u) |
+                        MPIDP_TENSOR_ANY_DTYPE;
         if (mpidp_py_borrow(st, args[1 + k], need, names[op][k], &t[k]) < 0) goto done;
         n_borrowed++;
     }
@@ -135,7 +138,7 @@ static PyObject *mod_mpi_half_handles(PyObject *m, PyObject *unused)
 PyMethodDef mpidp_py_kernel_methods[] = {
     {"convert", (PyCFunction)(void (*)(void))mod_convert, METH_FASTCALL,
      "convert(op, dst, src, ref, a, b, c, path, stream): one conversion kernel call (op one\n"
-     "of CONVERT_PACK / CONVERT_UNPACK / CONVERT_SUM16); use mpidp.kernels, which decides\n"
+     "of the CONVERT_* codes); use mpidp.kernels, which decides\n"
      "the device and stream."},
     {"simd_path", mod_simd_path, METH_NOARGS, "The conversion kernels' SIMD path in use."},
     {"simd_paths", mod_simd_paths, METH_NOARGS, "The SIMD paths this CPU can run."},

@@ -12,6 +12,7 @@
 #include "mpidp/convert.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
+#include "mpidp/quant8.h"
 #include "mpidp/reducer.h"
 
 /* Room for this many requests in flight at once, over all of mpidp. */
@@ -132,10 +133,12 @@ static int module_exec(PyObject *m)
     /* The codes Python passes to the core, exported so that Python keeps no copies. */
     static const struct { const char *name; int value; } constants[] = {
         {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},
-        {"DTYPE_F16", MPIDP_F16}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
+        {"DTYPE_F16", MPIDP_F16}, {"DTYPE_U8", MPIDP_U8}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
         {"OP_MIN", MPIDP_OP_MIN}, {"OP_MAX", MPIDP_OP_MAX}, {"OP_PROD", MPIDP_OP_PROD},
         {"NO_WIRE", -1}, {"CONVERT_PACK", MPIDP_CONVERT_PACK},
         {"CONVERT_UNPACK", MPIDP_CONVERT_UNPACK}, {"CONVERT_SUM16", MPIDP_CONVERT_SUM16},
+        {"CONVERT_Q8_ENCODE", MPIDP_CONVERT_Q8_ENCODE}, {"CONVERT_Q8_DECODE", MPIDP_CONVERT_Q8_DECODE},
+        {"Q8_BLOCK", MPIDP_Q8_BLOCK}, {"Q8_RECORD", MPIDP_Q8_RECORD},
         {"PASS_MISSING_GRADS", MPIDP_DECIDE_MISSING_GRADS},
         {"PASS_ACCUMULATE", MPIDP_DECIDE_ACCUMULATE},
         {"PASS_DELIVER_FOR_STEP", MPIDP_DECIDE_DELIVER_FOR_STEP},

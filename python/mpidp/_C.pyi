@@ -11,6 +11,7 @@ DTYPE_F32: int
 DTYPE_F64: int
 DTYPE_BF16: int
 DTYPE_F16: int
+DTYPE_U8: int     # as a wire dtype: 8-bit block quantization (mpidp/qallreduce.h)
 OP_SUM: int
 OP_AVG: int
 OP_MIN: int
@@ -20,6 +21,10 @@ NO_WIRE: int   # wire_dtype: send tensors in their own dtype
 CONVERT_PACK: int    # convert()'s op codes (mpidp/convert.h)
 CONVERT_UNPACK: int
 CONVERT_SUM16: int
+CONVERT_Q8_ENCODE: int
+CONVERT_Q8_DECODE: int
+Q8_BLOCK: int     # the 8-bit quantizer's elements per block and bytes per record (mpidp/quant8.h)
+Q8_RECORD: int
 PASS_MISSING_GRADS: int      # Reducer.decide()'s kinds (mpidp_reducer_decision_t, mpidp/reducer.h)
 PASS_ACCUMULATE: int
 PASS_DELIVER_FOR_STEP: int

@@ -18,11 +18,15 @@ def code_of(dtype: torch.dtype, argname: str) -> int:
                         f"or float16), got {dtype}") from None
 
 
-def wire_code(wire_dtype, argname: str = "wire_dtype") -> int:
-    """_C.NO_WIRE for None (no compression), else the code of bfloat16/float16/float32."""
+def wire_code(wire_dtype, argname: str = "wire_dtype", quantized: bool = False) -> int:
+    """_C.NO_WIRE for None (no compression), else the code of bfloat16/float16/float32,
+    and of uint8 (8-bit block quantization) where the caller has the `quantized` engine."""
     if wire_dtype is None:
         return _C.NO_WIRE
+    if quantized and wire_dtype is torch.uint8:
+        return _C.DTYPE_U8
     if wire_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{argname}: expected None, torch.bfloat16, torch.float16 or "
-                         f"torch.float32, got {wire_dtype!r}")
+        raise ValueError(f"{argname}: expected None, torch.bfloat16, torch.float16"
+                         f"{', torch.uint8' if quantized else ''} or torch.float32, "
+                         f"got {wire_dtype!r}")
     return CODE_OF[wire_dtype]

@@ -1,6 +1,6 @@
-"""The bf16/fp16 conversion kernels on tensors: what DataParallel and DASO put on
-the wire, callable directly (the tests compare every path with the reference and
-with torch; the benchmarks time them).
+"""The wire conversion kernels on tensors: the bf16/fp16 casts DataParallel and
+DASO put on the wire and the 8-bit block quantizer, callable directly (the tests
+compare every path with the reference and with torch; the benchmarks time them).
 
     pack(dst, src, ref=None, scale=1.0, path=None, stream=None)
         dst (bf16/fp16) = half(scale * (src - ref))
@@ -9,6 +9,13 @@ with torch; the benchmarks time them).
         not read when a == 0); src is bf16, fp16 or fp32
     sum16(inout, src, path=None, stream=None)
         inout = half(widen(inout) + widen(src)): the native MPI op's sum
+    quantize8(dst, src, scale=1.0, path=None, stream=None)
+        dst (uint8, quant8_bytes(src.numel()) bytes) = 8-bit min-max records
+        of scale * src (fp32), one per block of _C.Q8_BLOCK elements
+    dequantize8(dst, src, accumulate=False, path=None, stream=None)
+        dst (fp32) = the values the records in src (uint8) decode to, or
+        dst + them; a block that held a NaN or an infinity decodes to NaN
+    quant8_bytes(n) -> the bytes n quantized elements take
 
 Tensors are anything that exports DLPack (torch tensors, NumPy arrays, CuPy
 arrays), contiguous, all on one device. Host tensors run the SIMD path chosen at
@@ -33,7 +40,7 @@ import torch
 
 from . import _C
 
-__all__ = ["pack", "unpack", "sum16"]
+__all__ = ["pack", "unpack", "sum16", "quantize8", "dequantize8", "quant8_bytes"]
 
 # DLPack device types (DLDeviceType), as __dlpack_device__() reports them.
 _DL_HOST = (1, 3)       # kDLCPU, kDLCUDAHost (pinned)
@@ -55,6 +62,27 @@ def unpack(dst: Any, src: Any, ref: Any = None, a: float = 0.0, b: float = 1.0, 
 def sum16(inout: Any, src: Any, path: Optional[str] = None, stream: Optional[int] = None) -> None:
     _run(_C.CONVERT_SUM16, "sum16", (("inout", inout), ("src", src)), (0.0, 0.0, 0.0), path,
          stream)
+
+
+def quantize8(dst: Any, src: Any, scale: float = 1.0, path: Optional[str] = None,
+              stream: Optional[int] = None) -> None:
+    _run(_C.CONVERT_Q8_ENCODE, "quantize8", (("dst", dst), ("src", src)),
+         (_real("scale", scale), 0.0, 0.0), path, stream)
+
+
+def dequantize8(dst: Any, src: Any, accumulate: bool = False, path: Optional[str] = None,
+                stream: Optional[int] = None) -> None:
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate: expected a bool, got {type(accumulate).__name__}")
+    _run(_C.CONVERT_Q8_DECODE, "dequantize8", (("dst", dst), ("src", src)),
+         (1.0 if accumulate else 0.0, 0.0, 0.0), path, stream)
+
+
+def quant8_bytes(n: int) -> int:
+    """Bytes that n elements take quantized: one record per started block."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n: expected an int >= 0, got {n!r}")
+    return -(-n // _C.Q8_BLOCK) * _C.Q8_RECORD
 
 
 def _real(name: str, value: Any) -> float:

@@ -11,7 +11,11 @@
  * max_in_flight * chunk_elems 16-bit elements however large the tensor is;
  * further chunks are posted as earlier ones complete, which happens inside
  * mpidp_allreduce_test()/wait(). max_in_flight = 0 posts every chunk at once
- * (DASO's asynchronous sync: nothing calls back until it is received). */
+ * (DASO's asynchronous sync: nothing calls back until it is received).
+ *
+ * wire = MPIDP_U8 (a float32 sum or average) runs the 8-bit quantized engine
+ * of mpidp/qallreduce.h instead, with its own segmenting: chunk_elems and
+ * max_in_flight do not apply, and keep_wire is refused. */
 #ifndef MPIDP_ALLREDUCE_H
 #define MPIDP_ALLREDUCE_H
 
@@ -25,7 +29,8 @@
 
 typedef struct {
     int op;               /* mpidp_op_t (mpidp/mpiops.h); min/max/prod: uncompressed only */
-    int wire;             /* MPIDP_BF16 / MPIDP_F16 to compress a float32 tensor; -1: none */
+    int wire;             /* MPIDP_BF16 / MPIDP_F16 / MPIDP_U8 to compress a float32
+                           * tensor; -1: none */
     size_t chunk_elems;   /* elements per MPI call, 1 .. INT_MAX */
     size_t max_in_flight; /* chunks posted at once; 0: all */
     int keep_wire;        /* 1: leave the summed wire buffer for the caller, do not unpack */

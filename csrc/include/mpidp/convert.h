@@ -11,9 +11,14 @@
  *   MPIDP_CONVERT_PACK    dst (bf16/fp16) = half(a * (src - ref)),   src, ref fp32
  *   MPIDP_CONVERT_UNPACK  dst (fp32) = a*dst + b*widen(src) + c*ref,  src bf16/fp16/fp32
  *   MPIDP_CONVERT_SUM16   dst = half(widen(dst) + widen(src)),       dst, src one half type
+ *   MPIDP_CONVERT_Q8_ENCODE  dst (uint8, mpidp_q8_bytes(n) bytes) = the 8-bit
+ *                         records of a * src (src fp32, n elements)
+ *   MPIDP_CONVERT_Q8_DECODE  dst (fp32, n) = the decoded records in src
+ *                         (uint8, mpidp_q8_bytes(n) bytes); a != 0: dst += them
  *
- * (pack's scale is `a`; sum16 ignores a, b, c and ref must be NULL.) The
- * formulas, rounding and operation order are those of mpidp/pack.h. */
+ * (pack's scale is `a`; sum16 ignores a, b, c; sum16 and the 8-bit ops take
+ * no ref.) The formulas, rounding and operation order are those of
+ * mpidp/pack.h and mpidp/quant8.h; a host path name selects both tables. */
 #ifndef MPIDP_CONVERT_H
 #define MPIDP_CONVERT_H
 
@@ -24,9 +29,12 @@ typedef enum {
     MPIDP_CONVERT_PACK = 0,
     MPIDP_CONVERT_UNPACK = 1,
     MPIDP_CONVERT_SUM16 = 2,
+    MPIDP_CONVERT_Q8_ENCODE = 3,
+    MPIDP_CONVERT_Q8_DECODE = 4,
 } mpidp_convert_op_t;
 
-/* The operation's name ("pack", "unpack", "sum16"), or NULL for an unknown op. */
+/* The operation's name ("pack", "unpack", "sum16", "quantize8", "dequantize8"),
+ * or NULL for an unknown op. */
 const char *mpidp_convert_name(int op);
 
 /* Runs `op`. ref may be NULL (no reference term). host: the SIMD table for

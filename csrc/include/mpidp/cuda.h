@@ -58,6 +58,12 @@ int mpidp_cuda_scale_f32(float *x, float s, size_t n, void *stream);
 int mpidp_cuda_merge_f32(float *dst, const float *src, const float *ref, float a, float b,
                          float c, size_t n, void *stream);
 
+/* The 8-bit block quantizer of mpidp/quant8.h: dst (mpidp_q8_bytes(n)
+ * bytes) = the records of src[i] (* s); and dst[i] = the decoded values (with
+ * accumulate: dst[i] + them). The same bytes and values as the host paths. */
+int mpidp_cuda_q8_encode(uint8_t *dst, const float *src, float s, size_t n, void *stream);
+int mpidp_cuda_q8_decode(float *dst, const uint8_t *src, int accumulate, size_t n, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

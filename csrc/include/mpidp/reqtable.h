@@ -76,4 +76,18 @@ void mpidp_reqtable_describe(mpidp_reqtable_t *t, char *buf, size_t len);
 /* Monotonic seconds, for deadlines. */
 double mpidp_now(void);
 
+/* Engines with stages that start only when earlier messages have arrived
+ * (the quantized allreduce's gather) register a progress function here. Every
+ * wait of the table (mpidp_reqtable_wait, _wait_all) and every
+ * mpidp_reqtable_progress call runs them, outside the table's lock, so a
+ * rank blocked on one operation still advances the others that its peers may
+ * be waiting on: no two ranks can wait on each other's unstarted stages,
+ * whatever order they wait in. A progress function may test and post
+ * requests (not wait); its errors are its own operation's to report.
+ * At most MPIDP_REQTABLE_ENGINES at once: add fails with MPIDP_EFULL. */
+#define MPIDP_REQTABLE_ENGINES 256
+typedef void (*mpidp_reqtable_engine_fn)(void *ctx);
+int mpidp_reqtable_engine_add(mpidp_reqtable_t *t, mpidp_reqtable_engine_fn fn, void *ctx);
+void mpidp_reqtable_engine_remove(mpidp_reqtable_t *t, void *ctx);
+
 #endif /* MPIDP_REQTABLE_H */
