@@ -132,6 +132,69 @@ def test_every_step_matches_the_simulated_replica(n_fragments, delay, alpha, hab
     train(copy.deepcopy(init), data, 4, n_fragments, delay, alpha, each=compare, habit=habit)
 
 
+def node_sizes():
+    """Ranks per emulated node: every divisor of the job's size."""
+    return [k for k in range(1, SIZE + 1) if SIZE % k == 0]
+
+
+@pytest.mark.parametrize("per_node", node_sizes())
+def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
+    """DiLoCo's workers as nodes: node-local DataParallel averages the node's
+    gradients every step; DiLoCo syncs over cross_node_comm (one rank per
+    node). Against a simulation with one replica per node that steps on the
+    mean of its ranks' gradients."""
+    torch.manual_seed(0)
+    init, data, nodes = Net(), batches(9), SIZE // per_node
+    replicas = [copy.deepcopy(init) for _ in range(nodes)]
+    inners = [inner_adam(m.parameters()) for m in replicas]
+    shared = copy.deepcopy(init)
+    outer = outer_sgd(shared.parameters())
+    states = []
+    for t, (x, y) in enumerate(data):
+        for n, (m, opt) in enumerate(zip(replicas, inners)):
+            opt.zero_grad()
+            ranks = range(n * per_node, (n + 1) * per_node)
+            loss = sum(torch.nn.functional.mse_loss(m(rank_slice(x, r)), rank_slice(y, r))
+                       for r in ranks) / per_node
+            loss.backward()
+            opt.step()
+        if (t + 1) % 3 == 0:                                  # outer step every 3 inner steps
+            for k, s in enumerate(shared.parameters()):
+                s.grad = s.detach() - torch.stack([list(m.parameters())[k].detach()
+                                                   for m in replicas]).mean(0)
+            outer.step()
+            with torch.no_grad():
+                for m in replicas:
+                    for p, s in zip(m.parameters(), shared.parameters()):
+                        p.copy_(s)
+        states.append([p.detach().clone() for p in replicas[RANK // per_node].parameters()])
+
+    # As a user would emulate nodes of per_node ranks (MPIDP_RANKS_PER_NODE).
+    node = MPI.COMM_WORLD.Split(RANK // per_node, RANK)
+    cross = MPI.COMM_WORLD.Split(RANK % per_node, RANK)
+    model = copy.deepcopy(init)
+    net = mpidp.DataParallel(model, node)
+    inner = inner_adam(model.parameters())
+    with mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), 3, comm=cross):
+        for t, (x, y) in enumerate(data):
+            inner.zero_grad()
+            torch.nn.functional.mse_loss(net(rank_slice(x, RANK)), rank_slice(y, RANK)).backward()
+            inner.step()
+            for p, want in zip(model.parameters(), states[t]):
+                torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"step {t}: {m}")
+    node.Free()
+    cross.Free()
+
+
+def test_cross_node_comm_holds_one_rank_per_node_in_node_order():
+    topo = mpidp.topology()
+    cross = mpidp.cross_node_comm()
+    assert cross.Get_size() == topo.n_nodes and cross.Get_rank() == topo.node
+    assert cross.allgather(topo.local_rank) == [topo.local_rank] * topo.n_nodes
+    assert mpidp.cross_node_comm() is cross
+
+
 def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 

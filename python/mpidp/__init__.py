@@ -21,7 +21,7 @@ from .data_parallel import DataParallel
 from .data_parallel_multi import DataParallelMultiGPU
 from .optimizer import DataParallelOptimizer
 from .process_group import init_process_group
-from .topology import Topology, topology
+from .topology import Topology, cross_node_comm, node_comm, topology
 from . import nn, optim                                   # Heat's names: ht.nn, ht.optim
 from .communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.MPI_WORLD
 
@@ -65,6 +65,8 @@ __all__ = [
     "set_timeout",
     "simd_path",
     "topology",
+    "node_comm",
+    "cross_node_comm",
 ]
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import _config as config
 from ._mpi import MPI
 
-__all__ = ["Topology", "topology", "node_comm"]
+__all__ = ["Topology", "topology", "node_comm", "cross_node_comm"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +66,23 @@ def topology(comm=None) -> Topology:
     comm = MPI.COMM_WORLD if comm is None else comm
     node_comm(comm)
     return _cache[(comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))][1]
+
+
+_cross_cache: dict = {}
+
+
+def cross_node_comm(comm=None) -> MPI.Intracomm:
+    """The mpi4py communicator of the ranks of `comm` that have this rank's
+    local rank, one per node, ordered by node (cached).
+
+    With node-local data parallelism (`DataParallel(model, node_comm())`)
+    every rank of a node holds the same replica, so the node is the worker:
+    passing this communicator to an algorithm that syncs replicas (`DiLoCo`,
+    the model averagers) makes each rank sync with its counterparts on the
+    other nodes, which hold the other nodes' replicas."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    key = (comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))
+    if key not in _cross_cache:
+        topo = topology(comm)
+        _cross_cache[key] = comm.Split(color=topo.local_rank, key=topo.node)
+    return _cross_cache[key]

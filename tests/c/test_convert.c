@@ -6,6 +6,7 @@
  * memory is touched; CUDA tensors reach the CUDA entry points (in this build,
  * the stub: MPIDP_ENOTSUP). */
 #include "mpidp/convert.h"
+#include "mpidp/quant8.h"
 #include "mpidp/status.h"
 #include "test.h"
 
@@ -122,8 +123,20 @@ TEST(bad_combinations_are_refused_before_any_write)
     REFUSED(MPIDP_EINVAL, "a host kernel path was given for CUDA tensors",
             mpidp_convert(MPIDP_CONVERT_PACK, &gpu_dst, &gpu0_src, NULL, 1, 0, 0,
                           mpidp_pack_kernels(), NULL));
-    ASSERT_TRUE(mpidp_convert_name(3) == NULL && mpidp_convert_name(-1) == NULL);
+    ASSERT_TRUE(mpidp_convert_name(5) == NULL && mpidp_convert_name(-1) == NULL);
     ASSERT_STREQ(mpidp_convert_name(MPIDP_CONVERT_SUM16), "sum16");
+    ASSERT_STREQ(mpidp_convert_name(MPIDP_CONVERT_Q8_DECODE), "dequantize8");
+    /* The 8-bit ops: records must be exactly the bytes the elements take. */
+    static uint8_t rec[2 * MPIDP_Q8_RECORD];
+    mpidp_tensor_t q = {.data = rec, .numel = MPIDP_Q8_RECORD - 1, .dtype = MPIDP_U8,
+                        .device = MPIDP_DEV_CPU};
+    REFUSED(MPIDP_EINVAL, "quantize8: dst holds 263 bytes, but",
+            mpidp_convert(MPIDP_CONVERT_Q8_ENCODE, &q, &f32, NULL, 1, 0, 0, NULL, NULL));
+    REFUSED(MPIDP_EDTYPE, "dst: unexpected dtype float32",
+            mpidp_convert(MPIDP_CONVERT_Q8_ENCODE, &f32, &f32, NULL, 1, 0, 0, NULL, NULL));
+    q.numel = mpidp_q8_bytes(N);
+    REFUSED(MPIDP_EINVAL, "quantize8 takes no ref",
+            mpidp_convert(MPIDP_CONVERT_Q8_ENCODE, &q, &f32, &f32, 1, 0, 0, NULL, NULL));
 }
 
 TEST(cuda_tensors_reach_the_cuda_entry_points)
