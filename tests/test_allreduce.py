@@ -179,3 +179,39 @@ def test_rank_size_local_rank_barrier():
     assert (mpidp.rank(), mpidp.size()) == (RANK, SIZE)
     assert mpidp.local_rank() == mpidp.topology().local_rank
     mpidp.barrier()
+
+
+def test_allgather_with_a_rank_that_has_no_rows():
+    mine = torch.full((0 if RANK == SIZE - 1 else 2, 2), float(RANK))
+    got = mpidp.allgather(mine)
+    assert torch.equal(got, torch.cat(everyone(mine)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce_scatter_gives_each_rank_its_rows_of_the_reduction(dtype, op):
+    rows = 2 * SIZE + 1                              # uneven: the first rank gets one more
+    mine = (torch.arange(rows * 3, dtype=dtype).view(rows, 3) + 1) * (RANK + 1) / 4
+    whole = torch.stack(everyone(mine)).sum(0)
+    if op == "avg":
+        whole = whole * (1.0 / SIZE)
+    counts = [rows // SIZE + (1 if r < rows % SIZE else 0) for r in range(SIZE)]
+    start = sum(counts[:RANK])
+    got = mpidp.reduce_scatter(mine, op=op)
+    assert got.shape == (counts[RANK], 3)
+    torch.testing.assert_close(got, whole[start:start + counts[RANK]], rtol=1e-6, atol=0)
+    # Explicit counts, a zero among them.
+    counts = [0] + [rows // (SIZE - 1) + (1 if r < rows % (SIZE - 1) else 0)
+                    for r in range(SIZE - 1)] if SIZE > 1 else [rows]
+    start = sum(counts[:RANK])
+    got = mpidp.reduce_scatter(mine, op=op, counts=counts)
+    torch.testing.assert_close(got, whole[start:start + counts[RANK]], rtol=1e-6, atol=0)
+
+
+def test_reduce_scatter_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="counts: expected"):
+        mpidp.reduce_scatter(torch.zeros(3), counts=[3] + [1] * (SIZE - 1) if SIZE > 1 else [2])
+    with pytest.raises(TypeError, match="tensor: expected float32 or float64"):
+        mpidp.reduce_scatter(torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="op: expected 'sum' or 'avg'"):
+        mpidp.reduce_scatter(torch.zeros(3), op="max")

@@ -1,10 +1,14 @@
-/* Broadcast, allgather and barrier (see mpidp/collectives.h). */
+/* Broadcast, allgather, barrier and the collectives with a count per rank
+ * (see mpidp/collectives.h). */
 #include "mpidp/collectives.h"
 
 #include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "mpidp/mpi_util.h"
+#include "mpidp/mpiops.h"
+#include "mpidp/pack.h"
 #include "mpidp/status.h"
 
 /* The bytes of `t` as one MPI count (int), or MPIDP_EINVAL naming `what`. */
@@ -89,4 +93,168 @@ int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_req_t *out)
     MPI_Request req;
     rc = MPI_Ibarrier(comm, &req);
     return mpidp__post_done(reqs, slot, rc, req, "MPI_Ibarrier", out);
+}
+
+/* ---- collectives with a count per rank ---------------------------------- */
+
+struct mpidp_vcoll {
+    mpidp_reqtable_t *reqs;
+    mpidp_req_t req;
+    int *counts, *displs;  /* in elements (reduce-scatter) or bytes (allgatherv) */
+    mpidp_tensor_t recv;
+    double scale;          /* applied to recv on completion (avg); 1: none */
+    int finished;
+};
+
+/* A vcoll with `size` counts (times `unit`) and their displacements; checks
+ * that each and their sum fit an MPI count. *total = the sum of counts. */
+static int vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, size_t unit,
+                     const char *what, mpidp_vcoll_t **out, size_t *total)
+{
+    mpidp_vcoll_t *x = calloc(1, sizeof *x);
+    if (x) x->counts = malloc((size_t)size * sizeof *x->counts);
+    if (x && x->counts) x->displs = malloc((size_t)size * sizeof *x->displs);
+    if (x == NULL || x->displs == NULL) {
+        if (x) free(x->counts);
+        free(x);
+        return mpidp__fail(MPIDP_ENOMEM, "%s", what);
+    }
+    size_t sum = 0;
+    for (int r = 0; r < size; r++) {
+        if (counts[r] > (size_t)INT_MAX / unit || sum + counts[r] > (size_t)INT_MAX / unit) {
+            mpidp_vcoll_free(x);
+            return mpidp__fail(MPIDP_EINVAL, "%s: %zu elements are too many for one MPI call",
+                               what, sum + counts[r]);
+        }
+        x->counts[r] = (int)(counts[r] * unit);
+        x->displs[r] = (int)(sum * unit);
+        sum += counts[r];
+    }
+    x->reqs = reqs;
+    x->scale = 1.0;
+    *total = sum;
+    *out = x;
+    return MPIDP_OK;
+}
+
+static int vcoll_post_done(mpidp_vcoll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Request req,
+                           const char *what, mpidp_vcoll_t **out)
+{
+    int rc = mpidp__post_done(x->reqs, slot, mpi_rc, req, what, &x->req);
+    if (rc != MPIDP_OK) {
+        mpidp_vcoll_free(x);
+        return rc;
+    }
+    *out = x;
+    return MPIDP_OK;
+}
+
+int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
+                               const mpidp_tensor_t *recv, const size_t *counts, int op,
+                               mpidp_reqtable_t *reqs, mpidp_vcoll_t **out)
+{
+    if (send == NULL || recv == NULL || counts == NULL || reqs == NULL || out == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "reduce_scatter: NULL argument");
+    if (send->dtype != MPIDP_F32 && send->dtype != MPIDP_F64)
+        return mpidp__fail(MPIDP_EDTYPE, "reduce_scatter: expected float32 or float64, got %s",
+                           mpidp_dtype_name(send->dtype));
+    if (op != MPIDP_OP_SUM && op != MPIDP_OP_AVG)
+        return mpidp__fail(MPIDP_EINVAL, "reduce_scatter: op must be sum or avg, got %s",
+                           mpidp_op_name(op));
+    int size = 0, rank = 0, rc = comm_size(comm, &size);
+    if (rc == MPIDP_OK && (rc = MPI_Comm_rank(comm, &rank)) != MPI_SUCCESS)
+        rc = mpidp__mpi_fail(rc, "MPI_Comm_rank");
+    if (rc != MPIDP_OK) return rc;
+    mpidp_vcoll_t *x;
+    size_t total;
+    rc = vcoll_new(reqs, counts, size, 1, "reduce_scatter", &x, &total);
+    if (rc != MPIDP_OK) return rc;
+    if (send->numel != total || recv->numel != counts[rank] || recv->dtype != send->dtype) {
+        mpidp_vcoll_free(x);
+        return mpidp__fail(MPIDP_EINVAL, "reduce_scatter: expected %zu %s elements in and %zu "
+                           "out (this rank's count), got %zu and %zu %s", total,
+                           mpidp_dtype_name(send->dtype), counts[rank], send->numel, recv->numel,
+                           mpidp_dtype_name(recv->dtype));
+    }
+    x->recv = *recv;
+    if (op == MPIDP_OP_AVG) x->scale = 1.0 / (double)size;
+    char what[MPIDP_REQ_WHAT_LEN];
+    snprintf(what, sizeof what, "MPI_Ireduce_scatter of %zu %s", total, mpidp_dtype_name(send->dtype));
+    mpidp_req_t slot;
+    rc = mpidp_reqtable_claim(reqs, what, &slot);
+    if (rc != MPIDP_OK) {
+        mpidp_vcoll_free(x);
+        return rc;
+    }
+    MPI_Request req;
+    rc = MPI_Ireduce_scatter(send->data, recv->data, x->counts, mpidp_mpi_datatype(send->dtype),
+                             MPI_SUM, comm, &req);
+    return vcoll_post_done(x, slot, rc, req, what, out);
+}
+
+int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
+                           const size_t *counts, mpidp_reqtable_t *reqs, mpidp_vcoll_t **out)
+{
+    if (send == NULL || recv == NULL || counts == NULL || reqs == NULL || out == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "allgatherv: NULL argument");
+    int size = 0, rank = 0, rc = comm_size(comm, &size);
+    if (rc == MPIDP_OK && (rc = MPI_Comm_rank(comm, &rank)) != MPI_SUCCESS)
+        rc = mpidp__mpi_fail(rc, "MPI_Comm_rank");
+    if (rc != MPIDP_OK) return rc;
+    size_t esize = mpidp_dtype_size(send->dtype);
+    if (esize == 0) return mpidp__fail(MPIDP_EDTYPE, "allgatherv: unknown dtype");
+    mpidp_vcoll_t *x;
+    size_t total;
+    rc = vcoll_new(reqs, counts, size, esize, "allgatherv", &x, &total);
+    if (rc != MPIDP_OK) return rc;
+    if (send->numel != counts[rank] || recv->numel != total || recv->dtype != send->dtype) {
+        mpidp_vcoll_free(x);
+        return mpidp__fail(MPIDP_EINVAL, "allgatherv: expected %zu %s elements in (this rank's "
+                           "count) and %zu out, got %zu and %zu %s", counts[rank],
+                           mpidp_dtype_name(send->dtype), total, send->numel, recv->numel,
+                           mpidp_dtype_name(recv->dtype));
+    }
+    const char *s = send->data, *r = recv->data;
+    if (send->numel && s < r + total * esize && r < s + send->numel * esize) {
+        mpidp_vcoll_free(x);
+        return mpidp__fail(MPIDP_EINVAL, "allgatherv: the result overlaps the input");
+    }
+    char what[MPIDP_REQ_WHAT_LEN];
+    snprintf(what, sizeof what, "MPI_Iallgatherv of %zu %s", total, mpidp_dtype_name(send->dtype));
+    mpidp_req_t slot;
+    rc = mpidp_reqtable_claim(reqs, what, &slot);
+    if (rc != MPIDP_OK) {
+        mpidp_vcoll_free(x);
+        return rc;
+    }
+    MPI_Request req;
+    rc = MPI_Iallgatherv(send->data, (int)(send->numel * esize), MPI_BYTE, recv->data, x->counts,
+                         x->displs, MPI_BYTE, comm, &req);
+    return vcoll_post_done(x, slot, rc, req, what, out);
+}
+
+int mpidp_vcoll_wait(mpidp_vcoll_t *x, double timeout_s)
+{
+    if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "vcoll: NULL argument");
+    int rc = mpidp_reqtable_wait(x->reqs, x->req, timeout_s);
+    if (rc != MPIDP_OK || x->finished) return rc;
+    x->finished = 1;
+    if (x->scale != 1.0) {
+        const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
+        if (x->recv.dtype == MPIDP_F32) k->scale_f32(x->recv.data, (float)x->scale, x->recv.numel);
+        else k->scale_f64(x->recv.data, x->scale, x->recv.numel);
+    }
+    return MPIDP_OK;
+}
+
+int mpidp_vcoll_free(mpidp_vcoll_t *x)
+{
+    if (x == NULL) return MPIDP_OK;
+    int done = 1;
+    if (x->req.gen != 0) mpidp_reqtable_test(x->reqs, x->req, &done);
+    if (!done) return mpidp__fail(MPIDP_ESTATE, "vcoll: still in flight");
+    free(x->counts);
+    free(x->displs);
+    free(x);
+    return MPIDP_OK;
 }

@@ -103,6 +103,78 @@ PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssiz
     return res;
 }
 
+/* The counts tuple of a vector collective: one int >= 0 per rank, or -1. */
+static size_t *counts_arg(PyObject *obj, int size)
+{
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != size) {
+        PyErr_Format(PyExc_ValueError, "counts: expected a tuple of %d ints (one per rank)", size);
+        return NULL;
+    }
+    size_t *c = PyMem_Malloc((size_t)size * sizeof *c + 1);
+    for (int r = 0; c && r < size; r++)
+        if ((c[r] = PyLong_AsSize_t(PyTuple_GET_ITEM(obj, r))) == (size_t)-1 && PyErr_Occurred()) {
+            PyMem_Free(c);
+            return NULL;
+        }
+    if (c == NULL) PyErr_NoMemory();
+    return c;
+}
+
+/* reduce_scatter(send, recv, counts, op) and allgatherv(send, recv, counts):
+ * blocking; both tensors borrowed for the call. */
+static PyObject *vector_collective(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                   int scatter)
+{
+    const char *name = scatter ? "reduce_scatter" : "allgatherv";
+    if (nargs != (scatter ? 4 : 3))
+        return PyErr_Format(PyExc_TypeError, "Comm.%s takes %d positional arguments", name,
+                            scatter ? 4 : 3);
+    if (mpidp_py_check_not_forked(name) < 0) return NULL;
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
+    int op = scatter ? (int)PyLong_AsLong(args[3]) : 0;
+    size_t *counts = st && !PyErr_Occurred() ? counts_arg(args[2], comm->size) : NULL;
+    if (counts == NULL) return NULL;
+    mpidp_py_borrowed_t t[2];
+    PyObject *res = NULL;
+    if (mpidp_py_borrow(st, args[0], ANY_CPU, "tensor", &t[0]) < 0) goto done;
+    if (mpidp_py_borrow(st, args[1], ANY_CPU | MPIDP_TENSOR_WRITABLE, "out", &t[1]) < 0) {
+        mpidp_py_release(&t[0]);
+        goto done;
+    }
+    mpidp_vcoll_t *x = NULL;
+    int rc;
+    mpidp_error_clear();
+    rc = scatter ? mpidp_reduce_scatter_start(comm->comm, &t[0].t, &t[1].t, counts, op, st->reqs, &x)
+                 : mpidp_allgatherv_start(comm->comm, &t[0].t, &t[1].t, counts, st->reqs, &x);
+    if (rc == MPIDP_OK) MPIDP_PY_WAIT(st, rc, mpidp_vcoll_wait(x, mpidp_py_timeout_s));
+    if (rc == MPIDP_ETIMEDOUT) {
+        res = mpidp_py_raise(st, rc, name); /* still posted: buffers and x stay (leaked) */
+        goto done;
+    }
+    mpidp_vcoll_free(x);
+    mpidp_py_release(&t[0]);
+    mpidp_py_release(&t[1]);
+    res = mpidp_py_none_or_null(mpidp_py_check(st, rc, name));
+done:
+    PyMem_Free(counts);
+    return res;
+}
+
+PyObject *mpidp_py_comm_reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                       PyObject *kwnames)
+{
+    if (kwnames != NULL) return PyErr_Format(PyExc_TypeError, "Comm.reduce_scatter takes no keywords");
+    return vector_collective(self, args, nargs, 1);
+}
+
+PyObject *mpidp_py_comm_allgatherv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames)
+{
+    if (kwnames != NULL) return PyErr_Format(PyExc_TypeError, "Comm.allgatherv takes no keywords");
+    return vector_collective(self, args, nargs, 0);
+}
+
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)
 {
     (void)unused;

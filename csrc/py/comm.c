@@ -122,6 +122,13 @@ static PyMethodDef comm_methods[] = {
      "bcast(tensor, root) (in place, blocking)"},
     {"allgather", (PyCFunction)(void (*)(void))mpidp_py_comm_allgather, METH_FASTCALL | METH_KEYWORDS,
      "allgather(tensor, out): every rank's tensor into out, in rank order (blocking)"},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))mpidp_py_comm_reduce_scatter,
+     METH_FASTCALL | METH_KEYWORDS,
+     "reduce_scatter(tensor, out, counts, op): out = the sum (OP_SUM) or mean (OP_AVG) of\n"
+     "block `rank` of every rank's tensor; counts: elements per rank (blocking)"},
+    {"allgatherv", (PyCFunction)(void (*)(void))mpidp_py_comm_allgatherv, METH_FASTCALL | METH_KEYWORDS,
+     "allgatherv(tensor, out, counts): every rank's tensor (counts[r] elements) into out,\n"
+     "in rank order (blocking)"},
     {"barrier", (PyCFunction)mpidp_py_comm_barrier, METH_NOARGS, "barrier()"},
     {"py2f", (PyCFunction)comm_py2f, METH_NOARGS, "The Fortran handle of the duplicate."},
     {NULL, NULL, 0, NULL},

@@ -117,6 +117,10 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
 PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames);
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused);
+PyObject *mpidp_py_comm_reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                       PyObject *kwnames);
+PyObject *mpidp_py_comm_allgatherv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames);
 
 /* The types, one per file; module.c creates them. */
 extern PyType_Spec mpidp_py_comm_spec, mpidp_py_work_spec, mpidp_py_reducer_spec,

@@ -13,7 +13,7 @@ from ._C import CommError, CommTimeout
 from .averaging import HierarchicalModelAverager, PeriodicModelAverager, PostLocalSGDOptimizer
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (Work, allgather, allreduce, allreduce_scalar, barrier, broadcast,
-                          local_rank, rank, size)
+                          local_rank, rank, size, reduce_scatter)
 from .daso import DASO
 from .diloco import DiLoCo
 from .slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
@@ -65,6 +65,7 @@ __all__ = [
     "set_timeout",
     "simd_path",
     "topology",
+    "reduce_scatter",
     "node_comm",
     "cross_node_comm",
 ]

@@ -118,7 +118,16 @@ def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
     _check_tensor(tensor, writable=False)
     c = resolve_comm(comm)
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    # Each rank's first dimension and a code of the rest (one small allgather).
+    rows = _rows_of_every_rank(c, t)
+    row = t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel())
+    out = torch.empty((sum(rows),) + tuple(t.shape[1:]), dtype=t.dtype)
+    c.allgatherv(t.contiguous(), out, tuple(n * row for n in rows))
+    return out
+
+
+def _rows_of_every_rank(c, t: torch.Tensor) -> list:
+    """Each rank's first dimension, after checking that the dtype and the
+    other dimensions agree (one small allgather)."""
     shape = torch.zeros(3, dtype=torch.int64)
     shape[0] = t.shape[0]
     shape[1] = zlib.crc32(repr((tuple(t.shape[1:]), str(t.dtype))).encode())
@@ -129,16 +138,37 @@ def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
         odd = [r for r in range(c.size) if shapes[r, 1] != shapes[0, 1]]
         raise ValueError(f"tensor: ranks {odd} have another dtype or trailing shape than rank 0 "
                          f"(this rank: {t.dtype}, {tuple(t.shape[1:])})")
-    rows = shapes[:, 0].tolist()
-    # Equal blocks on the wire: pad to the longest, then drop the padding.
-    longest = max(rows)
-    block = t if t.shape[0] == longest else torch.cat(
-        [t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
-    out = torch.empty((c.size * longest,) + tuple(t.shape[1:]), dtype=t.dtype)
-    c.allgather(block.contiguous(), out)
-    if all(n == longest for n in rows):
-        return out
-    return torch.cat([out[r * longest:r * longest + n] for r, n in enumerate(rows)])
+    return shapes[:, 0].tolist()
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None) -> torch.Tensor:
+    """This rank's block of the sum ("sum") or mean ("avg") of every rank's
+    `tensor` (float32 or float64, the same shape everywhere), split along
+    dimension 0: rank r gets rows counts[r] (default: as even as possible,
+    the first len % size ranks one row more, as Horovod's reducescatter).
+    counts, when given, is one int >= 0 per rank summing to len(tensor), the
+    same on every rank. The mean is the sum times 1/size."""
+    _check_tensor(tensor, writable=False)
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op: expected 'sum' or 'avg', got {op!r}")
+    if tensor.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"tensor: expected float32 or float64, got {tensor.dtype}")
+    c = resolve_comm(comm)
+    t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    n = t.shape[0]
+    if counts is None:
+        counts = [n // c.size + (1 if r < n % c.size else 0) for r in range(c.size)]
+    else:
+        counts = list(counts)
+        if (len(counts) != c.size or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
+                                         for k in counts) or sum(counts) != n):
+            raise ValueError(f"counts: expected {c.size} ints >= 0 (one per rank) summing to "
+                             f"{n}, got {counts!r}")
+    row = int(torch.Size(t.shape[1:]).numel())
+    out = torch.empty((counts[c.rank],) + tuple(t.shape[1:]), dtype=t.dtype)
+    c.reduce_scatter(t.contiguous(), out, tuple(k * row for k in counts),
+                     _OPS["avg" if op == "avg" else "sum"])
+    return out
 
 
 def barrier(comm=None) -> None:

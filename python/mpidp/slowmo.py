@@ -10,8 +10,9 @@ group's lr, α = slowmo_lr and β = slowmo_momentum:
 
 (for constant γ, torch's SGD(lr=α, momentum=β) on the gradient θ - x̄). With
 slowmo_memory_efficient, θ and u are sharded over min(world, slowmo_num_shards)
-ranks: the parameters' world mean is reduced to every rank, each shard owner
-steps its slice, and the slices are gathered back; that mean replaces the
+ranks: each shard owner receives its shard of the parameters' world mean
+(a reduce-scatter with a count per rank), steps it, and the shards are
+gathered back (an allgatherv); that mean replaces the
 LocalSGD average on steps where both fall, as in fairscale. When to do what
 is the core's averaging schedule (mpidp/avgsched.h)."""
 
@@ -31,7 +32,6 @@ from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
 from ._params import broadcast_tensors
 from .averaging import average_tensors
-from .collectives import allgather
 from .data_parallel import DataParallel
 from .topology import node_comm
 
@@ -156,16 +156,23 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
 
     # -- the slow momentum -----------------------------------------------------------
 
-    def _shard(self) -> slice:
-        """This rank's slice of the flat parameters in memory-efficient mode
-        (empty for ranks past the shards)."""
+    def _shard_counts(self) -> tuple:
+        """Elements of the flat parameters each rank owns in memory-efficient
+        mode: equal shards for the first slowmo_num_shards ranks (the last
+        shorter), none for the others."""
         total = sum(p.numel() for p in self._params)
         length = -(-total // self.slowmo_num_shards)
-        r = self._world.rank
+        return tuple(max(0, min((r + 1) * length, total) - min(r * length, total))
+                     if r < self.slowmo_num_shards else 0 for r in range(self._world.size))
+
+    def _shard(self) -> slice:
+        """This rank's slice of the flat parameters (all of them unless
+        memory-efficient)."""
         if not self.slowmo_memory_efficient:
-            return slice(0, total)
-        return slice(min(r * length, total), min((r + 1) * length, total)) \
-            if r < self.slowmo_num_shards else slice(total, total)
+            return slice(0, sum(p.numel() for p in self._params))
+        counts = self._shard_counts()
+        start = sum(counts[:self._world.rank])
+        return slice(start, start + counts[self._world.rank])
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self._params])
@@ -221,17 +228,23 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
     def _slow_step(self, optimizer) -> None:
         part = self._shard()
         if self.slowmo_memory_efficient:
-            flat = self._flat() / self._world.size   # the world mean, reduced to every rank
-            self._world.allreduce(flat, _C.OP_SUM, _C.NO_WIRE, False)
+            # Each shard owner gets its shard of the world mean (a reduce-
+            # scatter: half an allreduce's bytes), steps it, and every rank
+            # gathers the owners' shards of θ.
+            counts = self._shard_counts()
+            x = torch.empty(part.stop - part.start)
+            self._world.reduce_scatter(self._flat(), x, counts, _C.OP_AVG)
         else:
-            flat = self._flat()                      # x̄ when a LocalSGD average just ran
+            x = self._flat()                         # x̄ when a LocalSGD average just ran
         lr = self._lrs(optimizer, part)
-        x = flat[part]
         self._u.mul_(self.slowmo_momentum).add_((self._theta - x) / lr)
         self._theta.sub_(self.slowmo_lr * lr * self._u)
-        # Memory-efficient: every rank takes the owners' slices of θ.
-        self._write(allgather(self._theta, comm=self._world) if self.slowmo_memory_efficient
-                    else self._theta)
+        if self.slowmo_memory_efficient:
+            theta = torch.empty(sum(counts))
+            self._world.allgatherv(self._theta, theta, counts)
+            self._write(theta)
+        else:
+            self._write(self._theta)
 
     # -- checkpoints -----------------------------------------------------------------
 

@@ -2,7 +2,9 @@
  * also 3 and 4; rank-agnostic): allreduce with sum, min, max and prod of every
  * integer dtype and min/max of bool against results computed here from all
  * ranks' inputs; the op/dtype combinations MPI has no meaning for refused
- * before anything is posted; allgather of equal blocks; a broadcast of int64. */
+ * before anything is posted; allgather of equal blocks; a broadcast of int64;
+ * reduce-scatter (sum and avg, float32 and float64) and allgatherv with
+ * uneven counts, zero counts included, against values computed here. */
 #include <mpi.h>
 #include <stdint.h>
 #include <string.h>
@@ -161,6 +163,72 @@ TEST(allgather_and_bcast_move_any_dtype)
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
+/* Counts per rank: uneven, with a zero for rank 1 (when there is one). */
+static size_t count_of(int r) { return r == 1 ? 0 : (size_t)(3 + 2 * r); }
+
+TEST(reduce_scatter_and_allgatherv_with_uneven_counts)
+{
+    mpidp_reqtable_t *reqs = table();
+    size_t counts[8], total = 0, at = 0;
+    for (int r = 0; r < size_; r++) counts[r] = count_of(r), total += counts[r];
+    for (int r = 0; r < rank_; r++) at += counts[r];
+    double send64[64], recv64[64], want;
+    float send32[64], recv32[64];
+    for (size_t i = 0; i < total; i++) send64[i] = (double)(i * (size_t)(rank_ + 1)) * 0.5, send32[i] = (float)send64[i];
+    static const int ops[] = {MPIDP_OP_SUM, MPIDP_OP_AVG};
+    for (int oi = 0; oi < 2; oi++) {
+        int op = ops[oi];
+        mpidp_tensor_t s64 = {.data = send64, .numel = total, .dtype = MPIDP_F64, .device = MPIDP_DEV_CPU};
+        mpidp_tensor_t r64 = {.data = recv64, .numel = counts[rank_], .dtype = MPIDP_F64, .device = MPIDP_DEV_CPU};
+        mpidp_tensor_t s32 = s64, r32 = r64;
+        s32.data = send32, s32.dtype = MPIDP_F32, r32.data = recv32, r32.dtype = MPIDP_F32;
+        mpidp_vcoll_t *x = NULL;
+        ASSERT_OK(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &s64, &r64, counts, op, reqs, &x));
+        ASSERT_OK(mpidp_vcoll_wait(x, 10.0));
+        ASSERT_OK(mpidp_vcoll_free(x));
+        ASSERT_OK(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &s32, &r32, counts, op, reqs, &x));
+        ASSERT_OK(mpidp_vcoll_wait(x, 10.0));
+        ASSERT_OK(mpidp_vcoll_free(x));
+        for (size_t i = 0; i < counts[rank_]; i++) {
+            /* The sum over r of (at + i) * (r + 1) * 0.5 is exact in both
+             * dtypes; avg multiplies it by the dtype's 1/size. */
+            want = (double)(at + i) * 0.5 * (double)(size_ * (size_ + 1) / 2);
+            int avg = op == MPIDP_OP_AVG;
+            ASSERT_TRUE(recv64[i] == (avg ? want * (1.0 / size_) : want));
+            ASSERT_TRUE(recv32[i] == (avg ? (float)want * (float)(1.0 / size_) : (float)want));
+        }
+    }
+    /* allgatherv: rank r sends counts[r] int32 values r*100 + i. */
+    int32_t mine[64], all[64];
+    for (size_t i = 0; i < counts[rank_]; i++) mine[i] = rank_ * 100 + (int32_t)i;
+    mpidp_tensor_t s = {.data = mine, .numel = counts[rank_], .dtype = MPIDP_I32, .device = MPIDP_DEV_CPU};
+    mpidp_tensor_t r = {.data = all, .numel = total, .dtype = MPIDP_I32, .device = MPIDP_DEV_CPU};
+    mpidp_vcoll_t *x = NULL;
+    ASSERT_OK(mpidp_allgatherv_start(MPI_COMM_WORLD, &s, &r, counts, reqs, &x));
+    ASSERT_OK(mpidp_vcoll_wait(x, 10.0));
+    ASSERT_OK(mpidp_vcoll_free(x));
+    size_t k = 0;
+    for (int q = 0; q < size_; q++)
+        for (size_t i = 0; i < counts[q]; i++) ASSERT_EQ_INT(all[k++], q * 100 + (int)i);
+    /* Refused before anything is posted. */
+    r.numel = total - 1;
+    ASSERT_EQ_INT(mpidp_allgatherv_start(MPI_COMM_WORLD, &s, &r, counts, reqs, &x), MPIDP_EINVAL);
+    r.numel = total;
+    mpidp_tensor_t si = s;
+    si.numel = total;
+    ASSERT_EQ_INT(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &si, &s, counts, MPIDP_OP_SUM, reqs, &x),
+                  MPIDP_EDTYPE);
+    mpidp_tensor_t s64 = {.data = send64, .numel = total, .dtype = MPIDP_F64, .device = MPIDP_DEV_CPU};
+    mpidp_tensor_t r64 = {.data = recv64, .numel = counts[rank_], .dtype = MPIDP_F64, .device = MPIDP_DEV_CPU};
+    ASSERT_EQ_INT(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &s64, &r64, counts, MPIDP_OP_MAX, reqs, &x),
+                  MPIDP_EINVAL);
+    s64.numel = total + 1;
+    ASSERT_EQ_INT(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &s64, &r64, counts, MPIDP_OP_SUM, reqs, &x),
+                  MPIDP_EINVAL);
+    ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
+    mpidp_reqtable_destroy(reqs);
+}
+
 TEST_MAIN_MPI(integer_allreduce_sum_min_max_prod, bool_allreduce_is_all_and_any,
               meaningless_op_dtype_pairs_are_refused_before_posting,
-              allgather_and_bcast_move_any_dtype)
+              allgather_and_bcast_move_any_dtype, reduce_scatter_and_allgatherv_with_uneven_counts)

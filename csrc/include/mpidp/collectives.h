@@ -1,4 +1,5 @@
-/* Broadcast, allgather and barrier (the allreduce lives in mpidp/allreduce.h).
+/* Broadcast, allgather, barrier, reduce-scatter and allgatherv (the
+ * allreduce lives in mpidp/allreduce.h).
  *
  * These post a non-blocking MPI operation and register it in the request
  * table; the caller waits through the table (so every wait has a deadline).
@@ -24,5 +25,28 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
 
 /* Posts a barrier. */
 int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_req_t *out);
+
+/* Collectives with a count per rank (uneven blocks), which own their counts
+ * until completion (MPI reads them while the operation runs). */
+typedef struct mpidp_vcoll mpidp_vcoll_t;
+
+/* Posts a reduce-scatter: rank r receives in `recv` (counts[r] elements) the
+ * sum, or with op MPIDP_OP_AVG the mean, over the ranks of `send`'s block r
+ * (blocks in rank order; send holds sum(counts) elements). float32 or
+ * float64; `recv` must not overlap `send`. `counts` has one entry per rank
+ * and is copied. */
+int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
+                               const mpidp_tensor_t *recv, const size_t *counts, int op,
+                               mpidp_reqtable_t *reqs, mpidp_vcoll_t **out);
+/* Posts an allgather of uneven blocks: rank r's `send` (counts[r] elements)
+ * lands in `recv` (sum(counts) elements, rank order). Moves bytes: any
+ * dtype, the same on every rank. */
+int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
+                           const size_t *counts, mpidp_reqtable_t *reqs, mpidp_vcoll_t **out);
+/* Waits (deadline per wait, as the request table's), then finishes the
+ * operation (the mean's scaling). */
+int mpidp_vcoll_wait(mpidp_vcoll_t *x, double timeout_s);
+/* Frees it; MPIDP_ESTATE (nothing freed) while it is in flight. */
+int mpidp_vcoll_free(mpidp_vcoll_t *x);
 
 #endif /* MPIDP_COLLECTIVES_H */
