@@ -38,7 +38,12 @@ def q(x: torch.Tensor) -> torch.Tensor:
 
 def replica(n: int, seed: int, average: bool) -> torch.Tensor:
     """The algorithm of mpidp/qallreduce.h for one segment (n <= 2^22)."""
-    inputs = [data_of(r, n, seed) for r in range(SIZE)]
+    return replica_of([data_of(r, n, seed) for r in range(SIZE)], average)
+
+
+def replica_of(inputs, average: bool) -> torch.Tensor:
+    """The same over every rank's given input."""
+    n = inputs[0].numel()
     chunk = -(-(-(-n // SIZE)) // B) * B
     out = torch.empty(n)
     for c in range(SIZE):
@@ -102,3 +107,52 @@ def test_two_in_flight_waited_in_opposite_orders_on_odd_and_even_ranks():
         w.wait()
     assert torch.equal(b, replica(5000, seed=22, average=True))
     assert len(set(COMM.allgather(a.view(torch.int32)[::997].sum().item()))) == 1
+
+
+def test_data_parallel_with_uint8_wire_reduces_each_bucket_as_the_replica():
+    """DataParallel(wire_dtype=torch.uint8): each float32 bucket's data, scaled
+    by 1/size, go through the quantized allreduce; one bucket here (large
+    caps), laid out by the core's plan. The averaged .grad equals the replica
+    applied to every rank's bucket bit for bit; a parameter no rank used
+    keeps .grad None (the flags travel exactly)."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = (torch.nn.Linear(20, 30), torch.nn.Linear(30, 5),
+                                           torch.nn.Linear(3, 3))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    model = Net()
+    net = mpidp.DataParallel(model, wire_dtype=torch.uint8, bucket_cap_mb=100.0,
+                             first_bucket_cap_mb=100.0)
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    params = [p for p in reference.parameters()]
+    used = [p for n, p in reference.named_parameters() if not n.startswith("unused")]
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4 * SIZE, 20, generator=g), torch.randn(4 * SIZE, 5, generator=g)
+    torch.nn.functional.mse_loss(net(x[4 * RANK:4 * RANK + 4]), y[4 * RANK:4 * RANK + 4]).backward()
+    bucket_of, offset, infos = _C.plan_buckets([p.numel() for p in params],
+                                               [_C.DTYPE_F32] * len(params), 100 << 20, 100 << 20)
+    assert len(infos) == 1
+    flats = []
+    for r in range(SIZE):
+        grads = torch.autograd.grad(torch.nn.functional.mse_loss(
+            reference(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]), used)
+        flat = torch.zeros(infos[0][0])
+        for p, gr in zip(used, grads):
+            i = next(k for k, q in enumerate(params) if q is p)
+            flat[offset[i]:offset[i] + p.numel()] = gr.reshape(-1)
+        flats.append(flat * torch.tensor(1.0 / SIZE, dtype=torch.float32))
+    want = replica_of(flats, average=False)
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name.startswith("unused"):
+            assert p.grad is None
+            continue
+        got = p.grad.reshape(-1)
+        assert torch.equal(got.view(torch.int32),
+                           want[offset[i]:offset[i] + p.numel()].view(torch.int32)), name

@@ -11,6 +11,7 @@
 #include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
+#include "mpidp/qallreduce.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
 #include "reducer_internal.h"
@@ -18,7 +19,14 @@
 /* A float32 bucket that travels as bf16/fp16. */
 static int bk_compressed(const mpidp_reducer_t *r, const bucket_t *bk)
 {
-    return r->wire != -1 && bk->info.dtype == MPIDP_F32;
+    return (r->wire == MPIDP_BF16 || r->wire == MPIDP_F16) && bk->info.dtype == MPIDP_F32;
+}
+
+/* A float32 bucket whose data travel quantized to 8 bits (mpidp/qallreduce.h);
+ * its flags go beside them in a float32 allreduce, exactly. */
+static int bk_quantized(const mpidp_reducer_t *r, const bucket_t *bk)
+{
+    return r->wire == MPIDP_U8 && bk->info.dtype == MPIDP_F32;
 }
 
 /* The dtype MPI reduces for this bucket. */
@@ -65,7 +73,7 @@ static int init_bucket(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg, si
         return mpidp__fail(MPIDP_EDTYPE, "reducer: cannot reduce %s gradients", mpidp_dtype_name(dt));
     if (r->wire != -1 && dt != MPIDP_F32 && dt != r->wire)
         return mpidp__fail(MPIDP_EDTYPE, "reducer: %s gradients cannot travel as %s (wire "
-                           "compression takes float32 to bfloat16 or float16)",
+                           "compression takes float32 to bfloat16, float16 or uint8)",
                            mpidp_dtype_name(dt), mpidp_dtype_name(cfg->wire_dtype));
     if (count > (size_t)INT_MAX)
         return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu exceeds INT_MAX elements", b);
@@ -124,8 +132,9 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
         return mpidp__fail(MPIDP_EINVAL, "reducer: missing parameter sizes or dtypes");
     if (cfg->n_buckets > 0 && cfg->bucket_tensors == NULL)
         return mpidp__fail(MPIDP_EINVAL, "reducer: missing bucket tensors");
-    if (cfg->wire_dtype != -1 && cfg->wire_dtype != MPIDP_BF16 && cfg->wire_dtype != MPIDP_F16)
-        return mpidp__fail(MPIDP_EINVAL, "reducer: wire dtype must be bfloat16 or float16");
+    if (cfg->wire_dtype != -1 && cfg->wire_dtype != MPIDP_BF16 && cfg->wire_dtype != MPIDP_F16 &&
+        cfg->wire_dtype != MPIDP_U8)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: wire dtype must be bfloat16, float16 or uint8");
 
     mpidp_reducer_t *r = calloc(1, sizeof *r);
     if (r == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer");
@@ -148,6 +157,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->divisor = r->size;
     r->reqs = cfg->reqs;
     r->wire = cfg->wire_dtype;
+    r->drain_timeout_s = cfg->drain_timeout_s;
     r->separate = cfg->separate != 0;
     r->staged = cfg->staged != 0;
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
@@ -251,10 +261,42 @@ static int post_in_order(mpidp_reducer_t *r)
     return MPIDP_OK;
 }
 
+/* Posts bucket b's sum of `count` elements of `buf` in dtype `wire_dtype`. */
+static int post_plain(mpidp_reducer_t *r, size_t b, void *buf, size_t count, int wire_dtype)
+{
+    bucket_t *bk = &r->buckets[b];
+    char what[MPIDP_REQ_WHAT_LEN + 64]; /* the table keeps MPIDP_REQ_WHAT_LEN of it */
+    snprintf(what, sizeof what, "%s: MPI_Iallreduce of gradient bucket %zu/%zu (%zu %s)", r->name,
+             b + 1, r->n_buckets, bk->info.numel, mpidp_dtype_name(wire_dtype));
+    return mpidp__post_iallreduce(r->comm, r->reqs, buf, count, MPIDP_OP_SUM, wire_dtype, what,
+                                  &bk->req);
+}
+
+/* Posts bucket b's flags (an exact float32 allreduce: collectives go in
+ * bucket order on every rank) and then its data's quantized allreduce, whose
+ * point-to-point exchanges need no order. */
+static int post_quantized(mpidp_reducer_t *r, size_t b, float *buf)
+{
+    bucket_t *bk = &r->buckets[b];
+    char what[MPIDP_REQ_WHAT_LEN + 64];
+    snprintf(what, sizeof what, "%s: MPI_Iallreduce of bucket %zu/%zu's flags", r->name, b + 1,
+             r->n_buckets);
+    int rc = mpidp__post_iallreduce(r->comm, r->reqs, buf + bk->info.numel, bk->info.n_params,
+                                    MPIDP_OP_SUM, MPIDP_F32, what, &bk->req);
+    if (rc != MPIDP_OK) return rc;
+    mpidp_tensor_t t = {.data = buf, .numel = bk->info.numel, .dtype = MPIDP_F32,
+                        .device = MPIDP_DEV_CPU};
+    mpidp_qallreduce_opts_t o = {.drain_timeout_s = r->drain_timeout_s, .what = r->name};
+    rc = mpidp_qallreduce_start(r->comm, &t, &o, r->reqs, &bk->q);
+    if (rc != MPIDP_OK) bk->state = MPIDP_BUCKET_POSTED; /* the flags are in flight: keep the buffers */
+    return rc;
+}
+
 static int post_bucket(mpidp_reducer_t *r, size_t b)
 {
     bucket_t *bk = &r->buckets[b];
-    if (r->size == 1 && bk->comm == NULL) return complete_bucket(r, bk);
+    /* One rank sums nothing, but a quantized bucket still rounds as in a larger job. */
+    if (r->size == 1 && bk->comm == NULL && !bk_quantized(r, bk)) return complete_bucket(r, bk);
     size_t count = bk->info.numel + bk->info.n_params;
     void *buf = bk->data;
     int wire_dtype = comm_dtype(r, bk);
@@ -295,11 +337,8 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
          * from zero, ready for whatever the user does before delivery. */
         memset(bk->data, 0, bk->info.numel * mpidp_dtype_size(bk->info.dtype));
     }
-    char what[MPIDP_REQ_WHAT_LEN + 64]; /* the table keeps MPIDP_REQ_WHAT_LEN of it */
-    snprintf(what, sizeof what, "%s: MPI_Iallreduce of gradient bucket %zu/%zu (%zu %s)", r->name,
-             b + 1, r->n_buckets, bk->info.numel, mpidp_dtype_name(wire_dtype));
-    int rc = mpidp__post_iallreduce(r->comm, r->reqs, buf, count, MPIDP_OP_SUM, wire_dtype, what,
-                                    &bk->req);
+    int rc = bk_quantized(r, bk) ? post_quantized(r, b, buf)
+                                 : post_plain(r, b, buf, count, wire_dtype);
     if (rc != MPIDP_OK) return rc;
     bk->state = MPIDP_BUCKET_POSTED;
     return MPIDP_OK;
@@ -407,6 +446,14 @@ int mpidp_reducer_wait_bucket(mpidp_reducer_t *r, size_t b, double timeout_s)
         return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu was never sent (%zu parameters missing)",
                            r->name, b, bk->pending);
     int rc = mpidp_reqtable_wait(r->reqs, bk->req, timeout_s);
+    if (rc == MPIDP_OK && bk_quantized(r, bk) && bk->q == NULL)
+        return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu's quantized allreduce failed to start; "
+                           "its gradients were not reduced", r->name, b);
+    if (rc == MPIDP_OK && bk->q) {
+        rc = mpidp_qallreduce_wait(bk->q, timeout_s);
+        if (rc == MPIDP_OK) rc = mpidp_qallreduce_free(bk->q);
+        if (rc == MPIDP_OK) bk->q = NULL;
+    }
     if (rc != MPIDP_OK) return rc;
     return complete_bucket(r, bk);
 }

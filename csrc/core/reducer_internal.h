@@ -16,13 +16,15 @@ typedef struct {
     int staged_in;         /* staged mode: the caller copied this pass's gradients in */
     int home;              /* staged mode: the result was copied back */
     mpidp_bucket_state_t state;
-    mpidp_req_t req;
+    mpidp_req_t req;       /* the allreduce (with a uint8 wire: of the flags only) */
+    struct mpidp_qallreduce *q; /* uint8 wire: the data's quantized allreduce in flight */
 } bucket_t;
 
 struct mpidp_reducer {
     MPI_Comm comm;
     int size;
     int divisor;           /* gradients are averaged over this many ranks */
+    double drain_timeout_s;
     mpidp_reqtable_t *reqs;
     size_t n_params;
     uint32_t *param_bucket;

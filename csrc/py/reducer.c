@@ -193,7 +193,8 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_numel = sz.numel,
         .param_dtype = sz.dtype, .first_cap = (size_t)first_cap, .cap = (size_t)cap,
         .n_buckets = (size_t)nb, .bucket_tensors = tensors, .wire_dtype = wire,
-        .separate = !blocking, .name = name, .staged = staged};
+        .separate = !blocking, .name = name, .staged = staged,
+        .drain_timeout_s = mpidp_py_timeout_s};
     if (CORE(r, "DataParallel", mpidp_reducer_create(&cfg, &r->core)) == 0) goto done;
 fail:
     Py_CLEAR(r);

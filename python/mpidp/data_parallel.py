@@ -168,10 +168,13 @@ class DataParallel(torch.nn.Module):
         before reading the parameters. False falls back to blocking with a
         warning for no or more than one optimizer, an optimizer not holding
         exactly the model's parameters, or one not known to be elementwise.
-    wire_dtype : torch.bfloat16, torch.float16 or None, keyword-only
-        Send float32 gradient buckets compressed to this dtype (halving the
-        bytes on the wire; the sum is done in fp32 per element and rounded
-        once per hop). None sends gradients in their own dtype.
+    wire_dtype : torch.bfloat16, torch.float16, torch.uint8 or None, keyword-only
+        Send float32 gradient buckets compressed to this dtype: 16 bits halve
+        the bytes on the wire (the sum is done in fp32 per element and
+        rounded once per hop); torch.uint8 quantizes them to 8 bits in blocks
+        of 256 (about a quarter of the bytes; see mpidp.allreduce), the
+        "which parameters had a gradient" flags staying exact. None sends
+        gradients in their own dtype.
     bucket_cap_mb, first_bucket_cap_mb : float, keyword-only
         Size caps of the gradient buckets (one allreduce each). The first
         bucket is small so communication starts early in backward.
@@ -198,7 +201,7 @@ class DataParallel(torch.nn.Module):
                 raise ValueError(f"{name}: expected a positive number of MiB, got {value!r}")
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
-        wire = wire_code(wire_dtype)
+        wire = wire_code(wire_dtype, quantized=True)
         if wire == code_of(torch.float32, "wire_dtype"):
             wire = _C.NO_WIRE  # float32 on the wire: no compression
         c_comm = resolve_comm(comm)

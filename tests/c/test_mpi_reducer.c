@@ -3,10 +3,13 @@
  * order and leaves different parameters without a gradient; the result must
  * be the mean over ranks, computed here independently, on every rank. */
 #include <mpi.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "mpidp/bucket.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
+#include "mpidp/qallreduce.h"
 #include "mpidp/reducer.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
@@ -218,5 +221,56 @@ static void separate_pass(int wire, int *mpidp__test_failed)
 TEST(separate_buffers) { separate_pass(-1, mpidp__test_failed); }
 TEST(separate_buffers_bf16_wire) { separate_pass(MPIDP_BF16, mpidp__test_failed); }
 
+/* float32 buckets with a uint8 wire: each bucket's data equal, bit for bit,
+ * a standalone quantized allreduce (tests/c/test_mpi_qallreduce.c checks
+ * that one against a model) of the data scaled by 1/size, unused slices
+ * zeroed; the flags stay exact. Blocking and separate buffers. */
+static void quantized_pass(int separate, int *mpidp__test_failed)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    f32_reducer_t f;
+    ASSERT_OK(f32_reducer(&f, MPIDP_U8, separate));
+    float *want[NP];
+    for (int i = 0; i < NP; i++)
+        for (int k = 0; k < PN; k++)
+            ((float *)f.data[f.bucket[i]])[f.offset[i] + (size_t)k] =
+                has_grad(rank, i) ? 0.1f * grad_of(rank, i, k) : 7.0f;
+    for (size_t b = 0; b < f.nb; b++) {
+        want[b] = malloc(f.info[b].numel * sizeof(float));
+        memcpy(want[b], f.data[b], f.info[b].numel * sizeof(float));
+    }
+    for (int i = 0; i < NP; i++)
+        if (!has_grad(rank, i)) memset(want[f.bucket[i]] + f.offset[i], 0, PN * sizeof(float));
+    for (size_t b = 0; b < f.nb; b++) {
+        mpidp_pack_kernels()->scale_f32(want[b], (float)(1.0 / size), f.info[b].numel);
+        mpidp_tensor_t t = {.data = want[b], .numel = f.info[b].numel, .dtype = MPIDP_F32,
+                            .device = MPIDP_DEV_CPU};
+        mpidp_qallreduce_opts_t o = {.what = "want"};
+        mpidp_qallreduce_t *q = NULL;
+        ASSERT_OK(mpidp_qallreduce_start(MPI_COMM_WORLD, &t, &o, f.reqs, &q));
+        ASSERT_OK(mpidp_qallreduce_wait(q, 30.0));
+        ASSERT_OK(mpidp_qallreduce_free(q));
+    }
+    for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(f.r, (size_t)i, has_grad(rank, i)));
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 30.0));
+    for (int i = 0; i < NP; i++) {
+        int used = -1;
+        ASSERT_OK(mpidp_reducer_used_globally(f.r, (size_t)i, &used));
+        ASSERT_EQ_INT(used, i != 5);
+        if (separate) ASSERT_OK(mpidp_reducer_deliver(f.r, (size_t)i, MPIDP_DELIVER_COPY));
+        size_t n;
+        const float *got = mpidp_reducer_slice(f.r, (size_t)i, &n);
+        ASSERT_TRUE(memcmp(got, want[f.bucket[i]] + f.offset[i], n * sizeof(float)) == 0);
+    }
+    ASSERT_OK(mpidp_reducer_reset(f.r));
+    for (size_t b = 0; b < f.nb; b++) free(want[b]);
+    ASSERT_OK(f32_reducer_free(&f));
+}
+
+TEST(uint8_wire) { quantized_pass(0, mpidp__test_failed); }
+TEST(separate_buffers_uint8_wire) { quantized_pass(1, mpidp__test_failed); }
+
 TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters, bf16_wire, fp16_wire, separate_buffers,
-              separate_buffers_bf16_wire)
+              separate_buffers_bf16_wire, uint8_wire, separate_buffers_uint8_wire)

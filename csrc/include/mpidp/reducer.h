@@ -67,6 +67,9 @@ typedef struct {
     int separate;                        /* 1: separate communication buffers (see above) */
     const char *name;                    /* used in messages, e.g. "DataParallel" */
     int staged;                          /* 1: the caller stages buckets (see above) */
+    double drain_timeout_s;              /* wire uint8: when a bucket's quantized allreduce
+                                          * cannot start, what it posted is waited for this
+                                          * long (<= 0: no limit) */
 } mpidp_reducer_config_t;
 
 typedef enum {
