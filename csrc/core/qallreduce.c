@@ -253,6 +253,14 @@ static int progress(mpidp_qallreduce_t *x, int *done)
     return MPIDP_OK;
 }
 
+mpidp_req_t mpidp_qallreduce_pending(const mpidp_qallreduce_t *x)
+{
+    for (size_t i = 0; x && i < x->n_slots; i++)
+        if (x->slots[i].state != FREE && x->slots[i].n_reqs > 0)
+            return x->slots[i].reqs[x->slots[i].n_reqs - 1];
+    return MPIDP_REQ_NONE;
+}
+
 int mpidp_qallreduce_wait(mpidp_qallreduce_t *x, double timeout_s)
 {
     if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "qallreduce: NULL argument");

@@ -45,6 +45,7 @@ static void free_reducer(mpidp_reducer_t *r)
     free(r->ready);
     free(r->bucket_first);
     free(r->members);
+    mpidp__hier_free(r);
     for (size_t b = 0; r->buckets && b < r->n_buckets; b++) free(r->buckets[b].comm);
     free(r->buckets);
     mpidp__reducer_pass_free(r);
@@ -164,6 +165,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     rc = init_layout(r, cfg);
     if (rc == MPIDP_OK && mpidp__reducer_pass_alloc(r) != MPIDP_OK)
         rc = mpidp__fail(MPIDP_ENOMEM, "reducer: pass state of %zu buckets", r->n_buckets);
+    if (rc == MPIDP_OK) rc = mpidp__hier_init(r, cfg);
     if (rc != MPIDP_OK) {
         free_reducer(r); /* the detail was recorded before: free touches nothing of it */
         return rc;
@@ -244,7 +246,7 @@ static void scale_data(bucket_t *bk, double s)
     }
 }
 
-static int complete_bucket(mpidp_reducer_t *r, bucket_t *bk);
+#define complete_bucket mpidp__reducer_complete_bucket
 static int post_bucket(mpidp_reducer_t *r, size_t b);
 
 /* Posts, strictly in bucket order, every bucket that is full (and, in staged
@@ -337,8 +339,9 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
          * from zero, ready for whatever the user does before delivery. */
         memset(bk->data, 0, bk->info.numel * mpidp_dtype_size(bk->info.dtype));
     }
-    int rc = bk_quantized(r, bk) ? post_quantized(r, b, buf)
-                                 : post_plain(r, b, buf, count, wire_dtype);
+    int rc = r->hier          ? mpidp__hier_post(r, b, buf, wire_dtype)
+             : bk_quantized(r, bk) ? post_quantized(r, b, buf)
+                                   : post_plain(r, b, buf, count, wire_dtype);
     if (rc != MPIDP_OK) return rc;
     bk->state = MPIDP_BUCKET_POSTED;
     return MPIDP_OK;
@@ -346,7 +349,7 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
 
 /* The bucket's collective has completed: bring compressed results home
  * (separate mode leaves them for mpidp_reducer_deliver). */
-static int complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
+int mpidp__reducer_complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
 {
     if (bk_compressed(r, bk) && !r->separate) {
         const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
@@ -445,6 +448,7 @@ int mpidp_reducer_wait_bucket(mpidp_reducer_t *r, size_t b, double timeout_s)
     if (bk->state == MPIDP_BUCKET_COLLECTING)
         return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu was never sent (%zu parameters missing)",
                            r->name, b, bk->pending);
+    if (r->hier) return mpidp__hier_wait(r, b, timeout_s); /* completes the bucket */
     int rc = mpidp_reqtable_wait(r->reqs, bk->req, timeout_s);
     if (rc == MPIDP_OK && bk_quantized(r, bk) && bk->q == NULL)
         return mpidp__fail(MPIDP_ESTATE, "%s: bucket %zu's quantized allreduce failed to start; "
@@ -554,6 +558,7 @@ int mpidp_reducer_reset(mpidp_reducer_t *r)
     r->n_ready = 0;
     mpidp__reducer_pass_clear(r);
     r->next_to_post = 0;
+    if (r->hier) mpidp__hier_reset(r);
     for (size_t b = 0; b < r->n_buckets; b++) {
         r->buckets[b].pending = r->buckets[b].info.n_params;
         r->buckets[b].state = MPIDP_BUCKET_COLLECTING;

@@ -18,6 +18,13 @@ typedef struct {
     mpidp_bucket_state_t state;
     mpidp_req_t req;       /* the allreduce (with a uint8 wire: of the flags only) */
     struct mpidp_qallreduce *q; /* uint8 wire: the data's quantized allreduce in flight */
+    struct {                   /* hierarchical mode (reducer_hier.c) */
+        int phase;             /* idle, scatter, cross, gather, done */
+        int dtype;             /* what travels: the wire or the bucket's dtype */
+        void *buf;             /* the bucket's data as it travels (bucket or comm buffer) */
+        void *slice;           /* this local rank's slice of it */
+        int *counts, *displs;  /* the slices of every local rank, in elements */
+    } h;
 } bucket_t;
 
 struct mpidp_reducer {
@@ -43,6 +50,14 @@ struct mpidp_reducer {
     int staged;            /* buckets are posted only once the caller staged them */
     char name[48];
 
+    /* Hierarchical mode (reducer_hier.c). */
+    int hier;
+    MPI_Comm h_node, h_cross, h_gather; /* node reduce-scatter, cross-node, node allgather */
+    int h_size, h_rank;                 /* the node's ranks and this rank's place in it */
+    size_t h_next_cross, h_next_gather; /* the next bucket to start each phase for */
+    int h_error;                        /* a failed phase: sticky, with its detail */
+    char h_detail[200];
+
     /* The pass (reducer_pass.c): what the caller's .grad were and must become. */
     uint8_t *was_none;     /* .grad was None when prepare pointed it at its view */
     uint8_t *local_has;    /* this rank contributed a gradient (or it was fixed up since) */
@@ -55,6 +70,21 @@ struct mpidp_reducer {
     int paused;            /* no_sync: gradients arriving are held, not marked */
     int held;              /* a paused backward held gradients no pass has reduced yet */
 };
+
+/* The bucket's collective has completed: bring compressed results home. */
+int mpidp__reducer_complete_bucket(mpidp_reducer_t *r, bucket_t *bk);
+
+/* Hierarchical mode: set-up (slices, engine registration), freeing, the
+ * first phase of bucket b over `buf` travelling as `dtype`, progress (the
+ * request table's engine callback too), waiting for bucket b, and forgetting
+ * the pass. */
+int mpidp__hier_init(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg);
+void mpidp__hier_free(mpidp_reducer_t *r);
+int mpidp__hier_post(mpidp_reducer_t *r, size_t b, void *buf, int dtype);
+int mpidp__hier_progress(mpidp_reducer_t *r);
+void mpidp__hier_engine(void *ctx);
+int mpidp__hier_wait(mpidp_reducer_t *r, size_t b, double timeout_s);
+void mpidp__hier_reset(mpidp_reducer_t *r);
 
 /* Allocates and frees the pass arrays (called by create and free). */
 int mpidp__reducer_pass_alloc(mpidp_reducer_t *r);

@@ -64,9 +64,20 @@ void mpidp_reqtable_engine_remove(mpidp_reqtable_t *t, void *ctx)
     pthread_mutex_unlock(&t->lock);
 }
 
-/* Runs the engines' progress functions outside the lock (they post). A
- * snapshot: an engine removed meanwhile (its operation freed by another
- * thread) would be a use after free, so removal and progress must not race:
+/* 1 when `ctx` is still registered (an engine's progress may free another's
+ * operation: the reducer frees a bucket's quantized allreduce). */
+static int engine_live(mpidp_reqtable_t *t, void *ctx)
+{
+    int live = 0;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->n_engines && !live; i++) live = t->engines[i].ctx == ctx;
+    pthread_mutex_unlock(&t->lock);
+    return live;
+}
+
+/* Runs the engines' progress functions outside the lock (they post), each
+ * only if still registered when its turn comes. Across threads removal and
+ * progress must not race (an engine freed between the check and the call):
  * the glue serialises them (the GIL), as it does every reducer call. */
 static void run_engines(mpidp_reqtable_t *t)
 {
@@ -77,7 +88,8 @@ static void run_engines(mpidp_reqtable_t *t)
     n = t->n_engines;
     for (size_t i = 0; i < n; i++) snap[i].fn = t->engines[i].fn, snap[i].ctx = t->engines[i].ctx;
     pthread_mutex_unlock(&t->lock);
-    for (size_t i = 0; i < n; i++) snap[i].fn(snap[i].ctx);
+    for (size_t i = 0; i < n; i++)
+        if (engine_live(t, snap[i].ctx)) snap[i].fn(snap[i].ctx);
 }
 
 double mpidp_now(void)

@@ -128,7 +128,7 @@ static PyObject *reducer_get_n_ready(reducer_t *r, void *c) { (void)c; return Py
 static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(r->n_buckets); }
 
 /* Reducer(*, comm, params, views, buckets, param_numel, param_dtype, first_cap, cap,
- *         blocking, name, wire_dtype=-1, staged=False):
+ *         blocking, name, wire_dtype=-1, staged=False, hier_comms=None):
  * keyword-only, so a caller cannot swap two of the many arguments unnoticed.
  * The core plans the bucket layout from the parameters' sizes and dtypes and
  * the caps (as plan_buckets gave Python to allocate `buckets`) and checks
@@ -138,15 +138,17 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return 
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_numel", "param_dtype",
-                             "first_cap", "cap", "blocking", "name", "wire_dtype", "staged", NULL};
+                             "first_cap", "cap", "blocking", "name", "wire_dtype", "staged",
+                             "hier_comms", NULL};
     PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pn = NULL, *pd = NULL;
+    PyObject *hier = Py_None;
     unsigned long long first_cap = 0, cap = 0;
     int blocking = -1, wire = -1, staged = 0;
     const char *name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsip:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsipO:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &pn, &pd, &first_cap, &cap, &blocking, &name,
-                                     &wire, &staged))
+                                     &wire, &staged, &hier))
         return NULL;
     /* The format makes every keyword optional; all but the last two are required. */
     const void *given[] = {comm, params, views, buckets, pn, pd, first_cap ? &first_cap : NULL,
@@ -158,6 +160,15 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_ssize_t np = PyTuple_GET_SIZE(params), nb = PyTuple_GET_SIZE(buckets);
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
+    /* hier_comms: None, or the node (scatter), cross-node and node (gather) Comms. */
+    mpidp_py_comm_t *h[3] = {NULL, NULL, NULL};
+    if (c && hier != Py_None) {
+        if (!PyTuple_Check(hier) || PyTuple_GET_SIZE(hier) != 3)
+            return PyErr_Format(PyExc_TypeError, "hier_comms: expected None or 3 Comms");
+        for (int k = 0; k < 3; k++)
+            if ((h[k] = mpidp_py_as_comm(st, PyTuple_GET_ITEM(hier, k), "hier_comms")) == NULL)
+                return NULL;
+    }
     mpidp_py_sizes_t sz;
     if (c == NULL || mpidp_py_sizes(pn, pd, &sz) < 0) return NULL;
     mpidp_tensor_t *tensors = NULL;
@@ -172,6 +183,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->st = st;
     r->module = Py_NewRef(mpidp_py_module_of_type(type));
     r->comm = Py_NewRef(comm);
+    r->hier_comms = Py_NewRef(hier);
     r->params = Py_NewRef(params);
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
@@ -194,7 +206,10 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         .param_dtype = sz.dtype, .first_cap = (size_t)first_cap, .cap = (size_t)cap,
         .n_buckets = (size_t)nb, .bucket_tensors = tensors, .wire_dtype = wire,
         .separate = !blocking, .name = name, .staged = staged,
-        .drain_timeout_s = mpidp_py_timeout_s};
+        .drain_timeout_s = mpidp_py_timeout_s, .hierarchical = h[0] != NULL,
+        .hier_node_scatter = h[0] ? h[0]->comm : MPI_COMM_NULL,
+        .hier_cross = h[1] ? h[1]->comm : MPI_COMM_NULL,
+        .hier_node_gather = h[2] ? h[2]->comm : MPI_COMM_NULL};
     if (CORE(r, "DataParallel", mpidp_reducer_create(&cfg, &r->core)) == 0) goto done;
 fail:
     Py_CLEAR(r);
@@ -209,6 +224,7 @@ static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(r));
     Py_VISIT(r->module);
     Py_VISIT(r->comm);
+    Py_VISIT(r->hier_comms);
     Py_VISIT(r->params);
     Py_VISIT(r->views);
     Py_VISIT(r->bucket_tensors);
@@ -247,6 +263,7 @@ static void reducer_dealloc(reducer_t *r)
     reducer_clear(r);
     Py_CLEAR(r->bucket_tensors);
     Py_CLEAR(r->comm);
+    Py_CLEAR(r->hier_comms);
     Py_CLEAR(r->module);
     tp->tp_free((PyObject *)r);
     Py_DECREF(tp);

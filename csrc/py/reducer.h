@@ -19,6 +19,7 @@ typedef struct {
     mpidp_py_state *st;
     PyObject *module;
     PyObject *comm;
+    PyObject *hier_comms;      /* None, or the hierarchical mode's 3 Comms (kept alive) */
     PyObject *params;          /* tuple of parameters */
     PyObject *views;           /* tuple of gradient views into the buckets */
     PyObject *bucket_tensors;  /* tuple of flat bucket tensors (host memory) */

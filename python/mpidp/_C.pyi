@@ -64,7 +64,8 @@ class Reducer:
                  views: Tuple[torch.Tensor, ...], buckets: Tuple[torch.Tensor, ...],
                  param_numel: Tuple[int, ...], param_dtype: Tuple[int, ...], first_cap: int,
                  cap: int, blocking: bool, name: str, wire_dtype: int = ...,
-                 staged: bool = False) -> None: ...
+                 staged: bool = False,
+                 hier_comms: Optional[Tuple[Comm, Comm, Comm]] = None) -> None: ...
     @property
     def finalized(self) -> bool: ...
     @property

@@ -41,11 +41,12 @@ class GradientReducer(_C.Reducer):
     @classmethod
     def build(cls, comm: _C.Comm, params: Tuple[torch.Tensor, ...], dtypes: Sequence[int],
               first_cap: int, cap: int, blocking: bool, wire: int, staged: bool,
-              name: str = "DataParallel") -> "GradientReducer":
+              name: str = "DataParallel", hier_comms=None) -> "GradientReducer":
         """Plans the buckets (core), allocates them, and makes every parameter's
         gradient a view into its bucket. `staged`: the views live in device
         buckets (GPU gradients; forced on CPU by MPIDP_DP_STAGING), copied to
-        pinned host buckets for MPI and back."""
+        pinned host buckets for MPI and back. `hier_comms`: None, or the
+        hierarchical mode's node, cross-node and second node Comms."""
         numel = [p.numel() for p in params]
         bucket_of, offset, infos = _C.plan_buckets(numel, list(dtypes), first_cap, cap)
         by_code = dict(zip(dtypes, (p.dtype for p in params)))
@@ -59,7 +60,7 @@ class GradientReducer(_C.Reducer):
         views = tuple(grad_view(grads_in[b], off, p) for p, b, off in zip(params, bucket_of, offset))
         self = cls(comm=comm, params=params, views=views, buckets=host, param_numel=tuple(numel),
                    param_dtype=tuple(dtypes), first_cap=first_cap, cap=cap, blocking=blocking,
-                   name=name, wire_dtype=wire, staged=staged)
+                   name=name, wire_dtype=wire, staged=staged, hier_comms=hier_comms)
         self.blocking = blocking
         self.param_bucket = bucket_of
         # The tensors the .grad views are views of: their version counters

@@ -20,6 +20,7 @@ from ._loads import LoadWatch, optimizer_fingerprint
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
+from .topology import cross_node_comm, node_comm, topology
 
 __all__ = ["DataParallel"]
 
@@ -133,6 +134,21 @@ def _check_optimizers(optimizer) -> List[DataParallelOptimizer]:
     return items
 
 
+def _hierarchy(mpi_comm):
+    """The hierarchical reducer's communicators -- the node's (for the
+    reduce-scatter), the ranks with this local rank on every node, and the
+    node's again (a second duplicate, for the allgather) -- or None, with a
+    warning, where a hierarchy cannot help (one rank per node, one node)."""
+    topo = topology(mpi_comm)
+    if topo.local_size == 1 or topo.n_nodes == 1:
+        warnings.warn("DataParallel: hierarchical=True cannot help with "
+                      + ("one rank per node" if topo.local_size == 1 else "a single node")
+                      + "; reducing gradients flat", stacklevel=3)
+        return None
+    node = node_comm(mpi_comm)
+    return (resolve_comm(node), resolve_comm(cross_node_comm(mpi_comm)), _C.Comm(node))
+
+
 class DataParallel(torch.nn.Module):
     """Data-parallel training of `module` over the ranks of `comm`.
 
@@ -175,6 +191,13 @@ class DataParallel(torch.nn.Module):
         of 256 (about a quarter of the bytes; see mpidp.allreduce), the
         "which parameters had a gradient" flags staying exact. None sends
         gradients in their own dtype.
+    hierarchical : bool, keyword-only
+        Reduce each gradient bucket within the node first (reduce-scatter),
+        then each rank's slice across the nodes with the ranks of its local
+        rank, then gather within the node: every rank of a node carries 1/L
+        of the bytes between nodes. With torch.uint8 on the wire only the
+        cross-node phase is quantized (Bagua's ByteGrad). Warns and stays
+        flat with one rank per node or a single node.
     bucket_cap_mb, first_bucket_cap_mb : float, keyword-only
         Size caps of the gradient buckets (one allreduce each). The first
         bucket is small so communication starts early in backward.
@@ -189,7 +212,7 @@ class DataParallel(torch.nn.Module):
                  optimizer: Union[DataParallelOptimizer, Sequence[DataParallelOptimizer], None] = None,
                  blocking_parameter_updates: Optional[bool] = None, *, wire_dtype=None,
                  bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, hierarchical: bool = False):
         check_module(module)
         optimizers = _check_optimizers(optimizer)
         if blocking_parameter_updates is not None and not isinstance(blocking_parameter_updates, bool):
@@ -199,8 +222,9 @@ class DataParallel(torch.nn.Module):
                             ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: expected a positive number of MiB, got {value!r}")
-        if not isinstance(broadcast_buffers, bool):
-            raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
+        for name, value in (("broadcast_buffers", broadcast_buffers), ("hierarchical", hierarchical)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
         wire = wire_code(wire_dtype, quantized=True)
         if wire == code_of(torch.float32, "wire_dtype"):
             wire = _C.NO_WIRE  # float32 on the wire: no compression
@@ -232,7 +256,10 @@ class DataParallel(torch.nn.Module):
         check_same_structure(c_comm, as_mpi4py(comm), module, "DataParallel", settings={
             "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
             "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
-            "broadcast_buffers": broadcast_buffers, "MPIDP_CHECK every": check_every()})
+            "broadcast_buffers": broadcast_buffers, "hierarchical": hierarchical,
+            "MPIDP_CHECK every": check_every()})
+        self._hier_comms = _hierarchy(self._mpi_comm) if hierarchical else None
+        self.hierarchical = self._hier_comms is not None
         self.broadcast_buffers = broadcast_buffers
         broadcast_state(module, c_comm)
         self._check_every = check_every()
@@ -283,7 +310,7 @@ class DataParallel(torch.nn.Module):
         self._params = params
         self._reducer = GradientReducer.build(
             self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
-            wire=self._wire, staged=staged)
+            wire=self._wire, staged=staged, hier_comms=self._hier_comms)
         self._param_bucket = self._reducer.param_bucket
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
                               for i, p in enumerate(params)]

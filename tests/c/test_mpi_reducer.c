@@ -103,7 +103,8 @@ typedef struct {
     mpidp_reducer_t *r;
 } f32_reducer_t;
 
-static int f32_reducer(f32_reducer_t *f, int wire, int separate)
+/* hier: NULL (flat), or the node scatter, cross and node gather communicators. */
+static int f32_reducer_hier(f32_reducer_t *f, int wire, int separate, const MPI_Comm *hier)
 {
     int dtype[NP], rc = mpidp_mpiops_init();
     for (int i = 0; i < NP; i++) {
@@ -114,14 +115,22 @@ static int f32_reducer(f32_reducer_t *f, int wire, int separate)
         rc = mpidp_bucket_plan(f->numel, dtype, NP, 40, 80, f->bucket, f->offset, f->info, &f->nb);
     for (size_t b = 0; rc == MPIDP_OK && b < f->nb; b++)
         f->data[b] = calloc(f->info[b].numel + f->info[b].n_params, 4);
-    if (rc == MPIDP_OK) rc = mpidp_reqtable_create(16, &f->reqs);
+    if (rc == MPIDP_OK) rc = mpidp_reqtable_create(256, &f->reqs);
     mpidp_tensor_t tensors[NP];
     bucket_tensors(tensors, f->data, f->info, f->nb);
     mpidp_reducer_config_t cfg = {
         .comm = MPI_COMM_WORLD, .reqs = f->reqs, .n_params = NP, .param_numel = f->numel,
         .param_dtype = dtype, .first_cap = 40, .cap = 80, .n_buckets = f->nb,
-        .bucket_tensors = tensors, .wire_dtype = wire, .separate = separate, .name = "test"};
+        .bucket_tensors = tensors, .wire_dtype = wire, .separate = separate, .name = "test",
+        .hierarchical = hier != NULL, .hier_node_scatter = hier ? hier[0] : MPI_COMM_NULL,
+        .hier_cross = hier ? hier[1] : MPI_COMM_NULL,
+        .hier_node_gather = hier ? hier[2] : MPI_COMM_NULL, .drain_timeout_s = 30.0};
     return rc == MPIDP_OK ? mpidp_reducer_create(&cfg, &f->r) : rc;
+}
+
+static int f32_reducer(f32_reducer_t *f, int wire, int separate)
+{
+    return f32_reducer_hier(f, wire, separate, NULL);
 }
 
 static int f32_reducer_free(f32_reducer_t *f)
@@ -269,8 +278,60 @@ static void quantized_pass(int separate, int *mpidp__test_failed)
     ASSERT_OK(f32_reducer_free(&f));
 }
 
+/* Hierarchical mode: nodes of 2 ranks (one node of all ranks for an odd
+ * count). The mean of every rank's gradients, unused parameters flagged, for
+ * float32, bf16 and uint8 wires, blocking and separate buffers; float32
+ * within fp32 rounding (the sum is taken in another order than a flat
+ * allreduce), the compressed wires within their quantization. */
+static void hierarchical_pass(int wire, int separate, int *mpidp__test_failed)
+{
+    int rank, size;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    int L = size % 2 == 0 ? 2 : size;
+    MPI_Comm comms[3];
+    MPI_Comm_split(MPI_COMM_WORLD, rank / L, rank, &comms[0]);
+    MPI_Comm_split(MPI_COMM_WORLD, rank % L, rank, &comms[1]);
+    MPI_Comm_split(MPI_COMM_WORLD, rank / L, rank, &comms[2]);
+    f32_reducer_t f;
+    ASSERT_OK(f32_reducer_hier(&f, wire, separate, comms));
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < NP; i++)
+            for (int k = 0; k < PN; k++)
+                ((float *)f.data[f.bucket[i]])[f.offset[i] + (size_t)k] =
+                    has_grad(rank, i) ? 0.25f * (float)((rank + 1) * (i + k + pass)) : 7.0f;
+        for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(f.r, (size_t)i, has_grad(rank, i)));
+        ASSERT_OK(mpidp_reducer_wait_all(f.r, 30.0));
+        double top = 0.25 * size * (NP + PN + 1); /* above every mean */
+        double tol = wire == -1 ? 1e-6 * top : wire == MPIDP_BF16 ? top / 64 : 4 * top / 255;
+        for (int i = 0; i < NP; i++) {
+            int used = -1;
+            ASSERT_OK(mpidp_reducer_used_globally(f.r, (size_t)i, &used));
+            ASSERT_EQ_INT(used, i != 5);
+            if (separate) ASSERT_OK(mpidp_reducer_deliver(f.r, (size_t)i, MPIDP_DELIVER_COPY));
+            size_t n;
+            const float *got = mpidp_reducer_slice(f.r, (size_t)i, &n);
+            for (size_t k = 0; k < n; k++) {
+                double want = 0;
+                for (int q = 0; q < size; q++)
+                    if (has_grad(q, i)) want += 0.25 * (q + 1) * (i + (int)k + pass);
+                ASSERT_NEAR(got[k], want / size, tol);
+            }
+        }
+        ASSERT_OK(mpidp_reducer_reset(f.r));
+    }
+    ASSERT_OK(f32_reducer_free(&f));
+    for (int c = 0; c < 3; c++) MPI_Comm_free(&comms[c]);
+}
+
+TEST(hierarchical) { hierarchical_pass(-1, 0, mpidp__test_failed); }
+TEST(hierarchical_bf16_separate) { hierarchical_pass(MPIDP_BF16, 1, mpidp__test_failed); }
+TEST(hierarchical_uint8) { hierarchical_pass(MPIDP_U8, 0, mpidp__test_failed); }
+TEST(hierarchical_uint8_separate) { hierarchical_pass(MPIDP_U8, 1, mpidp__test_failed); }
+
 TEST(uint8_wire) { quantized_pass(0, mpidp__test_failed); }
 TEST(separate_buffers_uint8_wire) { quantized_pass(1, mpidp__test_failed); }
 
 TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters, bf16_wire, fp16_wire, separate_buffers,
-              separate_buffers_bf16_wire, uint8_wire, separate_buffers_uint8_wire)
+              separate_buffers_bf16_wire, uint8_wire, separate_buffers_uint8_wire, hierarchical,
+              hierarchical_bf16_separate, hierarchical_uint8, hierarchical_uint8_separate)

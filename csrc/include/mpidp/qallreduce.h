@@ -58,6 +58,10 @@ int mpidp_qallreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
 int mpidp_qallreduce_test(mpidp_qallreduce_t *x, int *done);
 /* Blocks until done; `timeout_s` bounds each wait for progress (<= 0: none). */
 int mpidp_qallreduce_wait(mpidp_qallreduce_t *x, double timeout_s);
+/* One request of x still in flight, or MPIDP_REQ_NONE: for a caller that
+ * drives several engines and waits on whichever holds it up (the reducer's
+ * hierarchical mode), without holding x across the wait. */
+mpidp_req_t mpidp_qallreduce_pending(const mpidp_qallreduce_t *x);
 /* Frees `x`. MPIDP_ESTATE (and nothing freed) while a message is in flight. */
 int mpidp_qallreduce_free(mpidp_qallreduce_t *x);
 /* Bytes this rank sends per element reduced (for benchmarks and logs):

@@ -67,6 +67,15 @@ typedef struct {
     int separate;                        /* 1: separate communication buffers (see above) */
     const char *name;                    /* used in messages, e.g. "DataParallel" */
     int staged;                          /* 1: the caller stages buckets (see above) */
+    /* Hierarchical mode (1): each bucket is summed within the node first
+     * (reduce-scatter on hier_node_scatter), each local rank's slice across
+     * the nodes (allreduce on hier_cross: the ranks with its local rank),
+     * then gathered within the node (allgatherv on hier_node_gather, a
+     * second communicator of the same node so the phases' collectives never
+     * interleave): every local rank carries 1/L of the bytes between
+     * nodes. `comm` stays the whole group (the mean divides by its size). */
+    int hierarchical;
+    MPI_Comm hier_node_scatter, hier_cross, hier_node_gather;
     double drain_timeout_s;              /* wire uint8: when a bucket's quantized allreduce
                                           * cannot start, what it posted is waited for this
                                           * long (<= 0: no limit) */
