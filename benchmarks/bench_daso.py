@@ -20,6 +20,11 @@ Methods:
   dp-block-bf16 the same, gradients sent as bf16
   dp-nb         mpidp.DataParallel, non-blocking (update applied by the next forward)
   dp-nb-bf16    the same, gradients sent as bf16
+  dp-block-u8   (not in the default set) blocking, gradients quantized to 8 bits
+  dp-hier       (not in the default set) blocking, hierarchical: node reduce-
+                scatter, slices across the nodes, node allgather
+  dp-hier-u8    (not in the default set) the same with the cross-node phase
+                quantized to 8 bits (Bagua's ByteGrad)
   daso          mpidp.DASO + DataParallelMultiGPU: node-local DDP (gloo), bf16
                 parameter syncs between the nodes; --warmup/--cooldown epochs
   local         (not in the default set) no communication at all: each rank
@@ -84,7 +89,8 @@ CANNOT_RUN = 77
 RESULT_TAG = "BENCH_DASO_RESULT "
 DEFAULT_METHODS = ("ddp", "dp-block", "dp-block-bf16", "dp-nb", "dp-nb-bf16", "daso")
 SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream")
-ALL_METHODS = DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS
+COMPRESSED_METHODS = ("dp-block-u8", "dp-hier", "dp-hier-u8")
+ALL_METHODS = DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS + COMPRESSED_METHODS
 
 
 # --------------------------------------------------------------------------- worker
@@ -141,9 +147,11 @@ def worker(args) -> None:
         opt = inner
     elif method.startswith("dp-"):
         opt = mpidp.DataParallelOptimizer(inner)
+        wire = (torch.bfloat16 if method.endswith("bf16") else
+                torch.uint8 if method.endswith("u8") else None)
         net = mpidp.DataParallel(model, comm, opt,
-                                 blocking_parameter_updates=method.startswith("dp-block"),
-                                 wire_dtype=torch.bfloat16 if method.endswith("bf16") else None)
+                                 blocking_parameter_updates=not method.startswith("dp-nb"),
+                                 wire_dtype=wire, hierarchical=method.startswith("dp-hier"))
         if method.startswith("dp-nb"):
             sync = net.synchronize
     elif method == "daso":
