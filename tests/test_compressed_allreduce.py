@@ -450,3 +450,23 @@ def test_values_beyond_float16_range_are_counted_and_warned_about():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=120, env=clean_env())
         assert out.stdout.strip().endswith("1"), out.stdout + out.stderr
+
+
+def test_two_async_compressed_allreduces_waited_in_opposite_orders():
+    """More chunks than a blocking call keeps in flight: an async call posts
+    them all at once, so two in flight, waited in different orders on odd and
+    even ranks, can neither hang nor have their chunks matched with each
+    other's (MPI matches collectives by the order they start)."""
+    n = 2 * WIRE_CHUNK + 5
+    # Values that tell the two apart, should their chunks meet.
+    a = torch.full((n,), float(RANK + 1))
+    b = torch.full((n,), 64.0 * (RANK + 1))
+    wa = mpidp.allreduce(a, wire_dtype=torch.bfloat16, async_op=True)
+    wb = mpidp.allreduce(b, op="avg", wire_dtype=torch.bfloat16, async_op=True)
+    if RANK % 2:
+        time.sleep(0.3)    # the even ranks start waiting (and progressing) first
+    for w in ((wa, wb) if RANK % 2 else (wb, wa)):
+        w.wait()
+    total = SIZE * (SIZE + 1) / 2
+    assert torch.all(a == total)
+    assert torch.allclose(b, torch.full((n,), 64.0 * total / SIZE), rtol=2 ** -7)

@@ -16,7 +16,8 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import _C, kernels
+from mpidp import _C
+from quant_reference import replica_of
 
 pytestmark = pytest.mark.ranks3
 
@@ -30,33 +31,9 @@ def data_of(rank: int, n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=g) * (rank + 1) + torch.linspace(-3, 3, n)
 
 
-def q(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(kernels.quant8_bytes(x.numel()), dtype=torch.uint8)
-    kernels.quantize8(out, x, path="ref")
-    return out
-
-
 def replica(n: int, seed: int, average: bool) -> torch.Tensor:
     """The algorithm of mpidp/qallreduce.h for one segment (n <= 2^22)."""
     return replica_of([data_of(r, n, seed) for r in range(SIZE)], average)
-
-
-def replica_of(inputs, average: bool) -> torch.Tensor:
-    """The same over every rank's given input."""
-    n = inputs[0].numel()
-    chunk = -(-(-(-n // SIZE)) // B) * B
-    out = torch.empty(n)
-    for c in range(SIZE):
-        lo, hi = c * chunk, min(n, (c + 1) * chunk)
-        if lo >= hi:
-            continue
-        acc = torch.empty(hi - lo)
-        for r in range(SIZE):
-            kernels.dequantize8(acc, q(inputs[r][lo:hi]), accumulate=r > 0, path="ref")
-        scaled = torch.empty(kernels.quant8_bytes(hi - lo), dtype=torch.uint8)
-        kernels.quantize8(scaled, acc, 1.0 / SIZE if average else 1.0, path="ref")
-        kernels.dequantize8(out[lo:hi], scaled, path="ref")
-    return out
 
 
 @pytest.mark.parametrize("n", [1, 300, 5000, 70001])

@@ -39,6 +39,11 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     mpidp_allreduce_opts_t opts = mpidp_allreduce_default_opts(tensor.t.dtype, op, wire,
                                                                 mpidp_py_timeout_s, "mpidp.allreduce");
+    /* An async allreduce posts every chunk now: chunks posted later, from
+     * whichever wait the program calls first, could start in different
+     * orders on different ranks beside another operation in flight, and MPI
+     * matches collectives by order (the blocking call waits at once). */
+    if (async_op) opts.max_in_flight = 0;
     mpidp_allreduce_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_allreduce_start(comm->comm, &tensor.t, &opts, st->reqs, &x);

@@ -10,7 +10,9 @@ Launch with `mpirun -np N python train.py` or `srun python train.py`.
 from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
 from . import _C
 from ._C import CommError, CommTimeout
+from . import algorithms
 from .averaging import HierarchicalModelAverager, PeriodicModelAverager, PostLocalSGDOptimizer
+from .bagua import BaguaModule, with_bagua
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (Work, allgather, allreduce, allreduce_scalar, barrier, broadcast,
                           local_rank, rank, size, reduce_scatter)
@@ -66,6 +68,9 @@ __all__ = [
     "simd_path",
     "topology",
     "reduce_scatter",
+    "with_bagua",
+    "BaguaModule",
+    "algorithms",
     "node_comm",
     "cross_node_comm",
 ]

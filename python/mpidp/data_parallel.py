@@ -258,6 +258,7 @@ class DataParallel(torch.nn.Module):
             "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
             "broadcast_buffers": broadcast_buffers, "hierarchical": hierarchical,
             "MPIDP_CHECK every": check_every()})
+        self._average = True     # gradients averaged; Bagua's average=False sums them
         self._hier_comms = _hierarchy(self._mpi_comm) if hierarchical else None
         self.hierarchical = self._hier_comms is not None
         self.broadcast_buffers = broadcast_buffers
@@ -350,7 +351,8 @@ class DataParallel(torch.nn.Module):
         if self._joining and self.training and torch.is_grad_enabled():
             # Ranks that ran out of data answer this ballot with 0 and add zeros
             # to this step's gradients, which are averaged over the rest.
-            reducer.set_divisor(self._ballot(True))
+            active = self._ballot(True)
+            reducer.set_divisor(active if self._average else 1)
             self._join_steps += 1
         if self.training and torch.is_grad_enabled() and not self._joining and not reducer.paused:
             if self.broadcast_buffers:
@@ -534,9 +536,9 @@ class DataParallel(torch.nn.Module):
                 active = self._ballot(False)
                 if active == 0:
                     break
-                self._reducer.set_divisor(active)
+                self._reducer.set_divisor(active if self._average else 1)
                 self._reducer.shadow_pass()
-            self._reducer.set_divisor(self._c_comm.size)
+            self._reducer.set_divisor(self._c_comm.size if self._average else 1)
             steps = torch.zeros(self._c_comm.size, dtype=torch.float64)
             steps[self._c_comm.rank] = self._join_steps
             self._c_comm.allreduce(steps, _C.OP_SUM, _C.NO_WIRE, False)
@@ -610,6 +612,12 @@ class DataParallel(torch.nn.Module):
             yield
         finally:
             self._stepping = before
+
+    def _set_average(self, average: bool) -> None:
+        """Average the gradients (the default) or sum them (Bagua's
+        average=False), from the next backward on."""
+        self._average = average
+        self._reducer.set_divisor(self._c_comm.size if average else 1)
 
     def remove_hooks(self) -> None:
         """Detach DataParallel from the module's parameters (the module keeps working

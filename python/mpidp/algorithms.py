@@ -1,0 +1,76 @@
+"""Bagua's algorithms, with Bagua's class names and defaults, for
+`mpidp.with_bagua(module, optimizers, algorithm)`: GradientAllReduceAlgorithm,
+ByteGradAlgorithm, QAdamAlgorithm with QAdamOptimizer. Each implements the
+interface of mpidp/_algorithm.py on the core's engines: the gradient reducer
+(flat or hierarchical, fp32 or the 8-bit quantized allreduce).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ._algorithm import Algorithm, check_bool
+from .data_parallel import DataParallel
+from .qadam import QAdamAlgorithm, QAdamOptimizer
+
+__all__ = ["Algorithm", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "QAdamAlgorithm",
+           "QAdamOptimizer"]
+
+
+class _GradientHandle:
+    """A reducer-based algorithm on a module: mpidp.DataParallel underneath."""
+
+    def __init__(self, module, comm, wire_dtype, hierarchical: bool, average: bool):
+        # Blocking updates: the user's own optimizers step as usual.
+        self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
+                               wire_dtype=wire_dtype, hierarchical=hierarchical)
+        self.dp._set_average(average)
+
+    def forward(self, *inputs, **kwargs):
+        return self.dp(*inputs, **kwargs)
+
+    def drain(self) -> None:
+        self.dp.synchronize()
+
+    def detach(self) -> None:
+        self.dp.remove_hooks()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"state: this algorithm keeps no state, got keys {sorted(state)}")
+
+
+class GradientAllReduceAlgorithm(Algorithm):
+    """Gradients summed over the ranks every step (averaged with average=True),
+    in float32; hierarchical=True sums within each node first (every local rank
+    then carries 1/L of the bytes between nodes)."""
+
+    def __init__(self, hierarchical: bool = False, average: bool = True):
+        check_bool("hierarchical", hierarchical)
+        check_bool("average", average)
+        self.hierarchical = hierarchical
+        self.average = average
+
+    def _attach(self, module, optimizers, comm):
+        return _GradientHandle(module, comm, None, self.hierarchical, self.average)
+
+
+class ByteGradAlgorithm(Algorithm):
+    """Gradients quantized to 8 bits (min-max blocks of 256, counted from each
+    block's minimum) for the sum over the ranks; with hierarchical=True (the
+    default, as Bagua's) the node sums in float32 first and only the
+    cross-node exchange is quantized."""
+
+    def __init__(self, hierarchical: bool = True, average: bool = True):
+        check_bool("hierarchical", hierarchical)
+        check_bool("average", average)
+        self.hierarchical = hierarchical
+        self.average = average
+
+    def _attach(self, module, optimizers, comm):
+        return _GradientHandle(module, comm, torch.uint8, self.hierarchical, self.average)

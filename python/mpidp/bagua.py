@@ -1,0 +1,92 @@
+"""`mpidp.with_bagua(module, optimizers, algorithm, comm=None)`: Bagua's one-call
+API over mpidp's engines.
+
+    model = mpidp.with_bagua(model, [optimizer], mpidp.algorithms.ByteGradAlgorithm())
+    for x, y in loader:
+        optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+
+The result wraps the module (`.module`; forward runs the algorithm's). Calling
+with_bagua again on it (or on the plain module) switches the algorithm: the
+old one's pending communication is drained and its hooks removed, then every
+rank takes rank 0's parameters, buffers and optimizer state, so after a
+switch every rank's parameters equal rank 0's bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ._algorithm import Algorithm
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["with_bagua", "BaguaModule"]
+
+
+class BaguaModule(torch.nn.Module):
+    """A module trained with a Bagua algorithm (what with_bagua returns)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.bagua_algorithm: Optional[Algorithm] = None
+        self.bagua_optimizers: Sequence[torch.optim.Optimizer] = ()
+        self._handle = None
+
+    def forward(self, *inputs, **kwargs):
+        return self._handle.forward(*inputs, **kwargs)
+
+    def bagua_state_dict(self):
+        """The algorithm's own state (its optimizers' states are theirs)."""
+        return self._handle.state_dict()
+
+    def load_bagua_state_dict(self, state) -> None:
+        self._handle.load_state_dict(state)
+
+
+def _check_optimizers(optimizers) -> list:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    try:
+        optimizers = list(optimizers)
+    except TypeError:
+        raise TypeError("optimizers: expected a list of torch optimizers, got "
+                        f"{type(optimizers).__name__}") from None
+    bad = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+    if bad:
+        raise TypeError(f"optimizers: expected torch optimizers, got {', '.join(bad)}")
+    return optimizers
+
+
+def with_bagua(module: torch.nn.Module, optimizers, algorithm: Algorithm, comm=None,
+               do_flatten: bool = True) -> BaguaModule:
+    """Train `module` data-parallel with `algorithm` (an instance of a class of
+    mpidp.algorithms) over `comm` (an mpi4py communicator; None: the world),
+    stepping `optimizers` (the user's, stepped as usual). Returns the wrapped
+    module; on a wrapped module it switches the algorithm (see above).
+    do_flatten is accepted for Bagua's signature: mpidp always reduces
+    flattened buckets."""
+    if not isinstance(algorithm, Algorithm):
+        raise TypeError("algorithm: expected an instance of a class of mpidp.algorithms (e.g. "
+                        f"mpidp.algorithms.GradientAllReduceAlgorithm()), got "
+                        f"{type(algorithm).__name__}")
+    if not isinstance(do_flatten, bool):
+        raise TypeError(f"do_flatten: expected a bool, got {type(do_flatten).__name__}")
+    optimizers = _check_optimizers(optimizers)
+    if isinstance(module, BaguaModule):
+        wrapped = module
+        wrapped._handle.drain()
+        wrapped._handle.detach()
+    elif isinstance(module, torch.nn.Module):
+        wrapped = BaguaModule(module)
+    else:
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    inner = wrapped.module
+    broadcast_parameters(inner, root=0, comm=comm)
+    for opt in optimizers:
+        broadcast_optimizer_state(opt, root=0, comm=comm)
+    wrapped._handle = algorithm._attach(inner, optimizers, comm)
+    wrapped.bagua_algorithm = algorithm
+    wrapped.bagua_optimizers = tuple(optimizers)
+    return wrapped

@@ -1,0 +1,147 @@
+"""Bagua's QAdam: `QAdamOptimizer` and `QAdamAlgorithm` (mpidp.algorithms).
+
+For `warmup_steps` steps the optimizer is torch's Adam (its own code) on the
+gradients QAdamAlgorithm averages over the ranks. From then on the second
+moment v is frozen, each rank updates its first moment with its own gradient,
+m_i = b1 m_i + (1 - b1) g_i, the ranks' m are averaged in 8 bits (the
+quantized allreduce), and x -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps).
+
+Two quirks of Bagua's implementation are not copied: its step at
+t = warmup_steps drops the gradient (here it is an ordinary Adam step), and its
+weight decay vanishes after the warm-up (here g_i + weight_decay * x enters the
+momentum throughout, as in Adam).
+
+`hierarchical` (default True, as Bagua's) applies to the warm-up's gradient
+averaging (node first, see DataParallel); the momentum's 8-bit average runs
+over all ranks at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ._algorithm import Algorithm, check_bool
+from ._args import check_int
+from .collectives import allreduce
+from .data_parallel import DataParallel
+
+__all__ = ["QAdamOptimizer", "QAdamAlgorithm"]
+
+
+class QAdamOptimizer(torch.optim.Adam):
+    """Adam for the warm-up, then Adam with a frozen second moment and an
+    8-bit averaged first moment (see the module's docstring). Its step count
+    ("qadam_step" in every param group) travels in its state_dict."""
+
+    def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        # At least one warm-up step: the frozen second moment comes from it.
+        check_int("warmup_steps", warmup_steps, 1)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.warmup_steps = warmup_steps
+        for group in self.param_groups:
+            group.setdefault("qadam_step", 0)
+        self._handle = None      # the QAdamAlgorithm attached to it (with_bagua)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.param_groups[0]["qadam_step"] + 1
+        if t > self.warmup_steps and self._handle is None:
+            raise RuntimeError("QAdamOptimizer: past its warm-up it averages the momentum over the "
+                               "ranks: train through mpidp.with_bagua(model, [optimizer], "
+                               "mpidp.algorithms.QAdamAlgorithm(optimizer))")
+        for group in self.param_groups:
+            group["qadam_step"] = t
+        if t <= self.warmup_steps:
+            super().step()
+            if t == self.warmup_steps and self._handle is not None:
+                self._handle.end_warmup()    # from now on the gradients stay local
+        else:
+            self._compressed_step()
+        return loss
+
+    def _compressed_step(self) -> None:
+        stepped = []          # (param, its state, its group) of the parameters Adam stepped
+        for group in self.param_groups:
+            b1 = group["betas"][0]
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue  # never had a gradient on any rank during the warm-up
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                if group["weight_decay"]:
+                    grad = grad.add(p, alpha=group["weight_decay"])
+                state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
+                state["step"] += 1
+                stepped.append((p, state, group))
+        if stepped:
+            flat = torch.cat([s["exp_avg"].reshape(-1) for _, s, _ in stepped])
+            allreduce(flat, op="avg", comm=self._handle.comm, wire_dtype=torch.uint8)
+            offset = 0
+            for p, state, _ in stepped:
+                state["exp_avg"].copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        for p, state, group in stepped:
+            b1, b2 = group["betas"]
+            t = float(state["step"])
+            denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt().add_(group["eps"])
+            p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** t))
+
+
+class _QAdamHandle:
+    def __init__(self, module, optimizer: QAdamOptimizer, comm, hierarchical: bool):
+        self.module, self.opt, self.comm = module, optimizer, comm
+        self.dp = None
+        if optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps:
+            self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
+                                   hierarchical=hierarchical)
+        optimizer._handle = self
+
+    def end_warmup(self) -> None:
+        if self.dp is not None:
+            self.dp.remove_hooks()
+            self.dp = None
+
+    def forward(self, *inputs, **kwargs):
+        return (self.dp if self.dp is not None else self.module)(*inputs, **kwargs)
+
+    def drain(self) -> None:
+        if self.dp is not None:
+            self.dp.synchronize()
+
+    def detach(self) -> None:
+        self.end_warmup()
+        if self.opt._handle is self:
+            self.opt._handle = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}     # the step count is the optimizer's (its state_dict)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"state: QAdam keeps no state of its own, got keys {sorted(state)}")
+
+
+class QAdamAlgorithm(Algorithm):
+    """QAdam (see the module's docstring); `q_adam_optimizer` must be the
+    QAdamOptimizer that steps the wrapped module."""
+
+    def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):
+        if not isinstance(q_adam_optimizer, QAdamOptimizer):
+            raise TypeError("q_adam_optimizer: expected an mpidp.algorithms.QAdamOptimizer, got "
+                            f"{type(q_adam_optimizer).__name__}")
+        check_bool("hierarchical", hierarchical)
+        self.optimizer = q_adam_optimizer
+        self.hierarchical = hierarchical
+
+    def _attach(self, module, optimizers, comm):
+        if not any(o is self.optimizer for o in optimizers):
+            raise ValueError("optimizers: expected them to include the QAdamAlgorithm's "
+                             "q_adam_optimizer")
+        return _QAdamHandle(module, self.optimizer, comm, self.hierarchical)
