@@ -25,6 +25,10 @@ Methods:
                 scatter, slices across the nodes, node allgather
   dp-hier-u8    (not in the default set) the same with the cross-node phase
                 quantized to 8 bits (Bagua's ByteGrad)
+  qadam         (not in the default set) mpidp.algorithms.QAdamAlgorithm
+                (hierarchical): Adam on averaged gradients for --qadam-warmup
+                steps, then each rank's momentum averaged in 8 bits across the
+                nodes; Adam's lr --qadam-lr on the same cosine schedule
   daso          mpidp.DASO + DataParallelMultiGPU: node-local DDP (gloo), bf16
                 parameter syncs between the nodes; --warmup/--cooldown epochs
   local         (not in the default set) no communication at all: each rank
@@ -38,6 +42,14 @@ Methods:
                 gradient every --sync-every steps
   diloco-stream the same in 2 fragments taking turns, each sent --delay steps
                 before its turn, bf16 on the wire
+  sgp           (not in the default set) SlowMo's SGP base without slow
+                momentum: node masters gossip every step
+  decentralized (not in the default set) Bagua's DecentralizedAlgorithm, its
+                defaults: the nodes' weights averaged every step (D-PSGD)
+  decentralized-shift  the same, every rank a worker, one shift_one partner
+                per step
+  lowprec       (not in the default set) LowPrecisionDecentralizedAlgorithm:
+                8-bit differences with the ring neighbours (nodes) every step
 
 Per method it reports the training time per epoch (test evaluation excluded),
 total training time, final test accuracy (every rank evaluates a quarter of
@@ -89,8 +101,10 @@ CANNOT_RUN = 77
 RESULT_TAG = "BENCH_DASO_RESULT "
 DEFAULT_METHODS = ("ddp", "dp-block", "dp-block-bf16", "dp-nb", "dp-nb-bf16", "daso")
 SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream")
-COMPRESSED_METHODS = ("dp-block-u8", "dp-hier", "dp-hier-u8")
-ALL_METHODS = DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS + COMPRESSED_METHODS
+COMPRESSED_METHODS = ("dp-block-u8", "dp-hier", "dp-hier-u8", "qadam")
+DECENTRALIZED_METHODS = ("sgp", "decentralized", "decentralized-shift", "lowprec")
+ALL_METHODS = (DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS + COMPRESSED_METHODS
+               + DECENTRALIZED_METHODS)
 
 
 # --------------------------------------------------------------------------- worker
@@ -137,7 +151,13 @@ def worker(args) -> None:
     torch.manual_seed(args.seed)
     model = ResNet18(width=args.width, in_channels=1)
     n_params = sum(p.numel() for p in model.parameters())
-    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    base_lr = args.qadam_lr if method == "qadam" else args.lr
+    if method == "qadam":
+        from mpidp.algorithms import QAdamOptimizer
+        inner = QAdamOptimizer(model.parameters(), lr=base_lr, warmup_steps=args.qadam_warmup,
+                               weight_decay=5e-4)
+    else:
+        inner = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9, weight_decay=5e-4)
     daso = None
     sync = None              # completes a pending non-blocking update before the clock stops
     after_step = None        # SlowMo's perform_slowmo after every optimizer step
@@ -163,6 +183,22 @@ def worker(args) -> None:
         opt = daso
     elif method == "local":
         net, opt = model, inner
+    elif method == "qadam":
+        net = mpidp.with_bagua(model, [inner], mpidp.algorithms.QAdamAlgorithm(inner), comm)
+        opt = inner
+    elif method in ("decentralized", "decentralized-shift", "lowprec"):
+        algos = mpidp.algorithms
+        algorithm = {"decentralized": lambda: algos.DecentralizedAlgorithm(),
+                     "decentralized-shift": lambda: algos.DecentralizedAlgorithm(
+                         hierarchical=False, peer_selection_mode="shift_one"),
+                     "lowprec": lambda: algos.LowPrecisionDecentralizedAlgorithm()}[method]()
+        net, opt = mpidp.with_bagua(model, [inner], algorithm, comm), inner
+    elif method == "sgp":
+        net = mpidp.SlowMoDistributedDataParallel(
+            model, comm=comm, slowmo_base_algorithm=mpidp.SlowMoBaseAlgorithm.SGP,
+            slowmo_momentum=0.0)
+        opt = inner
+        after_step = lambda: net.perform_slowmo(inner)  # noqa: E731
     elif method in ("localsgd", "slowmo"):
         net = mpidp.SlowMoDistributedDataParallel(
             model, comm=comm, slowmo_momentum=0.5 if method == "slowmo" else 0.0,
@@ -207,7 +243,7 @@ def worker(args) -> None:
             probe["gloo_allreduce_ms"] = allreduce_ms(dist.all_reduce)
 
     def set_lr(epoch):  # cosine over the epochs, per epoch, the same for every method
-        lr = args.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / args.epochs))
+        lr = base_lr * 0.5 * (1.0 + math.cos(math.pi * epoch / args.epochs))
         for group in inner.param_groups:
             group["lr"] = lr
 
@@ -361,7 +397,8 @@ def run_method(args, name: str, method: str, netstats) -> dict:
                    "--train-images", args.train_images, "--local-every", args.local_every,
                    "--slow-every", args.slow_every, "--sync-every", args.sync_every,
                    "--delay", args.delay, "--outer-lr", args.outer_lr,
-                   "--outer-momentum", args.outer_momentum]
+                   "--outer-momentum", args.outer_momentum, "--qadam-lr", args.qadam_lr,
+                   "--qadam-warmup", args.qadam_warmup]
     mpirun_opts = list(args.mpirun_args)
     if method == "ddp":
         # The global gloo group's TCP store is opened by rank 0 on node 0's
@@ -601,6 +638,9 @@ def main() -> None:
                         help="diloco: the outer SGD's Nesterov momentum (the paper: 0.9; 0: none)")
     parser.add_argument("--delay", type=int, default=4,
                         help="diloco-stream: steps between a fragment's send and its turn")
+    parser.add_argument("--qadam-lr", type=float, default=1e-3, help="qadam: Adam's lr (Bagua's)")
+    parser.add_argument("--qadam-warmup", type=int, default=100,
+                        help="qadam: steps of Adam on averaged gradients (Bagua's 100)")
     parser.add_argument("--batch-size", type=int, default=4, help="per rank")
     parser.add_argument("--width", type=int, default=32, help="ResNet-18 channels of the stem")
     parser.add_argument("--lr", type=float, default=0.05)

@@ -213,5 +213,5 @@ def test_reduce_scatter_refuses_bad_arguments():
         mpidp.reduce_scatter(torch.zeros(3), counts=[3] + [1] * (SIZE - 1) if SIZE > 1 else [2])
     with pytest.raises(TypeError, match="tensor: expected float32 or float64"):
         mpidp.reduce_scatter(torch.zeros(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="op: expected 'sum' or 'avg'"):
+    with pytest.raises(ValueError, match="op: expected one of 'sum', 'avg'"):
         mpidp.reduce_scatter(torch.zeros(3), op="max")

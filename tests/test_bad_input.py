@@ -60,13 +60,6 @@ def test_non_float_parameters():
         mpidp.DataParallel(c)
 
 
-def test_bad_flags_and_caps():
-    with pytest.raises(TypeError, match="blocking_parameter_updates: expected a bool"):
-        mpidp.DataParallel(model(), blocking_parameter_updates="yes")
-    with pytest.raises(ValueError, match="bucket_cap_mb: expected a positive number"):
-        mpidp.DataParallel(model(), blocking_parameter_updates=True, bucket_cap_mb=0)
-
-
 def test_c_types_check_their_arguments():
     with pytest.raises(TypeError, match="comm: expected an mpi4py communicator"):
         mpidp._C.Comm(3)

@@ -68,28 +68,79 @@ def test_gradients_match_the_reference(index, monkeypatch):
                 p.copy_(q)   # follow the model: each step is checked on its own
 
 
+def every_algorithm(opt):
+    """One instance of every algorithm (several settings of some), QAdam last:
+    past its warm-up its optimizer steps only under QAdamAlgorithm."""
+    decentralized = [mpidp.algorithms.DecentralizedAlgorithm(),
+                     mpidp.algorithms.DecentralizedAlgorithm(hierarchical=False,
+                                                             communication_interval=2),
+                     mpidp.algorithms.LowPrecisionDecentralizedAlgorithm(),
+                     mpidp.algorithms.AsyncModelAverageAlgorithm(sync_interval_ms=1),
+                     mpidp.algorithms.AsyncModelAverageAlgorithm(sync_interval_ms=0,
+                                                                 warmup_steps=2)]
+    if SIZE != 3:                               # shift_one pairs an even number of workers
+        decentralized.append(mpidp.algorithms.DecentralizedAlgorithm(peer_selection_mode="shift_one"))
+    return (algorithms() + decentralized + algorithms()[:1]
+            + [mpidp.algorithms.QAdamAlgorithm(opt)])
+
+
 def test_switching_through_every_algorithm_keeps_ranks_equal_to_rank_0(monkeypatch):
     monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "2" if SIZE % 2 == 0 else "1")
     torch.manual_seed(RANK)                       # every rank starts different
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    steps = 3
+    opt = mpidp.algorithms.QAdamOptimizer(model.parameters(), lr=0.01)
+    sequence = every_algorithm(opt)
+    # Adam for every algorithm before QAdam; one warm-up step under QAdam,
+    # then its 8-bit momentum steps.
+    opt.warmup_steps = steps * (len(sequence) - 1) + 1
     net = model
     gen = seeded(9)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for algorithm in algorithms() + algorithms()[:1]:
+        for algorithm in sequence:
             net = mpidp.with_bagua(net, [opt], algorithm)
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            mom = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
-                             for p in model.parameters() if p in opt.state] or [torch.zeros(0)])
-            first = MPI.COMM_WORLD.bcast((flat.numpy().tobytes(), mom.numpy().tobytes()), root=0)
-            assert first == (flat.numpy().tobytes(), mom.numpy().tobytes())
-            for _ in range(3):
+            state = torch.cat([v.reshape(-1).float() for p in model.parameters()
+                               for v in opt.state.get(p, {}).values()] or [torch.zeros(0)])
+            first = MPI.COMM_WORLD.bcast((flat.numpy().tobytes(), state.numpy().tobytes()), root=0)
+            assert first == (flat.numpy().tobytes(), state.numpy().tobytes()), repr(algorithm)
+            for _ in range(steps):
                 x, y = torch.randn(4 * SIZE, 12, generator=gen), torch.randn(4 * SIZE, 3, generator=gen)
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(net(rank_slice(x, RANK)), rank_slice(y, RANK)).backward()
                 opt.step()
     assert isinstance(net, mpidp.BaguaModule)
+    assert opt.param_groups[0]["qadam_step"] == steps * len(sequence)   # QAdam's steps ran
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+def test_join_lets_ranks_with_fewer_batches_finish(adopt, monkeypatch):
+    """GradientAllReduce under join(): rank r trains 2 + r batches; every rank
+    ends with the parameters (and, adopting, the optimizer state) of the rank
+    that trained longest. Algorithms without join say so."""
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")
+    model, _ = make_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+    gen = seeded(4)
+    data = [(torch.randn(4, 12, generator=gen), torch.randn(4, 3, generator=gen))
+            for _ in range(2 + SIZE)]
+    with net.join(adopt_optimizer_state=adopt):
+        for x, y in data[:2 + RANK]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mom = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    first = MPI.COMM_WORLD.bcast((flat.numpy().tobytes(), mom.numpy().tobytes()), root=0)
+    assert (first[0] == flat.numpy().tobytes()) or SIZE == 1
+    assert (first[1] == mom.numpy().tobytes()) == (adopt or SIZE == 1 or RANK == 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = mpidp.with_bagua(net, [opt], mpidp.algorithms.DecentralizedAlgorithm())
+    with pytest.raises(NotImplementedError, match="join: DecentralizedAlgorithm does not support"):
+        net.join()
 
 
 def test_bad_arguments_are_named():

@@ -280,32 +280,7 @@ def test_one_rank_per_node_warns(monkeypatch):
 # --- bad input ---------------------------------------------------------------------
 
 
-def opt():
-    return torch.optim.SGD(mlp(0).parameters(), lr=0.1)
-
-
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(local_optimizer="sgd"), TypeError, "local_optimizer"),
-    (dict(total_epochs=0), ValueError, "total_epochs"),
-    (dict(total_epochs=2.5), TypeError, "total_epochs"),
-    (dict(warmup_epochs=-1), ValueError, "warmup_epochs"),
-    (dict(cooldown_epochs=True), TypeError, "cooldown_epochs"),
-    (dict(stability_level=1.5), ValueError, "stability_level"),
-    (dict(max_global_skips=0), ValueError, "max_global_skips"),
-    (dict(sending_chunk_size=0), ValueError, "sending_chunk_size"),
-    (dict(downcast_type=torch.int8), ValueError, "downcast_type"),
-    (dict(use_mpi_groups=1), TypeError, "use_mpi_groups"),
-    (dict(skip_reduction_factor=1), ValueError, "skip_reduction_factor"),
-    (dict(local_skip_factor=0), ValueError, "local_skip_factor"),
-    (dict(verbose="yes"), TypeError, "verbose"),
-    (dict(scheduler=3), TypeError, "scheduler"),
-    (dict(comm="world"), TypeError, "comm"),
-])
-def test_bad_arguments(kwargs, exc, words):
-    args = dict(local_optimizer=opt(), total_epochs=4)
-    args.update(kwargs)
-    with pytest.raises(exc, match=words):
-        mpidp.DASO(**args)
+# Each constructor argument's check: tests/test_argument_types.py.
 
 
 def test_misuse_is_explained():

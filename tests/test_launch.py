@@ -80,6 +80,39 @@ def test_a_stuck_collective_times_out_and_aborts(tmp_path):
     assert seconds < 30, f"the job took {seconds:.0f} s to end"
 
 
+ASYNC_AVERAGING = textwrap.dedent("""
+    import os, sys, time, torch, mpidp
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    net = mpidp.with_bagua(model, [opt],
+                           mpidp.algorithms.AsyncModelAverageAlgorithm(sync_interval_ms=5))
+    for step in range(100000):
+        opt.zero_grad()
+        loss = net(torch.randn(8, 4)).sum()      # rank 1 now holds its weight lock
+        if rank == 1 and step == 20:
+            if sys.argv[1] == "stall":
+                time.sleep(300)
+            os._exit(7)
+        loss.backward()
+        opt.step()
+""")
+
+
+@pytest.mark.parametrize("how", ["stall", "die"])
+def test_a_rank_stalled_or_dead_under_async_averaging_ends_the_job(tmp_path, how):
+    """The other ranks' background threads wait for it with a deadline: the
+    job ends with a message naming the averaging round, not a hang."""
+    script = tmp_path / "async_stall.py"
+    script.write_text(ASYNC_AVERAGING)
+    rc, out, seconds = run_mpi(2, [str(script), how], timeout=120, MPIDP_TIMEOUT="3")
+    assert rc != 0, out
+    if how == "stall":
+        assert "background averaging round" in out and "aborting the job" in out, out
+    assert seconds < 40, f"the job took {seconds:.0f} s to end"
+
+
 def test_uneven_batches_without_join_end_with_a_clear_error(tmp_path):
     script = tmp_path / "uneven.py"
     script.write_text(textwrap.dedent("""

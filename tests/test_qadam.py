@@ -4,7 +4,9 @@ During the warm-up it must be torch's Adam on the ranks' averaged gradients
 (a warm-up longer than training equals Adam exactly: Bagua's
 test_qadam_optimizer, ported). After it, against a single-process replica:
 each rank's momentum from its own gradient (plus weight decay, which Bagua's
-drops), the ranks' momenta averaged by a replica of the 8-bit allreduce, the
+drops), the ranks' momenta averaged by a replica of the 8-bit allreduce --
+flat, or with emulated nodes (MPIDP_RANKS_PER_NODE) node first: the node's
+float32 mean, each local rank's slice quantized across the nodes -- the
 second moment frozen. And the argument checks."""
 
 import warnings
@@ -44,6 +46,23 @@ def train(model, opt, net, data, each=None):
             each(t)
 
 
+def node_sizes():
+    return [k for k in range(1, SIZE + 1) if SIZE % k == 0]
+
+
+def momentum_mean(flats, per_node):
+    """The replica of QAdam's momentum average of every rank's `flats`."""
+    nodes = SIZE // per_node
+    if per_node == 1 or nodes == 1:
+        return replica_of(flats, average=True)
+    node_means = [sum(flats[n * per_node:(n + 1) * per_node]) * (1.0 / per_node)
+                  for n in range(nodes)]
+    n = flats[0].numel()
+    counts = [n // per_node + (1 if r < n % per_node else 0) for r in range(per_node)]
+    slices = torch.split(torch.arange(n), counts)
+    return torch.cat([replica_of([m[s] for m in node_means], average=True) for s in slices])
+
+
 def wrap(model, opt):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")            # hierarchical on one node: flat
@@ -69,7 +88,9 @@ def test_a_warmup_longer_than_training_is_torch_adam_on_the_averaged_gradients()
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-def test_after_the_warmup_every_step_matches_the_replica(weight_decay):
+@pytest.mark.parametrize("per_node", node_sizes())
+def test_after_the_warmup_every_step_matches_the_replica(per_node, weight_decay, monkeypatch):
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", str(per_node))
     model, replica = build(), build()
     warmup, lr, (b1, b2), eps = 3, 0.02, (0.9, 0.999), 1e-8
     opt = QAdamOptimizer(model.parameters(), lr=lr, warmup_steps=warmup, weight_decay=weight_decay)
@@ -96,7 +117,7 @@ def test_after_the_warmup_every_step_matches_the_replica(weight_decay):
                 flats.append(torch.cat([
                     (m * b1 + (g + weight_decay * p.detach()) * (1 - b1)).reshape(-1)
                     for m, g, p in zip(state["m"], grads, params)]))
-            mean = replica_of(flats, average=True)
+            mean = momentum_mean(flats, per_node)
             offset = 0
             with torch.no_grad():
                 for k, p in enumerate(params):
@@ -107,7 +128,9 @@ def test_after_the_warmup_every_step_matches_the_replica(weight_decay):
         for p, q in zip(model.parameters(), params):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {t}: {m}")
 
-    train(model, opt, wrap(model, opt), data, compare)
+    net = wrap(model, opt)
+    assert (net._handle.hierarchy is not None) == (per_node > 1 and SIZE // per_node > 1)
+    train(model, opt, net, data, compare)
     assert opt.param_groups[0]["qadam_step"] == 8
 
 
@@ -130,3 +153,17 @@ def test_bad_arguments_and_misuse_are_named():
         else:
             with pytest.raises(RuntimeError, match="past its warm-up"):
                 opt.step()
+
+
+def test_hierarchical_momentum_on_a_single_node_warns_and_averages_flat(monkeypatch):
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", str(SIZE))     # one node
+    model = build()
+    opt = QAdamOptimizer(model.parameters(), warmup_steps=1)
+    for group in opt.param_groups:                             # as if resumed past the warm-up
+        group["qadam_step"] = 1
+    with pytest.warns(UserWarning, match="QAdamAlgorithm: hierarchical=True cannot help"):
+        net = mpidp.with_bagua(model, [opt], QAdamAlgorithm(opt))
+    assert net._handle.hierarchy is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mpidp.with_bagua(net, [opt], QAdamAlgorithm(opt, hierarchical=False))

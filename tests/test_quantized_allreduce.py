@@ -68,7 +68,7 @@ def test_refused_with_a_named_argument():
         mpidp.allreduce(torch.zeros(4, dtype=torch.float64), wire_dtype=torch.uint8)
     with pytest.raises(ValueError, match="wire_dtype: only 'sum' and 'avg' can be compressed"):
         mpidp.allreduce(torch.zeros(4), op="max", wire_dtype=torch.uint8)
-    with pytest.raises(ValueError, match="wire_dtype: expected None, torch.bfloat16"):
+    with pytest.raises(ValueError, match="wire_dtype: expected one of None, torch.bfloat16"):
         mpidp.allreduce(torch.zeros(4), wire_dtype=torch.int8)
 
 

@@ -2,7 +2,9 @@
 #include "mpidp/mpi_util.h"
 
 #include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "mpidp/mpiops.h"
@@ -37,6 +39,31 @@ int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_R
     }
     mpidp_reqtable_fill(reqs, slot, req, what);
     if (out) *out = slot;
+    return MPIDP_OK;
+}
+
+static int op_keyval = MPI_KEYVAL_INVALID;
+static int op_keyval_rc = MPI_SUCCESS;
+static pthread_once_t op_keyval_once = PTHREAD_ONCE_INIT;
+
+static void create_op_keyval(void)
+{
+    op_keyval_rc = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, MPI_COMM_NULL_DELETE_FN,
+                                          &op_keyval, NULL);
+}
+
+int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out)
+{
+    pthread_once(&op_keyval_once, create_op_keyval);
+    int rc = op_keyval_rc;
+    void *value = NULL;
+    int found = 0;
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_get_attr(comm, op_keyval, &value, &found);
+    /* The counter travels in the attribute's pointer value itself. */
+    uintptr_t n = found ? (uintptr_t)value : 0;
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_set_attr(comm, op_keyval, (void *)(n + 1));
+    if (rc != MPI_SUCCESS) return mpidp__mpi_fail(rc, "%s: numbering the operation", what);
+    *out = (unsigned)n;
     return MPIDP_OK;
 }
 

@@ -286,23 +286,6 @@ int mpidp_qallreduce_wait(mpidp_qallreduce_t *x, double timeout_s)
 /* The number of the next operation on `comm` (the same on every rank, since
  * each starts its operations on a communicator in one order), kept in an
  * attribute of the communicator. */
-static int next_op_number(MPI_Comm comm, unsigned *out)
-{
-    static int keyval = MPI_KEYVAL_INVALID;
-    int rc = MPI_SUCCESS;
-    if (keyval == MPI_KEYVAL_INVALID)
-        rc = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, MPI_COMM_NULL_DELETE_FN, &keyval, NULL);
-    void *value = NULL;
-    int found = 0;
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_get_attr(comm, keyval, &value, &found);
-    /* The counter travels in the attribute's pointer value itself. */
-    uintptr_t n = found ? (uintptr_t)value : 0;
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_set_attr(comm, keyval, (void *)(n + 1));
-    if (rc != MPI_SUCCESS) return mpidp__mpi_fail(rc, "qallreduce: numbering the operation");
-    *out = (unsigned)(n & 511u);
-    return MPIDP_OK;
-}
-
 static void free_all(mpidp_qallreduce_t *x)
 {
     for (size_t i = 0; x->slots && i < x->n_slots; i++) {
@@ -362,7 +345,8 @@ int mpidp_qallreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
     if (seg / (size_t)size / MPIDP_Q8_BLOCK + 1 > (size_t)INT_MAX / MPIDP_Q8_RECORD)
         return mpidp__fail(MPIDP_EINVAL, "%s: segments of %zu elements are too large", what, seg);
     unsigned op_tag = 0;
-    rc = next_op_number(comm, &op_tag);
+    rc = mpidp__next_op_number(comm, what, &op_tag);
+    op_tag &= 511u;
     if (rc != MPIDP_OK) return rc;
 
     mpidp_qallreduce_t *x = calloc(1, sizeof *x);

@@ -3,8 +3,11 @@
  * check), posting through the core, and waiting with the GIL released. */
 #include "module.h"
 
+#include <limits.h>
+
 #include "mpidp/allreduce.h"
 #include "mpidp/collectives.h"
+#include "mpidp/peerx.h"
 
 /* Host tensors of any dtype the core knows. */
 #define ANY_CPU (MPIDP_TENSOR_CPU_ONLY | MPIDP_TENSOR_ANY_DTYPE)
@@ -51,7 +54,7 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
         mpidp_py_release(&tensor);
         return mpidp_py_raise(st, rc, "allreduce");
     }
-    if (async_op) return mpidp_py_work_new(st, x, &tensor, self);
+    if (async_op) return mpidp_py_work_new(st, &mpidp_py_allreduce_ops, x, &tensor, 1, self);
     MPIDP_PY_WAIT(st, rc, mpidp_allreduce_wait(x, mpidp_py_timeout_s));
     if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "allreduce"); /* x stays posted */
     mpidp_allreduce_free(x);
@@ -191,4 +194,69 @@ PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)
     int rc = mpidp_barrier_start(((mpidp_py_comm_t *)self)->comm, st->reqs, &req);
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "barrier");
     return wait_req(st, req, NULL, "barrier");
+}
+
+/* A tuple of at most MPIDP_PEERX_MAX_PEERS ranks into out[]; -1 with an exception. */
+static int peers_arg(PyObject *obj, const char *argname, int *out)
+{
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) > MPIDP_PEERX_MAX_PEERS) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a tuple of at most %d ranks", argname,
+                     MPIDP_PEERX_MAX_PEERS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); i++) {
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(obj, i));
+        if (r == -1 && PyErr_Occurred()) return -1;
+        out[i] = r < INT_MIN ? INT_MIN : r > INT_MAX ? INT_MAX : (int)r; /* the core names it */
+    }
+    return (int)PyTuple_GET_SIZE(obj);
+}
+
+/* peer_exchange(send, out_peers, recvs, in_peers) -> Work: `send` to every
+ * rank of out_peers and, from in_peers[i], into recvs[i] (host tensors, each
+ * recv as many bytes as send). Every rank of the communicator calls it, in
+ * the same order, peers or not. */
+PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                      PyObject *kwnames)
+{
+    if (kwnames != NULL || nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "Comm.peer_exchange(send, out_peers, recvs, "
+                            "in_peers) takes 4 positional arguments");
+    if (mpidp_py_check_not_forked("peer_exchange") < 0) return NULL;
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    if (st == NULL) return NULL;
+    int out[MPIDP_PEERX_MAX_PEERS], in[MPIDP_PEERX_MAX_PEERS];
+    int n_out = peers_arg(args[1], "out_peers", out);
+    int n_in = n_out < 0 ? -1 : peers_arg(args[3], "in_peers", in);
+    if (n_in < 0) return NULL;
+    if (!PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != n_in)
+        return PyErr_Format(PyExc_TypeError, "recvs: expected a tuple of %d tensors (one per "
+                            "in-peer)", n_in);
+    mpidp_py_borrowed_t t[1 + MPIDP_PEERX_MAX_PEERS];
+    if (mpidp_py_borrow(st, args[0], ANY_CPU, "send", &t[0]) < 0) return NULL;
+    if (mpidp_py_borrow_all(st, args[2], ANY_CPU | MPIDP_TENSOR_WRITABLE, -1, "recvs", t + 1) < 0) {
+        mpidp_py_release(&t[0]);
+        return NULL;
+    }
+    size_t bytes = t[0].t.numel * mpidp_dtype_size(t[0].t.dtype);
+    void *recv[MPIDP_PEERX_MAX_PEERS];
+    for (int i = 0; i < n_in; i++) {
+        recv[i] = t[1 + i].t.data;
+        if (t[1 + i].t.numel * mpidp_dtype_size(t[1 + i].t.dtype) != bytes) {
+            mpidp_py_release_all(t, 1 + (size_t)n_in);
+            return PyErr_Format(PyExc_ValueError, "recvs[%d]: expected %zu bytes (as send), got %zu",
+                                i, bytes, t[1 + i].t.numel * mpidp_dtype_size(t[1 + i].t.dtype));
+        }
+    }
+    mpidp_peerx_spec_t spec = {.out = out, .n_out = n_out, .in = in, .n_in = n_in,
+                               .send = t[0].t.data, .recv = recv, .bytes = bytes,
+                               .drain_timeout_s = mpidp_py_timeout_s, .what = "peer exchange"};
+    mpidp_peerx_t *x = NULL;
+    mpidp_error_clear();
+    int rc = mpidp_peerx_start(((mpidp_py_comm_t *)self)->comm, &spec, st->reqs, &x);
+    if (rc != MPIDP_OK) {
+        mpidp_py_release_all(t, 1 + (size_t)n_in);
+        return mpidp_py_raise(st, rc, "peer_exchange");
+    }
+    return mpidp_py_work_new(st, &mpidp_py_peerx_ops, x, t, 1 + (size_t)n_in, self);
 }

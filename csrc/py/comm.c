@@ -129,6 +129,10 @@ static PyMethodDef comm_methods[] = {
     {"allgatherv", (PyCFunction)(void (*)(void))mpidp_py_comm_allgatherv, METH_FASTCALL | METH_KEYWORDS,
      "allgatherv(tensor, out, counts): every rank's tensor (counts[r] elements) into out,\n"
      "in rank order (blocking)"},
+    {"peer_exchange", (PyCFunction)(void (*)(void))mpidp_py_comm_peer_exchange,
+     METH_FASTCALL | METH_KEYWORDS,
+     "peer_exchange(send, out_peers, recvs, in_peers) -> Work: send to each rank of out_peers,\n"
+     "receive recvs[i] from in_peers[i] (every rank calls it, in the same order)"},
     {"barrier", (PyCFunction)mpidp_py_comm_barrier, METH_NOARGS, "barrier()"},
     {"py2f", (PyCFunction)comm_py2f, METH_NOARGS, "The Fortran handle of the duplicate."},
     {NULL, NULL, 0, NULL},

@@ -12,6 +12,7 @@
 #include "mpidp/convert.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
+#include "mpidp/peers.h"
 #include "mpidp/quant8.h"
 #include "mpidp/reducer.h"
 
@@ -128,7 +129,8 @@ static int module_exec(PyObject *m)
     if (PyModule_AddFunctions(m, mpidp_py_kernel_methods) < 0 ||
         PyModule_AddFunctions(m, mpidp_py_process_methods) < 0 ||
         PyModule_AddFunctions(m, mpidp_py_bucket_plan_functions) < 0 ||
-        PyModule_AddFunctions(m, mpidp_py_avgsched_functions) < 0)
+        PyModule_AddFunctions(m, mpidp_py_avgsched_functions) < 0 ||
+        PyModule_AddFunctions(m, mpidp_py_peers_functions) < 0)
         return -1;
     /* The codes Python passes to the core, exported so that Python keeps no copies. */
     static const struct { const char *name; int value; } constants[] = {
@@ -142,7 +144,11 @@ static int module_exec(PyObject *m)
         {"PASS_MISSING_GRADS", MPIDP_DECIDE_MISSING_GRADS},
         {"PASS_ACCUMULATE", MPIDP_DECIDE_ACCUMULATE},
         {"PASS_DELIVER_FOR_STEP", MPIDP_DECIDE_DELIVER_FOR_STEP},
-        {"PASS_DELIVER_NOW", MPIDP_DECIDE_DELIVER_NOW}, {"PASS_AFTER_STEP", MPIDP_DECIDE_AFTER_STEP}};
+        {"PASS_DELIVER_NOW", MPIDP_DECIDE_DELIVER_NOW}, {"PASS_AFTER_STEP", MPIDP_DECIDE_AFTER_STEP},
+        {"GRAPH_DDE", MPIDP_GRAPH_DDE}, {"GRAPH_NPDDE", MPIDP_GRAPH_NPDDE},
+        {"GRAPH_DBE", MPIDP_GRAPH_DBE}, {"GRAPH_DDL", MPIDP_GRAPH_DDL},
+        {"GRAPH_DBL", MPIDP_GRAPH_DBL}, {"GRAPH_RING", MPIDP_GRAPH_RING},
+        {"GRAPH_SHIFT_ONE", MPIDP_GRAPH_SHIFT_ONE}, {"GRAPH_RING_LR", MPIDP_GRAPH_RING_LR}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) return -1;
     if (mpidp_reqtable_create(MPIDP_REQTABLE_CAPACITY, &st->reqs) != MPIDP_OK) {
@@ -167,9 +173,10 @@ static int module_exec(PyObject *m)
         return -1;
     if (mpidp_py_import_mpi4py() < 0 || mpidp_py_reducer_pass_init() < 0) return -1;
     /* The types; the module state keeps those the glue creates objects of. */
-    PyTypeObject **kept[] = {&st->comm_type, &st->work_type, NULL, NULL, NULL};
+    PyTypeObject **kept[] = {&st->comm_type, &st->work_type, NULL, NULL, NULL, NULL};
     PyType_Spec *specs[] = {&mpidp_py_comm_spec, &mpidp_py_work_spec, &mpidp_py_reducer_spec,
-                            &mpidp_py_paramsync_spec, &mpidp_py_schedule_spec};
+                            &mpidp_py_paramsync_spec, &mpidp_py_schedule_spec,
+                            &mpidp_py_bgavg_spec};
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
         PyTypeObject *t = (PyTypeObject *)PyType_FromModuleAndSpec(m, specs[i], NULL);
         int rc = t ? PyModule_AddType(m, t) : -1;

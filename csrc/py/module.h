@@ -121,28 +121,41 @@ PyObject *mpidp_py_comm_reduce_scatter(PyObject *self, PyObject *const *args, Py
                                        PyObject *kwnames);
 PyObject *mpidp_py_comm_allgatherv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames);
+PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                      PyObject *kwnames);
 
 /* The types, one per file; module.c creates them. */
 extern PyType_Spec mpidp_py_comm_spec, mpidp_py_work_spec, mpidp_py_reducer_spec,
-    mpidp_py_paramsync_spec, mpidp_py_schedule_spec;
+    mpidp_py_paramsync_spec, mpidp_py_schedule_spec, mpidp_py_bgavg_spec;
 extern PyStructSequence_Desc mpidp_py_schedule_actions_desc, mpidp_py_avgsched_actions_desc;
 /* Module-init hooks: mpi4py's C API (comm.c), the gradient path's interned
  * names (reducer_pass.c). 0, or -1 with an exception. */
 int mpidp_py_import_mpi4py(void);
 int mpidp_py_reducer_pass_init(void);
 
-struct mpidp_allreduce;
-/* Creates a Work that owns the allreduce `x` and keeps `keepalive` (the
- * borrowed tensor, moved in) and `comm` alive until it completes. */
-PyObject *mpidp_py_work_new(mpidp_py_state *st, struct mpidp_allreduce *x,
-                            mpidp_py_borrowed_t *keepalive, PyObject *comm);
+/* What a Work drives: one of the core's non-blocking engines, through its
+ * test / wait / free (csrc/py/work.c defines one per engine). */
+typedef struct {
+    int (*test)(void *x, int *done);
+    int (*wait)(void *x, double timeout_s);
+    int (*free)(void *x);
+} mpidp_py_engine_ops;
+extern const mpidp_py_engine_ops mpidp_py_allreduce_ops, mpidp_py_peerx_ops;
+
+/* Creates a Work that owns the operation `x` (driven by `ops`) and keeps the
+ * `n` borrowed tensors (moved in: their capsules are taken) and `comm` alive
+ * until it completes. NULL with an exception (the operation then finished
+ * here) on failure. */
+PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_py_engine_ops *ops, void *x,
+                            mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm);
 
 /* Module functions binding the conversion kernels (csrc/py/kernels.c), over
- * the process-wide state (process.c), planning buckets (bucket_plan.c) and
- * the averaging schedule (avgsched.c). */
+ * the process-wide state (process.c), planning buckets (bucket_plan.c), the
+ * averaging schedule (avgsched.c) and the peer graphs (peers.c). */
 extern PyMethodDef mpidp_py_kernel_methods[];
 extern PyMethodDef mpidp_py_process_methods[];
 extern PyMethodDef mpidp_py_bucket_plan_functions[];
 extern PyMethodDef mpidp_py_avgsched_functions[];
+extern PyMethodDef mpidp_py_peers_functions[];
 
 #endif /* MPIDP_PY_MODULE_H */

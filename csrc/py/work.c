@@ -1,47 +1,67 @@
-/* mpidp._C.Work: the handle of an asynchronous allreduce.
+/* mpidp._C.Work: the handle of an asynchronous operation -- an allreduce
+ * or a peer exchange.
  *
- * A Work owns its allreduce and the tensor it reads and writes, and keeps
- * both until the operation completes. Chunks beyond the first are posted as
- * earlier ones complete, which happens in wait() and is_completed(). If the
- * Work is dropped earlier, its destructor waits (with the usual deadline) so
- * that MPI never writes into freed memory. */
+ * A Work owns its operation and the tensors it reads and writes, and keeps
+ * them until the operation completes. An allreduce's chunks beyond the first
+ * are posted as earlier ones complete, which happens in wait() and
+ * is_completed(). If the Work is dropped earlier, its destructor waits (with
+ * the usual deadline) so that MPI never writes into freed memory. */
 #include "module.h"
 
 #include <stdio.h>
 
 #include "mpidp/allreduce.h"
+#include "mpidp/peerx.h"
 #include "mpidp/status.h"
+
+static int allreduce_test(void *x, int *done) { return mpidp_allreduce_test(x, done); }
+static int allreduce_wait(void *x, double timeout_s) { return mpidp_allreduce_wait(x, timeout_s); }
+static int allreduce_free(void *x) { return mpidp_allreduce_free(x); }
+const mpidp_py_engine_ops mpidp_py_allreduce_ops = {allreduce_test, allreduce_wait, allreduce_free};
+
+static int peerx_test(void *x, int *done) { return mpidp_peerx_test(x, done); }
+static int peerx_wait(void *x, double timeout_s) { return mpidp_peerx_wait(x, timeout_s); }
+static int peerx_free(void *x) { return mpidp_peerx_free(x); }
+const mpidp_py_engine_ops mpidp_py_peerx_ops = {peerx_test, peerx_wait, peerx_free};
 
 typedef struct {
     PyObject_HEAD
-    mpidp_allreduce_t *x;
-    mpidp_py_borrowed_t tensor;
-    PyObject *comm;     /* the Comm must outlive the collective */
+    const mpidp_py_engine_ops *ops;
+    void *x;
+    mpidp_py_borrowed_t *tensors; /* PyMem array of n */
+    size_t n;
+    PyObject *comm;     /* the Comm must outlive the operation */
     PyObject *module;
     int done;
 } work_t;
 
 static void complete(work_t *w)
 {
-    if (mpidp_allreduce_free(w->x) == MPIDP_OK) w->x = NULL;
+    if (w->ops->free(w->x) == MPIDP_OK) w->x = NULL;
     w->done = 1;
-    mpidp_py_release(&w->tensor);
+    mpidp_py_release_all(w->tensors, w->n);
 }
 
-PyObject *mpidp_py_work_new(mpidp_py_state *st, mpidp_allreduce_t *x,
-                            mpidp_py_borrowed_t *keepalive, PyObject *comm)
+PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_py_engine_ops *ops, void *x,
+                            mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm)
 {
     work_t *w = PyObject_New(work_t, st->work_type);
-    if (w == NULL) {
+    mpidp_py_borrowed_t *tensors = w ? PyMem_Malloc((n ? n : 1) * sizeof *tensors) : NULL;
+    if (tensors == NULL) {
         /* Cannot hand the operation out: finish it here. */
-        mpidp_allreduce_wait(x, mpidp_py_timeout_s);
-        mpidp_allreduce_free(x);
-        mpidp_py_release(keepalive);
-        return NULL;
+        ops->wait(x, mpidp_py_timeout_s);
+        if (ops->free(x) == MPIDP_OK) mpidp_py_release_all(keepalive, n);
+        if (w) PyObject_Free(w), Py_DECREF(st->work_type);
+        return PyErr_NoMemory();
     }
+    for (size_t i = 0; i < n; i++) {
+        tensors[i] = keepalive[i];
+        keepalive[i].capsule = NULL;
+    }
+    w->ops = ops;
     w->x = x;
-    w->tensor = *keepalive;
-    keepalive->capsule = NULL;
+    w->tensors = tensors;
+    w->n = n;
     w->comm = Py_XNewRef(comm);
     w->module = Py_NewRef(PyType_GetModule(st->work_type));
     w->done = 0;
@@ -62,7 +82,7 @@ static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
     mpidp_py_state *st = mpidp_py_state_of_module(self->module);
     mpidp_error_clear();
     int rc;
-    MPIDP_PY_WAIT(st, rc, mpidp_allreduce_wait(self->x, timeout));
+    MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
     if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "Work.wait");
     complete(self);
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.wait");
@@ -76,7 +96,7 @@ static PyObject *work_is_completed(work_t *self, PyObject *unused)
         mpidp_py_state *st = mpidp_py_state_of_module(self->module);
         int done = 0;
         mpidp_error_clear();
-        int rc = mpidp_allreduce_test(self->x, &done);
+        int rc = self->ops->test(self->x, &done);
         if (done || rc != MPIDP_OK) complete(self);
         if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.is_completed");
     }
@@ -90,17 +110,18 @@ static void work_dealloc(work_t *self)
         int finalized = 1;
         MPI_Finalized(&finalized);
         if (!finalized) {
-            int rc = mpidp_allreduce_wait(self->x, mpidp_py_timeout_s);
+            int rc = self->ops->wait(self->x, mpidp_py_timeout_s);
             if (rc != MPIDP_OK)
                 fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n",
                         mpidp_error_detail());
         }
-        if (mpidp_allreduce_free(self->x) != MPIDP_OK) {
-            /* Still in flight after all: leak the tensor rather than free it under MPI. */
-            self->tensor.capsule = NULL;
+        if (self->ops->free(self->x) != MPIDP_OK) {
+            /* Still in flight after all: leak the tensors rather than free them under MPI. */
+            for (size_t i = 0; i < self->n; i++) self->tensors[i].capsule = NULL;
         }
     }
-    mpidp_py_release(&self->tensor);
+    mpidp_py_release_all(self->tensors, self->n);
+    PyMem_Free(self->tensors);
     Py_CLEAR(self->comm);
     Py_CLEAR(self->module);
     PyObject_Free(self);
@@ -109,7 +130,7 @@ static void work_dealloc(work_t *self)
 
 static PyMethodDef work_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))work_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None): block until the collective has completed (deadline: MPIDP_TIMEOUT)."},
+     "wait(timeout=None): block until the operation has completed (deadline: MPIDP_TIMEOUT)."},
     {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
      "is_completed() -> bool, without blocking (and progresses MPI)."},
     {NULL, NULL, 0, NULL},
@@ -118,7 +139,7 @@ static PyMethodDef work_methods[] = {
 static PyType_Slot work_slots[] = {
     {Py_tp_dealloc, work_dealloc},
     {Py_tp_methods, work_methods},
-    {Py_tp_doc, "Handle of an asynchronous mpidp collective: wait(), is_completed()."},
+    {Py_tp_doc, "Handle of an asynchronous mpidp operation: wait(), is_completed()."},
     {0, NULL},
 };
 

@@ -10,7 +10,7 @@ Launch with `mpirun -np N python train.py` or `srun python train.py`.
 from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
 from . import _C
 from ._C import CommError, CommTimeout
-from . import algorithms
+from . import algorithms, gossip
 from .averaging import HierarchicalModelAverager, PeriodicModelAverager, PostLocalSGDOptimizer
 from .bagua import BaguaModule, with_bagua
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -71,6 +71,7 @@ __all__ = [
     "with_bagua",
     "BaguaModule",
     "algorithms",
+    "gossip",
     "node_comm",
     "cross_node_comm",
 ]

@@ -25,7 +25,3 @@ class Algorithm:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
 
-
-def check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")

@@ -37,12 +37,18 @@ def _describe(module) -> list[str]:
     return described
 
 
-def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
-    """Every rank learns which ranks raised a flag (one small allreduce)."""
+def _ranks_named(c_comm, named) -> list[int]:
+    """Every rank learns which ranks any rank named (one small allreduce)."""
     flags = torch.zeros(c_comm.size, dtype=torch.float64)
-    flags[c_comm.rank] = 1.0 if flagged else 0.0
+    for r in named:
+        flags[r] = 1.0
     c_comm.allreduce(flags, _C.OP_SUM, _C.NO_WIRE, False)
     return [r for r in range(c_comm.size) if flags[r] > 0]
+
+
+def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
+    """Every rank learns which ranks raised a flag."""
+    return _ranks_named(c_comm, [c_comm.rank] if flagged else [])
 
 
 def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:

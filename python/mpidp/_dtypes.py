@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
+from ._args import check_dtype
 
 CODE_OF = {torch.float32: _C.DTYPE_F32, torch.float64: _C.DTYPE_F64,
            torch.bfloat16: _C.DTYPE_BF16, torch.float16: _C.DTYPE_F16}
@@ -21,12 +22,8 @@ def code_of(dtype: torch.dtype, argname: str) -> int:
 def wire_code(wire_dtype, argname: str = "wire_dtype", quantized: bool = False) -> int:
     """_C.NO_WIRE for None (no compression), else the code of bfloat16/float16/float32,
     and of uint8 (8-bit block quantization) where the caller has the `quantized` engine."""
-    if wire_dtype is None:
+    allowed = (torch.bfloat16, torch.float16) + ((torch.uint8,) if quantized else ()) + \
+        (torch.float32,)
+    if check_dtype(argname, wire_dtype, allowed, none_ok=True) is None:
         return _C.NO_WIRE
-    if quantized and wire_dtype is torch.uint8:
-        return _C.DTYPE_U8
-    if wire_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{argname}: expected None, torch.bfloat16, torch.float16"
-                         f"{', torch.uint8' if quantized else ''} or torch.float32, "
-                         f"got {wire_dtype!r}")
-    return CODE_OF[wire_dtype]
+    return _C.DTYPE_U8 if wire_dtype is torch.uint8 else CODE_OF[wire_dtype]

@@ -1,32 +1,53 @@
 """Bagua's algorithms, with Bagua's class names and defaults, for
 `mpidp.with_bagua(module, optimizers, algorithm)`: GradientAllReduceAlgorithm,
-ByteGradAlgorithm, QAdamAlgorithm with QAdamOptimizer. Each implements the
-interface of mpidp/_algorithm.py on the core's engines: the gradient reducer
-(flat or hierarchical, fp32 or the 8-bit quantized allreduce).
+ByteGradAlgorithm, QAdamAlgorithm with QAdamOptimizer, DecentralizedAlgorithm,
+LowPrecisionDecentralizedAlgorithm and AsyncModelAverageAlgorithm. Each
+implements the interface of mpidp/_algorithm.py on the core's engines: the
+gradient reducer (flat or hierarchical, fp32 or the 8-bit quantized
+allreduce), the peer graphs and the peer exchange, the background averager.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict
 
 import torch
 
-from ._algorithm import Algorithm, check_bool
+from ._algorithm import Algorithm
+from ._args import check_bool
+from .async_average import AsyncModelAverageAlgorithm
+from .broadcast import broadcast_optimizer_state
 from .data_parallel import DataParallel
+from .decentralized import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
 from .qadam import QAdamAlgorithm, QAdamOptimizer
 
 __all__ = ["Algorithm", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "QAdamAlgorithm",
-           "QAdamOptimizer"]
+           "QAdamOptimizer", "DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm",
+           "AsyncModelAverageAlgorithm"]
 
 
 class _GradientHandle:
     """A reducer-based algorithm on a module: mpidp.DataParallel underneath."""
 
-    def __init__(self, module, comm, wire_dtype, hierarchical: bool, average: bool):
+    def __init__(self, module, optimizers, comm, wire_dtype, hierarchical: bool, average: bool):
         # Blocking updates: the user's own optimizers step as usual.
         self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
                                wire_dtype=wire_dtype, hierarchical=hierarchical)
         self.dp._set_average(average)
+        self.optimizers, self.comm = optimizers, comm
+
+    @contextlib.contextmanager
+    def join(self, adopt_optimizer_state: bool = False):
+        """DataParallel.join() (uneven inputs); with adopt_optimizer_state
+        every rank then also takes the optimizer states of the rank that
+        trained longest."""
+        check_bool("adopt_optimizer_state", adopt_optimizer_state)
+        with self.dp.join():
+            yield
+        if adopt_optimizer_state:
+            for opt in self.optimizers:
+                broadcast_optimizer_state(opt, root=self.dp.join_root, comm=self.comm)
 
     def forward(self, *inputs, **kwargs):
         return self.dp(*inputs, **kwargs)
@@ -57,7 +78,7 @@ class GradientAllReduceAlgorithm(Algorithm):
         self.average = average
 
     def _attach(self, module, optimizers, comm):
-        return _GradientHandle(module, comm, None, self.hierarchical, self.average)
+        return _GradientHandle(module, optimizers, comm, None, self.hierarchical, self.average)
 
 
 class ByteGradAlgorithm(Algorithm):
@@ -73,4 +94,5 @@ class ByteGradAlgorithm(Algorithm):
         self.average = average
 
     def _attach(self, module, optimizers, comm):
-        return _GradientHandle(module, comm, torch.uint8, self.hierarchical, self.average)
+        return _GradientHandle(module, optimizers, comm, torch.uint8, self.hierarchical,
+                               self.average)

@@ -150,6 +150,9 @@ class HierarchicalModelAverager(ModelAverager):
 
     def __init__(self, period_group_size_dict: Mapping[int, int] = None, warmup_steps: int = 0,
                  process_group=None):
+        if not isinstance(period_group_size_dict, Mapping):
+            raise TypeError("period_group_size_dict: expected a mapping of periods to group sizes "
+                            f"(e.g. {{4: 2, 16: 8}}), got {type(period_group_size_dict).__name__}")
         if not period_group_size_dict:
             raise ValueError("period_group_size_dict: expected a non-empty mapping of periods "
                              "to group sizes")

@@ -37,6 +37,21 @@ class BaguaModule(torch.nn.Module):
     def forward(self, *inputs, **kwargs):
         return self._handle.forward(*inputs, **kwargs)
 
+    def join(self, adopt_optimizer_state: bool = False):
+        """A context for uneven inputs (ranks with fewer batches finish early),
+        as DataParallel.join(), for the algorithms that average gradients
+        every step: GradientAllReduceAlgorithm and ByteGradAlgorithm. The
+        others raise: QAdam averages momenta inside the optimizer's step, the
+        decentralized ones and AsyncModelAverageAlgorithm average weights with
+        peers that would wait for a finished rank."""
+        join = getattr(self._handle, "join", None)
+        if join is None:
+            raise NotImplementedError(
+                f"join: {type(self.bagua_algorithm).__name__} does not support uneven inputs (only "
+                "GradientAllReduceAlgorithm and ByteGradAlgorithm do); give every rank the same "
+                "number of batches (e.g. DistributedSampler(..., drop_last=True))")
+        return join(adopt_optimizer_state)
+
     def bagua_state_dict(self):
         """The algorithm's own state (its optimizers' states are theirs)."""
         return self._handle.state_dict()

@@ -13,6 +13,7 @@ import zlib
 import torch
 
 from . import _C
+from ._args import check_bool, check_choice, check_int
 from ._dtypes import wire_code
 from ._mpi import MPI, resolve_comm
 from .topology import topology
@@ -45,8 +46,7 @@ def _check_tensor(tensor, argname: str = "tensor", writable: bool = True) -> Non
 
 
 def _check_op(op: str, dtype: torch.dtype, wire_dtype=None) -> int:
-    if op not in _OPS:
-        raise ValueError(f"op: expected one of {', '.join(map(repr, _OPS))}, got {op!r}")
+    check_choice("op", op, _OPS)
     if op == "avg" and dtype not in _FLOATS:
         raise ValueError(f"op: 'avg' needs a floating-point tensor, got {dtype} (use 'sum' and "
                          "divide, or convert to float)")
@@ -79,7 +79,8 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,
     wire = wire_code(wire_dtype, quantized=True)
     if wire == _C.DTYPE_U8 and tensor.dtype != torch.float32:
         raise TypeError(f"wire_dtype: torch.uint8 quantizes float32 tensors, got {tensor.dtype}")
-    return resolve_comm(comm).allreduce(tensor.detach(), code, wire, bool(async_op))
+    check_bool("async_op", async_op)
+    return resolve_comm(comm).allreduce(tensor.detach(), code, wire, async_op)
 
 
 def allreduce_scalar(value, op: str = "avg", comm=None):
@@ -149,8 +150,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
     counts, when given, is one int >= 0 per rank summing to len(tensor), the
     same on every rank. The mean is the sum times 1/size."""
     _check_tensor(tensor, writable=False)
-    if op not in ("sum", "avg"):
-        raise ValueError(f"op: expected 'sum' or 'avg', got {op!r}")
+    check_choice("op", op, ("sum", "avg"))
     if tensor.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"tensor: expected float32 or float64, got {tensor.dtype}")
     c = resolve_comm(comm)
@@ -159,9 +159,8 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
     if counts is None:
         counts = [n // c.size + (1 if r < n % c.size else 0) for r in range(c.size)]
     else:
-        counts = list(counts)
-        if (len(counts) != c.size or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
-                                         for k in counts) or sum(counts) != n):
+        counts = [check_int(f"counts[{i}]", k, 0) for i, k in enumerate(counts)]
+        if len(counts) != c.size or sum(counts) != n:
             raise ValueError(f"counts: expected {c.size} ints >= 0 (one per rank) summing to "
                              f"{n}, got {counts!r}")
     row = int(torch.Size(t.shape[1:]).numel())

@@ -21,7 +21,7 @@ import torch
 
 from . import _config as config
 from . import _C
-from ._args import check_int
+from ._args import check_bool, check_dtype, check_int, check_real
 from ._dtypes import CODE_OF
 from ._consistency import check_every, check_in_sync, ranks_differing
 from ._mpi import MPI, as_mpi4py, resolve_comm
@@ -66,16 +66,10 @@ class DASO:
             raise ValueError(f"sending_chunk_size: expected at most 2**31 - 1, got {sending_chunk_size}")
         skip_reduction_factor = check_int("skip_reduction_factor", skip_reduction_factor, 2)
         local_skip_factor = check_int("local_skip_factor", local_skip_factor, 1)
-        if isinstance(stability_level, bool) or not isinstance(stability_level, numbers.Real):
-            raise TypeError(f"stability_level: expected a float, got {type(stability_level).__name__}")
-        if not (0.0 <= stability_level < 1.0) or math.isnan(stability_level):
-            raise ValueError(f"stability_level: expected a value in [0, 1), got {stability_level}")
-        if downcast_type not in (torch.bfloat16, torch.float16, torch.half, torch.float32):
-            raise ValueError("downcast_type: expected torch.bfloat16, torch.float16 or "
-                             f"torch.float32, got {downcast_type!r}")
-        for name, flag in (("use_mpi_groups", use_mpi_groups), ("verbose", verbose)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        stability_level = check_real("stability_level", stability_level, 0.0, 1.0, high_open=True)
+        check_dtype("downcast_type", downcast_type, (torch.bfloat16, torch.float16, torch.float32))
+        check_bool("use_mpi_groups", use_mpi_groups)
+        check_bool("verbose", verbose)
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError("scheduler: expected a learning-rate scheduler with a step() method, "
                             f"got {type(scheduler).__name__}")
@@ -365,8 +359,7 @@ class DASO:
             loss = loss.detach().item()
         if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
             raise TypeError(f"loss: expected a number or a scalar tensor, got {type(loss).__name__}")
-        if not isinstance(loss_globally_averaged, bool):
-            raise TypeError("loss_globally_averaged: expected a bool")
+        check_bool("loss_globally_averaged", loss_globally_averaged)
         if self.current_batch != 0:
             raise RuntimeError("DASO.epoch_loss_logic: the epoch has not ended (the step of batch "
                                f"last_batch={self.last_batch} has not run; batch {self.current_batch} "
@@ -430,7 +423,10 @@ class DASO:
         """Restore state_dict() output (of this rank, same job layout). Load
         the model's parameters too; the first step() after this takes them as
         the shared reference of the global syncs."""
-        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+        if not isinstance(state, dict):
+            raise TypeError(f"state: expected the dict of DASO.state_dict(), got "
+                            f"{type(state).__name__}")
+        if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"state: expected the dict of DASO.state_dict() ({_STATE_FORMAT})")
         if (state["n_nodes"], state["local_size"]) != (self.n_nodes, self.loc_size):
             raise ValueError(f"state: saved on {state['n_nodes']} nodes x {state['local_size']} "

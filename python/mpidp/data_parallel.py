@@ -12,6 +12,7 @@ import torch
 
 from . import _config as config
 from . import _C
+from ._args import check_bool, check_real
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
@@ -220,11 +221,9 @@ class DataParallel(torch.nn.Module):
                             f"{type(blocking_parameter_updates).__name__}")
         for name, value in (("bucket_cap_mb", bucket_cap_mb),
                             ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: expected a positive number of MiB, got {value!r}")
-        for name, value in (("broadcast_buffers", broadcast_buffers), ("hierarchical", hierarchical)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+            check_real(name, value, 0.0, low_open=True)      # MiB
+        check_bool("broadcast_buffers", broadcast_buffers)
+        check_bool("hierarchical", hierarchical)
         wire = wire_code(wire_dtype, quantized=True)
         if wire == code_of(torch.float32, "wire_dtype"):
             wire = _C.NO_WIRE  # float32 on the wire: no compression
@@ -522,8 +521,7 @@ class DataParallel(torch.nn.Module):
         MPIDP_TIMEOUT, with an error saying so."""
         if self._joining:
             raise RuntimeError("DataParallel.join() is already active")
-        if not isinstance(adopt_optimizer_state, bool):
-            raise TypeError("adopt_optimizer_state: expected a bool")
+        check_bool("adopt_optimizer_state", adopt_optimizer_state)
         self._joining, self._join_steps = True, 0
         try:
             yield self
@@ -543,6 +541,7 @@ class DataParallel(torch.nn.Module):
             steps[self._c_comm.rank] = self._join_steps
             self._c_comm.allreduce(steps, _C.OP_SUM, _C.NO_WIRE, False)
             root = int(torch.argmax(steps))
+            self.join_root = root       # whose state every rank took (wrappers adopt from it)
             broadcast_state(self.module, self._c_comm, root=root)
             if adopt_optimizer_state:
                 for opt in self._dp_optimizers:

@@ -17,14 +17,13 @@ the averaged outer gradient."""
 
 from __future__ import annotations
 
-import numbers
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from . import _C
-from ._args import check_int
+from ._args import check_bool, check_int, check_real
 from ._dtypes import wire_code
 from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
@@ -74,7 +73,16 @@ class DiLoCo:
         for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"{name}: expected a torch.optim.Optimizer, got {type(opt).__name__}")
-        fragments = [model] if model_fragments is None else list(model_fragments)
+        if isinstance(model_fragments, torch.nn.Module) and \
+                not isinstance(model_fragments, torch.nn.ModuleList):
+            raise TypeError("model_fragments: expected a list of modules (one per fragment), got "
+                            f"the module {type(model_fragments).__name__}; wrap it: [module]")
+        try:
+            fragments = [model] if model_fragments is None else list(model_fragments)
+        except TypeError:
+            raise TypeError("model_fragments: expected a list of modules, got "
+                            f"{type(model_fragments).__name__}") from None
+        check_bool("sync_buffers", sync_buffers)
         self._fragments = self._partition(model, fragments)
         self._buffers = self._fragment_buffers(model, fragments) if sync_buffers else None
         n = len(fragments)
@@ -86,9 +94,7 @@ class DiLoCo:
             raise ValueError(f"fragment_sync_delay: expected 0 .. {every - 1} (a fragment's send "
                              f"must come before its turn, every {every} steps), got "
                              f"{fragment_sync_delay!r}")
-        if not isinstance(fragment_update_alpha, numbers.Real) or not 0.0 <= fragment_update_alpha <= 1.0:
-            raise ValueError(f"fragment_update_alpha: expected a number in [0, 1], got "
-                             f"{fragment_update_alpha!r}")
+        check_real("fragment_update_alpha", fragment_update_alpha, 0.0, 1.0)
         params = [p for frag in self._fragments for p in frag]
         outer = [p for g in outer_optimizer.param_groups for p in g["params"]]
         if {id(p) for p in outer} != {id(p) for p in params} or len(outer) != len(params):

@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from . import _C
+from ._args import check_int
 
 __all__ = ["pack", "unpack", "sum16", "quantize8", "dequantize8", "quant8_bytes"]
 
@@ -80,8 +81,7 @@ def dequantize8(dst: Any, src: Any, accumulate: bool = False, path: Optional[str
 
 def quant8_bytes(n: int) -> int:
     """Bytes that n elements take quantized: one record per started block."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n: expected an int >= 0, got {n!r}")
+    n = check_int("n", n, 0)
     return -(-n // _C.Q8_BLOCK) * _C.Q8_RECORD
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _config as config
+from ._args import check_choice
 from ._mpi import MPI
 from .topology import node_comm, topology
 
@@ -65,8 +66,7 @@ def init_process_group(comm=None, backend: str | None = None,
         same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
         backend = default_backend(gpus, same_machine.Get_size())
         same_machine.Free()
-    if backend not in ("gloo", "nccl", "mpi"):
-        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    check_choice("backend", backend, ("gloo", "nccl", "mpi"))
     if backend == "nccl" and gpus == 0:
         raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
                            "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "

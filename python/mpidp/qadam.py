@@ -11,21 +11,27 @@ t = warmup_steps drops the gradient (here it is an ordinary Adam step), and its
 weight decay vanishes after the warm-up (here g_i + weight_decay * x enters the
 momentum throughout, as in Adam).
 
-`hierarchical` (default True, as Bagua's) applies to the warm-up's gradient
-averaging (node first, see DataParallel); the momentum's 8-bit average runs
-over all ranks at once.
+With `hierarchical` (default True, as Bagua's) both averages go node first:
+the warm-up's gradients as DataParallel(hierarchical=True) does, and the
+momentum by a float32 reduce-scatter within the node, the 8-bit average of
+each local rank's slice with its counterparts on the other nodes, and an
+allgather within the node -- only the cross-node exchange is quantized, and
+each local rank carries 1/L of its bytes. With one rank per node, or one
+node, that cannot help: a warning, and the flat 8-bit average over all ranks.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict
 
 import torch
 
-from ._algorithm import Algorithm, check_bool
-from ._args import check_int
-from .collectives import allreduce
+from ._algorithm import Algorithm
+from ._args import check_bool, check_int, check_real
+from .collectives import allgather, allreduce, reduce_scatter
 from .data_parallel import DataParallel
+from .topology import cross_node_comm, node_comm, topology
 
 __all__ = ["QAdamOptimizer", "QAdamAlgorithm"]
 
@@ -39,6 +45,13 @@ class QAdamOptimizer(torch.optim.Adam):
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         # At least one warm-up step: the frozen second moment comes from it.
         check_int("warmup_steps", warmup_steps, 1)
+        check_real("lr", lr, 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas: expected a pair of numbers, got {betas!r}")
+        for i, beta in enumerate(betas):
+            check_real(f"betas[{i}]", beta, 0.0, 1.0, high_open=True)
+        check_real("eps", eps, 0.0)
+        check_real("weight_decay", weight_decay, 0.0)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.warmup_steps = warmup_steps
         for group in self.param_groups:
@@ -81,8 +94,8 @@ class QAdamOptimizer(torch.optim.Adam):
                 state["step"] += 1
                 stepped.append((p, state, group))
         if stepped:
-            flat = torch.cat([s["exp_avg"].reshape(-1) for _, s, _ in stepped])
-            allreduce(flat, op="avg", comm=self._handle.comm, wire_dtype=torch.uint8)
+            flat = self._handle.average_momentum(
+                torch.cat([s["exp_avg"].reshape(-1) for _, s, _ in stepped]))
             offset = 0
             for p, state, _ in stepped:
                 state["exp_avg"].copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -97,11 +110,31 @@ class QAdamOptimizer(torch.optim.Adam):
 class _QAdamHandle:
     def __init__(self, module, optimizer: QAdamOptimizer, comm, hierarchical: bool):
         self.module, self.opt, self.comm = module, optimizer, comm
+        self.hierarchy = None        # (node, cross-node) communicators of the momentum's average
+        if hierarchical:
+            topo = topology(comm)
+            if topo.local_size > 1 and topo.n_nodes > 1:
+                self.hierarchy = (node_comm(comm), cross_node_comm(comm))
         self.dp = None
         if optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps:
+            # DataParallel warns where the hierarchy cannot help.
             self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
                                    hierarchical=hierarchical)
+        elif hierarchical and self.hierarchy is None:
+            warnings.warn("QAdamAlgorithm: hierarchical=True cannot help with one rank per node "
+                          "or a single node; averaging the momentum flat", stacklevel=4)
         optimizer._handle = self
+
+    def average_momentum(self, flat: torch.Tensor) -> torch.Tensor:
+        """The ranks' mean of `flat` (every rank's momenta, concatenated),
+        8-bit quantized across the nodes (see the module's docstring)."""
+        if self.hierarchy is None:
+            allreduce(flat, op="avg", comm=self.comm, wire_dtype=torch.uint8)
+            return flat
+        node, cross = self.hierarchy
+        part = reduce_scatter(flat, op="avg", comm=node)
+        allreduce(part, op="avg", comm=cross, wire_dtype=torch.uint8)
+        return allgather(part, comm=node)
 
     def end_warmup(self) -> None:
         if self.dp is not None:

@@ -1,4 +1,4 @@
-"""SlowMo over MPI, with fairscale's names and semantics (LocalSGD base).
+"""SlowMo over MPI, with fairscale's names and semantics (LocalSGD or SGP base).
 
 Within a node the ranks average gradients every backward (mpidp.DataParallel
 on the node's communicator), so a node's ranks hold one replica. Every
@@ -14,25 +14,31 @@ ranks: each shard owner receives its shard of the parameters' world mean
 (a reduce-scatter with a count per rank), steps it, and the shards are
 gathered back (an allgatherv); that mean replaces the
 LocalSGD average on steps where both fall, as in fairscale. When to do what
-is the core's averaging schedule (mpidp/avgsched.h)."""
+is the core's averaging schedule (mpidp/avgsched.h).
+
+With the SGP base (stochastic gradient push) the nodes do not average: after
+every step each node's master mixes its replica with its in-peers' of a
+gossip graph (mpidp.gossip; the core's peer graphs and peer exchange),
+x <- w (x + sum of the in-peers' x), w = 1 / (peers + 1), and the node's
+ranks take the result."""
 
 from __future__ import annotations
 
 import enum
 import warnings
 import weakref
-import numbers
 from typing import Any, Dict, Optional
 
 import torch
 
 from . import _C
-from ._args import check_int
+from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
 from ._params import broadcast_tensors
 from .averaging import average_tensors
 from .data_parallel import DataParallel
+from .gossip import DynamicDirectedExponentialGraph, GraphManager, MixingManager, UniformMixing, mix
 from .topology import node_comm
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
@@ -55,7 +61,12 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
     world; default: the real nodes, or MPIDP_RANKS_PER_NODE's). comm: an
     mpi4py communicator (None: every rank). fairscale's torch-group arguments
     (process groups, ranks, devices) have no meaning here and must stay
-    None; SGP is not available yet (a clear error)."""
+    None. With slowmo_base_algorithm=SGP the nodes gossip instead of
+    averaging: after every step each node master mixes its replica with its
+    in-peers' over `graph` (default mpidp.gossip.DynamicDirectedExponentialGraph
+    over the nodes) with `mixing` (UniformMixing), push-sum weights when
+    push_sum, synchronously (overlap must stay False, as fairscale asserts);
+    slowmo_sgp_average_params averages exactly before each slow step."""
 
     def __init__(self, module: torch.nn.Module, nprocs_per_node: Optional[int] = None,
                  broadcast_buffers: bool = True,
@@ -73,22 +84,43 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, (SlowMoDistributedDataParallel, DataParallel)):
             raise TypeError(f"module: is already a {type(module).__name__}; pass the plain module")
-        if SlowMoBaseAlgorithm(slowmo_base_algorithm) is SlowMoBaseAlgorithm.SGP:
-            raise NotImplementedError("slowmo_base_algorithm: SGP (gossip) is not available yet; "
-                                      "use SlowMoBaseAlgorithm.LOCALSGD")
-        for name, value in (("graph", graph), ("mixing", mixing), ("process_rank", process_rank),
+        if not isinstance(slowmo_base_algorithm, (SlowMoBaseAlgorithm, str)):
+            raise TypeError("slowmo_base_algorithm: expected a mpidp.SlowMoBaseAlgorithm, got "
+                            f"{type(slowmo_base_algorithm).__name__}")
+        if slowmo_base_algorithm not in tuple(SlowMoBaseAlgorithm):
+            raise ValueError("slowmo_base_algorithm: expected SlowMoBaseAlgorithm.LOCALSGD or "
+                             f".SGP, got {slowmo_base_algorithm!r}")
+        for name, flag in (("broadcast_buffers", broadcast_buffers),
+                           ("slowmo_memory_efficient", slowmo_memory_efficient),
+                           ("push_sum", push_sum), ("overlap", overlap), ("use_streams", use_streams),
+                           ("slowmo_sgp_average_params", slowmo_sgp_average_params),
+                           ("verbose", verbose), ("profile_mode", profile_mode)):
+            check_bool(name, flag)
+        check_int("synch_freq", synch_freq, 0)
+        sgp = SlowMoBaseAlgorithm(slowmo_base_algorithm) is SlowMoBaseAlgorithm.SGP
+        for name, value in (("process_rank", process_rank),
                             ("process_world_size", process_world_size),
                             ("global_group", global_group), ("master_group", master_group),
                             ("local_node_group", local_node_group), ("comm_device", comm_device)):
             if value is not None:
-                raise ValueError(f"{name}: only used by fairscale's torch.distributed set-up or "
-                                 "by SGP; leave it None (pass comm= for the communicator)")
+                raise ValueError(f"{name}: only used by fairscale's torch.distributed set-up; "
+                                 "leave it None (pass comm= for the communicator)")
+        if not sgp and (graph is not None or mixing is not None):
+            raise ValueError("graph, mixing: gossip settings of the SGP base algorithm; leave "
+                             "them None with LOCALSGD")
+        if graph is not None and not isinstance(graph, GraphManager):
+            raise TypeError(f"graph: expected an mpidp.gossip graph, got {type(graph).__name__}")
+        if mixing is not None and not isinstance(mixing, MixingManager):
+            raise TypeError(f"mixing: expected an mpidp.gossip mixing manager (UniformMixing), "
+                            f"got {type(mixing).__name__}")
         if overlap or synch_freq:
-            raise ValueError("overlap, synch_freq: SGP settings; leave them at False and 0")
-        for name, value in (("slowmo_momentum", slowmo_momentum), ("slowmo_lr", slowmo_lr)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
-                raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+            raise ValueError("overlap, synch_freq: SGP runs synchronously (as fairscale's "
+                             "SlowMo, which asserts it); leave them at False and 0")
+        check_real("slowmo_momentum", slowmo_momentum, 0.0)
+        check_real("slowmo_lr", slowmo_lr, 0.0)
         self.slowmo_frequency = check_int("slowmo_frequency", slowmo_frequency, 1)
+        self.slowmo_sgp_average_params = slowmo_sgp_average_params
+        self.push_sum = push_sum
         self.localsgd_frequency = check_int("localsgd_frequency", localsgd_frequency, 1)
         check_int("slowmo_num_shards", slowmo_num_shards, 1)
         mpi = as_mpi4py(comm)
@@ -99,7 +131,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
             "slowmo_momentum": float(slowmo_momentum), "slowmo_lr": float(slowmo_lr),
             "slowmo_memory_efficient": bool(slowmo_memory_efficient),
             "slowmo_frequency": slowmo_frequency, "slowmo_num_shards": slowmo_num_shards,
-            "localsgd_frequency": localsgd_frequency})
+            "localsgd_frequency": localsgd_frequency, "sgp": sgp, "push_sum": push_sum,
+            "slowmo_sgp_average_params": slowmo_sgp_average_params,
+            "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)})
         if nprocs_per_node is None:
             node = node_comm(mpi)
         else:
@@ -114,6 +148,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         self._node = resolve_comm(node)
         masters = mpi.Split(0 if self.local_rank == 0 else 1, rank)
         self._masters = resolve_comm(masters)
+        self.sgp = sgp and self._setup_sgp(graph, mixing)
 
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -140,6 +175,32 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         # The node's ranks average gradients every backward: one replica per node.
         self._node_dp = (DataParallel(module, comm=node, blocking_parameter_updates=True,
                                       broadcast_buffers=False) if self.nprocs_per_node > 1 else None)
+
+    def _setup_sgp(self, graph: Optional[GraphManager], mixing: Optional[MixingManager]) -> bool:
+        """The gossip of the SGP base between the nodes' masters (ranks of the
+        masters' communicator = the graph's workers); False, with fairscale's
+        warning, on a single node."""
+        if self.logical_world_size == 1:
+            warnings.warn("SlowMoDistributedDataParallel: SGP gossips between nodes and there "
+                          "is one; it is turned off (as in fairscale)", UserWarning, stacklevel=3)
+            return False
+        node_index = torch.tensor([self._masters.rank if self.local_rank == 0 else 0])
+        broadcast_tensors([node_index], self._node)
+        worker = int(node_index)
+        if graph is None:
+            graph = DynamicDirectedExponentialGraph(worker, self.logical_world_size,
+                                                    self.nprocs_per_node, self.local_rank)
+        if graph.world_size != self.logical_world_size or graph.rank != worker:
+            raise ValueError(f"graph: built for worker {graph.rank} of {graph.world_size}, but "
+                             f"this rank's node is worker {worker} of {self.logical_world_size}")
+        mixing = UniformMixing(graph) if mixing is None else mixing
+        if mixing.graph_manager is not graph:
+            raise ValueError("mixing: built over another graph than `graph`")
+        if not mixing.is_uniform():
+            raise ValueError("mixing: only uniform mixing is supported (mpidp.gossip.UniformMixing)")
+        self.graph, self.mixing = graph, mixing
+        self.ps_weight = 1.0
+        return True
 
     def _check_current(self) -> None:
         current = _SLOWMO_OF.get(self.module)
@@ -208,12 +269,16 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
             raise ValueError("fp32_params: fp16 master copies are not supported; keep the "
                              "parameters float32 (torch.autocast does)")
         due = _C.avgsched_actions(
-            self.num_updates, periods=(self.localsgd_frequency,), after_period=True,
-            slow_every=self.slowmo_frequency if self.slowmo else 0,
+            self.num_updates, periods=() if self.sgp else (self.localsgd_frequency,),
+            after_period=True, slow_every=self.slowmo_frequency if self.slowmo else 0,
             slow_replaces_average=self.slowmo_memory_efficient)
+        if self.sgp:
+            self._gossip()
         if due.average:
             self._average_replicas()
         if due.slow_step:
+            if self.sgp and self.slowmo_sgp_average_params and not self.slowmo_memory_efficient:
+                self._average_replicas()      # an exact average before the slow step
             self._slow_step(optimizer)
         self.num_updates += 1
 
@@ -222,6 +287,23 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         their master's values."""
         if self.local_rank == 0 and self.logical_world_size > 1:
             average_tensors([p.data for p in self._params], self._masters)
+        if self.nprocs_per_node > 1:
+            broadcast_tensors([p.data for p in self._params], self._node)
+
+    def _gossip(self) -> None:
+        """One SGP round between the node masters (push-sum: the weight y
+        travels with the parameters, which hold x / y); each node's ranks
+        then take their master's values."""
+        if self.local_rank == 0:
+            y = self.ps_weight
+            flat = torch.cat([self._flat() * y if self.push_sum else self._flat(),
+                              torch.tensor([y], dtype=torch.float32)])
+            mixed = mix(flat, self.graph, self.mixing, self._masters)
+            self.ps_weight = float(mixed[-1]) if self.push_sum else 1.0
+            x = mixed[:-1]
+            self._write(x / mixed[-1] if self.push_sum and self.ps_weight != 1.0 else x)
+        else:
+            self.graph.round += 1
         if self.nprocs_per_node > 1:
             broadcast_tensors([p.data for p in self._params], self._node)
 
@@ -253,6 +335,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         rank 0's, so loading restores it) and its slow parameters and momentum
         (its shard in memory-efficient mode). Save beside the optimizer's."""
         return {"num_updates": self.num_updates,
+                "sgp": {"round": self.graph.round, "ps_weight": self.ps_weight} if self.sgp else None,
                 "local": [p.detach().clone() for p in self._params],
                 "theta": None if self._theta is None else self._theta.clone(),
                 "u": None if self._u is None else self._u.clone()}
@@ -271,6 +354,11 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
             for p, x in zip(self._params, local):
                 p.copy_(x)
         self.num_updates = int(state["num_updates"])
+        sgp = state.get("sgp")
+        if (sgp is None) != (not self.sgp):
+            raise ValueError("state: saved with another slowmo_base_algorithm (or node count)")
+        if sgp is not None:
+            self.graph.round, self.ps_weight = int(sgp["round"]), float(sgp["ps_weight"])
         self._theta = None if theta is None else theta.clone()
         self._u = None if u is None else u.clone()
 

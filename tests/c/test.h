@@ -168,4 +168,19 @@ static inline int mpidp__run_tests(const mpidp_test_case *cases, size_t n,
         return rc;                                                              \
     }
 
+/* TEST_MAIN_MPI_THREADS(a, b, c): as TEST_MAIN_MPI, MPI initialized with
+ * MPI_THREAD_MULTIPLE (as mpi4py does), for engines that run a thread. */
+#define TEST_MAIN_MPI_THREADS(...)                                              \
+    int main(int argc, char **argv)                                             \
+    {                                                                           \
+        static const mpidp_test_case cases[] = {                                \
+            MPIDP__FOREACH(MPIDP__CASE, __VA_ARGS__)};                          \
+        int provided = 0;                                                       \
+        MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);          \
+        int rc = mpidp__run_tests(cases, sizeof cases / sizeof cases[0], argc,  \
+                                  argv);                                        \
+        MPI_Finalize();                                                         \
+        return rc;                                                              \
+    }
+
 #endif /* MPIDP_TEST_H */

@@ -39,4 +39,12 @@ int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_R
 int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, size_t count, int op,
                            int dtype, const char *what, mpidp_req_t *out);
 
+/* The number of the point-to-point operation being started on `comm`: 0, 1,
+ * 2, .. counted per communicator (in an MPI attribute), shared by every
+ * engine that tags its messages with it (the quantized allreduce, the peer
+ * exchange). Ranks that start the same operations on a communicator in the
+ * same order number them alike, so a tag built from the number matches only
+ * its own operation's messages. */
+int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out);
+
 #endif /* MPIDP_MPI_UTIL_H */
