@@ -50,6 +50,9 @@ Methods:
                 per step
   lowprec       (not in the default set) LowPrecisionDecentralizedAlgorithm:
                 8-bit differences with the ring neighbours (nodes) every step
+  async         (not in the default set) AsyncModelAverageAlgorithm: a
+                background thread averages all ranks' weights every
+                --sync-interval-ms while each rank trains on its own
 
 Per method it reports the training time per epoch (test evaluation excluded),
 total training time, final test accuracy (every rank evaluates a quarter of
@@ -102,7 +105,7 @@ RESULT_TAG = "BENCH_DASO_RESULT "
 DEFAULT_METHODS = ("ddp", "dp-block", "dp-block-bf16", "dp-nb", "dp-nb-bf16", "daso")
 SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream")
 COMPRESSED_METHODS = ("dp-block-u8", "dp-hier", "dp-hier-u8", "qadam")
-DECENTRALIZED_METHODS = ("sgp", "decentralized", "decentralized-shift", "lowprec")
+DECENTRALIZED_METHODS = ("sgp", "decentralized", "decentralized-shift", "lowprec", "async")
 ALL_METHODS = (DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS + COMPRESSED_METHODS
                + DECENTRALIZED_METHODS)
 
@@ -186,12 +189,14 @@ def worker(args) -> None:
     elif method == "qadam":
         net = mpidp.with_bagua(model, [inner], mpidp.algorithms.QAdamAlgorithm(inner), comm)
         opt = inner
-    elif method in ("decentralized", "decentralized-shift", "lowprec"):
+    elif method in ("decentralized", "decentralized-shift", "lowprec", "async"):
         algos = mpidp.algorithms
         algorithm = {"decentralized": lambda: algos.DecentralizedAlgorithm(),
                      "decentralized-shift": lambda: algos.DecentralizedAlgorithm(
                          hierarchical=False, peer_selection_mode="shift_one"),
-                     "lowprec": lambda: algos.LowPrecisionDecentralizedAlgorithm()}[method]()
+                     "lowprec": lambda: algos.LowPrecisionDecentralizedAlgorithm(),
+                     "async": lambda: algos.AsyncModelAverageAlgorithm(
+                         sync_interval_ms=args.sync_interval_ms)}[method]()
         net, opt = mpidp.with_bagua(model, [inner], algorithm, comm), inner
     elif method == "sgp":
         net = mpidp.SlowMoDistributedDataParallel(
@@ -398,7 +403,8 @@ def run_method(args, name: str, method: str, netstats) -> dict:
                    "--slow-every", args.slow_every, "--sync-every", args.sync_every,
                    "--delay", args.delay, "--outer-lr", args.outer_lr,
                    "--outer-momentum", args.outer_momentum, "--qadam-lr", args.qadam_lr,
-                   "--qadam-warmup", args.qadam_warmup]
+                   "--qadam-warmup", args.qadam_warmup,
+                   "--sync-interval-ms", args.sync_interval_ms]
     mpirun_opts = list(args.mpirun_args)
     if method == "ddp":
         # The global gloo group's TCP store is opened by rank 0 on node 0's
@@ -641,6 +647,8 @@ def main() -> None:
     parser.add_argument("--qadam-lr", type=float, default=1e-3, help="qadam: Adam's lr (Bagua's)")
     parser.add_argument("--qadam-warmup", type=int, default=100,
                         help="qadam: steps of Adam on averaged gradients (Bagua's 100)")
+    parser.add_argument("--sync-interval-ms", type=int, default=500,
+                        help="async: the background thread's pause between averages (Bagua's)")
     parser.add_argument("--batch-size", type=int, default=4, help="per rank")
     parser.add_argument("--width", type=int, default=32, help="ResNet-18 channels of the stem")
     parser.add_argument("--lr", type=float, default=0.05)

@@ -29,6 +29,18 @@ if DEVICE.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+class SmallNet(torch.nn.Module):
+    """5 inputs, 2 outputs, two layers: the model of the averaging tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(5, 7)
+        self.l2 = torch.nn.Linear(7, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
 def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -86,3 +98,25 @@ def reference_step(model, X, Y, loss_fn, size=SIZE):
 
 def clone_model(model):
     return copy.deepcopy(model)
+
+
+def per_node_options():
+    """Ranks per emulated node to test: 1, and 2 where that makes 2+ nodes."""
+    return [1, 2] if SIZE % 2 == 0 and SIZE > 1 else [1]
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def slow_momentum_step(replicas, theta, u, beta, alpha, lr, memory_efficient):
+    """SlowMo's slow momentum on simulated node replicas (in place):
+    u = beta u + (theta - x_bar)/lr, theta -= alpha lr u, every replica = its
+    theta; x_bar is the world mean (memory-efficient: one shared average)
+    or the replica's own weights."""
+    world_mean = torch.stack([_flat(r) for r in replicas]).mean(0)
+    for n, r in enumerate(replicas):
+        x_bar = world_mean if memory_efficient else _flat(r)
+        u[n] = beta * u[n] + (theta[n] - x_bar) / lr
+        theta[n] = theta[n] - alpha * lr * u[n]
+        torch.nn.utils.vector_to_parameters(theta[n].clone(), r.parameters())

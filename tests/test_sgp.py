@@ -19,20 +19,11 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import RANK, SIZE, rank_slice, seeded
+from dp_reference import (RANK, SIZE, SmallNet as Net, per_node_options, rank_slice, seeded,
+                          slow_momentum_step)
 from mpidp import gossip
 
 pytestmark = pytest.mark.ranks3
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(5, 7)
-        self.l2 = torch.nn.Linear(7, 2)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(x)))
 
 
 LR = 0.1
@@ -89,18 +80,9 @@ def simulate(init, data, per_node, graph, alpha, beta, m, memory_efficient):
                 mixed = xs[n] * 0.5 + xs[in_peer(graph, nodes, n, t)] * 0.5
                 torch.nn.utils.vector_to_parameters(mixed, r.parameters())
         if slow and (t + 1) % m == 0:
-            world_mean = torch.stack([flat(r) for r in replicas]).mean(0)
-            for n, r in enumerate(replicas):
-                x_bar = world_mean if memory_efficient else flat(r)
-                u[n] = beta * u[n] + (theta[n] - x_bar) / LR
-                theta[n] = theta[n] - alpha * LR * u[n]
-                torch.nn.utils.vector_to_parameters(theta[n].clone(), r.parameters())
+            slow_momentum_step(replicas, theta, u, beta, alpha, LR, memory_efficient)
         history.append(flat(replicas[RANK // per_node]).clone())
     return history
-
-
-def per_node_options():
-    return [1, 2] if SIZE % 2 == 0 and SIZE > 1 else [1]
 
 
 def make(model, per_node, graph="dde", **kwargs):

@@ -19,20 +19,11 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import RANK, SIZE, rank_slice, seeded
+from dp_reference import (RANK, SIZE, SmallNet as Net, per_node_options, rank_slice, seeded,
+                          slow_momentum_step)
 from mpidp import MPI
 
 pytestmark = pytest.mark.ranks3
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(5, 7)
-        self.l2 = torch.nn.Linear(7, 2)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(x)))
 
 
 LR = 0.1
@@ -73,18 +64,9 @@ def simulate(init, data, per_node, k, m, alpha, beta, memory_efficient, clip=Fal
             for r in replicas:
                 torch.nn.utils.vector_to_parameters(mean.clone(), r.parameters())
         if slow_now:
-            world_mean = torch.stack([flat(r) for r in replicas]).mean(0)
-            for n, r in enumerate(replicas):
-                x_bar = world_mean if memory_efficient else flat(r)
-                u[n] = beta * u[n] + (theta[n] - x_bar) / LR
-                theta[n] = theta[n] - alpha * LR * u[n]
-                torch.nn.utils.vector_to_parameters(theta[n].clone(), r.parameters())
+            slow_momentum_step(replicas, theta, u, beta, alpha, LR, memory_efficient)
         history.append(flat(replicas[RANK // per_node]).clone())
     return history
-
-
-def per_node_options():
-    return [1, 2] if SIZE % 2 == 0 and SIZE > 1 else [1]
 
 
 @pytest.mark.parametrize("per_node", per_node_options())

@@ -68,6 +68,16 @@ static mpidp_bgavg_opts_t opts_of(weights_t *w, double interval_s)
                                 .abort_on_timeout = 0, .what = "test averager"};
 }
 
+/* A running averager of this rank's starting weights in *w (NULL on failure). */
+static mpidp_bgavg_t *started(weights_t *w, double interval_s)
+{
+    world();
+    weights_init(w);
+    mpidp_bgavg_opts_t o = opts_of(w, interval_s);
+    mpidp_bgavg_t *x = NULL;
+    return mpidp_bgavg_start(MPI_COMM_WORLD, &o, &x) == MPIDP_OK ? x : NULL;
+}
+
 static int rounds_agree(mpidp_bgavg_t *x)
 {
     long long mine = (long long)mpidp_bgavg_rounds(x), lo = 0, hi = 0;
@@ -78,12 +88,9 @@ static int rounds_agree(mpidp_bgavg_t *x)
 
 TEST(rounds_without_updates_give_every_rank_the_mean)
 {
-    world();
     static weights_t w;
-    weights_init(&w);
-    mpidp_bgavg_opts_t o = opts_of(&w, 0.0);
-    mpidp_bgavg_t *x = NULL;
-    ASSERT_OK(mpidp_bgavg_start(MPI_COMM_WORLD, &o, &x));
+    mpidp_bgavg_t *x = started(&w, 0.0);
+    ASSERT_TRUE(x != NULL);
     wait_for_rounds(x, 3);
     ASSERT_OK(mpidp_bgavg_stop(x));
     ASSERT_TRUE(rounds_agree(x));
@@ -105,14 +112,11 @@ static float update(int r, int t, size_t i)
 
 TEST(the_sum_over_ranks_is_kept_while_the_weights_are_updated)
 {
-    world();
     static weights_t w;
-    weights_init(&w);
     static double applied[LEN_A + LEN_B];
     memset(applied, 0, sizeof applied);
-    mpidp_bgavg_opts_t o = opts_of(&w, 0.001);
-    mpidp_bgavg_t *x = NULL;
-    ASSERT_OK(mpidp_bgavg_start(MPI_COMM_WORLD, &o, &x));
+    mpidp_bgavg_t *x = started(&w, 0.001);
+    ASSERT_TRUE(x != NULL);
     /* Update until this rank's thread has averaged a few times meanwhile;
      * ranks take different numbers of steps, as training ranks do. */
     for (int t = 0; t < 50 || mpidp_bgavg_rounds(x) < 5; t++) {
@@ -142,12 +146,9 @@ TEST(the_sum_over_ranks_is_kept_while_the_weights_are_updated)
 
 TEST(one_rank_stopping_stops_every_rank_at_the_same_round)
 {
-    world();
     static weights_t w;
-    weights_init(&w);
-    mpidp_bgavg_opts_t o = opts_of(&w, 0.0);
-    mpidp_bgavg_t *x = NULL;
-    ASSERT_OK(mpidp_bgavg_start(MPI_COMM_WORLD, &o, &x));
+    mpidp_bgavg_t *x = started(&w, 0.0);
+    ASSERT_TRUE(x != NULL);
     wait_for_rounds(x, 1);
     if (rank_ != 0) sleep_ms(50);      /* rank 0 asks first; the others' threads follow it */
     ASSERT_OK(mpidp_bgavg_stop(x));
@@ -157,12 +158,9 @@ TEST(one_rank_stopping_stops_every_rank_at_the_same_round)
 
 TEST(a_running_averager_is_not_freed)
 {
-    world();
     static weights_t w;
-    weights_init(&w);
-    mpidp_bgavg_opts_t o = opts_of(&w, 0.0);
-    mpidp_bgavg_t *x = NULL;
-    ASSERT_OK(mpidp_bgavg_start(MPI_COMM_WORLD, &o, &x));
+    mpidp_bgavg_t *x = started(&w, 0.0);
+    ASSERT_TRUE(x != NULL);
     ASSERT_EQ_INT(mpidp_bgavg_free(x), MPIDP_ESTATE);
     ASSERT_TRUE(strstr(mpidp_error_detail(), "stop the background thread") != NULL);
     ASSERT_OK(mpidp_bgavg_stop(x));
