@@ -27,7 +27,7 @@ from .topology import Topology, cross_node_comm, node_comm, topology
 from . import nn, optim                                   # Heat's names: ht.nn, ht.optim
 from .communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.MPI_WORLD
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "CommError",
