@@ -8,6 +8,7 @@
 #   make valgrind a short DataParallel and DASO job under valgrind memcheck
 #   make bench    the step-time benchmark (benchmarks/bench_step.py) at 2 ranks
 #   make bench-daso  DASO vs DDP and DataParallel on an emulated 2-node cluster (root)
+#   make docs     the HTML documentation (Sphinx, warnings as errors) into docs/_build/html
 
 PY       := .venv/bin/python
 # The demo: DASO on 4 ranks laid out as 2 emulated nodes of 2 ranks.
@@ -17,7 +18,7 @@ DEMO_RANKS_PER_NODE := 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench bench-daso fuzz valgrind clean
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench bench-daso fuzz valgrind docs clean
 
 setup:
 	@./scripts/setup_env.sh
@@ -50,6 +51,10 @@ pytest-1 pytest-2 pytest-4: setup
 pytest-3: setup
 	@./scripts/run_pytest.sh 3 -m "ranks3 and not serial"
 
+docs: setup
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 demo: setup
 	MPIDP_RANKS_PER_NODE=$(DEMO_RANKS_PER_NODE) ./scripts/mpirun.sh $(NP_DEMO) $(PY) examples/digits.py
 
@@ -61,4 +66,4 @@ bench-daso: setup
 	$(PY) benchmarks/bench_daso.py --rate 1gbit,none
 
 clean:
-	rm -rf build tests/c/build python/mpidp/*.so python/*.egg-info
+	rm -rf build tests/c/build docs/_build python/mpidp/*.so python/*.egg-info

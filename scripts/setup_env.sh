@@ -4,7 +4,7 @@
 #   1. Open MPI (Debian libopenmpi-dev openmpi-bin) when mpicc is absent.
 #   2. A virtual environment .venv at the repository root.
 #   3. torch==2.13.0, numpy, pytest, scikit-learn, tqdm, Pillow, matplotlib (the
-#      benchmark plots) and mpi4py in it.
+#      benchmark plots), sphinx and myst-parser (make docs) and mpi4py in it.
 #   4. mpidp itself, built with mpicc into .venv (editable install).
 # mpi4py: the binary wheel is tried first (it carries an Open MPI build that
 # loads the system libmpi.so.40); if mpidp's import check finds that mpi4py and
@@ -41,13 +41,17 @@ if ! "$PY" - <<PYEOF 2>/dev/null
 import importlib, sys
 import torch
 assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
-for m in ("numpy", "pytest", "sklearn", "tqdm", "PIL", "matplotlib", "mpi4py", "setuptools", "wheel"):
+for m in ("numpy", "pytest", "sklearn", "tqdm", "PIL", "matplotlib", "mpi4py", "setuptools", "wheel",
+          "sphinx", "myst_parser"):
     importlib.import_module(m)
+import setuptools   # pyproject.toml's license-files needs 77
+assert int(setuptools.__version__.split(".")[0]) >= 77, setuptools.__version__
 PYEOF
 then
     say "installing Python packages into .venv"
-    pip_q install -q --upgrade "pip>=23" "setuptools>=64" wheel
-    pip_q install -q "torch==$TORCH_VERSION" numpy pytest scikit-learn tqdm Pillow matplotlib
+    pip_q install -q --upgrade "pip>=23" "setuptools>=77" wheel
+    pip_q install -q "torch==$TORCH_VERSION" numpy pytest scikit-learn tqdm Pillow matplotlib \
+        sphinx myst-parser
     pip_q install -q --only-binary=mpi4py "mpi4py>=4" || MPICC="${MPICC:-mpicc}" pip_q install -q --no-binary=mpi4py mpi4py
 fi
 

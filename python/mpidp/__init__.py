@@ -96,6 +96,7 @@ def set_timeout(seconds: float) -> None:
 
 
 def get_timeout() -> float:
+    """The deadline set by set_timeout (or MPIDP_TIMEOUT), in seconds."""
     return _C.process_state()["timeout"]
 
 

@@ -1,5 +1,5 @@
 """`mpidp.with_bagua(module, optimizers, algorithm, comm=None)`: Bagua's one-call
-API over mpidp's engines.
+API over mpidp's engines::
 
     model = mpidp.with_bagua(model, [optimizer], mpidp.algorithms.ByteGradAlgorithm())
     for x, y in loader:

@@ -11,6 +11,10 @@ __all__ = ["MPICommunication", "MPI_WORLD", "MPI_SELF"]
 
 
 class MPICommunication:
+    """Heat's communicator object: `handle` (an mpi4py intra-communicator),
+    `rank` and `size`. mpidp.MPI_WORLD and mpidp.MPI_SELF are the two Heat
+    scripts use; mpidp's wrappers accept one wherever they take a comm."""
+
     def __init__(self, handle: MPI.Intracomm = MPI.COMM_WORLD):
         if not isinstance(handle, MPI.Intracomm):
             raise TypeError(f"handle: expected an mpi4py intra-communicator, got "

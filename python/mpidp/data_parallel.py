@@ -177,7 +177,7 @@ class DataParallel(torch.nn.Module):
         due, and the next forward applies it bucket by bucket, each just before
         the first layer that needs it, so communication overlaps everything in
         between. `.grad` then holds zeros until that forward; code that reads
-        or edits gradients before `step()` (clipping, AMP's unscale_) calls
+        or edits gradients before `step()` (clipping, AMP's ``unscale_``) calls
         `optimizer.synchronize()` right after backward first (GradScaler
         through the DataParallelOptimizer does it by itself), which makes that
         step an ordinary, blocking one; an edit without it raises at `step()`.
@@ -470,7 +470,7 @@ class DataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """torch DDP's gradient accumulation without communication:
+        """torch DDP's gradient accumulation without communication::
 
             with net.no_sync():
                 for x, y in micro_batches[:-1]:
@@ -501,7 +501,7 @@ class DataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def join(self, adopt_optimizer_state: bool = False):
-        """Let ranks with fewer batches finish training early:
+        """Let ranks with fewer batches finish training early::
 
             with net.join():
                 for x, y in loader:      # loaders of different lengths

@@ -138,7 +138,7 @@ class DataParallelMultiGPU(torch.nn.Module):
 
     @contextlib.contextmanager
     def join(self):
-        """Let ranks with fewer batches in an epoch finish it early:
+        """Let ranks with fewer batches in an epoch finish it early::
 
             with net.join():
                 for x, y in loader:     # loaders of different lengths

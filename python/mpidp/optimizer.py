@@ -55,10 +55,10 @@ class DataParallelOptimizer:
     def synchronize(self) -> None:
         """Have the averaged gradients in `.grad` now (Horovod's name), for code
         that reads or edits them before `step()`: gradient clipping, logging
-        gradient norms, AMP's unscale_. In non-blocking mode backward only
+        gradient norms, AMP's ``unscale_``. In non-blocking mode backward only
         starts the averaging and `.grad` holds zeros until the next forward;
         this waits for it, so the step that follows is applied at once, like a
-        blocking one. Nothing to do in blocking mode.
+        blocking one. Nothing to do in blocking mode::
 
             loss.backward()
             optimizer.synchronize()
@@ -66,7 +66,7 @@ class DataParallelOptimizer:
             optimizer.step()
 
         Reading `param_groups` between backward and step (GradScaler's
-        unscale_ and step do) synchronizes too."""
+        ``unscale_`` and step do) synchronizes too."""
         if self._model is not None:
             self._model._gradients_now()
 

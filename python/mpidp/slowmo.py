@@ -4,7 +4,7 @@ Within a node the ranks average gradients every backward (mpidp.DataParallel
 on the node's communicator), so a node's ranks hold one replica. Every
 `localsgd_frequency` steps the nodes average their replicas; every
 `slowmo_frequency` steps the slow momentum step runs, with γ the parameter
-group's lr, α = slowmo_lr and β = slowmo_momentum:
+group's lr, α = slowmo_lr and β = slowmo_momentum::
 
     u ← β u + (θ - x̄) / γ,    θ ← θ - α γ u,    x ← θ
 
@@ -49,6 +49,10 @@ _SLOWMO_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.
 
 
 class SlowMoBaseAlgorithm(str, enum.Enum):
+    """SlowMo's base algorithm (fairscale's names): LOCALSGD averages the
+    nodes' parameters every localsgd_frequency steps; SGP gossips them
+    between node masters every step (push-sum over a mpidp.gossip graph)."""
+
     LOCALSGD = "localsgd"
     SGP = "sgp"
 
