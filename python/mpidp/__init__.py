@@ -30,6 +30,7 @@ from .communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.M
 from ._version import __version__
 
 __all__ = [
+    "__version__",
     "CommError",
     "CommTimeout",
     "DASO",
