@@ -59,9 +59,13 @@ def _cuda_wanted():
     if mode not in ("auto", "0", "1"):
         raise RuntimeError(f"MPIDP_CUDA must be auto, 0 or 1, not {mode!r}")
     nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    sources = glob.glob(os.path.join(HERE, "csrc/cuda/*.cu"))
     if mode == "1" and not nvcc:
         raise RuntimeError("MPIDP_CUDA=1 but no nvcc was found (set NVCC or PATH)")
-    return nvcc if (mode != "0" and nvcc and glob.glob(os.path.join(HERE, "csrc/cuda/*.cu"))) else None
+    if mode == "1" and not sources:
+        raise RuntimeError("MPIDP_CUDA=1 but csrc/cuda/*.cu are missing (an incomplete "
+                           "source tree or sdist?): the CUDA kernels cannot be built")
+    return nvcc if (mode != "0" and nvcc and sources) else None
 
 
 def _cuda_home(nvcc):
