@@ -1,8 +1,11 @@
 """`make docs` builds without a warning (warnings are errors), every public
-class and function of the package has a docstring and an entry on the API
-page, and the guide pages carry the README sections they include."""
+class and function of the package has a docstring naming each of its
+arguments and an entry on the API page, and the guide pages carry the
+README sections they include."""
 
+import enum
 import inspect
+import re
 import subprocess
 import sys
 
@@ -31,6 +34,26 @@ def test_every_public_name_has_a_docstring():
     algorithms = [n for n in mpidp.algorithms.__all__
                   if not (getattr(mpidp.algorithms, n).__doc__ or "").strip()]
     assert not missing and not algorithms, (missing, algorithms)
+
+
+def public_objects():
+    yield from ((n, getattr(mpidp, n)) for n in PUBLIC)
+    yield from ((f"algorithms.{n}", getattr(mpidp.algorithms, n)) for n in mpidp.algorithms.__all__)
+
+
+def test_every_argument_of_a_public_name_is_described_in_its_docstring():
+    undescribed = {}
+    for name, obj in public_objects():
+        if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+            continue                                   # members, not arguments
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        doc = (inspect.getdoc(obj) or "") + "\n" + (inspect.getdoc(target) or "")
+        params = [p for p in inspect.signature(target).parameters if p not in ("self", "args",
+                                                                            "kwargs")]
+        missing = [p for p in params if not re.search(rf"\b{re.escape(p)}\b", doc)]
+        if missing:
+            undescribed[name] = missing
+    assert not undescribed, undescribed
 
 
 def test_the_api_page_documents_every_public_name(html):

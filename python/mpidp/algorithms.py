@@ -85,7 +85,9 @@ class ByteGradAlgorithm(Algorithm):
     """Gradients quantized to 8 bits (min-max blocks of 256, counted from each
     block's minimum) for the sum over the ranks; with hierarchical=True (the
     default, as Bagua's) the node sums in float32 first and only the
-    cross-node exchange is quantized."""
+    cross-node exchange is quantized.
+
+    average: divide the sum by the number of ranks (True) or keep the sum."""
 
     def __init__(self, hierarchical: bool = True, average: bool = True):
         check_bool("hierarchical", hierarchical)

@@ -179,7 +179,10 @@ class _AsyncHandle:
 class AsyncModelAverageAlgorithm(Algorithm):
     """Weights averaged over all ranks by a background thread every
     sync_interval_ms while training goes on (see the module's docstring);
-    gradients averaged for the first warmup_steps steps."""
+    gradients averaged for the first warmup_steps steps.
+
+    peer_selection_mode: "all" (Bagua's only mode: every rank averages with
+    every rank)."""
 
     def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500,
                  warmup_steps: int = 0):

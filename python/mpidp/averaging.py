@@ -119,7 +119,10 @@ class ModelAverager:
 
 class PeriodicModelAverager(ModelAverager):
     """Averages every `period` steps once `warmup_steps` have passed: on steps
-    warmup_steps, warmup_steps + period, ... (torch's PeriodicModelAverager)."""
+    warmup_steps, warmup_steps + period, ... (torch's PeriodicModelAverager).
+
+    process_group: the ranks that average (an mpi4py communicator; None:
+    every rank)."""
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group=None):
         check_int("period", period, 1)

@@ -23,7 +23,10 @@ def broadcast_parameters(params, root: int = 0, comm=None) -> None:
     params: a torch.nn.Module (its parameters and buffers), a state_dict
     (name -> tensor), or an iterable of tensors or of (name, tensor) pairs
     (Horovod's `model.named_parameters()`). Tensors of any dtype and device
-    travel in one message per device."""
+    travel in one message per device.
+
+    comm: the ranks taking part (an mpi4py communicator or MPICommunication;
+    None: every rank)."""
     c_comm = resolve_comm(comm)
     root = check_root(root, c_comm)
     if isinstance(params, torch.nn.Module):
@@ -59,7 +62,10 @@ def broadcast_optimizer_state(optimizer, root: int = 0, comm=None) -> None:
     """Make every rank's optimizer state (moments, step counts, and the
     hyperparameters of its param_groups) rank `root`'s: root's state_dict()
     is serialised, broadcast and loaded with load_state_dict() on the others
-    (which moves it to the parameters' devices)."""
+    (which moves it to the parameters' devices).
+
+    comm: the ranks taking part (an mpi4py communicator or MPICommunication;
+    None: every rank)."""
     c_comm = resolve_comm(comm)
     root = check_root(root, c_comm)
     # A DataParallelOptimizer's own state_dict/load_state_dict finish a pending update first.

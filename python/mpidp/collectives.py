@@ -86,7 +86,11 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,
 def allreduce_scalar(value, op: str = "avg", comm=None):
     """The reduction of a Python number (or 1-element tensor) over the ranks:
     metric averaging such as `allreduce_scalar(loss.item())`. Returns a float
-    for floats and for "avg", an int for integers, a bool for bools."""
+    for floats and for "avg", an int for integers, a bool for bools.
+
+    value: a Python number or a 1-element tensor; op: "sum", "avg", "min",
+    "max" or "prod"; comm: the ranks taking part (an mpi4py communicator or
+    MPICommunication; None: every rank)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"value: expected a number or a one-element tensor, got shape "
@@ -105,7 +109,10 @@ def allreduce_scalar(value, op: str = "avg", comm=None):
 
 
 def broadcast(tensor: torch.Tensor, root: int = 0, comm=None) -> torch.Tensor:
-    """Make `tensor` rank `root`'s on every rank (in place; returned too)."""
+    """Make `tensor` rank `root`'s on every rank (in place; returned too).
+
+    comm: the ranks taking part (an mpi4py communicator or MPICommunication;
+    None: every rank)."""
     c = resolve_comm(comm)
     _check_tensor(tensor, writable=c.rank != root)
     c.bcast(tensor.detach(), check_root(root, c))
@@ -115,7 +122,10 @@ def broadcast(tensor: torch.Tensor, root: int = 0, comm=None) -> torch.Tensor:
 def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
     """Every rank's `tensor` concatenated along dimension 0, in rank order
     (Horovod's allgather). The first dimension may differ between ranks; the
-    others, and the dtype, must not."""
+    others, and the dtype, must not.
+
+    comm: the ranks taking part (an mpi4py communicator or MPICommunication;
+    None: every rank)."""
     _check_tensor(tensor, writable=False)
     c = resolve_comm(comm)
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
@@ -148,7 +158,12 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
     dimension 0: rank r gets rows counts[r] (default: as even as possible,
     the first len % size ranks one row more, as Horovod's reducescatter).
     counts, when given, is one int >= 0 per rank summing to len(tensor), the
-    same on every rank. The mean is the sum times 1/size."""
+    same on every rank. The mean is the sum times 1/size.
+
+    comm: the ranks taking part (an mpi4py communicator or MPICommunication;
+    None: every rank).
+
+    op: "sum" or "avg"."""
     _check_tensor(tensor, writable=False)
     check_choice("op", op, ("sum", "avg"))
     if tensor.dtype not in (torch.float32, torch.float64):

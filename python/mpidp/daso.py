@@ -46,6 +46,44 @@ class DASO:
     set `last_batch` to the index of each epoch's last batch (len(loader) - 1)
     and call `epoch_loss_logic(loss)` after every epoch. Arguments follow
     Heat's; every one is checked.
+
+    Parameters
+    ----------
+    local_optimizer : torch.optim.Optimizer
+        The optimizer of the model's parameters, stepped by `step()`.
+    total_epochs : int
+        Epochs of the whole training (>= 1); the cool-down is the last
+        `cooldown_epochs` of them.
+    comm : mpi4py communicator or MPICommunication
+        The ranks that train together (default: the world).
+    warmup_epochs : int
+        Epochs at the start with a blocking global average every batch.
+    cooldown_epochs : int
+        Epochs at the end with a blocking global average every batch.
+    scheduler : learning-rate scheduler, optional
+        Stepped by `step()` instead of the optimizer (Heat's convention).
+    stability_level : float
+        In [0, 1): an epoch loss improves when it is below
+        best * (1 - stability_level); three epochs without improvement are a
+        plateau, which makes the global syncs more frequent.
+    max_global_skips : int
+        The most batches between two global syncs (>= 1).
+    sending_chunk_size : int
+        Elements per MPI message of a global sync (<= 2**31 - 1).
+    downcast_type : torch.dtype
+        The wire dtype of the global syncs: torch.bfloat16, torch.float16 or
+        torch.float32 (a string is a TypeError).
+    use_mpi_groups : bool
+        Build the sync groups (local rank i of every node) with
+        MPI_Comm_create_group (True) or MPI_Comm_split (False).
+    skip_reduction_factor : int
+        On a plateau the global and local skips are divided by it (>= 2).
+    local_skip_factor : int
+        After the skips reach 1, they restart at max_global_skips and the
+        local skip and the batches to wait at max_global_skips //
+        local_skip_factor.
+    verbose : bool
+        Print the schedule's changes on rank 0.
     """
 
     def __init__(self, local_optimizer: torch.optim.Optimizer, total_epochs: int,

@@ -179,7 +179,10 @@ class _DecentralizedHandle:
 class DecentralizedAlgorithm(Algorithm):
     """Decentralized SGD (see the module's docstring): weights averaged over
     all workers ("all") or with one partner per exchange ("shift_one"),
-    every communication_interval steps."""
+    every communication_interval steps.
+
+    hierarchical: the nodes are the workers (see the module's docstring);
+    peer_selection_mode: "all" or "shift_one" (an even number of workers)."""
 
     def __init__(self, hierarchical: bool = True, peer_selection_mode: str = "all",
                  communication_interval: int = 1):
@@ -283,7 +286,9 @@ class _LowPrecisionHandle:
 
 class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """Decentralized SGD on a ring with 8-bit compressed differences (see the
-    module's docstring), every communication_interval optimizer steps."""
+    module's docstring), every communication_interval optimizer steps.
+
+    hierarchical: the nodes are the workers (see the module's docstring)."""
 
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1):
         check_bool("hierarchical", hierarchical)

@@ -61,7 +61,13 @@ class DiLoCo:
     0's parameters. state_dict() / load_state_dict() hold θ, this rank's
     replica, the step count, the outer optimizer's state and any outer
     gradient in flight, so a resumed job continues exactly (save the inner
-    optimizer beside it; each rank saves its own)."""
+    optimizer beside it; each rank saves its own).
+
+    fragment_sync_delay: steps between posting a fragment's outer-gradient
+    allreduce and applying it (0 .. sync_every - 1; the communication overlaps
+    the inner steps in between, Streaming DiLoCo). fragment_update_alpha: in
+    [0, 1], how much of the local weights a fragment keeps when its update is
+    applied: x = (1 - alpha) theta_new + alpha x_local."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: torch.optim.Optimizer, sync_every: int, comm=None, *,

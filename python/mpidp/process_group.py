@@ -57,7 +57,10 @@ def init_process_group(comm=None, backend: str | None = None,
     torchrun. backend: "gloo" or "nccl"; default NCCL when the node has at
     least one GPU for each of its ranks (each rank then uses GPU
     `local_rank`), else gloo. Calling it again with the same ranks does
-    nothing; with other ranks it raises."""
+    nothing; with other ranks it raises.
+
+    timeout: the group's timeout, for its store and torch's collectives (a
+    datetime.timedelta; None: MPIDP_TIMEOUT, mpidp's own deadline)."""
     group = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(group, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py intra-communicator, got {type(group).__name__}")

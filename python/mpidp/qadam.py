@@ -39,7 +39,12 @@ __all__ = ["QAdamOptimizer", "QAdamAlgorithm"]
 class QAdamOptimizer(torch.optim.Adam):
     """Adam for the warm-up, then Adam with a frozen second moment and an
     8-bit averaged first moment (see the module's docstring). Its step count
-    ("qadam_step" in every param group) travels in its state_dict."""
+    ("qadam_step" in every param group) travels in its state_dict.
+
+    params: the parameters (or param groups) as for torch.optim.Adam; lr,
+    betas, eps, weight_decay: Adam's (weight decay keeps applying after the
+    warm-up, unlike Bagua's); warmup_steps: steps of plain Adam on averaged
+    gradients before the second moment is frozen."""
 
     def __init__(self, params, lr: float = 1e-3, warmup_steps: int = 100,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
@@ -163,7 +168,10 @@ class _QAdamHandle:
 
 class QAdamAlgorithm(Algorithm):
     """QAdam (see the module's docstring); `q_adam_optimizer` must be the
-    QAdamOptimizer that steps the wrapped module."""
+    QAdamOptimizer that steps the wrapped module.
+
+    hierarchical: average the momentum within each node in float32 first, and
+    only across nodes in 8 bits (each local rank carries a slice)."""
 
     def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):
         if not isinstance(q_adam_optimizer, QAdamOptimizer):

@@ -70,7 +70,40 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
     in-peers' over `graph` (default mpidp.gossip.DynamicDirectedExponentialGraph
     over the nodes) with `mixing` (UniformMixing), push-sum weights when
     push_sum, synchronously (overlap must stay False, as fairscale asserts);
-    slowmo_sgp_average_params averages exactly before each slow step."""
+    slowmo_sgp_average_params averages exactly before each slow step.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model (a plain module, not another wrapper).
+    nprocs_per_node : int, optional
+        Ranks that share a replica (see above).
+    broadcast_buffers : bool
+        Rank 0's buffers go to every rank before each training forward.
+    slowmo_base_algorithm : SlowMoBaseAlgorithm
+        LOCALSGD (average the nodes every localsgd_frequency steps) or SGP.
+    slowmo_momentum : float
+        β of the slow momentum (>= 0).
+    slowmo_memory_efficient : bool
+        Shard θ and u over the ranks (see the module's docstring).
+    slowmo_frequency : int
+        Steps between slow momentum steps (>= 1).
+    slowmo_lr : float
+        α, the slow learning rate (>= 0).
+    slowmo_num_shards : int
+        The most ranks the slow momentum is sharded over (>= 1).
+    localsgd_frequency : int
+        Steps between two averages of the nodes' replicas (LOCALSGD; >= 1).
+    graph, mixing, push_sum, overlap, synch_freq, slowmo_sgp_average_params
+        The SGP settings above (fairscale's names).
+    use_streams, verbose, profile_mode : bool
+        Accepted for fairscale's signature; CUDA streams, logging and
+        profiling are not switched by them here.
+    process_rank, process_world_size, global_group, master_group, local_node_group, comm_device
+        fairscale's torch.distributed set-up: must stay None.
+    comm : mpi4py communicator, optional (keyword only)
+        The ranks that train together (None: the world).
+    """
 
     def __init__(self, module: torch.nn.Module, nprocs_per_node: Optional[int] = None,
                  broadcast_buffers: bool = True,

@@ -62,7 +62,10 @@ def node_comm(comm=None) -> MPI.Intracomm:
 
 
 def topology(comm=None) -> Topology:
-    """This rank's place in the machine: node, n_nodes, local_rank, local_size."""
+    """This rank's place in the machine: node, n_nodes, local_rank, local_size.
+
+    comm: the ranks taking part (an mpi4py communicator or MPICommunication;
+    None: every rank)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     node_comm(comm)
     return _cache[(comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))][1]
