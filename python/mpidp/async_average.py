@@ -59,10 +59,10 @@ class _AsyncHandle:
         self.averager = None       # the background thread's engine while it runs
         self._warmup = None        # DataParallel during the warm-up
         self._locked = False
-        self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
         if not optimizers and self.warmup_steps:
             raise ValueError(f"optimizers: the warm-up ({self.warmup_steps} steps) counts the "
                              "steps of the first optimizer; pass it to with_bagua")
+        self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
         self._counting = optimizers[0] if optimizers else None
         self._begin()
 
