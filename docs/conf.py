@@ -21,5 +21,8 @@ exclude_patterns = ["_build", "gpu-runs"]
 myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_preserve_defaults = True     # `comm=MPI.COMM_WORLD`, not the object's repr
+autodoc_inherit_docstrings = False   # torch.nn.Module's forward() text is not ours
 html_theme = "alabaster"
-html_theme_options = {"description": "data-parallel PyTorch over MPI", "fixed_sidebar": True}
+html_theme_options = {"description": "data-parallel PyTorch over MPI", "fixed_sidebar": True,
+                      "page_width": "1240px", "sidebar_width": "230px"}  # code lines of 90+ columns
