@@ -154,3 +154,24 @@ def test_bad_arguments_are_named():
         mpidp.algorithms.ByteGradAlgorithm(hierarchical="yes")
     with pytest.raises(TypeError, match="module: expected a torch.nn.Module"):
         mpidp.with_bagua(3, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+
+
+@pytest.mark.skipif(SIZE < 2, reason="differing ranks need two")
+def test_algorithms_or_settings_that_differ_across_ranks_are_named():
+    """Ranks that pick different algorithms (or settings) would post
+    different communication and hang until the timeout; every rank raises
+    instead, naming the setting. Rank 0's optimizer state may differ: it is
+    broadcast."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (RANK + 1))
+    mode = "all" if RANK == 0 else "shift_one"
+    with pytest.raises(ValueError, match=r"with_bagua: the ranks' settings differ.*peer_selection"):
+        mpidp.with_bagua(model, [opt], mpidp.algorithms.DecentralizedAlgorithm(
+            hierarchical=False, peer_selection_mode=mode))
+    algorithm = (mpidp.algorithms.GradientAllReduceAlgorithm() if RANK == 0 else
+                 mpidp.algorithms.AsyncModelAverageAlgorithm())
+    with pytest.raises(ValueError, match=r"settings differ.*GradientAllReduceAlgorithm"):
+        mpidp.with_bagua(model, [opt], algorithm)
+    net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+    assert opt.param_groups[0]["lr"] == 0.1                # rank 0's, not an error
+    assert isinstance(net, mpidp.BaguaModule)

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 import torch
 
 from ._algorithm import Algorithm
+from ._consistency import check_same_structure
+from ._mpi import as_mpi4py, resolve_comm
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["with_bagua", "BaguaModule"]
@@ -98,6 +100,13 @@ def with_bagua(module: torch.nn.Module, optimizers, algorithm: Algorithm, comm=N
     else:
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     inner = wrapped.module
+    # Ranks with another algorithm, other settings or another model would post
+    # different communication and wait until the timeout: name the difference.
+    # (Optimizer states may differ: rank 0's is broadcast below.)
+    settings = {"algorithm": type(algorithm).__name__}
+    settings.update((k, v) for k, v in vars(algorithm).items()
+                    if not k.startswith("_") and not isinstance(v, torch.optim.Optimizer))
+    check_same_structure(resolve_comm(comm), as_mpi4py(comm), inner, "with_bagua", settings)
     broadcast_parameters(inner, root=0, comm=comm)
     for opt in optimizers:
         broadcast_optimizer_state(opt, root=0, comm=comm)
