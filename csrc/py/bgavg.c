@@ -5,8 +5,6 @@
  * GIL), and turns the thread's failure into an exception when asked. */
 #include "module.h"
 
-#include <stdlib.h>
-
 #include "mpidp/bgavg.h"
 
 #define WHAT "AsyncModelAverageAlgorithm"
@@ -15,9 +13,7 @@ typedef struct {
     PyObject_HEAD
     mpidp_py_state *st;
     PyObject *module;
-    PyObject *params;            /* tuple of the parameters, kept alive */
-    mpidp_py_borrowed_t *p;      /* their DLPack views, which the thread writes */
-    size_t n_params;
+    mpidp_py_f32s_t params;      /* borrowed: the thread writes them */
     mpidp_bgavg_t *core;
     int stopped;
 } bgavg_t;
@@ -34,31 +30,20 @@ static PyObject *bgavg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
     if (c == NULL) return NULL;
-    size_t np = (size_t)PyTuple_GET_SIZE(params), n1 = np ? np : 1;
     bgavg_t *s = (bgavg_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
     s->st = st;
     s->module = Py_NewRef(PyType_GetModule(type));
-    s->params = Py_NewRef(params);
     s->stopped = 1;
-    float **data = calloc(n1, sizeof *data);
-    size_t *numel = calloc(n1, sizeof *numel);
-    s->p = calloc(n1, sizeof *s->p);
-    int ok = data && numel && s->p;
-    if (!ok) PyErr_NoMemory();
-    ok = ok && mpidp_py_borrow_all(st, params, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY,
-                                   MPIDP_F32, "params", s->p) == 0;
+    int ok = mpidp_py_f32s_borrow(st, params, "params", &s->params) == 0;
     if (ok) {
-        s->n_params = np;
-        for (size_t i = 0; i < np; i++) data[i] = s->p[i].t.data, numel[i] = s->p[i].t.numel;
-        mpidp_bgavg_opts_t o = {.segs = data, .lens = numel, .n_segs = np,
-                                .interval_s = interval, .timeout_s = mpidp_py_timeout_s,
+        mpidp_bgavg_opts_t o = {.segs = s->params.data, .lens = s->params.numel,
+                                .n_segs = s->params.n, .interval_s = interval,
+                                .timeout_s = mpidp_py_timeout_s,
                                 .abort_on_timeout = mpidp_py_abort_on_timeout, .what = WHAT};
         ok = MPIDP_PY_CALL(st, WHAT, mpidp_bgavg_start(c->comm, &o, &s->core)) == 0;
         s->stopped = !ok;
     }
-    free(data);
-    free(numel);
     if (!ok) Py_CLEAR(s);
     return (PyObject *)s;
 }
@@ -110,7 +95,7 @@ static PyObject *bgavg_get_rounds(bgavg_t *s, void *c)
 static int bgavg_traverse(bgavg_t *s, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(s));
-    Py_VISIT(s->params);
+    Py_VISIT(s->params.tuple);
     return 0;
 }
 
@@ -124,9 +109,7 @@ static void bgavg_dealloc(bgavg_t *s)
     int leak = s->core && !s->stopped;
     if (!leak) {
         mpidp_bgavg_free(s->core);
-        mpidp_py_release_all(s->p, s->n_params);
-        free(s->p);
-        Py_CLEAR(s->params);
+        mpidp_py_f32s_release(&s->params);
     }
     Py_CLEAR(s->module);
     tp->tp_free((PyObject *)s);

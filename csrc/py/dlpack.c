@@ -7,6 +7,9 @@
  * uses its pointer. */
 #include "module.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "mpidp/dlpack.h"
 #include "mpidp/status.h"
 
@@ -129,4 +132,41 @@ int mpidp_py_borrow_all(mpidp_py_state *st, PyObject *tuple, unsigned requiremen
 void mpidp_py_release_all(mpidp_py_borrowed_t *b, size_t n)
 {
     for (size_t i = 0; b && i < n; i++) mpidp_py_release(&b[i]);
+}
+
+int mpidp_py_f32s_borrow(mpidp_py_state *st, PyObject *tuple, const char *what, mpidp_py_f32s_t *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!PyTuple_Check(tuple)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a tuple of tensors", what);
+        return -1;
+    }
+    size_t n = (size_t)PyTuple_GET_SIZE(tuple), n1 = n ? n : 1;
+    out->b = calloc(n1, sizeof *out->b);
+    out->data = calloc(n1, sizeof *out->data);
+    out->numel = calloc(n1, sizeof *out->numel);
+    if (out->b == NULL || out->data == NULL || out->numel == NULL) {
+        PyErr_NoMemory();
+    } else if (mpidp_py_borrow_all(st, tuple, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY,
+                                   MPIDP_F32, what, out->b) == 0) {
+        for (size_t i = 0; i < n; i++) out->data[i] = out->b[i].t.data, out->numel[i] = out->b[i].t.numel;
+        out->n = n;
+        out->tuple = Py_NewRef(tuple);
+        return 0;
+    }
+    free(out->b);
+    free(out->data);
+    free(out->numel);
+    memset(out, 0, sizeof *out);
+    return -1;
+}
+
+void mpidp_py_f32s_release(mpidp_py_f32s_t *f)
+{
+    mpidp_py_release_all(f->b, f->n);
+    free(f->b);
+    free(f->data);
+    free(f->numel);
+    Py_CLEAR(f->tuple);
+    memset(f, 0, sizeof *f);
 }

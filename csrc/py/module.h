@@ -96,6 +96,19 @@ int mpidp_py_borrow_all(mpidp_py_state *st, PyObject *tuple, unsigned requiremen
                         const char *what, mpidp_py_borrowed_t *out);
 void mpidp_py_release_all(mpidp_py_borrowed_t *b, size_t n);
 
+/* A tuple of float32 CPU tensors (an engine's parameters, or gradients)
+ * borrowed writable, with the pointer and length arrays the core takes. */
+typedef struct {
+    PyObject *tuple;             /* kept alive */
+    mpidp_py_borrowed_t *b;
+    float **data;
+    size_t *numel;
+    size_t n;
+} mpidp_py_f32s_t;
+/* 0, or -1 with an exception naming `what[i]` and nothing held. */
+int mpidp_py_f32s_borrow(mpidp_py_state *st, PyObject *tuple, const char *what, mpidp_py_f32s_t *out);
+void mpidp_py_f32s_release(mpidp_py_f32s_t *f);
+
 /* mpidp._C.Comm: a duplicate of the user's communicator with
  * MPI_ERRORS_RETURN, so MPI failures come back as status codes. */
 typedef struct {

@@ -6,7 +6,6 @@
  * state of the sync in flight. */
 #include "module.h"
 
-#include <stdlib.h>
 
 #include "mpidp/paramsync.h"
 
@@ -17,9 +16,7 @@ typedef struct {
     mpidp_py_state *st;
     PyObject *module;
     PyObject *comm;
-    PyObject *params;            /* tuple of the parameters, kept alive */
-    mpidp_py_borrowed_t *p;      /* their DLPack views */
-    size_t n_params;
+    mpidp_py_f32s_t params;      /* borrowed for the engine's lifetime */
     mpidp_paramsync_t *core;
 } paramsync_t;
 
@@ -57,31 +54,19 @@ static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
     if (c == NULL) return NULL;
     /* wire and chunk are the engine's to check (mpidp_paramsync_create). */
-    size_t np = (size_t)PyTuple_GET_SIZE(params), n1 = np ? np : 1;
     paramsync_t *s = (paramsync_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
     s->st = st;
     s->module = Py_NewRef(PyType_GetModule(type));
     s->comm = Py_NewRef(comm);
-    s->params = Py_NewRef(params);
-    float **data = calloc(n1, sizeof *data);
-    size_t *numel = calloc(n1, sizeof *numel);
-    s->p = calloc(n1, sizeof *s->p);
-    int ok = data && numel && s->p;
-    if (!ok) PyErr_NoMemory();
-    ok = ok && mpidp_py_borrow_all(st, params, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY,
-                                   MPIDP_F32, "params", s->p) == 0;
+    int ok = mpidp_py_f32s_borrow(st, params, "params", &s->params) == 0;
     if (ok) {
-        s->n_params = np;
-        for (size_t i = 0; i < np; i++) data[i] = s->p[i].t.data, numel[i] = s->p[i].t.numel;
         mpidp_paramsync_config_t cfg = {
-            .comm = c->comm, .reqs = st->reqs, .n_params = np, .params = data, .numel = numel,
-            .wire = wire, .chunk_elems = (size_t)chunk, .drain_timeout_s = mpidp_py_timeout_s,
-            .what = WHAT};
+            .comm = c->comm, .reqs = st->reqs, .n_params = s->params.n,
+            .params = s->params.data, .numel = s->params.numel, .wire = wire,
+            .chunk_elems = (size_t)chunk, .drain_timeout_s = mpidp_py_timeout_s, .what = WHAT};
         ok = MPIDP_PY_CALL(st, "paramsync", mpidp_paramsync_create(&cfg, &s->core)) == 0;
     }
-    free(data);
-    free(numel);
     if (!ok) Py_CLEAR(s);
     return (PyObject *)s;
 }
@@ -159,29 +144,22 @@ static PyObject *paramsync_grad_into(paramsync_t *s, PyObject *args)
     PyObject *grads;
     float scale;
     if (!PyArg_ParseTuple(args, "O!f:grad_into", &PyTuple_Type, &grads, &scale)) return NULL;
-    if ((size_t)PyTuple_GET_SIZE(grads) != s->n_params)
-        return PyErr_Format(PyExc_ValueError, "grads: expected %zu tensors, got %zd", s->n_params,
+    if ((size_t)PyTuple_GET_SIZE(grads) != s->params.n)
+        return PyErr_Format(PyExc_ValueError, "grads: expected %zu tensors, got %zd", s->params.n,
                             PyTuple_GET_SIZE(grads));
-    size_t n1 = s->n_params ? s->n_params : 1;
-    mpidp_py_borrowed_t *b = calloc(n1, sizeof *b);
-    float **data = calloc(n1, sizeof *data);
-    int borrowed = 0, rc = -1;
-    if (b == NULL || data == NULL) PyErr_NoMemory();
-    else borrowed = mpidp_py_borrow_all(s->st, grads, MPIDP_TENSOR_WRITABLE | MPIDP_TENSOR_CPU_ONLY,
-                                        MPIDP_F32, "grads", b) == 0;
-    for (size_t i = 0; borrowed && i < s->n_params; i++) {
-        data[i] = b[i].t.data;
-        if (b[i].t.numel != s->p[i].t.numel) {
+    mpidp_py_f32s_t g;
+    if (mpidp_py_f32s_borrow(s->st, grads, "grads", &g) < 0) return NULL;
+    int rc = -1;
+    for (size_t i = 0; i < g.n; i++) {
+        if (g.numel[i] != s->params.numel[i]) {
             PyErr_Format(PyExc_ValueError, "grads[%zu]: expected %zu elements, got %zu", i,
-                         s->p[i].t.numel, b[i].t.numel);
+                         s->params.numel[i], g.numel[i]);
             goto done;
         }
     }
-    if (borrowed && wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_grad_into(s->core, data, scale));
+    if (wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_grad_into(s->core, g.data, scale));
 done:
-    if (borrowed) mpidp_py_release_all(b, s->n_params);
-    free(b);
-    free(data);
+    mpidp_py_f32s_release(&g);
     return mpidp_py_none_or_null(rc);
 }
 
@@ -192,7 +170,7 @@ static PyObject *paramsync_get_wire_bytes(paramsync_t *s, void *c) { (void)c; re
 static int paramsync_traverse(paramsync_t *s, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(s));
-    Py_VISIT(s->params);
+    Py_VISIT(s->params.tuple);
     return 0;
 }
 
@@ -208,9 +186,7 @@ static void paramsync_dealloc(paramsync_t *s)
     }
     /* A sync still in flight writes into the engine's buffers: never free them. */
     if (!leak) mpidp_paramsync_free(s->core);
-    mpidp_py_release_all(s->p, s->n_params);
-    free(s->p);
-    Py_CLEAR(s->params);
+    mpidp_py_f32s_release(&s->params);
     Py_CLEAR(s->comm);
     Py_CLEAR(s->module);
     tp->tp_free((PyObject *)s);
