@@ -1,9 +1,11 @@
 # mpidp: `make test` and `make demo` do all set-up on a fresh machine.
 #   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
 #   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2, 3 (ranks3 tests) and 4 MPI ranks
+#                 + pytest at 2 ranks against the oldest mpi4py pyproject.toml claims
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests (ASan/UBSan) and a replay of the fuzz corpus
 #   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
+#   make pytest-oldest-deps  pytest at 2 ranks with the oldest claimed mpi4py (builds it once)
 #   make fuzz     libFuzzer harnesses (DLPack intake, DASO and averaging schedules), FUZZ_SECONDS each
 #   make valgrind a short DataParallel and DASO job under valgrind memcheck
 #   make bench    the step-time benchmark (benchmarks/bench_step.py) at 2 ranks
@@ -18,7 +20,7 @@ DEMO_RANKS_PER_NODE := 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 demo bench bench-daso fuzz valgrind docs clean
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 pytest-oldest-deps demo bench bench-daso fuzz valgrind docs clean
 
 setup:
 	@./scripts/setup_env.sh
@@ -40,7 +42,7 @@ valgrind: setup
 	@command -v valgrind >/dev/null || ./scripts/apt_install.sh valgrind
 	$(MAKE) --no-print-directory -C tests/valgrind run
 
-pytest: pytest-1 pytest-2 pytest-3 pytest-4
+pytest: pytest-1 pytest-2 pytest-3 pytest-4 pytest-oldest-deps
 
 # Explicit rules: make skips pattern rules for .PHONY targets, so a
 # `pytest-%: ...` rule would silently run nothing for them.
@@ -50,6 +52,9 @@ pytest-1 pytest-2 pytest-4: setup
 # At 3 ranks (a size that is no power of two) only the tests marked ranks3 run.
 pytest-3: setup
 	@./scripts/run_pytest.sh 3 -m "ranks3 and not serial"
+
+pytest-oldest-deps: setup
+	@./scripts/test_oldest_deps.sh
 
 docs: setup
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
@@ -65,5 +70,7 @@ bench: setup
 bench-daso: setup
 	$(PY) benchmarks/bench_daso.py --rate 1gbit,none
 
+# setup.py's clean knows where builds go (MPIDP_BUILD_DIR, see setup.py).
 clean:
-	rm -rf build tests/c/build docs/_build python/mpidp/*.so python/*.egg-info
+	-$(PY) setup.py -q clean --all
+	rm -rf build tests/c/build docs/_build python/mpidp/*.so python/*.egg-info .venv-oldest

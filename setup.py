@@ -7,12 +7,18 @@ Environment:
                    0 (never), 1 (always; fail without nvcc).
   MPIDP_CUDA_ARCH  semicolon-separated compute capabilities (default "80;90").
   NVCC             the CUDA compiler (default: `nvcc` on PATH).
+  MPIDP_BUILD_DIR  where setuptools' build/ and egg-info go (default: a directory
+                   per user and source tree under the system's temp directory):
+                   a build writes nothing into the source tree but the
+                   extension itself, and only for `build_ext --inplace`.
 """
 
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -28,6 +34,15 @@ SIMD_FLAGS = {
 # -ffp-contract=off: the SIMD kernels must match the scalar reference bit for bit.
 C_FLAGS = ["-std=c11", "-D_GNU_SOURCE", "-O3", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
            "-fvisibility=hidden"]
+
+
+def _build_dir():
+    """Out of the source tree, so that a shared or read-only checkout stays
+    clean; one per tree (and user), so that rebuilds are incremental."""
+    if os.environ.get("MPIDP_BUILD_DIR"):
+        return os.path.abspath(os.environ["MPIDP_BUILD_DIR"])
+    tree = hashlib.sha256(HERE.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"mpidp-build-{os.getuid()}-{tree}")
 
 
 def _rel(paths):
@@ -155,4 +170,9 @@ ext = Extension(
     extra_link_args=["-lm"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": MpiBuildExt})
+BUILD_DIR = _build_dir()
+os.makedirs(BUILD_DIR, exist_ok=True)   # egg_info wants its base to exist
+setup(ext_modules=[ext], cmdclass={"build_ext": MpiBuildExt},
+      # Defaults only: a command line's --build-base or --egg-base wins.
+      options={"build": {"build_base": os.path.join(BUILD_DIR, "build")},
+               "egg_info": {"egg_base": BUILD_DIR}})

@@ -60,6 +60,15 @@ def test_readme_lists_every_setting():
         assert f"`{name}`" in table, f"{name} is missing from the README's settings table"
 
 
+def test_every_variable_the_build_and_scripts_read_is_listed():
+    read = set(re.findall(r"environ(?:\.get\(|\[)\"(MPIDP_\w+)", (ROOT / "setup.py").read_text()))
+    for script in (ROOT / "scripts").glob("*.sh"):
+        read |= set(re.findall(r"\$\{?(MPIDP_[A-Z0-9_]+)", script.read_text()))
+    assert "MPIDP_BUILD_DIR" in read and "MPIDP_TEST_LIMIT" in read   # the patterns still match
+    unlisted = read - set(config.SETTINGS) - set(config.BUILD_AND_TEST)
+    assert not unlisted, f"read but not in mpidp._config: {sorted(unlisted)}"
+
+
 def test_the_package_reads_mpidp_variables_only_through_config():
     for path in (ROOT / "python" / "mpidp").glob("*.py"):
         if path.name == "_config.py":

@@ -8,7 +8,7 @@ this list (tests/test_config.py). Values are read when asked for, not cached
 at import: a job may set them before it builds each wrapper, and the tests
 change them between cases.
 
-Build-time variables (MPICC, MPIDP_CUDA, MPIDP_CUDA_ARCH, NVCC) are read by
+Build-time variables (MPICC, MPIDP_CUDA, MPIDP_CUDA_ARCH, MPIDP_BUILD_DIR, NVCC) are read by
 setup.py, and test-harness ones (MPIDP_TEST_DEVICE, MPIDP_TEST_LIMIT,
 MPIDP_PYTHON) by the tests and scripts; both are listed in BUILD_AND_TEST for
 the same README check.
@@ -100,8 +100,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
 )}
 
 # Read elsewhere (setup.py; tests and scripts), listed for the README check.
-BUILD_AND_TEST = ("MPICC", "MPIDP_CUDA", "MPIDP_CUDA_ARCH", "NVCC", "MPIDP_TEST_DEVICE",
-                  "MPIDP_TEST_LIMIT", "MPIDP_PYTHON")
+BUILD_AND_TEST = ("MPICC", "MPIDP_CUDA", "MPIDP_CUDA_ARCH", "MPIDP_BUILD_DIR", "NVCC",
+                  "MPIDP_TEST_DEVICE", "MPIDP_TEST_LIMIT", "MPIDP_PYTHON")
 
 
 def get(name: str) -> Any:
