@@ -1,11 +1,13 @@
 # mpidp: `make test` and `make demo` do all set-up on a fresh machine.
 #   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
 #   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2, 3 (ranks3 tests) and 4 MPI ranks
+#                 + DataParallel's tests with the Python gradient hook
 #                 + pytest at 2 ranks against the oldest mpi4py pyproject.toml claims
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests (ASan/UBSan) and a replay of the fuzz corpus
 #   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
 #   make pytest-oldest-deps  pytest at 2 ranks with the oldest claimed mpi4py (builds it once)
+#   make pytest-python-hook  DataParallel's tests at 2 ranks with the Python gradient hook
 #   make fuzz     libFuzzer harnesses (DLPack intake, DASO and averaging schedules), FUZZ_SECONDS each
 #   make valgrind a short DataParallel and DASO job under valgrind memcheck
 #   make bench    the step-time benchmark (benchmarks/bench_step.py) at 2 ranks
@@ -20,7 +22,7 @@ DEMO_RANKS_PER_NODE := 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 pytest-oldest-deps demo bench bench-daso fuzz valgrind docs clean
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps demo bench bench-daso fuzz valgrind docs clean
 
 setup:
 	@./scripts/setup_env.sh
@@ -42,7 +44,7 @@ valgrind: setup
 	@command -v valgrind >/dev/null || ./scripts/apt_install.sh valgrind
 	$(MAKE) --no-print-directory -C tests/valgrind run
 
-pytest: pytest-1 pytest-2 pytest-3 pytest-4 pytest-oldest-deps
+pytest: pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps
 
 # Explicit rules: make skips pattern rules for .PHONY targets, so a
 # `pytest-%: ...` rule would silently run nothing for them.
@@ -55,6 +57,13 @@ pytest-3: setup
 
 pytest-oldest-deps: setup
 	@./scripts/test_oldest_deps.sh
+
+# DataParallel's tests with the Python-level gradient hook: the path of builds
+# without the C++ hook (mpidp._grad_hook), and of GPU staging.
+DP_TESTS := tests/test_data_parallel.py tests/test_nonblocking.py tests/test_ddp_habits.py \
+	tests/test_rewrap.py tests/test_join.py tests/test_hierarchical.py
+pytest-python-hook: setup
+	@MPIDP_GRAD_HOOK=python ./scripts/run_pytest.sh 2 $(DP_TESTS)
 
 docs: setup
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html

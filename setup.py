@@ -7,6 +7,10 @@ Environment:
                    0 (never), 1 (always; fail without nvcc).
   MPIDP_CUDA_ARCH  semicolon-separated compute capabilities (default "80;90").
   NVCC             the CUDA compiler (default: `nvcc` on PATH).
+  MPIDP_TORCH_HOOK auto (default: build the C++ gradient hook, mpidp._grad_hook,
+                   when torch is importable here), 0 (never), 1 (always; fail
+                   without torch). It is compiled against this torch and loads
+                   only with the same torch version; CXX picks the compiler.
   MPIDP_BUILD_DIR  where setuptools' build/ and egg-info go (default: a directory
                    per user and source tree under the system's temp directory):
                    a build writes nothing into the source tree but the
@@ -96,6 +100,39 @@ def _cuda_home(nvcc):
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
 
 
+def _torch_hook_extension():
+    """mpidp._grad_hook (csrc/torch/grad_hook.cpp), built against the torch
+    importable here, or None when not wanted or not possible."""
+    mode = os.environ.get("MPIDP_TORCH_HOOK", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise RuntimeError(f"MPIDP_TORCH_HOOK must be auto, 0 or 1, not {mode!r}")
+    if mode == "0":
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        if mode == "1":
+            raise RuntimeError("MPIDP_TORCH_HOOK=1 but torch is not importable in the build "
+                               "environment (pip install --no-build-isolation)") from exc
+        print("mpidp: torch is not importable here: building without the C++ gradient hook "
+              "(DataParallel then hooks gradients from Python)")
+        return None
+    abi = int(torch.compiled_with_cxx11_abi())
+    return Extension(
+        "mpidp._grad_hook",
+        sources=["csrc/torch/grad_hook.cpp"],
+        depends=["csrc/py/grad_hook_api.h"],
+        language="c++",
+        # -isystem: torch's headers are not ours to keep free of warnings.
+        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra",
+                            "-Werror", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        + [f"-isystem{d}" for d in cpp_extension.include_paths()],
+        library_dirs=cpp_extension.library_paths(),
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+    )
+
+
 class MpiBuildExt(build_ext):
     """build_ext that compiles and links with mpicc, adds per-file SIMD flags
     and, when CUDA is wanted, compiles csrc/cuda/*.cu with nvcc into the same
@@ -110,11 +147,30 @@ class MpiBuildExt(build_ext):
                 cc.set_executable(attr, [mpicc] + list(cmd[1:]))
         nvcc = _cuda_wanted()
         for ext in self.extensions:
+            if ext.language == "c++":
+                continue   # the C++ hook: no MPI, no mpi4py
             ext.include_dirs.append(_mpi4py_include())
             self._add_simd_objects(ext)
             if nvcc:
                 self._add_cuda(ext, nvcc)
         super().build_extensions()
+
+    def build_extension(self, ext):
+        """C++ extensions compile and link with the C++ compiler (CXX, default
+        c++) instead of mpicc: they use no MPI."""
+        if ext.language != "c++":
+            return super().build_extension(ext)
+        cc = self.compiler
+        saved = {a: getattr(cc, a) for a in ("compiler_so", "compiler_so_cxx", "linker_so",
+                                             "linker_so_cxx") if getattr(cc, a, None)}
+        cxx = os.environ.get("CXX") or "c++"
+        try:
+            for attr, cmd in saved.items():
+                cc.set_executable(attr, [cxx] + list(cmd[1:]))
+            super().build_extension(ext)
+        finally:
+            for attr, cmd in saved.items():
+                cc.set_executable(attr, cmd)
 
     def _add_simd_objects(self, ext):
         """Compiles the SIMD kernel files (by suffix) with their instruction-set
@@ -170,9 +226,10 @@ ext = Extension(
     extra_link_args=["-lm"],
 )
 
+torch_hook = _torch_hook_extension()
 BUILD_DIR = _build_dir()
 os.makedirs(BUILD_DIR, exist_ok=True)   # egg_info wants its base to exist
-setup(ext_modules=[ext], cmdclass={"build_ext": MpiBuildExt},
+setup(ext_modules=[ext] + ([torch_hook] if torch_hook else []), cmdclass={"build_ext": MpiBuildExt},
       # Defaults only: a command line's --build-base or --egg-base wins.
       options={"build": {"build_base": os.path.join(BUILD_DIR, "build")},
                "egg_info": {"egg_base": BUILD_DIR}})

@@ -13,9 +13,9 @@ reports the median over rounds of its mean step time. Methods:
                 on GPUs over NCCL when each rank has a GPU of its own, else
                 gloo (NCCL refuses two ranks on one GPU)
 Set MPIDP_HOOK_PROGRESS=0 to see mpidp without MPI progress from its hooks.
-and, on rank 0 alone, the cost of mpidp's C gradient hook per parameter
-(a 1-rank DataParallel, hooked backward vs plain backward, on the 500-tensor
-MLP, CPU only). Prints a table of step times and ratios against ddp and local.
+and, on rank 0 alone, the cost of mpidp's gradient hook per parameter, C++
+and Python (a 1-rank DataParallel, hooked backward vs plain backward, on the
+500-tensor MLP, CPU only), beside a no-op Python hook. Prints a table of step times and ratios against ddp and local.
 --device cuda puts each rank's model and data on GPU local_rank (modulo the
 GPUs there are) and synchronises the GPU before reading a clock.
 """
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpidp  # noqa: E402
 from models import ManyTensorMLP, ResNet18  # noqa: E402
-from mpidp import MPI  # noqa: E402
+from mpidp import MPI, _grad_hook_loader  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -116,14 +116,26 @@ def bench_model(name, methods, rounds, steps, quick, device):
 
 
 def hook_overhead_us(repeats):
-    """Per-parameter cost of mpidp's hook on rank 0 (one-rank communicator),
-    and, as the floor any such hook pays, of a no-op Python lambda registered
-    the same way (torch's own cost of calling a post-accumulate-grad hook).
-    Returns (mpidp us/param, no-op us/param, plain s, hooked s)."""
+    """Per-parameter cost of mpidp's gradient hook on rank 0 (one-rank
+    communicator): the one DataParallel uses (C++ where built) and the Python
+    fallback (MPIDP_GRAD_HOOK=python), and, as the floor any Python hook
+    pays, of a no-op Python lambda registered as a post-accumulate-grad hook
+    (torch's own cost of calling one). Returns (mpidp us/param, no-op
+    us/param, Python-fallback us/param)."""
     torch.manual_seed(0)
     plain = ManyTensorMLP()
     hooked = copy.deepcopy(plain)
     net = mpidp.DataParallel(hooked, comm=MPI.COMM_SELF, blocking_parameter_updates=True)
+    hooked_py = copy.deepcopy(plain)
+    saved = os.environ.get("MPIDP_GRAD_HOOK")
+    os.environ["MPIDP_GRAD_HOOK"] = "python"
+    try:
+        net_py = mpidp.DataParallel(hooked_py, comm=MPI.COMM_SELF, blocking_parameter_updates=True)
+    finally:
+        if saved is None:
+            del os.environ["MPIDP_GRAD_HOOK"]
+        else:
+            os.environ["MPIDP_GRAD_HOOK"] = saved
     noop = copy.deepcopy(plain)
     for p in noop.parameters():
         p.register_post_accumulate_grad_hook(lambda _: None)
@@ -143,12 +155,11 @@ def hook_overhead_us(repeats):
     for _ in range(3):
         backward_time(plain, plain)
         backward_time(hooked, net)
-    runs = [(backward_time(plain, plain), backward_time(hooked, net), backward_time(noop, noop))
-            for _ in range(repeats)]
-    t_plain = statistics.median(p for p, _, _ in runs)
-    t_hooked = statistics.median(h for _, h, _ in runs)
-    per_param = [1e6 * statistics.median(r[k] - r[0] for r in runs) / n_params for k in (1, 2)]
-    return per_param[0], per_param[1], t_plain, t_hooked
+        backward_time(hooked_py, net_py)
+    runs = [(backward_time(plain, plain), backward_time(hooked, net), backward_time(noop, noop),
+             backward_time(hooked_py, net_py)) for _ in range(repeats)]
+    per_param = [1e6 * statistics.median(r[k] - r[0] for r in runs) / n_params for k in (1, 2, 3)]
+    return tuple(per_param)
 
 
 def main():
@@ -187,7 +198,9 @@ def main():
         if device.type == "cuda":
             out["gpu"] = torch.cuda.get_device_name(device)
         if hook:
-            out.update(hook_us_per_param=round(hook[0], 3), noop_hook_us_per_param=round(hook[1], 3))
+            out.update(hook_us_per_param=round(hook[0], 3), noop_hook_us_per_param=round(hook[1], 3),
+                       python_hook_us_per_param=round(hook[2], 3),
+                       hook_over_noop=round(hook[0] / hook[1], 3))
         for name, r in results.items():
             for m, t in r.items():
                 out[f"{name}_{m}_ms"] = round(1e3 * t, 3)
@@ -206,9 +219,9 @@ def main():
                   f"{t / r['mpidp-block']:9.3f} {t / r['local']:9.3f}")
     if hook is None:
         return
-    print(f"C hook overhead: {hook[0]:.2f} us per parameter (1 rank, 500 tensors: plain backward "
-          f"{1e3 * hook[2]:.2f} ms, hooked {1e3 * hook[3]:.2f} ms); a no-op Python hook "
-          f"registered the same way costs {hook[1]:.2f} us (torch's call of any such hook)")
+    print(f"gradient hook, us per parameter (1 rank, 500 tensors, hooked minus plain backward): "
+          f"mpidp's {hook[0]:.2f} ({_grad_hook_loader.describe()}), {hook[0] / hook[1]:.2f}x a "
+          f"no-op Python hook's {hook[1]:.2f}; mpidp's Python fallback {hook[2]:.2f}")
 
 
 if __name__ == "__main__":

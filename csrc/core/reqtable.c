@@ -15,6 +15,7 @@ typedef struct {
     MPI_Request req;
     uint32_t gen;
     int live;        /* a posted request is tracked here */
+    uint32_t pos;    /* live: where live_idx names this slot */
     int claimed;     /* reserved for a request about to be posted */
     double posted_at;
     char what[MPIDP_REQ_WHAT_LEN];
@@ -28,6 +29,10 @@ struct mpidp_reqtable {
     size_t hint;      /* where to start looking for a free slot */
     uint32_t next_gen;
     slot_t *slots;
+    /* live_idx[0..n_live): the live slots, so that progress, which the
+     * gradient hooks call once per parameter, costs what is in flight and
+     * not the table's capacity. */
+    uint32_t *live_idx;
     size_t n_engines;
     struct {
         mpidp_reqtable_engine_fn fn;
@@ -65,20 +70,18 @@ void mpidp_reqtable_engine_remove(mpidp_reqtable_t *t, void *ctx)
 }
 
 /* 1 when `ctx` is still registered (an engine's progress may free another's
- * operation: the reducer frees a bucket's quantized allreduce). */
-static int engine_live(mpidp_reqtable_t *t, void *ctx)
+ * operation: the reducer frees a bucket's quantized allreduce). Lock held. */
+static int engine_live_locked(const mpidp_reqtable_t *t, void *ctx)
 {
-    int live = 0;
-    pthread_mutex_lock(&t->lock);
-    for (size_t i = 0; i < t->n_engines && !live; i++) live = t->engines[i].ctx == ctx;
-    pthread_mutex_unlock(&t->lock);
-    return live;
+    for (size_t i = 0; i < t->n_engines; i++)
+        if (t->engines[i].ctx == ctx) return 1;
+    return 0;
 }
 
-/* Runs the engines' progress functions outside the lock (they post), each
- * only if still registered when its turn comes. Across threads removal and
- * progress must not race (an engine freed between the check and the call):
- * the glue serialises them (the GIL), as it does every reducer call. */
+/* Runs the engines' progress functions from a snapshot, each under the
+ * (recursive) lock and only if still registered when its turn comes: an
+ * engine may remove others, and a removal on another thread (its owner
+ * freeing it) waits for the lock, so it cannot race with the call. */
 static void run_engines(mpidp_reqtable_t *t)
 {
     if (t->n_engines == 0) return; /* unlocked peek: a stale answer costs one round */
@@ -88,8 +91,11 @@ static void run_engines(mpidp_reqtable_t *t)
     n = t->n_engines;
     for (size_t i = 0; i < n; i++) snap[i].fn = t->engines[i].fn, snap[i].ctx = t->engines[i].ctx;
     pthread_mutex_unlock(&t->lock);
-    for (size_t i = 0; i < n; i++)
-        if (engine_live(t, snap[i].ctx)) snap[i].fn(snap[i].ctx);
+    for (size_t i = 0; i < n; i++) {
+        pthread_mutex_lock(&t->lock);
+        if (engine_live_locked(t, snap[i].ctx)) snap[i].fn(snap[i].ctx);
+        pthread_mutex_unlock(&t->lock);
+    }
 }
 
 double mpidp_now(void)
@@ -105,14 +111,22 @@ int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out)
         return mpidp__fail(MPIDP_EINVAL, "request table: capacity must be in 1..2^32-1");
     mpidp_reqtable_t *t = calloc(1, sizeof *t);
     slot_t *slots = calloc(capacity, sizeof *slots);
-    if (t == NULL || slots == NULL) {
+    uint32_t *live_idx = calloc(capacity, sizeof *live_idx);
+    if (t == NULL || slots == NULL || live_idx == NULL) {
         free(t);
         free(slots);
+        free(live_idx);
         return mpidp__fail(MPIDP_ENOMEM, "request table of %zu slots", capacity);
     }
-    pthread_mutex_init(&t->lock, NULL);
+    /* Recursive: engines run under it and post through it (run_engines). */
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutex_init(&t->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
     t->capacity = capacity;
     t->slots = slots;
+    t->live_idx = live_idx;
     t->next_gen = 1;
     *out = t;
     return MPIDP_OK;
@@ -128,6 +142,7 @@ int mpidp_reqtable_destroy(mpidp_reqtable_t *t)
         return mpidp__fail(MPIDP_ESTATE, "request table still has %zu requests in flight", live);
     pthread_mutex_destroy(&t->lock);
     free(t->slots);
+    free(t->live_idx);
     free(t);
     return MPIDP_OK;
 }
@@ -171,6 +186,8 @@ void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, co
     if (s != NULL) {
         s->claimed = 0;
         s->live = 1;
+        s->pos = (uint32_t)t->n_live;
+        t->live_idx[t->n_live] = h.slot;
         s->req = req;
         s->posted_at = mpidp_now();
         snprintf(s->what, sizeof s->what, "%s", what ? what : "request");
@@ -201,8 +218,11 @@ static int test_slot_locked(mpidp_reqtable_t *t, slot_t *s, int *done, char *wha
     int rc = MPI_Test(&s->req, &flag, &st);
     if (rc != MPI_SUCCESS || flag) {
         if (what_out) memcpy(what_out, s->what, MPIDP_REQ_WHAT_LEN);
+        /* The last live slot takes this one's place in live_idx. */
+        uint32_t last = t->live_idx[--t->n_live];
+        t->live_idx[s->pos] = last;
+        t->slots[last].pos = s->pos;
         s->live = 0;
-        t->n_live--;
         *done = 1;
         return rc;
     }
@@ -278,9 +298,9 @@ int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done)
     int rc = MPI_SUCCESS;
     char what[MPIDP_REQ_WHAT_LEN];
     pthread_mutex_lock(&t->lock);
-    for (size_t i = 0; i < t->capacity && t->n_live > 0 && rc == MPI_SUCCESS; i++) {
-        slot_t *s = &t->slots[i];
-        if (!s->live) continue;
+    /* Backwards: a completed slot is replaced by the last one, already tested. */
+    for (size_t k = t->n_live; k-- > 0 && rc == MPI_SUCCESS;) {
+        slot_t *s = &t->slots[t->live_idx[k]];
         int done = 0;
         rc = test_slot_locked(t, s, &done, what);
         completed += (size_t)done;
@@ -322,9 +342,8 @@ void mpidp_reqtable_describe(mpidp_reqtable_t *t, char *buf, size_t len)
     double now = mpidp_now();
     size_t used = 0, shown = 0;
     pthread_mutex_lock(&t->lock);
-    for (size_t i = 0; i < t->capacity && shown < t->n_live; i++) {
-        slot_t *s = &t->slots[i];
-        if (!s->live) continue;
+    for (size_t k = 0; k < t->n_live; k++) {
+        slot_t *s = &t->slots[t->live_idx[k]];
         int n = snprintf(buf + used, len - used, "%s%s (%.1f s)", shown ? "; " : "", s->what,
                          now - s->posted_at);
         shown++;

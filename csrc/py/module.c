@@ -172,8 +172,12 @@ static int module_exec(PyObject *m)
     if (st->comm_timeout == NULL || PyModule_AddObjectRef(m, "CommTimeout", st->comm_timeout) < 0)
         return -1;
     if (mpidp_py_import_mpi4py() < 0 || mpidp_py_reducer_pass_init() < 0) return -1;
+    PyObject *api = mpidp_py_grad_hook_api_capsule();
+    int added = api ? PyModule_AddObjectRef(m, "_grad_hook_api", api) : -1;
+    Py_XDECREF(api);
+    if (added < 0) return -1;
     /* The types; the module state keeps those the glue creates objects of. */
-    PyTypeObject **kept[] = {&st->comm_type, &st->work_type, NULL, NULL, NULL, NULL};
+    PyTypeObject **kept[] = {&st->comm_type, &st->work_type, &st->reducer_type, NULL, NULL, NULL};
     PyType_Spec *specs[] = {&mpidp_py_comm_spec, &mpidp_py_work_spec, &mpidp_py_reducer_spec,
                             &mpidp_py_paramsync_spec, &mpidp_py_schedule_spec,
                             &mpidp_py_bgavg_spec};
@@ -198,6 +202,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     mpidp_py_state *st = mpidp_py_state_of_module(m);
     Py_VISIT(st->comm_type);
     Py_VISIT(st->work_type);
+    Py_VISIT(st->reducer_type);
     Py_VISIT(st->schedule_actions_type);
     Py_VISIT(st->avgsched_actions_type);
     Py_VISIT(st->comm_error);
@@ -210,6 +215,7 @@ static int module_clear(PyObject *m)
     mpidp_py_state *st = mpidp_py_state_of_module(m);
     Py_CLEAR(st->comm_type);
     Py_CLEAR(st->work_type);
+    Py_CLEAR(st->reducer_type);
     Py_CLEAR(st->schedule_actions_type);
     Py_CLEAR(st->avgsched_actions_type);
     Py_CLEAR(st->comm_error);

@@ -14,6 +14,7 @@
 typedef struct {
     PyTypeObject *comm_type;
     PyTypeObject *work_type;
+    PyTypeObject *reducer_type;
     PyTypeObject *schedule_actions_type; /* struct sequence: Schedule.batch's result */
     PyTypeObject *avgsched_actions_type; /* struct sequence: avgsched_actions' result */
     PyObject *comm_error;      /* mpidp.CommError(RuntimeError) */
@@ -145,6 +146,8 @@ extern PyStructSequence_Desc mpidp_py_schedule_actions_desc, mpidp_py_avgsched_a
  * names (reducer_pass.c). 0, or -1 with an exception. */
 int mpidp_py_import_mpi4py(void);
 int mpidp_py_reducer_pass_init(void);
+/* The capsule of the C++ gradient hook's API (grad_hook_api.h; reducer_pass.c). */
+PyObject *mpidp_py_grad_hook_api_capsule(void);
 
 /* What a Work drives: one of the core's non-blocking engines, through its
  * test / wait / free (csrc/py/work.c defines one per engine). */

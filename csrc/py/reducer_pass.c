@@ -17,6 +17,7 @@
  *                  core (_C.PASS_*), applied to the bucket's parameters. */
 #include "reducer.h"
 
+#include "grad_hook_api.h"
 
 static PyObject *str_grad, *str_copy_, *str_detach, *str_begin, *str_zero_;
 
@@ -118,7 +119,8 @@ static int take_grad(mpidp_py_reducer_t *r, size_t i, PyObject *param)
 PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
-    if (nargs != 2)
+    /* 4: called as a node post hook, (i, param) bound, (grad_inputs, grad_outputs) ignored. */
+    if (nargs != 2 && nargs != 4)
         return PyErr_Format(PyExc_TypeError, "grad_arrived(i, param) takes 2 arguments");
     if (mpidp_py_forked) return none_or_null(mpidp_py_check_not_forked("DataParallel backward"));
     Py_ssize_t i = mpidp_py_index_arg(args[0], r->n_params, "parameter");
@@ -188,4 +190,53 @@ PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssiz
         apply(r, members, n, r->act) < 0)
         return NULL;
     return PyBool_FromLong(over);
+}
+
+/* --- The C API of the C++ gradient hook (grad_hook_api.h) ---------------- */
+
+static Py_ssize_t hook_n_params(PyObject *obj)
+{
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(obj));
+    if (st == NULL || !PyObject_TypeCheck(obj, st->reducer_type)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "reducer: expected an mpidp._C.Reducer");
+        return -1;
+    }
+    return (Py_ssize_t)((mpidp_py_reducer_t *)obj)->n_params;
+}
+
+static PyObject *hook_param(PyObject *obj, size_t i)
+{
+    return PyTuple_GET_ITEM(((mpidp_py_reducer_t *)obj)->params, (Py_ssize_t)i);
+}
+
+static PyObject *hook_view(PyObject *obj, size_t i)
+{
+    return PyTuple_GET_ITEM(((mpidp_py_reducer_t *)obj)->views, (Py_ssize_t)i);
+}
+
+/* grad_arrived's common case: what it does when take_grad finds the view. */
+static int hook_arrived(PyObject *self, size_t i, int *status)
+{
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    if (mpidp_py_forked || i >= r->n_params || mpidp_reducer_opens_backward(r->core)) return 0;
+    mpidp_error_clear();
+    int rc = mpidp_reducer_grad_arrived(r->core, i, 1);
+    if (rc == MPIDP_OK && mpidp_py_hook_progress && !mpidp_reducer_paused(r->core))
+        rc = mpidp_reqtable_progress(r->st->reqs, NULL);
+    *status = rc;
+    return rc == MPIDP_OK ? 1 : -1;
+}
+
+static void hook_raise(PyObject *self, int status)
+{
+    mpidp_py_raise(((mpidp_py_reducer_t *)self)->st, status, "DataParallel backward");
+}
+
+static const mpidp_grad_hook_api_t hook_api = {MPIDP_GRAD_HOOK_API_VERSION, hook_n_params,
+                                               hook_param, hook_view, hook_arrived, hook_raise};
+
+PyObject *mpidp_py_grad_hook_api_capsule(void)
+{
+    return PyCapsule_New((void *)&hook_api, MPIDP_GRAD_HOOK_API_CAPSULE, NULL);
 }

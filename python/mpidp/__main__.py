@@ -24,7 +24,7 @@ import mpi4py
 import torch
 
 import mpidp
-from mpidp import _C, _config
+from mpidp import _C, _config, _grad_hook_loader
 from mpidp._launch import launcher_mismatch
 from mpidp._mpi import MPI
 from mpidp.topology import topology
@@ -50,6 +50,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
         ("MPI thread level", _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
         ("SIMD path", f"{_C.simd_path()} (this CPU: {', '.join(_C.simd_paths())})"),
         ("CUDA kernels", "built, GPU usable" if _C.cuda_available() else "not usable here"),
+        ("gradient hook", _grad_hook_loader.describe()),
         ("GPUs visible to torch", str(torch.cuda.device_count() if torch.cuda.is_available() else 0)),
     ]
     if ours != theirs:

@@ -8,7 +8,8 @@ this list (tests/test_config.py). Values are read when asked for, not cached
 at import: a job may set them before it builds each wrapper, and the tests
 change them between cases.
 
-Build-time variables (MPICC, MPIDP_CUDA, MPIDP_CUDA_ARCH, MPIDP_BUILD_DIR, NVCC) are read by
+Build-time variables (MPICC, MPIDP_CUDA, MPIDP_CUDA_ARCH, MPIDP_BUILD_DIR,
+MPIDP_TORCH_HOOK, NVCC) are read by
 setup.py, and test-harness ones (MPIDP_TEST_DEVICE, MPIDP_TEST_LIMIT,
 MPIDP_PYTHON) by the tests and scripts; both are listed in BUILD_AND_TEST for
 the same README check.
@@ -86,6 +87,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_HOOK_PROGRESS", True, _flag, "0 or 1",
             "0 stops gradient hooks (DataParallel) and forward and gradient hooks (DASO) from "
             "driving MPI progress (for measurements)"),
+    Setting("MPIDP_GRAD_HOOK", "cpp", _choice("cpp", "python"), "'cpp' or 'python'",
+            "DataParallel's gradient hooks: cpp (mpidp._grad_hook, a C++ hook on each "
+            "gradient accumulator, where it was built for this torch; else python) or python "
+            "(a Python-level post-accumulate-grad hook per parameter)"),
     Setting("MPIDP_CHECK", False, _flag, "0 or 1",
             "1: compare parameter checksums across ranks every MPIDP_CHECK_EVERY training "
             "steps and raise when they drifted apart"),
@@ -100,7 +105,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
 )}
 
 # Read elsewhere (setup.py; tests and scripts), listed for the README check.
-BUILD_AND_TEST = ("MPICC", "MPIDP_CUDA", "MPIDP_CUDA_ARCH", "MPIDP_BUILD_DIR", "NVCC",
+BUILD_AND_TEST = ("MPICC", "MPIDP_CUDA", "MPIDP_CUDA_ARCH", "MPIDP_BUILD_DIR", "MPIDP_TORCH_HOOK", "NVCC",
                   "MPIDP_TEST_DEVICE", "MPIDP_TEST_LIMIT", "MPIDP_PYTHON")
 
 

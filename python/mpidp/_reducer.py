@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _C
+from ._grad_hook_loader import cpp_hook_module
 from ._params import grad_view
 
 # Directions of a staging copy (host <-> where the .grad views live).
@@ -69,14 +70,29 @@ class GradientReducer(_C.Reducer):
         self._staging = None if not staged else _Staging(host, dev, infos, on_gpu)
         return self
 
-    def hook(self, i: int):
-        """Parameter i's post-accumulate-grad hook."""
+    def install_hooks(self, params: Tuple[torch.Tensor, ...]) -> list:
+        """Every parameter's gradient hook; returns handles with remove().
+
+        Each runs once the parameter's gradient is accumulated into `.grad`,
+        after any post-accumulate-grad hooks of the user's (a hook that edits
+        the gradient is therefore included in the average): a post hook of the
+        parameter's gradient accumulator node, as torch DDP's. In C++ where
+        mpidp._grad_hook is available (no Python call per parameter); in
+        Python otherwise, and always with staging, which copies buckets from
+        Python after each hook."""
+        cpp = cpp_hook_module()
+        if self._staging is None and cpp is not None:
+            return [cpp.install(self)]
+        return [_AccumulatorHook(p, self._python_hook(i, p)) for i, p in enumerate(params)]
+
+    def _python_hook(self, i: int, param: torch.Tensor):
+        """Parameter i's accumulator post hook, called (grad_inputs, grad_outputs)."""
         if self._staging is None:
-            # A C call per gradient, no Python frame (the hot path).
-            return functools.partial(self.grad_arrived, i)
+            # A C call per gradient, no Python frame.
+            return functools.partial(self.grad_arrived, i, param)
         staging = self._staging
 
-        def staged_hook(param, i=i, reducer=self):
+        def staged_hook(grad_inputs, grad_outputs, i=i, param=param, reducer=self):
             reducer.grad_arrived(i, param)
             staging.stage_full(reducer, flush=False)
         return staged_hook
@@ -193,6 +209,24 @@ class GradientReducer(_C.Reducer):
         self.reset()
         if self._staging is not None:
             self._staging.new_pass()
+
+
+class _AccumulatorHook:
+    """A Python post hook on a parameter's gradient accumulator node, and the
+    node itself: the parameter references its node only weakly, and a node
+    that died would be rebuilt by the next forward without the hook."""
+
+    __slots__ = ("node", "handle")
+
+    def __init__(self, param: torch.Tensor, fn):
+        with torch.enable_grad():
+            self.node = param.view_as(param).grad_fn.next_functions[0][0]
+        self.handle = self.node.register_hook(fn)
+
+    def remove(self) -> None:
+        if self.node is not None:
+            self.handle.remove()
+            self.node = None
 
 
 class _Staging:

@@ -312,8 +312,7 @@ class DataParallel(torch.nn.Module):
             self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
             wire=self._wire, staged=staged, hier_comms=self._hier_comms)
         self._param_bucket = self._reducer.param_bucket
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._reducer.hook(i))
-                              for i, p in enumerate(params)]
+        self._hook_handles = self._reducer.install_hooks(params)
         # A wrapper the program dropped takes its hooks with it: otherwise the
         # parameters would go on averaging their gradients through it.
         weakref.finalize(self, remove_handles, self._hook_handles)

@@ -96,6 +96,59 @@ TEST(deadline_names_what_is_pending)
     ASSERT_OK(mpidp_reqtable_destroy(t));
 }
 
+/* Progress tests exactly the live requests, wherever they sit and in
+ * whatever order they complete: a subset is cancelled in each round (slots
+ * spread over the table by reuse), and the table must complete those and
+ * keep every other one, by count and by description. */
+TEST(progress_completes_exactly_the_finished_requests)
+{
+    enum { CAP = 64, N = 40 };
+    mpidp_reqtable_t *t;
+    ASSERT_OK(mpidp_reqtable_create(CAP, &t));
+    int buf[N];
+    MPI_Request reqs[N];
+    mpidp_req_t h[N];
+    int live[N] = {0};
+    size_t n_live = 0;
+    for (int round = 0; round < 6; round++) {
+        for (int i = 0; i < N; i++) {
+            if (live[i]) continue;
+            reqs[i] = never_completing(&buf[i]);
+            char what[32];
+            snprintf(what, sizeof what, "recv %d", i);
+            ASSERT_OK(track(t, reqs[i], what, &h[i]));
+            live[i] = 1;
+            n_live++;
+        }
+        size_t cancelled = 0;
+        for (int i = 0; i < N; i++)
+            if ((i * 7 + round * 3) % 5 < 2) {   /* a different subset each round */
+                cancel(reqs[i]);
+                live[i] = 0;
+                cancelled++;
+            }
+        size_t n_done = 0;
+        ASSERT_OK(mpidp_reqtable_progress(t, &n_done));
+        ASSERT_EQ_INT(n_done, cancelled);
+        n_live -= cancelled;
+        ASSERT_EQ_INT(mpidp_reqtable_pending(t), n_live);
+        char text[2048];
+        mpidp_reqtable_describe(t, text, sizeof text);
+        for (int i = 0; i < N; i++) {
+            int done = 0;
+            ASSERT_OK(mpidp_reqtable_test(t, h[i], &done));
+            ASSERT_EQ_INT(done, !live[i]);
+            char what[32];
+            snprintf(what, sizeof what, "recv %d (", i);
+            ASSERT_EQ_INT(strstr(text, what) != NULL, live[i]);
+        }
+    }
+    for (int i = 0; i < N; i++)
+        if (live[i]) cancel(reqs[i]);
+    ASSERT_OK(mpidp_reqtable_wait_all(t, 5.0));
+    ASSERT_OK(mpidp_reqtable_destroy(t));
+}
+
 TEST(bad_arguments)
 {
     mpidp_reqtable_t *t = NULL;
@@ -158,4 +211,5 @@ TEST(post_done_registers_or_translates_the_failure)
 
 TEST_MAIN_MPI(completed_request_frees_its_slot, full_table_is_refused_and_slots_are_reused,
               deadline_names_what_is_pending, bad_arguments, claimed_slots_are_neither_pending_nor_free,
-              post_done_registers_or_translates_the_failure)
+              post_done_registers_or_translates_the_failure,
+              progress_completes_exactly_the_finished_requests)

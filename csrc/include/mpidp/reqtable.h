@@ -79,11 +79,14 @@ double mpidp_now(void);
 /* Engines with stages that start only when earlier messages have arrived
  * (the quantized allreduce's gather) register a progress function here. Every
  * wait of the table (mpidp_reqtable_wait, _wait_all) and every
- * mpidp_reqtable_progress call runs them, outside the table's lock, so a
- * rank blocked on one operation still advances the others that its peers may
- * be waiting on: no two ranks can wait on each other's unstarted stages,
- * whatever order they wait in. A progress function may test and post
- * requests (not wait); its errors are its own operation's to report.
+ * mpidp_reqtable_progress call runs them, so a rank blocked on one
+ * operation still advances the others that its peers may be waiting on: no
+ * two ranks can wait on each other's unstarted stages, whatever order they
+ * wait in. Each runs under the table's lock, which is recursive: it may test
+ * and post requests (not wait) and remove engines, and a removal on another
+ * thread waits until it has returned, so an engine is never run after its
+ * owner removed it (the C++ gradient hook progresses without the GIL). Its
+ * errors are its own operation's to report.
  * At most MPIDP_REQTABLE_ENGINES at once: add fails with MPIDP_EFULL. */
 #define MPIDP_REQTABLE_ENGINES 256
 typedef void (*mpidp_reqtable_engine_fn)(void *ctx);

@@ -1,0 +1,35 @@
+/* What mpidp._C offers its optional C++ gradient hook (csrc/torch/grad_hook.cpp,
+ * the module mpidp._grad_hook, built against libtorch): a table of functions
+ * in the capsule MPIDP_GRAD_HOOK_API_CAPSULE. The C++ hook calls `arrived`
+ * without the GIL for the common case (the parameter's .grad is its bucket
+ * view) and falls back to the Python-level Reducer.grad_arrived(i, param)
+ * for everything else, so the semantics live in one place (reducer_pass.c). */
+#ifndef MPIDP_PY_GRAD_HOOK_API_H
+#define MPIDP_PY_GRAD_HOOK_API_H
+
+#include <Python.h>
+#include <stddef.h>
+
+#define MPIDP_GRAD_HOOK_API_CAPSULE "mpidp._C._grad_hook_api"
+/* Raised whenever the table or the meaning of an entry changes. */
+#define MPIDP_GRAD_HOOK_API_VERSION 1
+
+typedef struct {
+    int version;
+    /* GIL held. The number of parameters of `reducer` when it is a
+     * _C.Reducer, else -1 with a TypeError. */
+    Py_ssize_t (*n_params)(PyObject *reducer);
+    /* GIL held; i < n_params. Parameter i and its .grad's bucket view (borrowed:
+     * the reducer holds them). */
+    PyObject *(*param)(PyObject *reducer, size_t i);
+    PyObject *(*view)(PyObject *reducer, size_t i);
+    /* GIL not needed. Parameter i's .grad is its bucket view: mark it, as
+     * grad_arrived would. 1: done; 0: nothing done, the caller must call
+     * grad_arrived(i, param) (a backward opens, a forked process); -1: the
+     * core failed with *status (call `raise` with the GIL). */
+    int (*arrived)(PyObject *reducer, size_t i, int *status);
+    /* GIL held: sets the Python exception for a failed `arrived`. */
+    void (*raise)(PyObject *reducer, int status);
+} mpidp_grad_hook_api_t;
+
+#endif /* MPIDP_PY_GRAD_HOOK_API_H */

@@ -1,0 +1,260 @@
+/* mpidp._grad_hook: DataParallel's gradient hook in C++, built against
+ * libtorch when torch is importable at build time (setup.py; MPIDP_CPP_HOOK).
+ *
+ * The Python-level hook (a post-accumulate-grad hook calling
+ * _C.Reducer.grad_arrived) costs torch a Python call per parameter per
+ * backward: taking the GIL, building the argument tuple, the call itself.
+ * Like torch DDP's reducer, this module instead adds a C++ post hook to each
+ * parameter's gradient accumulator node. For the common case -- `.grad` is
+ * the parameter's bucket view, no backward is opening -- it marks the
+ * parameter through mpidp._C's hook API without the GIL or any Python
+ * object; for everything else (the first hook of a backward, a foreign
+ * `.grad`, a failure) it takes the GIL and calls grad_arrived(i, param), so
+ * every decision stays in one place (csrc/py/reducer_pass.c).
+ *
+ * The hook runs after the accumulator node (after `.grad` is written and after
+ * any Python post-accumulate-grad hooks the user added), on the thread that
+ * runs that node: the caller's thread on CPUs. */
+#include <Python.h>
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/headeronly/version.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../py/grad_hook_api.h"
+
+namespace {
+
+const mpidp_grad_hook_api_t *api = nullptr;
+
+/* Parameter `index`'s hook. The Hooks object that installed it owns the
+ * references to `reducer` and `param` and removes the hook before dropping them. */
+struct ArrivedHook final : torch::autograd::FunctionPostHook {
+    ArrivedHook(PyObject *reducer, PyObject *param, size_t index, const at::Tensor &tensor,
+                const at::Tensor &view)
+        : reducer(reducer), param(param), index(index), tensor(tensor),
+          view(view.unsafeGetTensorImpl())
+    {
+    }
+
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list &outputs,
+                                              const torch::autograd::variable_list &) override
+    {
+        const at::Tensor &grad = tensor.grad();
+        if (grad.defined() && grad.unsafeGetTensorImpl() == view) {
+            int status = 0;
+            int done = api->arrived(reducer, index, &status);
+            if (done == 1) return outputs;
+            if (done < 0) {
+                pybind11::gil_scoped_acquire gil;
+                api->raise(reducer, status);
+                throw_python_error();
+            }
+        }
+        pybind11::gil_scoped_acquire gil;
+        PyObject *res = PyObject_CallMethod(reducer, "grad_arrived", "nO", (Py_ssize_t)index, param);
+        if (res == nullptr) throw_python_error();
+        Py_DECREF(res);
+        return outputs;
+    }
+
+    /* GIL held, a Python exception set: saved for the caller of backward, who
+     * gets it with its type (mpidp.CommTimeout, ...). */
+    [[noreturn]] static void throw_python_error()
+    {
+        python_error err;
+        err.persist();
+        throw std::move(err);
+    }
+
+    PyObject *reducer;
+    PyObject *param;
+    size_t index;
+    at::Tensor tensor;
+    const c10::TensorImpl *view;
+};
+
+/* mpidp._grad_hook.Hooks: the hooks install() added; remove() (or dropping
+ * the object) takes them off again. */
+struct Hooks {
+    PyObject_HEAD
+    PyObject *reducer;
+    /* The accumulator nodes, kept alive as DDP does: a node only weakly
+     * referenced by its parameter would otherwise be rebuilt, without the
+     * hook, by the next forward. */
+    std::vector<std::pair<decltype(torch::autograd::impl::grad_accumulator(at::Tensor())),
+                          uintptr_t>> *nodes;
+    std::vector<PyObject *> *params;
+};
+
+void remove_all(Hooks *self)
+{
+    if (self->nodes) {
+        for (auto &node_key : *self->nodes) node_key.first->del_post_hook(node_key.second);
+        delete self->nodes;
+        self->nodes = nullptr;
+    }
+    if (self->params) {
+        for (PyObject *p : *self->params) Py_DECREF(p);
+        delete self->params;
+        self->params = nullptr;
+    }
+    Py_CLEAR(self->reducer);
+}
+
+PyObject *hooks_remove(PyObject *self, PyObject *)
+{
+    remove_all(reinterpret_cast<Hooks *>(self));
+    Py_RETURN_NONE;
+}
+
+void hooks_dealloc(PyObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    remove_all(reinterpret_cast<Hooks *>(self));
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+PyMethodDef hooks_methods[] = {
+    {"remove", hooks_remove, METH_NOARGS, "Take every hook off again (idempotent)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot hooks_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void *>(hooks_dealloc)},
+    {Py_tp_methods, hooks_methods},
+    {Py_tp_doc, const_cast<char *>("The C++ gradient hooks of one reducer (remove())")},
+    {0, nullptr},
+};
+
+PyType_Spec hooks_spec = {
+    "mpidp._grad_hook.Hooks", sizeof(Hooks), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, hooks_slots,
+};
+
+PyTypeObject *hooks_type = nullptr;
+
+/* install(reducer) -> Hooks: a hook on every parameter of `reducer` (a
+ * _C.Reducer), each marking parameter i. */
+PyObject *install(PyObject *, PyObject *reducer)
+{
+    Py_ssize_t n = api->n_params(reducer);
+    if (n < 0) return nullptr;
+    Hooks *self = PyObject_New(Hooks, hooks_type);
+    if (self == nullptr) return nullptr;
+    self->reducer = Py_NewRef(reducer);
+    self->nodes = nullptr;
+    self->params = nullptr;
+    try {
+        self->nodes = new std::remove_pointer_t<decltype(self->nodes)>();
+        self->params = new std::vector<PyObject *>();
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *param = api->param(reducer, (size_t)i), *view = api->view(reducer, (size_t)i);
+            if (!THPVariable_Check(param) || !THPVariable_Check(view)) {
+                PyErr_Format(PyExc_TypeError, "reducer: parameter %zd or its view is not a tensor", i);
+                throw python_error();
+            }
+            const at::Tensor &tensor = THPVariable_Unpack(param);
+            if (!tensor.requires_grad() || !tensor.is_leaf()) {
+                PyErr_Format(PyExc_ValueError, "reducer: parameter %zd is not a leaf that requires "
+                             "grad", i);
+                throw python_error();
+            }
+            auto node = torch::autograd::impl::grad_accumulator(tensor);
+            auto hook = std::make_unique<ArrivedHook>(reducer, param, (size_t)i, tensor,
+                                                      THPVariable_Unpack(view));
+            uintptr_t key = node->add_post_hook(std::move(hook));
+            self->nodes->emplace_back(std::move(node), key);
+            self->params->push_back(Py_NewRef(param));
+        }
+    } catch (const python_error &) {
+        Py_DECREF(self);
+        return nullptr;
+    } catch (const std::exception &e) {
+        Py_DECREF(self);
+        PyErr_Format(PyExc_RuntimeError, "mpidp._grad_hook.install: %s", e.what());
+        return nullptr;
+    }
+    return reinterpret_cast<PyObject *>(self);
+}
+
+/* count(param) -> the post hooks on param's gradient accumulator: this
+ * module's and Python ones (tests: a re-wrapped model must carry one). */
+PyObject *count(PyObject *, PyObject *param)
+{
+    if (!THPVariable_Check(param)) return PyErr_Format(PyExc_TypeError, "param: expected a tensor");
+    auto node = torch::autograd::impl::try_get_grad_accumulator(THPVariable_Unpack(param));
+    return PyLong_FromSize_t(node ? node->post_hooks().size() : 0);
+}
+
+PyMethodDef module_methods[] = {
+    {"count", count, METH_O, "count(param) -> the post hooks on param's gradient accumulator."},
+    {"install", install, METH_O,
+     "install(reducer) -> Hooks: a C++ gradient hook on every parameter of the reducer."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "mpidp._grad_hook",
+    "DataParallel's gradient hook in C++ (internal; see csrc/torch/grad_hook.cpp).", -1,
+    module_methods, nullptr, nullptr, nullptr, nullptr,
+};
+
+/* The torch this module was compiled against must be the one running: the
+ * C++ ABI of libtorch changes between releases, and a mismatch could fail
+ * anywhere, not just at import. */
+bool torch_matches()
+{
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *ver = torch ? PyObject_GetAttrString(torch, "__version__") : nullptr;
+    PyObject *str = ver ? PyObject_Str(ver) : nullptr;   /* torch's is a str subclass */
+    Py_XDECREF(torch);
+    Py_XDECREF(ver);
+    const char *running = str ? PyUnicode_AsUTF8(str) : nullptr;
+    if (running == nullptr) {
+        Py_XDECREF(str);
+        return false;
+    }
+    std::string built = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                        std::to_string(TORCH_VERSION_MINOR) + "." +
+                        std::to_string(TORCH_VERSION_PATCH);
+    std::string run(running);
+    Py_DECREF(str);
+    if (run == built || run.rfind(built + "+", 0) == 0 || run.rfind(built + "a", 0) == 0) return true;
+    PyErr_Format(PyExc_ImportError, "mpidp._grad_hook was built for torch %s, this is torch %s: "
+                 "rebuild mpidp (pip install --no-build-isolation .)", built.c_str(), run.c_str());
+    return false;
+}
+
+} // namespace
+
+PyMODINIT_FUNC PyInit__grad_hook(void)
+{
+    if (!torch_matches()) return nullptr;
+    api = static_cast<const mpidp_grad_hook_api_t *>(
+        PyCapsule_Import(MPIDP_GRAD_HOOK_API_CAPSULE, 0));
+    if (api == nullptr) return nullptr;
+    if (api->version != MPIDP_GRAD_HOOK_API_VERSION) {
+        PyErr_Format(PyExc_ImportError, "mpidp._grad_hook: mpidp._C offers hook API version %d, "
+                     "this module needs %d (a partial rebuild?)", api->version,
+                     MPIDP_GRAD_HOOK_API_VERSION);
+        return nullptr;
+    }
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == nullptr) return nullptr;
+    hooks_type = reinterpret_cast<PyTypeObject *>(PyType_FromSpec(&hooks_spec));
+    if (hooks_type == nullptr) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}

@@ -1,0 +1,141 @@
+"""DataParallel's gradient hooks, C++ (mpidp._grad_hook) and Python
+(MPIDP_GRAD_HOOK=python, the path of builds without the C++ part), at 1-4
+ranks against single-process references: both give the same results, both
+run after the user's own post-accumulate-grad hooks (a hook that edits a
+gradient is part of the average), a foreign `.grad` goes through the C++
+hook's slow path, and a failure inside the hook reaches the caller of
+backward with its type."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import mpidp
+from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
+                          on_device, rank_slice, reference_step, seeded)
+from mpidp import _grad_hook, _grad_hook_loader
+from test_data_parallel import MLP, sgd
+
+pytestmark = pytest.mark.ranks3
+
+HOOKS = ["cpp", "python"]
+
+
+def loss_fn(model, x, y, _rank=None):
+    return F.cross_entropy(model(x), y)
+
+
+def double_grad(param):
+    param.grad.mul_(2)
+
+
+def test_the_cpp_hook_is_built_and_loads_for_this_torch():
+    """make test builds it (torch is importable at build time): a build that
+    silently lost it would fall back to the slower Python hook."""
+    assert _grad_hook_loader.describe() == "cpp (mpidp._grad_hook)"
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_each_kind_is_installed_as_asked(monkeypatch, hook):
+    monkeypatch.setenv("MPIDP_GRAD_HOOK", hook)
+    model = build(MLP, 1)
+    net = mpidp.DataParallel(model)
+    assert net.module is model
+    kinds = {type(h).__name__ for h in net._hook_handles}
+    wanted, other = ("Hooks", "_AccumulatorHook") if hook == "cpp" else ("_AccumulatorHook", "Hooks")
+    assert wanted in kinds and other not in kinds
+    assert all(_grad_hook.count(p) == 1 for p in model.parameters())
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_a_hook_the_user_adds_after_wrapping_is_part_of_the_average(monkeypatch, hook, blocking):
+    """The user's post-accumulate-grad hook doubles every gradient in place;
+    the reference doubles its gradient too. mpidp's hook runs after it."""
+    monkeypatch.setenv("MPIDP_GRAD_HOOK", hook)
+    model, reference = build(MLP, 100 + RANK), build(MLP, 100)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(double_grad)
+    ref_opt = sgd(reference.parameters())
+    g = seeded(3)
+    for _ in range(3):
+        X, Y = on_device(torch.randn(4 * SIZE, 10, generator=g),
+                         torch.randint(0, 4, (4 * SIZE,), generator=g))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss_fn(net, rank_slice(X), rank_slice(Y)).backward()
+        reference_step(reference, X, Y, loss_fn)
+        for p in reference.parameters():
+            p.grad.mul_(2)
+        opt.step()
+        ref_opt.step()
+    net.synchronize()
+    assert_params_close(model, reference, what=f"{hook} hook after a user's doubling hook")
+    assert_same_on_all_ranks(model)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_foreign_grad_is_adopted(monkeypatch, hook):
+    """`.grad` replaced by the user's own tensor between forward and backward:
+    autograd accumulates into that tensor, the C++ hook's slow path (the
+    Python-level grad_arrived) copies it into the bucket, and the sum is averaged."""
+    monkeypatch.setenv("MPIDP_GRAD_HOOK", hook)
+    model, reference = build(MLP, 200 + RANK), build(MLP, 200)
+    net = mpidp.DataParallel(model, blocking_parameter_updates=True)
+    g = seeded(5)
+    X, Y = on_device(torch.randn(4 * SIZE, 10, generator=g),
+                     torch.randint(0, 4, (4 * SIZE,), generator=g))
+    loss = loss_fn(net, rank_slice(X), rank_slice(Y))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.01 * (RANK + 1))
+    loss.backward()
+    reference_step(reference, X, Y, loss_fn)
+    mean_start = sum(0.01 * (r + 1) for r in range(SIZE)) / SIZE
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad + mean_start, rtol=1e-5, atol=1e-6)
+
+
+class SharedThroughCheckpoint(torch.nn.Module):
+    """One Linear used inside a reentrant checkpoint and again outside it: its
+    parameters receive two gradients in one backward, the second from the
+    checkpoint's nested backward (on the C++ hook's fast path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        inner = torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+        return self.lin(inner)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_failure_in_the_hook_reaches_backward_with_its_type(monkeypatch, hook):
+    """The core refuses a second gradient for a parameter whose bucket may be
+    on the wire already (ESTATE): a RuntimeError naming the cause, raised from
+    backward() on every rank."""
+    monkeypatch.setenv("MPIDP_GRAD_HOOK", hook)
+    torch.manual_seed(0)
+    model = SharedThroughCheckpoint()
+    net = mpidp.DataParallel(model, blocking_parameter_updates=True)
+    out = net(torch.randn(3, 4, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match="received a second gradient"):
+        out.backward()
+
+
+@pytest.mark.serial   # starts a Python of its own: not from inside an MPI job
+def test_a_hook_built_for_another_torch_is_refused_with_the_reason():
+    """libtorch's C++ ABI changes between releases: the module compares the
+    torch it was built for with the running one before anything else."""
+    code = ("import torch; torch.__version__ = '2.0.0'; "
+            "from mpidp import _grad_hook_loader as l; print(l.describe())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "python (C++ hook unavailable: mpidp._grad_hook was built for torch" in out.stdout
+    assert "this is torch 2.0.0" in out.stdout
