@@ -12,7 +12,11 @@
 
 #define MPIDP_GRAD_HOOK_API_CAPSULE "mpidp._C._grad_hook_api"
 /* Raised whenever the table or the meaning of an entry changes. */
-#define MPIDP_GRAD_HOOK_API_VERSION 1
+#define MPIDP_GRAD_HOOK_API_VERSION 2
+
+/* What an observer says parameter i's .grad is. */
+enum { MPIDP_GRAD_HOOK_NONE, MPIDP_GRAD_HOOK_VIEW, MPIDP_GRAD_HOOK_OTHER };
+typedef int (*mpidp_grad_hook_observer_t)(void *ctx, size_t i);
 
 typedef struct {
     int version;
@@ -30,6 +34,11 @@ typedef struct {
     int (*arrived)(PyObject *reducer, size_t i, int *status);
     /* GIL held: sets the Python exception for a failed `arrived`. */
     void (*raise)(PyObject *reducer, int status);
+    /* GIL held. From now on the reducer asks `observe(ctx, i)` what
+     * parameter i's .grad is (its passes read every .grad), instead of
+     * Python's attribute; NULL: back to the attribute. The caller keeps ctx
+     * alive until it sets NULL. */
+    void (*set_observer)(PyObject *reducer, mpidp_grad_hook_observer_t observe, void *ctx);
 } mpidp_grad_hook_api_t;
 
 #endif /* MPIDP_PY_GRAD_HOOK_API_H */

@@ -28,6 +28,10 @@ typedef struct {
     size_t n_params;
     uint8_t *seen, *act;       /* scratch: mpidp_grad_seen_t / mpidp_grad_action_t per parameter */
     long long *versions;       /* scratch: per bucket */
+    /* Set while the C++ gradient hook is installed (grad_hook_api.h): what
+     * parameter i's .grad is, read without Python. NULL: the attribute. */
+    int (*observe_fn)(void *ctx, size_t i);
+    void *observe_ctx;
 } mpidp_py_reducer_t;
 
 /* A core call with a fresh error detail: CORE(r, "what", mpidp_reducer_x(...)) < 0 on failure. */

@@ -43,6 +43,12 @@ static int call_method0(PyObject *obj, PyObject *name)
 /* What parameter i's .grad is (mpidp_grad_seen_t), or -1. */
 static int observe_one(mpidp_py_reducer_t *r, size_t i)
 {
+    if (r->observe_fn) {
+        static const int seen[] = {[MPIDP_GRAD_HOOK_NONE] = MPIDP_SEEN_NONE,
+                                   [MPIDP_GRAD_HOOK_VIEW] = MPIDP_SEEN_VIEW,
+                                   [MPIDP_GRAD_HOOK_OTHER] = MPIDP_SEEN_OTHER};
+        return seen[r->observe_fn(r->observe_ctx, i)];
+    }
     PyObject *grad = PyObject_GetAttr(PyTuple_GET_ITEM(r->params, i), str_grad);
     if (grad == NULL) return -1;
     int seen = grad == PyTuple_GET_ITEM(r->views, i) ? MPIDP_SEEN_VIEW
@@ -233,8 +239,16 @@ static void hook_raise(PyObject *self, int status)
     mpidp_py_raise(((mpidp_py_reducer_t *)self)->st, status, "DataParallel backward");
 }
 
+static void hook_set_observer(PyObject *self, mpidp_grad_hook_observer_t observe, void *ctx)
+{
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    r->observe_fn = observe;
+    r->observe_ctx = observe ? ctx : NULL;
+}
+
 static const mpidp_grad_hook_api_t hook_api = {MPIDP_GRAD_HOOK_API_VERSION, hook_n_params,
-                                               hook_param, hook_view, hook_arrived, hook_raise};
+                                               hook_param, hook_view, hook_arrived, hook_raise,
+                                               hook_set_observer};
 
 PyObject *mpidp_py_grad_hook_api_capsule(void)
 {

@@ -93,10 +93,29 @@ struct Hooks {
     std::vector<std::pair<decltype(torch::autograd::impl::grad_accumulator(at::Tensor())),
                           uintptr_t>> *nodes;
     std::vector<PyObject *> *params;
+    /* For the reducer's observer: the parameters and their views' impls. */
+    std::vector<at::Tensor> *tensors;
+    std::vector<const c10::TensorImpl *> *views;
 };
+
+/* The reducer's observer (grad_hook_api.h): what parameter i's .grad is,
+ * from the tensors, where Python's attribute costs ~0.3 us a parameter. */
+int observe(void *ctx, size_t i)
+{
+    const Hooks *self = static_cast<const Hooks *>(ctx);
+    const at::Tensor &grad = (*self->tensors)[i].grad();
+    if (!grad.defined()) return MPIDP_GRAD_HOOK_NONE;
+    return grad.unsafeGetTensorImpl() == (*self->views)[i] ? MPIDP_GRAD_HOOK_VIEW
+                                                          : MPIDP_GRAD_HOOK_OTHER;
+}
 
 void remove_all(Hooks *self)
 {
+    if (self->reducer) api->set_observer(self->reducer, nullptr, nullptr);
+    delete self->tensors;
+    delete self->views;
+    self->tensors = nullptr;
+    self->views = nullptr;
     if (self->nodes) {
         for (auto &node_key : *self->nodes) node_key.first->del_post_hook(node_key.second);
         delete self->nodes;
@@ -154,9 +173,13 @@ PyObject *install(PyObject *, PyObject *reducer)
     self->reducer = Py_NewRef(reducer);
     self->nodes = nullptr;
     self->params = nullptr;
+    self->tensors = nullptr;
+    self->views = nullptr;
     try {
         self->nodes = new std::remove_pointer_t<decltype(self->nodes)>();
         self->params = new std::vector<PyObject *>();
+        self->tensors = new std::vector<at::Tensor>();
+        self->views = new std::vector<const c10::TensorImpl *>();
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *param = api->param(reducer, (size_t)i), *view = api->view(reducer, (size_t)i);
             if (!THPVariable_Check(param) || !THPVariable_Check(view)) {
@@ -175,6 +198,8 @@ PyObject *install(PyObject *, PyObject *reducer)
             uintptr_t key = node->add_post_hook(std::move(hook));
             self->nodes->emplace_back(std::move(node), key);
             self->params->push_back(Py_NewRef(param));
+            self->tensors->push_back(tensor);
+            self->views->push_back(THPVariable_Unpack(view).unsafeGetTensorImpl());
         }
     } catch (const python_error &) {
         Py_DECREF(self);
@@ -184,6 +209,7 @@ PyObject *install(PyObject *, PyObject *reducer)
         PyErr_Format(PyExc_RuntimeError, "mpidp._grad_hook.install: %s", e.what());
         return nullptr;
     }
+    api->set_observer(reducer, observe, self);
     return reinterpret_cast<PyObject *>(self);
 }
 
