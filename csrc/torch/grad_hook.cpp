@@ -50,6 +50,10 @@ struct ArrivedHook final : torch::autograd::FunctionPostHook {
     {
         const at::Tensor &grad = tensor.grad();
         if (grad.defined() && grad.unsafeGetTensorImpl() == view) {
+            /* No GIL: the reducer's state is this backward's, and the request
+             * table serialises itself (mpidp/reqtable.h: engines run under its
+             * recursive lock). Taking the GIL here per parameter costs more
+             * than the Python hook it replaces. */
             int status = 0;
             int done = api->arrived(reducer, index, &status);
             if (done == 1) return outputs;
