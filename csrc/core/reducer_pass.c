@@ -123,6 +123,13 @@ int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has)
     return mpidp_reducer_mark_ready(r, i, has);
 }
 
+int mpidp_reducer_grad_hooked(mpidp_reducer_t *r, size_t i, int has, int progress)
+{
+    int rc = mpidp_reducer_grad_arrived(r, i, has);
+    if (rc == MPIDP_OK && progress && !r->paused) rc = mpidp_reqtable_progress(r->reqs, NULL);
+    return rc;
+}
+
 int mpidp_reducer_set_paused(mpidp_reducer_t *r, int on)
 {
     if (r == NULL) return mpidp__fail(MPIDP_EINVAL, "reducer: NULL");

@@ -140,13 +140,8 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     }
     int has = take_grad(r, (size_t)i, args[1]);
     if (has < 0) return NULL;
-    mpidp_error_clear();
-    int rc = mpidp_reducer_grad_arrived(r->core, (size_t)i, has);
-    /* Open MPI advances non-blocking collectives only inside MPI calls: test
-     * what is in flight so buckets posted earlier progress during backward. */
-    if (rc == MPIDP_OK && mpidp_py_hook_progress && !mpidp_reducer_paused(r->core))
-        rc = mpidp_reqtable_progress(r->st->reqs, NULL);
-    return none_or_null(mpidp_py_check(r->st, rc, "DataParallel backward"));
+    return none_or_null(CORE(r, "DataParallel backward",
+                             mpidp_reducer_grad_hooked(r->core, (size_t)i, has, mpidp_py_hook_progress)));
 }
 
 PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused)
@@ -227,9 +222,7 @@ static int hook_arrived(PyObject *self, size_t i, int *status)
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
     if (mpidp_py_forked || i >= r->n_params || mpidp_reducer_opens_backward(r->core)) return 0;
     mpidp_error_clear();
-    int rc = mpidp_reducer_grad_arrived(r->core, i, 1);
-    if (rc == MPIDP_OK && mpidp_py_hook_progress && !mpidp_reducer_paused(r->core))
-        rc = mpidp_reqtable_progress(r->st->reqs, NULL);
+    int rc = mpidp_reducer_grad_hooked(r->core, i, 1, mpidp_py_hook_progress);
     *status = rc;
     return rc == MPIDP_OK ? 1 : -1;
 }

@@ -215,6 +215,12 @@ int mpidp_reducer_opens_backward(const mpidp_reducer_t *r);
  * nothing is marked or posted: the view now holds a gradient, so the next
  * pass counts it even if no hook of that pass fires for i. */
 int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has);
+/* What a gradient hook does: grad_arrived, then, with `progress` and unless
+ * paused, one mpidp_reqtable_progress of the reducer's table (Open MPI
+ * advances non-blocking collectives only inside MPI calls, so buckets posted
+ * earlier progress during backward). The glue's Python-level and C++ hooks
+ * both call this. */
+int mpidp_reducer_grad_hooked(mpidp_reducer_t *r, size_t i, int has, int progress);
 
 /* no_sync: pause (on = 1) or resume the communication of gradients.
  * Pausing while a pass is open (some parameter marked) is MPIDP_ESTATE. */
