@@ -35,21 +35,43 @@ namespace {
 
 const mpidp_grad_hook_api_t *api = nullptr;
 
-/* Parameter `index`'s hook. The Hooks object that installed it owns the
- * references to `reducer` and `param` and removes the hook before dropping them. */
+/* mpidp._grad_hook.Hooks: the hooks install() added; remove() (or dropping
+ * the object) takes them off again. It holds the reducer, which holds the
+ * parameters and their bucket views. */
+struct Hooks {
+    PyObject_HEAD
+    PyObject *reducer;
+    /* The accumulator nodes, kept alive as DDP does: a node only weakly
+     * referenced by its parameter would otherwise be rebuilt, without the
+     * hook, by the next forward. */
+    std::vector<std::pair<decltype(torch::autograd::impl::grad_accumulator(at::Tensor())),
+                          uintptr_t>> *nodes;
+    /* The parameters and their views' impls, read without Python. */
+    std::vector<at::Tensor> *tensors;
+    std::vector<const c10::TensorImpl *> *views;
+};
+
+/* What parameter i's .grad is (grad_hook_api.h), from the tensors: for the
+ * hooks' fast path and as the reducer's observer, where Python's attribute
+ * costs ~0.3 us a parameter. */
+int observe(void *ctx, size_t i)
+{
+    const Hooks *self = static_cast<const Hooks *>(ctx);
+    const at::Tensor &grad = (*self->tensors)[i].grad();
+    if (!grad.defined()) return MPIDP_GRAD_HOOK_NONE;
+    return grad.unsafeGetTensorImpl() == (*self->views)[i] ? MPIDP_GRAD_HOOK_VIEW
+                                                          : MPIDP_GRAD_HOOK_OTHER;
+}
+
+/* Parameter `index`'s hook; `owner` removes it before it goes. */
 struct ArrivedHook final : torch::autograd::FunctionPostHook {
-    ArrivedHook(PyObject *reducer, PyObject *param, size_t index, const at::Tensor &tensor,
-                const at::Tensor &view)
-        : reducer(reducer), param(param), index(index), tensor(tensor),
-          view(view.unsafeGetTensorImpl())
-    {
-    }
+    ArrivedHook(Hooks *owner, size_t index) : owner(owner), index(index) {}
 
     torch::autograd::variable_list operator()(const torch::autograd::variable_list &outputs,
                                               const torch::autograd::variable_list &) override
     {
-        const at::Tensor &grad = tensor.grad();
-        if (grad.defined() && grad.unsafeGetTensorImpl() == view) {
+        PyObject *reducer = owner->reducer;
+        if (observe(owner, index) == MPIDP_GRAD_HOOK_VIEW) {
             /* No GIL: the reducer's state is this backward's, and the request
              * table serialises itself (mpidp/reqtable.h: engines run under its
              * recursive lock). Taking the GIL here per parameter costs more
@@ -64,7 +86,8 @@ struct ArrivedHook final : torch::autograd::FunctionPostHook {
             }
         }
         pybind11::gil_scoped_acquire gil;
-        PyObject *res = PyObject_CallMethod(reducer, "grad_arrived", "nO", (Py_ssize_t)index, param);
+        PyObject *res = PyObject_CallMethod(reducer, "grad_arrived", "nO", (Py_ssize_t)index,
+                                            api->param(reducer, index));
         if (res == nullptr) throw_python_error();
         Py_DECREF(res);
         return outputs;
@@ -79,57 +102,23 @@ struct ArrivedHook final : torch::autograd::FunctionPostHook {
         throw std::move(err);
     }
 
-    PyObject *reducer;
-    PyObject *param;
+    Hooks *owner;
     size_t index;
-    at::Tensor tensor;
-    const c10::TensorImpl *view;
 };
-
-/* mpidp._grad_hook.Hooks: the hooks install() added; remove() (or dropping
- * the object) takes them off again. */
-struct Hooks {
-    PyObject_HEAD
-    PyObject *reducer;
-    /* The accumulator nodes, kept alive as DDP does: a node only weakly
-     * referenced by its parameter would otherwise be rebuilt, without the
-     * hook, by the next forward. */
-    std::vector<std::pair<decltype(torch::autograd::impl::grad_accumulator(at::Tensor())),
-                          uintptr_t>> *nodes;
-    std::vector<PyObject *> *params;
-    /* For the reducer's observer: the parameters and their views' impls. */
-    std::vector<at::Tensor> *tensors;
-    std::vector<const c10::TensorImpl *> *views;
-};
-
-/* The reducer's observer (grad_hook_api.h): what parameter i's .grad is,
- * from the tensors, where Python's attribute costs ~0.3 us a parameter. */
-int observe(void *ctx, size_t i)
-{
-    const Hooks *self = static_cast<const Hooks *>(ctx);
-    const at::Tensor &grad = (*self->tensors)[i].grad();
-    if (!grad.defined()) return MPIDP_GRAD_HOOK_NONE;
-    return grad.unsafeGetTensorImpl() == (*self->views)[i] ? MPIDP_GRAD_HOOK_VIEW
-                                                          : MPIDP_GRAD_HOOK_OTHER;
-}
 
 void remove_all(Hooks *self)
 {
+    /* The hooks and the observer first: they read the vectors below. */
     if (self->reducer) api->set_observer(self->reducer, nullptr, nullptr);
-    delete self->tensors;
-    delete self->views;
-    self->tensors = nullptr;
-    self->views = nullptr;
     if (self->nodes) {
         for (auto &node_key : *self->nodes) node_key.first->del_post_hook(node_key.second);
         delete self->nodes;
         self->nodes = nullptr;
     }
-    if (self->params) {
-        for (PyObject *p : *self->params) Py_DECREF(p);
-        delete self->params;
-        self->params = nullptr;
-    }
+    delete self->tensors;
+    delete self->views;
+    self->tensors = nullptr;
+    self->views = nullptr;
     Py_CLEAR(self->reducer);
 }
 
@@ -176,12 +165,10 @@ PyObject *install(PyObject *, PyObject *reducer)
     if (self == nullptr) return nullptr;
     self->reducer = Py_NewRef(reducer);
     self->nodes = nullptr;
-    self->params = nullptr;
     self->tensors = nullptr;
     self->views = nullptr;
     try {
         self->nodes = new std::remove_pointer_t<decltype(self->nodes)>();
-        self->params = new std::vector<PyObject *>();
         self->tensors = new std::vector<at::Tensor>();
         self->views = new std::vector<const c10::TensorImpl *>();
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -197,13 +184,10 @@ PyObject *install(PyObject *, PyObject *reducer)
                 throw python_error();
             }
             auto node = torch::autograd::impl::grad_accumulator(tensor);
-            auto hook = std::make_unique<ArrivedHook>(reducer, param, (size_t)i, tensor,
-                                                      THPVariable_Unpack(view));
-            uintptr_t key = node->add_post_hook(std::move(hook));
-            self->nodes->emplace_back(std::move(node), key);
-            self->params->push_back(Py_NewRef(param));
             self->tensors->push_back(tensor);
             self->views->push_back(THPVariable_Unpack(view).unsafeGetTensorImpl());
+            uintptr_t key = node->add_post_hook(std::make_unique<ArrivedHook>(self, (size_t)i));
+            self->nodes->emplace_back(std::move(node), key);
         }
     } catch (const python_error &) {
         Py_DECREF(self);
