@@ -83,3 +83,15 @@ def test_messages_name_the_operation_once():
                                                 mpidp._C.OP_SUM, mpidp._C.DTYPE_BF16, False)
     message = str(info.value)
     assert message.startswith("allreduce: ") and "allreduce: allreduce" not in message, message
+
+
+def test_a_peer_exchange_into_a_buffer_of_another_size_is_refused_before_posting():
+    """Refused by the core (mpidp_peerx_start) on every rank alike, naming the
+    buffer, before anything is posted: a short buffer would be overrun."""
+    comm = mpidp._C.Comm(MPI.COMM_WORLD)
+    me, size = comm.rank, comm.size
+    if size < 2:
+        pytest.skip("needs a peer")   # one rank has no other rank to exchange with
+    send, short = torch.zeros(4), torch.zeros(3)
+    with pytest.raises(ValueError, match="receive buffer 0 holds 12 bytes, the message 16"):
+        comm.peer_exchange(send, ((me + 1) % size,), (short,), ((me - 1) % size,))

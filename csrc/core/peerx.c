@@ -88,9 +88,13 @@ int mpidp_peerx_start(MPI_Comm comm, const mpidp_peerx_spec_t *s, mpidp_reqtable
     if ((rc = check_peers(s->in, s->n_in, size, rank, "in", what)) != MPIDP_OK) return rc;
     if (s->n_out > 0 && s->bytes > 0 && s->send == NULL)
         return mpidp__fail(MPIDP_EINVAL, "%s: NULL send buffer", what);
-    for (int i = 0; i < s->n_in; i++)
+    for (int i = 0; i < s->n_in; i++) {
         if (s->bytes > 0 && (s->recv == NULL || s->recv[i] == NULL))
             return mpidp__fail(MPIDP_EINVAL, "%s: NULL receive buffer %d", what, i);
+        if (s->recv_bytes && s->recv_bytes[i] != s->bytes)
+            return mpidp__fail(MPIDP_EINVAL, "%s: receive buffer %d holds %zu bytes, the message "
+                               "%zu", what, i, s->recv_bytes[i], s->bytes);
+    }
     size_t piece = s->piece_bytes ? s->piece_bytes : MPIDP_PEERX_PIECE;
     if (piece > (size_t)INT_MAX) piece = (size_t)INT_MAX;
     size_t n_pieces = s->bytes ? (s->bytes + piece - 1) / piece : 1;

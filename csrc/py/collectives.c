@@ -238,18 +238,15 @@ PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_
         mpidp_py_release(&t[0]);
         return NULL;
     }
-    size_t bytes = t[0].t.numel * mpidp_dtype_size(t[0].t.dtype);
     void *recv[MPIDP_PEERX_MAX_PEERS];
+    size_t recv_bytes[MPIDP_PEERX_MAX_PEERS];
     for (int i = 0; i < n_in; i++) {
         recv[i] = t[1 + i].t.data;
-        if (t[1 + i].t.numel * mpidp_dtype_size(t[1 + i].t.dtype) != bytes) {
-            mpidp_py_release_all(t, 1 + (size_t)n_in);
-            return PyErr_Format(PyExc_ValueError, "recvs[%d]: expected %zu bytes (as send), got %zu",
-                                i, bytes, t[1 + i].t.numel * mpidp_dtype_size(t[1 + i].t.dtype));
-        }
+        recv_bytes[i] = t[1 + i].t.numel * mpidp_dtype_size(t[1 + i].t.dtype);
     }
     mpidp_peerx_spec_t spec = {.out = out, .n_out = n_out, .in = in, .n_in = n_in,
-                               .send = t[0].t.data, .recv = recv, .bytes = bytes,
+                               .send = t[0].t.data, .recv = recv, .recv_bytes = recv_bytes,
+                               .bytes = t[0].t.numel * mpidp_dtype_size(t[0].t.dtype),
                                .drain_timeout_s = mpidp_py_timeout_s, .what = "peer exchange"};
     mpidp_peerx_t *x = NULL;
     mpidp_error_clear();

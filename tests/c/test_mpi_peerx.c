@@ -134,7 +134,13 @@ TEST(a_full_table_posts_nothing_and_bad_peers_are_refused)
     s.out = twice, s.n_out = 2;
     ASSERT_EQ_INT(mpidp_peerx_start(MPI_COMM_WORLD, &s, reqs, &x), MPIDP_EINVAL);
     ASSERT_TRUE(strstr(mpidp_error_detail(), "listed twice") != NULL);
-    s.out = &next, s.n_out = 1, s.bytes = 65, s.piece_bytes = 1;
+    s.out = &next, s.n_out = 1;
+    size_t short_recv = 15;
+    s.recv_bytes = &short_recv;
+    ASSERT_EQ_INT(mpidp_peerx_start(MPI_COMM_WORLD, &s, reqs, &x), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "receive buffer 0 holds 15 bytes, the message 16") != NULL);
+    s.recv_bytes = NULL;
+    s.bytes = 65, s.piece_bytes = 1;
     ASSERT_EQ_INT(mpidp_peerx_start(MPI_COMM_WORLD, &s, reqs, &x), MPIDP_EINVAL);
     ASSERT_TRUE(strstr(mpidp_error_detail(), "pieces") != NULL);
     ASSERT_EQ_INT(mpidp_reqtable_pending(reqs), 0);

@@ -41,6 +41,7 @@ typedef struct {
     const void *send;   /* `bytes` bytes, unchanged until the exchange is done */
     void *const *recv;  /* n_in distinct buffers of `bytes` bytes each */
     size_t bytes;       /* the same on every rank of an exchange */
+    const size_t *recv_bytes; /* NULL, or each recv buffer's size: each must be `bytes` */
     size_t piece_bytes; /* 0: MPIDP_PEERX_PIECE */
     double drain_timeout_s; /* bounds the wait for what was posted when a post fails */
     const char *what;   /* for messages; NULL: "peer exchange" */
@@ -48,7 +49,8 @@ typedef struct {
 
 /* Posts the exchange. MPIDP_EINVAL (nothing posted) for a peer outside the
  * communicator or the rank itself, a peer listed twice on one side, NULL
- * buffers, a message over MPIDP_PEERX_MAX_PIECES pieces; MPIDP_EFULL when
+ * buffers, a receive buffer of another size than `bytes`, a message over
+ * MPIDP_PEERX_MAX_PIECES pieces; MPIDP_EFULL when
  * the request table has no room for all its requests (nothing posted);
  * MPIDP_ENOMEM, MPIDP_EMPI (what was posted is drained first). */
 int mpidp_peerx_start(MPI_Comm comm, const mpidp_peerx_spec_t *spec, mpidp_reqtable_t *reqs,
