@@ -96,6 +96,33 @@ def reference_step(model, X, Y, loss_fn, size=SIZE):
     return loss
 
 
+def train_like_one_process(net, opt, model, reference, ref_opt, loss_fn, shape, seed,
+                           steps=3, edit_reference_grads=None, what="after training"):
+    """`steps` data-parallel steps of `net` (the wrapper of `model`) and `opt`
+    on each rank's slice of a batch, and the same steps of `reference` with
+    `ref_opt` on the whole batch; then model equals the reference on every
+    rank. shape = (inputs, classes); edit_reference_grads(reference) runs
+    between the reference's backward and its step (what a user hook does to
+    the wrapped model's gradients)."""
+    n_in, n_classes = shape
+    g = seeded(seed)
+    n = 4 * SIZE
+    for _ in range(steps):
+        X, Y = on_device(torch.randn(n, n_in, generator=g),
+                         torch.randint(0, n_classes, (n,), generator=g))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss_fn(net, rank_slice(X), rank_slice(Y)).backward()
+        reference_step(reference, X, Y, loss_fn)
+        if edit_reference_grads is not None:
+            edit_reference_grads(reference)
+        opt.step()
+        ref_opt.step()
+    net.synchronize()
+    assert_params_close(model, reference, what=what)
+    assert_same_on_all_ranks(model)
+
+
 def clone_model(model):
     return copy.deepcopy(model)
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import mpidp
-from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
-                          on_device, rank_slice, reference_step, seeded)
+from dp_reference import (RANK, SIZE, build, on_device, rank_slice, reference_step, seeded,
+                          train_like_one_process)
 from mpidp import _grad_hook, _grad_hook_loader
 from test_data_parallel import MLP, sgd
 
@@ -63,22 +63,22 @@ def test_a_hook_the_user_adds_after_wrapping_is_part_of_the_average(monkeypatch,
     net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(double_grad)
-    ref_opt = sgd(reference.parameters())
-    g = seeded(3)
-    for _ in range(3):
-        X, Y = on_device(torch.randn(4 * SIZE, 10, generator=g),
-                         torch.randint(0, 4, (4 * SIZE,), generator=g))
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss_fn(net, rank_slice(X), rank_slice(Y)).backward()
-        reference_step(reference, X, Y, loss_fn)
-        for p in reference.parameters():
-            p.grad.mul_(2)
-        opt.step()
-        ref_opt.step()
-    net.synchronize()
-    assert_params_close(model, reference, what=f"{hook} hook after a user's doubling hook")
-    assert_same_on_all_ranks(model)
+    train_like_one_process(net, opt, model, reference, sgd(reference.parameters()), loss_fn,
+                           (10, 4), seed=3, edit_reference_grads=lambda ref: [
+                               p.grad.mul_(2) for p in ref.parameters()],
+                           what=f"{hook} hook after a user's doubling hook")
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_ranks_with_different_hooks_train_as_one_process(monkeypatch, blocking):
+    """MPIDP_GRAD_HOOK differing across ranks (a node whose build lacks the
+    C++ hook) changes nothing: both hooks post the same buckets in the same order."""
+    monkeypatch.setenv("MPIDP_GRAD_HOOK", HOOKS[RANK % 2])
+    model, reference = build(MLP, 300 + RANK), build(MLP, 300)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    train_like_one_process(net, opt, model, reference, sgd(reference.parameters()), loss_fn,
+                           (10, 4), seed=9, what="ranks with different gradient hooks")
 
 
 @pytest.mark.parametrize("hook", HOOKS)

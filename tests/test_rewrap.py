@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 import mpidp
 from mpidp import _grad_hook
-from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
-                          on_device, rank_slice, reference_step, seeded)
+from dp_reference import RANK, build, train_like_one_process
 
 
 class MLP(torch.nn.Module):
@@ -44,19 +43,8 @@ def wrap(model, blocking):
 
 def train_against_reference(net, opt, model, reference, steps=3):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    g = seeded(7)
-    n = 4 * SIZE
-    for step in range(steps):
-        X, Y = on_device(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss_fn(net, rank_slice(X), rank_slice(Y)).backward()
-        reference_step(reference, X, Y, loss_fn)
-        opt.step()
-        ref_opt.step()
-    net.synchronize()
-    assert_params_close(model, reference, what="after training with the newest wrapper")
-    assert_same_on_all_ranks(model)
+    train_like_one_process(net, opt, model, reference, ref_opt, loss_fn, (6, 3), seed=7,
+                           steps=steps, what="after training with the newest wrapper")
 
 
 def hooks_on(param) -> int:
