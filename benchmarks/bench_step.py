@@ -12,6 +12,9 @@ reports the median over rounds of its mean step time. Methods:
   ddp           torch DistributedDataParallel, its defaults, over gloo on CPUs;
                 on GPUs over NCCL when each rank has a GPU of its own, else
                 gloo (NCCL refuses two ranks on one GPU)
+  heat-block    Heat's DataParallel with a blocking DataParallelOptimizer,
+  heat-nb       and non-blocking (CPU only; skipped, with the reason, when
+                Heat is not installed: scripts/install_heat.sh)
 Set MPIDP_HOOK_PROGRESS=0 to see mpidp without MPI progress from its hooks.
 and, on rank 0 alone, the cost of mpidp's gradient hook per parameter, C++
 and Python (a 1-rank DataParallel, hooked backward vs plain backward, on the
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpidp  # noqa: E402
+from heat_baseline import import_heat  # noqa: E402
 from models import ManyTensorMLP, ResNet18  # noqa: E402
 from mpidp import MPI, _grad_hook_loader  # noqa: E402
 
@@ -57,8 +61,8 @@ def make_case(name, quick, device):
     return model.to(device), x.to(device), y.to(device)
 
 
-def make_method(method, base):
-    """(module to call, optimizer to step, zero_grad callable)."""
+def make_method(method, base, heat):
+    """(module to call, optimizer to step)."""
     model = copy.deepcopy(base)
     if method == "local":
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -73,6 +77,11 @@ def make_method(method, base):
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[first.device.index] if first.is_cuda else None)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    if method.startswith("heat"):
+        blocking = method == "heat-block"
+        opt = heat.optim.DataParallelOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), blocking=blocking)
+        return heat.nn.DataParallel(model, heat.MPI_WORLD, opt, blocking_parameter_updates=blocking), opt
     raise ValueError(method)
 
 
@@ -100,10 +109,10 @@ def time_steps(net, opt, x, y, steps):
     return (time.perf_counter() - t0) / steps
 
 
-def bench_model(name, methods, rounds, steps, quick, device):
+def bench_model(name, methods, rounds, steps, quick, device, heat):
     torch.manual_seed(0)
     base, x, y = make_case(name, quick, device)
-    built = {m: make_method(m, base) for m in methods}
+    built = {m: make_method(m, base, heat) for m in methods}
     for net, opt in built.values():  # warm-up: allocator, buckets, gloo connections
         for _ in range(2):
             step(net, opt, x, y)
@@ -162,6 +171,16 @@ def hook_overhead_us(repeats):
     return tuple(per_param)
 
 
+def overhead_over_heat(r):
+    """mpidp's time over the local step divided by Heat's, per mode (none
+    without Heat). Heat's DataParallel overlaps nothing in its blocking mode,
+    so its overhead is its whole communication."""
+    if "heat-block" not in r:
+        return {}
+    over = {m: r[m] - r["local"] for m in r}
+    return {"block": over["mpidp-block"] / over["heat-block"], "nb": over["mpidp-nb"] / over["heat-nb"]}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
@@ -182,11 +201,14 @@ def main():
         mpidp.init_process_group(COMM, backend="gloo")
     backend = dist.get_backend()
     methods = ["local", "mpidp-block", "mpidp-nb", "mpidp-nb-bf16", "ddp"]
+    heat, heat_note = import_heat() if device.type == "cpu" else (None, "not on GPUs")
+    if heat is not None:
+        methods += ["heat-block", "heat-nb"]
     results = {}
     for name in ("resnet18", "mlp500"):
         results[name] = bench_model(name, methods, args.rounds if not args.quick else 3,
                                     args.steps if name == "resnet18" else 4 * args.steps,
-                                    args.quick, device)
+                                    args.quick, device, heat)
     hook = None
     if RANK == 0 and device.type == "cpu":
         hook = hook_overhead_us(repeats=200)
@@ -207,6 +229,9 @@ def main():
             out[f"{name}_mpidp_over_ddp"] = round(r["mpidp-block"] / r["ddp"], 3)
             out[f"{name}_nb_over_ddp"] = round(r["mpidp-nb"] / r["ddp"], 3)
             out[f"{name}_nb_over_block"] = round(r["mpidp-nb"] / r["mpidp-block"], 3)
+            for mode, ratio in overhead_over_heat(r).items():
+                out[f"{name}_{mode}_overhead_over_heat"] = round(ratio, 3)
+        out["heat"] = heat_note
         print(json.dumps(out))
         return
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -217,6 +242,10 @@ def main():
         for m, t in r.items():
             print(f"{name:<10} {m:<14} {1e3 * t:9.2f} {t / r['ddp']:9.3f} "
                   f"{t / r['mpidp-block']:9.3f} {t / r['local']:9.3f}")
+        for mode, ratio in overhead_over_heat(r).items():
+            print(f"{name:<10} communication overhead over the local step, mpidp over Heat, "
+                  f"{mode}: {ratio:.3f}")
+    print(f"heat: {heat_note}" if heat is not None else f"heat: skipped: {heat_note}")
     if hook is None:
         return
     print(f"gradient hook, us per parameter (1 rank, 500 tensors, hooked minus plain backward): "
