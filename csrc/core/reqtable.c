@@ -250,15 +250,24 @@ int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done)
     return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "%s failed", what);
 }
 
+/* Spin, yielding the core between tests, for at most this long; then sleep
+ * 100 us between tests. sched_yield does not reliably hand the core to other
+ * threads: with 4 ranks on 2 cores, DDP's first iterations (gloo threads
+ * beside mpidp's waits) stalled for exactly as long as the spin lasted, which
+ * was 2 s (benchmarks/bench_daso.py, DASO on the emulated cluster). A wait
+ * this long is for a slow peer or a large transfer, next to which up to
+ * 100 us of extra latency at completion is lost in the noise. */
+#define MPIDP_SPIN_SECONDS 0.02
+
 /* Back-off while waiting. Open MPI advances a non-blocking collective only
- * inside MPI calls, so a long collective needs MPI_Test called continuously:
- * spin, yielding the core between tests (other ranks may share it), for as long
- * as a collective can plausibly take; only a wait that has lasted seconds (a
- * slow or stuck peer) sleeps between tests, so it does not burn a core. */
+ * inside MPI calls, so a collective needs MPI_Test called continuously: spin,
+ * yielding the core between tests (other ranks may share it), then, once the
+ * wait has lasted MPIDP_SPIN_SECONDS, sleep between tests so that a slow or
+ * stuck peer does not cost a core or starve this rank's other threads. */
 static void backoff(unsigned long iteration, double waited)
 {
     if (iteration < 64) return;
-    if (waited < 2.0) {
+    if (waited < MPIDP_SPIN_SECONDS) {
         sched_yield();
         return;
     }
