@@ -1,6 +1,7 @@
 """DASO and DataParallelMultiGPU at 1, 2 and 4 ranks, laid out as nodes of 1
 and (where the size allows) nodes of 2 ranks (MPIDP_RANKS_PER_NODE)."""
 
+import contextlib
 import copy
 import gc
 import re
@@ -457,6 +458,41 @@ def test_buffers_are_rank0s_after_every_blocking_sync(nodes_of, broadcast):
         everyone = mpidp.MPI.COMM_WORLD.allgather(mean)
         same = all(torch.equal(everyone[0], m) for m in everyone)
         assert same == (broadcast or SIZE == 1), [m[:3] for m in everyone]
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_are_node_rank0s_before_every_synced_forward(nodes_of, broadcast):
+    """DDP's buffer rule inside the node (over MPI on the host): each
+    training forward sees node rank 0's BatchNorm statistics as they were
+    before it, unless the backward before was inside no_sync(); without
+    broadcast_buffers each rank's own. Cycling phase: no global sync resets
+    them in between, so the node's ranks drift apart unless synced."""
+    torch.manual_seed(5)
+    model = BNNet(inputs=10, hidden=16).to(DEVICE)
+    daso = mpidp.DASO(torch.optim.SGD(model.parameters(), lr=0.05), total_epochs=4,
+                      warmup_epochs=0, cooldown_epochs=0, max_global_skips=8)
+    net = mpidp.DataParallelMultiGPU(model, daso, broadcast_buffers=broadcast)
+    node = node_comm(mpidp.MPI.COMM_WORLD)
+    seen = []
+    model.bn.register_forward_pre_hook(lambda m, _: seen.append(m.running_mean.detach().cpu().clone()))
+    data = problem(batches=6)
+    daso.last_batch = 99   # the epoch goes on: its blocking sync would reset the buffers
+    synced_before = True              # DDP syncs buffers before the first forward
+    for b, (X, Y) in enumerate(data):
+        before = model.bn.running_mean.detach().cpu().clone()
+        node_rank0s = node.bcast(before, root=0)
+        inside = b == 3
+        with net.no_sync() if inside else contextlib.nullcontext():
+            daso.zero_grad()
+            F.cross_entropy(net(my_slice(X)), my_slice(Y)).backward()
+        if not inside:
+            daso.step()
+        want = node_rank0s if broadcast and synced_before else before
+        assert torch.equal(seen[-1], want), (b, seen[-1][:3], want[:3])
+        synced_before = not inside
+    everyone = node.allgather(model.bn.running_mean.detach().cpu())
+    assert all(torch.equal(everyone[0], m) for m in everyone) == (node.size == 1), \
+        "the node's ranks train on different data: their own statistics must differ"
 
 
 def test_no_sync_accumulates_within_the_node(nodes_of):
