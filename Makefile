@@ -82,4 +82,4 @@ bench-daso: setup
 # setup.py's clean knows where builds go (MPIDP_BUILD_DIR, see setup.py).
 clean:
 	-$(PY) setup.py -q clean --all
-	rm -rf build tests/c/build docs/_build python/mpidp/*.so python/*.egg-info .venv-oldest
+	rm -rf build tests/c/build docs/_build python/mpidp/*.so python/*.egg-info .venv-oldest .venv-heat
