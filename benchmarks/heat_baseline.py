@@ -10,6 +10,7 @@ import_heat() returns (module, note) or (None, why it is skipped).
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -31,43 +32,38 @@ def _import_torchvision():
     installed (PyPI has CUDA builds only; the CPU ones live on
     download.pytorch.org), its C operators do not load and, from release 0.21
     on, its import then fails. Declaring the two unguarded operators lets the
-    Python part import; calling them would still raise. Returns a note."""
+    Python part import; calling them would still raise. Called once that
+    failure was seen; returns a note for the report."""
     import torch
 
-    try:
-        import torchvision  # noqa: F401
-        return ""
-    except RuntimeError as exc:
-        if "torchvision::" not in str(exc):
-            raise
     for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
         del sys.modules[name]
     lib = torch.library.Library("torchvision", "DEF")
     for schema in _UNGUARDED_TORCHVISION_OPS:
         lib.define(schema)
     _keep_alive.append(lib)
-    import torchvision  # noqa: F401
+    importlib.import_module("torchvision")
     return " (torchvision without its C operators: it was built for another torch build)"
 
 
 def import_heat():
     if os.path.isdir(HEAT_SITE) and HEAT_SITE not in sys.path:
         sys.path.append(HEAT_SITE)
+    note = ""
     try:
-        import heat  # noqa: F401
+        try:
+            heat = importlib.import_module("heat")
+        except RuntimeError as exc:
+            if "torchvision::" not in str(exc):
+                raise
+            note = _import_torchvision()   # then Heat again, from scratch
+            for name in [m for m in sys.modules if m == "heat" or m.startswith("heat.")]:
+                del sys.modules[name]
+            heat = importlib.import_module("heat")
     except ModuleNotFoundError as exc:
         if exc.name == "heat":
             return None, "Heat is not installed (scripts/install_heat.sh installs it into .venv-heat)"
         return None, f"Heat does not import: {exc}"
-    except RuntimeError:
-        pass  # torchvision's import failed inside Heat's; retried below
-    else:
-        return heat, f"Heat {heat.__version__}"
-    try:
-        note = _import_torchvision()
-        for name in [m for m in sys.modules if m == "heat" or m.startswith("heat.")]:
-            del sys.modules[name]
-        import heat
     except Exception as exc:  # any failure of a third-party import: report it, bench the rest
         return None, f"Heat does not import: {type(exc).__name__}: {exc}"
     return heat, f"Heat {heat.__version__}{note}"
