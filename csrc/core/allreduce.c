@@ -8,6 +8,7 @@
 #include "mpidp/convert.h"
 #include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
+#include "mpidp/operation.h"
 #include "mpidp/pack.h"
 #include "mpidp/qallreduce.h"
 #include "mpidp/status.h"
@@ -296,3 +297,8 @@ int mpidp_allreduce_free(mpidp_allreduce_t *x)
     free(x);
     return MPIDP_OK;
 }
+
+static int operation_test(void *op, int *done) { return mpidp_allreduce_test(op, done); }
+static int operation_wait(void *op, double timeout_s) { return mpidp_allreduce_wait(op, timeout_s); }
+static int operation_free(void *op) { return mpidp_allreduce_free(op); }
+const mpidp_operation_t mpidp_allreduce_operation = {operation_test, operation_wait, operation_free};

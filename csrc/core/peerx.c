@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "mpidp/mpi_util.h"
+#include "mpidp/operation.h"
 #include "mpidp/status.h"
 
 struct mpidp_peerx {
@@ -174,3 +175,8 @@ int mpidp_peerx_free(mpidp_peerx_t *x)
     free(x);
     return MPIDP_OK;
 }
+
+static int operation_test(void *op, int *done) { return mpidp_peerx_test(op, done); }
+static int operation_wait(void *op, double timeout_s) { return mpidp_peerx_wait(op, timeout_s); }
+static int operation_free(void *op) { return mpidp_peerx_free(op); }
+const mpidp_operation_t mpidp_peerx_operation = {operation_test, operation_wait, operation_free};

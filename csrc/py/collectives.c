@@ -54,7 +54,7 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
         mpidp_py_release(&tensor);
         return mpidp_py_raise(st, rc, "allreduce");
     }
-    if (async_op) return mpidp_py_work_new(st, &mpidp_py_allreduce_ops, x, &tensor, 1, self);
+    if (async_op) return mpidp_py_work_new(st, &mpidp_allreduce_operation, x, &tensor, 1, self);
     MPIDP_PY_WAIT(st, rc, mpidp_allreduce_wait(x, mpidp_py_timeout_s));
     if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "allreduce"); /* x stays posted */
     mpidp_allreduce_free(x);
@@ -255,5 +255,5 @@ PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_
         mpidp_py_release_all(t, 1 + (size_t)n_in);
         return mpidp_py_raise(st, rc, "peer_exchange");
     }
-    return mpidp_py_work_new(st, &mpidp_py_peerx_ops, x, t, 1 + (size_t)n_in, self);
+    return mpidp_py_work_new(st, &mpidp_peerx_operation, x, t, 1 + (size_t)n_in, self);
 }

@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <mpi.h>
 
+#include "mpidp/operation.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
@@ -149,20 +150,11 @@ int mpidp_py_reducer_pass_init(void);
 /* The capsule of the C++ gradient hook's API (grad_hook_api.h; reducer_pass.c). */
 PyObject *mpidp_py_grad_hook_api_capsule(void);
 
-/* What a Work drives: one of the core's non-blocking engines, through its
- * test / wait / free (csrc/py/work.c defines one per engine). */
-typedef struct {
-    int (*test)(void *x, int *done);
-    int (*wait)(void *x, double timeout_s);
-    int (*free)(void *x);
-} mpidp_py_engine_ops;
-extern const mpidp_py_engine_ops mpidp_py_allreduce_ops, mpidp_py_peerx_ops;
-
-/* Creates a Work that owns the operation `x` (driven by `ops`) and keeps the
- * `n` borrowed tensors (moved in: their capsules are taken) and `comm` alive
- * until it completes. NULL with an exception (the operation then finished
+/* Creates a Work that owns the operation `x` (driven by `ops`, one of the
+ * core's tables in mpidp/operation.h) and keeps the `n` borrowed tensors
+ * (moved in: their capsules are taken) and `comm` alive until it completes. NULL with an exception (the operation then finished
  * here) on failure. */
-PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_py_engine_ops *ops, void *x,
+PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, void *x,
                             mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm);
 
 /* Module functions binding the conversion kernels (csrc/py/kernels.c), over

@@ -10,23 +10,11 @@
 
 #include <stdio.h>
 
-#include "mpidp/allreduce.h"
-#include "mpidp/peerx.h"
 #include "mpidp/status.h"
-
-static int allreduce_test(void *x, int *done) { return mpidp_allreduce_test(x, done); }
-static int allreduce_wait(void *x, double timeout_s) { return mpidp_allreduce_wait(x, timeout_s); }
-static int allreduce_free(void *x) { return mpidp_allreduce_free(x); }
-const mpidp_py_engine_ops mpidp_py_allreduce_ops = {allreduce_test, allreduce_wait, allreduce_free};
-
-static int peerx_test(void *x, int *done) { return mpidp_peerx_test(x, done); }
-static int peerx_wait(void *x, double timeout_s) { return mpidp_peerx_wait(x, timeout_s); }
-static int peerx_free(void *x) { return mpidp_peerx_free(x); }
-const mpidp_py_engine_ops mpidp_py_peerx_ops = {peerx_test, peerx_wait, peerx_free};
 
 typedef struct {
     PyObject_HEAD
-    const mpidp_py_engine_ops *ops;
+    const mpidp_operation_t *ops;
     void *x;
     mpidp_py_borrowed_t *tensors; /* PyMem array of n */
     size_t n;
@@ -42,7 +30,7 @@ static void complete(work_t *w)
     mpidp_py_release_all(w->tensors, w->n);
 }
 
-PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_py_engine_ops *ops, void *x,
+PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, void *x,
                             mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm)
 {
     work_t *w = PyObject_New(work_t, st->work_type);

@@ -9,6 +9,7 @@
 
 #include "mpidp/allreduce.h"
 #include "mpidp/mpiops.h"
+#include "mpidp/operation.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
@@ -195,7 +196,34 @@ TEST(default_options_bound_the_wire_copy_and_reduce_plain_tensors_in_place)
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
+/* What mpidp._C.Work does with any engine's operation: test until done
+ * (later chunks are posted by the tests), then free; a wait on a finished
+ * one returns at once. */
+TEST(the_operation_table_drives_an_allreduce_to_completion)
+{
+    mpidp_reqtable_t *reqs = table(8);
+    float data[N];
+    for (size_t i = 0; i < N; i++) data[i] = input(rank_, i);
+    mpidp_tensor_t t = {.data = data, .numel = N, .dtype = MPIDP_F32, .device = MPIDP_DEV_CPU};
+    mpidp_allreduce_opts_t o = {.op = MPIDP_OP_SUM, .wire = MPIDP_BF16, .chunk_elems = 8,
+                                .max_in_flight = 2, .drain_timeout_s = 10.0, .what = "op"};
+    mpidp_allreduce_t *x = NULL;
+    ASSERT_OK(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x));
+    const mpidp_operation_t *ops = &mpidp_allreduce_operation;
+    int done = 0;
+    for (long tests = 0; !done; tests++) {
+        ASSERT_OK(ops->test(x, &done));
+        ASSERT_TRUE(tests < 100000000L);
+    }
+    ASSERT_OK(ops->wait(x, 10.0));
+    ASSERT_OK(ops->free(x));
+    for (size_t i = 0; i < N; i++) ASSERT_NEAR(data[i], expected_sum(i), 0.0);
+    ASSERT_EQ_INT(mpidp_reqtable_pending(reqs), 0);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
 TEST_MAIN_MPI(sum_and_avg_over_chunks_and_in_flight_limits, float64_in_place,
               keep_wire_leaves_the_summed_wire_buffer, a_full_request_table_is_a_status_not_a_wait,
               bad_options_are_refused_before_posting,
-              default_options_bound_the_wire_copy_and_reduce_plain_tensors_in_place)
+              default_options_bound_the_wire_copy_and_reduce_plain_tensors_in_place,
+              the_operation_table_drives_an_allreduce_to_completion)
