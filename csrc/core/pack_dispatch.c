@@ -233,6 +233,8 @@ const char *mpidp_pack_path(void) { return mpidp_pack_kernels()->name; }
 
 const char *mpidp_pack_fallback_reason(void) { return fallback_reason; }
 
+const char *mpidp_pack_path_name(size_t i) { return i < PATH_COUNT ? path_names[i] : NULL; }
+
 int mpidp_pack_kernels_for(const char *name, const mpidp_pack_kernels_t **out)
 {
     *out = NULL;

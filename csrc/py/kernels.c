@@ -99,12 +99,12 @@ static PyObject *mod_simd_fallback_reason(PyObject *m, PyObject *unused)
 static PyObject *mod_simd_paths(PyObject *m, PyObject *unused)
 {
     (void)m, (void)unused;
-    static const char *names[] = {"ref", "avx2", "avx512", "avx512_bf16"};
     PyObject *out = PyList_New(0);
-    for (size_t i = 0; out && i < sizeof names / sizeof names[0]; i++) {
+    const char *name;
+    for (size_t i = 0; out && (name = mpidp_pack_path_name(i)) != NULL; i++) {
         const mpidp_pack_kernels_t *k;
-        if (mpidp_pack_kernels_for(names[i], &k) != MPIDP_OK) continue;
-        PyObject *s = PyUnicode_FromString(names[i]);
+        if (mpidp_pack_kernels_for(name, &k) != MPIDP_OK) continue;
+        PyObject *s = PyUnicode_FromString(name);
         if (s == NULL || PyList_Append(out, s) < 0) Py_CLEAR(out);
         Py_XDECREF(s);
     }

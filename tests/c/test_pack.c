@@ -699,6 +699,14 @@ TEST(choose_falls_back_past_a_broken_table)
     ASSERT_STREQ(mpidp_pack_fallback_reason(), "");
 }
 
+TEST(the_known_paths_are_listed_in_order)
+{
+    static const char *const want[] = {"ref", "avx2", "avx512", "avx512_bf16"};
+    for (size_t i = 0; i < 4; i++) ASSERT_STREQ(mpidp_pack_path_name(i), want[i]);
+    ASSERT_TRUE(mpidp_pack_path_name(4) == NULL);
+    ASSERT_TRUE(mpidp_pack_path_name((size_t)-1) == NULL);
+}
+
 TEST(init_auto_and_forced)
 {
     const mpidp_pack_kernels_t *paths[4];
@@ -764,5 +772,6 @@ TEST_MAIN(bf16_rounding_special_values, fp16_rounding_special_values, widening_s
           every_path_matches_the_reference, every_path_works_in_place, kernels_stay_in_bounds, zero_length_accepts_null,
           paths_agree_under_flush_to_zero,
           selfcheck_accepts_every_available_path, selfcheck_rejects_broken_kernels,
-          choose_falls_back_past_a_broken_table, init_auto_and_forced,
+          choose_falls_back_past_a_broken_table, the_known_paths_are_listed_in_order,
+          init_auto_and_forced,
           cuda_stub_reports_not_supported)

@@ -115,6 +115,11 @@ const char *mpidp_pack_path(void);
  * buffer that the next mpidp_pack_init rewrites; copy it if you keep it. */
 const char *mpidp_pack_fallback_reason(void);
 
+/* The name of known path i (0 "ref", 1 "avx2", 2 "avx512", 3 "avx512_bf16"),
+ * whether or not this CPU runs it, or NULL for i past the last: the list to
+ * try with mpidp_pack_kernels_for. */
+const char *mpidp_pack_path_name(size_t i);
+
 /* The table of the named path ("ref", "avx2", "avx512", "avx512_bf16") without
  * making it the current one and without self-checking it, for tests and
  * benchmarks that compare paths. Fails with MPIDP_EINVAL for an unknown name and
