@@ -55,6 +55,15 @@ static int reduce(float *data, size_t n, int op, int wire, size_t chunk, size_t 
     return rc;
 }
 
+/* Fills data[0..N) with this rank's inputs and starts an allreduce of them. */
+static int start_on_inputs(float data[N], const mpidp_allreduce_opts_t *o, mpidp_reqtable_t *reqs,
+                           mpidp_allreduce_t **x)
+{
+    for (size_t i = 0; i < N; i++) data[i] = input(rank_, i);
+    mpidp_tensor_t t = {.data = data, .numel = N, .dtype = MPIDP_F32, .device = MPIDP_DEV_CPU};
+    return mpidp_allreduce_start(MPI_COMM_WORLD, &t, o, reqs, x);
+}
+
 TEST(sum_and_avg_over_chunks_and_in_flight_limits)
 {
     mpidp_reqtable_t *reqs = table(64); /* room for all 53 one-element chunks at once */
@@ -100,12 +109,10 @@ TEST(keep_wire_leaves_the_summed_wire_buffer)
 {
     mpidp_reqtable_t *reqs = table(16);
     float data[N];
-    for (size_t i = 0; i < N; i++) data[i] = input(rank_, i);
-    mpidp_tensor_t t = {.data = data, .numel = N, .dtype = MPIDP_F32, .device = MPIDP_DEV_CPU};
     mpidp_allreduce_opts_t o = {.op = MPIDP_OP_SUM, .wire = MPIDP_BF16, .chunk_elems = 8,
                                 .max_in_flight = 0, .keep_wire = 1, .what = "keep"};
     mpidp_allreduce_t *x;
-    ASSERT_OK(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x));
+    ASSERT_OK(start_on_inputs(data, &o, reqs, &x));
     ASSERT_OK(mpidp_allreduce_wait(x, 10.0));
     const uint16_t *w = mpidp_allreduce_wire(x);
     ASSERT_TRUE(w != NULL);
@@ -185,10 +192,8 @@ TEST(default_options_bound_the_wire_copy_and_reduce_plain_tensors_in_place)
     /* And they work: a compressed average of N elements. */
     mpidp_reqtable_t *reqs = table(8);
     float data[N];
-    for (size_t i = 0; i < N; i++) data[i] = input(rank_, i);
-    mpidp_tensor_t t = {.data = data, .numel = N, .dtype = MPIDP_F32, .device = MPIDP_DEV_CPU};
     mpidp_allreduce_t *x = NULL;
-    ASSERT_OK(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &c, reqs, &x));
+    ASSERT_OK(start_on_inputs(data, &c, reqs, &x));
     ASSERT_OK(mpidp_allreduce_wait(x, 60.0));
     ASSERT_OK(mpidp_allreduce_free(x));
     double tol = (size_ & (size_ - 1)) == 0 ? 0.0 : 0.02; /* as in the test above */
@@ -203,12 +208,10 @@ TEST(the_operation_table_drives_an_allreduce_to_completion)
 {
     mpidp_reqtable_t *reqs = table(8);
     float data[N];
-    for (size_t i = 0; i < N; i++) data[i] = input(rank_, i);
-    mpidp_tensor_t t = {.data = data, .numel = N, .dtype = MPIDP_F32, .device = MPIDP_DEV_CPU};
     mpidp_allreduce_opts_t o = {.op = MPIDP_OP_SUM, .wire = MPIDP_BF16, .chunk_elems = 8,
                                 .max_in_flight = 2, .drain_timeout_s = 10.0, .what = "op"};
     mpidp_allreduce_t *x = NULL;
-    ASSERT_OK(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x));
+    ASSERT_OK(start_on_inputs(data, &o, reqs, &x));
     const mpidp_operation_t *ops = &mpidp_allreduce_operation;
     int done = 0;
     for (long tests = 0; !done; tests++) {
