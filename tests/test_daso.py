@@ -66,7 +66,7 @@ def my_slice(t):
     return t[RANK * n:(RANK + 1) * n]
 
 
-def train(model, daso, net, data, epochs, on_epoch=None):
+def train(model, daso, net, data, epochs, on_epoch=None, before_step=None):
     daso.last_batch = len(data) - 1
     losses = []
     for epoch in range(epochs):
@@ -78,6 +78,8 @@ def train(model, daso, net, data, epochs, on_epoch=None):
                 daso.scaler.scale(loss).backward()
             else:
                 loss.backward()
+            if before_step:
+                before_step(model)
             daso.step()
             total += loss.item()
         daso.epoch_loss_logic(total / len(data))
@@ -203,6 +205,45 @@ def test_blocking_phase_equals_single_process_sgd(nodes_of, staging):
         assert_params_close(model, reference, atol=1e-5, what="after an epoch")
 
     train(model, daso, net, data, epochs=3, on_epoch=ref_epoch)
+
+
+def _halve_in_place(model):
+    for p in model.parameters():
+        p.grad.mul_(0.5)
+
+
+def _halve_by_replacing(model):
+    for p in model.parameters():
+        p.grad = p.grad * 0.5     # a new tensor, not the node-local bucket's view
+
+
+@pytest.mark.parametrize("edit", [_halve_in_place, _halve_by_replacing, "scaler"],
+                         ids=["grad_edited_in_place", "grad_replaced", "amp_scaler"])
+def test_habits_in_the_blocking_phase_equal_single_process_sgd(nodes_of, edit):
+    """The node-local average lands in `.grad` (on the host: the DDP bucket's
+    views, filled over MPI); what users do to it before step() -- scale it in
+    place, assign a new tensor, step through a GradScaler -- must act as on
+    one process with all the data, batch after batch."""
+    data = problem(batches=4)
+    model, opt, daso, net = make(epochs=2, warmup_epochs=2, cooldown_epochs=0,
+                                 downcast_type=torch.float32)
+    reference = mlp(100)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    if edit == "scaler":
+        daso.add_scaler(torch.amp.GradScaler(DEVICE.type, init_scale=1024.0))
+        edit, ref_edit = None, (lambda m: None)
+    else:
+        ref_edit = edit
+
+    def ref_epoch(_):
+        for X, Y in data:
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(X), Y).backward()
+            ref_edit(reference)
+            ref_opt.step()
+        assert_params_close(model, reference, atol=1e-5, what="after an epoch")
+
+    train(model, daso, net, data, epochs=2, on_epoch=ref_epoch, before_step=edit)
 
 
 @pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16, torch.float32],
