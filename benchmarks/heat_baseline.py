@@ -26,6 +26,13 @@ _UNGUARDED_TORCHVISION_OPS = (
 _keep_alive = []
 
 
+def forget_package(name: str) -> None:
+    """Drop `name` and its submodules from sys.modules, so that the next
+    import runs the package's code again."""
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+
+
 def _import_torchvision():
     """Heat imports torchvision for its dataset helpers (the benchmarks use
     none). Where only a torchvision built against another torch build can be
@@ -36,8 +43,7 @@ def _import_torchvision():
     failure was seen; returns a note for the report."""
     import torch
 
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
+    forget_package("torchvision")
     lib = torch.library.Library("torchvision", "DEF")
     for schema in _UNGUARDED_TORCHVISION_OPS:
         lib.define(schema)
@@ -57,8 +63,7 @@ def import_heat():
             if "torchvision::" not in str(exc):
                 raise
             note = _import_torchvision()   # then Heat again, from scratch
-            for name in [m for m in sys.modules if m == "heat" or m.startswith("heat.")]:
-                del sys.modules[name]
+            forget_package("heat")
             heat = importlib.import_module("heat")
     except ModuleNotFoundError as exc:
         if exc.name == "heat":

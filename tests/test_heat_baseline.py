@@ -20,12 +20,10 @@ def loader(monkeypatch, tmp_path):
     module = importlib.import_module("heat_baseline")
     monkeypatch.setattr(module, "HEAT_SITE", str(tmp_path / "site"))
     monkeypatch.setattr(sys, "path", [p for p in sys.path if not p.endswith(".venv-heat")])
-    heat_modules = lambda: [m for m in sys.modules if m == "heat" or m.startswith("heat.")]  # noqa: E731
-    for name in heat_modules():
-        monkeypatch.delitem(sys.modules, name)
+    for name in [m for m in sys.modules if m == "heat" or m.startswith("heat.")]:
+        monkeypatch.delitem(sys.modules, name)   # a real Heat comes back afterwards
     yield module
-    for name in heat_modules():   # the stand-ins these tests import
-        del sys.modules[name]
+    module.forget_package("heat")   # the stand-ins these tests import
 
 
 def test_missing_heat_is_skipped_with_the_install_command(loader):
