@@ -2,6 +2,7 @@
 #include "mpidp/reducer.h"
 
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -161,6 +162,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->drain_timeout_s = cfg->drain_timeout_s;
     r->separate = cfg->separate != 0;
     r->staged = cfg->staged != 0;
+    r->last_hook_progress = -HUGE_VAL; /* the first hook progresses */
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
     rc = init_layout(r, cfg);
     if (rc == MPIDP_OK && mpidp__reducer_pass_alloc(r) != MPIDP_OK)

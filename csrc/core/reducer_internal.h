@@ -69,6 +69,7 @@ struct mpidp_reducer {
     int backward_open;     /* a communicating backward's first gradient arrived; until finalize */
     int paused;            /* no_sync: gradients arriving are held, not marked */
     int held;              /* a paused backward held gradients no pass has reduced yet */
+    double last_hook_progress; /* mpidp_now() of the last progress a hook drove */
 };
 
 /* The bucket's collective has completed: bring compressed results home. */

@@ -123,11 +123,14 @@ int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has)
     return mpidp_reducer_mark_ready(r, i, has);
 }
 
-int mpidp_reducer_grad_hooked(mpidp_reducer_t *r, size_t i, int has, int progress)
+int mpidp_reducer_grad_hooked(mpidp_reducer_t *r, size_t i, int has, double progress_every_s)
 {
     int rc = mpidp_reducer_grad_arrived(r, i, has);
-    if (rc == MPIDP_OK && progress && !r->paused) rc = mpidp_reqtable_progress(r->reqs, NULL);
-    return rc;
+    if (rc != MPIDP_OK || progress_every_s < 0 || r->paused) return rc;
+    double now = mpidp_now();
+    if (now - r->last_hook_progress < progress_every_s) return rc;
+    r->last_hook_progress = now;
+    return mpidp_reqtable_progress(r->reqs, NULL);
 }
 
 int mpidp_reducer_set_paused(mpidp_reducer_t *r, int on)

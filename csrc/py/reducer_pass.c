@@ -32,6 +32,12 @@ int mpidp_py_reducer_pass_init(void)
     return str_grad && str_copy_ && str_detach && str_begin && str_zero_ ? 0 : -1;
 }
 
+/* The hooks' progress interval: MPIDP_HOOK_PROGRESS=0 turns it off (-1). */
+static double hook_progress_every(void)
+{
+    return mpidp_py_hook_progress ? MPIDP_HOOK_PROGRESS_EVERY_S : -1.0;
+}
+
 /* obj.name(), result dropped: 0, or -1 with the exception set. */
 static int call_method0(PyObject *obj, PyObject *name)
 {
@@ -141,7 +147,7 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     int has = take_grad(r, (size_t)i, args[1]);
     if (has < 0) return NULL;
     return none_or_null(CORE(r, "DataParallel backward",
-                             mpidp_reducer_grad_hooked(r->core, (size_t)i, has, mpidp_py_hook_progress)));
+                             mpidp_reducer_grad_hooked(r->core, (size_t)i, has, hook_progress_every())));
 }
 
 PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused)
@@ -222,7 +228,7 @@ static int hook_arrived(PyObject *self, size_t i, int *status)
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
     if (mpidp_py_forked || i >= r->n_params || mpidp_reducer_opens_backward(r->core)) return 0;
     mpidp_error_clear();
-    int rc = mpidp_reducer_grad_hooked(r->core, i, 1, mpidp_py_hook_progress);
+    int rc = mpidp_reducer_grad_hooked(r->core, i, 1, hook_progress_every());
     *status = rc;
     return rc == MPIDP_OK ? 1 : -1;
 }

@@ -305,27 +305,44 @@ TEST(a_hook_marks_and_progresses_what_is_in_flight)
 {
     fixture_t f;
     ASSERT_OK(setup_mode(&f, 0, 1)); /* non-blocking: even one rank posts its buckets */
-    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 2, 1, 0));
-    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 3, 1, 0));     /* bucket 0 full: posted */
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 2, 1, -1.0));
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 3, 1, -1.0));     /* bucket 0 full: posted */
     ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), 2);
     ASSERT_EQ_INT(mpidp_reqtable_pending(f.reqs), 1);       /* not progressed */
-    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 1, 1, 1));
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 1, 1, 0.0));
     ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), 3);
     ASSERT_EQ_INT(mpidp_reqtable_pending(f.reqs), 0);       /* one rank: done once tested */
-    ASSERT_EQ_INT(mpidp_reducer_grad_hooked(f.r, 1, 1, 1), MPIDP_ESTATE); /* second gradient */
-    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 0, 1, 1));
+    ASSERT_EQ_INT(mpidp_reducer_grad_hooked(f.r, 1, 1, 0.0), MPIDP_ESTATE); /* second gradient */
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 0, 1, 0.0));
     ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
     teardown(&f);
     /* Paused (no_sync): held, neither marked nor posted. */
     ASSERT_OK(setup(&f));
     ASSERT_OK(mpidp_reducer_set_paused(f.r, 1));
-    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 0, 1, 1));
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 0, 1, 0.0));
     ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), 0);
     ASSERT_EQ_INT(mpidp_reducer_held(f.r), 1);
     teardown(&f);
 }
 
+/* Hooks progress at most once per interval: the first does, one within the
+ * interval after it does not, and an interval of 0 always does. */
+TEST(hooks_progress_at_most_once_per_interval)
+{
+    fixture_t f;
+    ASSERT_OK(setup_mode(&f, 0, 1));
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 2, 1, 3600.0)); /* the first: progresses */
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 3, 1, 3600.0)); /* posts bucket 0, too soon */
+    ASSERT_EQ_INT(mpidp_reqtable_pending(f.reqs), 1);
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 1, 1, 0.0));
+    ASSERT_EQ_INT(mpidp_reqtable_pending(f.reqs), 0);
+    ASSERT_OK(mpidp_reducer_grad_hooked(f.r, 0, 1, -1.0));
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    teardown(&f);
+}
+
 TEST_MAIN_MPI(a_hook_marks_and_progresses_what_is_in_flight,
+              hooks_progress_at_most_once_per_interval,
               blocking_pass_fixes_missing_grads_like_one_process,
               staged_unhooked_parameters_are_zeroed_where_the_gradients_live,
               deferred_step_gives_grads_back_as_the_user_left_them,

@@ -215,12 +215,20 @@ int mpidp_reducer_opens_backward(const mpidp_reducer_t *r);
  * nothing is marked or posted: the view now holds a gradient, so the next
  * pass counts it even if no hook of that pass fires for i. */
 int mpidp_reducer_grad_arrived(mpidp_reducer_t *r, size_t i, int has);
-/* What a gradient hook does: grad_arrived, then, with `progress` and unless
- * paused, one mpidp_reqtable_progress of the reducer's table (Open MPI
- * advances non-blocking collectives only inside MPI calls, so buckets posted
- * earlier progress during backward). The glue's Python-level and C++ hooks
- * both call this. */
-int mpidp_reducer_grad_hooked(mpidp_reducer_t *r, size_t i, int has, int progress);
+/* What a gradient hook does: grad_arrived, then, unless paused, one
+ * mpidp_reqtable_progress of the reducer's table when at least
+ * `progress_every_s` seconds passed since the last one a hook drove (Open
+ * MPI advances non-blocking collectives only inside MPI calls, so buckets
+ * posted earlier progress during backward); progress_every_s < 0: never.
+ * The glue's Python-level and C++ hooks both call this, with
+ * MPIDP_HOOK_PROGRESS_EVERY_S. */
+int mpidp_reducer_grad_hooked(mpidp_reducer_t *r, size_t i, int has, double progress_every_s);
+/* How often hooks drive MPI progress: a transfer moves on the scale of
+ * microseconds, while a progress call (a lock and an MPI_Test per request
+ * in flight, ~0.1 us) on every hook cost more than the rest of the hook
+ * when many small parameters' gradients arrive a few hundred nanoseconds
+ * apart. */
+#define MPIDP_HOOK_PROGRESS_EVERY_S 10e-6
 
 /* no_sync: pause (on = 1) or resume the communication of gradients.
  * Pausing while a pass is open (some parameter marked) is MPIDP_ESTATE. */
