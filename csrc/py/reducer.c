@@ -279,6 +279,8 @@ static PyMethodDef reducer_methods[] = {
      "End of backward: mark the parameters no hook marked."},
     {"decide", (PyCFunction)(void (*)(void))mpidp_py_reducer_decide, METH_FASTCALL,
      "decide(kind, b, version=-1, accumulated=-1) -> pass over: a core decision, applied."},
+    {"end_blocking_backward", mpidp_py_reducer_end_blocking_backward, METH_NOARGS,
+     "Blocking, unstaged: mark_unhooked, finalize, wait and fix every bucket, reset."},
     METHOD(finalize, METH_O, "finalize(versions): every parameter is marked (versions: "
            "non-blocking, each bucket's version counter; else None)."),
     METHOD(wait_bucket, METH_O, "wait_bucket(b): until bucket b's allreduce completed."),

@@ -57,5 +57,6 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
 PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused);
 PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused);
 PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mpidp_py_reducer_end_blocking_backward(PyObject *self, PyObject *unused);
 
 #endif /* MPIDP_PY_REDUCER_H */

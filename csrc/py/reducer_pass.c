@@ -199,6 +199,36 @@ PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssiz
     return PyBool_FromLong(over);
 }
 
+/* end_blocking_backward(): the end of a blocking pass whose buckets are
+ * not staged, in one call: mark_unhooked, finalize, then every bucket's
+ * wait and missing-gradient decision, and reset -- the calls _reducer.py
+ * makes one by one on its other paths. It runs once per backward, whose
+ * cost counts in the per-parameter hook figure: ~35 us of Python calls
+ * there (bench_step.py, 500-tensor MLP), a few here. */
+PyObject *mpidp_py_reducer_end_blocking_backward(PyObject *self, PyObject *unused)
+{
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    PyObject *res = mpidp_py_reducer_mark_unhooked(self, unused);
+    if (res == NULL) return NULL;
+    Py_DECREF(res);
+    if (CORE(r, "DataParallel backward", mpidp_reducer_finalize(r->core, NULL)) < 0 ||
+        mpidp_py_warn_fp16_overflow() < 0)
+        return NULL;
+    for (size_t b = 0; b < r->n_buckets; b++) {
+        const size_t *members;
+        size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
+        int rc, over;
+        mpidp_error_clear();
+        MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
+        if (mpidp_py_check(r->st, rc, "DataParallel gradient allreduce") < 0 ||
+            CORE(r, "DataParallel", mpidp_reducer_decide(r->core, MPIDP_DECIDE_MISSING_GRADS, b, -1,
+                                                         -1, r->seen, r->act, &over)) < 0 ||
+            apply(r, members, n, r->act) < 0)
+            return NULL;
+    }
+    return none_or_null(CORE(r, "DataParallel", mpidp_reducer_reset(r->core)));
+}
+
 /* --- The C API of the C++ gradient hook (grad_hook_api.h) ---------------- */
 
 static Py_ssize_t hook_n_params(PyObject *obj)

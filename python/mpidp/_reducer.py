@@ -108,6 +108,9 @@ class GradientReducer(_C.Reducer):
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _finalize_backward(self) -> None:
+        if self.blocking and self._staging is None:
+            self.end_blocking_backward()  # the calls below and complete()'s, in one
+            return
         self.mark_unhooked()
         if self._staging is not None:
             # Every bucket is full now: wait for the copies still on their way
