@@ -29,6 +29,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -158,15 +159,23 @@ def hook_overhead_us(repeats):
         loss.backward()
         return time.perf_counter() - t0
 
-    # Plain and hooked backward alternate and the overhead is the median of
-    # the pairs' differences: a difference of two separate medians drifts
-    # with whatever else the machine does by more than the hooks cost.
-    for _ in range(3):
-        backward_time(plain, plain)
-        backward_time(hooked, net)
-        backward_time(hooked_py, net_py)
-    runs = [(backward_time(plain, plain), backward_time(hooked, net), backward_time(noop, noop),
-             backward_time(hooked_py, net_py)) for _ in range(repeats)]
+    # The four backwards run in rounds and each overhead is the median of its
+    # differences with the plain backward of the same round: a difference of
+    # two separate medians drifts with whatever else the machine does by
+    # more than the hooks cost. Each round runs them in a new order, so that
+    # none always follows the same other (whose data it would find in, or
+    # missing from, the caches).
+    variants = [(plain, plain), (hooked, net), (noop, noop), (hooked_py, net_py)]
+    for _ in range(20):
+        for v in variants:
+            backward_time(*v)
+    order = random.Random(0)
+    runs = []
+    for _ in range(repeats):
+        times = [0.0] * len(variants)
+        for k in order.sample(range(len(variants)), len(variants)):
+            times[k] = backward_time(*variants[k])
+        runs.append(times)
     per_param = [1e6 * statistics.median(r[k] - r[0] for r in runs) / n_params for k in (1, 2, 3)]
     return tuple(per_param)
 
@@ -211,7 +220,7 @@ def main():
                                     args.quick, device, heat)
     hook = None
     if RANK == 0 and device.type == "cpu":
-        hook = hook_overhead_us(repeats=200)
+        hook = hook_overhead_us(repeats=100 if args.quick else 300)
     COMM.Barrier()
     if RANK != 0:
         return
