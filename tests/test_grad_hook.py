@@ -52,6 +52,26 @@ def test_each_kind_is_installed_as_asked(monkeypatch, hook):
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
+def test_gradients_are_plain_aliases_of_their_bucket_sharing_its_version():
+    """Autograd accumulates into a `.grad` that is an autograd view through
+    its view tracking (~0.4 us a parameter per backward), so each `.grad` is
+    a detached alias of its bucket; it must still share the bucket's version
+    counter, by which the reducer sees in-place edits."""
+    model = build(MLP, 1)
+    net = mpidp.DataParallel(model)
+    g = seeded(RANK)
+    x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+    loss_fn(net, on_device(x), on_device(y)).backward()
+    reducer = net._reducer
+    for p, b in zip(model.parameters(), reducer.param_bucket):
+        bucket = reducer._grad_buckets[b]
+        assert not p.grad._is_view()
+        assert p.grad.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr()
+        before = bucket._version
+        p.grad.mul_(1.0)
+        assert bucket._version == before + 1
+
+
 @pytest.mark.parametrize("hook", HOOKS)
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
 def test_a_hook_the_user_adds_after_wrapping_is_part_of_the_average(monkeypatch, hook, blocking):
