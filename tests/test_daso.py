@@ -207,6 +207,49 @@ def test_blocking_phase_equals_single_process_sgd(nodes_of, staging):
     train(model, daso, net, data, epochs=3, on_epoch=ref_epoch)
 
 
+def test_node_average_over_several_ddp_buckets_equals_single_process_sgd(monkeypatch):
+    """On the host, the node's DDP comm hook averages each bucket over MPI:
+    with a model bigger than DDP's first bucket (1 MiB) backward calls it
+    for several buckets, and every batch must still equal one process on
+    all the data."""
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "2" if SIZE % 2 == 0 else "1")
+    calls = []
+    hook = mpidp.data_parallel_multi._mpi_allreduce_mean
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.is_last())
+        return hook(state, bucket)
+    monkeypatch.setattr(mpidp.data_parallel_multi, "_mpi_allreduce_mean", counting_hook)
+
+    def wide(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(10, 512), torch.nn.ReLU(),
+                                   torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                   torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                   torch.nn.Linear(512, 3)).to(DEVICE)
+    data = problem(batches=3)
+    model = wide(100 + RANK)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    daso = mpidp.DASO(opt, total_epochs=2, warmup_epochs=2, cooldown_epochs=0,
+                      downcast_type=torch.float32)
+    net = mpidp.DataParallelMultiGPU(model, daso)
+    reference = wide(100)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+
+    def ref_epoch(_):
+        for X, Y in data:
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(X), Y).backward()
+            ref_opt.step()
+        assert_params_close(model, reference, atol=1e-5, what="after an epoch")
+
+    train(model, daso, net, data, epochs=2, on_epoch=ref_epoch)
+    if SIZE % 2 == 0 and DEVICE.type == "cpu":
+        # One last bucket per backward, and backwards of several buckets
+        # (DDP re-buckets after the first iteration).
+        assert calls.count(True) == 2 * len(data) and len(calls) > calls.count(True) + 2
+
+
 def _halve_in_place(model):
     for p in model.parameters():
         p.grad.mul_(0.5)
