@@ -188,23 +188,30 @@ def test_paramsync_outer_gradient_and_restore():
 # --- training ---------------------------------------------------------------------
 
 
+def one_process_epochs(model, reference, data, edit=None):
+    """An on_epoch callback for train(): one epoch of `reference` on all the
+    data in one process (make()'s SGD with momentum; edit(reference) before
+    each step), then `model` must equal it."""
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+
+    def on_epoch(_):
+        for X, Y in data:
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(X), Y).backward()
+            if edit is not None:
+                edit(reference)
+            ref_opt.step()
+        assert_params_close(model, reference, atol=1e-5, what="after an epoch")
+    return on_epoch
+
+
 def test_blocking_phase_equals_single_process_sgd(nodes_of, staging):
     """With a blocking average every batch and fp32 on the wire, DASO is plain
     data-parallel SGD with momentum: compare with one process on all the data."""
     data = problem(batches=6)
     model, opt, daso, net = make(epochs=3, warmup_epochs=3, cooldown_epochs=0,
                                  downcast_type=torch.float32)
-    reference = mlp(100)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-
-    def ref_epoch(_):
-        for X, Y in data:
-            ref_opt.zero_grad()
-            F.cross_entropy(reference(X), Y).backward()
-            ref_opt.step()
-        assert_params_close(model, reference, atol=1e-5, what="after an epoch")
-
-    train(model, daso, net, data, epochs=3, on_epoch=ref_epoch)
+    train(model, daso, net, data, epochs=3, on_epoch=one_process_epochs(model, mlp(100), data))
 
 
 def test_node_average_over_several_ddp_buckets_equals_single_process_sgd(monkeypatch):
@@ -233,17 +240,7 @@ def test_node_average_over_several_ddp_buckets_equals_single_process_sgd(monkeyp
     daso = mpidp.DASO(opt, total_epochs=2, warmup_epochs=2, cooldown_epochs=0,
                       downcast_type=torch.float32)
     net = mpidp.DataParallelMultiGPU(model, daso)
-    reference = wide(100)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-
-    def ref_epoch(_):
-        for X, Y in data:
-            ref_opt.zero_grad()
-            F.cross_entropy(reference(X), Y).backward()
-            ref_opt.step()
-        assert_params_close(model, reference, atol=1e-5, what="after an epoch")
-
-    train(model, daso, net, data, epochs=2, on_epoch=ref_epoch)
+    train(model, daso, net, data, epochs=2, on_epoch=one_process_epochs(model, wide(100), data))
     if SIZE % 2 == 0 and DEVICE.type == "cpu":
         # One last bucket per backward, and backwards of several buckets
         # (DDP re-buckets after the first iteration).
@@ -270,23 +267,11 @@ def test_habits_in_the_blocking_phase_equal_single_process_sgd(nodes_of, edit):
     data = problem(batches=4)
     model, opt, daso, net = make(epochs=2, warmup_epochs=2, cooldown_epochs=0,
                                  downcast_type=torch.float32)
-    reference = mlp(100)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     if edit == "scaler":
         daso.add_scaler(torch.amp.GradScaler(DEVICE.type, init_scale=1024.0))
-        edit, ref_edit = None, (lambda m: None)
-    else:
-        ref_edit = edit
-
-    def ref_epoch(_):
-        for X, Y in data:
-            ref_opt.zero_grad()
-            F.cross_entropy(reference(X), Y).backward()
-            ref_edit(reference)
-            ref_opt.step()
-        assert_params_close(model, reference, atol=1e-5, what="after an epoch")
-
-    train(model, daso, net, data, epochs=2, on_epoch=ref_epoch, before_step=edit)
+        edit = None
+    train(model, daso, net, data, epochs=2, on_epoch=one_process_epochs(model, mlp(100), data, edit),
+          before_step=edit)
 
 
 @pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16, torch.float32],
