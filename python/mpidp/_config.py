@@ -85,8 +85,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_STORE_ADDR", None, _text, "a host name or address",
             "address of the TCP store init_process_group opens on the group's first rank"),
     Setting("MPIDP_HOOK_PROGRESS", True, _flag, "0 or 1",
-            "0 stops gradient hooks (DataParallel) and forward and gradient hooks (DASO) from "
-            "driving MPI progress (for measurements)"),
+            "0 stops gradient hooks (DataParallel, at most every 10 us) and forward and gradient "
+            "hooks (DASO) from driving MPI progress (for measurements)"),
     Setting("MPIDP_GRAD_HOOK", "cpp", _choice("cpp", "python"), "'cpp' or 'python'",
             "DataParallel's gradient hooks: cpp (mpidp._grad_hook, a C++ hook on each "
             "gradient accumulator, where it was built for this torch; else python) or python "
