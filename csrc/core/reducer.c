@@ -183,6 +183,8 @@ size_t mpidp_reducer_bucket_params(const mpidp_reducer_t *r, size_t b, const siz
     return r->bucket_first[b + 1] - r->bucket_first[b];
 }
 
+const size_t *mpidp_reducer_members(const mpidp_reducer_t *r) { return r ? r->members : NULL; }
+
 int mpidp_reducer_destroy(mpidp_reducer_t *r)
 {
     if (r == NULL) return MPIDP_OK;

@@ -205,6 +205,16 @@ int mpidp_reducer_missing_grads(mpidp_reducer_t *r, size_t b, uint8_t *act)
     return MPIDP_OK;
 }
 
+int mpidp_reducer_end_blocking(mpidp_reducer_t *r, double timeout_s, uint8_t *act)
+{
+    int rc = mpidp_reducer_finalize(r, NULL);
+    for (size_t b = 0; rc == MPIDP_OK && b < r->n_buckets; b++) {
+        rc = mpidp_reducer_wait_bucket(r, b, timeout_s);
+        if (rc == MPIDP_OK) rc = mpidp_reducer_missing_grads(r, b, act + r->bucket_first[b]);
+    }
+    return rc == MPIDP_OK ? mpidp_reducer_reset(r) : rc;
+}
+
 static int step_begun(const mpidp_reducer_t *r)
 {
     for (size_t b = 0; b < r->n_buckets; b++)

@@ -199,34 +199,24 @@ PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssiz
     return PyBool_FromLong(over);
 }
 
-/* end_blocking_backward(): the end of a blocking pass whose buckets are
- * not staged, in one call: mark_unhooked, finalize, then every bucket's
- * wait and missing-gradient decision, and reset -- the calls _reducer.py
- * makes one by one on its other paths. It runs once per backward, and its
- * cost counts in the per-parameter hook figure (bench_step.py, 500-tensor
- * MLP): ~32 us as those calls, ~14 us as this one. */
+/* end_blocking_backward(): a blocking pass whose buckets are not staged
+ * ends here in one call: mark_unhooked, then the core's end_blocking (waits
+ * with the GIL released), then its actions. Once per backward, but its cost
+ * counts in the per-parameter hook figure (bench_step.py, 500-tensor MLP):
+ * ~32 us as _reducer.py's call-by-call order, ~14 us as one call. */
 PyObject *mpidp_py_reducer_end_blocking_backward(PyObject *self, PyObject *unused)
 {
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
     PyObject *res = mpidp_py_reducer_mark_unhooked(self, unused);
     if (res == NULL) return NULL;
     Py_DECREF(res);
-    if (CORE(r, "DataParallel backward", mpidp_reducer_finalize(r->core, NULL)) < 0 ||
+    int rc;
+    mpidp_error_clear();
+    MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_end_blocking(r->core, mpidp_py_timeout_s, r->act));
+    if (mpidp_py_check(r->st, rc, "DataParallel gradient allreduce") < 0 ||
         mpidp_py_warn_fp16_overflow() < 0)
         return NULL;
-    for (size_t b = 0; b < r->n_buckets; b++) {
-        const size_t *members;
-        size_t n = mpidp_reducer_bucket_params(r->core, b, &members);
-        int rc, over;
-        mpidp_error_clear();
-        MPIDP_PY_WAIT(r->st, rc, mpidp_reducer_wait_bucket(r->core, b, mpidp_py_timeout_s));
-        if (mpidp_py_check(r->st, rc, "DataParallel gradient allreduce") < 0 ||
-            CORE(r, "DataParallel", mpidp_reducer_decide(r->core, MPIDP_DECIDE_MISSING_GRADS, b, -1,
-                                                         -1, r->seen, r->act, &over)) < 0 ||
-            apply(r, members, n, r->act) < 0)
-            return NULL;
-    }
-    return none_or_null(CORE(r, "DataParallel", mpidp_reducer_reset(r->core)));
+    return none_or_null(apply(r, mpidp_reducer_members(r->core), r->n_params, r->act));
 }
 
 /* --- The C API of the C++ gradient hook (grad_hook_api.h) ---------------- */

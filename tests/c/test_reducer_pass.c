@@ -299,6 +299,41 @@ TEST(decide_names_each_decision)
     teardown(&f);
 }
 
+/* end_blocking: the pass after mark_unhooked in one call gives the actions
+ * of finalize + wait + missing_grads per bucket, in members order, and
+ * resets; it refuses a pass with unmarked parameters and non-blocking mode. */
+TEST(end_blocking_is_the_blocking_pass_in_one_call)
+{
+    fixture_t f;
+    ASSERT_OK(setup(&f));
+    uint8_t seen[NP] = {NONE, VIEW, NONE, OTHER}, act[NP];
+    ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 1, 1));
+    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 3, 1));
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 0, VIEW));
+    ASSERT_EQ_INT(mpidp_reducer_end_blocking(f.r, 1.0, act), MPIDP_ESTATE); /* 2 unmarked */
+    ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 2, NONE));
+    memset(act, 0xff, sizeof act);
+    ASSERT_OK(mpidp_reducer_end_blocking(f.r, 1.0, act));
+    const size_t *members = mpidp_reducer_members(f.r);
+    size_t expect_members[NP] = {2, 3, 0, 1}; /* bucket 0, then bucket 1 */
+    for (int k = 0; k < NP; k++) ASSERT_EQ_INT(members[k], expect_members[k]);
+    /* One rank: 2 and 0 had no gradient anywhere -> None; 3 and 1 keep theirs. */
+    ASSERT_EQ_INT(act[0], MPIDP_GRAD_SET_NONE);
+    ASSERT_EQ_INT(act[1], MPIDP_GRAD_KEEP);
+    ASSERT_EQ_INT(act[2], MPIDP_GRAD_SET_NONE);
+    ASSERT_EQ_INT(act[3], MPIDP_GRAD_KEEP);
+    ASSERT_EQ_INT(mpidp_reducer_finalized(f.r), 0); /* reset: a new pass may start */
+    ASSERT_EQ_INT(mpidp_reducer_n_ready(f.r), 0);
+    teardown(&f);
+    /* Non-blocking mode needs the version counters: refused. */
+    ASSERT_OK(setup_mode(&f, 0, 1));
+    for (size_t i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_grad_arrived(f.r, i, 1));
+    ASSERT_EQ_INT(mpidp_reducer_end_blocking(f.r, 1.0, act), MPIDP_EINVAL);
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
+    teardown(&f);
+}
+
 /* A hook's call marks like grad_arrived and, asked to, progresses the
  * table, but not while paused (no_sync posts nothing to progress). */
 TEST(a_hook_marks_and_progresses_what_is_in_flight)
@@ -342,6 +377,7 @@ TEST(hooks_progress_at_most_once_per_interval)
 }
 
 TEST_MAIN_MPI(a_hook_marks_and_progresses_what_is_in_flight,
+              end_blocking_is_the_blocking_pass_in_one_call,
               hooks_progress_at_most_once_per_interval,
               blocking_pass_fixes_missing_grads_like_one_process,
               staged_unhooked_parameters_are_zeroed_where_the_gradients_live,

@@ -163,6 +163,9 @@ int mpidp_reducer_reset(mpidp_reducer_t *r);
 /* The parameters of bucket b, in index order: returns how many and points
  * *params at them (owned by the reducer); 0 for an unknown bucket. */
 size_t mpidp_reducer_bucket_params(const mpidp_reducer_t *r, size_t b, const size_t **params);
+/* Every parameter, bucket by bucket (bucket 0's, then bucket 1's, ...): the
+ * order of mpidp_reducer_end_blocking's actions. Owned by the reducer. */
+const size_t *mpidp_reducer_members(const mpidp_reducer_t *r);
 
 /* --- the pass: what each parameter's `.grad` must become ------------------
  * The caller (the glue) reads and writes `.grad`; the reducer decides. Each
@@ -176,7 +179,8 @@ size_t mpidp_reducer_bucket_params(const mpidp_reducer_t *r, size_t b, const siz
  * step. mpidp_reducer_reset forgets it.
  *
  * Blocking mode:     prepare -> grad_arrived / mark_unhooked -> finalize ->
- *                    wait_bucket + missing_grads (each bucket) -> reset
+ *                    wait_bucket + missing_grads (each bucket) -> reset;
+ *                    end_blocking does the part after mark_unhooked in one call
  * Non-blocking mode: ... finalize -> either (a step is due)
  *                    deliver_for_step + after_step (each bucket; the last one
  *                    resets), or (no step due) accumulate (each bucket) -> reset */
@@ -255,6 +259,15 @@ int mpidp_reducer_finalized(const mpidp_reducer_t *r);
  * what a single process would see: the mean if some rank had a gradient
  * (SET_VIEW), else None (SET_NONE); others KEEP. Each is fixed once. */
 int mpidp_reducer_missing_grads(mpidp_reducer_t *r, size_t b, uint8_t *act);
+
+/* Blocking mode, every parameter marked: the rest of the pass in one call --
+ * finalize, then each bucket's wait (deadline timeout_s each) and
+ * missing_grads, then reset. act gets every parameter's action in
+ * mpidp_reducer_members order (n_params entries), to apply after the call:
+ * these decisions read no `.grad`, so the caller needs nothing in between
+ * and can wait without its interpreter's lock. On failure the pass stays
+ * as the failing step left it. */
+int mpidp_reducer_end_blocking(mpidp_reducer_t *r, double timeout_s, uint8_t *act);
 
 /* Separate mode, no step due (a second backward, or a forward without a
  * step), bucket b DONE: adds the mean into the bucket where the user kept the
