@@ -101,6 +101,23 @@ def test_ranks_with_different_hooks_train_as_one_process(monkeypatch, blocking):
                            (10, 4), seed=9, what="ranks with different gradient hooks")
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_ranks_whose_hooks_progress_mpi_or_not_train_as_one_process(blocking):
+    """MPIDP_HOOK_PROGRESS differing across ranks: progress from the hooks
+    (at most every 10 us) only moves transfers along, so every rank must
+    still end on one process's values."""
+    before = mpidp._C.process_state()["hook_progress"]
+    mpidp._C.configure(hook_progress=RANK % 2 == 0)
+    try:
+        model, reference = build(MLP, 310 + RANK), build(MLP, 310)
+        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+        train_like_one_process(net, opt, model, reference, sgd(reference.parameters()), loss_fn,
+                               (10, 4), seed=11, what="ranks with and without hook progress")
+    finally:
+        mpidp._C.configure(hook_progress=before)
+
+
 @pytest.mark.parametrize("hook", HOOKS)
 def test_a_foreign_grad_is_adopted(monkeypatch, hook):
     """`.grad` replaced by the user's own tensor between forward and backward:
