@@ -12,7 +12,6 @@
 typedef struct {
     PyObject_HEAD
     mpidp_py_state *st;
-    PyObject *module;
     mpidp_py_f32s_t params;      /* borrowed: the thread writes them */
     mpidp_bgavg_t *core;
     int stopped;
@@ -33,7 +32,6 @@ static PyObject *bgavg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     bgavg_t *s = (bgavg_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
     s->st = st;
-    s->module = Py_NewRef(PyType_GetModule(type));
     s->stopped = 1;
     int ok = mpidp_py_f32s_borrow(st, params, "params", &s->params) == 0;
     if (ok) {
@@ -111,7 +109,6 @@ static void bgavg_dealloc(bgavg_t *s)
         mpidp_bgavg_free(s->core);
         mpidp_py_f32s_release(&s->params);
     }
-    Py_CLEAR(s->module);
     tp->tp_free((PyObject *)s);
     Py_DECREF(tp);
 }

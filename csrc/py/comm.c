@@ -72,8 +72,6 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(self);
         return mpidp_py_raise(st, MPIDP_EMPI, "Comm");
     }
-    self->module = PyType_GetModule(type);
-    Py_XINCREF(self->module);
     return (PyObject *)self;
 }
 
@@ -84,7 +82,6 @@ static void comm_dealloc(mpidp_py_comm_t *self)
     MPI_Finalized(&finalized);
     /* After MPI_Finalize (mpi4py finalizes at exit) no handle may be freed. */
     if (self->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&self->comm);
-    Py_CLEAR(self->module);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }

@@ -200,26 +200,18 @@ static int module_exec(PyObject *m)
 static int module_traverse(PyObject *m, visitproc visit, void *arg)
 {
     mpidp_py_state *st = mpidp_py_state_of_module(m);
-    Py_VISIT(st->comm_type);
-    Py_VISIT(st->work_type);
-    Py_VISIT(st->reducer_type);
-    Py_VISIT(st->schedule_actions_type);
-    Py_VISIT(st->avgsched_actions_type);
-    Py_VISIT(st->comm_error);
-    Py_VISIT(st->comm_timeout);
+#define VISIT(type, name) Py_VISIT(st->name);
+    MPIDP_PY_STATE_OBJECTS(VISIT)
+#undef VISIT
     return 0;
 }
 
 static int module_clear(PyObject *m)
 {
     mpidp_py_state *st = mpidp_py_state_of_module(m);
-    Py_CLEAR(st->comm_type);
-    Py_CLEAR(st->work_type);
-    Py_CLEAR(st->reducer_type);
-    Py_CLEAR(st->schedule_actions_type);
-    Py_CLEAR(st->avgsched_actions_type);
-    Py_CLEAR(st->comm_error);
-    Py_CLEAR(st->comm_timeout);
+#define CLEAR(type, name) Py_CLEAR(st->name);
+    MPIDP_PY_STATE_OBJECTS(CLEAR)
+#undef CLEAR
     return 0;
 }
 

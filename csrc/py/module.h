@@ -12,14 +12,21 @@
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
 
+/* The module state's Python objects, listed once for the GC's traverse and clear:
+ * the types the glue creates objects of, the struct sequences of Schedule.batch
+ * and avgsched_actions, mpidp.CommError(RuntimeError), mpidp.CommTimeout(CommError). */
+#define MPIDP_PY_STATE_OBJECTS(X)                                               \
+    X(PyTypeObject, comm_type) X(PyTypeObject, work_type) X(PyTypeObject, reducer_type) \
+    X(PyTypeObject, schedule_actions_type) X(PyTypeObject, avgsched_actions_type) \
+    X(PyObject, comm_error) X(PyObject, comm_timeout)
+
+/* An object of one of these types keeps the module, and so this state and
+ * its request table, alive through its type: every instance holds its heap
+ * type, and the type its module (PyType_FromModuleAndSpec). */
 typedef struct {
-    PyTypeObject *comm_type;
-    PyTypeObject *work_type;
-    PyTypeObject *reducer_type;
-    PyTypeObject *schedule_actions_type; /* struct sequence: Schedule.batch's result */
-    PyTypeObject *avgsched_actions_type; /* struct sequence: avgsched_actions' result */
-    PyObject *comm_error;      /* mpidp.CommError(RuntimeError) */
-    PyObject *comm_timeout;    /* mpidp.CommTimeout(CommError) */
+#define MPIDP_PY_STATE_FIELD(type, name) type *name;
+    MPIDP_PY_STATE_OBJECTS(MPIDP_PY_STATE_FIELD)
+#undef MPIDP_PY_STATE_FIELD
     mpidp_reqtable_t *reqs;    /* every request mpidp has in flight */
     int thread_level;          /* MPI_Query_thread at import */
 } mpidp_py_state;
@@ -118,7 +125,6 @@ typedef struct {
     MPI_Comm comm;
     int rank;
     int size;
-    PyObject *module;   /* keeps the module state (request table) alive */
 } mpidp_py_comm_t;
 
 /* The Comm behind `obj`, or NULL with a TypeError naming `argname`. */

@@ -14,7 +14,6 @@
 typedef struct {
     PyObject_HEAD
     mpidp_py_state *st;
-    PyObject *module;
     PyObject *comm;
     mpidp_py_f32s_t params;      /* borrowed for the engine's lifetime */
     mpidp_paramsync_t *core;
@@ -57,7 +56,6 @@ static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     paramsync_t *s = (paramsync_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
     s->st = st;
-    s->module = Py_NewRef(PyType_GetModule(type));
     s->comm = Py_NewRef(comm);
     int ok = mpidp_py_f32s_borrow(st, params, "params", &s->params) == 0;
     if (ok) {
@@ -188,7 +186,6 @@ static void paramsync_dealloc(paramsync_t *s)
     if (!leak) mpidp_paramsync_free(s->core);
     mpidp_py_f32s_release(&s->params);
     Py_CLEAR(s->comm);
-    Py_CLEAR(s->module);
     tp->tp_free((PyObject *)s);
     Py_DECREF(tp);
 }

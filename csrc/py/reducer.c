@@ -181,7 +181,6 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r = (reducer_t *)type->tp_alloc(type, 0);
     if (r == NULL) goto done;
     r->st = st;
-    r->module = Py_NewRef(mpidp_py_module_of_type(type));
     r->comm = Py_NewRef(comm);
     r->hier_comms = Py_NewRef(hier);
     r->params = Py_NewRef(params);
@@ -222,7 +221,6 @@ done:
 static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(r));
-    Py_VISIT(r->module);
     Py_VISIT(r->comm);
     Py_VISIT(r->hier_comms);
     Py_VISIT(r->params);
@@ -264,7 +262,6 @@ static void reducer_dealloc(reducer_t *r)
     Py_CLEAR(r->bucket_tensors);
     Py_CLEAR(r->comm);
     Py_CLEAR(r->hier_comms);
-    Py_CLEAR(r->module);
     tp->tp_free((PyObject *)r);
     Py_DECREF(tp);
 }

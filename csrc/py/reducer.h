@@ -17,7 +17,6 @@ typedef struct {
     PyObject_HEAD
     mpidp_reducer_t *core;     /* owns the buckets' state and the pass's decisions */
     mpidp_py_state *st;
-    PyObject *module;
     PyObject *comm;
     PyObject *hier_comms;      /* None, or the hierarchical mode's 3 Comms (kept alive) */
     PyObject *params;          /* tuple of parameters */

@@ -6,6 +6,7 @@
 #include "module.h"
 
 #include <stddef.h>
+#include <structmember.h>
 
 #include "mpidp/schedule.h"
 #include "mpidp/status.h"
@@ -176,23 +177,26 @@ static PyObject *schedule_reconfigure(schedule_t *self, PyObject *args, PyObject
 }
 
 static PyObject *get_phase(schedule_t *self, void *c) { (void)c; return PyUnicode_FromString(mpidp_schedule_phase_name(self->s.phase)); }
-static PyObject *get_gs(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.global_skip); }
-static PyObject *get_ls(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.local_skip); }
-static PyObject *get_btw(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.batches_to_wait); }
-static PyObject *get_epoch(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.epoch); }
 static PyObject *get_pending(schedule_t *self, void *c) { (void)c; return PyBool_FromLong(self->s.pending != 0); }
-static PyObject *get_next_batch(schedule_t *self, void *c) { (void)c; return PyLong_FromLongLong(self->s.next_batch); }
 
 static PyGetSetDef schedule_getset[] = {
     {"phase", (getter)get_phase, NULL, "warmup, cycling or cooldown", NULL},
-    {"global_skip", (getter)get_gs, NULL, "batches between global syncs (0: every batch, blocking)", NULL},
-    {"local_skip", (getter)get_ls, NULL, "batches between node-local syncs", NULL},
-    {"batches_to_wait", (getter)get_btw, NULL, "batches between sending and receiving a sync", NULL},
-    {"epoch", (getter)get_epoch, NULL, "completed epochs", NULL},
     {"pending", (getter)get_pending, NULL, "a global sync is in flight", NULL},
-    {"next_batch", (getter)get_next_batch, NULL, "the batch index expected next", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
+
+/* The state's int64_t counters, read-only. */
+#define COUNTER(name, doc) {#name, T_LONGLONG, offsetof(schedule_t, s.name), READONLY, doc}
+_Static_assert(sizeof(int64_t) == sizeof(long long), "T_LONGLONG reads the int64_t counters");
+static PyMemberDef schedule_members[] = {
+    COUNTER(global_skip, "batches between global syncs (0: every batch, blocking)"),
+    COUNTER(local_skip, "batches between node-local syncs"),
+    COUNTER(batches_to_wait, "batches between sending and receiving a sync"),
+    COUNTER(epoch, "completed epochs"),
+    COUNTER(next_batch, "the batch index expected next"),
+    {NULL, 0, 0, 0, NULL},
+};
+#undef COUNTER
 
 static PyMethodDef schedule_methods[] = {
     {"batch", (PyCFunction)schedule_batch, METH_VARARGS, "The actions of one optimizer step."},
@@ -209,6 +213,7 @@ static PyType_Slot schedule_slots[] = {
     {Py_tp_new, schedule_new},
     {Py_tp_methods, schedule_methods},
     {Py_tp_getset, schedule_getset},
+    {Py_tp_members, schedule_members},
     {Py_tp_doc, "DASO's schedule: a pure state machine (internal)."},
     {0, NULL},
 };

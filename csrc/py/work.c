@@ -19,7 +19,6 @@ typedef struct {
     mpidp_py_borrowed_t *tensors; /* PyMem array of n */
     size_t n;
     PyObject *comm;     /* the Comm must outlive the operation */
-    PyObject *module;
     int done;
 } work_t;
 
@@ -51,7 +50,6 @@ PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, vo
     w->tensors = tensors;
     w->n = n;
     w->comm = Py_XNewRef(comm);
-    w->module = Py_NewRef(PyType_GetModule(st->work_type));
     w->done = 0;
     return (PyObject *)w;
 }
@@ -67,7 +65,7 @@ static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
         if (PyErr_Occurred()) return NULL;
     }
     if (self->done) Py_RETURN_NONE;
-    mpidp_py_state *st = mpidp_py_state_of_module(self->module);
+    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
     mpidp_error_clear();
     int rc;
     MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
@@ -81,7 +79,7 @@ static PyObject *work_is_completed(work_t *self, PyObject *unused)
 {
     (void)unused;
     if (!self->done) {
-        mpidp_py_state *st = mpidp_py_state_of_module(self->module);
+        mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
         int done = 0;
         mpidp_error_clear();
         int rc = self->ops->test(self->x, &done);
@@ -111,7 +109,6 @@ static void work_dealloc(work_t *self)
     mpidp_py_release_all(self->tensors, self->n);
     PyMem_Free(self->tensors);
     Py_CLEAR(self->comm);
-    Py_CLEAR(self->module);
     PyObject_Free(self);
     Py_DECREF(tp);
 }
