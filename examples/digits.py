@@ -61,6 +61,22 @@ def accuracy(model, dataset) -> float:
     return 100.0 * correct / len(y)
 
 
+def train_epoch(net, optimizer, loader, comm, bar=None) -> float:
+    """One pass over `loader`, a step of `optimizer` per batch (advancing
+    `bar`, if given); returns the epoch's mean training loss over every rank."""
+    total = torch.zeros(2, dtype=torch.float64)  # (sum of the images' losses, images)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+        if bar is not None:
+            bar.update()
+    mpidp.allreduce(total, comm=comm)
+    return (total[0] / total[1]).item()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=("daso", "dp", "dp-nonblocking"), default="daso")
@@ -109,16 +125,7 @@ def main():
                leave=False)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        total = torch.zeros(2, dtype=torch.float64)
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            optimizer.step()
-            total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
-            bar.update()
-        mpidp.allreduce(total, comm=comm)  # the epoch's mean training loss over every rank
-        mean_loss = (total[0] / total[1]).item()
+        mean_loss = train_epoch(net, optimizer, loader, comm, bar)
         if daso is not None:
             phase = f"{daso.phase:<8} gs {daso.global_skip} btw {daso.batches_to_wait}"
             daso.epoch_loss_logic(mean_loss, loss_globally_averaged=True)

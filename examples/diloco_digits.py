@@ -22,13 +22,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpidp  # noqa: E402
-from digits import DigitsCNN, accuracy, load_data  # noqa: E402
+from digits import DigitsCNN, accuracy, load_data, train_epoch  # noqa: E402
 from mpidp import MPI  # noqa: E402
 
 WIRE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -113,17 +112,12 @@ def main():
         for epoch in range(first, args.epochs):
             start = time.perf_counter()
             sampler.set_epoch(epoch)
-            total = torch.zeros(2, dtype=torch.float64)
-            for x, y in loader:
-                inner.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                inner.step()
-                total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
-            mpidp.allreduce(total, comm=comm)
+            # digits.py's plain loop on the inner optimizer: DiLoCo syncs from
+            # its step hook, so the loop needs no change.
+            train_loss = train_epoch(model, inner, loader, comm)
             acc = accuracy(model, test_set)
             if rank == 0:
-                print(f"epoch {epoch}/{args.epochs}: train_loss {(total[0] / total[1]).item():.4f} "
+                print(f"epoch {epoch}/{args.epochs}: train_loss {train_loss:.4f} "
                       f"test_acc {acc:.2f}% steps {diloco.step} time "
                       f"{time.perf_counter() - start:.1f}s", flush=True)
             if args.checkpoint_dir:

@@ -12,7 +12,10 @@ import copy
 import os
 
 import torch
+import torch.nn.functional as F
 from mpi4py import MPI
+
+import mpidp
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -30,12 +33,13 @@ if DEVICE.type == "cuda":
 
 
 class SmallNet(torch.nn.Module):
-    """5 inputs, 2 outputs, two layers: the model of the averaging tests."""
+    """Two layers with tanh between them: the model of the averaging tests
+    (5 inputs, 7 hidden, 2 outputs unless a test asks for other sizes)."""
 
-    def __init__(self):
+    def __init__(self, inputs=5, hidden=7, outputs=2):
         super().__init__()
-        self.l1 = torch.nn.Linear(5, 7)
-        self.l2 = torch.nn.Linear(7, 2)
+        self.l1 = torch.nn.Linear(inputs, hidden)
+        self.l2 = torch.nn.Linear(hidden, outputs)
 
     def forward(self, x):
         return self.l2(torch.tanh(self.l1(x)))
@@ -96,28 +100,62 @@ def reference_step(model, X, Y, loss_fn, size=SIZE):
     return loss
 
 
+def cross_entropy(model, x, y, _rank=None):
+    """The classification loss of the reference comparisons, as the
+    loss_fn(model, x, y[, rank]) that reference_step and
+    step_like_one_process take."""
+    return F.cross_entropy(model(x), y)
+
+
+def classification_batch(g: torch.Generator, n: int, shape=(10, 4)):
+    """n inputs and their class labels drawn from `g`, on DEVICE; shape =
+    (inputs, classes)."""
+    n_in, n_classes = shape
+    return on_device(torch.randn(n, n_in, generator=g),
+                     torch.randint(0, n_classes, (n,), generator=g))
+
+
+def data_parallel_and_reference(make_model, make_opt, seed, blocking, **options):
+    """make_model() wrapped in DataParallel (blocking_parameter_updates =
+    `blocking`, `options` passed on) with a DataParallelOptimizer of
+    make_opt(parameters), and its single-process reference with its own
+    make_opt: (model, net, opt, reference, ref_opt). Every rank initialises
+    its model from seed + RANK, so the wrapper must adopt rank 0's: the
+    reference's, from `seed`."""
+    model, reference = build(make_model, seed + RANK), build(make_model, seed)
+    opt = mpidp.DataParallelOptimizer(make_opt(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking, **options)
+    return model, net, opt, reference, make_opt(reference.parameters())
+
+
+def step_like_one_process(net, opt, reference, ref_opt, X, Y, loss_fn=cross_entropy,
+                          edit_reference_grads=None):
+    """One data-parallel step of `net` and `opt` on this rank's slice of
+    (X, Y), and the same step of `reference` with `ref_opt` on the whole
+    batch; edit_reference_grads(reference) runs between the reference's
+    backward and its step (what a user hook does to the wrapped model's
+    gradients)."""
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    loss_fn(net, rank_slice(X), rank_slice(Y)).backward()
+    reference_step(reference, X, Y, loss_fn)
+    if edit_reference_grads is not None:
+        edit_reference_grads(reference)
+    opt.step()
+    ref_opt.step()
+
+
 def train_like_one_process(net, opt, model, reference, ref_opt, loss_fn, shape, seed,
                            steps=3, edit_reference_grads=None, what="after training"):
     """`steps` data-parallel steps of `net` (the wrapper of `model`) and `opt`
     on each rank's slice of a batch, and the same steps of `reference` with
     `ref_opt` on the whole batch; then model equals the reference on every
-    rank. shape = (inputs, classes); edit_reference_grads(reference) runs
-    between the reference's backward and its step (what a user hook does to
-    the wrapped model's gradients)."""
-    n_in, n_classes = shape
+    rank. shape = (inputs, classes); edit_reference_grads as in
+    step_like_one_process."""
     g = seeded(seed)
-    n = 4 * SIZE
     for _ in range(steps):
-        X, Y = on_device(torch.randn(n, n_in, generator=g),
-                         torch.randint(0, n_classes, (n,), generator=g))
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss_fn(net, rank_slice(X), rank_slice(Y)).backward()
-        reference_step(reference, X, Y, loss_fn)
-        if edit_reference_grads is not None:
-            edit_reference_grads(reference)
-        opt.step()
-        ref_opt.step()
+        X, Y = classification_batch(g, 4 * SIZE, shape)
+        step_like_one_process(net, opt, reference, ref_opt, X, Y, loss_fn, edit_reference_grads)
     net.synchronize()
     assert_params_close(model, reference, what=what)
     assert_same_on_all_ranks(model)
@@ -132,8 +170,49 @@ def per_node_options():
     return [1, 2] if SIZE % 2 == 0 and SIZE > 1 else [1]
 
 
-def _flat(model):
+def flat_params(model):
+    """The model's parameters as one detached vector."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def regression_batches(seed, steps, shape=(5, 2), per_rank=4):
+    """`steps` batches of per_rank * SIZE inputs and targets drawn from
+    `seed` (shape = (inputs, outputs)): the averaging tests' data, of which
+    each rank trains on its own slice."""
+    gen = seeded(seed)
+    n, (n_in, n_out) = per_rank * SIZE, shape
+    return [(torch.randn(n, n_in, generator=gen), torch.randn(n, n_out, generator=gen))
+            for _ in range(steps)]
+
+
+def node_replicas(init, nodes, lr):
+    """The start of a SlowMo-style simulation: every node's replica of `init`
+    with its own SGD (momentum 0.9), and per node the slow momentum's state,
+    theta (init's weights) and u (zero): (replicas, opts, theta, u)."""
+    replicas = [copy.deepcopy(init) for _ in range(nodes)]
+    opts = [torch.optim.SGD(r.parameters(), lr=lr, momentum=0.9) for r in replicas]
+    theta = [flat_params(init).clone() for _ in range(nodes)]
+    u = [torch.zeros_like(theta[0]) for _ in range(nodes)]
+    return replicas, opts, theta, u
+
+
+def node_loss(model, x, y, ranks):
+    """The mean over the node's ranks of each rank's slice loss (what the
+    node's averaged gradients are the gradient of)."""
+    return sum(torch.nn.functional.mse_loss(model(rank_slice(x, r)), rank_slice(y, r))
+               for r in ranks) / len(ranks)
+
+
+def local_steps(replicas, opts, x, y, per_node, clip_norm=None):
+    """One local SGD step of every node's replica on its ranks' slices of
+    (x, y); with clip_norm the node's gradients are clipped to that norm
+    before the step."""
+    for n, (model, opt) in enumerate(zip(replicas, opts)):
+        opt.zero_grad()
+        node_loss(model, x, y, range(n * per_node, (n + 1) * per_node)).backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        opt.step()
 
 
 def slow_momentum_step(replicas, theta, u, beta, alpha, lr, memory_efficient):
@@ -141,9 +220,9 @@ def slow_momentum_step(replicas, theta, u, beta, alpha, lr, memory_efficient):
     u = beta u + (theta - x_bar)/lr, theta -= alpha lr u, every replica = its
     theta; x_bar is the world mean (memory-efficient: one shared average)
     or the replica's own weights."""
-    world_mean = torch.stack([_flat(r) for r in replicas]).mean(0)
+    world_mean = torch.stack([flat_params(r) for r in replicas]).mean(0)
     for n, r in enumerate(replicas):
-        x_bar = world_mean if memory_efficient else _flat(r)
+        x_bar = world_mean if memory_efficient else flat_params(r)
         u[n] = beta * u[n] + (theta[n] - x_bar) / lr
         theta[n] = theta[n] - alpha * lr * u[n]
         torch.nn.utils.vector_to_parameters(theta[n].clone(), r.parameters())

@@ -43,8 +43,9 @@ from mpi4py import MPI
 
 import mpidp
 from mpi_jobs import clean_env
-from dp_reference import (RANK, SIZE, assert_same_on_all_ranks, build, on_device, rank_slice,
-                          seeded)
+from dp_reference import (RANK, SIZE, assert_same_on_all_ranks, data_parallel_and_reference,
+                          on_device, rank_slice, seeded)
+from test_data_parallel import MLP
 
 pytestmark = pytest.mark.ranks3
 
@@ -343,16 +344,6 @@ def test_wire_dtype_of_a_half_tensor_is_its_own():
 # --- DataParallel with a compressed wire -----------------------------------------------------
 
 
-class SmallMLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2, self.l3 = (torch.nn.Linear(10, 32), torch.nn.Linear(32, 32),
-                                     torch.nn.Linear(32, 4))
-
-    def forward(self, x):
-        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
-
-
 # Unit roundoff of the wire formats (relative error of one rounding), and half
 # their smallest subnormal (absolute error of one rounding near zero).
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -378,12 +369,8 @@ def test_data_parallel_with_wire_dtype_tracks_fp32_reference(wire):
     were wrong by more than the wire rounding (no averaging, a truncating
     rounding, a lost bucket) would be outside these bounds."""
     lr, mu, steps, per_rank = 0.05, 0.9, 4, 6
-    model = build(SmallMLP, seed=200 + RANK)   # DataParallel adopts rank 0's
-    reference = build(SmallMLP, seed=200)
-    dp_opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=mu))
-    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=True,
-                             wire_dtype=wire)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=mu)
+    model, net, dp_opt, reference, ref_opt = data_parallel_and_reference(
+        MLP, lambda params: torch.optim.SGD(params, lr=lr, momentum=mu), 200, True, wire_dtype=wire)
     params = list(reference.parameters())
     u, floor = UNIT_ROUNDOFF[wire], ABS_FLOOR[wire]
     m_bound = [torch.zeros_like(p) for p in params]

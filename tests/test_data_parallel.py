@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import mpidp
 from dp_reference import (DEVICE, RANK, SIZE, assert_params_close, assert_same_on_all_ranks,
-                          build, on_device, rank_slice, reference_step, seeded)
+                          build, cross_entropy, data_parallel_and_reference, on_device, rank_slice,
+                          reference_step, seeded)
 
 # --- models ------------------------------------------------------------------
 
@@ -159,10 +160,7 @@ def train_with_habits(habit, blocking=True, steps=4, per_rank=6):
     needs the averaged gradients in .grad first: optimizer.synchronize() for
     clipping (Horovod's pattern), and GradScaler through the
     DataParallelOptimizer, which synchronizes by itself."""
-    model, reference = build(MLP, 100 + RANK), build(MLP, 100)
-    dp_opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
-    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=blocking)
-    ref_opt = sgd(reference.parameters())
+    model, net, dp_opt, reference, ref_opt = data_parallel_and_reference(MLP, sgd, 100, blocking)
     scalers = [torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 10) for _ in range(2)] \
         if habit.startswith("amp") else None
     # Blocking mode may hand the torch optimizer to the scaler; non-blocking
@@ -285,7 +283,7 @@ def test_without_optimizer_gradients_are_averaged():
     X, Y = on_device(torch.randn(4 * SIZE, 10, generator=seeded(3)),
                      torch.randint(0, 4, (4 * SIZE,), generator=seeded(4)))
     F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
-    reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+    reference_step(reference, X, Y, cross_entropy)
     assert_grads_match(model, reference, 0)
 
 

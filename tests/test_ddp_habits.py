@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import mpidp
-from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
+from dp_reference import (SIZE, assert_params_close, assert_same_on_all_ranks, build,
+                          classification_batch, cross_entropy, data_parallel_and_reference,
                           on_device, rank_slice, reference_step, seeded)
 from mpidp import MPI
 from test_data_parallel import MLP, sgd
@@ -73,17 +74,12 @@ def test_broadcast_buffers_must_be_a_bool():
 def test_no_sync_accumulates_locally_then_averages_the_sum(blocking):
     """Three micro-batches, the first two inside no_sync(): the update equals
     one single-process step on the accumulated gradients of all ranks."""
-    model = build(MLP, seed=11 + RANK)
-    reference = build(MLP, seed=11)
-    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
-    ref_opt = sgd(reference.parameters())
-    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    model, net, opt, reference, ref_opt = data_parallel_and_reference(MLP, sgd, 11, blocking)
     g = seeded(4)
     for step in range(3):
         opt.zero_grad()
         ref_opt.zero_grad()
-        batches = [on_device(torch.randn(2 * SIZE, 10, generator=g),
-                             torch.randint(0, 4, (2 * SIZE,), generator=g)) for _ in range(3)]
+        batches = [classification_batch(g, 2 * SIZE) for _ in range(3)]
         with net.no_sync():
             for X, Y in batches[:2]:
                 F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
@@ -93,7 +89,7 @@ def test_no_sync_accumulates_locally_then_averages_the_sum(blocking):
         X, Y = batches[2]
         F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
         for X, Y in batches:
-            reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+            reference_step(reference, X, Y, cross_entropy)
         opt.step()
         ref_opt.step()
         net.synchronize()
@@ -118,11 +114,8 @@ class Gated(torch.nn.Module):
 def test_no_sync_keeps_gradients_of_parameters_the_last_backward_misses(blocking):
     """`extra` gets gradients inside no_sync only: its accumulated gradient is
     still averaged (not dropped, not zero with weight decay applied)."""
-    model = build(Gated, seed=2 + RANK)
-    reference = build(Gated, seed=2)
-    opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.1))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, weight_decay=0.1)
-    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    model, net, opt, reference, ref_opt = data_parallel_and_reference(
+        Gated, lambda params: torch.optim.SGD(params, lr=0.5, weight_decay=0.1), 2, blocking)
     g = seeded(8)
     for step in range(3):
         opt.zero_grad()
@@ -144,11 +137,7 @@ def test_no_sync_accumulation_then_clipping_matches_one_process(blocking):
     """The habits around an accumulation: micro-batches in no_sync, the last
     one outside, optimizer.synchronize() (Horovod's; needed in non-blocking
     mode to read .grad), clip_grad_norm_, step -- as one process would."""
-    model = build(MLP, seed=21 + RANK)
-    reference = build(MLP, seed=21)
-    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
-    ref_opt = sgd(reference.parameters())
-    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    model, net, opt, reference, ref_opt = data_parallel_and_reference(MLP, sgd, 21, blocking)
     g = seeded(12)
     for step in range(3):
         opt.zero_grad()
@@ -161,7 +150,7 @@ def test_no_sync_accumulation_then_clipping_matches_one_process(blocking):
         X, Y = batches[1]
         F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
         for X, Y in batches:
-            reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+            reference_step(reference, X, Y, cross_entropy)
         opt.synchronize()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)

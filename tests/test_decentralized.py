@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import RANK, SIZE, rank_slice, seeded
+from dp_reference import (RANK, SIZE, SmallNet, flat_params as flat, rank_slice,
+                          regression_batches)
 from mpidp import kernels
 from mpidp.algorithms import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
 from quant_reference import q
@@ -31,24 +32,13 @@ pytestmark = pytest.mark.ranks3
 LR = 0.05
 
 
-class Net(torch.nn.Module):
+class Net(SmallNet):
     def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(6, 40)
-        self.l2 = torch.nn.Linear(40, 3)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(x)))
+        super().__init__(inputs=6, hidden=40, outputs=3)
 
 
 def batches(steps):
-    gen = seeded(9)
-    return [(torch.randn(3 * SIZE, 6, generator=gen), torch.randn(3 * SIZE, 3, generator=gen))
-            for _ in range(steps)]
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return regression_batches(9, steps, shape=(6, 3), per_rank=3)
 
 
 def put(model, vec):

@@ -17,20 +17,16 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import RANK, SIZE, rank_slice, seeded
+from dp_reference import (RANK, SIZE, SmallNet, flat_params as flat, rank_slice,
+                          regression_batches)
 from mpidp import MPI
 
 pytestmark = pytest.mark.ranks3  # a group size that is not a power of two
 
 
-class Net(torch.nn.Module):
+class Net(SmallNet):
     def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(6, 10)
-        self.l2 = torch.nn.Linear(10, 3)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(x)))
+        super().__init__(inputs=6, hidden=10, outputs=3)
 
 
 def fragments_of(model, n):
@@ -46,9 +42,7 @@ def inner_adam(params):
 
 
 def batches(steps):
-    gen = seeded(7)
-    return [(torch.randn(4 * SIZE, 6, generator=gen), torch.randn(4 * SIZE, 3, generator=gen))
-            for _ in range(steps)]
+    return regression_batches(7, steps, shape=(6, 3))
 
 
 def inner_step(model, opt, x, y, rank, habit=None):
@@ -193,10 +187,6 @@ def test_cross_node_comm_holds_one_rank_per_node_in_node_order():
     assert cross.Get_size() == topo.n_nodes and cross.Get_rank() == topo.node
     assert cross.allgather(topo.local_rank) == [topo.local_rank] * topo.n_nodes
     assert mpidp.cross_node_comm() is cross
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def test_replicas_meet_after_each_turn_with_alpha_zero():

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import mpidp
-from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
-                          on_device, rank_slice, reference_step, seeded)
+from dp_reference import (RANK, SIZE, assert_same_on_all_ranks, build, classification_batch,
+                          cross_entropy, on_device, rank_slice, seeded, train_like_one_process)
 from mpidp import MPI
 from test_data_parallel import MLP
 
@@ -40,8 +40,7 @@ def rank0(x):
 def train_steps(net, opt, steps, seed=6):
     g = seeded(seed)
     for _ in range(steps):
-        X = on_device(torch.randn(4 * SIZE, 10, generator=g))
-        Y = on_device(torch.randint(0, 4, (4 * SIZE,), generator=g))
+        X, Y = classification_batch(g, 4 * SIZE)
         opt.zero_grad()
         F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
         opt.step()
@@ -62,19 +61,8 @@ def test_loading_on_rank0_then_broadcasting_trains_like_one_process(blocking):
     reference.load_state_dict(model_state)
     ref_opt = adam(reference.parameters())
     ref_opt.load_state_dict(opt_state)
-    g = seeded(6)
-    for step in range(3):
-        X = on_device(torch.randn(4 * SIZE, 10, generator=g))
-        Y = on_device(torch.randint(0, 4, (4 * SIZE,), generator=g))
-        dp_opt.zero_grad()
-        ref_opt.zero_grad()
-        F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
-        reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
-        dp_opt.step()
-        ref_opt.step()
-    net.synchronize()
-    assert_params_close(model, reference)
-    assert_same_on_all_ranks(model)
+    train_like_one_process(net, dp_opt, model, reference, ref_opt, cross_entropy, (10, 4), seed=6,
+                           what="after the checkpoint broadcast from rank 0")
 
 
 @pytest.mark.parametrize("what", ["model", "optimizer", "inner_submodule"])

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import mpidp
 from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
-                          on_device, rank_slice, reference_step, seeded)
+                          classification_batch, cross_entropy, data_parallel_and_reference,
+                          on_device, rank_slice, reference_step, seeded, step_like_one_process)
 from test_data_parallel import CNN, MLP, Branchy, Tied, adam, branchy_loss
 
 
@@ -37,12 +38,9 @@ def ce(model, x, y, rank, step):
 def run(make_model=MLP, make_opt=sgd_wd, *, zero="before", set_to_none=True, steps=5,
         blocking=False, loss_fn=ce, x_shape=(10,), scheduler=False, finish="eval",
         raw_zero_grad=False, per_rank=4, seed=0, boom_at=None):
-    model = build(make_model, 100 + RANK)
-    reference = build(make_model, 100)
-    dp_opt = mpidp.DataParallelOptimizer(make_opt(model.parameters()))
-    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=blocking)
+    model, net, dp_opt, reference, ref_opt = data_parallel_and_reference(
+        make_model, make_opt, 100, blocking)
     assert net.blocking_parameter_updates == blocking
-    ref_opt = make_opt(reference.parameters())
     scheds = []
     if scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
@@ -140,16 +138,12 @@ def test_nonblocking_and_blocking_end_on_the_same_parameters():
 def test_gradient_accumulation():
     """Two (forward, backward) per step, and two forwards then two backwards."""
     for two_forwards_first in (False, True):
-        model, reference = build(MLP, 100 + RANK), build(MLP, 100)
-        dp_opt = mpidp.DataParallelOptimizer(sgd_wd(model.parameters()))
-        net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=False)
-        ref_opt = sgd_wd(reference.parameters())
+        model, net, dp_opt, reference, ref_opt = data_parallel_and_reference(MLP, sgd_wd, 100, False)
         g = seeded(5)
         for step in range(3):
             dp_opt.zero_grad()
             ref_opt.zero_grad()
-            batches = [on_device(torch.randn(4 * SIZE, 10, generator=g),
-                                 torch.randint(0, 4, (4 * SIZE,), generator=g)) for _ in range(2)]
+            batches = [classification_batch(g, 4 * SIZE) for _ in range(2)]
             if two_forwards_first:
                 losses = [F.cross_entropy(net(rank_slice(X)), rank_slice(Y)) for X, Y in batches]
                 for loss in losses:
@@ -158,7 +152,7 @@ def test_gradient_accumulation():
                 for X, Y in batches:
                     F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
             for X, Y in batches:
-                reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+                reference_step(reference, X, Y, cross_entropy)
             dp_opt.step()
             ref_opt.step()
         net.synchronize()
@@ -220,24 +214,20 @@ def test_a_parameter_read_before_its_layer_is_not_used_stale():
     that applies an update notices, and the whole update is then applied at
     the start of every forward. One parameter per bucket, so that the update
     of out.weight is not applied early along with emb's."""
-    model, reference = build(ReadsAhead, 100 + RANK), build(ReadsAhead, 100)
-    dp_opt = mpidp.DataParallelOptimizer(sgd_wd(model.parameters()))
-    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=False,
-                             bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    model, net, dp_opt, reference, ref_opt = data_parallel_and_reference(
+        ReadsAhead, sgd_wd, 100, False, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
     assert net.bucket_count == 4
-    ref_opt = sgd_wd(reference.parameters())
     g = seeded(3)
-    n = 4 * SIZE
     with pytest.warns(UserWarning, match=r"'out.weight' is read before its own layer runs"):
         for step in range(5):
-            X, Y = on_device(torch.randn(n, 10, generator=g), torch.randint(0, 4, (n,), generator=g))
+            X, Y = classification_batch(g, 4 * SIZE)
             dp_opt.zero_grad()
             ref_opt.zero_grad()
             out = net(rank_slice(X))
             ref_out = reference(rank_slice(X))
             assert torch.allclose(out, ref_out, atol=1e-5, rtol=1e-4), f"forward of step {step}"
             F.cross_entropy(out, rank_slice(Y)).backward()
-            reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
+            reference_step(reference, X, Y, cross_entropy)
             dp_opt.step()
             ref_opt.step()
     net.synchronize()
@@ -256,13 +246,7 @@ def test_a_compiled_module_falls_back_to_blocking_updates():
     reference = build(MLP, 100)
     ref_opt = sgd_wd(reference.parameters())
     g = seeded(5)
-    n = 4 * SIZE
     for step in range(3):
-        X, Y = on_device(torch.randn(n, 10, generator=g), torch.randint(0, 4, (n,), generator=g))
-        dp_opt.zero_grad()
-        ref_opt.zero_grad()
-        F.cross_entropy(net(rank_slice(X)), rank_slice(Y)).backward()
-        reference_step(reference, X, Y, lambda m, x, y, r: F.cross_entropy(m(x), y))
-        dp_opt.step()
-        ref_opt.step()
+        X, Y = classification_batch(g, 4 * SIZE)
+        step_like_one_process(net, dp_opt, reference, ref_opt, X, Y)
         assert_params_close(model, reference, what=f"step {step}")

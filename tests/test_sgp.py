@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import (RANK, SIZE, SmallNet as Net, per_node_options, rank_slice, seeded,
-                          slow_momentum_step)
+from dp_reference import (RANK, SIZE, SmallNet as Net, flat_params, local_steps, node_replicas,
+                          per_node_options, rank_slice, regression_batches, slow_momentum_step)
 from mpidp import gossip
 
 pytestmark = pytest.mark.ranks3
@@ -30,9 +30,7 @@ LR = 0.1
 
 
 def batches(steps):
-    gen = seeded(6)
-    return [(torch.randn(4 * SIZE, 5, generator=gen), torch.randn(4 * SIZE, 2, generator=gen))
-            for _ in range(steps)]
+    return regression_batches(6, steps)
 
 
 def phone_book(graph, world):
@@ -60,28 +58,19 @@ def in_peer(graph, world, worker, t):
 
 def simulate(init, data, per_node, graph, alpha, beta, m, memory_efficient):
     nodes = SIZE // per_node
-    replicas = [copy.deepcopy(init) for _ in range(nodes)]
-    opts = [torch.optim.SGD(r.parameters(), lr=LR, momentum=0.9) for r in replicas]
-    flat = lambda model: torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    replicas, opts, theta, u = node_replicas(init, nodes, LR)
     slow = alpha != 1.0 or beta != 0.0
-    theta = [flat(init).clone() for _ in range(nodes)]
-    u = [torch.zeros_like(theta[0]) for _ in range(nodes)]
     history = []
     for t, (x, y) in enumerate(data):
-        for n, (model, opt) in enumerate(zip(replicas, opts)):
-            opt.zero_grad()
-            ranks = range(n * per_node, (n + 1) * per_node)
-            (sum(torch.nn.functional.mse_loss(model(rank_slice(x, r)), rank_slice(y, r))
-                 for r in ranks) / len(ranks)).backward()
-            opt.step()
+        local_steps(replicas, opts, x, y, per_node)
         if nodes > 1:                      # one gossip round: w x_i + w x_j
-            xs = [flat(r) for r in replicas]
+            xs = [flat_params(r) for r in replicas]
             for n, r in enumerate(replicas):
                 mixed = xs[n] * 0.5 + xs[in_peer(graph, nodes, n, t)] * 0.5
                 torch.nn.utils.vector_to_parameters(mixed, r.parameters())
         if slow and (t + 1) % m == 0:
             slow_momentum_step(replicas, theta, u, beta, alpha, LR, memory_efficient)
-        history.append(flat(replicas[RANK // per_node]).clone())
+        history.append(flat_params(replicas[RANK // per_node]).clone())
     return history
 
 
@@ -128,7 +117,7 @@ def test_every_step_matches_the_gossip_simulation(per_node, graph, alpha, beta, 
     assert net.sgp == (SIZE // per_node > 1)
 
     def compare(t):
-        got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        got = flat_params(model)
         torch.testing.assert_close(got, want[t], rtol=1e-5, atol=1e-6, msg=lambda s: f"step {t}: {s}")
 
     train(net, data, compare)
@@ -154,8 +143,8 @@ def test_with_two_workers_a_round_is_the_exact_mean():
         torch.nn.functional.mse_loss(local(rank_slice(x)), rank_slice(y)).backward()
         opt.step()
         local.perform_slowmo(opt)
-        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        theirs = torch.cat([p.detach().reshape(-1) for p in other.parameters()])
+        mine = flat_params(model)
+        theirs = flat_params(other)
         assert torch.equal(mine, theirs), f"step {t}: gossip differs from the exact mean"
         everyone = mpidp.allgather(mine.unsqueeze(0))
         assert all(torch.equal(everyone[0], row) for row in everyone), f"step {t}"

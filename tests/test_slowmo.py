@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import (RANK, SIZE, SmallNet as Net, per_node_options, rank_slice, seeded,
-                          slow_momentum_step)
+from dp_reference import (RANK, SIZE, SmallNet as Net, flat_params, local_steps, node_replicas,
+                          per_node_options, rank_slice, regression_batches, slow_momentum_step)
 from mpidp import MPI
 
 pytestmark = pytest.mark.ranks3
@@ -30,42 +30,24 @@ LR = 0.1
 
 
 def batches(steps):
-    gen = seeded(3)
-    return [(torch.randn(4 * SIZE, 5, generator=gen), torch.randn(4 * SIZE, 2, generator=gen))
-            for _ in range(steps)]
-
-
-def node_loss(model, x, y, ranks):
-    """The mean over the node's ranks of each rank's slice loss (what the
-    node's averaged gradients are the gradient of)."""
-    return sum(torch.nn.functional.mse_loss(model(rank_slice(x, r)), rank_slice(y, r))
-               for r in ranks) / len(ranks)
+    return regression_batches(3, steps)
 
 
 def simulate(init, data, per_node, k, m, alpha, beta, memory_efficient, clip=False):
     nodes = SIZE // per_node
-    replicas = [copy.deepcopy(init) for _ in range(nodes)]
-    opts = [torch.optim.SGD(r.parameters(), lr=LR, momentum=0.9) for r in replicas]
-    flat = lambda model: torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    replicas, opts, theta, u = node_replicas(init, nodes, LR)
     slow = alpha != 1.0 or beta != 0.0
-    theta = [flat(init).clone() for _ in range(nodes)]
-    u = [torch.zeros_like(theta[0]) for _ in range(nodes)]
     history = []
     for t, (x, y) in enumerate(data):
-        for n, (model, opt) in enumerate(zip(replicas, opts)):
-            opt.zero_grad()
-            node_loss(model, x, y, range(n * per_node, (n + 1) * per_node)).backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            opt.step()
+        local_steps(replicas, opts, x, y, per_node, clip_norm=0.05 if clip else None)
         slow_now = slow and (t + 1) % m == 0
         if (t + 1) % k == 0 and not (slow_now and memory_efficient):
-            mean = torch.stack([flat(r) for r in replicas]).mean(0)
+            mean = torch.stack([flat_params(r) for r in replicas]).mean(0)
             for r in replicas:
                 torch.nn.utils.vector_to_parameters(mean.clone(), r.parameters())
         if slow_now:
             slow_momentum_step(replicas, theta, u, beta, alpha, LR, memory_efficient)
-        history.append(flat(replicas[RANK // per_node]).clone())
+        history.append(flat_params(replicas[RANK // per_node]).clone())
     return history
 
 
@@ -99,7 +81,7 @@ def test_every_step_matches_the_simulated_node_replica(per_node, k, m, alpha, be
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
         opt.step()
         net.perform_slowmo(opt)
-        got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        got = flat_params(model)
         torch.testing.assert_close(got, want[t], rtol=1e-5, atol=1e-6, msg=lambda s: f"step {t}: {s}")
     assert net.num_updates == 12
 

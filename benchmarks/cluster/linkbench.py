@@ -18,6 +18,17 @@ import numpy as np
 from mpi4py import MPI
 
 
+def round_trip(comm, rank, peer, message, reply, tags):
+    """Rank 0 sends `message` to `peer`, which answers with `reply`; tags =
+    (message's, reply's). Ranks other than these two do nothing."""
+    if rank == 0:
+        comm.Send(message, dest=peer, tag=tags[0])
+        comm.Recv(reply, source=peer, tag=tags[1])
+    elif rank == peer:
+        comm.Recv(message, source=0, tag=tags[0])
+        comm.Send(reply, dest=0, tag=tags[1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bytes", type=float, default=20e6, help="bytes per transfer (default 20e6)")
@@ -52,21 +63,11 @@ def main():
         ack = np.zeros(1, dtype=np.uint8)
         # Open MPI connects lazily: a one-byte exchange first, so that the
         # timed transfers do not include the TCP connection setup.
-        if rank == 0:
-            comm.Send(ack, dest=peer, tag=0)
-            comm.Recv(ack, source=peer, tag=0)
-        elif rank == peer:
-            comm.Recv(ack, source=0, tag=0)
-            comm.Send(ack, dest=0, tag=0)
+        round_trip(comm, rank, peer, ack, ack, tags=(0, 0))
         for _ in range(args.reps):
             comm.Barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                comm.Send(buf, dest=peer, tag=1)
-                comm.Recv(ack, source=peer, tag=2)
-            elif rank == peer:
-                comm.Recv(buf, source=0, tag=1)
-                comm.Send(ack, dest=0, tag=2)
+            round_trip(comm, rank, peer, buf, ack, tags=(1, 2))
             times.append(time.perf_counter() - t0)
     comm.Barrier()
 

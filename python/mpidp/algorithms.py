@@ -66,22 +66,33 @@ class _GradientHandle:
             raise ValueError(f"state: this algorithm keeps no state, got keys {sorted(state)}")
 
 
-class GradientAllReduceAlgorithm(Algorithm):
-    """Gradients summed over the ranks every step (averaged with average=True),
-    in float32; hierarchical=True sums within each node first (every local rank
-    then carries 1/L of the bytes between nodes)."""
+class _GradientAlgorithm(Algorithm):
+    """The gradient reducer's algorithms, which differ only in their wire
+    (_wire_dtype: None for float32) and in their defaults."""
 
-    def __init__(self, hierarchical: bool = False, average: bool = True):
+    _wire_dtype = None
+
+    def __init__(self, hierarchical: bool, average: bool):
         check_bool("hierarchical", hierarchical)
         check_bool("average", average)
         self.hierarchical = hierarchical
         self.average = average
 
     def _attach(self, module, optimizers, comm):
-        return _GradientHandle(module, optimizers, comm, None, self.hierarchical, self.average)
+        return _GradientHandle(module, optimizers, comm, self._wire_dtype, self.hierarchical,
+                               self.average)
 
 
-class ByteGradAlgorithm(Algorithm):
+class GradientAllReduceAlgorithm(_GradientAlgorithm):
+    """Gradients summed over the ranks every step (averaged with average=True),
+    in float32; hierarchical=True sums within each node first (every local rank
+    then carries 1/L of the bytes between nodes)."""
+
+    def __init__(self, hierarchical: bool = False, average: bool = True):
+        super().__init__(hierarchical, average)
+
+
+class ByteGradAlgorithm(_GradientAlgorithm):
     """Gradients quantized to 8 bits (min-max blocks of 256, counted from each
     block's minimum) for the sum over the ranks; with hierarchical=True (the
     default, as Bagua's) the node sums in float32 first and only the
@@ -89,12 +100,7 @@ class ByteGradAlgorithm(Algorithm):
 
     average: divide the sum by the number of ranks (True) or keep the sum."""
 
-    def __init__(self, hierarchical: bool = True, average: bool = True):
-        check_bool("hierarchical", hierarchical)
-        check_bool("average", average)
-        self.hierarchical = hierarchical
-        self.average = average
+    _wire_dtype = torch.uint8
 
-    def _attach(self, module, optimizers, comm):
-        return _GradientHandle(module, optimizers, comm, torch.uint8, self.hierarchical,
-                               self.average)
+    def __init__(self, hierarchical: bool = True, average: bool = True):
+        super().__init__(hierarchical, average)
