@@ -137,6 +137,22 @@ static int vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, siz
     return MPIDP_OK;
 }
 
+/* Describes x's operation as "<mpi_op> of <total> <dtype>" in `what`
+ * (MPIDP_REQ_WHAT_LEN bytes) and claims a request slot for it. On failure
+ * (MPIDP_EFULL: nothing may be posted) x is freed, because no request will
+ * ever refer to it, so the caller only returns the status. */
+static int vcoll_claim(mpidp_vcoll_t *x, const char *mpi_op, size_t total, int dtype,
+                       char *what, mpidp_req_t *slot)
+{
+    snprintf(what, MPIDP_REQ_WHAT_LEN, "%s of %zu %s", mpi_op, total, mpidp_dtype_name(dtype));
+    int rc = mpidp_reqtable_claim(x->reqs, what, slot);
+    if (rc != MPIDP_OK) mpidp_vcoll_free(x);
+    return rc;
+}
+
+/* Finishes the post vcoll_claim began (mpidp__post_done into x->req): on
+ * success hands x to the caller in *out; on failure frees x, since the
+ * operation never started. */
 static int vcoll_post_done(mpidp_vcoll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Request req,
                            const char *what, mpidp_vcoll_t **out)
 {
@@ -179,13 +195,9 @@ int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
     x->recv = *recv;
     if (op == MPIDP_OP_AVG) x->scale = 1.0 / (double)size;
     char what[MPIDP_REQ_WHAT_LEN];
-    snprintf(what, sizeof what, "MPI_Ireduce_scatter of %zu %s", total, mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    rc = mpidp_reqtable_claim(reqs, what, &slot);
-    if (rc != MPIDP_OK) {
-        mpidp_vcoll_free(x);
-        return rc;
-    }
+    rc = vcoll_claim(x, "MPI_Ireduce_scatter", total, send->dtype, what, &slot);
+    if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ireduce_scatter(send->data, recv->data, x->counts, mpidp_mpi_datatype(send->dtype),
                              MPI_SUM, comm, &req);
@@ -220,13 +232,9 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
         return mpidp__fail(MPIDP_EINVAL, "allgatherv: the result overlaps the input");
     }
     char what[MPIDP_REQ_WHAT_LEN];
-    snprintf(what, sizeof what, "MPI_Iallgatherv of %zu %s", total, mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    rc = mpidp_reqtable_claim(reqs, what, &slot);
-    if (rc != MPIDP_OK) {
-        mpidp_vcoll_free(x);
-        return rc;
-    }
+    rc = vcoll_claim(x, "MPI_Iallgatherv", total, send->dtype, what, &slot);
+    if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Iallgatherv(send->data, (int)(send->numel * esize), MPI_BYTE, recv->data, x->counts,
                          x->displs, MPI_BYTE, comm, &req);

@@ -80,10 +80,14 @@ INLINE __m256 pack_pre(const float *src, const float *ref, __m256 s, int has_ref
     return t;
 }
 
-INLINE void pack_bf16_loop(uint16_t *dst, const float *src, const float *ref, float s,
-                           size_t n, int has_ref, int scale)
+/* The source formats of the merge kernels, and the destination formats of
+ * the pack kernels (SRC_BF16, SRC_FP16). */
+enum { SRC_F32, SRC_BF16, SRC_FP16 };
+
+/* The bf16 pack loop; returns the number of elements done. */
+INLINE size_t pack_bf16_loop(uint16_t *dst, const float *src, const float *ref, __m256 vs,
+                             size_t n, int has_ref, int scale)
 {
-    __m256 vs = _mm256_set1_ps(s);
     size_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m256i r0 = bf16_round16(pack_pre(src, ref, vs, has_ref, scale, i),
@@ -98,26 +102,13 @@ INLINE void pack_bf16_loop(uint16_t *dst, const float *src, const float *ref, fl
                                  pack_pre(src, ref, vs, has_ref, scale, i + 8));
         _mm256_storeu_si256((__m256i *)(dst + i), r);
     }
-    mpidp__pack_ref.pack_bf16(dst + i, src + i, has_ref ? ref + i : NULL, s, n - i);
+    return i;
 }
 
-static void pack_bf16_avx2(uint16_t *dst, const float *src, const float *ref, float s,
-                           size_t n)
+/* The fp16 pack loop; returns the number of elements done. */
+INLINE size_t pack_fp16_loop(uint16_t *dst, const float *src, const float *ref, __m256 vs,
+                             size_t n, int has_ref, int scale)
 {
-    int scale = s != 1.0f;
-    if (ref) {
-        if (scale) pack_bf16_loop(dst, src, ref, s, n, 1, 1);
-        else pack_bf16_loop(dst, src, ref, s, n, 1, 0);
-    } else {
-        if (scale) pack_bf16_loop(dst, src, NULL, s, n, 0, 1);
-        else pack_bf16_loop(dst, src, NULL, s, n, 0, 0);
-    }
-}
-
-INLINE void pack_fp16_loop(uint16_t *dst, const float *src, const float *ref, float s,
-                           size_t n, int has_ref, int scale)
-{
-    __m256 vs = _mm256_set1_ps(s);
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m128i r0 = fp16_round8(pack_pre(src, ref, vs, has_ref, scale, i));
@@ -128,24 +119,45 @@ INLINE void pack_fp16_loop(uint16_t *dst, const float *src, const float *ref, fl
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i *)(dst + i),
                          fp16_round8(pack_pre(src, ref, vs, has_ref, scale, i)));
-    mpidp__pack_ref.pack_fp16(dst + i, src + i, has_ref ? ref + i : NULL, s, n - i);
+    return i;
+}
+
+/* The pack loop of format fmt, specialised for (has_ref, scale). */
+INLINE size_t pack_loop(uint16_t *dst, const float *src, const float *ref, float s, size_t n,
+                        int fmt, int has_ref, int scale)
+{
+    __m256 vs = _mm256_set1_ps(s);
+    if (fmt == SRC_BF16) return pack_bf16_loop(dst, src, ref, vs, n, has_ref, scale);
+    return pack_fp16_loop(dst, src, ref, vs, n, has_ref, scale);
+}
+
+/* Runs the vector loop specialised for (ref != NULL, s != 1) and returns the
+ * number of elements done; the caller hands the rest to the reference. */
+INLINE size_t pack_dispatch(uint16_t *dst, const float *src, const float *ref, float s,
+                            size_t n, int fmt)
+{
+    int scale = s != 1.0f;
+    if (ref) {
+        if (scale) return pack_loop(dst, src, ref, s, n, fmt, 1, 1);
+        return pack_loop(dst, src, ref, s, n, fmt, 1, 0);
+    }
+    if (scale) return pack_loop(dst, src, NULL, s, n, fmt, 0, 1);
+    return pack_loop(dst, src, NULL, s, n, fmt, 0, 0);
+}
+
+static void pack_bf16_avx2(uint16_t *dst, const float *src, const float *ref, float s,
+                           size_t n)
+{
+    size_t i = pack_dispatch(dst, src, ref, s, n, SRC_BF16);
+    mpidp__pack_ref.pack_bf16(dst + i, src + i, ref ? ref + i : NULL, s, n - i);
 }
 
 static void pack_fp16_avx2(uint16_t *dst, const float *src, const float *ref, float s,
                            size_t n)
 {
-    int scale = s != 1.0f;
-    if (ref) {
-        if (scale) pack_fp16_loop(dst, src, ref, s, n, 1, 1);
-        else pack_fp16_loop(dst, src, ref, s, n, 1, 0);
-    } else {
-        if (scale) pack_fp16_loop(dst, src, NULL, s, n, 0, 1);
-        else pack_fp16_loop(dst, src, NULL, s, n, 0, 0);
-    }
+    size_t i = pack_dispatch(dst, src, ref, s, n, SRC_FP16);
+    mpidp__pack_ref.pack_fp16(dst + i, src + i, ref ? ref + i : NULL, s, n - i);
 }
-
-/* The source formats of the merge kernels. */
-enum { SRC_F32, SRC_BF16, SRC_FP16 };
 
 INLINE __m256 load_src(const void *src, int fmt, size_t i)
 {

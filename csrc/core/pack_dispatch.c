@@ -296,10 +296,12 @@ static uint64_t sc_next(uint64_t *state)
     return x * 0x2545f4914f6cdd1dull;
 }
 
+/* Every array of the self-check, each SC_CAP elements long; the self-check
+ * allocates them together as one of these (about 55 KB). */
 typedef struct {
-    float *src, *ref, *init, *got, *want;
-    uint16_t *h_src, *h_init, *h_got, *h_want;
-    double *d_init, *d_got, *d_want;
+    double d_init[SC_CAP], d_got[SC_CAP], d_want[SC_CAP];
+    float src[SC_CAP], ref[SC_CAP], init[SC_CAP], got[SC_CAP], want[SC_CAP];
+    uint16_t h_src[SC_CAP], h_init[SC_CAP], h_got[SC_CAP], h_want[SC_CAP];
 } sc_bufs_t;
 
 /* Runs of (length, offset): lengths around every vector width (8, 16, 32),
@@ -500,31 +502,13 @@ int mpidp__pack_selfcheck(const mpidp_pack_kernels_t *k, char *why, size_t why_l
         snprintf(why, why_len, "the %s table has a missing kernel", k->name);
         return 1;
     }
-    /* One allocation for every array: 5 fp32, 4 16-bit and 3 fp64 arrays. */
-    size_t bytes = SC_CAP * (5 * sizeof(float) + 4 * sizeof(uint16_t) + 3 * sizeof(double));
-    char *mem = malloc(bytes);
-    if (!mem) {
+    sc_bufs_t *b = malloc(sizeof *b);
+    if (!b) {
         snprintf(why, why_len, "out of memory for the self-check buffers");
         return 1;
     }
-    sc_bufs_t b;
-    double *d = (double *)mem;
-    b.d_init = d;
-    b.d_got = d + SC_CAP;
-    b.d_want = d + 2 * SC_CAP;
-    float *f = (float *)(d + 3 * SC_CAP);
-    b.src = f;
-    b.ref = f + SC_CAP;
-    b.init = f + 2 * SC_CAP;
-    b.got = f + 3 * SC_CAP;
-    b.want = f + 4 * SC_CAP;
-    uint16_t *h = (uint16_t *)(f + 5 * SC_CAP);
-    b.h_src = h;
-    b.h_init = h + SC_CAP;
-    b.h_got = h + 2 * SC_CAP;
-    b.h_want = h + 3 * SC_CAP;
-    sc_fill(&b);
-    int bad = sc_run_all(k, &b, why, why_len);
-    free(mem);
+    sc_fill(b);
+    int bad = sc_run_all(k, b, why, why_len);
+    free(b);
     return bad;
 }

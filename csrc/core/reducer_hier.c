@@ -67,22 +67,47 @@ void mpidp__hier_free(mpidp_reducer_t *r)
     }
 }
 
-int mpidp__hier_post(mpidp_reducer_t *r, size_t b, void *buf, int dtype)
+/* Starts one node-local phase's MPI collective for bucket bk into *req,
+ * returning MPI's status (post_node_phase registers it). */
+typedef int (*node_phase_start_fn)(const mpidp_reducer_t *r, const bucket_t *bk,
+                                   MPI_Request *req);
+
+/* Posts a node-local phase of bucket b (phase 1 or 3: the ones that are a
+ * single MPI collective): claims a request slot described as "<reducer>:
+ * <step> of bucket <b+1>/<n>", starts the collective with `start`, registers
+ * it in bk->req and, once it is in flight, moves the bucket to `phase`. The
+ * slot is claimed first so that a full table is found out before anything is
+ * posted (mpidp/mpi_util.h). */
+static int post_node_phase(mpidp_reducer_t *r, size_t b, const char *step,
+                           node_phase_start_fn start, int phase)
 {
     bucket_t *bk = &r->buckets[b];
-    bk->h.buf = buf, bk->h.dtype = dtype;
     char what[MPIDP_REQ_WHAT_LEN + 64];
-    snprintf(what, sizeof what, "%s: node reduce-scatter of bucket %zu/%zu", r->name, b + 1,
-             r->n_buckets);
+    snprintf(what, sizeof what, "%s: %s of bucket %zu/%zu", r->name, step, b + 1, r->n_buckets);
     mpidp_req_t slot;
     int rc = mpidp_reqtable_claim(r->reqs, what, &slot);
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
-    rc = MPI_Ireduce_scatter(buf, bk->h.slice, bk->h.counts, mpidp_mpi_datatype(dtype),
-                             mpidp_mpi_op(MPIDP_OP_SUM, dtype), r->h_node, &req);
+    rc = start(r, bk, &req);
     rc = mpidp__post_done(r->reqs, slot, rc, req, what, &bk->req);
-    if (rc == MPIDP_OK) bk->h.phase = H_SCATTER;
+    if (rc == MPIDP_OK) bk->h.phase = phase;
     return rc;
+}
+
+/* Phase 1's collective: the node's sum of every slice, this rank's slice
+ * landing in bk->h.slice. */
+static int start_scatter(const mpidp_reducer_t *r, const bucket_t *bk, MPI_Request *req)
+{
+    return MPI_Ireduce_scatter(bk->h.buf, bk->h.slice, bk->h.counts,
+                               mpidp_mpi_datatype(bk->h.dtype),
+                               mpidp_mpi_op(MPIDP_OP_SUM, bk->h.dtype), r->h_node, req);
+}
+
+int mpidp__hier_post(mpidp_reducer_t *r, size_t b, void *buf, int dtype)
+{
+    bucket_t *bk = &r->buckets[b];
+    bk->h.buf = buf, bk->h.dtype = dtype;
+    return post_node_phase(r, b, "node reduce-scatter", start_scatter, H_SCATTER);
 }
 
 /* Phase 2 of bucket b: its slice over the cross communicator. */
@@ -108,24 +133,19 @@ static int post_cross(mpidp_reducer_t *r, size_t b)
     return mpidp_qallreduce_start(r->h_cross, &t, &o, r->reqs, &bk->q);
 }
 
+/* Phase 3's collective: every rank's slice back into the bucket. Counts are
+ * in elements of the travelling dtype, so its MPI datatype describes them. */
+static int start_gather(const mpidp_reducer_t *r, const bucket_t *bk, MPI_Request *req)
+{
+    return MPI_Iallgatherv(bk->h.slice, bk->h.counts[r->h_rank], mpidp_mpi_datatype(bk->h.dtype),
+                           bk->h.buf, bk->h.counts, bk->h.displs,
+                           mpidp_mpi_datatype(bk->h.dtype), r->h_gather, req);
+}
+
 /* Phase 3 of bucket b: the slices back into the bucket. */
 static int post_gather(mpidp_reducer_t *r, size_t b)
 {
-    bucket_t *bk = &r->buckets[b];
-    char what[MPIDP_REQ_WHAT_LEN + 64];
-    snprintf(what, sizeof what, "%s: node allgather of bucket %zu/%zu", r->name, b + 1,
-             r->n_buckets);
-    mpidp_req_t slot;
-    int rc = mpidp_reqtable_claim(r->reqs, what, &slot);
-    if (rc != MPIDP_OK) return rc;
-    /* Counts in elements of the travelling dtype: its MPI datatype. */
-    MPI_Request req;
-    rc = MPI_Iallgatherv(bk->h.slice, bk->h.counts[r->h_rank], mpidp_mpi_datatype(bk->h.dtype),
-                         bk->h.buf, bk->h.counts, bk->h.displs, mpidp_mpi_datatype(bk->h.dtype),
-                         r->h_gather, &req);
-    rc = mpidp__post_done(r->reqs, slot, rc, req, what, &bk->req);
-    if (rc == MPIDP_OK) bk->h.phase = H_GATHER;
-    return rc;
+    return post_node_phase(r, b, "node allgather", start_gather, H_GATHER);
 }
 
 /* 1 when bucket b's current phase has arrived (tested, never waited). */

@@ -28,36 +28,30 @@ void mpidp_schedule_config_default(mpidp_schedule_config_t *cfg)
     cfg->stability_level = 0.05;
 }
 
+/* Every integer field has a lower bound only, so the integer checks are one
+ * table, in the order the fields are declared: the first field out of range
+ * is the one reported, with the rule it breaks. */
 int mpidp_schedule_config_validate(const mpidp_schedule_config_t *cfg)
 {
     if (!cfg) return mpidp__fail(MPIDP_EINVAL, "schedule config is NULL");
-    if (cfg->total_epochs <= 0)
-        return mpidp__fail(MPIDP_EINVAL, "total_epochs must be > 0, got %" PRId64,
-                           cfg->total_epochs);
-    if (cfg->warmup_epochs < 0)
-        return mpidp__fail(MPIDP_EINVAL, "warmup_epochs must be >= 0, got %" PRId64,
-                           cfg->warmup_epochs);
-    if (cfg->cooldown_epochs < 0)
-        return mpidp__fail(MPIDP_EINVAL,
-                           "cooldown_epochs must be >= 0, got %" PRId64,
-                           cfg->cooldown_epochs);
-    if (cfg->max_global_skips < 1)
-        return mpidp__fail(MPIDP_EINVAL,
-                           "max_global_skips must be >= 1, got %" PRId64,
-                           cfg->max_global_skips);
-    if (cfg->skip_reduction_factor < 2)
-        return mpidp__fail(MPIDP_EINVAL,
-                           "skip_reduction_factor must be >= 2 (1 would never "
-                           "reduce the skips), got %" PRId64,
-                           cfg->skip_reduction_factor);
-    if (cfg->local_skip_factor < 1)
-        return mpidp__fail(MPIDP_EINVAL,
-                           "local_skip_factor must be >= 1, got %" PRId64,
-                           cfg->local_skip_factor);
-    if (cfg->n_groups < 1)
-        return mpidp__fail(MPIDP_EINVAL,
-                           "n_groups (processes per node) must be >= 1, got %" PRId64,
-                           cfg->n_groups);
+    const struct {
+        const char *name;
+        int64_t value, min;
+        const char *rule; /* value >= min, as the message words it */
+    } bounds[] = {
+        {"total_epochs", cfg->total_epochs, 1, "> 0"},
+        {"warmup_epochs", cfg->warmup_epochs, 0, ">= 0"},
+        {"cooldown_epochs", cfg->cooldown_epochs, 0, ">= 0"},
+        {"max_global_skips", cfg->max_global_skips, 1, ">= 1"},
+        {"skip_reduction_factor", cfg->skip_reduction_factor, 2,
+         ">= 2 (1 would never reduce the skips)"},
+        {"local_skip_factor", cfg->local_skip_factor, 1, ">= 1"},
+        {"n_groups (processes per node)", cfg->n_groups, 1, ">= 1"},
+    };
+    for (size_t i = 0; i < sizeof bounds / sizeof bounds[0]; i++)
+        if (bounds[i].value < bounds[i].min)
+            return mpidp__fail(MPIDP_EINVAL, "%s must be %s, got %" PRId64, bounds[i].name,
+                               bounds[i].rule, bounds[i].value);
     /* Written as a negated range test so that NaN fails it too. */
     if (!(cfg->stability_level >= 0.0 && cfg->stability_level < 1.0))
         return mpidp__fail(MPIDP_EINVAL,
@@ -188,6 +182,16 @@ static int want_local_sync(const mpidp_schedule_t *s, int64_t next, int64_t last
     return next % s->local_skip == 0;
 }
 
+/* No global sync pending: every pending_* field 0, as validate() requires
+ * when there is none (so that equal states compare equal byte for byte). */
+static void clear_pending(mpidp_schedule_t *s)
+{
+    s->pending = 0;
+    s->pending_group = 0;
+    s->pending_btw = 0;
+    s->pending_sent_at = 0;
+}
+
 static void start(mpidp_schedule_t *s)
 {
     s->epoch = 0;
@@ -198,10 +202,7 @@ static void start(mpidp_schedule_t *s)
     s->last_batch = -1;
     s->send_mod = 0;
     s->local_sync = 1;
-    s->pending = 0;
-    s->pending_group = 0;
-    s->pending_btw = 0;
-    s->pending_sent_at = 0;
+    clear_pending(s);
 }
 
 int mpidp_schedule_init(mpidp_schedule_t *s, const mpidp_schedule_config_t *cfg)
@@ -530,10 +531,7 @@ int mpidp_schedule_batch(mpidp_schedule_t *s, int64_t batch, int64_t last_batch,
         out->complete = 1;
         out->complete_group = s->pending_group;
         out->complete_btw = s->pending_btw;
-        s->pending = 0;
-        s->pending_group = 0;
-        s->pending_btw = 0;
-        s->pending_sent_at = 0;
+        clear_pending(s);
     }
 
     /* 2. Post a global sync on global-sync batches, after the completion, so

@@ -13,11 +13,10 @@
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
+#include "mpi_world.h"
 #include "test.h"
 
 #define N 53 /* not a multiple of any chunk size below */
-
-static int rank_, size_;
 
 /* Small integers times a power of two: exact in fp32, bf16 and fp16, and so
  * are their sums over a few ranks and their halves. */
@@ -30,15 +29,12 @@ static float expected_sum(size_t i)
     return s;
 }
 
-/* A request table, after the per-process set-up every test needs. */
-static mpidp_reqtable_t *table(size_t capacity)
+/* Waits for a started allreduce (each wait bounded by timeout_s), then frees
+ * it; a failed wait leaves it allocated, as its requests may be in flight. */
+static int finish(mpidp_allreduce_t *x, double timeout_s)
 {
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
-    mpidp_mpiops_init();
-    mpidp_reqtable_t *t = NULL;
-    mpidp_reqtable_create(capacity, &t);
-    return t;
+    int rc = mpidp_allreduce_wait(x, timeout_s);
+    return rc == MPIDP_OK ? mpidp_allreduce_free(x) : rc;
 }
 
 static int reduce(float *data, size_t n, int op, int wire, size_t chunk, size_t in_flight,
@@ -49,10 +45,7 @@ static int reduce(float *data, size_t n, int op, int wire, size_t chunk, size_t 
                                 .max_in_flight = in_flight, .drain_timeout_s = 10.0, .what = "t"};
     mpidp_allreduce_t *x = NULL;
     int rc = mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x);
-    if (rc != MPIDP_OK) return rc;
-    rc = mpidp_allreduce_wait(x, 10.0);
-    if (rc == MPIDP_OK) rc = mpidp_allreduce_free(x);
-    return rc;
+    return rc == MPIDP_OK ? finish(x, 10.0) : rc;
 }
 
 /* Fills data[0..N) with this rank's inputs and starts an allreduce of them. */
@@ -98,8 +91,7 @@ TEST(float64_in_place)
                                 .max_in_flight = 2, .what = "f64"};
     mpidp_allreduce_t *x;
     ASSERT_OK(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x));
-    ASSERT_OK(mpidp_allreduce_wait(x, 10.0));
-    ASSERT_OK(mpidp_allreduce_free(x));
+    ASSERT_OK(finish(x, 10.0));
     for (size_t i = 0; i < N; i++)
         ASSERT_NEAR(data[i], 1e-3 * (double)i * size_ * (size_ + 1) / 2.0, 1e-12);
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
@@ -194,8 +186,7 @@ TEST(default_options_bound_the_wire_copy_and_reduce_plain_tensors_in_place)
     float data[N];
     mpidp_allreduce_t *x = NULL;
     ASSERT_OK(start_on_inputs(data, &c, reqs, &x));
-    ASSERT_OK(mpidp_allreduce_wait(x, 60.0));
-    ASSERT_OK(mpidp_allreduce_free(x));
+    ASSERT_OK(finish(x, 60.0));
     double tol = (size_ & (size_ - 1)) == 0 ? 0.0 : 0.02; /* as in the test above */
     for (size_t i = 0; i < N; i++) ASSERT_NEAR(data[i], expected_sum(i) / (float)size_, tol);
     ASSERT_OK(mpidp_reqtable_destroy(reqs));

@@ -14,21 +14,10 @@
 #include "mpidp/mpiops.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
+#include "mpi_world.h"
 #include "test.h"
 
 #define N 11
-
-static int rank_, size_;
-
-static mpidp_reqtable_t *table(void)
-{
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
-    mpidp_mpiops_init();
-    mpidp_reqtable_t *t = NULL;
-    mpidp_reqtable_create(8, &t);
-    return t;
-}
 
 /* Rank r's value at i: small, signed, never 0 for prod (stays in int8 for 4 ranks). */
 static int64_t input(int r, size_t i) { return (int64_t)((i + (size_t)r) % 5) - 2 + (((i + (size_t)r) % 5) == 2); }
@@ -69,7 +58,7 @@ static int reduce(void *data, int dtype, int op, mpidp_reqtable_t *reqs)
 
 TEST(integer_allreduce_sum_min_max_prod)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(8);
     static const int ops[] = {MPIDP_OP_SUM, MPIDP_OP_MIN, MPIDP_OP_MAX, MPIDP_OP_PROD};
     for (size_t k = 0; k < 4; k++) {
         int op = ops[k];
@@ -95,7 +84,7 @@ TEST(integer_allreduce_sum_min_max_prod)
 
 TEST(bool_allreduce_is_all_and_any)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(8);
     _Bool all[N], any[N];
     for (size_t i = 0; i < N; i++) all[i] = any[i] = (i + (size_t)rank_) % 3 != 0;
     ASSERT_OK(reduce(all, MPIDP_BOOL, MPIDP_OP_MIN, reqs));
@@ -115,7 +104,7 @@ TEST(bool_allreduce_is_all_and_any)
 
 TEST(meaningless_op_dtype_pairs_are_refused_before_posting)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(8);
     int32_t i32[N] = {0};
     uint16_t h[N] = {0};
     _Bool b[N] = {0};
@@ -138,7 +127,7 @@ TEST(meaningless_op_dtype_pairs_are_refused_before_posting)
 
 TEST(allgather_and_bcast_move_any_dtype)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(8);
     int64_t mine[3], all[4 * 3];
     for (int k = 0; k < 3; k++) mine[k] = 100 * rank_ + k;
     mpidp_tensor_t s = {.data = mine, .numel = 3, .dtype = MPIDP_I64, .device = MPIDP_DEV_CPU};
@@ -168,7 +157,7 @@ static size_t count_of(int r) { return r == 1 ? 0 : (size_t)(3 + 2 * r); }
 
 TEST(reduce_scatter_and_allgatherv_with_uneven_counts)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(8);
     size_t counts[8], total = 0, at = 0;
     for (int r = 0; r < size_; r++) counts[r] = count_of(r), total += counts[r];
     for (int r = 0; r < rank_; r++) at += counts[r];

@@ -12,20 +12,9 @@
 #include "mpidp/peers.h"
 #include "mpidp/peerx.h"
 #include "mpidp/status.h"
+#include "mpi_world.h"
 #include "test.h"
 
-
-static int rank_, size_;
-
-static mpidp_reqtable_t *table(size_t capacity)
-{
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
-    mpidp_mpiops_init();
-    mpidp_reqtable_t *t = NULL;
-    mpidp_reqtable_create(capacity, &t);
-    return t;
-}
 
 /* Byte i of rank r's payload at iteration t. */
 static unsigned char payload(int r, int t, size_t i)

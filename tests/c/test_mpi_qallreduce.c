@@ -16,19 +16,8 @@
 #include "mpidp/qallreduce.h"
 #include "mpidp/quant8.h"
 #include "mpidp/status.h"
+#include "mpi_world.h"
 #include "test.h"
-
-static int rank_, size_;
-
-static mpidp_reqtable_t *table(void)
-{
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
-    mpidp_mpiops_init();
-    mpidp_reqtable_t *t = NULL;
-    mpidp_reqtable_create(64, &t);
-    return t;
-}
 
 /* Rank r's input: smooth values of a different scale per rank, plus noise. */
 static float input(int r, size_t i)
@@ -105,7 +94,7 @@ static int same_everywhere(const float *x, size_t n)
 
 TEST(matches_the_model_bit_for_bit_over_segments_and_lengths)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(64);
     static const size_t lengths[] = {1, 7, 255, 256, 1000, 5003, 40000};
     static const size_t segs[] = {0, 1000, 4096};
     static const size_t flights[] = {1, 2, 3};
@@ -132,7 +121,7 @@ TEST(matches_the_model_bit_for_bit_over_segments_and_lengths)
  * step of its block, the sum by half a step of the summed block. */
 TEST(error_within_the_quantization_bound_of_the_exact_sum)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(64);
     enum { N = 3000 };
     float x[N];
     for (size_t i = 0; i < N; i++) x[i] = input(rank_, i);
@@ -169,7 +158,7 @@ TEST(error_within_the_quantization_bound_of_the_exact_sum)
 
 TEST(a_nan_on_one_rank_poisons_its_block_everywhere)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(64);
     enum { N = 4 * 2 * MPIDP_Q8_BLOCK };
     static float x[N];
     for (size_t i = 0; i < N; i++) x[i] = input(rank_, i);
@@ -186,7 +175,7 @@ TEST(a_nan_on_one_rank_poisons_its_block_everywhere)
 
 TEST(allreduce_with_uint8_wire_runs_the_quantized_engine)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(64);
     enum { N = 2000 };
     float x[N], want[N];
     for (size_t i = 0; i < N; i++) x[i] = input(rank_, i);
@@ -224,7 +213,7 @@ TEST(allreduce_with_uint8_wire_runs_the_quantized_engine)
  * apart (dependent collectives would have started in different orders). */
 TEST(concurrent_operations_on_one_communicator_complete_in_any_order)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(64);
     enum { N = 3 * MPIDP_Q8_BLOCK + 5 };
     static float a[N], b[N], wa[N], wb[N];
     for (int round = 0; round < 3; round++) {
@@ -263,7 +252,7 @@ TEST(concurrent_operations_on_one_communicator_complete_in_any_order)
 
 TEST(empty_tensor_is_done_at_once)
 {
-    mpidp_reqtable_t *reqs = table();
+    mpidp_reqtable_t *reqs = table(64);
     float x[1] = {5.0f};
     ASSERT_OK(qreduce(x, 0, 0, 0, 0, reqs));
     ASSERT_TRUE(x[0] == 5.0f);

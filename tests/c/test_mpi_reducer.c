@@ -93,8 +93,9 @@ TEST(mean_over_ranks_with_unused_parameters)
 }
 
 /* NP float32 parameters of PN elements in buckets of at most 80 bytes,
- * reduced over MPI_COMM_WORLD. */
+ * reduced over MPI_COMM_WORLD (this rank and the world's size with them). */
 typedef struct {
+    int rank, size;
     size_t numel[NP], offset[NP], nb;
     uint32_t bucket[NP];
     mpidp_bucket_info_t info[NP];
@@ -106,6 +107,8 @@ typedef struct {
 /* hier: NULL (flat), or the node scatter, cross and node gather communicators. */
 static int f32_reducer_hier(f32_reducer_t *f, int wire, int separate, const MPI_Comm *hier)
 {
+    MPI_Comm_rank(MPI_COMM_WORLD, &f->rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &f->size);
     int dtype[NP], rc = mpidp_mpiops_init();
     for (int i = 0; i < NP; i++) {
         f->numel[i] = PN;
@@ -141,64 +144,97 @@ static int f32_reducer_free(f32_reducer_t *f)
     return rc;
 }
 
+/* What a rank writes into element k of parameter i on pass `pass`. */
+typedef float (*grad_fn)(int rank, int i, int k, int pass);
+
+/* Writes this rank's gradients into every parameter's slice of the buckets. */
+static void f32_fill(f32_reducer_t *f, grad_fn value, int pass)
+{
+    for (int i = 0; i < NP; i++)
+        for (int k = 0; k < PN; k++)
+            ((float *)f->data[f->bucket[i]])[f->offset[i] + (size_t)k] = value(f->rank, i, k, pass);
+}
+
+/* Marks every parameter, with a gradient where this rank has one, and waits
+ * for every bucket. */
+static int f32_mark_and_wait(f32_reducer_t *f)
+{
+    int rc = MPIDP_OK;
+    for (int i = 0; rc == MPIDP_OK && i < NP; i++)
+        rc = mpidp_reducer_mark_ready(f->r, (size_t)i, has_grad(f->rank, i));
+    return rc == MPIDP_OK ? mpidp_reducer_wait_all(f->r, 30.0) : rc;
+}
+
+/* Parameter i's result after a pass, in *got (n elements): checks that it is
+ * flagged as used exactly when some rank had its gradient (every parameter
+ * but 5) and, in separate mode, delivers it first. *got stays NULL when a
+ * check failed (the failure is reported). */
+static void result_of(f32_reducer_t *f, int i, int separate, const float **got, size_t *n,
+                      int *mpidp__test_failed)
+{
+    *got = NULL;
+    int used = -1;
+    ASSERT_OK(mpidp_reducer_used_globally(f->r, (size_t)i, &used));
+    ASSERT_EQ_INT(used, i != 5);
+    if (separate) ASSERT_OK(mpidp_reducer_deliver(f->r, (size_t)i, MPIDP_DELIVER_COPY));
+    *got = mpidp_reducer_slice(f->r, (size_t)i, n);
+}
+
+/* A tenth of the gradient where the rank has one, 7 (which must not count)
+ * where it has none. */
+static float tenth_grad(int rank, int i, int k, int pass)
+{
+    (void)pass;
+    return has_grad(rank, i) ? 0.1f * grad_of(rank, i, k) : 7.0f;
+}
+
 /* float32 buckets travelling as bf16 (and fp16): the mean of the 16-bit
  * values each rank sent, within the rounding of one sum per rank. */
 static void compressed_pass(int wire, int *mpidp__test_failed)
 {
-    int rank, size;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
     f32_reducer_t f;
     ASSERT_OK(f32_reducer(&f, wire, 0));
-    mpidp_reducer_t *r = f.r;
-    uint32_t *bucket = f.bucket;
-    size_t *offset = f.offset;
-    void **data = f.data;
-    for (int i = 0; i < NP; i++)
-        for (int k = 0; k < PN; k++)
-            ((float *)data[bucket[i]])[offset[i] + (size_t)k] =
-                has_grad(rank, i) ? 0.1f * grad_of(rank, i, k) : 7.0f;
-    for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(r, (size_t)i, has_grad(rank, i)));
-    ASSERT_OK(mpidp_reducer_wait_all(r, 30.0));
+    f32_fill(&f, tenth_grad, 0);
+    ASSERT_OK(f32_mark_and_wait(&f));
     for (int i = 0; i < NP; i++) {
         int used = -1;
-        ASSERT_OK(mpidp_reducer_used_globally(r, (size_t)i, &used));
+        ASSERT_OK(mpidp_reducer_used_globally(f.r, (size_t)i, &used));
         ASSERT_EQ_INT(used, i != 5);
         for (int k = 0; k < PN; k++) {
             double expect = 0;
-            for (int q = 0; q < size; q++)
+            for (int q = 0; q < f.size; q++)
                 if (has_grad(q, i)) expect += 0.1 * grad_of(q, i, k);
-            expect /= size;
-            double got = ((const float *)data[bucket[i]])[offset[i] + (size_t)k];
+            expect /= f.size;
+            double got = ((const float *)f.data[f.bucket[i]])[f.offset[i] + (size_t)k];
             /* bf16 keeps 8 significant bits, fp16 11: one rounding per rank. */
             double rel = wire == MPIDP_BF16 ? 1.0 / 128 : 1.0 / 1024;
-            ASSERT_NEAR(got, expect, rel * size * (1 + expect));
+            ASSERT_NEAR(got, expect, rel * f.size * (1 + expect));
         }
     }
-    ASSERT_OK(mpidp_reducer_reset(r));
+    ASSERT_OK(mpidp_reducer_reset(f.r));
     ASSERT_OK(f32_reducer_free(&f));
 }
 
 TEST(bf16_wire) { compressed_pass(MPIDP_BF16, mpidp__test_failed); }
 TEST(fp16_wire) { compressed_pass(MPIDP_F16, mpidp__test_failed); }
 
+/* (rank + 1) * (i + k): every rank has a gradient for every parameter. */
+static float ranked_grad(int rank, int i, int k, int pass)
+{
+    (void)pass;
+    return (float)(rank + 1) * (float)(i + k);
+}
+
 /* Separate communication buffers (non-blocking DataParallel): the bucket is
  * zeroed once posted, writes into it cannot disturb the collective, and
  * deliver() copies or adds the mean into each slice. */
 static void separate_pass(int wire, int *mpidp__test_failed)
 {
-    int rank, size;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
     f32_reducer_t f;
     ASSERT_OK(f32_reducer(&f, wire, 1));
     mpidp_reducer_t *r = f.r;
-    uint32_t *bucket = f.bucket;
-    size_t *offset = f.offset;
-    void **data = f.data;
-    for (int i = 0; i < NP; i++)
-        for (int k = 0; k < PN; k++)
-            ((float *)data[bucket[i]])[offset[i] + (size_t)k] = (float)(rank + 1) * (float)(i + k);
+    int size = f.size;
+    f32_fill(&f, ranked_grad, 0);
     for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(r, (size_t)i, 1));
     /* Posted: the buckets are zero, and scribbling on them changes nothing. */
     for (int i = 0; i < NP; i++) {
@@ -236,16 +272,11 @@ TEST(separate_buffers_bf16_wire) { separate_pass(MPIDP_BF16, mpidp__test_failed)
  * zeroed; the flags stay exact. Blocking and separate buffers. */
 static void quantized_pass(int separate, int *mpidp__test_failed)
 {
-    int rank, size;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
     f32_reducer_t f;
     ASSERT_OK(f32_reducer(&f, MPIDP_U8, separate));
+    int rank = f.rank, size = f.size;
     float *want[NP];
-    for (int i = 0; i < NP; i++)
-        for (int k = 0; k < PN; k++)
-            ((float *)f.data[f.bucket[i]])[f.offset[i] + (size_t)k] =
-                has_grad(rank, i) ? 0.1f * grad_of(rank, i, k) : 7.0f;
+    f32_fill(&f, tenth_grad, 0);
     for (size_t b = 0; b < f.nb; b++) {
         want[b] = malloc(f.info[b].numel * sizeof(float));
         memcpy(want[b], f.data[b], f.info[b].numel * sizeof(float));
@@ -262,20 +293,23 @@ static void quantized_pass(int separate, int *mpidp__test_failed)
         ASSERT_OK(mpidp_qallreduce_wait(q, 30.0));
         ASSERT_OK(mpidp_qallreduce_free(q));
     }
-    for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(f.r, (size_t)i, has_grad(rank, i)));
-    ASSERT_OK(mpidp_reducer_wait_all(f.r, 30.0));
+    ASSERT_OK(f32_mark_and_wait(&f));
     for (int i = 0; i < NP; i++) {
-        int used = -1;
-        ASSERT_OK(mpidp_reducer_used_globally(f.r, (size_t)i, &used));
-        ASSERT_EQ_INT(used, i != 5);
-        if (separate) ASSERT_OK(mpidp_reducer_deliver(f.r, (size_t)i, MPIDP_DELIVER_COPY));
+        const float *got;
         size_t n;
-        const float *got = mpidp_reducer_slice(f.r, (size_t)i, &n);
+        result_of(&f, i, separate, &got, &n, mpidp__test_failed);
+        if (!got) return;
         ASSERT_TRUE(memcmp(got, want[f.bucket[i]] + f.offset[i], n * sizeof(float)) == 0);
     }
     ASSERT_OK(mpidp_reducer_reset(f.r));
     for (size_t b = 0; b < f.nb; b++) free(want[b]);
     ASSERT_OK(f32_reducer_free(&f));
+}
+
+/* A quarter of (rank + 1) * (i + k + pass) where the rank has a gradient. */
+static float pass_grad(int rank, int i, int k, int pass)
+{
+    return has_grad(rank, i) ? 0.25f * (float)((rank + 1) * (i + k + pass)) : 7.0f;
 }
 
 /* Hierarchical mode: nodes of 2 ranks (one node of all ranks for an odd
@@ -296,21 +330,15 @@ static void hierarchical_pass(int wire, int separate, int *mpidp__test_failed)
     f32_reducer_t f;
     ASSERT_OK(f32_reducer_hier(&f, wire, separate, comms));
     for (int pass = 0; pass < 2; pass++) {
-        for (int i = 0; i < NP; i++)
-            for (int k = 0; k < PN; k++)
-                ((float *)f.data[f.bucket[i]])[f.offset[i] + (size_t)k] =
-                    has_grad(rank, i) ? 0.25f * (float)((rank + 1) * (i + k + pass)) : 7.0f;
-        for (int i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(f.r, (size_t)i, has_grad(rank, i)));
-        ASSERT_OK(mpidp_reducer_wait_all(f.r, 30.0));
+        f32_fill(&f, pass_grad, pass);
+        ASSERT_OK(f32_mark_and_wait(&f));
         double top = 0.25 * size * (NP + PN + 1); /* above every mean */
         double tol = wire == -1 ? 1e-6 * top : wire == MPIDP_BF16 ? top / 64 : 4 * top / 255;
         for (int i = 0; i < NP; i++) {
-            int used = -1;
-            ASSERT_OK(mpidp_reducer_used_globally(f.r, (size_t)i, &used));
-            ASSERT_EQ_INT(used, i != 5);
-            if (separate) ASSERT_OK(mpidp_reducer_deliver(f.r, (size_t)i, MPIDP_DELIVER_COPY));
+            const float *got;
             size_t n;
-            const float *got = mpidp_reducer_slice(f.r, (size_t)i, &n);
+            result_of(&f, i, separate, &got, &n, mpidp__test_failed);
+            if (!got) return;
             for (size_t k = 0; k < n; k++) {
                 double want = 0;
                 for (int q = 0; q < size; q++)

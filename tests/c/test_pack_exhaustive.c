@@ -42,9 +42,12 @@ static void job_fail(job_t *j, const char *path, const char *kernel, const char 
         snprintf(j->what + len, sizeof j->what - (size_t)len, fmt, a, b, c);
 }
 
-static void run_jobs(void *(*fn)(void *), job_t *jobs, const mpidp_pack_kernels_t *const *paths,
-                     size_t np, uint64_t total)
+/* Splits [0, total) between THREADS jobs running fn over the paths, waits
+ * for them and returns how many failed (each failure printed). */
+static int run_jobs(void *(*fn)(void *), const mpidp_pack_kernels_t *const *paths, size_t np,
+                    uint64_t total)
 {
+    job_t jobs[THREADS];
     pthread_t t[THREADS];
     for (int i = 0; i < THREADS; i++) {
         jobs[i] = (job_t){.paths = paths, .npaths = np};
@@ -52,8 +55,13 @@ static void run_jobs(void *(*fn)(void *), job_t *jobs, const mpidp_pack_kernels_
         jobs[i].end = i == THREADS - 1 ? total : total / THREADS * (uint64_t)(i + 1);
         if (pthread_create(&t[i], NULL, fn, &jobs[i]) != 0) fn(&jobs[i]), t[i] = 0;
     }
-    for (int i = 0; i < THREADS; i++)
+    int failed = 0;
+    for (int i = 0; i < THREADS; i++) {
         if (t[i]) pthread_join(t[i], NULL);
+        if (jobs[i].failed) fprintf(stderr, "  %s\n", jobs[i].what);
+        failed += jobs[i].failed;
+    }
+    return failed;
 }
 
 /* Chunks [begin, end) of the 2^32 fp32 patterns, 2^20 per chunk. */
@@ -104,12 +112,7 @@ TEST(pack_every_fp32_pattern)
         printf("  (only the reference runs here: nothing to compare)\n");
         return;
     }
-    job_t jobs[THREADS];
-    run_jobs(pack_sweep, jobs, paths, np, (1ull << 32) / CHUNK);
-    for (int i = 0; i < THREADS; i++) {
-        if (jobs[i].failed) fprintf(stderr, "  %s\n", jobs[i].what);
-        ASSERT_TRUE(!jobs[i].failed);
-    }
+    ASSERT_EQ_INT(run_jobs(pack_sweep, paths, np, (1ull << 32) / CHUNK), 0);
 }
 
 TEST(unpack_every_half_pattern)
@@ -212,12 +215,7 @@ TEST(sum_pairs_correctly_rounded)
     const char *all = getenv("MPIDP_EXHAUSTIVE_SUM");
     sum_partners = all && all[0] == '1' ? 1u << 16 : 256u;
     if (sum_partners == 1u << 16) printf("  (MPIDP_EXHAUSTIVE_SUM=1: all 2^32 pairs)\n");
-    job_t jobs[THREADS];
-    run_jobs(sum_sweep, jobs, paths, np, 1u << 16);
-    for (int i = 0; i < THREADS; i++) {
-        if (jobs[i].failed) fprintf(stderr, "  %s\n", jobs[i].what);
-        ASSERT_TRUE(!jobs[i].failed);
-    }
+    ASSERT_EQ_INT(run_jobs(sum_sweep, paths, np, 1u << 16), 0);
 }
 
 TEST_MAIN(pack_every_fp32_pattern, unpack_every_half_pattern, sum_pairs_correctly_rounded)

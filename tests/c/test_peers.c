@@ -34,6 +34,16 @@ static void sequence(int kind, int world, int n, int *seq)
         for (int i = 0; i < n; i++) ASSERT_EQ_INT(got[i], want[i]);             \
     } while (0)
 
+/* Rank `rank`'s out-peers at iteration t, with k peers per iteration, are
+ * exactly the listed ranks (at least one), in that order. */
+#define ASSERT_PEERS(kind, world, k, rank, t, ...)                              \
+    do {                                                                        \
+        int want_[] = {__VA_ARGS__}, got_[MPIDP_GRAPH_MAX_PEERS];               \
+        int n_ = (int)(sizeof want_ / sizeof want_[0]);                         \
+        ASSERT_EQ_INT(out_at(kind, world, k, rank, t, got_), n_);               \
+        for (int i_ = 0; i_ < n_; i_++) ASSERT_EQ_INT(got_[i_], want_[i_]);     \
+    } while (0)
+
 TEST(fairscale_phone_books_in_their_order)
 {
     /* DDE, W = 8: +1, -1, +2, -2, +4 (-4 = +4 dropped), then again. */
@@ -50,13 +60,8 @@ TEST(fairscale_phone_books_in_their_order)
     ASSERT_SEQ(MPIDP_GRAPH_RING, 5, 1, 1, 1);
     /* NPDDE, W = 9, k = 2: distances j * 3^i, i <= log3(8) = 1: 1, 2, 3, 6;
      * two peers per iteration, rotating by two. */
-    int out[MPIDP_GRAPH_MAX_PEERS];
-    ASSERT_EQ_INT(out_at(MPIDP_GRAPH_NPDDE, 9, 2, 0, 0, out), 2);
-    ASSERT_EQ_INT(out[0], 1);
-    ASSERT_EQ_INT(out[1], 2);
-    ASSERT_EQ_INT(out_at(MPIDP_GRAPH_NPDDE, 9, 2, 4, 1, out), 2);
-    ASSERT_EQ_INT(out[0], 7);
-    ASSERT_EQ_INT(out[1], 1);
+    ASSERT_PEERS(MPIDP_GRAPH_NPDDE, 9, 2, 0, 0, 1, 2);
+    ASSERT_PEERS(MPIDP_GRAPH_NPDDE, 9, 2, 4, 1, 7, 1);
     /* Offsets that are 0 mod W are dropped (NPDDE, W = 6, k = 2: 1, 2, 3, 6). */
     mpidp_graph_t g = {.kind = MPIDP_GRAPH_NPDDE, .world = 6, .peers_per_itr = 2};
     int len = -1;
@@ -144,21 +149,15 @@ TEST(shift_one_pairs_the_halves_differently_each_iteration)
         }
     }
     /* The spec's formula at n = 8, iteration 3: rank 1 -> (3 + 1) % 4 + 4 = 4. */
-    int p[1];
-    ASSERT_EQ_INT(out_at(MPIDP_GRAPH_SHIFT_ONE, 8, 1, 1, 3, p), 1);
-    ASSERT_EQ_INT(p[0], 4);
-    ASSERT_EQ_INT(out_at(MPIDP_GRAPH_SHIFT_ONE, 8, 1, 4, 3, p), 1);
-    ASSERT_EQ_INT(p[0], 1);
+    ASSERT_PEERS(MPIDP_GRAPH_SHIFT_ONE, 8, 1, 1, 3, 4);
+    ASSERT_PEERS(MPIDP_GRAPH_SHIFT_ONE, 8, 1, 4, 3, 1);
 }
 
 TEST(ring_lr_has_both_neighbours_and_one_at_two_ranks)
 {
-    int out[MPIDP_GRAPH_MAX_PEERS];
-    ASSERT_EQ_INT(out_at(MPIDP_GRAPH_RING_LR, 5, 1, 0, 7, out), 2);
-    ASSERT_EQ_INT(out[0], 4);
-    ASSERT_EQ_INT(out[1], 1);
-    ASSERT_EQ_INT(out_at(MPIDP_GRAPH_RING_LR, 2, 1, 1, 0, out), 1);
-    ASSERT_EQ_INT(out[0], 0);
+    ASSERT_PEERS(MPIDP_GRAPH_RING_LR, 5, 1, 0, 7, 4, 1);
+    ASSERT_PEERS(MPIDP_GRAPH_RING_LR, 2, 1, 1, 0, 0);
+    int out[MPIDP_GRAPH_MAX_PEERS]; /* one worker: no peers, which ASSERT_PEERS cannot list */
     ASSERT_EQ_INT(out_at(MPIDP_GRAPH_RING_LR, 1, 1, 0, 0, out), 0);
 }
 

@@ -20,6 +20,32 @@ static void fill(fixture_t *f, size_t i, float v)
     for (int k = 0; k < 8; k++) slice(f, i)[k] = v;
 }
 
+/* Marks every parameter that no hook marked as unhooked, its .grad still the
+ * view prepare() pointed it at, as the glue does before finalize. */
+static int mark_rest_unhooked(fixture_t *f)
+{
+    int rc = MPIDP_OK;
+    for (size_t i = 0; rc == MPIDP_OK && i < NP; i++)
+        if (!mpidp_reducer_is_ready(f->r, i)) rc = mpidp_reducer_mark_unhooked(f->r, i, VIEW);
+    return rc;
+}
+
+/* What the caller saw of each .grad in the blocking pass of the first and
+ * the last blocking test: 0 and 2 had none, 1 its view, 3 a tensor of its
+ * own. */
+static const uint8_t hooked_seen[NP] = {NONE, VIEW, NONE, OTHER};
+
+/* That pass up to its hooks: prepare() with hooked_seen (its actions in act),
+ * then the hooks of 1 and 3 (3's after the caller adopted its view). */
+static int hooked_pass(fixture_t *f, uint8_t *act)
+{
+    int rc = setup(f);
+    if (rc == MPIDP_OK) rc = mpidp_reducer_prepare(f->r, hooked_seen, act);
+    if (rc == MPIDP_OK) rc = mpidp_reducer_grad_arrived(f->r, 1, 1);
+    if (rc == MPIDP_OK) rc = mpidp_reducer_grad_arrived(f->r, 3, 1);
+    return rc;
+}
+
 #define ASSERT_ACTS(act, a0, a1)                                                \
     do {                                                                        \
         ASSERT_EQ_INT((act)[0], (a0));                                          \
@@ -29,15 +55,12 @@ static void fill(fixture_t *f, size_t i, float v)
 TEST(blocking_pass_fixes_missing_grads_like_one_process)
 {
     fixture_t f;
-    ASSERT_OK(setup(&f));
-    uint8_t seen[NP] = {NONE, VIEW, NONE, OTHER}, act[NP];
-    ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
-    ASSERT_EQ_INT(act[0], MPIDP_GRAD_ZERO_VIEW);
+    uint8_t act[NP];
+    ASSERT_OK(hooked_pass(&f, act));
+    ASSERT_EQ_INT(act[0], MPIDP_GRAD_ZERO_VIEW); /* prepare()'s actions */
     ASSERT_EQ_INT(act[1], MPIDP_GRAD_KEEP);
     ASSERT_EQ_INT(act[2], MPIDP_GRAD_ZERO_VIEW);
     ASSERT_EQ_INT(act[3], MPIDP_GRAD_KEEP);
-    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 1, 1));
-    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 3, 1)); /* after the caller adopted it */
     /* Unhooked: 0's view holds prepare's zeros (no gradient), 2's .grad was set to None. */
     ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 0, VIEW), MPIDP_GRAD_KEEP);
     ASSERT_EQ_INT(mpidp_reducer_unhooked_action(f.r, 2, NONE), MPIDP_GRAD_KEEP);
@@ -57,8 +80,8 @@ TEST(blocking_pass_fixes_missing_grads_like_one_process)
     ASSERT_OK(mpidp_reducer_missing_grads(f.r, 1, act));
     ASSERT_ACTS(act, MPIDP_GRAD_SET_NONE, MPIDP_GRAD_KEEP);
     /* Non-blocking calls are refused in blocking mode. */
-    ASSERT_EQ_INT(mpidp_reducer_deliver_for_step(f.r, 0, 0, seen, act), MPIDP_ESTATE);
-    ASSERT_EQ_INT(mpidp_reducer_accumulate(f.r, 0, 0, -1, seen, act), MPIDP_ESTATE);
+    ASSERT_EQ_INT(mpidp_reducer_deliver_for_step(f.r, 0, 0, hooked_seen, act), MPIDP_ESTATE);
+    ASSERT_EQ_INT(mpidp_reducer_accumulate(f.r, 0, 0, -1, hooked_seen, act), MPIDP_ESTATE);
     ASSERT_OK(mpidp_reducer_reset(f.r));
     ASSERT_EQ_INT(mpidp_reducer_finalized(f.r), 0);
     /* While a pass is open prepare changes nothing. */
@@ -252,8 +275,7 @@ TEST(gradients_held_without_communication_count_in_the_next_pass)
     ASSERT_EQ_INT(mpidp_reducer_held(f.r), 0);           /* this pass reduces what was held */
     ASSERT_EQ_INT(mpidp_reducer_opens_backward(f.r), 0); /* open until finalize */
     ASSERT_EQ_INT(mpidp_reducer_set_paused(f.r, 1), MPIDP_ESTATE); /* a pass is open */
-    for (size_t i = 0; i < NP; i++)
-        if (!mpidp_reducer_is_ready(f.r, i)) ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, i, VIEW));
+    ASSERT_OK(mark_rest_unhooked(&f));
     ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
     ASSERT_EQ_INT(mpidp_reducer_opens_backward(f.r), 1);
     ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
@@ -280,8 +302,7 @@ TEST(decide_names_each_decision)
     int over = -1;
     ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
     ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 2, 1));
-    for (size_t i = 0; i < NP; i++)
-        if (!mpidp_reducer_is_ready(f.r, i)) ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, i, VIEW));
+    ASSERT_OK(mark_rest_unhooked(&f));
     ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
     ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
     ASSERT_OK(mpidp_reducer_decide(f.r, MPIDP_DECIDE_MISSING_GRADS, 0, -1, -1, seen, act, &over));
@@ -305,11 +326,8 @@ TEST(decide_names_each_decision)
 TEST(end_blocking_is_the_blocking_pass_in_one_call)
 {
     fixture_t f;
-    ASSERT_OK(setup(&f));
-    uint8_t seen[NP] = {NONE, VIEW, NONE, OTHER}, act[NP];
-    ASSERT_OK(mpidp_reducer_prepare(f.r, seen, act));
-    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 1, 1));
-    ASSERT_OK(mpidp_reducer_grad_arrived(f.r, 3, 1));
+    uint8_t act[NP];
+    ASSERT_OK(hooked_pass(&f, act));
     ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 0, VIEW));
     ASSERT_EQ_INT(mpidp_reducer_end_blocking(f.r, 1.0, act), MPIDP_ESTATE); /* 2 unmarked */
     ASSERT_OK(mpidp_reducer_mark_unhooked(f.r, 2, NONE));

@@ -15,12 +15,14 @@ static int track(mpidp_reqtable_t *t, MPI_Request req, const char *what, mpidp_r
     return rc;
 }
 
-/* A receive from ourselves that nobody sends: pending until cancelled. */
-static MPI_Request never_completing(int *buf)
+/* Posts a receive from ourselves that nobody sends (pending until
+ * cancelled) into buf and registers it as `what`; *req is our copy of its
+ * MPI handle, for cancel(). */
+static int track_never_completing(mpidp_reqtable_t *t, int *buf, const char *what,
+                                  MPI_Request *req, mpidp_req_t *h)
 {
-    MPI_Request req;
-    MPI_Irecv(buf, 1, MPI_INT, 0, 4242, MPI_COMM_SELF, &req);
-    return req;
+    MPI_Irecv(buf, 1, MPI_INT, 0, 4242, MPI_COMM_SELF, req);
+    return track(t, *req, what, h);
 }
 
 /* Cancel through a copy of the handle: the table still owns the original and
@@ -50,9 +52,9 @@ TEST(full_table_is_refused_and_slots_are_reused)
     mpidp_reqtable_t *t;
     ASSERT_OK(mpidp_reqtable_create(1, &t));
     int buf;
-    MPI_Request pending = never_completing(&buf);
+    MPI_Request pending;
     mpidp_req_t h1, h2;
-    ASSERT_OK(track(t, pending, "recv", &h1));
+    ASSERT_OK(track_never_completing(t, &buf, "recv", &pending, &h1));
     /* Full: refused before anything is posted, naming what was not posted. */
     ASSERT_EQ_INT(mpidp_reqtable_claim(t, "the barrier", &h2), MPIDP_EFULL);
     ASSERT_TRUE(strstr(mpidp_error_detail(), "the barrier was not posted") != NULL);
@@ -75,9 +77,9 @@ TEST(deadline_names_what_is_pending)
     mpidp_reqtable_t *t;
     ASSERT_OK(mpidp_reqtable_create(4, &t));
     int buf;
-    MPI_Request req = never_completing(&buf);
+    MPI_Request req;
     mpidp_req_t h;
-    ASSERT_OK(track(t, req, "MPI_Iallreduce of bucket 3", &h));
+    ASSERT_OK(track_never_completing(t, &buf, "MPI_Iallreduce of bucket 3", &req, &h));
     double t0 = mpidp_now();
     ASSERT_EQ_INT(mpidp_reqtable_wait(t, h, 0.05), MPIDP_ETIMEDOUT);
     ASSERT_TRUE(mpidp_now() - t0 >= 0.05);
@@ -113,10 +115,9 @@ TEST(progress_completes_exactly_the_finished_requests)
     for (int round = 0; round < 6; round++) {
         for (int i = 0; i < N; i++) {
             if (live[i]) continue;
-            reqs[i] = never_completing(&buf[i]);
             char what[32];
             snprintf(what, sizeof what, "recv %d", i);
-            ASSERT_OK(track(t, reqs[i], what, &h[i]));
+            ASSERT_OK(track_never_completing(t, &buf[i], what, &reqs[i], &h[i]));
             live[i] = 1;
             n_live++;
         }

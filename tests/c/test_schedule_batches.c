@@ -53,18 +53,26 @@ static int epoch_trace(mpidp_schedule_t *s, int64_t last, char *buf, size_t cap)
     return MPIDP_OK;
 }
 
+/* The default config with the given epochs and groups. */
+static mpidp_schedule_config_t config(int64_t total, int64_t warmup, int64_t cooldown,
+                                      int64_t n_groups)
+{
+    mpidp_schedule_config_t cfg;
+    mpidp_schedule_config_default(&cfg);
+    cfg.total_epochs = total;
+    cfg.warmup_epochs = warmup;
+    cfg.cooldown_epochs = cooldown;
+    cfg.n_groups = n_groups;
+    return cfg;
+}
+
 /* A cycling schedule with the given skips, as a restored checkpoint would set
  * them; validate() confirms it is a state the schedule accepts. */
 static int cycling(mpidp_schedule_t *s, int64_t gs, int64_t ls, int64_t btw,
                    int64_t n_groups)
 {
-    mpidp_schedule_config_t cfg;
-    mpidp_schedule_config_default(&cfg);
-    cfg.total_epochs = 100;
-    cfg.warmup_epochs = 0;
-    cfg.cooldown_epochs = 0;
+    mpidp_schedule_config_t cfg = config(100, 0, 0, n_groups);
     cfg.max_global_skips = 16;
-    cfg.n_groups = n_groups;
     int rc = mpidp_schedule_init(s, &cfg);
     if (rc != MPIDP_OK) return rc;
     s->global_skip = gs;
@@ -73,143 +81,130 @@ static int cycling(mpidp_schedule_t *s, int64_t gs, int64_t ls, int64_t btw,
     return mpidp_schedule_validate(s);
 }
 
-/* (4,1,1), last 9, one group. G: 0, 4, 8, 9. Each send has btw 1 and completes
- * on the next batch (R); the one of batch 8 has btw' = min(1, 9-8) = 1 and
- * completes on 9, before 9's blocking send. ls == 1: always on (L). */
-TEST(trace_4_1_1)
+/* One epoch of a trace: its last batch index and the actions it must give. */
+typedef struct {
+    int64_t last;
+    const char *want;
+} epoch_want_t;
+
+/* A cycling schedule set to (gs, ls, btw) with n_groups groups, run through
+ * its epochs in turn (up to the first without a `want`), so the group
+ * rotation carries on from one epoch to the next. */
+typedef struct {
+    const char *name;
+    int64_t gs, ls, btw, n_groups;
+    epoch_want_t epochs[6];
+} trace_case_t;
+
+static const trace_case_t cycling_traces[] = {
+    /* (4,1,1), last 9, one group. G: 0, 4, 8, 9. Each send has btw 1 and
+     * completes on the next batch (R); the one of batch 8 has btw' = min(1,
+     * 9-8) = 1 and completes on 9, before 9's blocking send. ls == 1: always
+     * on (L). */
+    {"4_1_1", 4, 1, 1, 1, {{9, "s0/1+ r0/1+ + + s0/1+ r0/1+ + + s0/1+ r0/1s0/0!+$"}}},
+    /* (8,2,2), last 9, two groups. G: 0 (group 0), 8 (group 1), 9 (group 0).
+     * Batch 0 sends btw 2, pending through 1 (+), completed on 2. After 2, L
+     * gives n % 2 == 0: 3 -, 4 +, 5 -, 6 +; 7 is followed by G batch 8: +.
+     * Batch 8: btw' = min(2, 1) = 1, completed on 9 before the blocking send.
+     * The second epoch starts on group 1 because the rotation runs on across
+     * epochs. */
+    {"8_2_2_two_groups", 8, 2, 2, 2,
+     {{9, "s0/2+ + r0/2- + - + - + s1/1+ r1/1s0/0!+$"},
+      {9, "s1/2+ + r1/2- + - + - + s0/1+ r0/1s1/0!+$"}}},
+    /* last_batch 3 < gs 8, three groups. G: 0 and 3 only. Batch 0: btw' =
+     * min(2, 3) = 2, completed on 2; batch 3 is next after 2 and the last: +.
+     * Groups rotate 0, 1 | 2, 0 | 1, 2 over three epochs. Then last 1: btw' =
+     * min(2, 1) = 1, completed on the last batch; and a single-batch epoch is
+     * one blocking sync. */
+    {"short_epoch_three_groups", 8, 2, 2, 3,
+     {{3, "s0/2+ + r0/2+ s1/0!+$"},
+      {3, "s2/2+ + r2/2+ s0/0!+$"},
+      {3, "s1/2+ + r1/2+ s2/0!+$"},
+      {1, "s0/1+ r0/1s1/0!+$"},
+      {0, "s2/0!+$"}}},
+    /* btw clamped at the epoch end: (4,2,3), last 5. G: 0, 4, 5. Batch 0:
+     * btw' = min(3, 5) = 3, pending on 1, 2 (+), completed on 3, after which 4
+     * is G (+). Batch 4: btw' = min(3, 1) = 1, completed on 5 before its
+     * blocking send. Then last 2: btw' = min(3, 2) = 2, completed on the last
+     * batch itself. */
+    {"btw_clamped_at_epoch_end", 4, 2, 3, 1,
+     {{5, "s0/3+ + + r0/3+ s0/1+ r0/1s0/0!+$"},
+      {2, "s0/2+ + r0/2s0/0!+$"}}},
+    /* btw == gs: (4,4,4), last 9. Each send completes on the next G batch,
+     * just before that batch's own send; one sync is always pending, so local
+     * sync stays on. Batch 8: btw' = min(4, 1) = 1. */
+    {"btw_equals_gs_completes_then_sends", 4, 4, 4, 2,
+     {{9, "s0/4+ + + + r0/4s1/4+ + + + r1/4s0/1+ r0/1s1/0!+$"}}},
+    /* Local sync toggling with ls = 4 > btw: (8,4,1), last 12. G: 0, 8, 12.
+     * Batch 0 sends btw 1, completed on 1; then L: next 2 -, 3 -, 4 + (4 % 4),
+     * 5 -, 6 -, 7 -, 8 + (G). Batch 8: btw' = min(1, 4) = 1, completed on 9;
+     * next 10 -, 11 -, 12 + (the last batch). */
+    {"local_skip_toggling", 8, 4, 1, 1,
+     {{12, "s0/1+ r0/1- - + - - - + s0/1+ r0/1- - + s0/0!+$"}}},
+    /* ls = 3 with gs = 6, btw 2, last 13. G: 0, 6, 12, 13. After each
+     * completion (2, 8) the next batch is a multiple of 3 (+), then two off,
+     * then the batch before the G batch (+). Batch 12: btw' = min(2, 1) = 1. */
+    {"local_skip_three", 6, 3, 2, 1,
+     {{13, "s0/2+ + r0/2+ - - + s0/2+ + r0/2+ - - + s0/1+ r0/1s0/0!+$"}}},
+    /* (2,1,1), last 4, two groups. Heat skips the receive when the next batch
+     * is a G batch and does it one batch late in the global sync; here every
+     * send completes after exactly its btw, so the merge weight matches the
+     * lag. */
+    {"2_1_1_completes_on_time", 2, 1, 1, 2, {{4, "s0/1+ r0/1+ s1/1+ r1/1+ s0/0!+$"}}},
+    /* gs = 1: every batch is G; each completes the previous send, then sends. */
+    {"1_1_1_every_batch", 1, 1, 1, 2, {{3, "s0/1+ r0/1s1/1+ r1/1s0/1+ r0/1s1/0!+$"}}},
+    /* One group: every send and completion is on group 0. G: 0, 3, 6, 7;
+     * batch 6: btw' = min(1, 1) = 1. */
+    {"one_group", 3, 1, 1, 1, {{7, "s0/1+ r0/1+ + s0/1+ r0/1+ + s0/1+ r0/1s0/0!+$"}}},
+};
+
+/* Runs one case; 0 when every epoch gives its trace and ends with the epoch
+ * counter advanced and no sync pending, else 1 with what went wrong on
+ * stderr. */
+static int run_trace_case(const trace_case_t *c)
 {
     mpidp_schedule_t s;
     char t[512];
-    ASSERT_OK(cycling(&s, 4, 1, 1, 1));
-    ASSERT_OK(epoch_trace(&s, 9, t, sizeof t));
-    ASSERT_STREQ(t, "s0/1+ r0/1+ + + s0/1+ r0/1+ + + s0/1+ r0/1s0/0!+$");
-    ASSERT_EQ_INT(s.epoch, 1);
-    ASSERT_EQ_INT(s.pending, 0);
+    int rc = cycling(&s, c->gs, c->ls, c->btw, c->n_groups);
+    if (rc != MPIDP_OK) {
+        fprintf(stderr, "  %s: refused: %s\n", c->name, mpidp_error_detail());
+        return 1;
+    }
+    for (int e = 0; e < 6 && c->epochs[e].want; e++) {
+        rc = epoch_trace(&s, c->epochs[e].last, t, sizeof t);
+        if (rc != MPIDP_OK) {
+            fprintf(stderr, "  %s, epoch %d: refused: %s\n", c->name, e, mpidp_error_detail());
+            return 1;
+        }
+        if (strcmp(t, c->epochs[e].want) != 0) {
+            fprintf(stderr, "  %s, epoch %d: \"%s\" != \"%s\"\n", c->name, e, t,
+                    c->epochs[e].want);
+            return 1;
+        }
+        if (s.epoch != e + 1 || s.pending != 0) {
+            fprintf(stderr, "  %s, epoch %d: epoch counter %lld, pending %lld after it\n",
+                    c->name, e, (long long)s.epoch, (long long)s.pending);
+            return 1;
+        }
+    }
+    return 0;
 }
 
-/* (8,2,2), last 9, two groups. G: 0 (group 0), 8 (group 1), 9 (group 0).
- * Batch 0 sends btw 2, pending through 1 (+), completed on 2. After 2, L gives
- * n % 2 == 0: 3 -, 4 +, 5 -, 6 +; 7 is followed by G batch 8: +. Batch 8:
- * btw' = min(2, 1) = 1, completed on 9 before the blocking send. The second
- * epoch starts on group 1 because the rotation runs on across epochs. */
-TEST(trace_8_2_2_two_groups)
+/* Every case runs, so one failure does not hide the others. */
+TEST(cycling_traces)
 {
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 8, 2, 2, 2));
-    ASSERT_OK(epoch_trace(&s, 9, t, sizeof t));
-    ASSERT_STREQ(t, "s0/2+ + r0/2- + - + - + s1/1+ r1/1s0/0!+$");
-    ASSERT_OK(epoch_trace(&s, 9, t, sizeof t));
-    ASSERT_STREQ(t, "s1/2+ + r1/2- + - + - + s0/1+ r0/1s1/0!+$");
-}
-
-/* last_batch 3 < gs 8, three groups. G: 0 and 3 only. Batch 0: btw' =
- * min(2, 3) = 2, completed on 2; batch 3 is next after 2 and the last: +.
- * Groups rotate 0, 1 | 2, 0 | 1, 2 over three epochs. */
-TEST(trace_short_epoch_three_groups)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 8, 2, 2, 3));
-    ASSERT_OK(epoch_trace(&s, 3, t, sizeof t));
-    ASSERT_STREQ(t, "s0/2+ + r0/2+ s1/0!+$");
-    ASSERT_OK(epoch_trace(&s, 3, t, sizeof t));
-    ASSERT_STREQ(t, "s2/2+ + r2/2+ s0/0!+$");
-    ASSERT_OK(epoch_trace(&s, 3, t, sizeof t));
-    ASSERT_STREQ(t, "s1/2+ + r1/2+ s2/0!+$");
-    /* last 1: btw' = min(2, 1) = 1, completed on the last batch. */
-    ASSERT_OK(epoch_trace(&s, 1, t, sizeof t));
-    ASSERT_STREQ(t, "s0/1+ r0/1s1/0!+$");
-    /* A single-batch epoch is one blocking sync. */
-    ASSERT_OK(epoch_trace(&s, 0, t, sizeof t));
-    ASSERT_STREQ(t, "s2/0!+$");
-}
-
-/* btw clamped at the epoch end: (4,2,3), last 5. G: 0, 4, 5. Batch 0: btw' =
- * min(3, 5) = 3, pending on 1, 2 (+), completed on 3, after which 4 is G (+).
- * Batch 4: btw' = min(3, 1) = 1, completed on 5 before its blocking send. */
-TEST(trace_btw_clamped_at_epoch_end)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 4, 2, 3, 1));
-    ASSERT_OK(epoch_trace(&s, 5, t, sizeof t));
-    ASSERT_STREQ(t, "s0/3+ + + r0/3+ s0/1+ r0/1s0/0!+$");
-    /* last 2: btw' = min(3, 2) = 2, completed on the last batch itself. */
-    ASSERT_OK(epoch_trace(&s, 2, t, sizeof t));
-    ASSERT_STREQ(t, "s0/2+ + r0/2s0/0!+$");
-}
-
-/* btw == gs: (4,4,4), last 9. Each send completes on the next G batch, just
- * before that batch's own send; one sync is always pending, so local sync
- * stays on. Batch 8: btw' = min(4, 1) = 1. */
-TEST(trace_btw_equals_gs_completes_then_sends)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 4, 4, 4, 2));
-    ASSERT_OK(epoch_trace(&s, 9, t, sizeof t));
-    ASSERT_STREQ(t, "s0/4+ + + + r0/4s1/4+ + + + r1/4s0/1+ r0/1s1/0!+$");
-}
-
-/* Local sync toggling with ls = 4 > btw: (8,4,1), last 12. G: 0, 8, 12.
- * Batch 0 sends btw 1, completed on 1; then L: next 2 -, 3 -, 4 + (4 % 4), 5 -,
- * 6 -, 7 -, 8 + (G). Batch 8: btw' = min(1, 4) = 1, completed on 9; next 10 -,
- * 11 -, 12 + (the last batch). */
-TEST(trace_local_skip_toggling)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 8, 4, 1, 1));
-    ASSERT_OK(epoch_trace(&s, 12, t, sizeof t));
-    ASSERT_STREQ(t, "s0/1+ r0/1- - + - - - + s0/1+ r0/1- - + s0/0!+$");
-}
-
-/* ls = 3 with gs = 6, btw 2, last 13. G: 0, 6, 12, 13. After each completion
- * (2, 8) the next batch is a multiple of 3 (+), then two off, then the batch
- * before the G batch (+). Batch 12: btw' = min(2, 1) = 1. */
-TEST(trace_local_skip_three)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 6, 3, 2, 1));
-    ASSERT_OK(epoch_trace(&s, 13, t, sizeof t));
-    ASSERT_STREQ(t, "s0/2+ + r0/2+ - - + s0/2+ + r0/2+ - - + s0/1+ r0/1s0/0!+$");
-}
-
-/* (2,1,1), last 4, two groups. Heat skips the receive when the next batch is a
- * G batch and does it one batch late in the global sync; here every send
- * completes after exactly its btw, so the merge weight matches the lag. */
-TEST(trace_2_1_1_completes_on_time)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 2, 1, 1, 2));
-    ASSERT_OK(epoch_trace(&s, 4, t, sizeof t));
-    ASSERT_STREQ(t, "s0/1+ r0/1+ s1/1+ r1/1+ s0/0!+$");
-}
-
-/* gs = 1: every batch is G; each completes the previous send, then sends. */
-TEST(trace_1_1_1_every_batch)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 1, 1, 1, 2));
-    ASSERT_OK(epoch_trace(&s, 3, t, sizeof t));
-    ASSERT_STREQ(t, "s0/1+ r0/1s1/1+ r1/1s0/1+ r0/1s1/0!+$");
+    int failed = 0;
+    for (size_t i = 0; i < sizeof cycling_traces / sizeof cycling_traces[0]; i++)
+        failed += run_trace_case(&cycling_traces[i]);
+    ASSERT_EQ_INT(failed, 0);
 }
 
 /* Warmup and cooldown: every batch a blocking sync, groups taking turns. */
 TEST(trace_blocking_phases)
 {
-    mpidp_schedule_config_t cfg;
     mpidp_schedule_t s;
     char t[512];
-    mpidp_schedule_config_default(&cfg);
-    cfg.total_epochs = 3;
-    cfg.warmup_epochs = 1;
-    cfg.cooldown_epochs = 2;
-    cfg.n_groups = 3;
+    mpidp_schedule_config_t cfg = config(3, 1, 2, 3);
     ASSERT_OK(mpidp_schedule_init(&s, &cfg));
     ASSERT_EQ_INT(s.phase, MPIDP_SCHEDULE_WARMUP);
     ASSERT_OK(epoch_trace(&s, 3, t, sizeof t));
@@ -220,28 +215,13 @@ TEST(trace_blocking_phases)
     ASSERT_STREQ(t, "s1/0!+ s2/0!+$");
 }
 
-/* One group: every send and completion is on group 0. */
-TEST(trace_one_group)
-{
-    mpidp_schedule_t s;
-    char t[512];
-    ASSERT_OK(cycling(&s, 3, 1, 1, 1));
-    ASSERT_OK(epoch_trace(&s, 7, t, sizeof t));
-    /* G: 0, 3, 6, 7; batch 6: btw' = min(1, 1) = 1. */
-    ASSERT_STREQ(t, "s0/1+ r0/1+ + s0/1+ r0/1+ + s0/1+ r0/1s0/0!+$");
-}
-
 /* The transition from warmup into cycling at an epoch boundary, and the
  * counter: epoch advances on each last batch. */
 TEST(trace_across_phase_change)
 {
-    mpidp_schedule_config_t cfg;
     mpidp_schedule_t s;
     char t[512];
-    mpidp_schedule_config_default(&cfg);
-    cfg.total_epochs = 10;
-    cfg.warmup_epochs = 1;
-    cfg.n_groups = 2;
+    mpidp_schedule_config_t cfg = config(10, 1, 4, 2); /* cooldown 4: the default */
     ASSERT_OK(mpidp_schedule_init(&s, &cfg));
     ASSERT_OK(epoch_trace(&s, 5, t, sizeof t));
     ASSERT_STREQ(t, "s0/0!+ s1/0!+ s0/0!+ s1/0!+ s0/0!+ s1/0!+$");
@@ -313,9 +293,5 @@ TEST(invalid_batch_sequences)
     ASSERT_EQ_INT(refuse(&s, 1, 2, MPIDP_EINVAL, "send_mod"), 0);
 }
 
-TEST_MAIN(trace_4_1_1, trace_8_2_2_two_groups, trace_short_epoch_three_groups,
-          trace_btw_clamped_at_epoch_end, trace_btw_equals_gs_completes_then_sends,
-          trace_local_skip_toggling, trace_local_skip_three,
-          trace_2_1_1_completes_on_time, trace_1_1_1_every_batch,
-          trace_blocking_phases, trace_one_group, trace_across_phase_change,
+TEST_MAIN(cycling_traces, trace_blocking_phases, trace_across_phase_change,
           invalid_batch_sequences)

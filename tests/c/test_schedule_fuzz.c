@@ -3,6 +3,7 @@
  * validate() against corrupted states and the checkpoint round trip. */
 #include "mpidp/schedule.h"
 #include "mpidp/status.h"
+#include "schedule_actions.h"
 #include "test.h"
 
 #include <stddef.h>
@@ -361,16 +362,6 @@ TEST(validate_catches_corruption)
     for (int64_t b = good.next_batch; b <= 12; b++)
         ASSERT_OK(mpidp_schedule_batch(&good, b, 12, &a));
     ASSERT_TRUE(a.epoch_done && !a.complete && a.send_blocking);
-}
-
-/* Field by field: the actions struct has padding between int and int64_t. */
-static int same_actions(const mpidp_schedule_actions_t *x, const mpidp_schedule_actions_t *y)
-{
-    return x->complete == y->complete && x->complete_group == y->complete_group &&
-           x->complete_btw == y->complete_btw && x->send == y->send &&
-           x->send_group == y->send_group && x->send_btw == y->send_btw &&
-           x->send_blocking == y->send_blocking && x->local_sync == y->local_sync &&
-           x->epoch_done == y->epoch_done;
 }
 
 /* Restoring a checkpoint taken mid-epoch replays exactly what the original

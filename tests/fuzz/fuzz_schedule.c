@@ -39,6 +39,7 @@
 #include "mpidp/schedule.h"
 #include "mpidp/status.h"
 
+#include "../c/schedule_actions.h" /* same_actions(), shared with the C tests */
 #include "fuzz_common.h"
 
 #define CODE_BIT(status) (1u << (unsigned)(-(status)))
@@ -278,15 +279,6 @@ static void shadow_sync(shadow_t *sh, const mpidp_schedule_t *s)
     sh->btw = s->pending_btw;
     sh->sent_at = s->pending_sent_at;
     sh->next_group = s->send_mod;
-}
-
-static int same_actions(const mpidp_schedule_actions_t *a, const mpidp_schedule_actions_t *b)
-{
-    return a->complete == b->complete && a->complete_group == b->complete_group &&
-           a->complete_btw == b->complete_btw && a->send == b->send &&
-           a->send_group == b->send_group && a->send_btw == b->send_btw &&
-           a->send_blocking == b->send_blocking && a->local_sync == b->local_sync &&
-           a->epoch_done == b->epoch_done;
 }
 
 static void print_actions(const char *title, const mpidp_schedule_actions_t *a)
