@@ -2,10 +2,12 @@
 everywhere, and listed in the README's settings table."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 
-from mpi_jobs import ROOT
+from mpi_jobs import ROOT, clean_env
 from mpidp import _config as config
 
 pytestmark = pytest.mark.serial
@@ -76,3 +78,28 @@ def test_the_package_reads_mpidp_variables_only_through_config():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not re.search(r"environ[^\n]*[\"']MPIDP_", line), (
                 f"{path.name}:{n} reads an MPIDP_ variable directly; use _config.get()")
+
+
+@pytest.mark.parametrize("env, spin", [
+    ({}, 0.02),                                        # a core per rank: spin long
+    ({"OMPI_MCA_mpi_yield_when_idle": "1"}, 0.003),    # MPI was told the ranks share cores
+    ({"OMPI_MCA_mpi_yield_when_idle": "1", "MPIDP_WAIT_SPIN_MS": "7.5"}, 0.0075),
+    ({"MPIDP_WAIT_SPIN_MS": "0"}, 0.0),
+])
+def test_waits_spin_less_where_mpi_says_the_cores_are_shared(env, spin):
+    """The spin of every wait follows MPI's mpi_yield_when_idle (mpirun also
+    turns it on by itself when it oversubscribes a node), and
+    MPIDP_WAIT_SPIN_MS overrides it. A fresh singleton process per case:
+    MPI reads its settings at MPI_Init."""
+    code = "import mpidp, mpidp._C as C; print(repr(C.process_state()['wait_spin']))"
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(**env), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout
+    assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(spin)
+
+
+def test_a_bad_wait_spin_names_the_variable(monkeypatch):
+    monkeypatch.setenv("MPIDP_WAIT_SPIN_MS", "-1")
+    with pytest.raises(ValueError, match=re.escape("MPIDP_WAIT_SPIN_MS must be a number of "
+                                                   "milliseconds >= 0, got '-1'")):
+        config.get("MPIDP_WAIT_SPIN_MS")

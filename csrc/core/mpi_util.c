@@ -80,3 +80,29 @@ int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, siz
                         mpidp_mpi_op(op, dtype), comm, &req);
     return mpidp__post_done(reqs, slot, rc, req, what, out);
 }
+
+int mpidp__mpi_yields_when_idle(void)
+{
+    int provided, idx, count, yields = 0;
+    if (MPI_T_init_thread(MPI_THREAD_SINGLE, &provided) != MPI_SUCCESS) return 0;
+    char name[64], desc[8];
+    int name_len = sizeof name, desc_len = sizeof desc, verbosity, bind, scope, size = 0;
+    MPI_Datatype type;
+    MPI_T_enum enumtype;
+    MPI_T_cvar_handle h;
+    /* Open MPI declares it a C bool: read its bytes into a zeroed buffer wide
+     * enough for any integer type, and take any nonzero byte as true. */
+    unsigned char value[16] = {0};
+    if (MPI_T_cvar_get_index("mpi_yield_when_idle", &idx) == MPI_SUCCESS &&
+        MPI_T_cvar_get_info(idx, name, &name_len, &verbosity, &type, &enumtype, desc, &desc_len,
+                            &bind, &scope) == MPI_SUCCESS &&
+        MPI_Type_size(type, &size) == MPI_SUCCESS && size > 0 && size <= (int)sizeof value &&
+        bind == MPI_T_BIND_NO_OBJECT &&
+        MPI_T_cvar_handle_alloc(idx, NULL, &h, &count) == MPI_SUCCESS) {
+        if (count == 1 && MPI_T_cvar_read(h, value) == MPI_SUCCESS)
+            for (int i = 0; i < size; i++) yields |= value[i] != 0;
+        MPI_T_cvar_handle_free(&h);
+    }
+    MPI_T_finalize();
+    return yields;
+}

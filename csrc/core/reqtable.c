@@ -33,6 +33,7 @@ struct mpidp_reqtable {
      * gradient hooks call once per parameter, costs what is in flight and
      * not the table's capacity. */
     uint32_t *live_idx;
+    double spin_s;    /* mpidp_reqtable_set_spin */
     size_t n_engines;
     struct {
         mpidp_reqtable_engine_fn fn;
@@ -128,6 +129,7 @@ int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out)
     t->slots = slots;
     t->live_idx = live_idx;
     t->next_gen = 1;
+    t->spin_s = MPIDP_SPIN_SECONDS;
     *out = t;
     return MPIDP_OK;
 }
@@ -250,24 +252,34 @@ int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done)
     return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "%s failed", what);
 }
 
-/* Spin, yielding the core between tests, for at most this long; then sleep
- * 100 us between tests. sched_yield does not reliably hand the core to other
- * threads: with 4 ranks on 2 cores, DDP's first iterations (gloo threads
- * beside mpidp's waits) stalled for exactly as long as the spin lasted, which
- * was 2 s (benchmarks/bench_daso.py, DASO on the emulated cluster). A wait
- * this long is for a slow peer or a large transfer, next to which up to
- * 100 us of extra latency at completion is lost in the noise. */
-#define MPIDP_SPIN_SECONDS 0.02
+void mpidp_reqtable_set_spin(mpidp_reqtable_t *t, double seconds)
+{
+    if (t == NULL) return;
+    pthread_mutex_lock(&t->lock);
+    t->spin_s = seconds > 0 ? seconds : 0; /* NaN too reads as 0 */
+    pthread_mutex_unlock(&t->lock);
+}
+
+double mpidp_reqtable_spin(mpidp_reqtable_t *t)
+{
+    if (t == NULL) return MPIDP_SPIN_SECONDS;
+    pthread_mutex_lock(&t->lock);
+    double s = t->spin_s;
+    pthread_mutex_unlock(&t->lock);
+    return s;
+}
 
 /* Back-off while waiting. Open MPI advances a non-blocking collective only
  * inside MPI calls, so a collective needs MPI_Test called continuously: spin,
  * yielding the core between tests (other ranks may share it), then, once the
- * wait has lasted MPIDP_SPIN_SECONDS, sleep between tests so that a slow or
- * stuck peer does not cost a core or starve this rank's other threads. */
-static void backoff(unsigned long iteration, double waited)
+ * wait has lasted `spin` seconds, sleep 100 us between tests so that a slow or
+ * stuck peer does not cost a core or starve this rank's other threads. A wait
+ * that long is for a slow peer or a large transfer, next to which 100 us of
+ * extra latency at completion is small. */
+static void backoff(unsigned long iteration, double waited, double spin)
 {
     if (iteration < 64) return;
-    if (waited < MPIDP_SPIN_SECONDS) {
+    if (waited < spin) {
         sched_yield();
         return;
     }
@@ -288,7 +300,7 @@ static int timed_out(mpidp_reqtable_t *t, double timeout_s)
 
 int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
 {
-    double start = mpidp_now();
+    double start = mpidp_now(), spin = mpidp_reqtable_spin(t);
     for (unsigned long it = 0;; it++) {
         int done = 0;
         int rc = mpidp_reqtable_test(t, h, &done);
@@ -296,7 +308,7 @@ int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
         run_engines(t);
         double waited = mpidp_now() - start;
         if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
-        backoff(it, waited);
+        backoff(it, waited, spin);
     }
 }
 
@@ -323,14 +335,14 @@ int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done)
 
 int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s)
 {
-    double start = mpidp_now();
+    double start = mpidp_now(), spin = mpidp_reqtable_spin(t);
     for (unsigned long it = 0;; it++) {
         int rc = mpidp_reqtable_progress(t, NULL);
         if (rc != MPIDP_OK) return rc;
         if (mpidp_reqtable_pending(t) == 0) return MPIDP_OK;
         double waited = mpidp_now() - start;
         if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
-        backoff(it, waited);
+        backoff(it, waited, spin);
     }
 }
 

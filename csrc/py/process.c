@@ -38,18 +38,24 @@ int mpidp_py_warn_fp16_overflow(void)
                         "bfloat16 (float32's range) or float32, or scale the values down", 1);
 }
 
-/* configure(*, timeout=, abort_on_timeout=, hook_progress=, forked=): sets
- * the settings given. forked=True is for os.register_at_fork's child: every
- * later communication raises (there is no way back). */
+/* configure(*, timeout=, abort_on_timeout=, hook_progress=, forked=,
+ * wait_spin=): sets the settings given. forked=True is for
+ * os.register_at_fork's child: every later communication raises (there is
+ * no way back). */
 static PyObject *mod_configure(PyObject *m, PyObject *args, PyObject *kwds)
 {
-    (void)m;
-    static char *kwlist[] = {"timeout", "abort_on_timeout", "hook_progress", "forked", NULL};
-    double timeout = mpidp_py_timeout_s;
+    static char *kwlist[] = {"timeout", "abort_on_timeout", "hook_progress", "forked",
+                             "wait_spin", NULL};
+    mpidp_reqtable_t *reqs = mpidp_py_state_of_module(m)->reqs;
+    double timeout = mpidp_py_timeout_s, spin = mpidp_reqtable_spin(reqs);
     int abort_on = mpidp_py_abort_on_timeout, hook = mpidp_py_hook_progress, forked = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$dppp:configure", kwlist, &timeout, &abort_on,
-                                     &hook, &forked))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$dpppd:configure", kwlist, &timeout, &abort_on,
+                                     &hook, &forked, &spin))
         return NULL;
+    if (!(spin >= 0))
+        return PyErr_Format(PyExc_ValueError, "wait_spin: expected seconds >= 0, got %S",
+                            PyDict_GetItemString(kwds, "wait_spin"));
+    mpidp_reqtable_set_spin(reqs, spin);
     mpidp_py_timeout_s = timeout;
     mpidp_py_abort_on_timeout = abort_on;
     mpidp_py_hook_progress = hook;
@@ -61,13 +67,15 @@ static PyObject *mod_configure(PyObject *m, PyObject *args, PyObject *kwds)
 static PyObject *mod_process_state(PyObject *m, PyObject *unused)
 {
     (void)unused;
-    return Py_BuildValue("{s:d,s:N,s:N,s:N,s:N,s:n,s:n}", "timeout", mpidp_py_timeout_s,
+    mpidp_reqtable_t *reqs = mpidp_py_state_of_module(m)->reqs;
+    return Py_BuildValue("{s:d,s:d,s:N,s:N,s:N,s:N,s:n,s:n}", "timeout", mpidp_py_timeout_s,
+                         "wait_spin", mpidp_reqtable_spin(reqs),
                          "abort_on_timeout", PyBool_FromLong(mpidp_py_abort_on_timeout),
                          "hook_progress", PyBool_FromLong(mpidp_py_hook_progress),
                          "forked", PyBool_FromLong(mpidp_py_forked),
                          "timed_out", PyBool_FromLong(mpidp_py_timed_out),
                          "fp16_overflows", (Py_ssize_t)mpidp_fp16_overflow_total(),
-                         "pending", (Py_ssize_t)mpidp_reqtable_pending(mpidp_py_state_of_module(m)->reqs));
+                         "pending", (Py_ssize_t)mpidp_reqtable_pending(reqs));
 }
 
 /* finish_pending(): waits for everything in flight (called at exit, before
@@ -88,10 +96,11 @@ static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
 
 PyMethodDef mpidp_py_process_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))mod_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(*, timeout, abort_on_timeout, hook_progress, forked): process-wide settings\n"
-     "(timeout: seconds of every wait, <= 0 none; abort_on_timeout: a deadline aborts the job\n"
-     "instead of raising mpidp.CommTimeout; hook_progress: gradient hooks test what is in\n"
-     "flight; forked: this is a fork of a rank, every later communication raises)."},
+     "configure(*, timeout, abort_on_timeout, hook_progress, forked, wait_spin): process-wide\n"
+     "settings (timeout: seconds of every wait, <= 0 none; abort_on_timeout: a deadline aborts\n"
+     "the job instead of raising mpidp.CommTimeout; hook_progress: gradient hooks test what is\n"
+     "in flight; forked: this is a fork of a rank, every later communication raises;\n"
+     "wait_spin: seconds a wait spins before it sleeps between tests)."},
     {"process_state", mod_process_state, METH_NOARGS,
      "The settings, and timed_out / fp16_overflows / pending (requests in flight), as a dict."},
     {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},

@@ -35,9 +35,18 @@ class Setting:
 
 def _positive(kind: type) -> Callable[[str], Any]:
     """A parser of positive numbers of `kind` (int or float)."""
+    return _at_least(kind, 0, strict=True)
+
+
+def _at_least_zero(kind: type) -> Callable[[str], Any]:
+    """A parser of numbers >= 0 of `kind`."""
+    return _at_least(kind, 0, strict=False)
+
+
+def _at_least(kind: type, low, strict: bool) -> Callable[[str], Any]:
     def parse(raw: str):
         value = kind(raw)
-        if not value > 0:
+        if not (value > low if strict else value >= low):  # NaN fails both
             raise ValueError
         return value
     return parse
@@ -87,6 +96,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_HOOK_PROGRESS", True, _flag, "0 or 1",
             "0 stops gradient hooks (DataParallel, at most every 10 us) and forward and gradient "
             "hooks (DASO) from driving MPI progress (for measurements)"),
+    Setting("MPIDP_WAIT_SPIN_MS", None, _at_least_zero(float), "a number of milliseconds >= 0",
+            "how long a wait tests MPI in a loop, yielding the core, before it sleeps 100 us "
+            "between tests; default 3 where MPI yields the core when idle (Open MPI's "
+            "mpi_yield_when_idle: mpirun sets it when a node has more ranks than cores), else 20"),
     Setting("MPIDP_GRAD_HOOK", "cpp", _choice("cpp", "python"), "'cpp' or 'python'",
             "DataParallel's gradient hooks: cpp (mpidp._grad_hook, a C++ hook on each "
             "gradient accumulator, where it was built for this torch; else python) or python "

@@ -65,6 +65,11 @@ def _read_env_settings() -> None:
     _C.configure(timeout=config.get("MPIDP_TIMEOUT"),
                  abort_on_timeout=config.get("MPIDP_ON_TIMEOUT") == "abort",
                  hook_progress=config.get("MPIDP_HOOK_PROGRESS"))
+    # Unset, the extension chose the spin from MPI's own word on whether the
+    # node's ranks share its cores (mpidp/reqtable.h).
+    spin_ms = config.get("MPIDP_WAIT_SPIN_MS")
+    if spin_ms is not None:
+        _C.configure(wait_spin=spin_ms / 1000.0)
 
 
 _read_env_settings()

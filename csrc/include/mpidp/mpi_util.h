@@ -47,4 +47,11 @@ int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, siz
  * its own operation's messages. */
 int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out);
 
+/* 1 when the MPI library yields the core when idle -- Open MPI's
+ * mpi_yield_when_idle, which mpirun turns on when it puts more ranks on a
+ * node than it has cores, and which users set for the same reason -- else 0
+ * (also where MPI has no such setting). Read through the MPI tool interface,
+ * after MPI_Init. */
+int mpidp__mpi_yields_when_idle(void);
+
 #endif /* MPIDP_MPI_UTIL_H */

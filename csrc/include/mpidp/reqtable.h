@@ -62,6 +62,27 @@ int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s);
 /* Waits for every pending request, as mpidp_reqtable_wait does for one. */
 int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s);
 
+/* How long a wait spins, testing and yielding the core, before it sleeps
+ * 100 us between tests. Spinning keeps a transfer that both sides drive at
+ * full speed (MPI progresses only inside MPI calls: sleeping from the start
+ * made a 45 MB allreduce crawl); but where a node's ranks share its cores, a
+ * spinning rank takes the core from the peer it waits for -- the scheduler
+ * counts spinners as load, so two can share one core while the ranks they
+ * wait for share the other -- and sched_yield does not reliably hand the
+ * core over (a 2 s spin stalled DDP's gloo threads for exactly 2 s). So:
+ * MPIDP_SPIN_SECONDS by default; MPIDP_SPIN_SHARED_CORES_SECONDS where the
+ * cores are shared (on the emulated 2-node cluster, 4 ranks on 2 cores,
+ * DASO's cycling epochs went from 1.25x to ~1.15x the no-communication
+ * epoch, and its ranks' kernel time from 17,000 to 4,500 profile samples;
+ * on 2 ranks with a core each, 64 MB allreduces were 5-10% slower with the
+ * short spin, hence the two values). Set by the glue at import, from MPI's
+ * own word on sharing (mpidp__mpi_yields_when_idle) or MPIDP_WAIT_SPIN_MS.
+ * Values < 0 read as 0. */
+#define MPIDP_SPIN_SECONDS 0.02
+#define MPIDP_SPIN_SHARED_CORES_SECONDS 0.003
+void mpidp_reqtable_set_spin(mpidp_reqtable_t *t, double seconds);
+double mpidp_reqtable_spin(mpidp_reqtable_t *t);
+
 /* Calls MPI_Test on every pending request once so that MPI progresses them;
  * *n_done (may be NULL) counts the requests that completed. */
 int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done);
