@@ -2,6 +2,8 @@
  * descriptions; and the core's posting helper (mpidp/mpi_util.h). */
 #include <mpi.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "mpidp/mpi_util.h"
@@ -260,8 +262,22 @@ TEST(waits_spin_for_the_time_set_then_sleep)
     ASSERT_OK(mpidp_reqtable_destroy(t));
 }
 
+/* MPI's word on whether this node's ranks share its cores: a boolean that
+ * follows OMPI_MCA_mpi_yield_when_idle where it is set (mpirun also turns it
+ * on by itself when it oversubscribes a node), the same on every call (the
+ * tool interface is opened and closed each time). */
+TEST(mpi_says_whether_it_yields_when_idle)
+{
+    int yields = mpidp__mpi_yields_when_idle();
+    ASSERT_TRUE(yields == 0 || yields == 1);
+    ASSERT_EQ_INT(mpidp__mpi_yields_when_idle(), yields);
+    const char *set = getenv("OMPI_MCA_mpi_yield_when_idle");
+    if (set && strcmp(set, "1") == 0) ASSERT_EQ_INT(yields, 1);
+    if (set && strcmp(set, "0") == 0) ASSERT_EQ_INT(yields, 0);
+}
+
 TEST_MAIN_MPI(completed_request_frees_its_slot, full_table_is_refused_and_slots_are_reused,
               deadline_names_what_is_pending, bad_arguments, claimed_slots_are_neither_pending_nor_free,
               post_done_registers_or_translates_the_failure,
               progress_completes_exactly_the_finished_requests,
-              waits_spin_for_the_time_set_then_sleep)
+              waits_spin_for_the_time_set_then_sleep, mpi_says_whether_it_yields_when_idle)

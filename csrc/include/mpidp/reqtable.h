@@ -71,13 +71,13 @@ int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s);
  * wait for share the other -- and sched_yield does not reliably hand the
  * core over (a 2 s spin stalled DDP's gloo threads for exactly 2 s). So:
  * MPIDP_SPIN_SECONDS by default; MPIDP_SPIN_SHARED_CORES_SECONDS where the
- * cores are shared (on the emulated 2-node cluster, 4 ranks on 2 cores,
- * DASO's cycling epochs went from 1.25x to ~1.15x the no-communication
- * epoch, and its ranks' kernel time from 17,000 to 4,500 profile samples;
- * on 2 ranks with a core each, 64 MB allreduces were 5-10% slower with the
- * short spin, hence the two values). Set by the glue at import, from MPI's
- * own word on sharing (mpidp__mpi_yields_when_idle) or MPIDP_WAIT_SPIN_MS.
- * Values < 0 read as 0. */
+ * cores are shared (on the emulated 2-node cluster, 4 ranks on 2 cores:
+ * DASO's ranks spent ~4,500 profile samples in the kernel instead of
+ * ~17,000, and its blocking warm-up and cool-down epochs took 5-10% less
+ * time; on 2 ranks with a core each, 64 MB allreduces were 5-10% slower
+ * with the short spin, hence two values). Set by the glue at
+ * import, from MPI's own word on sharing (mpidp__mpi_yields_when_idle) or
+ * MPIDP_WAIT_SPIN_MS. Values < 0 read as 0. */
 #define MPIDP_SPIN_SECONDS 0.02
 #define MPIDP_SPIN_SHARED_CORES_SECONDS 0.003
 void mpidp_reqtable_set_spin(mpidp_reqtable_t *t, double seconds);
