@@ -83,8 +83,13 @@ int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, siz
 
 int mpidp__mpi_yields_when_idle(void)
 {
-    int provided, idx, count, yields = 0;
-    if (MPI_T_init_thread(MPI_THREAD_SINGLE, &provided) != MPI_SUCCESS) return 0;
+    int level = MPI_THREAD_SINGLE, provided, idx, count, yields = 0;
+    /* Ask for the level MPI runs at: Open MPI's MPI_T_init_thread overwrites
+     * the level MPI_Query_thread reports (and that its own locking follows)
+     * with the one asked for here. */
+    if (MPI_Query_thread(&level) != MPI_SUCCESS ||
+        MPI_T_init_thread(level, &provided) != MPI_SUCCESS)
+        return 0;
     char name[64], desc[8];
     int name_len = sizeof name, desc_len = sizeof desc, verbosity, bind, scope, size = 0;
     MPI_Datatype type;

@@ -268,7 +268,11 @@ TEST(waits_spin_for_the_time_set_then_sleep)
  * tool interface is opened and closed each time). */
 TEST(mpi_says_whether_it_yields_when_idle)
 {
+    int before = -1, after = -2;
+    MPI_Query_thread(&before);
     int yields = mpidp__mpi_yields_when_idle();
+    MPI_Query_thread(&after);
+    ASSERT_EQ_INT(after, before); /* Open MPI's MPI_T_init_thread can overwrite it */
     ASSERT_TRUE(yields == 0 || yields == 1);
     ASSERT_EQ_INT(mpidp__mpi_yields_when_idle(), yields);
     const char *set = getenv("OMPI_MCA_mpi_yield_when_idle");
@@ -276,7 +280,7 @@ TEST(mpi_says_whether_it_yields_when_idle)
     if (set && strcmp(set, "0") == 0) ASSERT_EQ_INT(yields, 0);
 }
 
-TEST_MAIN_MPI(completed_request_frees_its_slot, full_table_is_refused_and_slots_are_reused,
+TEST_MAIN_MPI_THREADS(completed_request_frees_its_slot, full_table_is_refused_and_slots_are_reused,
               deadline_names_what_is_pending, bad_arguments, claimed_slots_are_neither_pending_nor_free,
               post_done_registers_or_translates_the_failure,
               progress_completes_exactly_the_finished_requests,

@@ -51,7 +51,7 @@ int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out);
  * mpi_yield_when_idle, which mpirun turns on when it puts more ranks on a
  * node than it has cores, and which users set for the same reason -- else 0
  * (also where MPI has no such setting). Read through the MPI tool interface,
- * after MPI_Init. */
+ * after MPI_Init; MPI's thread level is left as it was. */
 int mpidp__mpi_yields_when_idle(void);
 
 #endif /* MPIDP_MPI_UTIL_H */
