@@ -118,6 +118,23 @@ def test_ranks_whose_hooks_progress_mpi_or_not_train_as_one_process(blocking):
         mpidp._C.configure(hook_progress=before)
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_ranks_whose_waits_spin_or_sleep_train_as_one_process(blocking):
+    """MPIDP_WAIT_SPIN_MS differing across ranks (0: sleep between tests at
+    once; 20 ms): the spin only decides how a wait spends its time, so every
+    rank must still end on one process's values."""
+    before = mpidp._C.process_state()["wait_spin"]
+    mpidp._C.configure(wait_spin=0.0 if RANK % 2 else 0.02)
+    try:
+        model, reference = build(MLP, 320 + RANK), build(MLP, 320)
+        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+        train_like_one_process(net, opt, model, reference, sgd(reference.parameters()), loss_fn,
+                               (10, 4), seed=12, what="ranks whose waits spin or sleep")
+    finally:
+        mpidp._C.configure(wait_spin=before)
+
+
 @pytest.mark.parametrize("hook", HOOKS)
 def test_a_foreign_grad_is_adopted(monkeypatch, hook):
     """`.grad` replaced by the user's own tensor between forward and backward:

@@ -8,6 +8,7 @@
 
 #include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
+#include "mpidp/operation.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 
@@ -241,18 +242,32 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
     return vcoll_post_done(x, slot, rc, req, what, out);
 }
 
-int mpidp_vcoll_wait(mpidp_vcoll_t *x, double timeout_s)
+/* Once the request has completed: the mean's scaling, exactly once. */
+static void vcoll_finished(mpidp_vcoll_t *x)
 {
-    if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "vcoll: NULL argument");
-    int rc = mpidp_reqtable_wait(x->reqs, x->req, timeout_s);
-    if (rc != MPIDP_OK || x->finished) return rc;
+    if (x->finished) return;
     x->finished = 1;
     if (x->scale != 1.0) {
         const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
         if (x->recv.dtype == MPIDP_F32) k->scale_f32(x->recv.data, (float)x->scale, x->recv.numel);
         else k->scale_f64(x->recv.data, x->scale, x->recv.numel);
     }
-    return MPIDP_OK;
+}
+
+int mpidp_vcoll_wait(mpidp_vcoll_t *x, double timeout_s)
+{
+    if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "vcoll: NULL argument");
+    int rc = mpidp_reqtable_wait(x->reqs, x->req, timeout_s);
+    if (rc == MPIDP_OK) vcoll_finished(x);
+    return rc;
+}
+
+int mpidp_vcoll_test(mpidp_vcoll_t *x, int *done)
+{
+    if (x == NULL || done == NULL) return mpidp__fail(MPIDP_EINVAL, "vcoll: NULL argument");
+    int rc = mpidp_reqtable_test(x->reqs, x->req, done);
+    if (rc == MPIDP_OK && *done) vcoll_finished(x);
+    return rc;
 }
 
 int mpidp_vcoll_free(mpidp_vcoll_t *x)
@@ -266,3 +281,8 @@ int mpidp_vcoll_free(mpidp_vcoll_t *x)
     free(x);
     return MPIDP_OK;
 }
+
+static int operation_test(void *op, int *done) { return mpidp_vcoll_test(op, done); }
+static int operation_wait(void *op, double timeout_s) { return mpidp_vcoll_wait(op, timeout_s); }
+static int operation_free(void *op) { return mpidp_vcoll_free(op); }
+const mpidp_operation_t mpidp_vcoll_operation = {operation_test, operation_wait, operation_free};

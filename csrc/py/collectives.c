@@ -23,6 +23,18 @@ static PyObject *wait_req(mpidp_py_state *st, mpidp_req_t req, mpidp_py_borrowed
     Py_RETURN_NONE;
 }
 
+/* Runs a posted operation to its end (mpidp_operation_finish, GIL released);
+ * its n tensors are released once the core freed it. None, or NULL. */
+static PyObject *finish_now(mpidp_py_state *st, const mpidp_operation_t *ops, void *x,
+                            mpidp_py_borrowed_t *t, size_t n, const char *what)
+{
+    int rc, ended = 0;
+    MPIDP_PY_WAIT(st, rc, mpidp_operation_finish(ops, x, mpidp_py_timeout_s, &ended));
+    if (ended) mpidp_py_release_all(t, n);
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, what);
+    return mpidp_py_none_or_null(mpidp_py_warn_fp16_overflow());
+}
+
 PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames)
 {
@@ -55,13 +67,7 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
         return mpidp_py_raise(st, rc, "allreduce");
     }
     if (async_op) return mpidp_py_work_new(st, &mpidp_allreduce_operation, x, &tensor, 1, self);
-    MPIDP_PY_WAIT(st, rc, mpidp_allreduce_wait(x, mpidp_py_timeout_s));
-    if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "allreduce"); /* x stays posted */
-    mpidp_allreduce_free(x);
-    mpidp_py_release(&tensor);
-    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "allreduce");
-    if (mpidp_py_warn_fp16_overflow() < 0) return NULL;
-    Py_RETURN_NONE;
+    return finish_now(st, &mpidp_allreduce_operation, x, &tensor, 1, "allreduce");
 }
 
 PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -151,19 +157,16 @@ static PyObject *vector_collective(PyObject *self, PyObject *const *args, Py_ssi
         goto done;
     }
     mpidp_vcoll_t *x = NULL;
-    int rc;
     mpidp_error_clear();
-    rc = scatter ? mpidp_reduce_scatter_start(comm->comm, &t[0].t, &t[1].t, counts, op, st->reqs, &x)
+    int rc = scatter
+                 ? mpidp_reduce_scatter_start(comm->comm, &t[0].t, &t[1].t, counts, op, st->reqs, &x)
                  : mpidp_allgatherv_start(comm->comm, &t[0].t, &t[1].t, counts, st->reqs, &x);
-    if (rc == MPIDP_OK) MPIDP_PY_WAIT(st, rc, mpidp_vcoll_wait(x, mpidp_py_timeout_s));
-    if (rc == MPIDP_ETIMEDOUT) {
-        res = mpidp_py_raise(st, rc, name); /* still posted: buffers and x stay (leaked) */
-        goto done;
+    if (rc == MPIDP_OK) {
+        res = finish_now(st, &mpidp_vcoll_operation, x, t, 2, name);
+    } else {
+        mpidp_py_release_all(t, 2);
+        res = mpidp_py_raise(st, rc, name);
     }
-    mpidp_vcoll_free(x);
-    mpidp_py_release(&t[0]);
-    mpidp_py_release(&t[1]);
-    res = mpidp_py_none_or_null(mpidp_py_check(st, rc, name));
 done:
     PyMem_Free(counts);
     return res;

@@ -22,10 +22,13 @@ typedef struct {
     int done;
 } work_t;
 
+/* The operation has ended (completed or failed): free it and, once freed,
+ * release its tensors (a part still in flight keeps them borrowed). */
 static void complete(work_t *w)
 {
-    if (w->ops->free(w->x) == MPIDP_OK) w->x = NULL;
     w->done = 1;
+    if (w->ops->free(w->x) != MPIDP_OK) return;
+    w->x = NULL;
     mpidp_py_release_all(w->tensors, w->n);
 }
 
@@ -36,8 +39,9 @@ PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, vo
     mpidp_py_borrowed_t *tensors = w ? PyMem_Malloc((n ? n : 1) * sizeof *tensors) : NULL;
     if (tensors == NULL) {
         /* Cannot hand the operation out: finish it here. */
-        ops->wait(x, mpidp_py_timeout_s);
-        if (ops->free(x) == MPIDP_OK) mpidp_py_release_all(keepalive, n);
+        int ended = 0;
+        mpidp_operation_finish(ops, x, mpidp_py_timeout_s, &ended);
+        if (ended) mpidp_py_release_all(keepalive, n);
         if (w) PyObject_Free(w), Py_DECREF(st->work_type);
         return PyErr_NoMemory();
     }
@@ -69,8 +73,7 @@ static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
     mpidp_error_clear();
     int rc;
     MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
-    if (rc == MPIDP_ETIMEDOUT) return mpidp_py_raise(st, rc, "Work.wait");
-    complete(self);
+    if (rc != MPIDP_ETIMEDOUT) complete(self);
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.wait");
     Py_RETURN_NONE;
 }
@@ -92,19 +95,17 @@ static PyObject *work_is_completed(work_t *self, PyObject *unused)
 static void work_dealloc(work_t *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    if (!self->done && self->x != NULL) {
-        int finalized = 1;
+    if (self->x != NULL) {
+        /* Finished here so that MPI never writes into freed tensors; after
+         * MPI_Finalize nothing can be tested: the tensors are leaked. */
+        int finalized = 1, ended = 0;
         MPI_Finalized(&finalized);
-        if (!finalized) {
-            int rc = self->ops->wait(self->x, mpidp_py_timeout_s);
-            if (rc != MPIDP_OK)
-                fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n",
-                        mpidp_error_detail());
-        }
-        if (self->ops->free(self->x) != MPIDP_OK) {
-            /* Still in flight after all: leak the tensors rather than free them under MPI. */
+        int rc = finalized ? MPIDP_OK
+                           : mpidp_operation_finish(self->ops, self->x, mpidp_py_timeout_s, &ended);
+        if (rc != MPIDP_OK && !self->done)
+            fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n", mpidp_error_detail());
+        if (!ended)
             for (size_t i = 0; i < self->n; i++) self->tensors[i].capsule = NULL;
-        }
     }
     mpidp_py_release_all(self->tensors, self->n);
     PyMem_Free(self->tensors);

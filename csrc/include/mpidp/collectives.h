@@ -46,6 +46,8 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
 /* Waits (deadline per wait, as the request table's), then finishes the
  * operation (the mean's scaling). */
 int mpidp_vcoll_wait(mpidp_vcoll_t *x, double timeout_s);
+/* Tests without blocking; *done = 1 once complete, the mean's scaling done. */
+int mpidp_vcoll_test(mpidp_vcoll_t *x, int *done);
 /* Frees it; MPIDP_ESTATE (nothing freed) while it is in flight. */
 int mpidp_vcoll_free(mpidp_vcoll_t *x);
 

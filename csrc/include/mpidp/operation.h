@@ -15,7 +15,17 @@ typedef struct {
     int (*free)(void *op);
 } mpidp_operation_t;
 
-/* mpidp/allreduce.h's chunked allreduce and mpidp/peerx.h's peer exchange. */
-extern const mpidp_operation_t mpidp_allreduce_operation, mpidp_peerx_operation;
+/* mpidp/allreduce.h's chunked allreduce, mpidp/peerx.h's peer exchange and
+ * mpidp/collectives.h's collectives with a count per rank. */
+extern const mpidp_operation_t mpidp_allreduce_operation, mpidp_peerx_operation,
+    mpidp_vcoll_operation;
+
+/* Runs the posted operation `op` to its end: waits (deadline timeout_s, as
+ * the engine's wait) and frees it. *ended = 1 when it was freed, so that the
+ * caller may release the buffers it reads and writes. MPIDP_ETIMEDOUT: still
+ * in flight, nothing freed (*ended = 0: keep its buffers alive). Otherwise
+ * the wait's own failure, if it failed (with its detail), else the free's
+ * (MPIDP_ESTATE with *ended = 0 if a part is somehow still in flight). */
+int mpidp_operation_finish(const mpidp_operation_t *ops, void *op, double timeout_s, int *ended);
 
 #endif /* MPIDP_OPERATION_H */
