@@ -101,21 +101,28 @@ def test_ranks_with_different_hooks_train_as_one_process(monkeypatch, blocking):
                            (10, 4), seed=9, what="ranks with different gradient hooks")
 
 
+def train_as_one_process_with(setting, mine, blocking, seed, what):
+    """DataParallel with the process-wide `setting` (_C.configure) at this
+    rank's value `mine` trains like one process on all the data."""
+    before = mpidp._C.process_state()[setting]
+    mpidp._C.configure(**{setting: mine})
+    try:
+        model, reference = build(MLP, 300 + seed + RANK), build(MLP, 300 + seed)
+        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+        train_like_one_process(net, opt, model, reference, sgd(reference.parameters()), loss_fn,
+                               (10, 4), seed=seed, what=what)
+    finally:
+        mpidp._C.configure(**{setting: before})
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
 def test_ranks_whose_hooks_progress_mpi_or_not_train_as_one_process(blocking):
     """MPIDP_HOOK_PROGRESS differing across ranks: progress from the hooks
     (at most every 10 us) only moves transfers along, so every rank must
     still end on one process's values."""
-    before = mpidp._C.process_state()["hook_progress"]
-    mpidp._C.configure(hook_progress=RANK % 2 == 0)
-    try:
-        model, reference = build(MLP, 310 + RANK), build(MLP, 310)
-        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
-        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
-        train_like_one_process(net, opt, model, reference, sgd(reference.parameters()), loss_fn,
-                               (10, 4), seed=11, what="ranks with and without hook progress")
-    finally:
-        mpidp._C.configure(hook_progress=before)
+    train_as_one_process_with("hook_progress", RANK % 2 == 0, blocking, 10,
+                              "ranks with and without hook progress")
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
@@ -123,16 +130,8 @@ def test_ranks_whose_waits_spin_or_sleep_train_as_one_process(blocking):
     """MPIDP_WAIT_SPIN_MS differing across ranks (0: sleep between tests at
     once; 20 ms): the spin only decides how a wait spends its time, so every
     rank must still end on one process's values."""
-    before = mpidp._C.process_state()["wait_spin"]
-    mpidp._C.configure(wait_spin=0.0 if RANK % 2 else 0.02)
-    try:
-        model, reference = build(MLP, 320 + RANK), build(MLP, 320)
-        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
-        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
-        train_like_one_process(net, opt, model, reference, sgd(reference.parameters()), loss_fn,
-                               (10, 4), seed=12, what="ranks whose waits spin or sleep")
-    finally:
-        mpidp._C.configure(wait_spin=before)
+    train_as_one_process_with("wait_spin", 0.0 if RANK % 2 else 0.02, blocking, 20,
+                              "ranks whose waits spin or sleep")
 
 
 @pytest.mark.parametrize("hook", HOOKS)
