@@ -81,6 +81,13 @@ int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, siz
     return mpidp__post_done(reqs, slot, rc, req, what, out);
 }
 
+int mpidp__mpi_finalized(void)
+{
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    return finalized;
+}
+
 int mpidp__mpi_yields_when_idle(void)
 {
     int level = MPI_THREAD_SINGLE, provided, idx, count, yields = 0;

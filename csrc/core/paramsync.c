@@ -8,6 +8,7 @@
 
 #include "mpidp/allreduce.h"
 #include "mpidp/convert.h"
+#include "mpidp/mpi_util.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
@@ -114,6 +115,17 @@ int mpidp_paramsync_free(mpidp_paramsync_t *s)
     return MPIDP_OK;
 }
 
+int mpidp_paramsync_close(mpidp_paramsync_t *s, double timeout_s)
+{
+    if (s != NULL && s->state == POSTED) {
+        if (mpidp__mpi_finalized())
+            return mpidp__fail(MPIDP_ESTATE, "%s: MPI was finalized with a sync in flight", s->what);
+        int rc = mpidp_paramsync_wait(s, timeout_s);
+        if (rc != MPIDP_OK) return rc;
+    }
+    return mpidp_paramsync_free(s);
+}
+
 int mpidp_paramsync_set_reference(mpidp_paramsync_t *s)
 {
     if (s == NULL) return mpidp__fail(MPIDP_EINVAL, "paramsync: NULL argument");
@@ -206,13 +218,20 @@ int mpidp_paramsync_merge(mpidp_paramsync_t *s, float a, float b, float c)
     return MPIDP_OK;
 }
 
-int mpidp_paramsync_grad_into(mpidp_paramsync_t *s, float *const *grads, float scale)
+int mpidp_paramsync_grad_into(mpidp_paramsync_t *s, size_t n_grads, float *const *grads,
+                              const size_t *numel, float scale)
 {
-    if (s == NULL || (s->n_params && grads == NULL))
+    if (s == NULL || (n_grads && (grads == NULL || numel == NULL)))
         return mpidp__fail(MPIDP_EINVAL, "paramsync: NULL argument");
-    for (size_t i = 0; i < s->n_params; i++)
+    if (n_grads != s->n_params)
+        return mpidp__fail(MPIDP_EINVAL, "grads: expected %zu tensors, got %zu", s->n_params, n_grads);
+    for (size_t i = 0; i < s->n_params; i++) {
+        if (numel[i] != s->numel[i])
+            return mpidp__fail(MPIDP_EINVAL, "grads[%zu]: expected %zu elements, got %zu", i,
+                               s->numel[i], numel[i]);
         if (grads[i] == NULL && s->numel[i] != 0)
-            return mpidp__fail(MPIDP_EINVAL, "%s: grad_into: gradient %zu has no data", s->what, i);
+            return mpidp__fail(MPIDP_EINVAL, "grads[%zu]: no data", i);
+    }
     int rc = take_sum(s, "grad_into");
     if (rc != MPIDP_OK) return rc;
     const mpidp_pack_kernels_t *k = mpidp_pack_kernels();

@@ -195,6 +195,13 @@ int mpidp_reducer_destroy(mpidp_reducer_t *r)
     return MPIDP_OK;
 }
 
+int mpidp_reducer_close(mpidp_reducer_t *r, double timeout_s)
+{
+    /* The wait's failure shows in what destroy finds still in flight. */
+    if (r != NULL && r->finalized && !mpidp__mpi_finalized()) (void)mpidp_reducer_wait_all(r, timeout_s);
+    return mpidp_reducer_destroy(r);
+}
+
 static void *element(const bucket_t *bk, size_t index)
 {
     return (char *)bk->data + index * mpidp_dtype_size(bk->info.dtype);

@@ -14,7 +14,6 @@ typedef struct {
     mpidp_py_state *st;
     mpidp_py_f32s_t params;      /* borrowed: the thread writes them */
     mpidp_bgavg_t *core;
-    int stopped;
 } bgavg_t;
 
 static PyObject *bgavg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -32,7 +31,6 @@ static PyObject *bgavg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     bgavg_t *s = (bgavg_t *)type->tp_alloc(type, 0);
     if (s == NULL) return NULL;
     s->st = st;
-    s->stopped = 1;
     int ok = mpidp_py_f32s_borrow(st, params, "params", &s->params) == 0;
     if (ok) {
         mpidp_bgavg_opts_t o = {.segs = s->params.data, .lens = s->params.numel,
@@ -40,7 +38,6 @@ static PyObject *bgavg_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
                                 .timeout_s = mpidp_py_timeout_s,
                                 .abort_on_timeout = mpidp_py_abort_on_timeout, .what = WHAT};
         ok = MPIDP_PY_CALL(st, WHAT, mpidp_bgavg_start(c->comm, &o, &s->core)) == 0;
-        s->stopped = !ok;
     }
     if (!ok) Py_CLEAR(s);
     return (PyObject *)s;
@@ -74,7 +71,6 @@ static PyObject *bgavg_stop(bgavg_t *s, PyObject *unused)
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = mpidp_bgavg_stop(s->core);
     Py_END_ALLOW_THREADS
-    s->stopped = 1;
     return mpidp_py_none_or_null(MPIDP_PY_CALL(s->st, WHAT, rc));
 }
 
@@ -101,14 +97,10 @@ static void bgavg_dealloc(bgavg_t *s)
 {
     PyTypeObject *tp = Py_TYPE(s);
     PyObject_GC_UnTrack(s);
-    /* A thread still running writes into the parameters: keep them borrowed
-     * and the engine alive (the glue stops it before dropping it; this is
-     * only reached when that went wrong). */
-    int leak = s->core && !s->stopped;
-    if (!leak) {
-        mpidp_bgavg_free(s->core);
-        mpidp_py_f32s_release(&s->params);
-    }
+    /* A thread still running writes into the parameters: the engine refuses
+     * to go, and they stay borrowed (Python stops it before dropping it; this
+     * is only reached when that went wrong). */
+    if (mpidp_bgavg_free(s->core) == MPIDP_OK) mpidp_py_f32s_release(&s->params);
     tp->tp_free((PyObject *)s);
     Py_DECREF(tp);
 }

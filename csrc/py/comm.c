@@ -78,10 +78,8 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void comm_dealloc(mpidp_py_comm_t *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    int finalized = 1;
-    MPI_Finalized(&finalized);
     /* After MPI_Finalize (mpi4py finalizes at exit) no handle may be freed. */
-    if (self->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&self->comm);
+    if (self->comm != MPI_COMM_NULL && !mpidp__mpi_finalized()) MPI_Comm_free(&self->comm);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }

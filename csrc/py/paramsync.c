@@ -141,22 +141,12 @@ static PyObject *paramsync_grad_into(paramsync_t *s, PyObject *args)
 {
     PyObject *grads;
     float scale;
-    if (!PyArg_ParseTuple(args, "O!f:grad_into", &PyTuple_Type, &grads, &scale)) return NULL;
-    if ((size_t)PyTuple_GET_SIZE(grads) != s->params.n)
-        return PyErr_Format(PyExc_ValueError, "grads: expected %zu tensors, got %zd", s->params.n,
-                            PyTuple_GET_SIZE(grads));
     mpidp_py_f32s_t g;
-    if (mpidp_py_f32s_borrow(s->st, grads, "grads", &g) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "O!f:grad_into", &PyTuple_Type, &grads, &scale) ||
+        mpidp_py_f32s_borrow(s->st, grads, "grads", &g) < 0)
+        return NULL;
     int rc = -1;
-    for (size_t i = 0; i < g.n; i++) {
-        if (g.numel[i] != s->params.numel[i]) {
-            PyErr_Format(PyExc_ValueError, "grads[%zu]: expected %zu elements, got %zu", i,
-                         s->params.numel[i], g.numel[i]);
-            goto done;
-        }
-    }
-    if (wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_grad_into(s->core, g.data, scale));
-done:
+    if (wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_grad_into(s->core, g.n, g.data, g.numel, scale));
     mpidp_py_f32s_release(&g);
     return mpidp_py_none_or_null(rc);
 }
@@ -176,14 +166,9 @@ static void paramsync_dealloc(paramsync_t *s)
 {
     PyTypeObject *tp = Py_TYPE(s);
     PyObject_GC_UnTrack(s);
-    int leak = 0;
-    if (s->core && mpidp_paramsync_pending(s->core)) {
-        int finalized = 1;
-        MPI_Finalized(&finalized);
-        leak = finalized || mpidp_paramsync_wait(s->core, mpidp_py_timeout_s) != MPIDP_OK;
-    }
-    /* A sync still in flight writes into the engine's buffers: never free them. */
-    if (!leak) mpidp_paramsync_free(s->core);
+    /* A sync that cannot end leaves the engine's buffers leaked, not freed
+     * (mpidp_paramsync_close); the parameters are free to go either way. */
+    mpidp_paramsync_close(s->core, mpidp_py_timeout_s);
     mpidp_py_f32s_release(&s->params);
     Py_CLEAR(s->comm);
     tp->tp_free((PyObject *)s);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "mpidp/convert.h"
+#include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
 double mpidp_py_timeout_s = 1800.0;
@@ -84,9 +85,7 @@ static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
 {
     (void)unused;
     mpidp_py_state *st = mpidp_py_state_of_module(m);
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (finalized) Py_RETURN_NONE;
+    if (mpidp__mpi_finalized()) Py_RETURN_NONE;
     int rc;
     mpidp_error_clear();
     MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait_all(st->reqs, mpidp_py_timeout_s));

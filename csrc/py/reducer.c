@@ -10,6 +10,7 @@
 
 #include <stdlib.h>
 
+#include "mpidp/mpi_util.h"
 
 typedef mpidp_py_reducer_t reducer_t;
 
@@ -240,18 +241,11 @@ static void reducer_dealloc(reducer_t *r)
 {
     PyTypeObject *tp = Py_TYPE(r);
     PyObject_GC_UnTrack(r);
-    if (r->core) {
-        int finalized = 1;
-        MPI_Finalized(&finalized);
-        /* Buckets still in flight must land before their buffers go. */
-        if (!finalized && mpidp_reducer_finalized(r->core))
-            mpidp_reducer_wait_all(r->core, mpidp_py_timeout_s);
-        if (mpidp_reducer_destroy(r->core) != MPIDP_OK && !finalized) {
-            /* A half-posted pass (backward raised): its buffers must stay
-             * alive, so leak them rather than let MPI write into freed memory. */
-            r->buckets = NULL;
-            r->bucket_tensors = NULL;
-        }
+    /* Buckets still in flight after close keep their memory while MPI runs
+     * (mpidp_reducer_close): leaked, so that MPI never writes into freed memory. */
+    if (mpidp_reducer_close(r->core, mpidp_py_timeout_s) != MPIDP_OK && !mpidp__mpi_finalized()) {
+        r->buckets = NULL;
+        r->bucket_tensors = NULL;
     }
     for (size_t b = 0; r->buckets && b < r->n_buckets; b++) mpidp_py_release(&r->buckets[b]);
     free(r->buckets);

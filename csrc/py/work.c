@@ -10,6 +10,7 @@
 
 #include <stdio.h>
 
+#include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
 typedef struct {
@@ -98,9 +99,8 @@ static void work_dealloc(work_t *self)
     if (self->x != NULL) {
         /* Finished here so that MPI never writes into freed tensors; after
          * MPI_Finalize nothing can be tested: the tensors are leaked. */
-        int finalized = 1, ended = 0;
-        MPI_Finalized(&finalized);
-        int rc = finalized ? MPIDP_OK
+        int ended = 0;
+        int rc = mpidp__mpi_finalized() ? MPIDP_OK
                            : mpidp_operation_finish(self->ops, self->x, mpidp_py_timeout_s, &ended);
         if (rc != MPIDP_OK && !self->done)
             fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n", mpidp_error_detail());

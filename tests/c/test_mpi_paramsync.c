@@ -145,7 +145,14 @@ TEST(grad_into_restore_and_zero_contributions)
     for (size_t k = 0; k < TOTAL; k++) grad_data[k] = NAN;   /* never read */
     float *g[NP] = {grad_data, grad_data + 5, grad_data + 5};
     ASSERT_OK(mpidp_paramsync_wait(f.s, 10.0));
-    ASSERT_OK(mpidp_paramsync_grad_into(f.s, g, -1.0f / (float)size_));
+    /* Gradients that do not match the parameters are refused, naming them,
+     * and leave the received sum unread. */
+    size_t short_numel[NP] = {5, 0, 36};
+    ASSERT_EQ_INT(mpidp_paramsync_grad_into(f.s, NP - 1, g, NUMEL, 1.0f), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "grads: expected 3 tensors, got 2") != NULL);
+    ASSERT_EQ_INT(mpidp_paramsync_grad_into(f.s, NP, g, short_numel, 1.0f), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "grads[2]: expected 37 elements, got 36") != NULL);
+    ASSERT_OK(mpidp_paramsync_grad_into(f.s, NP, g, NUMEL, -1.0f / (float)size_));
     for (size_t k = 0; k < TOTAL; k++) {
         double s = sum_of_differences(k, MPIDP_BF16) - on_wire(moved(0, k) - ref_value(k), MPIDP_BF16);
         ASSERT_NEAR(grad_data[k], -s / size_, tolerance(MPIDP_BF16));
@@ -177,6 +184,20 @@ TEST(state_rules)
     ASSERT_OK(done(&f));
 }
 
+/* Dropping the engine with a sync in flight completes it first, so that
+ * nothing is left posted into freed buffers. */
+TEST(close_completes_the_sync_in_flight)
+{
+    fixture_t f;
+    ASSERT_OK(make(&f, MPIDP_F32));
+    ASSERT_OK(mpidp_paramsync_send(f.s, 0));
+    ASSERT_EQ_INT(mpidp_paramsync_pending(f.s), 1);
+    ASSERT_OK(mpidp_paramsync_close(f.s, 10.0));
+    ASSERT_EQ_INT((int)mpidp_reqtable_pending(f.reqs), 0);
+    ASSERT_OK(mpidp_paramsync_close(NULL, 10.0));
+    ASSERT_OK(mpidp_reqtable_destroy(f.reqs));
+}
+
 TEST(bad_configurations)
 {
     mpidp_reqtable_t *reqs;
@@ -202,4 +223,5 @@ TEST(bad_configurations)
 }
 
 TEST_MAIN_MPI(merge_matches_the_formula_for_every_wire, heat_weights_make_the_staleness_weighted_average,
-              grad_into_restore_and_zero_contributions, state_rules, bad_configurations)
+              grad_into_restore_and_zero_contributions, state_rules,
+              close_completes_the_sync_in_flight, bad_configurations)

@@ -360,6 +360,33 @@ TEST(hierarchical_uint8_separate) { hierarchical_pass(MPIDP_U8, 1, mpidp__test_f
 TEST(uint8_wire) { quantized_pass(0, mpidp__test_failed); }
 TEST(separate_buffers_uint8_wire) { quantized_pass(1, mpidp__test_failed); }
 
+/* What a dropped reducer does: a pass whose buckets are all posted lands
+ * before it is freed (nothing left in flight); a half-posted one (backward
+ * raised) is refused, nothing freed, so its buffers can be kept. */
+TEST(close_lands_a_posted_pass_and_refuses_a_half_posted_one)
+{
+    f32_reducer_t f;
+    ASSERT_OK(f32_reducer(&f, -1, 0));
+    for (size_t i = 0; i < NP; i++) ASSERT_OK(mpidp_reducer_mark_ready(f.r, i, 1));
+    ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
+    ASSERT_OK(mpidp_reducer_close(f.r, 30.0));
+    ASSERT_EQ_INT((int)mpidp_reqtable_pending(f.reqs), 0);
+    f.r = NULL;
+    ASSERT_OK(f32_reducer_free(&f));
+
+    ASSERT_OK(f32_reducer(&f, -1, 0));
+    ASSERT_TRUE(f.nb > 1);
+    for (size_t i = 0; i < NP; i++)
+        if (f.bucket[i] == 0) ASSERT_OK(mpidp_reducer_mark_ready(f.r, i, 1));
+    ASSERT_EQ_INT(mpidp_reducer_bucket_state(f.r, 0), MPIDP_BUCKET_POSTED);
+    ASSERT_EQ_INT(mpidp_reducer_close(f.r, 30.0), MPIDP_ESTATE);
+    for (size_t i = 0; i < NP; i++)
+        if (f.bucket[i] != 0) ASSERT_OK(mpidp_reducer_mark_ready(f.r, i, 1));
+    ASSERT_OK(mpidp_reducer_wait_all(f.r, 30.0));
+    ASSERT_OK(f32_reducer_free(&f));
+}
+
 TEST_MAIN_MPI(mean_over_ranks_with_unused_parameters, bf16_wire, fp16_wire, separate_buffers,
               separate_buffers_bf16_wire, uint8_wire, separate_buffers_uint8_wire, hierarchical,
-              hierarchical_bf16_separate, hierarchical_uint8, hierarchical_uint8_separate)
+              hierarchical_bf16_separate, hierarchical_uint8, hierarchical_uint8_separate,
+              close_lands_a_posted_pass_and_refuses_a_half_posted_one)

@@ -54,4 +54,8 @@ int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out);
  * after MPI_Init; MPI's thread level is left as it was. */
 int mpidp__mpi_yields_when_idle(void);
 
+/* 1 once MPI_Finalize has run: no request can be tested or write any more,
+ * and no handle may be freed. */
+int mpidp__mpi_finalized(void);
+
 #endif /* MPIDP_MPI_UTIL_H */

@@ -49,6 +49,14 @@ int mpidp_paramsync_create(const mpidp_paramsync_config_t *cfg, mpidp_paramsync_
 /* Frees it. MPIDP_ESTATE (nothing freed) while a sync is in flight. */
 int mpidp_paramsync_free(mpidp_paramsync_t *s);
 
+/* Ends the engine as a dropped owner must: completes a sync in flight
+ * (deadline `timeout_s`; no wait once MPI is finalized), then frees it.
+ * MPIDP_OK: freed. Otherwise (the wait failed or timed out, or MPI was
+ * finalized first) nothing is freed: a request may still write into the
+ * engine's buffers, so they are leaked on purpose. The parameters are read
+ * and written only inside calls, so the caller may release them either way. */
+int mpidp_paramsync_close(mpidp_paramsync_t *s, double timeout_s);
+
 /* ref = the parameters now (every rank must hold the same values). */
 int mpidp_paramsync_set_reference(mpidp_paramsync_t *s);
 
@@ -68,9 +76,11 @@ int mpidp_paramsync_wait(mpidp_paramsync_t *s, double timeout_s);
  * waiting to be read (none sent, or already merged or read by grad_into). */
 int mpidp_paramsync_merge(mpidp_paramsync_t *s, float a, float b, float c);
 
-/* grads[i] = scale * S for every parameter (grads: n_params float32 buffers of
- * the parameters' sizes). Same state rule as merge. */
-int mpidp_paramsync_grad_into(mpidp_paramsync_t *s, float *const *grads, float scale);
+/* grads[i] = scale * S for every parameter: grads[i] is a float32 buffer of
+ * numel[i] elements. MPIDP_EINVAL, naming the gradient, unless there are
+ * n_params of them, each of its parameter's size. Same state rule as merge. */
+int mpidp_paramsync_grad_into(mpidp_paramsync_t *s, size_t n_grads, float *const *grads,
+                              const size_t *numel, float scale);
 
 /* p = ref (e.g. before an outer optimizer steps from the shared point).
  * MPIDP_ESTATE while a sync is in flight. */

@@ -103,6 +103,14 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
 /* Frees the reducer. Refuses (MPIDP_ESTATE) while a bucket is in flight. */
 int mpidp_reducer_destroy(mpidp_reducer_t *r);
 
+/* Ends the reducer as a dropped owner must: lands a pass whose buckets are
+ * all posted (deadline `timeout_s`; no wait once MPI is finalized), then
+ * frees it. MPIDP_OK: freed, and no request writes into the bucket tensors
+ * any more. Otherwise (a half-posted pass: backward raised; or a bucket that
+ * did not land) nothing is freed, and while MPI runs the bucket tensors must
+ * stay allocated: leak them rather than let MPI write into freed memory. */
+int mpidp_reducer_close(mpidp_reducer_t *r, double timeout_s);
+
 /* Marks parameter `param` ready for this backward pass. `has_grad` = 0 means
  * this rank has no gradient for it: its slice is zeroed so that it adds
  * nothing. Posts every bucket that became postable. MPIDP_ESTATE if the
