@@ -107,73 +107,60 @@ INLINE __m512 pack_pre(const float *src, const float *ref, __m512 s, int has_ref
     return t;
 }
 
-INLINE void pack_bf16_loop(uint16_t *dst, const float *src, const float *ref, float s,
-                           size_t n, int has_ref, int scale, int native)
+enum { SRC_F32, SRC_BF16, SRC_FP16 };
+
+/* 16 floats to the 16-bit format fmt (native: bf16 with VCVTNEPS2BF16). */
+INLINE __m256i round16(__m512 x, int fmt, int native)
+{
+    return fmt == SRC_BF16 ? bf16_round16(x, native) : fp16_round16(x);
+}
+
+/* The pack loop of format fmt, specialised for (has_ref, scale); returns the
+ * number of elements done. */
+INLINE size_t pack_loop(uint16_t *dst, const float *src, const float *ref, float s, size_t n,
+                        int fmt, int native, int has_ref, int scale)
 {
     __m512 vs = _mm512_set1_ps(s);
     size_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        __m256i r0 = bf16_round16(pack_pre(src, ref, vs, has_ref, scale, i), native);
-        __m256i r1 = bf16_round16(pack_pre(src, ref, vs, has_ref, scale, i + 16), native);
+        __m256i r0 = round16(pack_pre(src, ref, vs, has_ref, scale, i), fmt, native);
+        __m256i r1 = round16(pack_pre(src, ref, vs, has_ref, scale, i + 16), fmt, native);
         _mm256_storeu_si256((__m256i *)(dst + i), r0);
         _mm256_storeu_si256((__m256i *)(dst + i + 16), r1);
     }
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256((__m256i *)(dst + i),
-                            bf16_round16(pack_pre(src, ref, vs, has_ref, scale, i), native));
-    mpidp__pack_ref.pack_bf16(dst + i, src + i, has_ref ? ref + i : NULL, s, n - i);
+                            round16(pack_pre(src, ref, vs, has_ref, scale, i), fmt, native));
+    return i;
 }
 
-INLINE void pack_bf16_any(uint16_t *dst, const float *src, const float *ref, float s,
-                          size_t n, int native)
+/* Runs the vector loop specialised for (ref != NULL, s != 1), then the
+ * reference kernel on the last partial vector. */
+INLINE void pack_any(uint16_t *dst, const float *src, const float *ref, float s, size_t n,
+                     int fmt, int native)
 {
     int scale = s != 1.0f;
-    if (ref) {
-        if (scale) pack_bf16_loop(dst, src, ref, s, n, 1, 1, native);
-        else pack_bf16_loop(dst, src, ref, s, n, 1, 0, native);
-    } else {
-        if (scale) pack_bf16_loop(dst, src, NULL, s, n, 0, 1, native);
-        else pack_bf16_loop(dst, src, NULL, s, n, 0, 0, native);
-    }
+    size_t i;
+    if (ref) i = scale ? pack_loop(dst, src, ref, s, n, fmt, native, 1, 1)
+                       : pack_loop(dst, src, ref, s, n, fmt, native, 1, 0);
+    else i = scale ? pack_loop(dst, src, NULL, s, n, fmt, native, 0, 1)
+                   : pack_loop(dst, src, NULL, s, n, fmt, native, 0, 0);
+    (fmt == SRC_BF16 ? mpidp__pack_ref.pack_bf16 : mpidp__pack_ref.pack_fp16)(
+        dst + i, src + i, ref ? ref + i : NULL, s, n - i);
 }
 
 static void pack_bf16_avx512(uint16_t *dst, const float *src, const float *ref, float s,
                              size_t n)
 {
-    pack_bf16_any(dst, src, ref, s, n, 0);
-}
-
-INLINE void pack_fp16_loop(uint16_t *dst, const float *src, const float *ref, float s,
-                           size_t n, int has_ref, int scale)
-{
-    __m512 vs = _mm512_set1_ps(s);
-    size_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256i r0 = fp16_round16(pack_pre(src, ref, vs, has_ref, scale, i));
-        __m256i r1 = fp16_round16(pack_pre(src, ref, vs, has_ref, scale, i + 16));
-        _mm256_storeu_si256((__m256i *)(dst + i), r0);
-        _mm256_storeu_si256((__m256i *)(dst + i + 16), r1);
-    }
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i),
-                            fp16_round16(pack_pre(src, ref, vs, has_ref, scale, i)));
-    mpidp__pack_ref.pack_fp16(dst + i, src + i, has_ref ? ref + i : NULL, s, n - i);
+    pack_any(dst, src, ref, s, n, SRC_BF16, 0);
 }
 
 static void pack_fp16_avx512(uint16_t *dst, const float *src, const float *ref, float s,
                              size_t n)
 {
-    int scale = s != 1.0f;
-    if (ref) {
-        if (scale) pack_fp16_loop(dst, src, ref, s, n, 1, 1);
-        else pack_fp16_loop(dst, src, ref, s, n, 1, 0);
-    } else {
-        if (scale) pack_fp16_loop(dst, src, NULL, s, n, 0, 1);
-        else pack_fp16_loop(dst, src, NULL, s, n, 0, 0);
-    }
+    pack_any(dst, src, ref, s, n, SRC_FP16, 0);
 }
 
-enum { SRC_F32, SRC_BF16, SRC_FP16 };
 
 INLINE __m512 load_src(const void *src, int fmt, size_t i)
 {
@@ -310,7 +297,7 @@ const mpidp_pack_kernels_t *mpidp__pack_avx512_table(void) { return &pack_avx512
 static void pack_bf16_avx512_bf16(uint16_t *dst, const float *src, const float *ref,
                                   float s, size_t n)
 {
-    pack_bf16_any(dst, src, ref, s, n, 1);
+    pack_any(dst, src, ref, s, n, SRC_BF16, 1);
 }
 
 static void sum_bf16_avx512_bf16(uint16_t *inout, const uint16_t *in, size_t n)
