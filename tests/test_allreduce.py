@@ -208,6 +208,36 @@ def test_reduce_scatter_gives_each_rank_its_rows_of_the_reduction(dtype, op):
     torch.testing.assert_close(got, whole[start:start + counts[RANK]], rtol=1e-6, atol=0)
 
 
+def test_every_collective_can_run_asynchronously_several_at_once():
+    """broadcast, allgather, reduce_scatter and barrier with async_op=True:
+    all started before any is waited for, each rank with its own data, then
+    completed in the other order; each result is what the blocking call
+    gives, computed here from every rank's data (mpi4py)."""
+    root = SIZE - 1
+    b = (torch.arange(5, dtype=torch.float64) + 1) * (RANK + 2)
+    g = torch.arange(2 * (RANK + 1), dtype=torch.int64).view(RANK + 1, 2) + 10 * RANK
+    rows = 2 * SIZE + 1
+    s = (torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) + 1) * (RANK + 1)
+    counts = [rows // SIZE + (1 if r < rows % SIZE else 0) for r in range(SIZE)]
+    start = sum(counts[:RANK])
+    mean = (torch.stack(everyone(s)).sum(0) * (1.0 / SIZE))[start:start + counts[RANK]]
+    gathered = torch.cat(everyone(g))
+    works = [mpidp.broadcast(b, root=root, async_op=True), mpidp.allgather(g, async_op=True),
+             mpidp.reduce_scatter(s, op="avg", async_op=True), mpidp.barrier(async_op=True)]
+    assert all(isinstance(w, mpidp.Work) for w in works)
+    for w in reversed(works):
+        w.wait()
+    assert all(w.is_completed() for w in works)
+    assert torch.equal(b, (torch.arange(5, dtype=torch.float64) + 1) * (root + 2))
+    assert works[0].result().data_ptr() == b.data_ptr()
+    assert torch.equal(works[1].result(), gathered)
+    torch.testing.assert_close(works[2].result(), mean, rtol=1e-6, atol=0)  # scaled once
+    assert works[3].result() is None
+    # result() waits by itself; a dropped Work completes before it goes.
+    assert torch.equal(mpidp.allgather(g, async_op=True).result(), gathered)
+    mpidp.broadcast(torch.zeros(1 << 16), root=0, async_op=True)
+
+
 def test_reduce_scatter_refuses_bad_arguments():
     with pytest.raises(ValueError, match="counts: expected"):
         mpidp.reduce_scatter(torch.zeros(3), counts=[3] + [1] * (SIZE - 1) if SIZE > 1 else [2])

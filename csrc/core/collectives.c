@@ -1,5 +1,6 @@
-/* Broadcast, allgather, barrier and the collectives with a count per rank
- * (see mpidp/collectives.h). */
+/* Broadcast, allgather, barrier, reduce-scatter and allgatherv: each posts one
+ * non-blocking MPI call and returns it as an mpidp_coll_t (see
+ * mpidp/collectives.h). */
 #include "mpidp/collectives.h"
 
 #include <limits.h>
@@ -29,8 +30,92 @@ static int comm_size(MPI_Comm comm, int *size)
     return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "MPI_Comm_size");
 }
 
+/* A posted collective: its request, what MPI reads while it runs (the
+ * counts of a vector collective) and how its result is finished. */
+struct mpidp_coll {
+    mpidp_reqtable_t *reqs;
+    mpidp_req_t req;       /* MPIDP_REQ_NONE: nothing was posted (done at once) */
+    int *counts, *displs;  /* in elements (reduce-scatter) or bytes (allgatherv) */
+    mpidp_tensor_t recv;
+    double scale;          /* applied to recv on completion (avg); 1: none */
+    int finished;
+};
+
+static int coll_new(mpidp_reqtable_t *reqs, const char *what, mpidp_coll_t **out)
+{
+    mpidp_coll_t *x = calloc(1, sizeof *x);
+    if (x == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s", what);
+    x->reqs = reqs;
+    x->scale = 1.0;
+    *out = x;
+    return MPIDP_OK;
+}
+
+/* A collective with nothing to move (one rank, no bytes): complete already. */
+static int finished_at_once(mpidp_coll_t *x, mpidp_coll_t **out)
+{
+    x->req = MPIDP_REQ_NONE;
+    *out = x;
+    return MPIDP_OK;
+}
+
+/* A coll with `size` counts (times `unit`) and their displacements; checks
+ * that each and their sum fit an MPI count. *total = the sum of counts. */
+static int vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, size_t unit,
+                     const char *what, mpidp_coll_t **out, size_t *total)
+{
+    mpidp_coll_t *x = NULL;
+    int rc = coll_new(reqs, what, &x);
+    if (rc != MPIDP_OK) return rc;
+    x->counts = malloc((size_t)size * sizeof *x->counts);
+    x->displs = malloc((size_t)size * sizeof *x->displs);
+    if (x->counts == NULL || x->displs == NULL) {
+        mpidp_coll_free(x);
+        return mpidp__fail(MPIDP_ENOMEM, "%s", what);
+    }
+    size_t sum = 0;
+    for (int r = 0; r < size; r++) {
+        if (counts[r] > (size_t)INT_MAX / unit || sum + counts[r] > (size_t)INT_MAX / unit) {
+            mpidp_coll_free(x);
+            return mpidp__fail(MPIDP_EINVAL, "%s: %zu elements are too many for one MPI call",
+                               what, sum + counts[r]);
+        }
+        x->counts[r] = (int)(counts[r] * unit);
+        x->displs[r] = (int)(sum * unit);
+        sum += counts[r];
+    }
+    *total = sum;
+    *out = x;
+    return MPIDP_OK;
+}
+
+/* Claims a request slot for x's operation, described by `what`. On failure
+ * (MPIDP_EFULL: nothing may be posted) x is freed, because no request will
+ * ever refer to it, so the caller only returns the status. */
+static int coll_claim(mpidp_coll_t *x, const char *what, mpidp_req_t *slot)
+{
+    int rc = mpidp_reqtable_claim(x->reqs, what, slot);
+    if (rc != MPIDP_OK) mpidp_coll_free(x);
+    return rc;
+}
+
+/* Finishes the post coll_claim began (mpidp__post_done into x->req): on
+ * success hands x to the caller in *out; on failure frees x, since the
+ * operation never started. */
+static int coll_post_done(mpidp_coll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Request req,
+                          const char *what, mpidp_coll_t **out)
+{
+    int rc = mpidp__post_done(x->reqs, slot, mpi_rc, req, what, &x->req);
+    if (rc != MPIDP_OK) {
+        mpidp_coll_free(x);
+        return rc;
+    }
+    *out = x;
+    return MPIDP_OK;
+}
+
 int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_reqtable_t *reqs,
-                      mpidp_req_t *out)
+                      mpidp_coll_t **out)
 {
     if (t == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "bcast: NULL argument");
@@ -41,22 +126,22 @@ int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_re
     if (root < 0 || root >= size)
         return mpidp__fail(MPIDP_EINVAL, "bcast: root %d is not a rank of a %d-process communicator",
                            root, size);
-    *out = MPIDP_REQ_NONE;
-    if (size == 1 || t->numel == 0) return MPIDP_OK;
+    mpidp_coll_t *x = NULL;
+    if ((rc = coll_new(reqs, "bcast", &x)) != MPIDP_OK) return rc;
+    if (size == 1 || t->numel == 0) return finished_at_once(x, out);
     /* Bytes, not elements: a broadcast needs no arithmetic, so any dtype goes. */
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "MPI_Ibcast of %zu %s from rank %d", t->numel,
              mpidp_dtype_name(t->dtype), root);
     mpidp_req_t slot;
-    rc = mpidp_reqtable_claim(reqs, what, &slot);
-    if (rc != MPIDP_OK) return rc;
+    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ibcast(t->data, (int)bytes, MPI_BYTE, root, comm, &req);
-    return mpidp__post_done(reqs, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, what, out);
 }
 
 int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
-                          mpidp_reqtable_t *reqs, mpidp_req_t *out)
+                          mpidp_reqtable_t *reqs, mpidp_coll_t **out)
 {
     if (send == NULL || recv == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "allgather: NULL argument");
@@ -71,104 +156,38 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
     const char *s = send->data, *r = recv->data;
     if (bytes && s < r + (size_t)size * bytes && r < s + bytes)
         return mpidp__fail(MPIDP_EINVAL, "allgather: the result overlaps the input");
-    *out = MPIDP_REQ_NONE;
-    if (bytes == 0) return MPIDP_OK;
+    mpidp_coll_t *x = NULL;
+    if ((rc = coll_new(reqs, "allgather", &x)) != MPIDP_OK) return rc;
+    if (bytes == 0) return finished_at_once(x, out);
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "MPI_Iallgather of %zu %s per rank", send->numel,
              mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    rc = mpidp_reqtable_claim(reqs, what, &slot);
-    if (rc != MPIDP_OK) return rc;
+    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Iallgather(send->data, (int)bytes, MPI_BYTE, recv->data, (int)bytes, MPI_BYTE, comm,
                         &req);
-    return mpidp__post_done(reqs, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, what, out);
 }
 
-int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_req_t *out)
+int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_coll_t **out)
 {
     if (reqs == NULL || out == NULL) return mpidp__fail(MPIDP_EINVAL, "barrier: NULL argument");
+    mpidp_coll_t *x = NULL;
     mpidp_req_t slot;
-    int rc = mpidp_reqtable_claim(reqs, "MPI_Ibarrier", &slot);
+    int rc = coll_new(reqs, "barrier", &x);
+    if (rc == MPIDP_OK) rc = coll_claim(x, "MPI_Ibarrier", &slot);
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ibarrier(comm, &req);
-    return mpidp__post_done(reqs, slot, rc, req, "MPI_Ibarrier", out);
+    return coll_post_done(x, slot, rc, req, "MPI_Ibarrier", out);
 }
 
 /* ---- collectives with a count per rank ---------------------------------- */
 
-struct mpidp_vcoll {
-    mpidp_reqtable_t *reqs;
-    mpidp_req_t req;
-    int *counts, *displs;  /* in elements (reduce-scatter) or bytes (allgatherv) */
-    mpidp_tensor_t recv;
-    double scale;          /* applied to recv on completion (avg); 1: none */
-    int finished;
-};
-
-/* A vcoll with `size` counts (times `unit`) and their displacements; checks
- * that each and their sum fit an MPI count. *total = the sum of counts. */
-static int vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, size_t unit,
-                     const char *what, mpidp_vcoll_t **out, size_t *total)
-{
-    mpidp_vcoll_t *x = calloc(1, sizeof *x);
-    if (x) x->counts = malloc((size_t)size * sizeof *x->counts);
-    if (x && x->counts) x->displs = malloc((size_t)size * sizeof *x->displs);
-    if (x == NULL || x->displs == NULL) {
-        if (x) free(x->counts);
-        free(x);
-        return mpidp__fail(MPIDP_ENOMEM, "%s", what);
-    }
-    size_t sum = 0;
-    for (int r = 0; r < size; r++) {
-        if (counts[r] > (size_t)INT_MAX / unit || sum + counts[r] > (size_t)INT_MAX / unit) {
-            mpidp_vcoll_free(x);
-            return mpidp__fail(MPIDP_EINVAL, "%s: %zu elements are too many for one MPI call",
-                               what, sum + counts[r]);
-        }
-        x->counts[r] = (int)(counts[r] * unit);
-        x->displs[r] = (int)(sum * unit);
-        sum += counts[r];
-    }
-    x->reqs = reqs;
-    x->scale = 1.0;
-    *total = sum;
-    *out = x;
-    return MPIDP_OK;
-}
-
-/* Describes x's operation as "<mpi_op> of <total> <dtype>" in `what`
- * (MPIDP_REQ_WHAT_LEN bytes) and claims a request slot for it. On failure
- * (MPIDP_EFULL: nothing may be posted) x is freed, because no request will
- * ever refer to it, so the caller only returns the status. */
-static int vcoll_claim(mpidp_vcoll_t *x, const char *mpi_op, size_t total, int dtype,
-                       char *what, mpidp_req_t *slot)
-{
-    snprintf(what, MPIDP_REQ_WHAT_LEN, "%s of %zu %s", mpi_op, total, mpidp_dtype_name(dtype));
-    int rc = mpidp_reqtable_claim(x->reqs, what, slot);
-    if (rc != MPIDP_OK) mpidp_vcoll_free(x);
-    return rc;
-}
-
-/* Finishes the post vcoll_claim began (mpidp__post_done into x->req): on
- * success hands x to the caller in *out; on failure frees x, since the
- * operation never started. */
-static int vcoll_post_done(mpidp_vcoll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Request req,
-                           const char *what, mpidp_vcoll_t **out)
-{
-    int rc = mpidp__post_done(x->reqs, slot, mpi_rc, req, what, &x->req);
-    if (rc != MPIDP_OK) {
-        mpidp_vcoll_free(x);
-        return rc;
-    }
-    *out = x;
-    return MPIDP_OK;
-}
-
 int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
                                const mpidp_tensor_t *recv, const size_t *counts, int op,
-                               mpidp_reqtable_t *reqs, mpidp_vcoll_t **out)
+                               mpidp_reqtable_t *reqs, mpidp_coll_t **out)
 {
     if (send == NULL || recv == NULL || counts == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "reduce_scatter: NULL argument");
@@ -182,12 +201,12 @@ int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
     if (rc == MPIDP_OK && (rc = MPI_Comm_rank(comm, &rank)) != MPI_SUCCESS)
         rc = mpidp__mpi_fail(rc, "MPI_Comm_rank");
     if (rc != MPIDP_OK) return rc;
-    mpidp_vcoll_t *x;
+    mpidp_coll_t *x = NULL;
     size_t total;
     rc = vcoll_new(reqs, counts, size, 1, "reduce_scatter", &x, &total);
     if (rc != MPIDP_OK) return rc;
     if (send->numel != total || recv->numel != counts[rank] || recv->dtype != send->dtype) {
-        mpidp_vcoll_free(x);
+        mpidp_coll_free(x);
         return mpidp__fail(MPIDP_EINVAL, "reduce_scatter: expected %zu %s elements in and %zu "
                            "out (this rank's count), got %zu and %zu %s", total,
                            mpidp_dtype_name(send->dtype), counts[rank], send->numel, recv->numel,
@@ -196,17 +215,17 @@ int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
     x->recv = *recv;
     if (op == MPIDP_OP_AVG) x->scale = 1.0 / (double)size;
     char what[MPIDP_REQ_WHAT_LEN];
+    snprintf(what, sizeof what, "MPI_Ireduce_scatter of %zu %s", total, mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    rc = vcoll_claim(x, "MPI_Ireduce_scatter", total, send->dtype, what, &slot);
-    if (rc != MPIDP_OK) return rc;
+    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ireduce_scatter(send->data, recv->data, x->counts, mpidp_mpi_datatype(send->dtype),
                              MPI_SUM, comm, &req);
-    return vcoll_post_done(x, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, what, out);
 }
 
 int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
-                           const size_t *counts, mpidp_reqtable_t *reqs, mpidp_vcoll_t **out)
+                           const size_t *counts, mpidp_reqtable_t *reqs, mpidp_coll_t **out)
 {
     if (send == NULL || recv == NULL || counts == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "allgatherv: NULL argument");
@@ -216,12 +235,12 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
     if (rc != MPIDP_OK) return rc;
     size_t esize = mpidp_dtype_size(send->dtype);
     if (esize == 0) return mpidp__fail(MPIDP_EDTYPE, "allgatherv: unknown dtype");
-    mpidp_vcoll_t *x;
+    mpidp_coll_t *x = NULL;
     size_t total;
     rc = vcoll_new(reqs, counts, size, esize, "allgatherv", &x, &total);
     if (rc != MPIDP_OK) return rc;
     if (send->numel != counts[rank] || recv->numel != total || recv->dtype != send->dtype) {
-        mpidp_vcoll_free(x);
+        mpidp_coll_free(x);
         return mpidp__fail(MPIDP_EINVAL, "allgatherv: expected %zu %s elements in (this rank's "
                            "count) and %zu out, got %zu and %zu %s", counts[rank],
                            mpidp_dtype_name(send->dtype), total, send->numel, recv->numel,
@@ -229,21 +248,21 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
     }
     const char *s = send->data, *r = recv->data;
     if (send->numel && s < r + total * esize && r < s + send->numel * esize) {
-        mpidp_vcoll_free(x);
+        mpidp_coll_free(x);
         return mpidp__fail(MPIDP_EINVAL, "allgatherv: the result overlaps the input");
     }
     char what[MPIDP_REQ_WHAT_LEN];
+    snprintf(what, sizeof what, "MPI_Iallgatherv of %zu %s", total, mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    rc = vcoll_claim(x, "MPI_Iallgatherv", total, send->dtype, what, &slot);
-    if (rc != MPIDP_OK) return rc;
+    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Iallgatherv(send->data, (int)(send->numel * esize), MPI_BYTE, recv->data, x->counts,
                          x->displs, MPI_BYTE, comm, &req);
-    return vcoll_post_done(x, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, what, out);
 }
 
 /* Once the request has completed: the mean's scaling, exactly once. */
-static void vcoll_finished(mpidp_vcoll_t *x)
+static void coll_finished(mpidp_coll_t *x)
 {
     if (x->finished) return;
     x->finished = 1;
@@ -254,35 +273,35 @@ static void vcoll_finished(mpidp_vcoll_t *x)
     }
 }
 
-int mpidp_vcoll_wait(mpidp_vcoll_t *x, double timeout_s)
+int mpidp_coll_wait(mpidp_coll_t *x, double timeout_s)
 {
-    if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "vcoll: NULL argument");
+    if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "collective: NULL argument");
     int rc = mpidp_reqtable_wait(x->reqs, x->req, timeout_s);
-    if (rc == MPIDP_OK) vcoll_finished(x);
+    if (rc == MPIDP_OK) coll_finished(x);
     return rc;
 }
 
-int mpidp_vcoll_test(mpidp_vcoll_t *x, int *done)
+int mpidp_coll_test(mpidp_coll_t *x, int *done)
 {
-    if (x == NULL || done == NULL) return mpidp__fail(MPIDP_EINVAL, "vcoll: NULL argument");
+    if (x == NULL || done == NULL) return mpidp__fail(MPIDP_EINVAL, "collective: NULL argument");
     int rc = mpidp_reqtable_test(x->reqs, x->req, done);
-    if (rc == MPIDP_OK && *done) vcoll_finished(x);
+    if (rc == MPIDP_OK && *done) coll_finished(x);
     return rc;
 }
 
-int mpidp_vcoll_free(mpidp_vcoll_t *x)
+int mpidp_coll_free(mpidp_coll_t *x)
 {
     if (x == NULL) return MPIDP_OK;
     int done = 1;
     if (x->req.gen != 0) mpidp_reqtable_test(x->reqs, x->req, &done);
-    if (!done) return mpidp__fail(MPIDP_ESTATE, "vcoll: still in flight");
+    if (!done) return mpidp__fail(MPIDP_ESTATE, "collective: still in flight");
     free(x->counts);
     free(x->displs);
     free(x);
     return MPIDP_OK;
 }
 
-static int operation_test(void *op, int *done) { return mpidp_vcoll_test(op, done); }
-static int operation_wait(void *op, double timeout_s) { return mpidp_vcoll_wait(op, timeout_s); }
-static int operation_free(void *op) { return mpidp_vcoll_free(op); }
-const mpidp_operation_t mpidp_vcoll_operation = {operation_test, operation_wait, operation_free};
+static int operation_test(void *op, int *done) { return mpidp_coll_test(op, done); }
+static int operation_wait(void *op, double timeout_s) { return mpidp_coll_wait(op, timeout_s); }
+static int operation_free(void *op) { return mpidp_coll_free(op); }
+const mpidp_operation_t mpidp_coll_operation = {operation_test, operation_wait, operation_free};

@@ -1,6 +1,8 @@
-/* Comm.allreduce / bcast / allgather / barrier: argument parsing, DLPack
- * intake (any dtype the core knows: which op suits which dtype is the core's
- * check), posting through the core, and waiting with the GIL released. */
+/* Comm's collectives: argument parsing, DLPack intake (any dtype the core
+ * knows: which op suits which dtype is the core's check) and posting through
+ * the core. Every collective is a core operation (mpidp/operation.h): with
+ * async_op a Work owns it, else it runs to its end here with the GIL
+ * released. */
 #include "module.h"
 
 #include <limits.h>
@@ -12,23 +14,43 @@
 /* Host tensors of any dtype the core knows. */
 #define ANY_CPU (MPIDP_TENSOR_CPU_ONLY | MPIDP_TENSOR_ANY_DTYPE)
 
-/* Waits for a posted request (no Work needed): returns None or raises. */
-static PyObject *wait_req(mpidp_py_state *st, mpidp_req_t req, mpidp_py_borrowed_t *tensor,
-                          const char *what)
+/* The module state for Comm method `usage` (its signature, for messages)
+ * called with `nargs` positional arguments (`min` to `max` allowed) and no
+ * keywords, in a process that may communicate; NULL with an exception. */
+static mpidp_py_state *begin(PyObject *self, const char *usage, Py_ssize_t nargs, Py_ssize_t min,
+                             Py_ssize_t max, PyObject *kwnames, const char *what)
 {
-    int rc;
-    MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait(st->reqs, req, mpidp_py_timeout_s));
-    if (tensor) mpidp_py_release(tensor);
-    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, what);
-    Py_RETURN_NONE;
+    if (kwnames != NULL || nargs < min || nargs > max) {
+        PyErr_Format(PyExc_TypeError, "Comm.%s takes %zd%s positional arguments (%zd given)",
+                     usage, min, max > min ? " or more" : "", nargs);
+        return NULL;
+    }
+    if (mpidp_py_check_not_forked(what) < 0) return NULL;
+    return mpidp_py_state_of_type(Py_TYPE(self));
 }
 
-/* Runs a posted operation to its end (mpidp_operation_finish, GIL released);
- * its n tensors are released once the core freed it. None, or NULL. */
-static PyObject *finish_now(mpidp_py_state *st, const mpidp_operation_t *ops, void *x,
-                            mpidp_py_borrowed_t *t, size_t n, const char *what)
+/* The optional trailing async_op argument: 0, 1, or -1 with an exception. */
+static int async_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at)
 {
-    int rc, ended = 0;
+    return nargs > at ? PyObject_IsTrue(args[at]) : 0;
+}
+
+/* What a started collective becomes: with status `rc` != MPIDP_OK nothing
+ * was posted (the n tensors are released, the status raised); with
+ * async_op a Work that owns the operation, its tensors and the Comm, and
+ * whose result() is `result`; else the operation runs to its end here
+ * (mpidp_operation_finish, GIL released) and the tensors are released once
+ * the core freed it. */
+static PyObject *started(mpidp_py_state *st, int rc, const mpidp_operation_t *ops, void *x,
+                         mpidp_py_borrowed_t *t, size_t n, int async_op, PyObject *comm,
+                         PyObject *result, const char *what)
+{
+    if (rc != MPIDP_OK) {
+        mpidp_py_release_all(t, n);
+        return mpidp_py_raise(st, rc, what);
+    }
+    if (async_op) return mpidp_py_work_new(st, ops, x, t, n, comm, result);
+    int ended = 0;
     MPIDP_PY_WAIT(st, rc, mpidp_operation_finish(ops, x, mpidp_py_timeout_s, &ended));
     if (ended) mpidp_py_release_all(t, n);
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, what);
@@ -38,16 +60,12 @@ static PyObject *finish_now(mpidp_py_state *st, const mpidp_operation_t *ops, vo
 PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames)
 {
-    if (kwnames != NULL || nargs != 4)
-        return PyErr_Format(PyExc_TypeError, "Comm.allreduce(tensor, op, wire_dtype, async_op) "
-                            "takes 4 positional arguments");
-    if (mpidp_py_check_not_forked("allreduce") < 0) return NULL;
-    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    mpidp_py_state *st = begin(self, "allreduce(tensor, op, wire_dtype, async_op)", nargs, 4, 4,
+                               kwnames, "allreduce");
     if (st == NULL) return NULL;
-    mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
     int op = PyLong_AsLong(args[1]);
     int wire = PyLong_AsLong(args[2]);
-    int async_op = PyObject_IsTrue(args[3]);
+    int async_op = async_arg(args, nargs, 3);
     if (PyErr_Occurred() || async_op < 0) return NULL;
     mpidp_py_borrowed_t tensor;
     if (mpidp_py_borrow(st, args[0], ANY_CPU | MPIDP_TENSOR_WRITABLE, "tensor", &tensor) < 0)
@@ -61,60 +79,28 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     if (async_op) opts.max_in_flight = 0;
     mpidp_allreduce_t *x = NULL;
     mpidp_error_clear();
-    int rc = mpidp_allreduce_start(comm->comm, &tensor.t, &opts, st->reqs, &x);
-    if (rc != MPIDP_OK) {
-        mpidp_py_release(&tensor);
-        return mpidp_py_raise(st, rc, "allreduce");
-    }
-    if (async_op) return mpidp_py_work_new(st, &mpidp_allreduce_operation, x, &tensor, 1, self);
-    return finish_now(st, &mpidp_allreduce_operation, x, &tensor, 1, "allreduce");
+    int rc = mpidp_allreduce_start(((mpidp_py_comm_t *)self)->comm, &tensor.t, &opts, st->reqs, &x);
+    return started(st, rc, &mpidp_allreduce_operation, x, &tensor, 1, async_op, self, args[0],
+                   "allreduce");
 }
 
 PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames)
 {
-    if (kwnames != NULL || nargs != 2)
-        return PyErr_Format(PyExc_TypeError, "Comm.bcast(tensor, root) takes 2 positional arguments");
-    if (mpidp_py_check_not_forked("bcast") < 0) return NULL;
-    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    mpidp_py_state *st = begin(self, "bcast(tensor, root, async_op=False)", nargs, 2, 3, kwnames,
+                               "bcast");
     if (st == NULL) return NULL;
     mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
     int root = PyLong_AsLong(args[1]);
-    if (PyErr_Occurred()) return NULL;
+    int async_op = async_arg(args, nargs, 2);
+    if (PyErr_Occurred() || async_op < 0) return NULL;
     unsigned need = ANY_CPU | (comm->rank == root ? 0u : MPIDP_TENSOR_WRITABLE);
     mpidp_py_borrowed_t tensor;
     if (mpidp_py_borrow(st, args[0], need, "tensor", &tensor) < 0) return NULL;
+    mpidp_coll_t *x = NULL;
     mpidp_error_clear();
-    mpidp_req_t req;
-    int rc = mpidp_bcast_start(comm->comm, &tensor.t, root, st->reqs, &req);
-    if (rc != MPIDP_OK) {
-        mpidp_py_release(&tensor);
-        return mpidp_py_raise(st, rc, "bcast");
-    }
-    return wait_req(st, req, &tensor, "bcast");
-}
-
-PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                                  PyObject *kwnames)
-{
-    if (kwnames != NULL || nargs != 2)
-        return PyErr_Format(PyExc_TypeError, "Comm.allgather(tensor, out) takes 2 positional arguments");
-    if (mpidp_py_check_not_forked("allgather") < 0) return NULL;
-    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
-    if (st == NULL) return NULL;
-    mpidp_py_borrowed_t t[2];
-    if (mpidp_py_borrow(st, args[0], ANY_CPU, "tensor", &t[0]) < 0) return NULL;
-    if (mpidp_py_borrow(st, args[1], ANY_CPU | MPIDP_TENSOR_WRITABLE, "out", &t[1]) < 0) {
-        mpidp_py_release(&t[0]);
-        return NULL;
-    }
-    mpidp_error_clear();
-    mpidp_req_t req;
-    int rc = mpidp_allgather_start(((mpidp_py_comm_t *)self)->comm, &t[0].t, &t[1].t, st->reqs, &req);
-    PyObject *res = rc == MPIDP_OK ? wait_req(st, req, &t[1], "allgather")
-                                   : (mpidp_py_release(&t[1]), mpidp_py_raise(st, rc, "allgather"));
-    mpidp_py_release(&t[0]);
-    return res;
+    int rc = mpidp_bcast_start(comm->comm, &tensor.t, root, st->reqs, &x);
+    return started(st, rc, &mpidp_coll_operation, x, &tensor, 1, async_op, self, args[0], "bcast");
 }
 
 /* The counts tuple of a vector collective: one int >= 0 per rank, or -1. */
@@ -134,21 +120,23 @@ static size_t *counts_arg(PyObject *obj, int size)
     return c;
 }
 
-/* reduce_scatter(send, recv, counts, op) and allgatherv(send, recv, counts):
- * blocking; both tensors borrowed for the call. */
-static PyObject *vector_collective(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                                   int scatter)
+/* allgather(send, recv, async_op=False), allgatherv(send, recv, counts,
+ * async_op=False) and reduce_scatter(send, recv, counts, op, async_op=False),
+ * told apart by `n_args`, their arguments before async_op (2, 3, 4). Both
+ * tensors are borrowed until the operation ends; a Work's result() is recv. */
+static PyObject *gather_or_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames, const char *usage, const char *name,
+                                   Py_ssize_t n_args)
 {
-    const char *name = scatter ? "reduce_scatter" : "allgatherv";
-    if (nargs != (scatter ? 4 : 3))
-        return PyErr_Format(PyExc_TypeError, "Comm.%s takes %d positional arguments", name,
-                            scatter ? 4 : 3);
-    if (mpidp_py_check_not_forked(name) < 0) return NULL;
-    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    mpidp_py_state *st = begin(self, usage, nargs, n_args, n_args + 1, kwnames, name);
+    if (st == NULL) return NULL;
     mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
+    int scatter = n_args == 4, vector = n_args >= 3;
     int op = scatter ? (int)PyLong_AsLong(args[3]) : 0;
-    size_t *counts = st && !PyErr_Occurred() ? counts_arg(args[2], comm->size) : NULL;
-    if (counts == NULL) return NULL;
+    int async_op = async_arg(args, nargs, n_args);
+    if (PyErr_Occurred() || async_op < 0) return NULL;
+    size_t *counts = vector ? counts_arg(args[2], comm->size) : NULL;
+    if (vector && counts == NULL) return NULL;
     mpidp_py_borrowed_t t[2];
     PyObject *res = NULL;
     if (mpidp_py_borrow(st, args[0], ANY_CPU, "tensor", &t[0]) < 0) goto done;
@@ -156,47 +144,49 @@ static PyObject *vector_collective(PyObject *self, PyObject *const *args, Py_ssi
         mpidp_py_release(&t[0]);
         goto done;
     }
-    mpidp_vcoll_t *x = NULL;
+    mpidp_coll_t *x = NULL;
     mpidp_error_clear();
-    int rc = scatter
-                 ? mpidp_reduce_scatter_start(comm->comm, &t[0].t, &t[1].t, counts, op, st->reqs, &x)
-                 : mpidp_allgatherv_start(comm->comm, &t[0].t, &t[1].t, counts, st->reqs, &x);
-    if (rc == MPIDP_OK) {
-        res = finish_now(st, &mpidp_vcoll_operation, x, t, 2, name);
-    } else {
-        mpidp_py_release_all(t, 2);
-        res = mpidp_py_raise(st, rc, name);
-    }
+    int rc = scatter  ? mpidp_reduce_scatter_start(comm->comm, &t[0].t, &t[1].t, counts, op, st->reqs, &x)
+             : vector ? mpidp_allgatherv_start(comm->comm, &t[0].t, &t[1].t, counts, st->reqs, &x)
+                      : mpidp_allgather_start(comm->comm, &t[0].t, &t[1].t, st->reqs, &x);
+    res = started(st, rc, &mpidp_coll_operation, x, t, 2, async_op, self, args[1], name);
 done:
     PyMem_Free(counts);
     return res;
 }
 
-PyObject *mpidp_py_comm_reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                                       PyObject *kwnames)
+PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames)
 {
-    if (kwnames != NULL) return PyErr_Format(PyExc_TypeError, "Comm.reduce_scatter takes no keywords");
-    return vector_collective(self, args, nargs, 1);
+    return gather_or_scatter(self, args, nargs, kwnames, "allgather(tensor, out, async_op=False)",
+                             "allgather", 2);
 }
 
 PyObject *mpidp_py_comm_allgatherv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames)
 {
-    if (kwnames != NULL) return PyErr_Format(PyExc_TypeError, "Comm.allgatherv takes no keywords");
-    return vector_collective(self, args, nargs, 0);
+    return gather_or_scatter(self, args, nargs, kwnames,
+                             "allgatherv(tensor, out, counts, async_op=False)", "allgatherv", 3);
 }
 
-PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused)
+PyObject *mpidp_py_comm_reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                       PyObject *kwnames)
 {
-    (void)unused;
-    if (mpidp_py_check_not_forked("barrier") < 0) return NULL;
-    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
-    if (st == NULL) return NULL;
+    return gather_or_scatter(self, args, nargs, kwnames,
+                             "reduce_scatter(tensor, out, counts, op, async_op=False)",
+                             "reduce_scatter", 4);
+}
+
+PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames)
+{
+    mpidp_py_state *st = begin(self, "barrier(async_op=False)", nargs, 0, 1, kwnames, "barrier");
+    int async_op = st ? async_arg(args, nargs, 0) : -1;
+    if (async_op < 0) return NULL;
+    mpidp_coll_t *x = NULL;
     mpidp_error_clear();
-    mpidp_req_t req;
-    int rc = mpidp_barrier_start(((mpidp_py_comm_t *)self)->comm, st->reqs, &req);
-    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "barrier");
-    return wait_req(st, req, NULL, "barrier");
+    int rc = mpidp_barrier_start(((mpidp_py_comm_t *)self)->comm, st->reqs, &x);
+    return started(st, rc, &mpidp_coll_operation, x, NULL, 0, async_op, self, Py_None, "barrier");
 }
 
 /* A tuple of at most MPIDP_PEERX_MAX_PEERS ranks into out[]; -1 with an exception. */
@@ -222,11 +212,8 @@ static int peers_arg(PyObject *obj, const char *argname, int *out)
 PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                       PyObject *kwnames)
 {
-    if (kwnames != NULL || nargs != 4)
-        return PyErr_Format(PyExc_TypeError, "Comm.peer_exchange(send, out_peers, recvs, "
-                            "in_peers) takes 4 positional arguments");
-    if (mpidp_py_check_not_forked("peer_exchange") < 0) return NULL;
-    mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    mpidp_py_state *st = begin(self, "peer_exchange(send, out_peers, recvs, in_peers)", nargs, 4,
+                               4, kwnames, "peer_exchange");
     if (st == NULL) return NULL;
     int out[MPIDP_PEERX_MAX_PEERS], in[MPIDP_PEERX_MAX_PEERS];
     int n_out = peers_arg(args[1], "out_peers", out);
@@ -254,9 +241,6 @@ PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_
     mpidp_peerx_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_peerx_start(((mpidp_py_comm_t *)self)->comm, &spec, st->reqs, &x);
-    if (rc != MPIDP_OK) {
-        mpidp_py_release_all(t, 1 + (size_t)n_in);
-        return mpidp_py_raise(st, rc, "peer_exchange");
-    }
-    return mpidp_py_work_new(st, &mpidp_peerx_operation, x, t, 1 + (size_t)n_in, self);
+    return started(st, rc, &mpidp_peerx_operation, x, t, 1 + (size_t)n_in, 1, self, Py_None,
+                   "peer_exchange");
 }

@@ -110,25 +110,22 @@ static PyGetSetDef comm_getset[] = {
 };
 
 static PyMethodDef comm_methods[] = {
-    {"allreduce", (PyCFunction)(void (*)(void))mpidp_py_comm_allreduce,
-     METH_FASTCALL | METH_KEYWORDS,
-     "allreduce(tensor, op, wire_dtype, async_op) -> Work | None (in place)"},
-    {"bcast", (PyCFunction)(void (*)(void))mpidp_py_comm_bcast, METH_FASTCALL | METH_KEYWORDS,
-     "bcast(tensor, root) (in place, blocking)"},
-    {"allgather", (PyCFunction)(void (*)(void))mpidp_py_comm_allgather, METH_FASTCALL | METH_KEYWORDS,
-     "allgather(tensor, out): every rank's tensor into out, in rank order (blocking)"},
-    {"reduce_scatter", (PyCFunction)(void (*)(void))mpidp_py_comm_reduce_scatter,
-     METH_FASTCALL | METH_KEYWORDS,
-     "reduce_scatter(tensor, out, counts, op): out = the sum (OP_SUM) or mean (OP_AVG) of\n"
-     "block `rank` of every rank's tensor; counts: elements per rank (blocking)"},
-    {"allgatherv", (PyCFunction)(void (*)(void))mpidp_py_comm_allgatherv, METH_FASTCALL | METH_KEYWORDS,
-     "allgatherv(tensor, out, counts): every rank's tensor (counts[r] elements) into out,\n"
-     "in rank order (blocking)"},
-    {"peer_exchange", (PyCFunction)(void (*)(void))mpidp_py_comm_peer_exchange,
-     METH_FASTCALL | METH_KEYWORDS,
-     "peer_exchange(send, out_peers, recvs, in_peers) -> Work: send to each rank of out_peers,\n"
-     "receive recvs[i] from in_peers[i] (every rank calls it, in the same order)"},
-    {"barrier", (PyCFunction)mpidp_py_comm_barrier, METH_NOARGS, "barrier()"},
+#define COLLECTIVE(name, doc)                                                   \
+    {#name, (PyCFunction)(void (*)(void))mpidp_py_comm_##name, METH_FASTCALL | METH_KEYWORDS, doc}
+    COLLECTIVE(allreduce, "allreduce(tensor, op, wire_dtype, async_op) -> Work | None (in place)"),
+    COLLECTIVE(bcast, "bcast(tensor, root, async_op=False) -> Work | None (in place)"),
+    COLLECTIVE(allgather, "allgather(tensor, out, async_op=False) -> Work | None: every rank's\n"
+               "tensor into out, in rank order"),
+    COLLECTIVE(reduce_scatter, "reduce_scatter(tensor, out, counts, op, async_op=False) -> Work |\n"
+               "None: out = the sum (OP_SUM) or mean (OP_AVG) of block `rank` of every rank's\n"
+               "tensor; counts: elements per rank"),
+    COLLECTIVE(allgatherv, "allgatherv(tensor, out, counts, async_op=False) -> Work | None:\n"
+               "every rank's tensor (counts[r] elements) into out, in rank order"),
+    COLLECTIVE(peer_exchange, "peer_exchange(send, out_peers, recvs, in_peers) -> Work: send to\n"
+               "each rank of out_peers, receive recvs[i] from in_peers[i] (every rank calls it,\n"
+               "in the same order)"),
+    COLLECTIVE(barrier, "barrier(async_op=False) -> Work | None"),
+#undef COLLECTIVE
     {"py2f", (PyCFunction)comm_py2f, METH_NOARGS, "The Fortran handle of the duplicate."},
     {NULL, NULL, 0, NULL},
 };

@@ -137,7 +137,8 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
                               PyObject *kwnames);
 PyObject *mpidp_py_comm_allgather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames);
-PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *unused);
+PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames);
 PyObject *mpidp_py_comm_reduce_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                        PyObject *kwnames);
 PyObject *mpidp_py_comm_allgatherv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -158,10 +159,12 @@ PyObject *mpidp_py_grad_hook_api_capsule(void);
 
 /* Creates a Work that owns the operation `x` (driven by `ops`, one of the
  * core's tables in mpidp/operation.h) and keeps the `n` borrowed tensors
- * (moved in: their capsules are taken) and `comm` alive until it completes. NULL with an exception (the operation then finished
- * here) on failure. */
+ * (moved in: their capsules are taken) and `comm` alive until it completes;
+ * its result() is `result`. NULL with an exception (the operation then
+ * finished here) on failure. */
 PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, void *x,
-                            mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm);
+                            mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm,
+                            PyObject *result);
 
 /* Module functions binding the conversion kernels (csrc/py/kernels.c), over
  * the process-wide state (process.c), planning buckets (bucket_plan.c), the

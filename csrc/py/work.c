@@ -1,5 +1,5 @@
-/* mpidp._C.Work: the handle of an asynchronous operation -- an allreduce
- * or a peer exchange.
+/* mpidp._C.Work: the handle of an asynchronous operation -- a collective
+ * started with async_op, or a peer exchange.
  *
  * A Work owns its operation and the tensors it reads and writes, and keeps
  * them until the operation completes. An allreduce's chunks beyond the first
@@ -20,6 +20,7 @@ typedef struct {
     mpidp_py_borrowed_t *tensors; /* PyMem array of n */
     size_t n;
     PyObject *comm;     /* the Comm must outlive the operation */
+    PyObject *result;   /* what result() returns */
     int done;
 } work_t;
 
@@ -34,7 +35,8 @@ static void complete(work_t *w)
 }
 
 PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, void *x,
-                            mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm)
+                            mpidp_py_borrowed_t *keepalive, size_t n, PyObject *comm,
+                            PyObject *result)
 {
     work_t *w = PyObject_New(work_t, st->work_type);
     mpidp_py_borrowed_t *tensors = w ? PyMem_Malloc((n ? n : 1) * sizeof *tensors) : NULL;
@@ -55,28 +57,40 @@ PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, vo
     w->tensors = tensors;
     w->n = n;
     w->comm = Py_XNewRef(comm);
+    w->result = Py_NewRef(result);
     w->done = 0;
     return (PyObject *)w;
 }
 
-static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
+/* Waits for the operation (deadline: `timeout` seconds, None: MPIDP_TIMEOUT).
+ * 0, or -1 with the exception. */
+static int wait_for(work_t *self, PyObject *timeout_obj)
 {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *timeout_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:wait", kwlist, &timeout_obj)) return NULL;
     double timeout = mpidp_py_timeout_s;
-    if (timeout_obj != Py_None) {
-        timeout = PyFloat_AsDouble(timeout_obj);
-        if (PyErr_Occurred()) return NULL;
-    }
-    if (self->done) Py_RETURN_NONE;
+    if (timeout_obj != Py_None && (timeout = PyFloat_AsDouble(timeout_obj)) == -1.0 && PyErr_Occurred())
+        return -1;
+    if (self->done) return 0;
     mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
     mpidp_error_clear();
     int rc;
     MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
     if (rc != MPIDP_ETIMEDOUT) complete(self);
-    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.wait");
-    Py_RETURN_NONE;
+    return mpidp_py_check(st, rc, "Work.wait");
+}
+
+static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:wait", kwlist, &timeout)) return NULL;
+    return mpidp_py_none_or_null(wait_for(self, timeout));
+}
+
+/* result(): waits, then the tensor the operation wrote (None if none). */
+static PyObject *work_result(work_t *self, PyObject *unused)
+{
+    (void)unused;
+    return wait_for(self, Py_None) < 0 ? NULL : Py_NewRef(self->result);
 }
 
 static PyObject *work_is_completed(work_t *self, PyObject *unused)
@@ -110,6 +124,7 @@ static void work_dealloc(work_t *self)
     mpidp_py_release_all(self->tensors, self->n);
     PyMem_Free(self->tensors);
     Py_CLEAR(self->comm);
+    Py_CLEAR(self->result);
     PyObject_Free(self);
     Py_DECREF(tp);
 }
@@ -119,6 +134,9 @@ static PyMethodDef work_methods[] = {
      "wait(timeout=None): block until the operation has completed (deadline: MPIDP_TIMEOUT)."},
     {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
      "is_completed() -> bool, without blocking (and progresses MPI)."},
+    {"result", (PyCFunction)work_result, METH_NOARGS,
+     "result() -> the tensor the operation wrote (the reduced or broadcast tensor, the\n"
+     "gathered or scattered output), after waiting for it; None for a barrier."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -72,8 +72,8 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,
     float32 bytes; error at most half a quantization step of each block, twice;
     a block holding a NaN or an infinity on any rank becomes NaN on every
     rank). With async_op=True a `Work` is
-    returned: `wait()` completes it, `is_completed()` polls it; the tensor
-    must not be used until then."""
+    returned: `wait()` completes it, `is_completed()` polls it, `result()`
+    waits and returns the tensor; the tensor must not be used until then."""
     _check_tensor(tensor)
     code = _check_op(op, tensor.dtype, wire_dtype)
     wire = wire_code(wire_dtype, quantized=True)
@@ -108,32 +108,36 @@ def allreduce_scalar(value, op: str = "avg", comm=None):
     return t.item()
 
 
-def broadcast(tensor: torch.Tensor, root: int = 0, comm=None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root: int = 0, comm=None, async_op: bool = False):
     """Make `tensor` rank `root`'s on every rank (in place; returned too).
 
     comm: the ranks taking part (an mpi4py communicator or MPICommunication;
-    None: every rank)."""
+    None: every rank). With async_op=True a `Work` is returned instead (see
+    allreduce); its result() is the tensor."""
     c = resolve_comm(comm)
     _check_tensor(tensor, writable=c.rank != root)
-    c.bcast(tensor.detach(), check_root(root, c))
-    return tensor
+    check_bool("async_op", async_op)
+    work = c.bcast(tensor.detach(), check_root(root, c), async_op)
+    return work if async_op else tensor
 
 
-def allgather(tensor: torch.Tensor, comm=None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, comm=None, async_op: bool = False):
     """Every rank's `tensor` concatenated along dimension 0, in rank order
     (Horovod's allgather). The first dimension may differ between ranks; the
     others, and the dtype, must not.
 
     comm: the ranks taking part (an mpi4py communicator or MPICommunication;
-    None: every rank)."""
+    None: every rank). With async_op=True a `Work` is returned whose result()
+    is the concatenation (the ranks' shapes are exchanged first, blocking)."""
     _check_tensor(tensor, writable=False)
+    check_bool("async_op", async_op)
     c = resolve_comm(comm)
     t = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
     rows = _rows_of_every_rank(c, t)
     row = t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel())
     out = torch.empty((sum(rows),) + tuple(t.shape[1:]), dtype=t.dtype)
-    c.allgatherv(t.contiguous(), out, tuple(n * row for n in rows))
-    return out
+    work = c.allgatherv(t.contiguous(), out, tuple(n * row for n in rows), async_op)
+    return work if async_op else out
 
 
 def _rows_of_every_rank(c, t: torch.Tensor) -> list:
@@ -152,7 +156,8 @@ def _rows_of_every_rank(c, t: torch.Tensor) -> list:
     return shapes[:, 0].tolist()
 
 
-def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None) -> torch.Tensor:
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None,
+                   async_op: bool = False):
     """This rank's block of the sum ("sum") or mean ("avg") of every rank's
     `tensor` (float32 or float64, the same shape everywhere), split along
     dimension 0: rank r gets rows counts[r] (default: as even as possible,
@@ -161,11 +166,13 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
     same on every rank. The mean is the sum times 1/size.
 
     comm: the ranks taking part (an mpi4py communicator or MPICommunication;
-    None: every rank).
+    None: every rank). With async_op=True a `Work` is returned whose result()
+    is this rank's block.
 
     op: "sum" or "avg"."""
     _check_tensor(tensor, writable=False)
     check_choice("op", op, ("sum", "avg"))
+    check_bool("async_op", async_op)
     if tensor.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"tensor: expected float32 or float64, got {tensor.dtype}")
     c = resolve_comm(comm)
@@ -180,14 +187,16 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
                              f"{n}, got {counts!r}")
     row = int(torch.Size(t.shape[1:]).numel())
     out = torch.empty((counts[c.rank],) + tuple(t.shape[1:]), dtype=t.dtype)
-    c.reduce_scatter(t.contiguous(), out, tuple(k * row for k in counts),
-                     _OPS["avg" if op == "avg" else "sum"])
-    return out
+    work = c.reduce_scatter(t.contiguous(), out, tuple(k * row for k in counts),
+                            _OPS["avg" if op == "avg" else "sum"], async_op)
+    return work if async_op else out
 
 
-def barrier(comm=None) -> None:
-    """Wait until every rank of `comm` has called barrier()."""
-    resolve_comm(comm).barrier()
+def barrier(comm=None, async_op: bool = False):
+    """Wait until every rank of `comm` has called barrier(); with
+    async_op=True return a `Work` that completes then, without waiting."""
+    check_bool("async_op", async_op)
+    return resolve_comm(comm).barrier(async_op)
 
 
 def rank(comm=None) -> int:

@@ -16,9 +16,9 @@ typedef struct {
 } mpidp_operation_t;
 
 /* mpidp/allreduce.h's chunked allreduce, mpidp/peerx.h's peer exchange and
- * mpidp/collectives.h's collectives with a count per rank. */
+ * mpidp/collectives.h's other collectives. */
 extern const mpidp_operation_t mpidp_allreduce_operation, mpidp_peerx_operation,
-    mpidp_vcoll_operation;
+    mpidp_coll_operation;
 
 /* Runs the posted operation `op` to its end: waits (deadline timeout_s, as
  * the engine's wait) and frees it. *ended = 1 when it was freed, so that the
