@@ -85,6 +85,31 @@ def test_messages_name_the_operation_once():
     assert message.startswith("allreduce: ") and "allreduce: allreduce" not in message, message
 
 
+def test_a_failed_work_raises_again_at_every_later_wait():
+    """A Work whose operation failed raises at its first wait and again at
+    every later wait and result(): a caught CommError must not turn into a
+    result that never arrived. The failure: ranks that disagree on the
+    message size (each rank's own sizes agree, so nothing is refused before
+    posting), so rank 0's longer message is truncated at rank 1."""
+    comm = mpidp._C.Comm(MPI.COMM_WORLD)
+    me, size = comm.rank, comm.size
+    if size < 2:
+        pytest.skip("needs a peer")   # one rank has no other rank to exchange with
+    n = 8 if me == 0 else 4
+    send, recv = torch.zeros(n), torch.zeros(n)
+    work = comm.peer_exchange(send, ((me + 1) % size,), (recv,), ((me - 1) % size,))
+    failed = 0
+    try:
+        work.wait()
+    except mpidp.CommError:
+        failed = 1
+        for again in (work.wait, work.result):
+            with pytest.raises(mpidp.CommError, match="failed when it was first waited for"):
+                again()
+        assert work.is_completed()
+    assert MPI.COMM_WORLD.allgather(failed)[1] == 1
+
+
 def test_a_peer_exchange_into_a_buffer_of_another_size_is_refused_before_posting():
     """Refused by the core (mpidp_peerx_start) on every rank alike, naming the
     buffer, before anything is posted: a short buffer would be overrun."""

@@ -22,13 +22,16 @@ typedef struct {
     PyObject *comm;     /* the Comm must outlive the operation */
     PyObject *result;   /* what result() returns */
     int done;
+    int failed;         /* the status it ended with, raised by every later wait */
 } work_t;
 
-/* The operation has ended (completed or failed): free it and, once freed,
- * release its tensors (a part still in flight keeps them borrowed). */
-static void complete(work_t *w)
+/* The operation has ended with status `rc` (completed, or failed): free it
+ * and, once freed, release its tensors (a part still in flight keeps them
+ * borrowed). */
+static void complete(work_t *w, int rc)
 {
     w->done = 1;
+    w->failed = rc;
     if (w->ops->free(w->x) != MPIDP_OK) return;
     w->x = NULL;
     mpidp_py_release_all(w->tensors, w->n);
@@ -59,22 +62,26 @@ PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, vo
     w->comm = Py_XNewRef(comm);
     w->result = Py_NewRef(result);
     w->done = 0;
+    w->failed = MPIDP_OK;
     return (PyObject *)w;
 }
 
 /* Waits for the operation (deadline: `timeout` seconds, None: MPIDP_TIMEOUT).
- * 0, or -1 with the exception. */
+ * 0, or -1 with the exception -- also on every wait after a failure, so that
+ * a caught error cannot turn into an unreduced result() later. */
 static int wait_for(work_t *self, PyObject *timeout_obj)
 {
     double timeout = mpidp_py_timeout_s;
     if (timeout_obj != Py_None && (timeout = PyFloat_AsDouble(timeout_obj)) == -1.0 && PyErr_Occurred())
         return -1;
-    if (self->done) return 0;
     mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
     mpidp_error_clear();
-    int rc;
-    MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
-    if (rc != MPIDP_ETIMEDOUT) complete(self);
+    int rc = self->failed;
+    if (rc != MPIDP_OK) mpidp__fail(rc, "the operation failed when it was first waited for");
+    else if (!self->done) {
+        MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
+        if (rc != MPIDP_ETIMEDOUT) complete(self, rc);
+    }
     return mpidp_py_check(st, rc, "Work.wait");
 }
 
@@ -101,7 +108,7 @@ static PyObject *work_is_completed(work_t *self, PyObject *unused)
         int done = 0;
         mpidp_error_clear();
         int rc = self->ops->test(self->x, &done);
-        if (done || rc != MPIDP_OK) complete(self);
+        if (done || rc != MPIDP_OK) complete(self, rc);
         if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.is_completed");
     }
     return PyBool_FromLong(self->done);
