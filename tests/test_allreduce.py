@@ -238,6 +238,24 @@ def test_every_collective_can_run_asynchronously_several_at_once():
     mpidp.broadcast(torch.zeros(1 << 16), root=0, async_op=True)
 
 
+def test_ranks_that_disagree_on_async_op_get_the_same_results():
+    """async_op is each rank's own choice: odd ranks wait at once, even ranks
+    take a Work and wait later; the values are the blocking reference's."""
+    async_op = RANK % 2 == 0
+    b = torch.arange(6, dtype=torch.float32) * (RANK + 1)
+    g = torch.full((RANK + 1, 2), float(RANK))
+    s = torch.arange(4 * SIZE, dtype=torch.float64) * (RANK + 1)
+    got = [mpidp.broadcast(b, root=0, async_op=async_op), mpidp.allgather(g, async_op=async_op),
+           mpidp.reduce_scatter(s, async_op=async_op), mpidp.barrier(async_op=async_op)]
+    if async_op:
+        got = [w.result() for w in got]
+    assert torch.equal(b, torch.arange(6, dtype=torch.float32))
+    assert torch.equal(got[1], torch.cat(everyone(g)))
+    whole = torch.stack(everyone(s)).sum(0)
+    assert torch.equal(got[2], whole[4 * RANK:4 * RANK + 4])
+    assert got[3] is None
+
+
 def test_reduce_scatter_refuses_bad_arguments():
     with pytest.raises(ValueError, match="counts: expected"):
         mpidp.reduce_scatter(torch.zeros(3), counts=[3] + [1] * (SIZE - 1) if SIZE > 1 else [2])

@@ -129,7 +129,11 @@ int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out)
     t->slots = slots;
     t->live_idx = live_idx;
     t->next_gen = 1;
-    t->spin_s = MPIDP_SPIN_SECONDS;
+    int mpi_up = 0;
+    MPI_Initialized(&mpi_up);
+    t->spin_s = mpi_up && !mpidp__mpi_finalized() && mpidp__mpi_yields_when_idle()
+                    ? MPIDP_SPIN_SHARED_CORES_SECONDS
+                    : MPIDP_SPIN_SECONDS;
     *out = t;
     return MPIDP_OK;
 }
@@ -276,15 +280,23 @@ double mpidp_reqtable_spin(mpidp_reqtable_t *t)
  * stuck peer does not cost a core or starve this rank's other threads. A wait
  * that long is for a slow peer or a large transfer, next to which 100 us of
  * extra latency at completion is small. */
+mpidp__wait_step_t mpidp__wait_step(unsigned long iteration, double waited, double spin)
+{
+    if (iteration < 64) return MPIDP__WAIT_TEST;
+    return waited < spin ? MPIDP__WAIT_YIELD : MPIDP__WAIT_SLEEP;
+}
+
 static void backoff(unsigned long iteration, double waited, double spin)
 {
-    if (iteration < 64) return;
-    if (waited < spin) {
-        sched_yield();
+    switch (mpidp__wait_step(iteration, waited, spin)) {
+    case MPIDP__WAIT_TEST: return;
+    case MPIDP__WAIT_YIELD: sched_yield(); return;
+    case MPIDP__WAIT_SLEEP: {
+        struct timespec ts = {0, 100000}; /* 100 us */
+        nanosleep(&ts, NULL);
         return;
     }
-    struct timespec ts = {0, 100000}; /* 100 us */
-    nanosleep(&ts, NULL);
+    }
 }
 
 static int timed_out(mpidp_reqtable_t *t, double timeout_s)

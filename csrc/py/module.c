@@ -10,7 +10,6 @@
 #include "mpidp/allreduce.h"
 #include "mpidp/checksum.h"
 #include "mpidp/convert.h"
-#include "mpidp/mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/peers.h"
@@ -156,10 +155,6 @@ static int module_exec(PyObject *m)
         PyErr_NoMemory();
         return -1;
     }
-    /* Waits stop spinning sooner where the ranks share cores (mpidp/reqtable.h);
-     * MPIDP_WAIT_SPIN_MS overrides it through configure(). */
-    mpidp_reqtable_set_spin(st->reqs, mpidp__mpi_yields_when_idle() ? MPIDP_SPIN_SHARED_CORES_SECONDS
-                                                                    : MPIDP_SPIN_SECONDS);
     st->comm_error = PyErr_NewExceptionWithDoc(
         "mpidp.CommError",
         "An MPI operation of mpidp failed. Attributes: rank (world rank), operation.",

@@ -33,20 +33,11 @@ class Setting:
     doc: str
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    """A parser of positive numbers of `kind` (int or float)."""
-    return _at_least(kind, 0, strict=True)
-
-
-def _at_least_zero(kind: type) -> Callable[[str], Any]:
-    """A parser of numbers >= 0 of `kind`."""
-    return _at_least(kind, 0, strict=False)
-
-
-def _at_least(kind: type, low, strict: bool) -> Callable[[str], Any]:
+def _positive(kind: type, zero_too: bool = False) -> Callable[[str], Any]:
+    """A parser of numbers of `kind` (int or float) > 0, or >= 0 with zero_too."""
     def parse(raw: str):
         value = kind(raw)
-        if not (value > low if strict else value >= low):  # NaN fails both
+        if not (value >= 0 if zero_too else value > 0):  # NaN fails both
             raise ValueError
         return value
     return parse
@@ -96,7 +87,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_HOOK_PROGRESS", True, _flag, "0 or 1",
             "0 stops gradient hooks (DataParallel, at most every 10 us) and forward and gradient "
             "hooks (DASO) from driving MPI progress (for measurements)"),
-    Setting("MPIDP_WAIT_SPIN_MS", None, _at_least_zero(float), "a number of milliseconds >= 0",
+    Setting("MPIDP_WAIT_SPIN_MS", None, _positive(float, zero_too=True),
+            "a number of milliseconds >= 0",
             "how long a wait tests MPI in a loop, yielding the core, before it sleeps 100 us "
             "between tests; default 3 where MPI yields the core when idle (Open MPI's "
             "mpi_yield_when_idle: mpirun sets it when a node has more ranks than cores), else 20"),

@@ -1,10 +1,8 @@
 /* The request table: claiming and registration, completion, deadlines,
  * descriptions; and the core's posting helper (mpidp/mpi_util.h). */
 #include <mpi.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "mpidp/mpi_util.h"
 #include "mpidp/reqtable.h"
@@ -214,52 +212,28 @@ TEST(post_done_registers_or_translates_the_failure)
     ASSERT_OK(mpidp_reqtable_destroy(t));
 }
 
-/* CPU seconds this process has used. */
-static double cpu_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* CPU seconds a 60 ms wait on a request that never completes costs. */
-static double cpu_of_a_stuck_wait(mpidp_reqtable_t *t)
-{
-    int buf;
-    MPI_Request req;
-    mpidp_req_t h;
-    if (track_never_completing(t, &buf, "recv", &req, &h) != MPIDP_OK) return -1.0;
-    double c0 = cpu_seconds();
-    int rc = mpidp_reqtable_wait(t, h, 0.06);
-    double used = cpu_seconds() - c0;
-    cancel(req);
-    mpidp_reqtable_wait(t, h, 5.0);
-    return rc == MPIDP_ETIMEDOUT ? used : -1.0;
-}
-
-/* A wait spins (testing, yielding the core: CPU time) for the spin it was
- * given, then sleeps between tests (hardly any CPU time); the setting reads
- * back, clamped at 0. */
+/* A new table spins as long as MPI's word on shared cores says; the
+ * setting reads back, clamped at 0; and a wait tests at once, then yields
+ * the core while the spin lasts, then sleeps between tests. */
 TEST(waits_spin_for_the_time_set_then_sleep)
 {
     mpidp_reqtable_t *t;
     ASSERT_OK(mpidp_reqtable_create(4, &t));
-    ASSERT_TRUE(mpidp_reqtable_spin(t) == MPIDP_SPIN_SECONDS);
-    mpidp_reqtable_set_spin(t, MPIDP_SPIN_SHARED_CORES_SECONDS);
-    ASSERT_TRUE(mpidp_reqtable_spin(t) == MPIDP_SPIN_SHARED_CORES_SECONDS);
+    ASSERT_TRUE(mpidp_reqtable_spin(t) == (mpidp__mpi_yields_when_idle() ? MPIDP_SPIN_SHARED_CORES_SECONDS
+                                                                         : MPIDP_SPIN_SECONDS));
+    mpidp_reqtable_set_spin(t, 0.5);
+    ASSERT_TRUE(mpidp_reqtable_spin(t) == 0.5);
     mpidp_reqtable_set_spin(t, -1.0);
     ASSERT_TRUE(mpidp_reqtable_spin(t) == 0.0);
     mpidp_reqtable_set_spin(t, 0.0 / 0.0);
     ASSERT_TRUE(mpidp_reqtable_spin(t) == 0.0);
-    double sleeping = cpu_of_a_stuck_wait(t);
-    mpidp_reqtable_set_spin(t, 10.0);   /* longer than the wait: spins throughout */
-    double spinning = cpu_of_a_stuck_wait(t);
-    ASSERT_TRUE(sleeping >= 0 && spinning >= 0);
-    /* Measured: ~0.007 s against ~0.06 s; a loaded machine narrows it. */
-    if (!(sleeping * 2 < spinning))
-        printf("    sleeping wait used %.4f s of CPU, spinning wait %.4f s\n", sleeping, spinning);
-    ASSERT_TRUE(sleeping * 2 < spinning);
     ASSERT_OK(mpidp_reqtable_destroy(t));
+    ASSERT_EQ_INT(mpidp__wait_step(0, 1.0, 0.02), MPIDP__WAIT_TEST);
+    ASSERT_EQ_INT(mpidp__wait_step(63, 1.0, 0.02), MPIDP__WAIT_TEST);
+    ASSERT_EQ_INT(mpidp__wait_step(64, 0.0, 0.02), MPIDP__WAIT_YIELD);
+    ASSERT_EQ_INT(mpidp__wait_step(1000, 0.019, 0.02), MPIDP__WAIT_YIELD);
+    ASSERT_EQ_INT(mpidp__wait_step(1000, 0.02, 0.02), MPIDP__WAIT_SLEEP);
+    ASSERT_EQ_INT(mpidp__wait_step(64, 0.0, 0.0), MPIDP__WAIT_SLEEP); /* spin 0: sleep at once */
 }
 
 /* MPI's word on whether this node's ranks share its cores: a boolean that

@@ -75,13 +75,21 @@ int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s);
  * DASO's ranks spent ~4,500 profile samples in the kernel instead of
  * ~17,000, and its blocking warm-up and cool-down epochs took 5-10% less
  * time; on 2 ranks with a core each, 64 MB allreduces were 5-10% slower
- * with the short spin, hence two values). Set by the glue at
- * import, from MPI's own word on sharing (mpidp__mpi_yields_when_idle) or
- * MPIDP_WAIT_SPIN_MS. Values < 0 read as 0. */
+ * with the short spin, hence two values). A new table takes the value from
+ * MPI's own word on sharing (mpidp__mpi_yields_when_idle) when MPI is
+ * initialized; the glue sets MPIDP_WAIT_SPIN_MS over it. Values < 0 read
+ * as 0. */
 #define MPIDP_SPIN_SECONDS 0.02
 #define MPIDP_SPIN_SHARED_CORES_SECONDS 0.003
 void mpidp_reqtable_set_spin(mpidp_reqtable_t *t, double seconds);
 double mpidp_reqtable_spin(mpidp_reqtable_t *t);
+
+/* What a wait does before its next test, after `iteration` tests and
+ * `waited` seconds with spin `spin`: test again at once (the first 64),
+ * yield the core while the spin lasts, then sleep 100 us. Internal; the
+ * wait loops' policy, exposed for the C tests. */
+typedef enum { MPIDP__WAIT_TEST, MPIDP__WAIT_YIELD, MPIDP__WAIT_SLEEP } mpidp__wait_step_t;
+mpidp__wait_step_t mpidp__wait_step(unsigned long iteration, double waited, double spin);
 
 /* Calls MPI_Test on every pending request once so that MPI progresses them;
  * *n_done (may be NULL) counts the requests that completed. */
