@@ -40,11 +40,12 @@ quantized one (whose element is 264/256 bytes: a record of 256 codes and an
 measures the bytes on emulated links).
 
 Open MPI 4.1's own MPI_Iallreduce algorithm for in-place calls is slow for
-large messages; importing mpidp sets OMPI_MCA_coll_libnbc_iallreduce_algorithm=3
-(Rabenseifner) unless it is set already (1 ring, 2 binomial, 3 rabenseifner,
-4 recursive doubling, 0 Open MPI's choice). Set it in mpirun's environment to
-compare: mpirun forwards OMPI_MCA_* variables to every rank, and the table
-header shows the value rank 0 sees.
+large messages; importing mpidp sets coll_libnbc_iallreduce_algorithm to 3
+(Rabenseifner) unless OMPI_MCA_coll_libnbc_iallreduce_algorithm is set (1
+ring, 2 binomial, 3 rabenseifner, 4 recursive doubling, 0 Open MPI's choice).
+Set it in mpirun's environment to compare: mpirun forwards OMPI_MCA_*
+variables to every rank, and the table header shows the value in force on
+rank 0.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def main() -> int:
     for key, r in results.items():
         wire = 264 / 256 if "uint8" in key else 4 if key.startswith("fp32") and "wire" not in key else 2
         r["bytes_per_elem"] = share * wire
-    alg = os.environ.get("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "default")
+    alg = mpidp._C.iallreduce_algorithm()
     if RANK != 0:
         return 0
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())

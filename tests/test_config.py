@@ -103,6 +103,30 @@ def test_waits_spin_less_where_mpi_says_the_cores_are_shared(env, spin):
     assert multiple == "True"
 
 
+@pytest.mark.parametrize("env, first, algorithm", [
+    ({}, "import mpidp; from mpi4py import MPI", 3),
+    ({}, "from mpi4py import MPI; import mpidp", 3),  # MPI initialised before mpidp loads
+    ({"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "0"}, "from mpi4py import MPI; import mpidp", 0),
+    ({"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1"}, "import mpidp; from mpi4py import MPI", 1),
+])
+def test_mpi_iallreduce_takes_rabenseifner_unless_the_user_chose(env, first, algorithm):
+    """Open MPI's own choice for an in-place MPI_Iallreduce (every mpidp
+    allreduce) is a binomial tree; mpidp makes it Rabenseifner's through MPI's
+    tool interface, so also when the program initialised MPI first, and leaves
+    a value the user set alone. What `python -m mpidp` reports is read back
+    from MPI, and MPI's thread level stays as mpi4py asked for it."""
+    code = (f"{first}; import mpidp._C as C; from mpidp.__main__ import report; "
+            "print(C.iallreduce_algorithm(), MPI.Query_thread() == MPI.THREAD_MULTIPLE, "
+            "dict(report()[0])['MPI_Iallreduce algorithm'].replace(' ', '_'))")
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(**env), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout
+    got, multiple, shown = out.stdout.strip().splitlines()[-1].split()
+    assert int(got) == algorithm
+    assert multiple == "True"
+    assert shown == {0: "Open_MPI's_choice", 1: "ring", 3: "Rabenseifner"}[algorithm]
+
+
 def test_a_bad_wait_spin_names_the_variable(monkeypatch):
     monkeypatch.setenv("MPIDP_WAIT_SPIN_MS", "-1")
     with pytest.raises(ValueError, match=re.escape("MPIDP_WAIT_SPIN_MS must be a number of "

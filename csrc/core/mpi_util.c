@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "mpidp/mpiops.h"
 #include "mpidp/status.h"
@@ -88,33 +89,58 @@ int mpidp__mpi_finalized(void)
     return finalized;
 }
 
-int mpidp__mpi_yields_when_idle(void)
+/* Reads into value[] (zeroed first; *size: its bytes) and then, with
+ * `write`, sets the MPI tool interface's control variable `name`: a scalar
+ * of at most 16 bytes bound to no object. 1 on success, 0 where MPI has no
+ * such variable or refuses. The tool interface is opened at the level MPI
+ * runs at: Open MPI's MPI_T_init_thread overwrites the level
+ * MPI_Query_thread reports (and that its own locking follows) with the one
+ * asked for. */
+static int cvar_access(const char *name, unsigned char value[16], int *size, const void *write)
 {
-    int level = MPI_THREAD_SINGLE, provided, idx, count, yields = 0;
-    /* Ask for the level MPI runs at: Open MPI's MPI_T_init_thread overwrites
-     * the level MPI_Query_thread reports (and that its own locking follows)
-     * with the one asked for here. */
+    int level = MPI_THREAD_SINGLE, provided, idx, count, ok = 0;
+    memset(value, 0, 16);
+    *size = 0;
     if (MPI_Query_thread(&level) != MPI_SUCCESS ||
         MPI_T_init_thread(level, &provided) != MPI_SUCCESS)
         return 0;
-    char name[64], desc[8];
-    int name_len = sizeof name, desc_len = sizeof desc, verbosity, bind, scope, size = 0;
+    char found[64], desc[8];
+    int found_len = sizeof found, desc_len = sizeof desc, verbosity, bind, scope;
     MPI_Datatype type;
     MPI_T_enum enumtype;
     MPI_T_cvar_handle h;
-    /* Open MPI declares it a C bool: read its bytes into a zeroed buffer wide
-     * enough for any integer type, and take any nonzero byte as true. */
-    unsigned char value[16] = {0};
-    if (MPI_T_cvar_get_index("mpi_yield_when_idle", &idx) == MPI_SUCCESS &&
-        MPI_T_cvar_get_info(idx, name, &name_len, &verbosity, &type, &enumtype, desc, &desc_len,
+    if (MPI_T_cvar_get_index(name, &idx) == MPI_SUCCESS &&
+        MPI_T_cvar_get_info(idx, found, &found_len, &verbosity, &type, &enumtype, desc, &desc_len,
                             &bind, &scope) == MPI_SUCCESS &&
-        MPI_Type_size(type, &size) == MPI_SUCCESS && size > 0 && size <= (int)sizeof value &&
+        MPI_Type_size(type, size) == MPI_SUCCESS && *size > 0 && *size <= 16 &&
         bind == MPI_T_BIND_NO_OBJECT &&
         MPI_T_cvar_handle_alloc(idx, NULL, &h, &count) == MPI_SUCCESS) {
-        if (count == 1 && MPI_T_cvar_read(h, value) == MPI_SUCCESS)
-            for (int i = 0; i < size; i++) yields |= value[i] != 0;
+        ok = count == 1 && MPI_T_cvar_read(h, value) == MPI_SUCCESS &&
+             (write == NULL || MPI_T_cvar_write(h, write) == MPI_SUCCESS);
         MPI_T_cvar_handle_free(&h);
     }
     MPI_T_finalize();
+    return ok;
+}
+
+int mpidp__mpi_yields_when_idle(void)
+{
+    unsigned char value[16];
+    int size, yields = 0;
+    /* Open MPI declares it a C bool: any nonzero byte is true. */
+    if (cvar_access("mpi_yield_when_idle", value, &size, NULL))
+        for (int i = 0; i < size; i++) yields |= value[i] != 0;
     return yields;
+}
+
+int mpidp__mpi_iallreduce_algorithm(int prefer)
+{
+    unsigned char value[16];
+    int size, now;
+    if (!cvar_access("coll_libnbc_iallreduce_algorithm", value, &size, NULL) ||
+        size != (int)sizeof now)
+        return -1;
+    memcpy(&now, value, sizeof now);
+    if (now != 0 || prefer <= 0) return now;
+    return cvar_access("coll_libnbc_iallreduce_algorithm", value, &size, &prefer) ? prefer : now;
 }

@@ -93,6 +93,18 @@ static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* iallreduce_algorithm(prefer=0) -> Open MPI's MPI_Iallreduce algorithm in
+ * force, after making a 0 (Open MPI's own choice) `prefer`; -1 where MPI
+ * has no such setting (mpidp__mpi_iallreduce_algorithm). */
+static PyObject *mod_iallreduce_algorithm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    long prefer = nargs > 0 ? PyLong_AsLong(args[0]) : 0;
+    if (nargs > 1) return PyErr_Format(PyExc_TypeError, "iallreduce_algorithm(prefer=0)");
+    if (prefer == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(mpidp__mpi_iallreduce_algorithm((int)prefer));
+}
+
 PyMethodDef mpidp_py_process_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))mod_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, timeout, abort_on_timeout, hook_progress, forked, wait_spin): process-wide\n"
@@ -103,5 +115,8 @@ PyMethodDef mpidp_py_process_methods[] = {
     {"process_state", mod_process_state, METH_NOARGS,
      "The settings, and timed_out / fp16_overflows / pending (requests in flight), as a dict."},
     {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},
+    {"iallreduce_algorithm", (PyCFunction)(void (*)(void))mod_iallreduce_algorithm,
+     METH_FASTCALL, "iallreduce_algorithm(prefer=0) -> Open MPI's MPI_Iallreduce algorithm in\n"
+     "force (coll_libnbc_iallreduce_algorithm), a 0 made `prefer` first; -1: no such setting."},
     {NULL, NULL, 0, NULL},
 };

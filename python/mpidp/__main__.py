@@ -31,6 +31,9 @@ from mpidp.topology import topology
 
 _THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                   MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+# Open MPI's coll_libnbc_iallreduce_algorithm (mpidp sets 3 at import).
+_IALLREDUCE_ALGORITHMS = {-1: "MPI's own (not Open MPI's libnbc)", 0: "Open MPI's choice",
+                          1: "ring", 2: "binomial", 3: "Rabenseifner", 4: "recursive doubling"}
 
 
 def report() -> Tuple[List[Tuple[str, str]], List[str]]:
@@ -48,6 +51,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
         ("same MPI", "yes" if ours == theirs else "NO"),
         ("built against", _C.mpi_header_version()),
         ("MPI thread level", _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread()))),
+        ("MPI_Iallreduce algorithm", _IALLREDUCE_ALGORITHMS.get(_C.iallreduce_algorithm(), "?")),
         ("SIMD path", f"{_C.simd_path()} (this CPU: {', '.join(_C.simd_paths())})"),
         ("CUDA kernels", "built, GPU usable" if _C.cuda_available() else "not usable here"),
         ("gradient hook", _grad_hook_loader.describe()),

@@ -8,18 +8,7 @@ import os
 import sys
 import weakref
 
-# Open MPI 4.1 picks a binomial tree (reduce, then broadcast) for an in-place
-# MPI_Iallreduce, which every mpidp bucket is: it sends twice the data through
-# rank 0. Rabenseifner's reduce-scatter + allgather halved the time of a 4-rank
-# gradient allreduce here (26.5 -> 12.8 s/epoch over a 1 Gbit/s link,
-# benchmarks/bench_daso.py) and is never far from the best above ~256 KiB
-# (benchmarks/bench_allreduce.py). Open MPI reads MCA parameters from the
-# environment in MPI_Init, so this only takes effect when mpidp is imported
-# before mpi4py.MPI; a value the user set (0 restores Open MPI's choice) wins.
-if "mpi4py.MPI" not in sys.modules:
-    os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3")
-
-from mpi4py import MPI  # noqa: E402  initialises MPI (thread level MULTIPLE by default)
+from mpi4py import MPI  # initialises MPI (thread level MULTIPLE by default)
 
 from . import _C
 from . import _config as config
@@ -57,6 +46,19 @@ def _check_same_mpi() -> None:
 
 
 _check_same_mpi()
+
+# Open MPI 4.1 picks a binomial tree (reduce, then broadcast) for an in-place
+# MPI_Iallreduce, which every mpidp allreduce is: each rank's bytes cross the
+# network twice. Rabenseifner's reduce-scatter + allgather halved the time of
+# a 4-rank gradient allreduce here (26.5 -> 12.8 s/epoch over a 1 Gbit/s link,
+# benchmarks/bench_daso.py), took 2.7 ms where the tree took 5.6-6.6 for 11 MB
+# at 2 ranks, and is never far from the best above ~256 KiB
+# (benchmarks/bench_allreduce.py). Set through MPI's tool interface, so it
+# holds whether or not the program imported mpi4py.MPI first; a value the user
+# set (in the environment, where mpirun --mca puts it too; 0 restores Open
+# MPI's choice) wins. Every rank imports mpidp, so every rank agrees.
+if "OMPI_MCA_coll_libnbc_iallreduce_algorithm" not in os.environ:
+    _C.iallreduce_algorithm(3)
 
 
 def _read_env_settings() -> None:
