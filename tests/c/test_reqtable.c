@@ -254,8 +254,38 @@ TEST(mpi_says_whether_it_yields_when_idle)
     if (set && strcmp(set, "0") == 0) ASSERT_EQ_INT(yields, 0);
 }
 
+/* Open MPI's MPI_Iallreduce algorithm: `prefer` replaces only a 0 (Open
+ * MPI's own choice), read back through the tool interface; the thread level
+ * stays; an in-place allreduce still sums. (This test's process keeps the
+ * algorithm it set: the variable is process-wide.) */
+TEST(mpi_iallreduce_algorithm_is_preferred_only_over_open_mpis_choice)
+{
+    int level = -1, now = mpidp__mpi_iallreduce_algorithm(0);
+    const char *set = getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
+    if (now == -1) return; /* not Open MPI's libnbc: nothing to choose */
+    ASSERT_EQ_INT(now, set ? atoi(set) : 0);
+    ASSERT_EQ_INT(mpidp__mpi_iallreduce_algorithm(0), now); /* prefer 0: a read */
+    int chosen = mpidp__mpi_iallreduce_algorithm(3);
+    ASSERT_EQ_INT(chosen, now == 0 ? 3 : now);
+    ASSERT_EQ_INT(mpidp__mpi_iallreduce_algorithm(1), chosen); /* not 0 any more: kept */
+    MPI_Query_thread(&level);
+    ASSERT_EQ_INT(level, MPI_THREAD_MULTIPLE);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    float x[1000];
+    for (int i = 0; i < 1000; i++) x[i] = (float)(rank + i);
+    MPI_Request req;
+    ASSERT_EQ_INT(MPI_Iallreduce(MPI_IN_PLACE, x, 1000, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req),
+                  MPI_SUCCESS);
+    MPI_Wait(&req, MPI_STATUS_IGNORE);
+    for (int i = 0; i < 1000; i++)
+        ASSERT_TRUE(x[i] == (float)(size * i + size * (size - 1) / 2));
+}
+
 TEST_MAIN_MPI_THREADS(completed_request_frees_its_slot, full_table_is_refused_and_slots_are_reused,
               deadline_names_what_is_pending, bad_arguments, claimed_slots_are_neither_pending_nor_free,
               post_done_registers_or_translates_the_failure,
               progress_completes_exactly_the_finished_requests,
-              waits_spin_for_the_time_set_then_sleep, mpi_says_whether_it_yields_when_idle)
+              waits_spin_for_the_time_set_then_sleep, mpi_says_whether_it_yields_when_idle,
+              mpi_iallreduce_algorithm_is_preferred_only_over_open_mpis_choice)
