@@ -36,6 +36,35 @@ def test_async_work():
     work.wait()  # waiting twice is harmless
 
 
+def test_a_tensor_changed_in_flight_raises_at_every_wait():
+    """Changing a tensor in place before its async allreduce or broadcast
+    completes leaves undefined values (what was sent mixes old and new, and
+    MPI overwrites the change): the wait that completes it raises, and so do
+    every later wait, result() and is_completed(), instead of handing out
+    the tensor as reduced. Reading it in flight, and writing to it once the
+    Work completed, are fine."""
+    expected = expected_sum(1 << 16, torch.float32)
+    t = rank_data(RANK, n=1 << 16)
+    work = mpidp.allreduce(t, async_op=True)
+    t.mul_(0.5)  # e.g. a gradient clipped before the wait
+    for call in (work.wait, work.result, work.is_completed, work.wait):
+        with pytest.raises(RuntimeError, match="changed in place while the operation was in flight"):
+            call()
+    b = torch.arange(8, dtype=torch.float64) * (RANK + 1)
+    work = mpidp.broadcast(b, root=0, async_op=True)
+    b.view(2, 4)[0].zero_()  # through a view: the version counter is shared
+    with pytest.raises(RuntimeError, match="changed in place"):
+        work.result()
+    t = rank_data(RANK, n=1 << 16)
+    work = mpidp.allreduce(t.view(256, 256), async_op=True)  # the user's tensor is a view
+    float(t.sum())  # reading in flight changes nothing
+    work.wait()
+    t.add_(1.0)  # completed: the tensor is the user's again
+    work.wait()
+    assert work.is_completed()
+    assert torch.allclose(t, expected + 1.0, rtol=1e-6)
+
+
 def test_dropped_work_still_completes():
     t = rank_data(RANK, n=1 << 16)
     mpidp.allreduce(t, async_op=True)  # the Work is dropped at once
