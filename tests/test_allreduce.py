@@ -55,6 +55,18 @@ def test_a_tensor_changed_in_flight_raises_at_every_wait():
     b.view(2, 4)[0].zero_()  # through a view: the version counter is shared
     with pytest.raises(RuntimeError, match="changed in place"):
         work.result()
+    # The habit itself: a gradient averaged asynchronously, clipped before the wait.
+    layer = torch.nn.Linear(64, 64)
+    layer(rank_data(RANK, n=64 * 8).view(8, 64)).square().sum().backward()
+    work = mpidp.allreduce(layer.weight.grad, op="avg", async_op=True)
+    torch.nn.utils.clip_grad_norm_(layer.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        work.wait()
+    g = torch.full((2, 3), float(RANK))  # an allgather's input changed before it was sent
+    work = mpidp.allgather(g, async_op=True)
+    g.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        work.result()
     t = rank_data(RANK, n=1 << 16)
     work = mpidp.allreduce(t.view(256, 256), async_op=True)  # the user's tensor is a view
     float(t.sum())  # reading in flight changes nothing

@@ -127,6 +127,25 @@ def test_mpi_iallreduce_takes_rabenseifner_unless_the_user_chose(env, first, alg
     assert shown == {0: "Open_MPI's_choice", 1: "ring", 3: "Rabenseifner"}[algorithm]
 
 
+def test_ranks_whose_mpi_iallreduce_algorithms_differ_end_with_a_message():
+    """An MPMD job whose second rank tells Open MPI to choose its own
+    MPI_Iallreduce algorithm while the first takes mpidp's: their messages
+    cannot match (Open MPI's MPI_Comm_idup already reduces), so the job ends
+    at the deadline with a message naming what never finished -- never a
+    silent hang or a wrong sum."""
+    code = ("import torch, mpidp\n"
+            "mpidp.DataParallel(torch.nn.Linear(4, 4), blocking_parameter_updates=True)\n"
+            "print('WRAPPED', flush=True)\n")
+    cmd = ["mpirun", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1",
+           "-x", "MPIDP_TIMEOUT=5", "-np", "1", sys.executable, "-c", code, ":", "-np", "1",
+           "env", "OMPI_MCA_coll_libnbc_iallreduce_algorithm=0", sys.executable, "-c", code]
+    out = subprocess.run(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert out.returncode != 0, out.stdout
+    assert "WRAPPED" not in out.stdout
+    assert "no progress for 5.0 s" in out.stdout and "MPI_Comm_idup" in out.stdout, out.stdout
+
+
 def test_a_bad_wait_spin_names_the_variable(monkeypatch):
     monkeypatch.setenv("MPIDP_WAIT_SPIN_MS", "-1")
     with pytest.raises(ValueError, match=re.escape("MPIDP_WAIT_SPIN_MS must be a number of "

@@ -5,14 +5,7 @@
  * them until the operation completes. An allreduce's chunks beyond the first
  * are posted as earlier ones complete, which happens in wait() and
  * is_completed(). If the Work is dropped earlier, its destructor waits (with
- * the usual deadline) so that MPI never writes into freed memory.
- *
- * A tensor changed in place while its operation is in flight (a gradient
- * clipped before the wait, a value added to) leaves undefined values: what
- * was sent mixes old and new, and MPI then overwrites the change. The Work
- * compares the result tensor's version counter when the operation completes
- * with the one it had at the start, and raises at that wait and every later
- * one instead of handing out such a result. */
+ * the usual deadline) so that MPI never writes into freed memory. */
 #include "module.h"
 
 #include <stdio.h>
@@ -30,30 +23,7 @@ typedef struct {
     PyObject *result;   /* what result() returns */
     int done;
     int failed;         /* the status it ended with, raised by every later wait */
-    long long version;  /* result's version counter at the start; -1: none to watch */
-    int modified;       /* it moved before completion: raised by every later wait */
 } work_t;
-
-/* torch's version counter of `t` (Tensor._version), -1 where it has none. */
-static long long version_of(PyObject *t)
-{
-    PyObject *v = t == Py_None ? NULL : PyObject_GetAttrString(t, "_version");
-    long long n = v ? PyLong_AsLongLong(v) : -1;
-    Py_XDECREF(v);
-    if (PyErr_Occurred()) PyErr_Clear(), n = -1;
-    return n;
-}
-
-/* 0, or -1 with a RuntimeError when the result was changed in flight. */
-static int check_unmodified(const work_t *w)
-{
-    if (!w->modified) return 0;
-    PyErr_SetString(PyExc_RuntimeError,
-                    "Work: the tensor was changed in place while the operation was in flight "
-                    "(its version counter moved), so its values are undefined; wait() for the "
-                    "Work before writing to the tensor");
-    return -1;
-}
 
 /* The operation has ended with status `rc` (completed, or failed): free it
  * and, once freed, release its tensors (a part still in flight keeps them
@@ -62,7 +32,6 @@ static void complete(work_t *w, int rc)
 {
     w->done = 1;
     w->failed = rc;
-    w->modified = rc == MPIDP_OK && w->version >= 0 && version_of(w->result) != w->version;
     if (w->ops->free(w->x) != MPIDP_OK) return;
     w->x = NULL;
     mpidp_py_release_all(w->tensors, w->n);
@@ -94,15 +63,12 @@ PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, vo
     w->result = Py_NewRef(result);
     w->done = 0;
     w->failed = MPIDP_OK;
-    w->version = version_of(result);
-    w->modified = 0;
     return (PyObject *)w;
 }
 
 /* Waits for the operation (deadline: `timeout` seconds, None: MPIDP_TIMEOUT).
- * 0, or -1 with the exception -- also on every wait after a failure or a
- * change in flight, so that a caught error cannot turn into an unreduced
- * result() later. */
+ * 0, or -1 with the exception -- also on every wait after a failure, so that
+ * a caught error cannot turn into an unreduced result() later. */
 static int wait_for(work_t *self, PyObject *timeout_obj)
 {
     double timeout = mpidp_py_timeout_s;
@@ -116,7 +82,7 @@ static int wait_for(work_t *self, PyObject *timeout_obj)
         MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
         if (rc != MPIDP_ETIMEDOUT) complete(self, rc);
     }
-    return mpidp_py_check(st, rc, "Work.wait") < 0 ? -1 : check_unmodified(self);
+    return mpidp_py_check(st, rc, "Work.wait");
 }
 
 static PyObject *work_wait(work_t *self, PyObject *args, PyObject *kwds)
@@ -145,7 +111,6 @@ static PyObject *work_is_completed(work_t *self, PyObject *unused)
         if (done || rc != MPIDP_OK) complete(self, rc);
         if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.is_completed");
     }
-    if (check_unmodified(self) < 0) return NULL;
     return PyBool_FromLong(self->done);
 }
 
@@ -173,9 +138,7 @@ static void work_dealloc(work_t *self)
 
 static PyMethodDef work_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))work_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None): block until the operation has completed (deadline: MPIDP_TIMEOUT).\n"
-     "Raises RuntimeError, now and at every later call, if the tensor was changed in place\n"
-     "before the operation completed (its values are then undefined)."},
+     "wait(timeout=None): block until the operation has completed (deadline: MPIDP_TIMEOUT)."},
     {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
      "is_completed() -> bool, without blocking (and progresses MPI)."},
     {"result", (PyCFunction)work_result, METH_NOARGS,

@@ -21,12 +21,62 @@ from .topology import topology
 __all__ = ["allreduce", "allreduce_scalar", "allgather", "broadcast", "barrier", "rank", "size",
            "local_rank", "Work"]
 
-Work = _C.Work
-
 _OPS = {"sum": _C.OP_SUM, "avg": _C.OP_AVG, "min": _C.OP_MIN, "max": _C.OP_MAX,
         "prod": _C.OP_PROD}
 _INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class Work:
+    """Handle of an asynchronous collective (async_op=True): wait(),
+    is_completed(), and result(), which waits and returns the tensor written.
+
+    The tensor passed in is MPI's until the Work completes. One changed in
+    place before then (a gradient clipped or unscaled before wait()) holds
+    undefined values -- what was sent mixes old and new, and MPI overwrites
+    the change -- so the call that sees the Work complete, and every later
+    one, raise RuntimeError instead. Reading it in flight, and writing to it
+    once the Work has completed, are fine.
+
+    The collectives make it: `work` is the extension's handle of the
+    operation (mpidp._C.Work), `watched` the tensor passed in (None: none)."""
+
+    __slots__ = ("_work", "_watched", "_version", "_changed")
+
+    def __init__(self, work: _C.Work, watched: torch.Tensor | None):
+        self._work = work
+        self._watched = watched
+        self._version = None if watched is None else watched._version
+        self._changed = False
+
+    def _settle(self, done: bool) -> None:
+        # Compared when the completion is first seen: after it the tensor is the user's again.
+        if done and self._watched is not None:
+            self._changed = self._watched._version != self._version
+            self._watched = None
+        if self._changed:
+            raise RuntimeError("Work: the tensor was changed in place while the operation was in "
+                               "flight (its version counter moved), so its values are undefined; "
+                               "wait() for the Work before writing to the tensor")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the operation has completed (deadline: `timeout`
+        seconds, None: MPIDP_TIMEOUT); a failure raises here and at every
+        later call."""
+        self._work.wait(timeout)
+        self._settle(True)
+
+    def is_completed(self) -> bool:
+        """Whether the operation has completed, without blocking (progresses MPI)."""
+        done = self._work.is_completed()
+        self._settle(done)
+        return done
+
+    def result(self):
+        """Waits, then the tensor the operation wrote (the reduced or broadcast
+        tensor, the gathered or scattered output); None for a barrier."""
+        self.wait()
+        return self._work.result()
 
 
 def _check_tensor(tensor, argname: str = "tensor", writable: bool = True) -> None:
@@ -80,7 +130,8 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,
     if wire == _C.DTYPE_U8 and tensor.dtype != torch.float32:
         raise TypeError(f"wire_dtype: torch.uint8 quantizes float32 tensors, got {tensor.dtype}")
     check_bool("async_op", async_op)
-    return resolve_comm(comm).allreduce(tensor.detach(), code, wire, async_op)
+    work = resolve_comm(comm).allreduce(tensor.detach(), code, wire, async_op)
+    return Work(work, tensor) if async_op else None
 
 
 def allreduce_scalar(value, op: str = "avg", comm=None):
@@ -118,7 +169,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, comm=None, async_op: bool = F
     _check_tensor(tensor, writable=c.rank != root)
     check_bool("async_op", async_op)
     work = c.bcast(tensor.detach(), check_root(root, c), async_op)
-    return work if async_op else tensor
+    return Work(work, tensor) if async_op else tensor
 
 
 def allgather(tensor: torch.Tensor, comm=None, async_op: bool = False):
@@ -137,7 +188,7 @@ def allgather(tensor: torch.Tensor, comm=None, async_op: bool = False):
     row = t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel())
     out = torch.empty((sum(rows),) + tuple(t.shape[1:]), dtype=t.dtype)
     work = c.allgatherv(t.contiguous(), out, tuple(n * row for n in rows), async_op)
-    return work if async_op else out
+    return Work(work, tensor) if async_op else out
 
 
 def _rows_of_every_rank(c, t: torch.Tensor) -> list:
@@ -189,14 +240,15 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
     out = torch.empty((counts[c.rank],) + tuple(t.shape[1:]), dtype=t.dtype)
     work = c.reduce_scatter(t.contiguous(), out, tuple(k * row for k in counts),
                             _OPS["avg" if op == "avg" else "sum"], async_op)
-    return work if async_op else out
+    return Work(work, tensor) if async_op else out
 
 
 def barrier(comm=None, async_op: bool = False):
     """Wait until every rank of `comm` has called barrier(); with
     async_op=True return a `Work` that completes then, without waiting."""
     check_bool("async_op", async_op)
-    return resolve_comm(comm).barrier(async_op)
+    work = resolve_comm(comm).barrier(async_op)
+    return Work(work, None) if async_op else None
 
 
 def rank(comm=None) -> int:
