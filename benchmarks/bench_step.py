@@ -18,7 +18,8 @@ reports the median over rounds of its mean step time. Methods:
 Set MPIDP_HOOK_PROGRESS=0 to see mpidp without MPI progress from its hooks.
 and, on rank 0 alone, the cost of mpidp's gradient hook per parameter, C++
 and Python (a 1-rank DataParallel, hooked backward vs plain backward, on the
-500-tensor MLP, CPU only), beside a no-op Python hook. Prints a table of step times and ratios against ddp and local.
+500-tensor MLP, CPU only), beside a no-op Python hook and, as the floor under
+mpidp's C++ hook, a C++ hook that does nothing. Prints a table of step times and ratios against ddp and local.
 --device cuda puts each rank's model and data on GPU local_rank (modulo the
 GPUs there are) and synchronises the GPU before reading a clock.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import random
@@ -43,6 +45,7 @@ import mpidp  # noqa: E402
 from heat_baseline import import_heat  # noqa: E402
 from models import ManyTensorMLP, ResNet18  # noqa: E402
 from mpidp import MPI, _grad_hook_loader  # noqa: E402
+from mpidp._params import grad_view  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -130,8 +133,10 @@ def hook_overhead_us(repeats):
     communicator): the one DataParallel uses (C++ where built) and the Python
     fallback (MPIDP_GRAD_HOOK=python), and, as the floor any Python hook
     pays, of a no-op Python lambda registered as a post-accumulate-grad hook
-    (torch's own cost of calling one). Returns (mpidp us/param, no-op
-    us/param, Python-fallback us/param)."""
+    (torch's own cost of calling one), and of a C++ accumulator hook that
+    does nothing (torch's cost of the hook mpidp's C++ one is). Returns
+    (mpidp us/param, no-op us/param, Python-fallback us/param, C++ no-op
+    us/param or None where the C++ hook is not built)."""
     torch.manual_seed(0)
     plain = ManyTensorMLP()
     hooked = copy.deepcopy(plain)
@@ -149,6 +154,17 @@ def hook_overhead_us(repeats):
     noop = copy.deepcopy(plain)
     for p in noop.parameters():
         p.register_post_accumulate_grad_hook(lambda _: None)
+    # torch's own cost of a C++ accumulator hook, the floor under mpidp's:
+    # the same hooks doing nothing, with gradients aliasing one flat buffer
+    # as DataParallel's do (grad_view), so that only the hook differs.
+    floor = copy.deepcopy(plain)
+    floor_params = tuple(floor.parameters())
+    flat = torch.zeros(sum(p.numel() for p in floor_params))
+    offsets = itertools.accumulate((p.numel() for p in floor_params), initial=0)
+    for p, off in zip(floor_params, offsets):
+        p.grad = grad_view(flat, off, p)
+    floor_hooks = _grad_hook_loader.cpp_hook_module()
+    floor_hooks = floor_hooks.install_noop(floor_params) if floor_hooks else None
     x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
     n_params = len(list(plain.parameters()))
 
@@ -159,13 +175,13 @@ def hook_overhead_us(repeats):
         loss.backward()
         return time.perf_counter() - t0
 
-    # The four backwards run in rounds and each overhead is the median of its
+    # The backwards run in rounds and each overhead is the median of its
     # differences with the plain backward of the same round: a difference of
     # two separate medians drifts with whatever else the machine does by
     # more than the hooks cost. Each round runs them in a new order, so that
     # none always follows the same other (whose data it would find in, or
     # missing from, the caches).
-    variants = [(plain, plain), (hooked, net), (noop, noop), (hooked_py, net_py)]
+    variants = [(plain, plain), (hooked, net), (noop, noop), (hooked_py, net_py), (floor, floor)]
     for _ in range(20):
         for v in variants:
             backward_time(*v)
@@ -176,7 +192,9 @@ def hook_overhead_us(repeats):
         for k in order.sample(range(len(variants)), len(variants)):
             times[k] = backward_time(*variants[k])
         runs.append(times)
-    per_param = [1e6 * statistics.median(r[k] - r[0] for r in runs) / n_params for k in (1, 2, 3)]
+    per_param = [1e6 * statistics.median(r[k] - r[0] for r in runs) / n_params for k in (1, 2, 3, 4)]
+    if floor_hooks is None:
+        per_param[3] = None  # the C++ hook is not built: no C++ floor to show
     return tuple(per_param)
 
 
@@ -231,6 +249,7 @@ def main():
         if hook:
             out.update(hook_us_per_param=round(hook[0], 3), noop_hook_us_per_param=round(hook[1], 3),
                        python_hook_us_per_param=round(hook[2], 3),
+                       cpp_noop_hook_us_per_param=None if hook[3] is None else round(hook[3], 3),
                        hook_over_noop=round(hook[0] / hook[1], 3))
         for name, r in results.items():
             for m, t in r.items():
@@ -260,6 +279,10 @@ def main():
     print(f"gradient hook, us per parameter (1 rank, 500 tensors, hooked minus plain backward): "
           f"mpidp's {hook[0]:.2f} ({_grad_hook_loader.describe()}), {hook[0] / hook[1]:.2f}x a "
           f"no-op Python hook's {hook[1]:.2f}; mpidp's Python fallback {hook[2]:.2f}")
+    if hook[3] is not None:
+        print(f"  of which torch's cost of any C++ accumulator hook (one that does nothing): "
+              f"{hook[3]:.2f} = {hook[3] / hook[1]:.2f}x the no-op Python hook; mpidp's own work "
+              f"{hook[0] - hook[3]:.2f}")
 
 
 if __name__ == "__main__":

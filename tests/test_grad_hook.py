@@ -52,6 +52,33 @@ def test_each_kind_is_installed_as_asked(monkeypatch, hook):
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
+def test_the_benchmarks_noop_cpp_hooks_change_nothing_and_come_off():
+    """install_noop gives bench_step.py torch's cost of a C++ accumulator hook:
+    it must add exactly one hook per tensor, leave the gradients as a plain
+    backward makes them, refuse what is not a leaf that requires grad, and
+    take its hooks off again."""
+    model, plain = build(MLP, 1), build(MLP, 1)
+    params = tuple(model.parameters())
+    hooks = _grad_hook.install_noop(params)
+    assert all(_grad_hook.count(p) == 1 for p in params)
+    g = seeded(RANK)
+    x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+    for m in (model, plain):
+        loss_fn(m, x, y).backward()
+    for p, q in zip(params, plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    hooks.remove()
+    hooks.remove()  # idempotent
+    assert all(_grad_hook.count(p) == 0 for p in params)
+    with pytest.raises(TypeError, match="params: expected a tuple"):
+        _grad_hook.install_noop(list(params))
+    with pytest.raises(ValueError, match=r"params\[1\]: expected a leaf that requires grad"):
+        _grad_hook.install_noop((params[0], torch.zeros(3)))
+    with pytest.raises(TypeError, match=r"params\[0\]: expected a tensor"):
+        _grad_hook.install_noop((1.0,))
+    assert _grad_hook.count(params[0]) == 0  # a refused install leaves nothing behind
+
+
 def test_gradients_are_plain_aliases_of_their_bucket_sharing_its_version():
     """Autograd accumulates into a `.grad` that is an autograd view through
     its view tracking (~0.4 us a parameter per backward), so each `.grad` is

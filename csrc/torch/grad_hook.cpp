@@ -35,9 +35,10 @@ namespace {
 
 const mpidp_grad_hook_api_t *api = nullptr;
 
-/* mpidp._grad_hook.Hooks: the hooks install() added; remove() (or dropping
- * the object) takes them off again. It holds the reducer, which holds the
- * parameters and their bucket views. */
+/* mpidp._grad_hook.Hooks: the hooks install() (or install_noop()) added;
+ * remove() (or dropping the object) takes them off again. It holds the
+ * reducer (none for install_noop), which holds the parameters and their
+ * bucket views. */
 struct Hooks {
     PyObject_HEAD
     PyObject *reducer;
@@ -106,6 +107,17 @@ struct ArrivedHook final : torch::autograd::FunctionPostHook {
     size_t index;
 };
 
+/* A hook that does nothing: what torch's autograd engine alone charges for a
+ * C++ post hook on an accumulator node, the floor under ArrivedHook's cost
+ * (benchmarks/bench_step.py measures both). */
+struct NoopHook final : torch::autograd::FunctionPostHook {
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list &outputs,
+                                              const torch::autograd::variable_list &) override
+    {
+        return outputs;
+    }
+};
+
 void remove_all(Hooks *self)
 {
     /* The hooks and the observer first: they read the vectors below. */
@@ -155,38 +167,39 @@ PyType_Spec hooks_spec = {
 
 PyTypeObject *hooks_type = nullptr;
 
-/* install(reducer) -> Hooks: a hook on every parameter of `reducer` (a
- * _C.Reducer), each marking parameter i. */
-PyObject *install(PyObject *, PyObject *reducer)
+/* The leaf tensor behind `obj` (element i of `what`), or a python_error. */
+const at::Tensor &leaf(PyObject *obj, const char *what, Py_ssize_t i)
 {
-    Py_ssize_t n = api->n_params(reducer);
-    if (n < 0) return nullptr;
+    if (!THPVariable_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s[%zd]: expected a tensor", what, i);
+        throw python_error();
+    }
+    const at::Tensor &tensor = THPVariable_Unpack(obj);
+    if (!tensor.requires_grad() || !tensor.is_leaf()) {
+        PyErr_Format(PyExc_ValueError, "%s[%zd]: expected a leaf that requires grad", what, i);
+        throw python_error();
+    }
+    return tensor;
+}
+
+/* A Hooks holding `reducer` (or none), with a hook from `make(self, i, tensor)`
+ * on the accumulator of each of the n tensors `param(i)`; NULL with a
+ * Python exception naming `who` on failure. */
+template <typename Param, typename Make>
+Hooks *hook_all(PyObject *reducer, Py_ssize_t n, const char *who, Param param, Make make)
+{
     Hooks *self = PyObject_New(Hooks, hooks_type);
     if (self == nullptr) return nullptr;
-    self->reducer = Py_NewRef(reducer);
+    self->reducer = Py_XNewRef(reducer);
     self->nodes = nullptr;
     self->tensors = nullptr;
     self->views = nullptr;
     try {
         self->nodes = new std::remove_pointer_t<decltype(self->nodes)>();
-        self->tensors = new std::vector<at::Tensor>();
-        self->views = new std::vector<const c10::TensorImpl *>();
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *param = api->param(reducer, (size_t)i), *view = api->view(reducer, (size_t)i);
-            if (!THPVariable_Check(param) || !THPVariable_Check(view)) {
-                PyErr_Format(PyExc_TypeError, "reducer: parameter %zd or its view is not a tensor", i);
-                throw python_error();
-            }
-            const at::Tensor &tensor = THPVariable_Unpack(param);
-            if (!tensor.requires_grad() || !tensor.is_leaf()) {
-                PyErr_Format(PyExc_ValueError, "reducer: parameter %zd is not a leaf that requires "
-                             "grad", i);
-                throw python_error();
-            }
+            const at::Tensor &tensor = param(i);
             auto node = torch::autograd::impl::grad_accumulator(tensor);
-            self->tensors->push_back(tensor);
-            self->views->push_back(THPVariable_Unpack(view).unsafeGetTensorImpl());
-            uintptr_t key = node->add_post_hook(std::make_unique<ArrivedHook>(self, (size_t)i));
+            uintptr_t key = node->add_post_hook(make(self, i, tensor));
             self->nodes->emplace_back(std::move(node), key);
         }
     } catch (const python_error &) {
@@ -194,11 +207,52 @@ PyObject *install(PyObject *, PyObject *reducer)
         return nullptr;
     } catch (const std::exception &e) {
         Py_DECREF(self);
-        PyErr_Format(PyExc_RuntimeError, "mpidp._grad_hook.install: %s", e.what());
+        PyErr_Format(PyExc_RuntimeError, "mpidp._grad_hook.%s: %s", who, e.what());
         return nullptr;
     }
+    return self;
+}
+
+/* install(reducer) -> Hooks: a hook on every parameter of `reducer` (a
+ * _C.Reducer), each marking parameter i. */
+PyObject *install(PyObject *, PyObject *reducer)
+{
+    Py_ssize_t n = api->n_params(reducer);
+    if (n < 0) return nullptr;
+    auto param = [reducer](Py_ssize_t i) -> const at::Tensor & {
+        return leaf(api->param(reducer, (size_t)i), "reducer: parameters", i);
+    };
+    Hooks *self = hook_all(reducer, n, "install", param,
+                           [reducer](Hooks *self, Py_ssize_t i, const at::Tensor &tensor) {
+        PyObject *view = api->view(reducer, (size_t)i);
+        if (!THPVariable_Check(view)) {
+            PyErr_Format(PyExc_TypeError, "reducer: the view of parameter %zd is not a tensor", i);
+            throw python_error();
+        }
+        if (self->tensors == nullptr) {
+            self->tensors = new std::vector<at::Tensor>();
+            self->views = new std::vector<const c10::TensorImpl *>();
+        }
+        self->tensors->push_back(tensor);
+        self->views->push_back(THPVariable_Unpack(view).unsafeGetTensorImpl());
+        return std::make_unique<ArrivedHook>(self, (size_t)i);
+    });
+    if (self == nullptr) return nullptr;
     api->set_observer(reducer, observe, self);
     return reinterpret_cast<PyObject *>(self);
+}
+
+/* install_noop(params) -> Hooks: a NoopHook on every tensor of the tuple
+ * `params` (leaves that require grad), for measuring the hooks' floor. */
+PyObject *install_noop(PyObject *, PyObject *params)
+{
+    if (!PyTuple_Check(params)) return PyErr_Format(PyExc_TypeError, "params: expected a tuple");
+    auto param = [params](Py_ssize_t i) -> const at::Tensor & {
+        return leaf(PyTuple_GET_ITEM(params, i), "params", i);
+    };
+    return reinterpret_cast<PyObject *>(hook_all(
+        nullptr, PyTuple_GET_SIZE(params), "install_noop", param,
+        [](Hooks *, Py_ssize_t, const at::Tensor &) { return std::make_unique<NoopHook>(); }));
 }
 
 /* count(param) -> the post hooks on param's gradient accumulator: this
@@ -214,6 +268,9 @@ PyMethodDef module_methods[] = {
     {"count", count, METH_O, "count(param) -> the post hooks on param's gradient accumulator."},
     {"install", install, METH_O,
      "install(reducer) -> Hooks: a C++ gradient hook on every parameter of the reducer."},
+    {"install_noop", install_noop, METH_O,
+     "install_noop(params) -> Hooks: a C++ hook that does nothing on every tensor of the tuple\n"
+     "(benchmarks: torch's own cost of an accumulator hook)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
