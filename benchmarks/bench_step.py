@@ -163,8 +163,8 @@ def hook_overhead_us(repeats):
     offsets = itertools.accumulate((p.numel() for p in floor_params), initial=0)
     for p, off in zip(floor_params, offsets):
         p.grad = grad_view(flat, off, p)
-    floor_hooks = _grad_hook_loader.cpp_hook_module()
-    floor_hooks = floor_hooks.install_noop(floor_params) if floor_hooks else None
+    cpp = _grad_hook_loader.cpp_hook_module()
+    floor_hooks = cpp.install_noop(floor_params) if cpp else None  # kept until we return
     x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
     n_params = len(list(plain.parameters()))
 
