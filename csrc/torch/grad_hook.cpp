@@ -47,7 +47,8 @@ struct Hooks {
      * hook, by the next forward. */
     std::vector<std::pair<decltype(torch::autograd::impl::grad_accumulator(at::Tensor())),
                           uintptr_t>> *nodes;
-    /* The parameters and their views' impls, read without Python. */
+    /* The parameters and their views' impls, read without Python (empty
+     * for install_noop's hooks, which read nothing). */
     std::vector<at::Tensor> *tensors;
     std::vector<const c10::TensorImpl *> *views;
 };
@@ -196,6 +197,8 @@ Hooks *hook_all(PyObject *reducer, Py_ssize_t n, const char *who, Param param, M
     self->views = nullptr;
     try {
         self->nodes = new std::remove_pointer_t<decltype(self->nodes)>();
+        self->tensors = new std::vector<at::Tensor>();
+        self->views = new std::vector<const c10::TensorImpl *>();
         for (Py_ssize_t i = 0; i < n; i++) {
             const at::Tensor &tensor = param(i);
             auto node = torch::autograd::impl::grad_accumulator(tensor);
@@ -228,10 +231,6 @@ PyObject *install(PyObject *, PyObject *reducer)
         if (!THPVariable_Check(view)) {
             PyErr_Format(PyExc_TypeError, "reducer: the view of parameter %zd is not a tensor", i);
             throw python_error();
-        }
-        if (self->tensors == nullptr) {
-            self->tensors = new std::vector<at::Tensor>();
-            self->views = new std::vector<const c10::TensorImpl *>();
         }
         self->tensors->push_back(tensor);
         self->views->push_back(THPVariable_Unpack(view).unsafeGetTensorImpl());
