@@ -15,26 +15,17 @@
 
 typedef struct {
     PyObject_HEAD
-    const mpidp_operation_t *ops;
-    void *x;
-    mpidp_py_borrowed_t *tensors; /* PyMem array of n */
+    mpidp_handle_t h;   /* the operation, and how it ended (mpidp/operation.h) */
+    mpidp_py_borrowed_t *tensors; /* PyMem array of n, released once h.op is freed */
     size_t n;
     PyObject *comm;     /* the Comm must outlive the operation */
     PyObject *result;   /* what result() returns */
-    int done;
-    int failed;         /* the status it ended with, raised by every later wait */
 } work_t;
 
-/* The operation has ended with status `rc` (completed, or failed): free it
- * and, once freed, release its tensors (a part still in flight keeps them
- * borrowed). */
-static void complete(work_t *w, int rc)
+/* Releases the tensors once the core freed the operation. */
+static void release_if_freed(work_t *w)
 {
-    w->done = 1;
-    w->failed = rc;
-    if (w->ops->free(w->x) != MPIDP_OK) return;
-    w->x = NULL;
-    mpidp_py_release_all(w->tensors, w->n);
+    if (w->h.op == NULL) mpidp_py_release_all(w->tensors, w->n);
 }
 
 PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, void *x,
@@ -55,14 +46,11 @@ PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, vo
         tensors[i] = keepalive[i];
         keepalive[i].capsule = NULL;
     }
-    w->ops = ops;
-    w->x = x;
+    mpidp_handle_init(&w->h, ops, x);
     w->tensors = tensors;
     w->n = n;
     w->comm = Py_XNewRef(comm);
     w->result = Py_NewRef(result);
-    w->done = 0;
-    w->failed = MPIDP_OK;
     return (PyObject *)w;
 }
 
@@ -75,13 +63,10 @@ static int wait_for(work_t *self, PyObject *timeout_obj)
     if (timeout_obj != Py_None && (timeout = PyFloat_AsDouble(timeout_obj)) == -1.0 && PyErr_Occurred())
         return -1;
     mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
+    int rc;
     mpidp_error_clear();
-    int rc = self->failed;
-    if (rc != MPIDP_OK) mpidp__fail(rc, "the operation failed when it was first waited for");
-    else if (!self->done) {
-        MPIDP_PY_WAIT(st, rc, self->ops->wait(self->x, timeout));
-        if (rc != MPIDP_ETIMEDOUT) complete(self, rc);
-    }
+    MPIDP_PY_WAIT(st, rc, mpidp_handle_wait(&self->h, timeout));
+    release_if_freed(self);
     return mpidp_py_check(st, rc, "Work.wait");
 }
 
@@ -103,31 +88,26 @@ static PyObject *work_result(work_t *self, PyObject *unused)
 static PyObject *work_is_completed(work_t *self, PyObject *unused)
 {
     (void)unused;
-    if (!self->done) {
-        mpidp_py_state *st = mpidp_py_state_of_type(Py_TYPE(self));
-        int done = 0;
-        mpidp_error_clear();
-        int rc = self->ops->test(self->x, &done);
-        if (done || rc != MPIDP_OK) complete(self, rc);
-        if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "Work.is_completed");
-    }
-    return PyBool_FromLong(self->done);
+    int done = 0;
+    mpidp_error_clear();
+    int rc = mpidp_handle_test(&self->h, &done);
+    release_if_freed(self);
+    if (rc != MPIDP_OK) return mpidp_py_raise(mpidp_py_state_of_type(Py_TYPE(self)), rc, "Work.is_completed");
+    return PyBool_FromLong(done);
 }
 
 static void work_dealloc(work_t *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    if (self->x != NULL) {
-        /* Finished here so that MPI never writes into freed tensors; after
-         * MPI_Finalize nothing can be tested: the tensors are leaked. */
-        int ended = 0;
-        int rc = mpidp__mpi_finalized() ? MPIDP_OK
-                           : mpidp_operation_finish(self->ops, self->x, mpidp_py_timeout_s, &ended);
-        if (rc != MPIDP_OK && !self->done)
+    /* Finished here so that MPI never writes into freed tensors; after
+     * MPI_Finalize nothing can be tested: the tensors are leaked. */
+    if (self->h.op != NULL && !mpidp__mpi_finalized()) {
+        int rc = mpidp_handle_drop(&self->h, mpidp_py_timeout_s);
+        if (rc != MPIDP_OK && !self->h.done)
             fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n", mpidp_error_detail());
-        if (!ended)
-            for (size_t i = 0; i < self->n; i++) self->tensors[i].capsule = NULL;
     }
+    if (self->h.op != NULL)
+        for (size_t i = 0; i < self->n; i++) self->tensors[i].capsule = NULL;
     mpidp_py_release_all(self->tensors, self->n);
     PyMem_Free(self->tensors);
     Py_CLEAR(self->comm);

@@ -28,4 +28,29 @@ extern const mpidp_operation_t mpidp_allreduce_operation, mpidp_peerx_operation,
  * (MPIDP_ESTATE with *ended = 0 if a part is somehow still in flight). */
 int mpidp_operation_finish(const mpidp_operation_t *ops, void *op, double timeout_s, int *ended);
 
+/* A handle's view of one posted operation (what mpidp._C.Work owns): it
+ * remembers that the operation ended and the status it ended with, so that a
+ * failure is reported by every later wait or test, never forgotten, and it
+ * frees the operation as soon as it ended. */
+typedef struct {
+    const mpidp_operation_t *ops;
+    void *op;       /* NULL once freed: its buffers may then go */
+    int done;       /* it ended (completed or failed) */
+    int status;     /* what it ended with */
+} mpidp_handle_t;
+
+void mpidp_handle_init(mpidp_handle_t *h, const mpidp_operation_t *ops, void *op);
+/* Waits (deadline timeout_s). MPIDP_OK once the operation completed; the
+ * status it failed with, on this and every later call; MPIDP_ETIMEDOUT:
+ * still in flight, nothing changed. */
+int mpidp_handle_wait(mpidp_handle_t *h, double timeout_s);
+/* Progress without blocking: *done = 1 once it ended; the failure, the call
+ * that finds it (later calls report *done = 1 and MPIDP_OK). */
+int mpidp_handle_test(mpidp_handle_t *h, int *done);
+/* The handle goes: an operation not yet freed is run to its end (deadline
+ * timeout_s). Returns what that finishing returned (MPIDP_OK when nothing
+ * was left); the operation is freed unless h->op stays non-NULL, in which
+ * case its buffers must be leaked. */
+int mpidp_handle_drop(mpidp_handle_t *h, double timeout_s);
+
 #endif /* MPIDP_OPERATION_H */
