@@ -7,7 +7,8 @@
 Brings up an emulated cluster of 2 nodes (benchmarks/cluster/up.sh: network
 namespaces, links shaped with tc tbf to --rate in each direction), then runs
 every method as its own mpirun job of 4 ranks, 2 per node
-(benchmarks/cluster/run.sh), and reads the bytes that crossed the inter-node
+(benchmarks/cluster/run.sh; --ranks-per-node 1: 2 ranks, one per node, so that
+on a 2-core machine every rank has a core and no node-local average runs), and reads the bytes that crossed the inter-node
 links before and after each job (benchmarks/cluster/netstats.py). Every
 method trains the same model (ResNet-18 for 32x32 inputs, channels scaled by
 --width, one input channel) from the same seed on the same data: scikit-learn's
@@ -99,7 +100,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CLUSTER = HERE / "cluster"
 OUT = HERE / "out"
-NODES, PER_NODE = 2, 2
+NODES = 2
 CANNOT_RUN = 77
 RESULT_TAG = "BENCH_DASO_RESULT "
 DEFAULT_METHODS = ("ddp", "dp-block", "dp-block-bf16", "dp-nb", "dp-nb-bf16", "daso")
@@ -410,7 +411,7 @@ def run_method(args, name: str, method: str, netstats) -> dict:
         # The global gloo group's TCP store is opened by rank 0 on node 0's
         # cluster address, where the ranks of every node can reach it.
         mpirun_opts += ["-x", "MPIDP_STORE_ADDR=198.18.0.1"]
-    cmd = [str(CLUSTER / "run.sh"), "--nodes", str(NODES), "--ranks-per-node", str(PER_NODE),
+    cmd = [str(CLUSTER / "run.sh"), "--nodes", str(NODES), "--ranks-per-node", str(args.ranks_per_node),
            *mpirun_opts, "--", *map(str, worker_args)]
     before = netstats.snapshot(name)
     load_before = os.getloadavg()[0]
@@ -433,9 +434,9 @@ def run_method(args, name: str, method: str, netstats) -> dict:
         raise SystemExit(f"[bench_daso] {method}: the job exited {rc} without a result:\n"
                          + "".join(lines[-40:]))
     result = results[0]
-    if result["nodes"] != NODES or result["local_size"] != PER_NODE:
+    if result["nodes"] != NODES or result["local_size"] != args.ranks_per_node:
         raise SystemExit(f"[bench_daso] {method}: ranks saw {result['nodes']} nodes x "
-                         f"{result['local_size']}, expected {NODES} x {PER_NODE}")
+                         f"{result['local_size']}, expected {NODES} x {args.ranks_per_node}")
     result["job_s"] = job_s
     # Other work on the machine competes for its cores: keep the 1-minute load
     # average at the start and end of the job with the result.
@@ -449,13 +450,13 @@ def run_rate(args, name: str, rate: str, netstats, saved: Path) -> dict:
     cluster_script(name, "up.sh", "--nodes", NODES, "--rate", rate)
     res = {"rate": rate, "config": {k: getattr(args, k) for k in (
                "epochs", "batch_size", "width", "lr", "seed", "warmup", "cooldown", "threads",
-               "train_images", "mpirun_args", "repeat", "method_epochs")},
+               "train_images", "mpirun_args", "repeat", "method_epochs", "ranks_per_node")},
            "runs": {}, "repeats": {}}
     for rep in range(args.repeat):
         # Repeats alternate the order of the methods, so a drift in what else
         # the machine is doing weighs on every method alike.
         for method in (args.methods if rep % 2 == 0 else args.methods[::-1]):
-            log(f"{method} at {rate}: {NODES} nodes x {PER_NODE} ranks, "
+            log(f"{method} at {rate}: {NODES} nodes x {args.ranks_per_node} ranks, "
                 f"{args.method_epochs.get(method, args.epochs)} epochs"
                 + (f" (repeat {rep + 1} of {args.repeat})" if args.repeat > 1 else ""))
             r = run_method(args, name, method, netstats)
@@ -481,11 +482,17 @@ def to_target_s(run: dict, ddp: dict):
     return next((e["wall_s"] for e in run["history"] if e["acc"] >= goal), None)
 
 
+def per_node(res: dict) -> int:
+    """The ranks per node of saved results (files saved before the option: 2)."""
+    return res["config"].get("ranks_per_node", 2)
+
+
 def table(res: dict) -> str:
     runs = res["runs"]
     ref = runs.get("ddp")
     cfg = res["config"]
-    lines = [f"rate {res['rate']}: {NODES} nodes x {PER_NODE} ranks, ResNet-18 width "
+    ranks = NODES * per_node(res)
+    lines = [f"rate {res['rate']}: {NODES} nodes x {per_node(res)} ranks, ResNet-18 width "
              f"{cfg['width']} ({res['model']['params'] / 1e6:.2f} M parameters, "
              f"{res['model']['grad_mb']:.1f} MB fp32), {res['train_images']} training images, "
              f"{res['batches_per_epoch']} batches of {cfg['batch_size']} per rank per epoch, "
@@ -516,9 +523,10 @@ def table(res: dict) -> str:
     probes = [f"{k.split('_')[0]} {r[k]:.0f} ms ({m})" for m, r in runs.items()
               for k in ("gloo_allreduce_ms", "mpi_allreduce_ms") if k in r]
     if probes:
-        lines.append("one fp32 allreduce of the gradients over the 4 ranks: " + ", ".join(probes))
+        lines.append(f"one fp32 allreduce of the gradients over the {ranks} ranks: "
+                     + ", ".join(probes))
     lines.append("fwd/bwd/step: rank 0's mean ms per batch inside forward, backward and "
-                 "optimizer step; cpu: CPU time of the 4 ranks / (wall time x cores); "
+                 f"optimizer step; cpu: CPU time of the {ranks} ranks / (wall time x cores); "
                  "other: CPU time of everything else on the machine (other jobs, kernel work "
                  "for the links) / (wall time x cores), both over the epochs' loop")
     return "\n".join(lines)
@@ -561,7 +569,7 @@ def plot(results: list, path: Path) -> None:
             acc = [None] + [e["acc"] for e in r["history"]]
             style = {"linewidth": 2.5} if m in ("daso", "ddp") else {"linewidth": 1.2}
             ax.plot(t[1:], acc[1:], marker="o", markersize=3, label=m, **style)
-        ax.set_title(f"{NODES} nodes x {PER_NODE} ranks, link {res['rate']}")
+        ax.set_title(f"{NODES} nodes x {per_node(res)} ranks, link {res['rate']}")
         ax.set_xlabel("training wall time, s (test evaluation excluded)")
         ax.set_ylabel("test accuracy, %")
         ax.grid(alpha=0.3)
@@ -649,6 +657,9 @@ def main() -> None:
                         help="qadam: steps of Adam on averaged gradients (Bagua's 100)")
     parser.add_argument("--sync-interval-ms", type=int, default=500,
                         help="async: the background thread's pause between averages (Bagua's)")
+    parser.add_argument("--ranks-per-node", type=int, choices=(1, 2), default=2,
+                        help="2: 4 ranks, 2 per node (the default); 1: 2 ranks, so that on a "
+                             "2-core machine every rank has a core of its own")
     parser.add_argument("--batch-size", type=int, default=4, help="per rank")
     parser.add_argument("--width", type=int, default=32, help="ResNet-18 channels of the stem")
     parser.add_argument("--lr", type=float, default=0.05)

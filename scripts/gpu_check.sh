@@ -25,7 +25,9 @@
 #            whether NCCL accepts two ranks on one GPU, and DASO over it where it does
 #   example  examples/imagenet_daso.py --synthetic with AMP, 2 ranks as 1 node and as 2 nodes
 #   bench    benchmarks/bench_pack.py --device cuda; benchmarks/bench_step.py --device cuda
-#            at 1 rank (DDP over NCCL) and 2 ranks (DDP over gloo)
+#            at 1 rank (DDP over NCCL) and 2 ranks (DDP over gloo); and bench_step.py on the
+#            CPU at 2 ranks: the hook and step figures with cores to spare, which the
+#            2-core development machine (2 ranks, nothing else running) cannot give
 #
 # Output (--out, default gpu-check-out/): gpu_check.log (everything printed),
 # gpu_check.json (each step's status and seconds, the environment, and the
@@ -303,6 +305,7 @@ step_bench() {
     if [ $DRY = 1 ]; then
         run 300 bench.step.1rank ./scripts/mpirun.sh 1 "$PY" benchmarks/bench_step.py --device cuda --json
         run 300 bench.step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json
+        run 300 bench.step.cpu ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json
         return
     fi
     run 120 bench.pack.json "$PY" benchmarks/bench_pack.py --device cuda --json >"$OUT/bench_pack.json"
@@ -310,6 +313,8 @@ step_bench() {
         | tee "$OUT/bench_step_1rank.json"
     run 300 bench.step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json \
         | tee "$OUT/bench_step_2ranks.json"
+    run 300 bench.step.cpu ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json \
+        | tee "$OUT/bench_step_cpu_2ranks.json"
 }
 
 summarize() {  # gpu_check.json: the steps' status and the measurements, in one file
