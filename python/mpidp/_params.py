@@ -95,3 +95,29 @@ def remove_handles(handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+
+
+class FrozenAtSetup:
+    """The parameters that were frozen (requires_grad=False) when a wrapper
+    took its set of trainable ones. Every wrapper averages that set only, so
+    one unfrozen later (progressive unfreezing in fine-tuning) would train on
+    each rank's own gradients and the replicas would drift apart with no
+    error; torch DDP lets that happen. The wrapper calls check() once a step:
+    a scan of the frozen parameters, nothing when there are none."""
+
+    def __init__(self, module: torch.nn.Module, what: str, rebuild: str):
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._what = what
+        self._rebuild = rebuild    # how this wrapper is set up again, one sentence
+
+    def check(self) -> None:
+        if not self._frozen or not any(p.requires_grad for _, p in self._frozen):
+            return
+        names = [n for n, p in self._frozen if p.requires_grad]
+        shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more"
+                                                         if len(names) > 4 else "")
+        raise RuntimeError(
+            f"{self._what}: parameter(s) {shown} were frozen (requires_grad=False) when "
+            f"{self._what} was set up and now require grad, so their gradients would not be "
+            f"averaged and every rank would train its own copy. {self._rebuild}, or keep them "
+            "trainable from the start and add them to the optimizer when they should train")
