@@ -34,7 +34,9 @@ class MLP(torch.nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
-FROZEN = r"'l1.weight', 'l1.bias' were frozen \(requires_grad=False\) when {} was set up"
+NOT_AVERAGED = ("'{}.weight', '{}.bias' require grad but were not trainable parameters of the "
+                "model when {} was set up")
+FROZEN = NOT_AVERAGED.replace("{}", "l1", 2)
 
 
 def sgd(params):
@@ -90,6 +92,50 @@ def test_dataparallel_refuses_an_unfrozen_parameter_and_a_new_wrapper_trains_it(
     assert_params_close(model, reference, what="after unfreezing and wrapping again")
     assert_same_on_all_ranks(model)
     assert all(p.grad is not None for p in model.l1.parameters())
+
+
+def new_head(model):
+    torch.manual_seed(50)                     # the same new head on every rank
+    model.l2 = torch.nn.Linear(16, 3)
+    return list(model.l2.parameters())
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_dataparallel_refuses_a_parameter_added_after_set_up(blocking):
+    """A new head (model.l2 = nn.Linear(...)) after wrapping: refused, then
+    trained like one process by a new wrapper."""
+    model, reference = build(MLP, 400 + RANK), build(MLP, 400)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    ref_opt = sgd(reference.parameters())
+    net = wrap(model, opt, blocking)
+    gen = seeded(14)
+    step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+    net.synchronize()
+    opt.torch_optimizer.add_param_group({"params": new_head(model)})
+    ref_opt.add_param_group({"params": new_head(reference)})
+    X, Y = classification_batch(gen, 4 * SIZE, (6, 3))
+    with pytest.raises(RuntimeError, match=NOT_AVERAGED.format("l2", "l2", "DataParallel")):
+        net(rank_slice(X))
+    net = wrap(model, opt, blocking)
+    step_like_one_process(net, opt, reference, ref_opt, X, Y)
+    step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+    net.synchronize()
+    assert_params_close(model, reference, what="after a new head and wrapping again")
+    assert_same_on_all_ranks(model)
+
+
+def test_a_frozen_parameter_added_after_set_up_is_watched_too():
+    model = build(MLP, 500 + RANK)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = wrap(model, opt, True)
+    head = new_head(model)
+    model.l2.requires_grad_(False)
+    x, y = classification_batch(seeded(15), 4 * SIZE, (6, 3))
+    train_step(net, opt, x, y)                # frozen: nothing to average, no error
+    model.l2.requires_grad_(True)
+    opt.torch_optimizer.add_param_group({"params": head})
+    with pytest.raises(RuntimeError, match=NOT_AVERAGED.format("l2", "l2", "DataParallel")):
+        net(rank_slice(x))
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])

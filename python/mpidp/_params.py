@@ -97,27 +97,56 @@ def remove_handles(handles: list) -> None:
     handles.clear()
 
 
-class FrozenAtSetup:
-    """The parameters that were frozen (requires_grad=False) when a wrapper
-    took its set of trainable ones. Every wrapper averages that set only, so
-    one unfrozen later (progressive unfreezing in fine-tuning) would train on
-    each rank's own gradients and the replicas would drift apart with no
-    error; torch DDP lets that happen. The wrapper calls check() once a step:
-    a scan of the frozen parameters, nothing when there are none."""
+
+# Counts every parameter and submodule registration of any module (torch's
+# global registration hooks), so that a wrapper rescans its model only when
+# some model changed: a step costs one integer comparison otherwise.
+_registrations = 0
+
+
+def _count_registration(*_hook_args) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+class TrainableAtSetup:
+    """What a wrapper averages is the set of parameters trainable when it was
+    set up. A parameter outside that set that requires grad later -- one
+    frozen then and unfrozen since (progressive unfreezing), or one added
+    since (a new head: model.fc = nn.Linear(...)) -- would train on each
+    rank's own gradients and the replicas would drift apart with no error;
+    torch DDP lets that happen. The wrapper calls check() once a training
+    step and it raises instead: a scan of the parameters outside the set
+    (nothing when there are none), and of the whole model only after some
+    module registered a parameter or a submodule."""
 
     def __init__(self, module: torch.nn.Module, what: str, rebuild: str):
-        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._module = module
         self._what = what
         self._rebuild = rebuild    # how this wrapper is set up again, one sentence
+        # Held, not only their ids: a freed parameter's id could be reused by a new one.
+        self._known = {id(p): p for p in module.parameters()}
+        self._outside = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._registrations = _registrations
 
     def check(self) -> None:
-        if not self._frozen or not any(p.requires_grad for _, p in self._frozen):
+        if self._registrations != _registrations:
+            self._registrations = _registrations
+            added = [(n, p) for n, p in self._module.named_parameters() if id(p) not in self._known]
+            self._known.update((id(p), p) for _, p in added)
+            self._outside += added
+        if not self._outside or not any(p.requires_grad for _, p in self._outside):
             return
-        names = [n for n, p in self._frozen if p.requires_grad]
+        names = [n for n, p in self._outside if p.requires_grad]
         shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more"
                                                          if len(names) > 4 else "")
         raise RuntimeError(
-            f"{self._what}: parameter(s) {shown} were frozen (requires_grad=False) when "
-            f"{self._what} was set up and now require grad, so their gradients would not be "
-            f"averaged and every rank would train its own copy. {self._rebuild}, or keep them "
-            "trainable from the start and add them to the optimizer when they should train")
+            f"{self._what}: parameter(s) {shown} require grad but were not trainable parameters "
+            f"of the model when {self._what} was set up (frozen then, or added since), so their "
+            f"gradients would not be averaged and every rank would train its own copy. "
+            f"{self._rebuild}, or keep such parameters trainable from the start and add them to "
+            "the optimizer when they should train")

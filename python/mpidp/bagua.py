@@ -21,7 +21,7 @@ import torch
 from ._algorithm import Algorithm
 from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
-from ._params import FrozenAtSetup
+from ._params import TrainableAtSetup
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["with_bagua", "BaguaModule"]
@@ -36,11 +36,11 @@ class BaguaModule(torch.nn.Module):
         self.bagua_algorithm: Optional[Algorithm] = None
         self.bagua_optimizers: Sequence[torch.optim.Optimizer] = ()
         self._handle = None
-        self._frozen = None    # FrozenAtSetup of the attached algorithm
+        self._trainable_at_setup = None    # TrainableAtSetup of the attached algorithm
 
     def forward(self, *inputs, **kwargs):
         if self.training and torch.is_grad_enabled():
-            self._frozen.check()
+            self._trainable_at_setup.check()
         return self._handle.forward(*inputs, **kwargs)
 
     def join(self, adopt_optimizer_state: bool = False):
@@ -115,8 +115,9 @@ def with_bagua(module: torch.nn.Module, optimizers, algorithm: Algorithm, comm=N
     for opt in optimizers:
         broadcast_optimizer_state(opt, root=0, comm=comm)
     wrapped._handle = algorithm._attach(inner, optimizers, comm)
-    wrapped._frozen = FrozenAtSetup(inner, "with_bagua", "Call mpidp.with_bagua(model, optimizers, "
-                                    "algorithm) again after changing requires_grad")
+    wrapped._trainable_at_setup = TrainableAtSetup(
+        inner, "with_bagua", "Call mpidp.with_bagua(model, optimizers, algorithm) again after "
+        "such a change")
     wrapped.bagua_algorithm = algorithm
     wrapped.bagua_optimizers = tuple(optimizers)
     return wrapped

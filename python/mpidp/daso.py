@@ -25,7 +25,7 @@ from ._args import check_bool, check_dtype, check_int, check_real
 from ._dtypes import CODE_OF
 from ._consistency import check_every, check_in_sync, ranks_differing
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import FrozenAtSetup, broadcast_state, broadcast_tensors, remove_handles
+from ._params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
 from .topology import node_comm, topology
 
@@ -239,9 +239,9 @@ class DASO:
         # Named as the user's model names them, not as DDP's wrapper (module.*).
         user_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
             else model
-        self._frozen = FrozenAtSetup(user_model, "DASO", "Call daso.set_model(model) again after "
-                                     "changing requires_grad, through a new "
-                                     "mpidp.DataParallelMultiGPU(model, daso) where DASO runs in one")
+        self._trainable_at_setup = TrainableAtSetup(
+            user_model, "DASO", "Call daso.set_model(model) again after such a change, through a "
+            "new mpidp.DataParallelMultiGPU(model, daso) where DASO runs in one")
         self._device_params = tuple(p.detach() for p in params)
         self._param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._pointers = tuple(p.data_ptr() for p in params)
@@ -313,7 +313,7 @@ class DASO:
             raise ValueError("last_batch: set daso.last_batch to the index of the epoch's last "
                              "batch (len(loader) - 1) before training")
         last = check_int("last_batch", self.last_batch, 0)
-        self._frozen.check()
+        self._trainable_at_setup.check()
         if self._joining:
             last = self._common_last
         if self._needs_reference:

@@ -16,7 +16,7 @@ from ._args import check_bool, check_real
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import (FrozenAtSetup, broadcast_state, broadcast_tensors, check_module,
+from ._params import (TrainableAtSetup, broadcast_state, broadcast_tensors, check_module,
                       remove_handles)
 from ._loads import LoadWatch, optimizer_fingerprint
 from ._reducer import GradientReducer
@@ -309,10 +309,9 @@ class DataParallel(torch.nn.Module):
                     raise ValueError(f"wire_dtype: parameter {name!r} is {p.dtype}; gradients can "
                                      f"be compressed to {self.wire_dtype} from float32 only")
         self._params = params
-        self._frozen = FrozenAtSetup(self.module, "DataParallel",
-                                     "Build mpidp.DataParallel(model, ...) again after changing "
-                                     "requires_grad (the new wrapper takes over the model and its "
-                                     "optimizers)")
+        self._trainable_at_setup = TrainableAtSetup(
+            self.module, "DataParallel", "Build mpidp.DataParallel(model, ...) again after such a "
+            "change (the new wrapper takes over the model and its optimizers)")
         self._reducer = GradientReducer.build(
             self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
             wire=self._wire, staged=staged, hier_comms=self._hier_comms)
@@ -352,7 +351,7 @@ class DataParallel(torch.nn.Module):
             raise RuntimeError(f"DataParallel: this wrapper is detached: {self._released}")
         reducer = self._reducer
         if self.training and torch.is_grad_enabled():
-            self._frozen.check()
+            self._trainable_at_setup.check()
         if self._joining and self.training and torch.is_grad_enabled():
             # Ranks that ran out of data answer this ballot with 0 and add zeros
             # to this step's gradients, which are averaged over the rest.

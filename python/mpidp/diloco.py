@@ -27,7 +27,7 @@ from ._args import check_bool, check_int, check_real
 from ._dtypes import wire_code
 from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
-from ._params import FrozenAtSetup, broadcast_tensors, remove_handles
+from ._params import TrainableAtSetup, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
 from .averaging import average_tensors
 
@@ -90,9 +90,9 @@ class DiLoCo:
                             f"{type(model_fragments).__name__}") from None
         check_bool("sync_buffers", sync_buffers)
         self._fragments = self._partition(model, fragments)
-        self._frozen = FrozenAtSetup(model, "DiLoCo", "Build a new DiLoCo, its outer optimizer "
-                                     "holding the parameters trainable now, after changing "
-                                     "requires_grad")
+        self._trainable_at_setup = TrainableAtSetup(
+            model, "DiLoCo", "Build a new DiLoCo, its outer optimizer holding the parameters "
+            "trainable now, after such a change")
         self._buffers = self._fragment_buffers(model, fragments) if sync_buffers else None
         n = len(fragments)
         if check_int("sync_every", sync_every, 1) % n:
@@ -199,7 +199,7 @@ class DiLoCo:
     # -- the syncs ---------------------------------------------------------------
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
-        self._frozen.check()
+        self._trainable_at_setup.check()
         due = _C.avgsched_actions(self.step, **self._schedule)
         if due.send_fragment >= 0:
             self._syncs[due.send_fragment].send()

@@ -35,7 +35,7 @@ from . import _C
 from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
-from ._params import FrozenAtSetup, broadcast_tensors
+from ._params import TrainableAtSetup, broadcast_tensors
 from .averaging import average_tensors
 from .data_parallel import DataParallel
 from .gossip import DynamicDirectedExponentialGraph, GraphManager, MixingManager, UniformMixing, mix
@@ -196,9 +196,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         self.slowmo_num_shards = min(world, slowmo_num_shards)
         self.num_updates = 0
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._frozen = FrozenAtSetup(module, "SlowMoDistributedDataParallel",
-                                     "Build mpidp.SlowMoDistributedDataParallel(model, ...) again "
-                                     "after changing requires_grad")
+        self._trainable_at_setup = TrainableAtSetup(
+            module, "SlowMoDistributedDataParallel",
+            "Build mpidp.SlowMoDistributedDataParallel(model, ...) again after such a change")
         broadcast_tensors([p.data for p in self._params] + list(module.buffers()), self._world)
         # θ starts as the shared parameters (this rank's shard of them), u at 0.
         # fairscale copies θ after the first step instead, from each rank's own
@@ -251,7 +251,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any):
         self._check_current()
         if self.training and torch.is_grad_enabled():
-            self._frozen.check()
+            self._trainable_at_setup.check()
         if self.broadcast_buffers and self.training:
             broadcast_tensors(list(self.module.buffers()), self._world)
         runner = self._node_dp if self._node_dp is not None else self.module
