@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import mpidp
 from dp_reference import (SIZE, assert_params_close, assert_same_on_all_ranks, build,
                           classification_batch, cross_entropy, data_parallel_and_reference,
-                          on_device, rank_slice, reference_step, seeded)
+                          on_device, rank_slice, reference_step, seeded, step_like_one_process)
 from mpidp import MPI
 from test_data_parallel import MLP, sgd
 
@@ -175,3 +175,40 @@ def test_step_right_after_a_no_sync_backward_raises():
         opt.step()
     net(on_device(torch.randn(2, 10))).sum().backward()
     opt.step()  # after a backward outside no_sync the step is fine
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_gradients_from_autograd_grad_are_refused_at_step(blocking):
+    """torch.autograd.grad accumulates nothing, so no hook runs and nothing
+    is averaged: a step with those gradients assigned by hand raises instead
+    of letting each rank step on its own. Averaging them by hand and
+    stepping the torch optimizer (the advice, blocking mode) trains like one
+    process."""
+    model, net, opt, reference, ref_opt = data_parallel_and_reference(MLP, sgd, 700, blocking)
+    X, Y = classification_batch(seeded(18), 4 * SIZE)
+
+    def grads_by_hand(average):
+        opt.zero_grad()
+        params = list(model.parameters())
+        grads = torch.autograd.grad(F.cross_entropy(net(rank_slice(X)), rank_slice(Y)), params)
+        for p, g in zip(params, grads):
+            if average:
+                mpidp.allreduce(g, op="avg")      # in place
+            p.grad = g
+
+    grads_by_hand(average=False)
+    with pytest.raises(RuntimeError, match="no backward\\(\\) through DataParallel produced"):
+        opt.step()
+    if not blocking:
+        return
+    grads_by_hand(average=True)
+    opt.torch_optimizer.step()
+    ref_opt.zero_grad()
+    reference_step(reference, X, Y, cross_entropy)
+    ref_opt.step()
+    assert_params_close(model, reference, what="after averaging autograd.grad's gradients by hand")
+    assert_same_on_all_ranks(model)
+    # A backward through DataParallel before the next step: an ordinary step.
+    X, Y = classification_batch(seeded(19), 4 * SIZE)
+    step_like_one_process(net, opt, reference, ref_opt, X, Y)
+    assert_params_close(model, reference, what="after an ordinary step")

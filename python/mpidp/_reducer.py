@@ -64,6 +64,8 @@ class GradientReducer(_C.Reducer):
                    name=name, wire_dtype=wire, staged=staged, hier_comms=hier_comms)
         self.blocking = blocking
         self.param_bucket = bucket_of
+        self.views = views
+        self.backwards = 0     # backward passes that reached the hooks (steps compare it)
         # The tensors the .grad views are views of: their version counters
         # tell in-place changes (the user's zero_grad, clipping) apart.
         self._grad_buckets = grads_in
@@ -105,6 +107,7 @@ class GradientReducer(_C.Reducer):
         step), then ask autograd to call us when this backward ends."""
         if self.finalized:
             self._complete(accumulated=first)
+        self.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _finalize_backward(self) -> None:

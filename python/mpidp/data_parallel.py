@@ -275,6 +275,7 @@ class DataParallel(torch.nn.Module):
         # Non-blocking: the DataParallelOptimizer whose step() is pending (held
         # until the update is applied), else None.
         self._due = None
+        self._backwards_at_step = 0   # the reducer's backward count at the last step()
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
@@ -386,8 +387,27 @@ class DataParallel(torch.nn.Module):
             if self._applying:
                 self._apply_buckets(range(reducer.n_buckets))
         if self.training and torch.is_grad_enabled():
-            reducer.prepare()
+            try:
+                reducer.prepare()
+            except RuntimeError as e:
+                self._refuse_converted_params(e)
+                raise
         return out
+
+    def _refuse_converted_params(self, error: RuntimeError) -> None:
+        """prepare() failed: say so plainly where it is because the model was
+        converted after wrapping (model.double(), model.to(device)), which
+        leaves the gradient buckets in the old dtype or device."""
+        views = self._reducer.views
+        moved = [(n, p, v) for n, p, v in zip(self._param_names, self._params, views)
+                 if p.dtype != v.dtype or p.device != v.device]
+        if moved:
+            n, p, v = moved[0]
+            raise RuntimeError(
+                f"DataParallel: parameter {n!r}{f' (and {len(moved) - 1} more)' if len(moved) > 1 else ''}"
+                f" is now {p.dtype} on {p.device}, but DataParallel was set up with {v.dtype} on "
+                f"{v.device}: convert the model (model.double(), model.to(device)) before wrapping "
+                "it, or wrap it again after") from error
 
     def _shared_state(self) -> list:
         """What every rank must hold alike: parameters, buffers (when broadcast)
@@ -585,6 +605,10 @@ class DataParallel(torch.nn.Module):
                 "backward outside it: those gradients are this rank's alone, so the ranks would "
                 "drift apart. Run the accumulation's last backward outside no_sync() (torch DDP's "
                 "pattern); it averages everything accumulated")
+        backwards = self._reducer.backwards
+        if backwards == self._backwards_at_step:
+            self._refuse_unaveraged_grads()
+        self._backwards_at_step = backwards
         if self.blocking_parameter_updates or not self._reducer.finalized:
             with self._own_step():
                 optimizer.torch_optimizer.step()
@@ -606,6 +630,23 @@ class DataParallel(torch.nn.Module):
         # LR schedulers check this flag (set by the real step) to warn about a
         # scheduler stepped before its optimizer; the step is merely deferred.
         optimizer.torch_optimizer._opt_called = True
+
+    def _refuse_unaveraged_grads(self) -> None:
+        """A step with no backward through the hooks since the last one: a
+        .grad that is not its bucket view came from elsewhere
+        (torch.autograd.grad, assigned by hand) and was never averaged."""
+        names = [n for n, p, v in zip(self._param_names, self._params, self._reducer.views)
+                 if p.grad is not None and p.grad is not v]
+        if names:
+            shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more"
+                                                        if len(names) > 4 else "")
+            raise RuntimeError(
+                f"DataParallel: optimizer.step() with gradients of {shown} that no backward() "
+                "through DataParallel produced since the last step (torch.autograd.grad, or "
+                "assigned by hand), so they were never averaged and each rank would step on its "
+                "own. Compute them with loss.backward(); code that averages its own gradients "
+                "(mpidp.allreduce(grad, op='avg')) steps the torch optimizer itself, in "
+                "blocking mode")
 
     @contextlib.contextmanager
     def _own_step(self):

@@ -1,11 +1,15 @@
-"""Unfreezing parameters after a wrapper was set up (progressive unfreezing in
-fine-tuning): every wrapper averages the parameters that were trainable when
-it was set up, so a parameter unfrozen later would train on each rank's own
+"""Changing the model after a wrapper was set up.
+
+Unfreezing parameters (progressive unfreezing in fine-tuning) or adding new
+ones (a new head): every wrapper averages the parameters that were trainable
+when it was set up, so such a parameter would train on each rank's own
 gradients and the replicas would drift apart with no error (torch DDP lets
 that happen). Each wrapper raises instead, naming the parameters and how to
 set it up again; following that advice trains like one process again.
 Freezing after set-up needs nothing: such parameters get no gradient and are
-left alone, as in one process.
+left alone, as in one process. Converting the model (model.double()) after
+DataParallel was set up leaves its gradient buckets in the old dtype: a
+clear error, then a new wrapper trains like one process.
 
 Each rank trains on its own slice of every batch; the reference is one
 process on the whole batch (tests/dp_reference.py).
@@ -250,4 +254,25 @@ def test_daso_refuses_an_unfrozen_parameter_at_step(per_node, monkeypatch):
     for _ in range(3):
         train_step(net, daso, *classification_batch(gen, 4 * SIZE, (6, 3)))
     assert not torch.equal(model.l1.weight, l1_before)
+    assert_same_on_all_ranks(model)
+
+
+def test_converting_the_model_after_wrapping_is_named_and_a_new_wrapper_trains_it():
+    model, reference = build(MLP, 600 + RANK), build(MLP, 600)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = wrap(model, opt, True)
+    model.double()
+    reference.double()
+    ref_opt = sgd(reference.parameters())
+    X, Y = classification_batch(seeded(16), 4 * SIZE, (6, 3))
+    with pytest.raises(RuntimeError, match="parameter 'l1.weight' \\(and 3 more\\) is now "
+                                           "torch.float64 on cpu, but DataParallel was set up "
+                                           "with torch.float32"):
+        net(rank_slice(X).double())
+    net = wrap(model, opt, True)
+    gen = seeded(17)
+    for _ in range(2):
+        X, Y = classification_batch(gen, 4 * SIZE, (6, 3))
+        step_like_one_process(net, opt, reference, ref_opt, X.double(), Y)
+    assert_params_close(model, reference, what="after model.double() and wrapping again")
     assert_same_on_all_ranks(model)
