@@ -9,7 +9,9 @@ set it up again; following that advice trains like one process again.
 Freezing after set-up needs nothing: such parameters get no gradient and are
 left alone, as in one process. Converting the model (model.double()) after
 DataParallel was set up leaves its gradient buckets in the old dtype: a
-clear error, then a new wrapper trains like one process.
+clear error, then a new wrapper trains like one process. A tensor given to
+a non-blocking DataParallel's optimizer after set-up would never be updated
+(the update goes bucket by bucket): step() raises.
 
 Each rank trains on its own slice of every batch; the reference is one
 process on the whole batch (tests/dp_reference.py).
@@ -276,3 +278,25 @@ def test_converting_the_model_after_wrapping_is_named_and_a_new_wrapper_trains_i
         step_like_one_process(net, opt, reference, ref_opt, X.double(), Y)
     assert_params_close(model, reference, what="after model.double() and wrapping again")
     assert_same_on_all_ranks(model)
+
+
+def test_nonblocking_refuses_a_tensor_given_to_the_optimizer_after_set_up():
+    """Non-blocking updates are applied bucket by bucket: a tensor outside
+    the model given to the optimizer later (a learnable temperature) would
+    never be updated, so step() raises; blocking mode steps it."""
+    for blocking in (False, True):
+        model = build(MLP, 800 + RANK)
+        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+        net = wrap(model, opt, blocking)
+        scale = torch.ones(1, requires_grad=True)
+        opt.torch_optimizer.add_param_group({"params": [scale]})
+        x, y = classification_batch(seeded(20), 4 * SIZE, (6, 3))
+        opt.zero_grad()
+        F.cross_entropy(net(rank_slice(x)) * scale, rank_slice(y)).backward()
+        if blocking:
+            opt.step()
+            assert scale.item() != 1.0
+        else:
+            with pytest.raises(RuntimeError, match="holds 1 tensor\\(s\\) that are not parameters "
+                                                   "DataParallel averages"):
+                opt.step()

@@ -276,6 +276,7 @@ class DataParallel(torch.nn.Module):
         # until the update is applied), else None.
         self._due = None
         self._backwards_at_step = 0   # the reducer's backward count at the last step()
+        self._holdings_sig = None     # the optimizer's groups last found to hold the buckets' parameters
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
@@ -624,12 +625,32 @@ class DataParallel(torch.nn.Module):
         if self._due:
             raise RuntimeError("DataParallel (non-blocking): optimizer.step() was called twice "
                                "without a forward pass in between")
+        self._check_holdings(optimizer.torch_optimizer)
         groups = optimizer.torch_optimizer.param_groups
         self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._due = optimizer
         # LR schedulers check this flag (set by the real step) to warn about a
         # scheduler stepped before its optimizer; the step is merely deferred.
         optimizer.torch_optimizer._opt_called = True
+
+    def _check_holdings(self, opt: torch.optim.Optimizer) -> None:
+        """Non-blocking: the step is applied bucket by bucket, so a tensor the
+        optimizer was given after set-up (add_param_group) that no bucket
+        holds would never be updated. Checked again only when the groups
+        change."""
+        groups = opt.param_groups
+        sig = tuple(id(g["params"]) for g in groups) + tuple(len(g["params"]) for g in groups)
+        if sig == self._holdings_sig:
+            return
+        planned = {id(p) for p in self._params}
+        extra = sum(1 for g in groups for p in g["params"] if id(p) not in planned)
+        if extra:
+            raise RuntimeError(
+                f"DataParallel (non-blocking): the optimizer holds {extra} tensor(s) that are not "
+                "parameters DataParallel averages (given with add_param_group after set-up): the "
+                "update is applied bucket by bucket, so they would never be updated. Use "
+                "blocking_parameter_updates=True, or step them with another optimizer")
+        self._holdings_sig = sig
 
     def _refuse_unaveraged_grads(self) -> None:
         """A step with no backward through the hooks since the last one: a
