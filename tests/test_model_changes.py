@@ -29,15 +29,7 @@ import mpidp
 from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
                           classification_batch, per_node_options, rank_slice, seeded,
                           step_like_one_process)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2 = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.l2(torch.relu(self.l1(x)))
+from test_rewrap import MLP   # l1: 6 -> 16, l2: 16 -> 3
 
 
 NOT_AVERAGED = ("'{}.weight', '{}.bias' require grad but were not trainable parameters of the "
