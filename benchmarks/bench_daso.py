@@ -7,14 +7,14 @@
 Brings up an emulated cluster of 2 nodes (benchmarks/cluster/up.sh: network
 namespaces, links shaped with tc tbf to --rate in each direction), then runs
 every method as its own mpirun job of 4 ranks, 2 per node
-(benchmarks/cluster/run.sh; --ranks-per-node 1: 2 ranks, one per node, so that
-on a 2-core machine every rank has a core and no node-local average runs), and reads the bytes that crossed the inter-node
-links before and after each job (benchmarks/cluster/netstats.py). Every
-method trains the same model (ResNet-18 for 32x32 inputs, channels scaled by
---width, one input channel) from the same seed on the same data: scikit-learn's
-digits, upscaled from 8x8 to 32x32, the same shards per rank and epoch
-(DistributedSampler), SGD with momentum and a per-epoch cosine learning rate.
-Methods:
+(benchmarks/cluster/run.sh; --ranks-per-node 1: 2 ranks, one per node, so
+that on a 2-core machine every rank has a core and no node-local average
+runs), and reads the bytes that crossed the inter-node links before and after
+each job (benchmarks/cluster/netstats.py). Every method trains the same model
+(ResNet-18 for 32x32 inputs, channels scaled by --width, one input channel)
+from the same seed on the same data: scikit-learn's digits, upscaled from 8x8
+to 32x32, the same shards per rank and epoch (DistributedSampler), SGD with
+momentum and a per-epoch cosine learning rate. Methods:
 
   ddp           torch DistributedDataParallel over all 4 ranks (gloo, its defaults)
   dp-block      mpidp.DataParallel, blocking, fp32 gradients on the wire
@@ -411,8 +411,8 @@ def run_method(args, name: str, method: str, netstats) -> dict:
         # The global gloo group's TCP store is opened by rank 0 on node 0's
         # cluster address, where the ranks of every node can reach it.
         mpirun_opts += ["-x", "MPIDP_STORE_ADDR=198.18.0.1"]
-    cmd = [str(CLUSTER / "run.sh"), "--nodes", str(NODES), "--ranks-per-node", str(args.ranks_per_node),
-           *mpirun_opts, "--", *map(str, worker_args)]
+    cmd = [str(CLUSTER / "run.sh"), "--nodes", str(NODES),
+           "--ranks-per-node", str(args.ranks_per_node), *mpirun_opts, "--", *map(str, worker_args)]
     before = netstats.snapshot(name)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()

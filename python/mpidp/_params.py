@@ -97,6 +97,11 @@ def remove_handles(handles: list) -> None:
     handles.clear()
 
 
+def name_list(names, most: int = 4) -> str:
+    """'a', 'b', 'c', 'd' and 3 more: parameter names for an error message."""
+    shown = ", ".join(map(repr, names[:most]))
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
 
 # Counts every parameter and submodule registration of any module (torch's
 # global registration hooks), so that a wrapper rescans its model only when
@@ -142,10 +147,8 @@ class TrainableAtSetup:
         if not self._outside or not any(p.requires_grad for _, p in self._outside):
             return
         names = [n for n, p in self._outside if p.requires_grad]
-        shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more"
-                                                         if len(names) > 4 else "")
         raise RuntimeError(
-            f"{self._what}: parameter(s) {shown} require grad but were not trainable parameters "
+            f"{self._what}: parameter(s) {name_list(names)} require grad but were not trainable parameters "
             f"of the model when {self._what} was set up (frozen then, or added since), so their "
             f"gradients would not be averaged and every rank would train its own copy. "
             f"{self._rebuild}, or keep such parameters trainable from the start and add them to "

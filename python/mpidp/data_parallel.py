@@ -17,7 +17,7 @@ from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import (TrainableAtSetup, broadcast_state, broadcast_tensors, check_module,
-                      remove_handles)
+                      name_list, remove_handles)
 from ._loads import LoadWatch, optimizer_fingerprint
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
@@ -276,7 +276,7 @@ class DataParallel(torch.nn.Module):
         # until the update is applied), else None.
         self._due = None
         self._backwards_at_step = 0   # the reducer's backward count at the last step()
-        self._holdings_sig = None     # the optimizer's groups last found to hold the buckets' parameters
+        self._holdings_sig = None     # the optimizer's groups as last found to hold bucket params only
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
@@ -404,11 +404,12 @@ class DataParallel(torch.nn.Module):
                  if p.dtype != v.dtype or p.device != v.device]
         if moved:
             n, p, v = moved[0]
+            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
             raise RuntimeError(
-                f"DataParallel: parameter {n!r}{f' (and {len(moved) - 1} more)' if len(moved) > 1 else ''}"
-                f" is now {p.dtype} on {p.device}, but DataParallel was set up with {v.dtype} on "
-                f"{v.device}: convert the model (model.double(), model.to(device)) before wrapping "
-                "it, or wrap it again after") from error
+                f"DataParallel: parameter {n!r}{more} is now {p.dtype} on {p.device}, but "
+                f"DataParallel was set up with {v.dtype} on {v.device}: convert the model "
+                "(model.double(), model.to(device)) before wrapping it, or wrap it again after"
+            ) from error
 
     def _shared_state(self) -> list:
         """What every rank must hold alike: parameters, buffers (when broadcast)
@@ -659,15 +660,13 @@ class DataParallel(torch.nn.Module):
         names = [n for n, p, v in zip(self._param_names, self._params, self._reducer.views)
                  if p.grad is not None and p.grad is not v]
         if names:
-            shown = ", ".join(map(repr, names[:4])) + (f" and {len(names) - 4} more"
-                                                        if len(names) > 4 else "")
             raise RuntimeError(
-                f"DataParallel: optimizer.step() with gradients of {shown} that no backward() "
-                "through DataParallel produced since the last step (torch.autograd.grad, or "
-                "assigned by hand), so they were never averaged and each rank would step on its "
-                "own. Compute them with loss.backward(); code that averages its own gradients "
-                "(mpidp.allreduce(grad, op='avg')) steps the torch optimizer itself, in "
-                "blocking mode")
+                f"DataParallel: optimizer.step() with gradients of {name_list(names)} that no "
+                "backward() through DataParallel produced since the last step "
+                "(torch.autograd.grad, or assigned by hand), so they were never averaged and each "
+                "rank would step on its own. Compute them with loss.backward(); code that "
+                "averages its own gradients (mpidp.allreduce(grad, op='avg')) steps the torch "
+                "optimizer itself, in blocking mode")
 
     @contextlib.contextmanager
     def _own_step(self):
