@@ -37,6 +37,11 @@ NOT_AVERAGED = ("'{}.weight', '{}.bias' require grad but were not trainable para
 FROZEN = NOT_AVERAGED.replace("{}", "l1", 2)
 
 
+def batch(gen):
+    """A global batch for the MLP (6 inputs, 3 classes) drawn from `gen`."""
+    return classification_batch(gen, 4 * SIZE, (6, 3))
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
 
@@ -69,7 +74,7 @@ def test_dataparallel_refuses_an_unfrozen_parameter_and_a_new_wrapper_trains_it(
     net = wrap(model, opt, blocking)
     gen = seeded(7)
     for _ in range(2):
-        step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+        step_like_one_process(net, opt, reference, ref_opt, *batch(gen))
     unfreeze(model, opt.torch_optimizer)
     unfreeze(reference, ref_opt)
     X, Y = classification_batch(gen, 4 * SIZE, (6, 3))
@@ -85,7 +90,7 @@ def test_dataparallel_refuses_an_unfrozen_parameter_and_a_new_wrapper_trains_it(
     net = wrap(model, opt, blocking)          # the advice: set DataParallel up again
     step_like_one_process(net, opt, reference, ref_opt, X, Y)
     for _ in range(2):
-        step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+        step_like_one_process(net, opt, reference, ref_opt, *batch(gen))
     net.synchronize()
     assert_params_close(model, reference, what="after unfreezing and wrapping again")
     assert_same_on_all_ranks(model)
@@ -107,7 +112,7 @@ def test_dataparallel_refuses_a_parameter_added_after_set_up(blocking):
     ref_opt = sgd(reference.parameters())
     net = wrap(model, opt, blocking)
     gen = seeded(14)
-    step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+    step_like_one_process(net, opt, reference, ref_opt, *batch(gen))
     net.synchronize()
     opt.torch_optimizer.add_param_group({"params": new_head(model)})
     ref_opt.add_param_group({"params": new_head(reference)})
@@ -116,7 +121,7 @@ def test_dataparallel_refuses_a_parameter_added_after_set_up(blocking):
         net(rank_slice(X))
     net = wrap(model, opt, blocking)
     step_like_one_process(net, opt, reference, ref_opt, X, Y)
-    step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+    step_like_one_process(net, opt, reference, ref_opt, *batch(gen))
     net.synchronize()
     assert_params_close(model, reference, what="after a new head and wrapping again")
     assert_same_on_all_ranks(model)
@@ -149,7 +154,7 @@ def test_dataparallel_freezing_later_trains_like_one_process(blocking):
         if step == 2:
             for m in (model, reference):
                 m.l1.requires_grad_(False)
-        step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+        step_like_one_process(net, opt, reference, ref_opt, *batch(gen))
     net.synchronize()
     assert_params_close(model, reference, what="after freezing l1 at step 2")
     assert_same_on_all_ranks(model)
@@ -167,7 +172,7 @@ def test_trainable_from_the_start_and_added_to_the_optimizer_later():
         if step == 2:
             opt.torch_optimizer.add_param_group({"params": list(model.l1.parameters())})
             ref_opt.add_param_group({"params": list(reference.l1.parameters())})
-        step_like_one_process(net, opt, reference, ref_opt, *classification_batch(gen, 4 * SIZE, (6, 3)))
+        step_like_one_process(net, opt, reference, ref_opt, *batch(gen))
     assert_params_close(model, reference, what="after adding l1 to the optimizer at step 2")
     assert_same_on_all_ranks(model)
 

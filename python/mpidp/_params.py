@@ -148,8 +148,8 @@ class TrainableAtSetup:
             return
         names = [n for n, p in self._outside if p.requires_grad]
         raise RuntimeError(
-            f"{self._what}: parameter(s) {name_list(names)} require grad but were not trainable parameters "
-            f"of the model when {self._what} was set up (frozen then, or added since), so their "
-            f"gradients would not be averaged and every rank would train its own copy. "
-            f"{self._rebuild}, or keep such parameters trainable from the start and add them to "
-            "the optimizer when they should train")
+            f"{self._what}: parameter(s) {name_list(names)} require grad but were not trainable "
+            f"parameters of the model when {self._what} was set up (frozen then, or added "
+            "since), so their gradients would not be averaged and every rank would train its own "
+            f"copy. {self._rebuild}, or keep such parameters trainable from the start and add "
+            "them to the optimizer when they should train")

@@ -276,7 +276,7 @@ class DataParallel(torch.nn.Module):
         # until the update is applied), else None.
         self._due = None
         self._backwards_at_step = 0   # the reducer's backward count at the last step()
-        self._holdings_sig = None     # the optimizer's groups as last found to hold bucket params only
+        self._holdings_sig = None     # the optimizer's groups when last found to hold bucket params
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
