@@ -242,6 +242,42 @@ def test_a_checkpoint_resumes_bitwise(algorithm, monkeypatch):
     assert torch.equal(flat(model), flat(straight.module))
 
 
+@pytest.mark.parametrize("algorithm", ["all", "shift_one", "low_precision"])
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
+def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_on_every_rank(algorithm, monkeypatch):
+    """A rank that went back to step 1 would average with the others' later
+    weights (or pair with another step's partner) with no error: every rank
+    raises at the next exchange instead, naming each rank's step."""
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")
+    if algorithm == "shift_one" and SIZE % 2:
+        pytest.skip("shift_one pairs an even number of workers")
+    algo = (LowPrecisionDecentralizedAlgorithm(hierarchical=False)
+            if algorithm == "low_precision" else
+            DecentralizedAlgorithm(hierarchical=False, peer_selection_mode=algorithm))
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    net = mpidp.with_bagua(model, [opt], algo)
+
+    def step(x, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+        opt.step()
+
+    data = batches(6)
+    for t, (x, y) in enumerate(data[:3]):
+        if t == 1:
+            saved = copy.deepcopy(net.bagua_state_dict())
+        step(x, y)
+    if RANK == SIZE - 1:
+        net.load_bagua_state_dict(saved)
+    name = "LowPrecisionDecentralized" if algorithm == "low_precision" else "Decentralized"
+    with pytest.raises(RuntimeError, match=rf"{name}Algorithm: the ranks reached this sync at "
+                                           rf"different steps \(rank\(s\) \[{SIZE - 1}\] at "
+                                           rf"step [12]; rank\(s\) .* at step [34]\)"):
+        for x, y in data[3:]:
+            step(x, y)
+
+
 @pytest.mark.skipif(SIZE != 3, reason="an odd number of workers")
 def test_shift_one_with_an_odd_number_of_workers_is_refused(monkeypatch):
     monkeypatch.setenv("MPIDP_RANKS_PER_NODE", "1")

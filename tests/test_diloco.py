@@ -12,6 +12,7 @@ bf16/fp16 on the wire within their rounding, a checkpoint taken with a sync
 in flight resumes bit for bit, and bad arguments."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -275,6 +276,35 @@ def test_a_checkpoint_with_a_sync_in_flight_resumes_exactly(received):
             inner_step(resumed, inner2, x, y, RANK)
     assert torch.equal(flat(resumed), flat(model))
     assert diloco2.step == diloco.step == 12
+
+
+@pytest.mark.parametrize("n_fragments,delay", [(1, 0), (2, 1)])
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
+def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_on_every_rank(n_fragments, delay):
+    """The rank that went back to step 2 would pair its syncs with the others'
+    later ones (mixing replicas of different times, or MPI_ERR_TRUNCATE where
+    fragments differ in size): every rank raises at the next sync instead,
+    naming each rank's step, and the error names DiLoCo (not DASO)."""
+    torch.manual_seed(0)
+    model = Net()
+    data = batches(12)
+    inner = inner_adam(model.parameters())
+    with mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), 4,
+                      model_fragments=fragments_of(model, n_fragments),
+                      fragment_sync_delay=delay) as diloco:
+        for t, (x, y) in enumerate(data[:5]):
+            if t == 2:
+                saved = copy.deepcopy({"inner": inner.state_dict(), "diloco": diloco.state_dict()})
+            inner_step(model, inner, x, y, RANK)
+        if RANK == SIZE - 1:
+            diloco.load_state_dict(saved["diloco"])
+            inner.load_state_dict(saved["inner"])
+        others = re.escape(str(list(range(SIZE - 1))))
+        with pytest.raises(RuntimeError, match=rf"DiLoCo: the ranks reached this sync at "
+                                               rf"different steps \(rank\(s\) \[{SIZE - 1}\] "
+                                               rf"at step \d+; rank\(s\) {others} at step"):
+            for x, y in data[5:]:
+                inner_step(model, inner, x, y, RANK)
 
 
 def test_bad_arguments_are_named():

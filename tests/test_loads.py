@@ -46,12 +46,16 @@ def train_steps(net, opt, steps, seed=6):
         opt.step()
 
 
-@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("blocking", [True, False, "plain torch optimizer"])
 def test_loading_on_rank0_then_broadcasting_trains_like_one_process(blocking):
     model_state, opt_state = trained_checkpoint()
     model = build(MLP, seed=1 + RANK)
-    dp_opt = mpidp.DataParallelOptimizer(adam(model.parameters()))
-    net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=blocking)
+    if blocking == "plain torch optimizer":      # DDP's pattern: the wrapper is not given it
+        net = mpidp.DataParallel(model)
+        dp_opt = adam(model.parameters())
+    else:
+        dp_opt = mpidp.DataParallelOptimizer(adam(model.parameters()))
+        net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=blocking)
     if RANK == 0:
         model.load_state_dict(model_state)
         dp_opt.load_state_dict(copy.deepcopy(opt_state))  # torch keeps the tensors it is given
@@ -83,6 +87,49 @@ def test_a_load_on_one_rank_alone_is_an_error_on_every_rank(what):
     with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{SIZE - 1}\] differ from rank 0.*"
                                            r"broadcast_optimizer_state"):
         train_steps(net, dp_opt, 2)
+
+
+@pytest.mark.parametrize("when", ["after a step", "before the first step"])
+@pytest.mark.skipif(SIZE == 1, reason="one rank shares everything with itself")
+def test_a_plain_torch_optimizer_loaded_on_one_rank_alone_is_an_error_on_every_rank(when):
+    """DDP's pattern: DataParallel(model) and a torch optimizer the wrapper
+    never saw. It joins the watch at its first step, which also finds a state
+    loaded on one rank before that step (Horovod's pattern without the
+    broadcast); it would otherwise make the ranks' updates differ."""
+    _, opt_state = trained_checkpoint()
+    model = build(MLP, seed=1)
+    net = mpidp.DataParallel(model)
+    opt = adam(model.parameters())
+    unrelated = adam(build(MLP, seed=2).parameters())  # steps nothing of the model's: not watched
+    if when == "after a step":
+        train_steps(net, opt, 1)
+    if RANK == SIZE - 1:
+        opt.load_state_dict(copy.deepcopy(opt_state))
+        unrelated.load_state_dict(copy.deepcopy(opt_state))
+    with pytest.raises(RuntimeError, match=rf"DataParallel: after load_state_dict.*rank\(s\) "
+                                           rf"\[{SIZE - 1}\] differ from rank 0"):
+        for _ in range(3):
+            train_steps(net, opt, 1)
+            unrelated.step()
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank shares everything with itself")
+def test_an_unrelated_optimizer_loaded_on_one_rank_is_left_alone():
+    """Only the state of the wrapped parameters must agree: a torch optimizer
+    of another (local) model may differ across ranks."""
+    _, opt_state = trained_checkpoint()
+    model = build(MLP, seed=1)
+    net = mpidp.DataParallel(model)
+    opt = adam(model.parameters())
+    local = build(MLP, seed=2 + RANK)
+    local_opt = adam(local.parameters())
+    if RANK == SIZE - 1:
+        local_opt.load_state_dict(copy.deepcopy(opt_state))
+    for _ in range(4):
+        train_steps(net, opt, 1)
+        local(torch.randn(2, 10)).sum().backward()
+        local_opt.step()
+    assert_same_on_all_ranks(model)
 
 
 @pytest.mark.skipif(SIZE == 1, reason="one rank shares everything with itself")

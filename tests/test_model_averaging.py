@@ -12,6 +12,7 @@ group size and sum two numbers, which commutes) and to float32 rounding at
 different orders)."""
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -192,6 +193,37 @@ def test_state_dict_carries_the_averager_step():
     fresh.step()
     sched.step()
     assert fresh.optim.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
+def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_on_every_rank():
+    """The rank that went back to step 2 would average its model with the
+    others' models of later steps, with no error (torch's averager does): every
+    rank raises at the next average instead, naming each rank's step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    mpidp.broadcast_parameters(model)
+    opt = mpidp.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      mpidp.PeriodicModelAverager(3))
+
+    def step():
+        opt.zero_grad()
+        model(torch.full((1, 3), float(RANK))).sum().backward()
+        opt.step()
+
+    for t in range(5):
+        if t == 2:
+            saved = copy.deepcopy({"opt": opt.state_dict(), "model": model.state_dict()})
+        step()
+    if RANK == SIZE - 1:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    others = re.escape(str(list(range(SIZE - 1))))
+    with pytest.raises(RuntimeError, match=rf"PeriodicModelAverager: the ranks reached this sync "
+                                           rf"at different steps \(rank\(s\) \[{SIZE - 1}\] "
+                                           rf"at step 3; rank\(s\) {others} at step 6\)"):
+        for _ in range(5):
+            step()
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")

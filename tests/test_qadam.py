@@ -9,6 +9,7 @@ flat, or with emulated nodes (MPIDP_RANKS_PER_NODE) node first: the node's
 float32 mean, each local rank's slice quantized across the nodes -- the
 second moment frozen. And the argument checks."""
 
+import copy
 import warnings
 
 import pytest
@@ -132,6 +133,26 @@ def test_after_the_warmup_every_step_matches_the_replica(per_node, weight_decay,
     assert (net._handle.hierarchy is not None) == (per_node > 1 and SIZE // per_node > 1)
     train(model, opt, net, data, compare)
     assert opt.param_groups[0]["qadam_step"] == 8
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
+def test_an_optimizer_state_loaded_on_one_rank_alone_is_an_error_on_every_rank():
+    """Past the warm-up, a rank that went back to step 3 would average its
+    momentum with the others' and step with its own count and second moment:
+    the models would drift apart with no error. Every rank raises instead."""
+    model = build()
+    opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+    net = wrap(model, opt)
+    data = batches(8)
+    train(model, opt, net, data[:3])
+    saved = copy.deepcopy(opt.state_dict())
+    train(model, opt, net, data[3:5])
+    if RANK == SIZE - 1:
+        opt.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match=rf"QAdamOptimizer: the ranks reached this sync at "
+                                           rf"different steps \(rank\(s\) \[{SIZE - 1}\] at "
+                                           rf"step 4; rank\(s\) .* at step 6\)"):
+        train(model, opt, net, data[5:])
 
 
 def test_bad_arguments_and_misuse_are_named():

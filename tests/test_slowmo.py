@@ -14,6 +14,7 @@ gradient θ - x̄; the memory-efficient mode holds 2 x numel / shards extra
 elements on shard owners only. Bad arguments are named."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -160,6 +161,45 @@ def test_state_round_trip_continues_exactly():
     resumed, _, _ = run(data[5:], state, resumed_model)
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
+def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_on_every_rank(memory_efficient):
+    """The rank that went back to step 2 would average with the others' later
+    replicas (and its slow step would pair with theirs) with no error: every
+    rank raises at the next average instead, naming each rank's step."""
+    torch.manual_seed(0)
+    model = Net()
+    net = mpidp.SlowMoDistributedDataParallel(model, nprocs_per_node=1, slowmo_momentum=0.5,
+                                              slowmo_lr=0.9, slowmo_frequency=4,
+                                              localsgd_frequency=2,
+                                              slowmo_memory_efficient=memory_efficient)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+        opt.step()
+        net.perform_slowmo(opt)
+
+    data = batches(10)
+    for t, (x, y) in enumerate(data[:5]):
+        if t == 2:
+            saved = copy.deepcopy({"slowmo": net.slowmo_state_dict(), "opt": opt.state_dict(),
+                                   "model": model.state_dict()})
+        step(x, y)
+    if RANK == SIZE - 1:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        net.load_slowmo_state_dict(saved["slowmo"])
+    others = re.escape(str(list(range(SIZE - 1))))
+    with pytest.raises(RuntimeError, match=rf"SlowMoDistributedDataParallel: the ranks reached "
+                                           rf"this sync at different steps \(rank\(s\) "
+                                           rf"\[{SIZE - 1}\] at step 3; rank\(s\) {others} at "
+                                           rf"step 5\)"):
+        for x, y in data[5:]:
+            step(x, y)
 
 
 def test_bad_arguments_are_named():

@@ -54,8 +54,8 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
          * forever, so end the whole job now, loudly. */
         fprintf(stderr, "mpidp: %s\nmpidp: another rank is stuck, dead, or doing something "
                         "else (ranks with different numbers of batches? wrap the training loop "
-                        "in `with net.join():`; ranks that loaded DASO checkpoints of different "
-                        "epochs?)\nmpidp: aborting the job (set "
+                        "in `with net.join():`; ranks that loaded checkpoints of different steps "
+                        "or epochs?)\nmpidp: aborting the job (set "
                         "MPIDP_ON_TIMEOUT=raise to raise mpidp.CommTimeout instead)\n",
                 PyUnicode_AsUTF8(msg));
         fflush(stderr);

@@ -9,15 +9,16 @@
 
 #include "mpidp/paramsync.h"
 
-#define WHAT "DASO global sync"
-
 typedef struct {
     PyObject_HEAD
     mpidp_py_state *st;
     PyObject *comm;
+    PyObject *what;              /* str naming the sync in messages ("DASO global sync") */
     mpidp_py_f32s_t params;      /* borrowed for the engine's lifetime */
     mpidp_paramsync_t *core;
 } paramsync_t;
+
+#define WHAT(s) PyUnicode_AsUTF8((s)->what)
 
 /* One sweep over the parameters, `call` (a core status), into `rc` (0 or
  * -1 with the exception). Large ones release the GIL. */
@@ -28,7 +29,7 @@ typedef struct {
         mpidp_error_clear();                                                    \
         int status_ = (call);                                                   \
         if (ts_) PyEval_RestoreThread(ts_);                                     \
-        (rc) = mpidp_py_check((s)->st, status_, WHAT);                          \
+        (rc) = mpidp_py_check((s)->st, status_, WHAT(s));                       \
     } while (0)
 
 /* Completes the sync in flight (GIL released while waiting). */
@@ -37,17 +38,17 @@ static int wait_sync(paramsync_t *s)
     int rc;
     mpidp_error_clear();
     MPIDP_PY_WAIT(s->st, rc, mpidp_paramsync_wait(s->core, mpidp_py_timeout_s));
-    return mpidp_py_check(s->st, rc, WHAT);
+    return mpidp_py_check(s->st, rc, WHAT(s));
 }
 
 static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"comm", "params", "wire_dtype", "chunk_elems", NULL};
-    PyObject *comm, *params;
+    static char *kwlist[] = {"comm", "params", "wire_dtype", "chunk_elems", "what", NULL};
+    PyObject *comm, *params, *what = NULL;
     int wire;
     Py_ssize_t chunk;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!in:ParamSync", kwlist, &comm, &PyTuple_Type,
-                                     &params, &wire, &chunk))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!in|$U:ParamSync", kwlist, &comm,
+                                     &PyTuple_Type, &params, &wire, &chunk, &what))
         return NULL;
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
@@ -57,12 +58,14 @@ static PyObject *paramsync_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     if (s == NULL) return NULL;
     s->st = st;
     s->comm = Py_NewRef(comm);
-    int ok = mpidp_py_f32s_borrow(st, params, "params", &s->params) == 0;
+    s->what = what ? Py_NewRef(what) : PyUnicode_FromString("parameter sync");
+    int ok = s->what && PyUnicode_AsUTF8(s->what) &&
+             mpidp_py_f32s_borrow(st, params, "params", &s->params) == 0;
     if (ok) {
         mpidp_paramsync_config_t cfg = {
             .comm = c->comm, .reqs = st->reqs, .n_params = s->params.n,
             .params = s->params.data, .numel = s->params.numel, .wire = wire,
-            .chunk_elems = (size_t)chunk, .drain_timeout_s = mpidp_py_timeout_s, .what = WHAT};
+            .chunk_elems = (size_t)chunk, .drain_timeout_s = mpidp_py_timeout_s, .what = WHAT(s)};
         ok = MPIDP_PY_CALL(st, "paramsync", mpidp_paramsync_create(&cfg, &s->core)) == 0;
     }
     if (!ok) Py_CLEAR(s);
@@ -90,7 +93,7 @@ static PyObject *paramsync_restore(paramsync_t *s, PyObject *unused)
 static PyObject *paramsync_send(paramsync_t *s, PyObject *args)
 {
     int zero = 0, rc;
-    if (!PyArg_ParseTuple(args, "|p:send", &zero) || mpidp_py_check_not_forked(WHAT) < 0)
+    if (!PyArg_ParseTuple(args, "|p:send", &zero) || mpidp_py_check_not_forked(WHAT(s)) < 0)
         return NULL;
     PASS(s, rc, mpidp_paramsync_send(s->core, zero));
     if (rc < 0) return NULL;
@@ -101,7 +104,7 @@ static PyObject *paramsync_test(paramsync_t *s, PyObject *unused)
 {
     (void)unused;
     int done = 0;
-    if (MPIDP_PY_CALL(s->st, WHAT, mpidp_paramsync_test(s->core, &done)) < 0) return NULL;
+    if (MPIDP_PY_CALL(s->st, WHAT(s), mpidp_paramsync_test(s->core, &done)) < 0) return NULL;
     return PyBool_FromLong(done);
 }
 
@@ -130,7 +133,7 @@ static PyObject *paramsync_merge_average(paramsync_t *s, PyObject *args)
     float a, b, c;
     int rc = -1;
     if (!PyArg_ParseTuple(args, "iL:merge_average", &n, &btw) ||
-        MPIDP_PY_CALL(s->st, WHAT, mpidp_paramsync_merge_weights(n, btw, &a, &b, &c)) < 0)
+        MPIDP_PY_CALL(s->st, WHAT(s), mpidp_paramsync_merge_weights(n, btw, &a, &b, &c)) < 0)
         return NULL;
     if (wait_sync(s) == 0) PASS(s, rc, mpidp_paramsync_merge(s->core, a, b, c));
     return mpidp_py_none_or_null(rc);
@@ -171,6 +174,7 @@ static void paramsync_dealloc(paramsync_t *s)
     mpidp_paramsync_close(s->core, mpidp_py_timeout_s);
     mpidp_py_f32s_release(&s->params);
     Py_CLEAR(s->comm);
+    Py_CLEAR(s->what);
     tp->tp_free((PyObject *)s);
     Py_DECREF(tp);
 }

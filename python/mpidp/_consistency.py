@@ -13,6 +13,13 @@ check_in_sync(): with MPIDP_CHECK=1, every MPIDP_CHECK_EVERY steps (default
 checksums, and drift raises an error that says which parameters differ on
 which ranks.
 
+check_same_step(): at each sync of an algorithm whose communication follows a
+step counter (LocalSGD's averagers, SlowMo, DiLoCo), the ranks compare their
+counters first. A counter that differs (a checkpoint loaded on some ranks
+only, an optimizer step taken on some ranks only) would make the ranks'
+syncs pair different steps: the averages would mix models of different
+times with no error, and the job would hang only at its end.
+
 Both first agree through mpidp's own deadline-bounded collectives (a missing
 rank cannot hang them); only once every rank knows about a mismatch are the
 details exchanged."""
@@ -119,3 +126,29 @@ def check_in_sync(c_comm, named_params, who: str, when: str) -> None:
     listed = ", ".join(repr(n) for n in drifted[:5]) + (" ..." if len(drifted) > 5 else "")
     raise RuntimeError(f"{who}: parameters drifted apart across ranks {when}: {listed} differ "
                        f"from rank 0's on rank(s) {bad} (MPIDP_CHECK)")
+
+
+def check_same_step(c_comm, step: int, who: str) -> None:
+    """Every rank of `c_comm` is at `step` of `who`'s schedule, or every rank
+    raises the same RuntimeError naming each rank's step. One allreduce of two
+    numbers (the largest step and the negated smallest); only when they differ
+    are the steps gathered for the message."""
+    if c_comm.size == 1:
+        return
+    bounds = torch.tensor([float(step), -float(step)], dtype=torch.float64)
+    c_comm.allreduce(bounds, _C.OP_MAX, _C.NO_WIRE, False)
+    if bounds[0] == -bounds[1]:
+        return
+    steps = torch.zeros(c_comm.size, dtype=torch.float64)
+    steps[c_comm.rank] = float(step)
+    c_comm.allreduce(steps, _C.OP_SUM, _C.NO_WIRE, False)
+    at: dict[int, list[int]] = {}
+    for r, s in enumerate(steps.tolist()):
+        at.setdefault(int(s), []).append(r)
+    listed = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
+    raise RuntimeError(
+        f"{who}: the ranks reached this sync at different steps ({listed}), so their syncs "
+        "would pair different steps and mix models of different times. Were checkpoints "
+        "loaded on some ranks only, or steps taken on some ranks only (a GradScaler skips the "
+        "step of a rank whose gradients overflowed)? Load the same step's checkpoint on every "
+        "rank (each its own state_dict()), and step on every rank")

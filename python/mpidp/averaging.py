@@ -22,7 +22,7 @@ import torch
 
 from . import _C
 from ._args import check_int
-from ._consistency import check_same_structure
+from ._consistency import check_same_step, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
@@ -113,7 +113,9 @@ class ModelAverager:
         if this step is due, then count the step."""
         due = _C.avgsched_actions(self.step, **self._schedule())
         if due.average:
-            average_parameters(params, self._group(due.level))
+            group = self._group(due.level)
+            check_same_step(group, self.step, type(self).__name__)
+            average_parameters(params, group)
         self.step += 1
 
 

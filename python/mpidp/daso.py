@@ -260,7 +260,8 @@ class DASO:
         if self._sync is not None and self._sync.pending:
             self._sync.wait()
         wire = CODE_OF[torch.float16 if self.downcast_type == torch.half else self.downcast_type]
-        self._sync = (_C.ParamSync(self._group, self._params, wire, self.sending_chunk_size)
+        self._sync = (_C.ParamSync(self._group, self._params, wire, self.sending_chunk_size,
+                                   what="DASO global sync")
                       if self._group is not None else None)
         numel = sum(p.numel() for p in params)
         self._flat = torch.empty(numel, dtype=torch.float32) if self.loc_size > 1 else None

@@ -268,8 +268,10 @@ class DataParallel(torch.nn.Module):
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
         # Loads on one rank only are found at the next training forwards (_loads.py).
         self._loads = LoadWatch(c_comm, "DataParallel")
-        self._hook_handles += self._loads.hooks(list(module.modules()),
-                                                [opt.torch_optimizer for opt in optimizers])
+        torch_optimizers = [opt.torch_optimizer for opt in optimizers]
+        self._hook_handles += self._loads.hooks(list(module.modules()), torch_optimizers)
+        # ... and those of plain torch optimizers stepped directly (DDP's pattern).
+        self._hook_handles.append(self._loads.follow_optimizers(self._params, torch_optimizers))
         self._joining = False    # inside join(): every training forward takes part in a ballot
         self._join_steps = 0     # training steps this rank took inside join()
         # Non-blocking: the DataParallelOptimizer whose step() is pending (held
@@ -413,13 +415,14 @@ class DataParallel(torch.nn.Module):
 
     def _shared_state(self) -> list:
         """What every rank must hold alike: parameters, buffers (when broadcast)
-        and the optimizers' states."""
+        and the optimizers' states (also of plain torch optimizers stepped
+        directly, for the wrapped parameters)."""
         tensors = list(self.module.parameters())
         if self.broadcast_buffers:
             tensors += list(self.module.buffers())
         for opt in self._dp_optimizers:
             tensors += optimizer_fingerprint(opt.torch_optimizer)
-        return tensors
+        return tensors + self._loads.followed_state()
 
     @property
     def _dp_optimizers(self) -> List[DataParallelOptimizer]:

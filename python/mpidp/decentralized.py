@@ -40,7 +40,7 @@ import torch
 from . import _C, kernels
 from ._algorithm import Algorithm
 from ._args import check_bool, check_choice, check_int
-from ._consistency import _ranks_named, check_every, check_in_sync
+from ._consistency import _ranks_named, check_every, check_in_sync, check_same_step
 from ._mpi import resolve_comm
 from .collectives import allgather, allreduce, reduce_scatter
 from .topology import cross_node_comm, node_comm, topology
@@ -128,6 +128,7 @@ class _DecentralizedHandle:
         self.step += 1
 
     def _start(self) -> None:
+        check_same_step(self.workers.world, self.step, "DecentralizedAlgorithm")
         sent = self.workers.local_part(_flat(self.params))
         if self.mode == "all":
             work = allreduce(sent, op="avg", comm=self.workers.comm, async_op=True)
@@ -220,6 +221,7 @@ class _LowPrecisionHandle:
             self._exchange()
 
     def _exchange(self) -> None:
+        check_same_step(self.workers.world, self.step, "LowPrecisionDecentralizedAlgorithm")
         left, own, right = self.replicas
         x = self.workers.local_part(_flat(self.params))
         d = x - own + (left + own + right) / 3 - own

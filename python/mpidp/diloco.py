@@ -25,7 +25,7 @@ import torch
 from . import _C
 from ._args import check_bool, check_int, check_real
 from ._dtypes import wire_code
-from ._consistency import check_same_structure
+from ._consistency import check_same_step, check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
 from ._params import TrainableAtSetup, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
@@ -129,7 +129,8 @@ class DiLoCo:
         self.step = 0  # inner steps taken under this DiLoCo
         broadcast_tensors([p.data for p in params], self._comm)
         self._syncs = [_C.ParamSync(self._comm, tuple(p.data for p in frag),
-                                    _C.DTYPE_F32 if wire == _C.NO_WIRE else wire, _CHUNK)
+                                    _C.DTYPE_F32 if wire == _C.NO_WIRE else wire, _CHUNK,
+                                    what="DiLoCo outer-gradient sync")
                        for frag in self._fragments]
         for sync in self._syncs:
             sync.set_reference()
@@ -201,6 +202,8 @@ class DiLoCo:
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self._trainable_at_setup.check()
         due = _C.avgsched_actions(self.step, **self._schedule)
+        if due.send_fragment >= 0 or due.apply_fragment >= 0:
+            check_same_step(self._comm, self.step, "DiLoCo")
         if due.send_fragment >= 0:
             self._syncs[due.send_fragment].send()
             self._sent.add(due.send_fragment)

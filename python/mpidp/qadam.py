@@ -29,6 +29,8 @@ import torch
 
 from ._algorithm import Algorithm
 from ._args import check_bool, check_int, check_real
+from ._consistency import check_same_step
+from ._mpi import resolve_comm
 from .collectives import allgather, allreduce, reduce_scatter
 from .data_parallel import DataParallel
 from .topology import cross_node_comm, node_comm, topology
@@ -81,6 +83,7 @@ class QAdamOptimizer(torch.optim.Adam):
             if t == self.warmup_steps and self._handle is not None:
                 self._handle.end_warmup()    # from now on the gradients stay local
         else:
+            self._handle.check_step(t)
             self._compressed_step()
         return loss
 
@@ -115,6 +118,7 @@ class QAdamOptimizer(torch.optim.Adam):
 class _QAdamHandle:
     def __init__(self, module, optimizer: QAdamOptimizer, comm, hierarchical: bool):
         self.module, self.opt, self.comm = module, optimizer, comm
+        self._c_comm = resolve_comm(comm)
         self.hierarchy = None        # (node, cross-node) communicators of the momentum's average
         if hierarchical:
             topo = topology(comm)
@@ -129,6 +133,13 @@ class _QAdamHandle:
             warnings.warn("QAdamAlgorithm: hierarchical=True cannot help with one rank per node "
                           "or a single node; averaging the momentum flat", stacklevel=4)
         optimizer._handle = self
+
+    def check_step(self, t: int) -> None:
+        """Every rank takes its t-th step: a rank that loaded another step's
+        optimizer state alone would average its momentum with the others' and
+        apply it with its own step count and second moment, and the models
+        would drift apart with no error."""
+        check_same_step(self._c_comm, t, "QAdamOptimizer")
 
     def average_momentum(self, flat: torch.Tensor) -> torch.Tensor:
         """The ranks' mean of `flat` (every rank's momenta, concatenated),
