@@ -195,6 +195,50 @@ def test_state_dict_carries_the_averager_step():
     assert fresh.optim.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_grad_scaler_skipping_one_ranks_step_keeps_its_averager_in_step(unscale_first):
+    """GradScaler leaves out optimizer.step() on a rank whose gradients
+    overflowed: torch's PostLocalSGDOptimizer then falls a step behind and
+    averages out of turn. Here the last rank skips its own update at step 2
+    (an inf in its gradients) and still averages when due; every rank
+    matches a one-process simulation of the replicas after every step, with
+    the gradients unscaled by GradScaler (unscale_first) or by the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    mpidp.broadcast_parameters(model)
+    replicas = [copy.deepcopy(model) for _ in range(SIZE)]
+    sims = [torch.optim.SGD(r.parameters(), lr=0.1, momentum=0.9) for r in replicas]
+    opt = mpidp.PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      mpidp.PeriodicModelAverager(2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    g = seeded(3)
+    for t in range(6):
+        x = torch.randn(SIZE, 3, generator=g)
+        overflow = (t == 2)               # on the last rank only
+        for r, (rep, sim) in enumerate(zip(replicas, sims)):
+            sim.zero_grad()
+            rep(x[r:r + 1]).pow(2).sum().backward()
+            if not (overflow and r == SIZE - 1):
+                sim.step()
+        if t % 2 == 0:                     # PeriodicModelAverager(2): steps 0, 2, 4
+            mean = torch.stack([torch.nn.utils.parameters_to_vector(r.parameters())
+                                for r in replicas]).mean(0)
+            for rep in replicas:
+                torch.nn.utils.vector_to_parameters(mean.clone(), rep.parameters())
+        opt.zero_grad()
+        scaler.scale(model(x[RANK:RANK + 1]).pow(2).sum()).backward()
+        if overflow and RANK == SIZE - 1:
+            model.weight.grad[0, 0] = float("inf")
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        want = torch.nn.utils.parameters_to_vector(replicas[RANK].parameters())
+        torch.testing.assert_close(torch.nn.utils.parameters_to_vector(model.parameters()), want,
+                                   msg=lambda m: f"step {t}: {m}")
+        assert opt.averager.step == t + 1
+
+
 @pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
 def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_on_every_rank():
     """The rank that went back to step 2 would average its model with the

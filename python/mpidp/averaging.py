@@ -255,10 +255,35 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
                           "counter; starting it at 0", UserWarning, stacklevel=2)
             self.averager.step = 0
 
+    # GradScaler then calls step() every iteration, setting `found_inf` and
+    # `grad_scale`, instead of leaving it out on a rank whose gradients
+    # overflowed: that rank skips its own update here, but its averager still
+    # counts the step and averages with the others when due (torch's
+    # PostLocalSGDOptimizer leaves it a step behind, averaging out of turn).
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
-        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            loss = None                      # GradScaler: this rank's gradients overflowed
+        else:
+            self._unscale(getattr(self, "grad_scale", None))
+            loss = self.optim.step(closure) if closure is not None else self.optim.step()
         self.averager.average_parameters(params=self.param_groups)
         return loss
+
+    def _unscale(self, grad_scale) -> None:
+        """Divides the gradients by GradScaler's scale (None: not scaled, or
+        unscaled already by scaler.unscale_), as GradScaler would: times the
+        float32 reciprocal computed in float64."""
+        if grad_scale is None:
+            return
+        inv = grad_scale.double().reciprocal().float()
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(p.grad.device))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
