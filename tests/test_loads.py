@@ -1,7 +1,9 @@
 """Checkpoints loaded on one rank: Horovod's broadcasts make the others follow
 (mpidp.broadcast_parameters / broadcast_optimizer_state), and a load that the
 ranks do not share is an error at the next training forwards instead of ranks
-quietly training different models. At 1-4 ranks, against references."""
+quietly training different models. Optimizer settings that differ across
+ranks (an LR scheduler stepped on one rank, ReduceLROnPlateau fed each rank's
+own loss) are an error too. At 1-4 ranks, against references."""
 
 import copy
 
@@ -10,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import mpidp
-from dp_reference import (RANK, SIZE, assert_same_on_all_ranks, build, classification_batch,
-                          cross_entropy, on_device, rank_slice, seeded, train_like_one_process)
+from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
+                          classification_batch, cross_entropy, on_device, rank_slice, seeded,
+                          train_like_one_process)
 from mpidp import MPI
 from test_data_parallel import MLP
 
@@ -129,6 +132,78 @@ def test_an_unrelated_optimizer_loaded_on_one_rank_is_left_alone():
         train_steps(net, opt, 1)
         local(torch.randn(2, 10)).sum().backward()
         local_opt.step()
+    assert_same_on_all_ranks(model)
+
+
+def step_with_habit(net, opt, habit, t, g):
+    """One step on this rank's slice, then the habit's scheduler or setting."""
+    X, Y = classification_batch(g, 4 * SIZE)
+    opt.zero_grad()
+    loss = F.cross_entropy(net(rank_slice(X)), rank_slice(Y))
+    loss.backward()
+    opt.step()
+    groups = opt.param_groups
+    if habit == "scheduler stepped on rank 0 only" and RANK == 0:
+        opt.scheduler.step()
+    elif habit == "ReduceLROnPlateau on each rank's own loss":
+        opt.scheduler.step(loss.item() + (t if RANK == 0 else 0.0))   # rank 0's plateaus
+    elif habit == "ReduceLROnPlateau on the ranks' mean loss":
+        opt.scheduler.step(mpidp.allreduce_scalar(loss.item()) + t)    # every rank's plateaus
+    elif habit == "lr set by hand on the last rank" and t == 1 and RANK == SIZE - 1:
+        groups[0]["lr"] *= 0.5
+
+
+@pytest.mark.parametrize("habit", ["scheduler stepped on rank 0 only",
+                                   "ReduceLROnPlateau on each rank's own loss",
+                                   "lr set by hand on the last rank"])
+@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.skipif(SIZE == 1, reason="one rank shares everything with itself")
+def test_optimizer_settings_that_differ_across_ranks_are_an_error_on_every_rank(habit, given):
+    """The same averaged gradients would update the ranks' models differently
+    (torch DDP lets them drift apart); every rank raises within two steps,
+    naming the setting and the ranks, whether DataParallel was given the
+    optimizer or the user steps a plain torch optimizer beside it."""
+    model = build(MLP, seed=1)
+    if given:
+        opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=True)
+        torch_opt = opt.torch_optimizer
+    else:
+        net = mpidp.DataParallel(model)
+        opt = torch_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.scheduler = (torch.optim.lr_scheduler.ReduceLROnPlateau(torch_opt, patience=0)
+                     if "Plateau" in habit else torch.optim.lr_scheduler.StepLR(torch_opt, 1))
+    g = seeded(6)
+    with pytest.raises(RuntimeError, match=r"DataParallel: the optimizers' settings differ "
+                                           r"across ranks: rank\(s\) \[.*\] do not match rank 0 "
+                                           r"\(rank \d+: entry \d+ is 'optimizer 0, param group 0: "
+                                           r"lr = .*ReduceLROnPlateau"):
+        for t in range(6):
+            step_with_habit(net, opt, habit, t, g)
+            assert t < 4, "not found within two steps of the difference"
+
+
+def test_reduce_lr_on_plateau_on_the_ranks_mean_loss_trains_like_one_process():
+    """The fix the error gives: the scheduler sees the same metric on every
+    rank, the lr drops alike, and the model is the one-process reference's."""
+    model = build(MLP, seed=1)
+    net = mpidp.DataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+    reference = build(MLP, seed=1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_sched = torch.optim.lr_scheduler.ReduceLROnPlateau(ref_opt, patience=0)
+    g, ref_g = seeded(6), seeded(6)
+    for t in range(4):
+        step_with_habit(net, opt, "ReduceLROnPlateau on the ranks' mean loss", t, g)
+        X, Y = classification_batch(ref_g, 4 * SIZE)
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(reference(X), Y)
+        loss.backward()
+        ref_opt.step()
+        ref_sched.step(loss.item() + t)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] < 0.1
+    assert_params_close(model, reference, what="after 4 steps with the plateau schedule")
     assert_same_on_all_ranks(model)
 
 

@@ -58,19 +58,18 @@ def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
     return _ranks_named(c_comm, [c_comm.rank] if flagged else [])
 
 
-def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:
-    """module None: the settings only (a model averager has no model)."""
-    if c_comm.size == 1:
-        return
-    described = [f"setting {k} = {v}" for k, v in (settings or {}).items()]
-    described += _describe(module) if module is not None else []
+def first_difference(c_comm, mpi_comm, described: list[str]):
+    """None when every rank's `described` (lines) equals rank 0's; else
+    (the ranks that differ, the first difference of the first of them), the
+    same on every rank. A digest is compared first; the lines travel only
+    when some rank differs."""
     digest = hashlib.sha256("\n".join(described).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.float64).clone()
     root = mine.clone()
     c_comm.bcast(root, 0)
     bad = _ranks_flagged(c_comm, not torch.equal(mine.view(torch.uint8), root.view(torch.uint8)))
     if not bad:
-        return
+        return None
     # Every rank knows now, so every rank takes part in the details.
     reference = mpi_comm.bcast(described if c_comm.rank == 0 else None, root=0)
     first = None
@@ -81,12 +80,25 @@ def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | No
             first = f"entry {i} is {ours!r} there, {theirs!r} on rank 0"
             break
     if first is None:
-        first = f"{len(described)} parameters there, {len(reference)} on rank 0"
+        first = f"{len(described)} entries there, {len(reference)} on rank 0"
     details = mpi_comm.allgather(first if c_comm.rank in bad else None)
-    what = "settings" if "'setting " in details[bad[0]] else "models"
+    return bad, f"rank {bad[0]}: {details[bad[0]]}"
+
+
+def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:
+    """module None: the settings only (a model averager has no model)."""
+    if c_comm.size == 1:
+        return
+    described = [f"setting {k} = {v}" for k, v in (settings or {}).items()]
+    described += _describe(module) if module is not None else []
+    found = first_difference(c_comm, mpi_comm, described)
+    if found is None:
+        return
+    bad, detail = found
+    what = "settings" if "'setting " in detail else "models"
     advice = "; every rank must pass the same" if what == "settings" else ""
     raise ValueError(f"{who}: the ranks' {what} differ: rank(s) {bad} do not match rank 0 "
-                     f"(rank {bad[0]}: {details[bad[0]]}){advice}")
+                     f"({detail}){advice}")
 
 
 def check_every() -> int:

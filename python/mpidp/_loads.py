@@ -1,60 +1,48 @@
-"""Loaded state that the ranks do not share.
+"""Optimizer settings and loaded state that the ranks do not share.
 
-A checkpoint loaded on one rank only (Horovod's habit, without its broadcast)
-leaves that rank's parameters or optimizer state different from the others',
-and data-parallel training then quietly trains different models. DataParallel
-counts load_state_dict calls on its module (any submodule) and optimizers, on
-each rank; every training forward adds the counts over the ranks (a one-value
-allreduce, posted at one forward and read at the next, so it costs no extra
-synchronisation; the first one is waited for at once). When the total moved,
-some rank loaded something: the ranks compare fingerprints of what must be
-shared and raise the same error on every rank, naming the ranks that differ
-from rank 0 and the fix.
+Under averaged gradients the ranks' models stay equal only while their
+optimizers hold the same settings and state. Two habits break that with no
+error under torch DDP:
+
+- A checkpoint loaded on one rank only (Horovod's habit, without its
+  broadcast) leaves that rank's parameters or optimizer state different.
+  load_state_dict calls on the wrapped module (any submodule) and the
+  optimizers are counted on each rank; every training forward adds the counts
+  over the ranks (a small allreduce, posted at one forward and read at the
+  next, so it costs no extra synchronisation; the first one is waited for at
+  once). When the total moved, some rank loaded something: the ranks compare
+  fingerprints of what must be shared and raise the same error on every rank,
+  naming the ranks that differ from rank 0 and the fix.
+- Optimizer settings that differ: an LR scheduler stepped on some ranks only,
+  ReduceLROnPlateau given each rank's own validation loss, an lr scaled by
+  the rank. The same allreduce carries a 20-bit hash h of the numbers in the
+  optimizers' param groups, as h and h squared: the ranks' hashes are all
+  equal exactly when n * sum(h^2) == sum(h)^2, which every rank reads alike;
+  only then are the settings exchanged to name the first difference.
 
 Optimizers the wrapper was not given (torch DDP's pattern: DataParallel(model)
 and a plain torch optimizer stepped directly) join the watch at their first
-step that updates a wrapped parameter (torch's global step pre-hook): from
-then on their loads count and their state (for the wrapped parameters) is
-compared too. Joining counts as a load, so an optimizer state loaded on one
-rank before the first step (Horovod's pattern without its broadcast) is found
-as well."""
+step that updates a wrapped parameter (torch's global step pre-hook). Joining
+counts as a load, so an optimizer state loaded on one rank before the first
+step is found as well. Only the state and settings of the param groups that
+hold wrapped parameters are compared: an optimizer of a local model may
+differ."""
 
 from __future__ import annotations
 
 import functools
+import struct
 import weakref
-from typing import Callable, List, Optional, Set
+import zlib
+from typing import Callable, List, Set
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
-from ._consistency import ranks_differing
+from ._consistency import first_difference, ranks_differing
 
-__all__ = ["LoadWatch", "optimizer_fingerprint"]
-
-
-def optimizer_fingerprint(opt: torch.optim.Optimizer,
-                          only: Optional[Set[int]] = None) -> List[torch.Tensor]:
-    """What a torch optimizer's state holds, as tensors: each parameter's state
-    tensors in parameter order, and one tensor of its numbers (hyperparameters,
-    step counts kept as numbers). `only`: ids of the parameters that count
-    (the groups holding none of them are left out)."""
-    tensors, numbers = [], []
-    for group in opt.param_groups:
-        if only is not None and not any(id(p) in only for p in group["params"]):
-            continue
-        numbers += [float(v) for k, v in sorted(group.items())
-                    if k != "params" and isinstance(v, (bool, int, float))]
-        for p in group["params"]:
-            if only is not None and id(p) not in only:
-                continue
-            for k, v in sorted(opt.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    tensors.append(v)
-                elif isinstance(v, (bool, int, float)):
-                    numbers.append(float(v))
-    return tensors + [torch.tensor(numbers or [0.0], dtype=torch.float64)]
+__all__ = ["LoadWatch"]
 
 
 def _count_load(watch_ref, *_args) -> None:
@@ -63,7 +51,7 @@ def _count_load(watch_ref, *_args) -> None:
         watch._count += 1
 
 
-# The watches that look for optimizers they were not given (follow_optimizers).
+# The watches that look for optimizers they were not given.
 _FOLLOWING: "weakref.WeakSet[LoadWatch]" = weakref.WeakSet()
 
 
@@ -75,68 +63,100 @@ def _saw_optimizer_step(optimizer, _args, _kwargs) -> None:
 register_optimizer_step_pre_hook(_saw_optimizer_step)
 
 
+def _numbers(mapping) -> list:
+    """The (key, number) items of a param group or a parameter's state."""
+    return [(k, float(v)) for k, v in sorted(mapping.items())
+            if k != "params" and isinstance(v, (bool, int, float))]
+
+
 class LoadWatch:
-    def __init__(self, comm: "_C.Comm", who: str):
+    def __init__(self, comm: "_C.Comm", mpi_comm, who: str, params):
         self._comm = comm
+        self._mpi_comm = mpi_comm
         self._who = who
-        self._count = 0          # load_state_dict calls seen on this rank
+        self._params: Set[int] = {id(p) for p in params}  # the wrapped parameters
+        self._count = 0          # loads (and optimizers joining) seen on this rank
         self._total = 0.0        # the sum over the ranks at the last comparison
         self._work = None
         self._buf = None
-        self._params: Set[int] = set()   # ids of the parameters whose optimizers join
-        # Optimizers stepped by the user that update those parameters, each
-        # with its load hook's handle; and those seen that update none.
-        self._followed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # The optimizers watched, in the order they joined (the same on every
+        # rank), each with the handle of its load hook; and those seen that
+        # update no wrapped parameter.
+        self._optimizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._unrelated: "weakref.WeakSet" = weakref.WeakSet()
+        self._hash_mask = (1 << max(8, min(20, (52 - comm.size.bit_length()) // 2))) - 1
 
-    def hooks(self, modules, optimizers) -> list:
+    def install(self, modules, optimizers) -> list:
         """Counts load_state_dict on every module (a submodule's own
-        load_state_dict counts too) and optimizer; returns the handles. The
-        hooks hold the watch weakly, so that models stay deep-copyable."""
-        hook = self._load_hook()
-        return ([m.register_load_state_dict_post_hook(hook) for m in modules] +
-                [o.register_load_state_dict_post_hook(hook) for o in optimizers])
+        load_state_dict counts too) and on `optimizers`, and from now on on
+        the optimizers that join; returns the handles. The hooks hold the
+        watch weakly, so that models stay deep-copyable."""
+        handles = [m.register_load_state_dict_post_hook(self._load_hook()) for m in modules]
+        for opt in optimizers:
+            self._join(opt)
+        _FOLLOWING.add(self)
+        return handles + [_Watching(self)]
 
     def _load_hook(self):
         return functools.partial(_count_load, weakref.ref(self))
 
-    def follow_optimizers(self, params, known) -> "_Following":
-        """From now on, an optimizer outside `known` whose step updates one of
-        `params` joins the watch (see the module's docstring). Returns the
-        handle that ends this (remove())."""
-        self._params = {id(p) for p in params}
-        self._unrelated.update(known)
-        _FOLLOWING.add(self)
-        return _Following(self)
-
-    def _saw(self, optimizer) -> None:
-        if optimizer in self._followed or optimizer in self._unrelated:
-            return
-        if not any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
-            self._unrelated.add(optimizer)
-            return
-        self._followed[optimizer] = optimizer.register_load_state_dict_post_hook(self._load_hook())
+    def _join(self, optimizer) -> None:
+        self._optimizers[optimizer] = optimizer.register_load_state_dict_post_hook(
+            self._load_hook())
         self._count += 1     # its state joins the comparison: compare once now
 
-    def followed_state(self) -> list:
-        """The fingerprints of the joined optimizers' state for the watched parameters."""
-        return [t for opt in list(self._followed.keys())
-                for t in optimizer_fingerprint(opt, self._params)]
+    def _saw(self, optimizer) -> None:
+        if optimizer in self._optimizers or optimizer in self._unrelated:
+            return
+        if any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
+            self._join(optimizer)
+        else:
+            self._unrelated.add(optimizer)
 
-    def check(self, fingerprint: Callable[[], list], fix: str) -> None:
-        """At a point every rank reaches (a training forward)."""
+    def _groups(self):
+        """(optimizer index, group index, optimizer, group) of the param
+        groups that hold wrapped parameters."""
+        for i, opt in enumerate(list(self._optimizers.keys())):
+            for j, group in enumerate(opt.param_groups):
+                if any(id(p) in self._params for p in group["params"]):
+                    yield i, j, opt, group
+
+    def optimizer_state(self) -> List[torch.Tensor]:
+        """The watched optimizers' state for the wrapped parameters, as
+        tensors: each parameter's state tensors in order, and one tensor of
+        the numbers (settings, step counts kept as numbers)."""
+        tensors, numbers = [], []
+        for _, _, opt, group in self._groups():
+            numbers += [v for _, v in _numbers(group)]
+            for p in group["params"]:
+                if id(p) in self._params:
+                    state = opt.state.get(p, {})
+                    tensors += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+                    numbers += [v for _, v in _numbers(state)]
+        return tensors + [torch.tensor(numbers or [0.0], dtype=torch.float64)]
+
+    def _settings(self) -> list:
+        return [(f"optimizer {i}, param group {j}: {k}", v)
+                for i, j, _, group in self._groups() for k, v in _numbers(group)]
+
+    def check(self, shared: Callable[[], list], fix: str) -> None:
+        """At a point every rank reaches (a training forward). `shared`: the
+        wrapper's own tensors that every rank must hold alike."""
         if self._comm.size == 1:
             return
         if self._work is None:           # the first time: compare right away
             self._post()
         self._work.wait()
-        total = float(self._buf.item())
+        total, s1, s2 = (int(v) for v in self._buf.tolist())
+        if self._comm.size * s2 != s1 * s1:
+            self._refuse_different_settings()
         self._post()
         if total == self._total:
             return
         self._total = total
-        differ = ranks_differing(self._comm, fingerprint())
+        differ = ranks_differing(self._comm, shared() + self.optimizer_state())
         if differ:
+            self._refuse_different_settings()   # the likelier cause, named
             raise RuntimeError(
                 f"{self._who}: after load_state_dict the ranks hold different state: rank(s) "
                 f"{differ} differ from rank 0, so they would train different models. Load the "
@@ -144,13 +164,30 @@ class LoadWatch:
                 "(Horovod's pattern)")
 
     def _post(self) -> None:
-        self._buf = torch.tensor([float(self._count)], dtype=torch.float64)
+        values = [v for _, v in self._settings()]
+        h = zlib.crc32(struct.pack(f"{len(values)}d", *values)) & self._hash_mask
+        self._buf = torch.tensor([float(self._count), float(h), float(h * h)], dtype=torch.float64)
         self._work = self._comm.allreduce(self._buf, _C.OP_SUM, _C.NO_WIRE, True)
 
+    def _refuse_different_settings(self) -> None:
+        """Raises on every rank, naming the first difference, when the ranks'
+        optimizer settings differ (collective)."""
+        described = [f"{name} = {value!r}" for name, value in self._settings()]
+        found = first_difference(self._comm, self._mpi_comm, described)
+        if found is None:
+            return
+        bad, detail = found
+        raise RuntimeError(
+            f"{self._who}: the optimizers' settings differ across ranks: rank(s) {bad} do not "
+            f"match rank 0 ({detail}), so the same averaged gradients would update their models "
+            "differently. Step LR schedulers on every rank (ReduceLROnPlateau: give it a metric "
+            "averaged over the ranks, e.g. mpidp.allreduce_scalar(val_loss)) and set the same "
+            "hyperparameters on every rank")
 
-class _Following:
-    """The handle of LoadWatch.follow_optimizers: remove() stops joining
-    optimizers and takes the joined ones' load hooks off."""
+
+class _Watching:
+    """The handle of LoadWatch.install: remove() stops joining optimizers and
+    takes the optimizers' load hooks off."""
 
     def __init__(self, watch: LoadWatch):
         self._watch = weakref.ref(watch)
@@ -160,6 +197,6 @@ class _Following:
         if watch is None:
             return
         _FOLLOWING.discard(watch)
-        for handle in list(watch._followed.values()):
+        for handle in list(watch._optimizers.values()):
             handle.remove()
-        watch._followed.clear()
+        watch._optimizers.clear()

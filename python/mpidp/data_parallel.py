@@ -18,7 +18,7 @@ from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import (TrainableAtSetup, broadcast_state, broadcast_tensors, check_module,
                       name_list, remove_handles)
-from ._loads import LoadWatch, optimizer_fingerprint
+from ._loads import LoadWatch
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
@@ -266,12 +266,12 @@ class DataParallel(torch.nn.Module):
         self._check_every = check_every()
         self._forwards = 0
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
-        # Loads on one rank only are found at the next training forwards (_loads.py).
-        self._loads = LoadWatch(c_comm, "DataParallel")
-        torch_optimizers = [opt.torch_optimizer for opt in optimizers]
-        self._hook_handles += self._loads.hooks(list(module.modules()), torch_optimizers)
-        # ... and those of plain torch optimizers stepped directly (DDP's pattern).
-        self._hook_handles.append(self._loads.follow_optimizers(self._params, torch_optimizers))
+        # Loads on one rank only and optimizer settings that differ are found
+        # at the next training forwards (_loads.py), also for plain torch
+        # optimizers stepped directly (DDP's pattern).
+        self._loads = LoadWatch(c_comm, self._mpi_comm, "DataParallel", self._params)
+        self._hook_handles += self._loads.install(list(module.modules()),
+                                                  [opt.torch_optimizer for opt in optimizers])
         self._joining = False    # inside join(): every training forward takes part in a ballot
         self._join_steps = 0     # training steps this rank took inside join()
         # Non-blocking: the DataParallelOptimizer whose step() is pending (held
@@ -414,15 +414,12 @@ class DataParallel(torch.nn.Module):
             ) from error
 
     def _shared_state(self) -> list:
-        """What every rank must hold alike: parameters, buffers (when broadcast)
-        and the optimizers' states (also of plain torch optimizers stepped
-        directly, for the wrapped parameters)."""
+        """What every rank must hold alike besides the optimizers' states (the
+        LoadWatch's): parameters and buffers (when broadcast)."""
         tensors = list(self.module.parameters())
         if self.broadcast_buffers:
             tensors += list(self.module.buffers())
-        for opt in self._dp_optimizers:
-            tensors += optimizer_fingerprint(opt.torch_optimizer)
-        return tensors + self._loads.followed_state()
+        return tensors
 
     @property
     def _dp_optimizers(self) -> List[DataParallelOptimizer]:
