@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -226,3 +227,19 @@ def slow_momentum_step(replicas, theta, u, beta, alpha, lr, memory_efficient):
         u[n] = beta * u[n] + (theta[n] - x_bar) / lr
         theta[n] = theta[n] - alpha * lr * u[n]
         torch.nn.utils.vector_to_parameters(theta[n].clone(), r.parameters())
+
+
+def differing_steps(who: str, step: str = r"\d+", others_step: str = r"\d+") -> str:
+    """The regex of the error a sync raises when the last rank went back to
+    `step` (an earlier checkpoint loaded on it alone) and the others are at
+    `others_step` (mpidp._consistency.check_same_step)."""
+    others = re.escape(str(list(range(SIZE - 1))))
+    return (rf"{who}: the ranks reached this sync at different steps \(rank\(s\) "
+            rf"\[{SIZE - 1}\] at step {step}; rank\(s\) {others} at step {others_step}\)")
+
+
+def differing_setting(who: str, setting: str, last, rank0) -> str:
+    """The regex of the error a sync raises when the last rank's optimizer
+    `setting` is `last` and rank 0's is `rank0`."""
+    return (rf"{who}: the optimizers' settings differ across ranks: rank\(s\) \[{SIZE - 1}\] "
+            rf"do not match rank 0 \({setting} = {last} on rank {SIZE - 1}, {rank0} on rank 0\)")

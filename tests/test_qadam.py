@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import RANK, SIZE, rank_slice, seeded
+from dp_reference import RANK, SIZE, differing_setting, differing_steps, rank_slice, seeded
 from mpidp.algorithms import QAdamAlgorithm, QAdamOptimizer
 from quant_reference import replica_of
 
@@ -149,10 +149,24 @@ def test_an_optimizer_state_loaded_on_one_rank_alone_is_an_error_on_every_rank()
     train(model, opt, net, data[3:5])
     if RANK == SIZE - 1:
         opt.load_state_dict(saved)
-    with pytest.raises(RuntimeError, match=rf"QAdamOptimizer: the ranks reached this sync at "
-                                           rf"different steps \(rank\(s\) \[{SIZE - 1}\] at "
-                                           rf"step 4; rank\(s\) .* at step 6\)"):
+    with pytest.raises(RuntimeError, match=differing_steps("QAdamOptimizer", 4, 6)):
         train(model, opt, net, data[5:])
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
+def test_an_lr_that_differs_across_ranks_is_an_error_past_the_warmup():
+    """Past the warm-up every rank applies the same averaged momentum: with
+    another lr on one rank the models would drift apart with no error."""
+    model = build()
+    opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+    net = wrap(model, opt)
+    data = batches(5)
+    train(model, opt, net, data[:2])
+    if RANK == SIZE - 1:
+        opt.param_groups[0]["lr"] = 0.02
+    with pytest.raises(RuntimeError, match=differing_setting("QAdamOptimizer", "param group 0: lr",
+                                                             0.02, 0.01)):
+        train(model, opt, net, data[2:])
 
 
 def test_bad_arguments_and_misuse_are_named():

@@ -14,8 +14,9 @@ checksums, and drift raises an error that says which parameters differ on
 which ranks.
 
 check_same_step(): at each sync of an algorithm whose communication follows a
-step counter (LocalSGD's averagers, SlowMo, DiLoCo), the ranks compare their
-counters first. A counter that differs (a checkpoint loaded on some ranks
+step counter (LocalSGD's averagers, SlowMo, DiLoCo, QAdam, the decentralized
+ones), the ranks compare their counters, and a hash of the optimizer settings
+that must match (refuse_different_settings names a difference), first. A counter that differs (a checkpoint loaded on some ranks
 only, an optimizer step taken on some ranks only) would make the ranks'
 syncs pair different steps: the averages would mix models of different
 times with no error, and the job would hang only at its end.
@@ -27,6 +28,8 @@ details exchanged."""
 from __future__ import annotations
 
 import hashlib
+import struct
+import zlib
 
 import torch
 
@@ -58,18 +61,19 @@ def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
     return _ranks_named(c_comm, [c_comm.rank] if flagged else [])
 
 
-def first_difference(c_comm, mpi_comm, described: list[str]):
-    """None when every rank's `described` (lines) equals rank 0's; else
-    (the ranks that differ, the first difference of the first of them), the
-    same on every rank. A digest is compared first; the lines travel only
-    when some rank differs."""
+def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:
+    """module None: the settings only (a model averager has no model)."""
+    if c_comm.size == 1:
+        return
+    described = [f"setting {k} = {v}" for k, v in (settings or {}).items()]
+    described += _describe(module) if module is not None else []
     digest = hashlib.sha256("\n".join(described).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.float64).clone()
     root = mine.clone()
     c_comm.bcast(root, 0)
     bad = _ranks_flagged(c_comm, not torch.equal(mine.view(torch.uint8), root.view(torch.uint8)))
     if not bad:
-        return None
+        return
     # Every rank knows now, so every rank takes part in the details.
     reference = mpi_comm.bcast(described if c_comm.rank == 0 else None, root=0)
     first = None
@@ -80,25 +84,12 @@ def first_difference(c_comm, mpi_comm, described: list[str]):
             first = f"entry {i} is {ours!r} there, {theirs!r} on rank 0"
             break
     if first is None:
-        first = f"{len(described)} entries there, {len(reference)} on rank 0"
+        first = f"{len(described)} parameters there, {len(reference)} on rank 0"
     details = mpi_comm.allgather(first if c_comm.rank in bad else None)
-    return bad, f"rank {bad[0]}: {details[bad[0]]}"
-
-
-def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:
-    """module None: the settings only (a model averager has no model)."""
-    if c_comm.size == 1:
-        return
-    described = [f"setting {k} = {v}" for k, v in (settings or {}).items()]
-    described += _describe(module) if module is not None else []
-    found = first_difference(c_comm, mpi_comm, described)
-    if found is None:
-        return
-    bad, detail = found
-    what = "settings" if "'setting " in detail else "models"
+    what = "settings" if "'setting " in details[bad[0]] else "models"
     advice = "; every rank must pass the same" if what == "settings" else ""
     raise ValueError(f"{who}: the ranks' {what} differ: rank(s) {bad} do not match rank 0 "
-                     f"({detail}){advice}")
+                     f"(rank {bad[0]}: {details[bad[0]]}){advice}")
 
 
 def check_every() -> int:
@@ -140,16 +131,69 @@ def check_in_sync(c_comm, named_params, who: str, when: str) -> None:
                        f"from rank 0's on rank(s) {bad} (MPIDP_CHECK)")
 
 
-def check_same_step(c_comm, step: int, who: str) -> None:
-    """Every rank of `c_comm` is at `step` of `who`'s schedule, or every rank
-    raises the same RuntimeError naming each rank's step. One allreduce of two
-    numbers (the largest step and the negated smallest); only when they differ
-    are the steps gathered for the message."""
+def numbers_of(mapping) -> list:
+    """The (key, number) items of a param group or a parameter's optimizer
+    state, sorted by key ("params" and non-numbers left out)."""
+    return [(k, float(v)) for k, v in sorted(mapping.items())
+            if k != "params" and isinstance(v, (bool, int, float))]
+
+
+def param_group_settings(groups) -> list:
+    """(name, number) settings of an optimizer's param groups (lr, momentum,
+    ...); items of `groups` that are not dicts (parameters) have none."""
+    return [(f"param group {j}: {k}", v) for j, g in enumerate(groups) if isinstance(g, dict)
+            for k, v in numbers_of(g)]
+
+
+def settings_hash(settings) -> int:
+    """A 32-bit hash of the numbers of (name, number) `settings`."""
+    values = [float(v) for _, v in settings]
+    return zlib.crc32(struct.pack(f"{len(values)}d", *values))
+
+
+def refuse_different_settings(c_comm, who: str, settings) -> None:
+    """Collective: returns when every rank's (name, number) `settings` (its
+    optimizers' param-group settings) equal rank 0's, else raises the same
+    RuntimeError on every rank naming the first difference. Called once a
+    cheap comparison found a difference: every rank's numbers travel."""
+    n = len(settings)
+    counts = torch.zeros(c_comm.size, dtype=torch.float64)
+    counts[c_comm.rank] = n
+    c_comm.allreduce(counts, _C.OP_SUM, _C.NO_WIRE, False)
+    advice = ("so the ranks would update their models differently. Step LR schedulers on every "
+              "rank (ReduceLROnPlateau: give it a metric averaged over the ranks, e.g. "
+              "mpidp.allreduce_scalar(val_loss)) and set the same hyperparameters on every rank")
+    if any(c != n for c in counts.tolist()):
+        bad = [r for r, c in enumerate(counts.tolist()) if c != counts[0]]
+        raise RuntimeError(f"{who}: the optimizers' param groups differ across ranks: rank(s) "
+                           f"{bad} hold another number of settings than rank 0, {advice}")
+    table = torch.zeros(c_comm.size, n, dtype=torch.float64)
+    table[c_comm.rank] = torch.tensor([float(v) for _, v in settings], dtype=torch.float64)
+    c_comm.allreduce(table, _C.OP_SUM, _C.NO_WIRE, False)
+    bad = [r for r in range(c_comm.size) if not torch.equal(table[r], table[0])]
+    if not bad:
+        return
+    col = int((table[bad[0]] != table[0]).nonzero()[0])
+    raise RuntimeError(f"{who}: the optimizers' settings differ across ranks: rank(s) {bad} do "
+                       f"not match rank 0 ({settings[col][0]} = {table[bad[0], col].item()!r} on "
+                       f"rank {bad[0]}, {table[0, col].item()!r} on rank 0), {advice}")
+
+
+def check_same_step(c_comm, step: int, who: str, settings=()) -> None:
+    """Every rank of `c_comm` is at `step` of `who`'s schedule and holds the
+    same (name, number) optimizer `settings`, or every rank raises the same
+    RuntimeError naming each rank's step or the first setting that differs.
+    One allreduce of four numbers (the largest step and hash of the
+    settings, and the negated smallest); only when they differ do the
+    details travel."""
     if c_comm.size == 1:
         return
-    bounds = torch.tensor([float(step), -float(step)], dtype=torch.float64)
+    h = float(settings_hash(settings))
+    bounds = torch.tensor([float(step), -float(step), h, -h], dtype=torch.float64)
     c_comm.allreduce(bounds, _C.OP_MAX, _C.NO_WIRE, False)
     if bounds[0] == -bounds[1]:
+        if bounds[2] != -bounds[3]:
+            refuse_different_settings(c_comm, who, settings)
         return
     steps = torch.zeros(c_comm.size, dtype=torch.float64)
     steps[c_comm.rank] = float(step)

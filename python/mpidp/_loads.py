@@ -31,16 +31,14 @@ differ."""
 from __future__ import annotations
 
 import functools
-import struct
 import weakref
-import zlib
 from typing import Callable, List, Set
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
-from ._consistency import first_difference, ranks_differing
+from ._consistency import numbers_of, ranks_differing, refuse_different_settings, settings_hash
 
 __all__ = ["LoadWatch"]
 
@@ -63,16 +61,9 @@ def _saw_optimizer_step(optimizer, _args, _kwargs) -> None:
 register_optimizer_step_pre_hook(_saw_optimizer_step)
 
 
-def _numbers(mapping) -> list:
-    """The (key, number) items of a param group or a parameter's state."""
-    return [(k, float(v)) for k, v in sorted(mapping.items())
-            if k != "params" and isinstance(v, (bool, int, float))]
-
-
 class LoadWatch:
-    def __init__(self, comm: "_C.Comm", mpi_comm, who: str, params):
+    def __init__(self, comm: "_C.Comm", who: str, params):
         self._comm = comm
-        self._mpi_comm = mpi_comm
         self._who = who
         self._params: Set[int] = {id(p) for p in params}  # the wrapped parameters
         self._count = 0          # loads (and optimizers joining) seen on this rank
@@ -127,17 +118,17 @@ class LoadWatch:
         the numbers (settings, step counts kept as numbers)."""
         tensors, numbers = [], []
         for _, _, opt, group in self._groups():
-            numbers += [v for _, v in _numbers(group)]
+            numbers += [v for _, v in numbers_of(group)]
             for p in group["params"]:
                 if id(p) in self._params:
                     state = opt.state.get(p, {})
                     tensors += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
-                    numbers += [v for _, v in _numbers(state)]
+                    numbers += [v for _, v in numbers_of(state)]
         return tensors + [torch.tensor(numbers or [0.0], dtype=torch.float64)]
 
     def _settings(self) -> list:
         return [(f"optimizer {i}, param group {j}: {k}", v)
-                for i, j, _, group in self._groups() for k, v in _numbers(group)]
+                for i, j, _, group in self._groups() for k, v in numbers_of(group)]
 
     def check(self, shared: Callable[[], list], fix: str) -> None:
         """At a point every rank reaches (a training forward). `shared`: the
@@ -149,14 +140,15 @@ class LoadWatch:
         self._work.wait()
         total, s1, s2 = (int(v) for v in self._buf.tolist())
         if self._comm.size * s2 != s1 * s1:
-            self._refuse_different_settings()
+            refuse_different_settings(self._comm, self._who, self._settings())
         self._post()
         if total == self._total:
             return
         self._total = total
         differ = ranks_differing(self._comm, shared() + self.optimizer_state())
         if differ:
-            self._refuse_different_settings()   # the likelier cause, named
+            # The likelier cause, named when it is the one.
+            refuse_different_settings(self._comm, self._who, self._settings())
             raise RuntimeError(
                 f"{self._who}: after load_state_dict the ranks hold different state: rank(s) "
                 f"{differ} differ from rank 0, so they would train different models. Load the "
@@ -164,25 +156,9 @@ class LoadWatch:
                 "(Horovod's pattern)")
 
     def _post(self) -> None:
-        values = [v for _, v in self._settings()]
-        h = zlib.crc32(struct.pack(f"{len(values)}d", *values)) & self._hash_mask
+        h = settings_hash(self._settings()) & self._hash_mask
         self._buf = torch.tensor([float(self._count), float(h), float(h * h)], dtype=torch.float64)
         self._work = self._comm.allreduce(self._buf, _C.OP_SUM, _C.NO_WIRE, True)
-
-    def _refuse_different_settings(self) -> None:
-        """Raises on every rank, naming the first difference, when the ranks'
-        optimizer settings differ (collective)."""
-        described = [f"{name} = {value!r}" for name, value in self._settings()]
-        found = first_difference(self._comm, self._mpi_comm, described)
-        if found is None:
-            return
-        bad, detail = found
-        raise RuntimeError(
-            f"{self._who}: the optimizers' settings differ across ranks: rank(s) {bad} do not "
-            f"match rank 0 ({detail}), so the same averaged gradients would update their models "
-            "differently. Step LR schedulers on every rank (ReduceLROnPlateau: give it a metric "
-            "averaged over the ranks, e.g. mpidp.allreduce_scalar(val_loss)) and set the same "
-            "hyperparameters on every rank")
 
 
 class _Watching:

@@ -22,7 +22,7 @@ import torch
 
 from . import _C
 from ._args import check_int
-from ._consistency import check_same_step, check_same_structure
+from ._consistency import check_same_step, check_same_structure, param_group_settings
 from ._mpi import MPI, as_mpi4py, resolve_comm
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
@@ -111,10 +111,11 @@ class ModelAverager:
     def average_parameters(self, params: Iterable[Any]) -> None:
         """Average `params` (model parameters or optimizer parameter groups)
         if this step is due, then count the step."""
+        params = list(params)
         due = _C.avgsched_actions(self.step, **self._schedule())
         if due.average:
             group = self._group(due.level)
-            check_same_step(group, self.step, type(self).__name__)
+            check_same_step(group, self.step, type(self).__name__, param_group_settings(params))
             average_parameters(params, group)
         self.step += 1
 

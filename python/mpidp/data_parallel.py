@@ -269,7 +269,7 @@ class DataParallel(torch.nn.Module):
         # Loads on one rank only and optimizer settings that differ are found
         # at the next training forwards (_loads.py), also for plain torch
         # optimizers stepped directly (DDP's pattern).
-        self._loads = LoadWatch(c_comm, self._mpi_comm, "DataParallel", self._params)
+        self._loads = LoadWatch(c_comm, "DataParallel", self._params)
         self._hook_handles += self._loads.install(list(module.modules()),
                                                   [opt.torch_optimizer for opt in optimizers])
         self._joining = False    # inside join(): every training forward takes part in a ballot

@@ -25,7 +25,7 @@ import torch
 from . import _C
 from ._args import check_bool, check_int, check_real
 from ._dtypes import wire_code
-from ._consistency import check_same_step, check_same_structure
+from ._consistency import check_same_step, check_same_structure, param_group_settings
 from ._mpi import as_mpi4py, resolve_comm
 from ._params import TrainableAtSetup, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
@@ -203,7 +203,9 @@ class DiLoCo:
         self._trainable_at_setup.check()
         due = _C.avgsched_actions(self.step, **self._schedule)
         if due.send_fragment >= 0 or due.apply_fragment >= 0:
-            check_same_step(self._comm, self.step, "DiLoCo")
+            # The outer optimizer steps the shared parameters: its settings must match.
+            check_same_step(self._comm, self.step, "DiLoCo",
+                            param_group_settings(self.outer_optimizer.param_groups))
         if due.send_fragment >= 0:
             self._syncs[due.send_fragment].send()
             self._sent.add(due.send_fragment)

@@ -29,7 +29,7 @@ import torch
 
 from ._algorithm import Algorithm
 from ._args import check_bool, check_int, check_real
-from ._consistency import check_same_step
+from ._consistency import check_same_step, param_group_settings
 from ._mpi import resolve_comm
 from .collectives import allgather, allreduce, reduce_scatter
 from .data_parallel import DataParallel
@@ -135,11 +135,13 @@ class _QAdamHandle:
         optimizer._handle = self
 
     def check_step(self, t: int) -> None:
-        """Every rank takes its t-th step: a rank that loaded another step's
-        optimizer state alone would average its momentum with the others' and
-        apply it with its own step count and second moment, and the models
-        would drift apart with no error."""
-        check_same_step(self._c_comm, t, "QAdamOptimizer")
+        """Every rank takes its t-th step with the same settings: a rank that
+        loaded another step's optimizer state alone (or whose lr differs)
+        would average its momentum with the others' and apply it with its own
+        step count, second moment or lr, and the models would drift apart with
+        no error."""
+        check_same_step(self._c_comm, t, "QAdamOptimizer",
+                        param_group_settings(self.opt.param_groups))
 
     def average_momentum(self, flat: torch.Tensor) -> torch.Tensor:
         """The ranks' mean of `flat` (every rank's momenta, concatenated),

@@ -33,7 +33,7 @@ import torch
 
 from . import _C
 from ._args import check_bool, check_int, check_real
-from ._consistency import check_same_step, check_same_structure
+from ._consistency import check_same_step, check_same_structure, param_group_settings
 from ._mpi import as_mpi4py, resolve_comm
 from ._params import TrainableAtSetup, broadcast_tensors
 from .averaging import average_tensors
@@ -315,7 +315,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
             after_period=True, slow_every=self.slowmo_frequency if self.slowmo else 0,
             slow_replaces_average=self.slowmo_memory_efficient)
         if due.average or due.slow_step:
-            check_same_step(self._world, self.num_updates, "SlowMoDistributedDataParallel")
+            check_same_step(self._world, self.num_updates, "SlowMoDistributedDataParallel",
+                            param_group_settings(optimizer.param_groups))
         if self.sgp:
             self._gossip()
         if due.average:
