@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import mpidp
-from dp_reference import (RANK, SIZE, SmallNet as Net, flat_params, local_steps, node_replicas,
-                          per_node_options, rank_slice, regression_batches, slow_momentum_step)
+from dp_reference import (RANK, SIZE, SmallNet as Net, differing_steps, flat_params, local_steps,
+                          node_replicas, per_node_options, rank_slice, regression_batches,
+                          slow_momentum_step)
 from mpidp import gossip
 
 pytestmark = pytest.mark.ranks3
@@ -174,6 +175,33 @@ def test_a_checkpoint_resumes_the_gossip_where_it_was():
         resumed.perform_slowmo(opt2)
     for p, q in zip(resumed.parameters(), straight.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="the gossip state needs two workers")
+def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_at_the_next_gossip():
+    """The gossip mixes every step: a rank back at round 2 would mix its old
+    replica into its peers' with no error. Every rank raises instead."""
+    torch.manual_seed(0)
+    net = make(Net(), 1)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+        opt.step()
+        net.perform_slowmo(opt)
+
+    data = batches(6)
+    for t, (x, y) in enumerate(data[:4]):
+        if t == 2:
+            saved = copy.deepcopy((net.slowmo_state_dict(), opt.state_dict()))
+        step(x, y)
+    if RANK == SIZE - 1:
+        net.load_slowmo_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+    with pytest.raises(RuntimeError, match=differing_steps("SlowMoDistributedDataParallel", 2, 4)):
+        for x, y in data[4:]:
+            step(x, y)
 
 
 def test_one_node_turns_sgp_off_with_a_warning():

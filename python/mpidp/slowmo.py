@@ -314,7 +314,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
             self.num_updates, periods=() if self.sgp else (self.localsgd_frequency,),
             after_period=True, slow_every=self.slowmo_frequency if self.slowmo else 0,
             slow_replaces_average=self.slowmo_memory_efficient)
-        if due.average or due.slow_step:
+        # SGP gossips every step: a rank at another step would mix another
+        # step's replica into its peers' with no error, so it checks every step.
+        if self.sgp or due.average or due.slow_step:
             check_same_step(self._world, self.num_updates, "SlowMoDistributedDataParallel",
                             param_group_settings(optimizer.param_groups))
         if self.sgp:
