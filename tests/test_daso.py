@@ -592,6 +592,22 @@ def test_no_sync_accumulates_within_the_node(nodes_of):
 
 
 @pytest.mark.skipif(SIZE < 2, reason="one rank cannot differ from the others")
+def test_an_lr_changed_on_one_rank_is_named_at_the_next_epoch(nodes_of):
+    """A scheduler stepped on the last rank only: its node's replicas would
+    drift apart within each epoch, taken back to rank 0's at each epoch end
+    with a warning, for ever. The next epoch's first forward names it."""
+    model, opt, daso, net = make(epochs=6)
+    data = problem(batches=4)
+    train(model, daso, net, data, epochs=1)
+    if RANK == SIZE - 1:
+        opt.param_groups[0]["lr"] *= 0.5
+    with pytest.raises(RuntimeError, match=r"DASO: the optimizers' settings differ across ranks: "
+                                           rf"rank\(s\) \[{SIZE - 1}\] do not match rank 0 "
+                                           r"\(param group 0: lr = "):
+        train(model, daso, net, data, epochs=1)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one rank cannot differ from the others")
 def test_a_rank_that_loads_another_epochs_checkpoint_is_named_not_hung(nodes_of):
     """A rank that reloads an older epoch's DASO state alone would run other
     collectives than the rest (it used to end at the timeout); the first

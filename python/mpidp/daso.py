@@ -23,7 +23,8 @@ from . import _config as config
 from . import _C
 from ._args import check_bool, check_dtype, check_int, check_real
 from ._dtypes import CODE_OF
-from ._consistency import check_every, check_in_sync, ranks_differing
+from ._consistency import (check_every, check_in_sync, param_group_settings, ranks_differing,
+                           refuse_different_settings)
 from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
@@ -565,6 +566,10 @@ class DASO:
                 f"DASO: at the start of an epoch the ranks' schedules differ: rank(s) {differ} "
                 f"do not match rank 0 (this rank has completed {epoch} epochs). A rank loaded "
                 "another epoch's DASO checkpoint? Load every rank's checkpoint of the same epoch")
+        # An lr that differs (a scheduler stepped on one rank) would make the
+        # ranks drift apart until each epoch's end takes rank 0's parameters.
+        refuse_different_settings(self._world, "DASO",
+                                  param_group_settings(self.local_optimizer.param_groups))
 
     def _check_pointers(self) -> None:
         now = tuple(p.data_ptr() for p in self.module.parameters() if p.requires_grad)
