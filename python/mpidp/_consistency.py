@@ -15,11 +15,12 @@ which ranks.
 
 check_same_step(): at each sync of an algorithm whose communication follows a
 step counter (LocalSGD's averagers, SlowMo, DiLoCo, QAdam, the decentralized
-ones), the ranks compare their counters, and a hash of the optimizer settings
-that must match (refuse_different_settings names a difference), first. A counter that differs (a checkpoint loaded on some ranks
-only, an optimizer step taken on some ranks only) would make the ranks'
-syncs pair different steps: the averages would mix models of different
-times with no error, and the job would hang only at its end.
+ones), the ranks first compare their counters and a hash of the optimizer
+settings that must match (refuse_different_settings names a difference). A
+counter that differs (a checkpoint loaded on some ranks only, an optimizer
+step taken on some ranks only) would make the ranks' syncs pair different
+steps: the averages would mix models of different times with no error, and
+the job would hang only at its end.
 
 Both first agree through mpidp's own deadline-bounded collectives (a missing
 rank cannot hang them); only once every rank knows about a mismatch are the
