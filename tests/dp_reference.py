@@ -229,6 +229,15 @@ def slow_momentum_step(replicas, theta, u, beta, alpha, lr, memory_efficient):
         torch.nn.utils.vector_to_parameters(theta[n].clone(), r.parameters())
 
 
+def slowmo_step(net, opt, x, y) -> None:
+    """One step of a SlowMoDistributedDataParallel `net` on this rank's slice
+    of (x, y): backward, opt.step(), then net.perform_slowmo(opt)."""
+    opt.zero_grad()
+    F.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
+    opt.step()
+    net.perform_slowmo(opt)
+
+
 def differing_steps(who: str, step: str = r"\d+", others_step: str = r"\d+") -> str:
     """The regex of the error a sync raises when the last rank went back to
     `step` (an earlier checkpoint loaded on it alone) and the others are at

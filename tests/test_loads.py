@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import mpidp
 from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks, build,
                           classification_batch, cross_entropy, on_device, rank_slice, seeded,
-                          train_like_one_process)
+                          step_like_one_process, train_like_one_process)
 from mpidp import MPI
 from test_data_parallel import MLP
 
@@ -119,20 +119,49 @@ def test_a_plain_torch_optimizer_loaded_on_one_rank_alone_is_an_error_on_every_r
 @pytest.mark.skipif(SIZE == 1, reason="one rank shares everything with itself")
 def test_an_unrelated_optimizer_loaded_on_one_rank_is_left_alone():
     """Only the state of the wrapped parameters must agree: a torch optimizer
-    of another (local) model may differ across ranks."""
+    of another (local) model, stepped between the wrapped model's steps, may
+    differ across ranks; the wrapped model trains like one process."""
     _, opt_state = trained_checkpoint()
     model = build(MLP, seed=1)
     net = mpidp.DataParallel(model)
     opt = adam(model.parameters())
+    reference = build(MLP, seed=1)
+    ref_opt = adam(reference.parameters())
     local = build(MLP, seed=2 + RANK)
     local_opt = adam(local.parameters())
     if RANK == SIZE - 1:
         local_opt.load_state_dict(copy.deepcopy(opt_state))
+    g = seeded(6)
     for _ in range(4):
-        train_steps(net, opt, 1)
+        step_like_one_process(net, opt, reference, ref_opt, *classification_batch(g, 4 * SIZE))
         local(torch.randn(2, 10)).sum().backward()
         local_opt.step()
+    assert_params_close(model, reference, what="beside an unrelated optimizer")
     assert_same_on_all_ranks(model)
+
+
+def test_wrapping_again_hands_the_plain_optimizer_to_the_new_wrapper():
+    """DataParallel twice on one model (the newer takes over): the plain
+    optimizer joins the new wrapper's watch and leaves the old one's, the
+    model trains like one process, and a load on one rank is still found."""
+    _, opt_state = trained_checkpoint()
+    model = build(MLP, seed=1)
+    opt = adam(model.parameters())
+    old = mpidp.DataParallel(model)
+    train_steps(old, opt, 1)
+    with pytest.warns(UserWarning, match="already wrapped"):
+        net = mpidp.DataParallel(model)
+    reference = copy.deepcopy(model)
+    ref_opt = adam(reference.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch keeps what it is given
+    train_like_one_process(net, opt, model, reference, ref_opt, cross_entropy, (10, 4), seed=7,
+                           what="after wrapping again")
+    assert not old._loads._optimizers and list(net._loads._optimizers) == [opt]
+    if SIZE > 1:
+        if RANK == SIZE - 1:
+            opt.load_state_dict(copy.deepcopy(opt_state))
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{SIZE - 1}\] differ from rank 0"):
+            train_steps(net, opt, 3)
 
 
 def step_with_habit(net, opt, habit, t, g):

@@ -20,8 +20,8 @@ import torch
 
 import mpidp
 from dp_reference import (RANK, SIZE, SmallNet as Net, differing_steps, flat_params, local_steps,
-                          node_replicas, per_node_options, rank_slice, regression_batches,
-                          slow_momentum_step)
+                          node_replicas, per_node_options, regression_batches,
+                          slow_momentum_step, slowmo_step)
 from mpidp import gossip
 
 pytestmark = pytest.mark.ranks3
@@ -91,10 +91,7 @@ def make(model, per_node, graph="dde", **kwargs):
 def train(net, data, each=None):
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     for t, (x, y) in enumerate(data):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
-        opt.step()
-        net.perform_slowmo(opt)
+        slowmo_step(net, opt, x, y)
         if each:
             each(t)
     return opt
@@ -139,11 +136,7 @@ def test_with_two_workers_a_round_is_the_exact_mean():
     opt = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
 
     def compare(t):
-        x, y = data[t]
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(local(rank_slice(x)), rank_slice(y)).backward()
-        opt.step()
-        local.perform_slowmo(opt)
+        slowmo_step(local, opt, *data[t])
         mine = flat_params(model)
         theirs = flat_params(other)
         assert torch.equal(mine, theirs), f"step {t}: gossip differs from the exact mean"
@@ -169,10 +162,7 @@ def test_a_checkpoint_resumes_the_gossip_where_it_was():
     opt2 = torch.optim.SGD(resumed.parameters(), lr=LR, momentum=0.9)
     opt2.load_state_dict(opt_state)
     for x, y in data[5:]:
-        opt2.zero_grad()
-        torch.nn.functional.mse_loss(resumed(rank_slice(x)), rank_slice(y)).backward()
-        opt2.step()
-        resumed.perform_slowmo(opt2)
+        slowmo_step(resumed, opt2, x, y)
     for p, q in zip(resumed.parameters(), straight.parameters()):
         assert torch.equal(p, q)
 
@@ -184,24 +174,17 @@ def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_at_the_next_gossip():
     torch.manual_seed(0)
     net = make(Net(), 1)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-
-    def step(x, y):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
-        opt.step()
-        net.perform_slowmo(opt)
-
     data = batches(6)
     for t, (x, y) in enumerate(data[:4]):
         if t == 2:
             saved = copy.deepcopy((net.slowmo_state_dict(), opt.state_dict()))
-        step(x, y)
+        slowmo_step(net, opt, x, y)
     if RANK == SIZE - 1:
         net.load_slowmo_state_dict(saved[0])
         opt.load_state_dict(saved[1])
     with pytest.raises(RuntimeError, match=differing_steps("SlowMoDistributedDataParallel", 2, 4)):
         for x, y in data[4:]:
-            step(x, y)
+            slowmo_step(net, opt, x, y)
 
 
 def test_one_node_turns_sgp_off_with_a_warning():

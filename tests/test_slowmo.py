@@ -21,7 +21,7 @@ import torch
 import mpidp
 from dp_reference import (RANK, SIZE, SmallNet as Net, differing_setting, differing_steps,
                           flat_params, local_steps, node_replicas, per_node_options, rank_slice,
-                          regression_batches, slow_momentum_step)
+                          regression_batches, slow_momentum_step, slowmo_step)
 from mpidp import MPI
 
 pytestmark = pytest.mark.ranks3
@@ -146,10 +146,7 @@ def test_state_round_trip_continues_exactly():
             net.load_slowmo_state_dict(state["slowmo"])
             opt.load_state_dict(state["opt"])
         for x, y in steps:
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
-            opt.step()
-            net.perform_slowmo(opt)
+            slowmo_step(net, opt, x, y)
         return model, net, opt
 
     straight, _, _ = run(data)
@@ -176,26 +173,19 @@ def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_on_every_rank(memory_
                                               localsgd_frequency=2,
                                               slowmo_memory_efficient=memory_efficient)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-
-    def step(x, y):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()
-        opt.step()
-        net.perform_slowmo(opt)
-
     data = batches(10)
     for t, (x, y) in enumerate(data[:5]):
         if t == 2:
             saved = copy.deepcopy({"slowmo": net.slowmo_state_dict(), "opt": opt.state_dict(),
                                    "model": model.state_dict()})
-        step(x, y)
+        slowmo_step(net, opt, x, y)
     if RANK == SIZE - 1:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         net.load_slowmo_state_dict(saved["slowmo"])
     with pytest.raises(RuntimeError, match=differing_steps("SlowMoDistributedDataParallel", 3, 5)):
         for x, y in data[5:]:
-            step(x, y)
+            slowmo_step(net, opt, x, y)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")

@@ -146,9 +146,8 @@ def param_group_settings(groups) -> list:
             for k, v in numbers_of(g)]
 
 
-def settings_hash(settings) -> int:
-    """A 32-bit hash of the numbers of (name, number) `settings`."""
-    values = [float(v) for _, v in settings]
+def settings_hash(values) -> int:
+    """A 32-bit hash of a list of numbers (the values of some settings)."""
     return zlib.crc32(struct.pack(f"{len(values)}d", *values))
 
 
@@ -189,7 +188,7 @@ def check_same_step(c_comm, step: int, who: str, settings=()) -> None:
     details travel."""
     if c_comm.size == 1:
         return
-    h = float(settings_hash(settings))
+    h = float(settings_hash([v for _, v in settings]))
     bounds = torch.tensor([float(step), -float(step), h, -h], dtype=torch.float64)
     c_comm.allreduce(bounds, _C.OP_MAX, _C.NO_WIRE, False)
     if bounds[0] == -bounds[1]:

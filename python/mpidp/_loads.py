@@ -127,6 +127,8 @@ class LoadWatch:
         return tensors + [torch.tensor(numbers or [0.0], dtype=torch.float64)]
 
     def _settings(self) -> list:
+        """(name, number) of the watched param groups' settings (for messages:
+        the per-forward hash takes the numbers alone, unnamed)."""
         return [(f"optimizer {i}, param group {j}: {k}", v)
                 for i, j, _, group in self._groups() for k, v in numbers_of(group)]
 
@@ -156,7 +158,8 @@ class LoadWatch:
                 "(Horovod's pattern)")
 
     def _post(self) -> None:
-        h = settings_hash(self._settings()) & self._hash_mask
+        values = [v for _, _, _, group in self._groups() for _, v in numbers_of(group)]
+        h = settings_hash(values) & self._hash_mask
         self._buf = torch.tensor([float(self._count), float(h), float(h * h)], dtype=torch.float64)
         self._work = self._comm.allreduce(self._buf, _C.OP_SUM, _C.NO_WIRE, True)
 

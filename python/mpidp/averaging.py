@@ -279,12 +279,11 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         float32 reciprocal computed in float64."""
         if grad_scale is None:
             return
-        inv = grad_scale.double().reciprocal().float()
-        with torch.no_grad():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(inv.to(p.grad.device))
+        inv = float(grad_scale.double().reciprocal().float())   # a float32 value, exactly
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, inv)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
