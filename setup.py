@@ -153,6 +153,11 @@ class MpiBuildExt(build_ext):
             self._add_simd_objects(ext)
             if nvcc:
                 self._add_cuda(ext, nvcc)
+        # build_extension swaps the one shared compiler's executables for a C++
+        # extension; with --parallel another thread compiling mpidp._C at that
+        # moment would run the C++ compiler on C files. Extensions are built
+        # one after another (each compiles its files serially either way).
+        self.parallel = None
         super().build_extensions()
 
     def build_extension(self, ext):

@@ -56,7 +56,7 @@ Options:
   --wheels DIR       the fetched wheels [.whl]
   --wheel-list FILE  the pinned wheel list [scripts/gpu_wheels.txt]
   --python PY        the Python with CUDA torch [\$GPU_PYTHON or python3]
-  --only S1,S2       run these steps only (setup always runs): ${STEPS[*]}
+  --only S1,S2       run these steps only (setup and build always run): ${STEPS[*]}
   --fetch            download the wheels of the list for Python 3.12 x86_64 into --wheels
   --dry-run          check arguments, wheel list, wheels and files; print the steps
 EOF
@@ -86,7 +86,9 @@ if [ -n "$ONLY" ]; then
         [[ " ${STEPS[*]} " == *" $s "* ]] || die "--only: unknown step '$s' (steps: ${STEPS[*]})"
     done
 fi
-selected() { [ -z "$ONLY" ] || [ "$1" = setup ] || [[ ",$ONLY," == *",$1,"* ]]; }
+# setup and build always run: a fresh machine has neither, and a warm one rebuilds
+# only what changed, so `--only dp` cannot test a stale build or none.
+selected() { [ -z "$ONLY" ] || [ "$1" = setup ] || [ "$1" = build ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 # --- the wheel list ---------------------------------------------------------------
 
@@ -256,7 +258,7 @@ step_build() {
         :  # setuptools rebuilds what changed (build/ stays on a warm machine)
     fi
     run 600 build.mpidp env MPICC=mpicc MPIDP_CUDA=1 "MPIDP_CUDA_ARCH=$arch" "NVCC=$nvcc" \
-        "$PY" setup.py -q build_ext --inplace --parallel 8 || exit 1
+        "$PY" setup.py -q build_ext --inplace || exit 1
     run 60 build.import "$PY" -c "
 import mpidp
 from mpidp import _C

@@ -213,7 +213,8 @@ def nonblocking_after_backward(scaler=None):
     model = build(MLP, 100 + RANK)
     dp_opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
     net = mpidp.DataParallel(model, optimizer=dp_opt, blocking_parameter_updates=False)
-    loss = F.cross_entropy(net(torch.randn(4, 10)), torch.randint(0, 4, (4,)))
+    x, y = on_device(torch.randn(4, 10), torch.randint(0, 4, (4,)))
+    loss = F.cross_entropy(net(x), y)
     (scaler.scale(loss) if scaler else loss).backward()
     return model, dp_opt
 

@@ -48,13 +48,15 @@ def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
     assert not out_dir.exists(), "a dry run must not create its output folder"
 
 
-def test_only_selects_steps_and_setup_always_runs(tmp_path):
+def test_only_selects_steps_and_setup_and_build_always_run(tmp_path):
+    """A fresh GPU machine has no build: `--only dp` must still build first."""
     rc, out = gpu_check("--dry-run", "--only", "kernels,bench", "--wheels",
                         str(tmp_path / "none"))
     assert rc == 0, out
     assert "wheels not fetched yet" in out
-    assert "setup.wheels" in out and "[dry-run] kernels" in out and "bench.step.2ranks" in out
-    assert "dp.1rank" not in out and "build.mpidp" not in out and "daso" not in out
+    assert "setup.wheels" in out and "build.mpidp" in out and "build.import" in out
+    assert "[dry-run] kernels" in out and "bench.step.2ranks" in out
+    assert "dp.1rank" not in out and "daso" not in out and "example" not in out
 
 
 @pytest.mark.parametrize("args, words", [

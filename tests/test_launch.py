@@ -187,7 +187,8 @@ def test_communication_from_a_forked_child_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("gpus, ranks, expected", [
-    (0, 1, "gloo"), (0, 4, "gloo"), (1, 1, "nccl"), (4, 4, "nccl"), (8, 4, "nccl"),
+    (0, 1, "gloo"), (0, 4, "gloo"), (1, 1, "cpu:gloo,cuda:nccl"), (4, 4, "cpu:gloo,cuda:nccl"),
+    (8, 4, "cpu:gloo,cuda:nccl"),
     (1, 2, "gloo"), (2, 4, "gloo")])
 def test_default_backend_gives_nccl_only_a_gpu_per_rank(gpus, ranks, expected):
     # NCCL refuses two ranks on one GPU; such nodes get gloo (CUDA tensors via host).

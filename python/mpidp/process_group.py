@@ -38,13 +38,15 @@ def _store_host(comm: MPI.Intracomm) -> tuple:
 
 
 def default_backend(cuda_devices: int, ranks_on_node: int) -> str:
-    """NCCL when every rank of the node can have a GPU of its own, else gloo.
+    """NCCL for CUDA tensors when every rank of the node can have a GPU of its
+    own, with gloo for CPU tensors beside it (torch's own default: a metric
+    all_reduced on the CPU or a barrier still works); else gloo for both.
 
     NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU
     detected"), so a node running more ranks than it has GPUs (several ranks
     sharing one GPU, as in tests and small jobs) falls back to gloo, which
     reduces CUDA tensors through host memory."""
-    return "nccl" if 0 < ranks_on_node <= cuda_devices else "gloo"
+    return "cpu:gloo,cuda:nccl" if 0 < ranks_on_node <= cuda_devices else "gloo"
 
 
 def init_process_group(comm=None, backend: str | None = None,
@@ -54,9 +56,9 @@ def init_process_group(comm=None, backend: str | None = None,
     comm: the ranks of the group (an mpi4py communicator); default: every
     rank of the job (MPI.COMM_WORLD), so that torch's defaults
     (DistributedSampler, dist.all_reduce) mean the whole job, as under
-    torchrun. backend: "gloo" or "nccl"; default NCCL when the node has at
-    least one GPU for each of its ranks (each rank then uses GPU
-    `local_rank`), else gloo. Calling it again with the same ranks does
+    torchrun. backend: "gloo" or "nccl"; default NCCL for CUDA tensors and
+    gloo for CPU ones when the node has at least one GPU for each of its ranks
+    (each rank then uses GPU `local_rank`), else gloo. Calling it again with the same ranks does
     nothing; with other ranks it raises.
 
     timeout: the group's timeout, for its store and torch's collectives (a
@@ -69,7 +71,8 @@ def init_process_group(comm=None, backend: str | None = None,
         same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
         backend = default_backend(gpus, same_machine.Get_size())
         same_machine.Free()
-    check_choice("backend", backend, ("gloo", "nccl", "mpi"))
+    else:
+        check_choice("backend", backend, ("gloo", "nccl", "mpi"))
     if backend == "nccl" and gpus == 0:
         raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
                            "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "
@@ -81,7 +84,7 @@ def init_process_group(comm=None, backend: str | None = None,
                 f"{dist.get_rank()} of {dist.get_world_size()}, not rank {group.Get_rank()} of "
                 f"{group.Get_size()} as asked")
         return
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(topology().local_rank % gpus)
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
     host, spans_nodes = _store_host(group)
