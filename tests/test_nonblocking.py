@@ -197,28 +197,37 @@ def test_step_twice_without_forward_is_an_error():
 
 
 class ReadsAhead(torch.nn.Module):
-    """Reads the output layer's weight before that layer runs."""
+    """Reads the output layer's weight before that layer runs: through the
+    module's attribute, or (captured=True) through a list made at set-up,
+    which no module API sees."""
 
-    def __init__(self):
+    def __init__(self, captured=False):
         super().__init__()
         self.emb, self.out = torch.nn.Linear(10, 16), torch.nn.Linear(16, 4)
+        self.captured = [self.out.weight] if captured else None
 
     def forward(self, x, **_):
-        scale = 1 + self.out.weight.abs().mean()
+        w = self.captured[0] if self.captured else self.out.weight
+        scale = 1 + w.abs().mean()
         return self.out(torch.relu(self.emb(x))) * scale
 
 
-def test_a_parameter_read_before_its_layer_is_not_used_stale():
+@pytest.mark.parametrize("captured", [False, True], ids=["attribute", "captured-list"])
+def test_a_parameter_read_before_its_layer_is_not_used_stale(captured):
     """Layer-by-layer application would hand out.weight to the read above one
-    step stale (1.4e-3 off after 5 steps before the fix): the first forward
-    that applies an update notices, and the whole update is then applied at
-    the start of every forward. One parameter per bucket, so that the update
-    of out.weight is not applied early along with emb's."""
+    step stale (1.4e-3 off after 5 steps before the fix). Read as an
+    attribute, the read itself applies that parameter's bucket; read through
+    a list, the first forward that applies an update notices, and the whole
+    update is then applied at the start of every forward, with a warning.
+    One parameter per bucket, so that the update of out.weight is not applied
+    early along with emb's."""
     model, net, dp_opt, reference, ref_opt = data_parallel_and_reference(
-        ReadsAhead, sgd_wd, 100, False, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+        lambda: ReadsAhead(captured), sgd_wd, 100, False, bucket_cap_mb=1e-6,
+        first_bucket_cap_mb=1e-6)
     assert net.bucket_count == 4
     g = seeded(3)
-    with pytest.warns(UserWarning, match=r"'out.weight' is read before its own layer runs"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         for step in range(5):
             X, Y = classification_batch(g, 4 * SIZE)
             dp_opt.zero_grad()
@@ -230,6 +239,10 @@ def test_a_parameter_read_before_its_layer_is_not_used_stale():
             reference_step(reference, X, Y, cross_entropy)
             dp_opt.step()
             ref_opt.step()
+    stale = [w for w in seen if "is read before its own layer runs" in str(w.message)]
+    assert len(stale) == (1 if captured else 0), [str(w.message) for w in seen]
+    if captured:
+        assert "'out.weight'" in str(stale[0].message)
     net.synchronize()
     assert_params_close(model, reference, what="at the end")
 

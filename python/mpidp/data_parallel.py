@@ -19,6 +19,7 @@ from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import (TrainableAtSetup, broadcast_state, broadcast_tensors, check_module,
                       name_list, remove_handles)
 from ._loads import LoadWatch
+from ._pending_reads import QuietParameters, set_pending, unwatch, watch
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
@@ -79,11 +80,12 @@ def _take_over(module: torch.nn.Module, wrapper: "DataParallel") -> None:
     _WRAPPER_OF[module] = weakref.ref(wrapper)
 
 
-def _apply_pending(wrapper_ref, buckets, _module, _args) -> None:
+def _apply_pending(wrapper_ref, buckets, module, _args) -> None:
     """A layer's forward pre-hook (non-blocking mode): inside the wrapper's
     forward, applies the pending update of the layer's buckets; when the inner
     module is run directly (evaluating `model` instead of `net`), applies the
     whole pending update first, so it never computes with stale parameters.
+    The layer's own parameters are then current: its reads need no check.
     Holds its DataParallel weakly, so the inner module does not keep it alive."""
     wrapper = wrapper_ref()
     if wrapper is None:
@@ -92,13 +94,26 @@ def _apply_pending(wrapper_ref, buckets, _module, _args) -> None:
         wrapper._apply_buckets(buckets)
     elif wrapper._due:
         wrapper.synchronize()
+    params = module.__dict__.get("_parameters")
+    if isinstance(params, QuietParameters):
+        params.__class__ = QuietParameters
 
 
-def _synchronize_before_reading(wrapper_ref, *_hook_args) -> None:
-    """A state_dict pre-hook of the inner modules (non-blocking mode): reading
-    `model.state_dict()` after the loop sees every step taken."""
+def _read_pending(wrapper_ref, params, value) -> None:
+    """A read of a module's parameter `value` (None: of all of them) while an
+    update is due (_pending_reads.py): inside the wrapper's forward the
+    parameter's bucket is applied now (weight tying through another module's
+    attribute); anywhere else the whole update is."""
     wrapper = wrapper_ref()
-    if wrapper is not None and wrapper._due:
+    if wrapper is None or wrapper._due is None:
+        params.__class__ = QuietParameters
+    elif wrapper._stepping:
+        return   # DataParallel's own delivery and step
+    elif wrapper._applying:
+        bucket_of = wrapper._bucket_of_param
+        wanted = dict.values(params) if value is None else (value,)
+        wrapper._apply_buckets(sorted({bucket_of[id(p)] for p in wanted if id(p) in bucket_of}))
+    else:
         wrapper.synchronize()
 
 
@@ -284,8 +299,11 @@ class DataParallel(torch.nn.Module):
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
         self._reads_checked = False   # non-blocking: the first applying forward watched reads
         self._apply_all_first = False  # ... and found a parameter read before its layer
+        # Non-blocking: the modules whose _parameters are watched, and those dicts (_pending_reads.py).
+        self._watched_modules, self._watched_params = [], []
         if not self.blocking_parameter_updates:
             self._install_layer_hooks()
+            self._watch_reads()
             self._hook_handles += [
                 opt.torch_optimizer.register_step_pre_hook(
                     functools.partial(_check_direct_step, weakref.ref(self)))
@@ -343,10 +361,16 @@ class DataParallel(torch.nn.Module):
             buckets = tuple(sorted({self._param_bucket[i] for i in own}))
             self._hook_handles.append(module.register_forward_pre_hook(
                 functools.partial(_apply_pending, weakref.ref(self), buckets)))
-        self._hook_handles += [
-            m.register_state_dict_pre_hook(functools.partial(_synchronize_before_reading,
-                                                             weakref.ref(self)))
-            for m in self.module.modules()]
+
+    def _watch_reads(self) -> None:
+        """Reads of the parameters through the modules' API while an update is
+        due apply it first (_pending_reads.py)."""
+        self._bucket_of_param = {id(p): b for p, b in zip(self._params, self._param_bucket)}
+        reader = functools.partial(_read_pending, weakref.ref(self))
+        self._watched_modules = [m for m in self.module.modules()
+                                 if any(id(p) in self._bucket_of_param
+                                        for p in m.__dict__["_parameters"].values())]
+        self._watched_params = [watch(m, reader) for m in self._watched_modules]
 
     # -- training -------------------------------------------------------------
 
@@ -458,6 +482,7 @@ class DataParallel(torch.nn.Module):
         if not reducer.finalized:  # the last bucket's after_step ended the pass
             self._applying = False
             self._due = None
+            set_pending(self._watched_params, False)
 
     def _step_bucket(self, b: int) -> None:
         """Steps the optimizer on bucket b's parameters only, with the
@@ -591,6 +616,18 @@ class DataParallel(torch.nn.Module):
         self.synchronize()
         return super().state_dict(*args, **kwargs)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's, without applying a pending update (non-blocking mode):
+        clearing gradients reads no parameter values, and the update keeps
+        its overlap with whatever runs before the next forward."""
+        due = self._due is not None
+        set_pending(self._watched_params, False)
+        try:
+            super().zero_grad(set_to_none)
+        finally:
+            if due and self._due is not None:
+                set_pending(self._watched_params, True)
+
     def _gradients_now(self) -> None:
         """Non-blocking mode, between backward and step: wait for the averaging
         and put the means in `.grad`; the step that follows is an ordinary one."""
@@ -630,6 +667,7 @@ class DataParallel(torch.nn.Module):
         groups = optimizer.torch_optimizer.param_groups
         self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._due = optimizer
+        set_pending(self._watched_params, True)
         # LR schedulers check this flag (set by the real step) to warn about a
         # scheduler stepped before its optimizer; the step is merely deferred.
         optimizer.torch_optimizer._opt_called = True
@@ -693,6 +731,8 @@ class DataParallel(torch.nn.Module):
         if self._released is None:
             self.synchronize()
             remove_handles(self._hook_handles)
+            for m, params in zip(self._watched_modules, self._watched_params):
+                unwatch(m, params)
             self._released = reason
 
     @property
