@@ -24,6 +24,7 @@ from .data_parallel_multi import DataParallelMultiGPU
 from .optimizer import DataParallelOptimizer
 from .process_group import init_process_group
 from .topology import Topology, cross_node_comm, node_comm, topology
+from .wrapper_copy import WrapperCopy
 from . import nn, optim                                   # Heat's names: ht.nn, ht.optim
 from .communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.MPI_WORLD
 
@@ -71,6 +72,7 @@ __all__ = [
     "reduce_scatter",
     "with_bagua",
     "BaguaModule",
+    "WrapperCopy",
     "algorithms",
     "gossip",
     "node_comm",

@@ -38,6 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
+from . import _module_hooks as module_hooks
 from ._consistency import numbers_of, ranks_differing, refuse_different_settings, settings_hash
 
 __all__ = ["LoadWatch"]
@@ -82,7 +83,8 @@ class LoadWatch:
         load_state_dict counts too) and on `optimizers`, and from now on on
         the optimizers that join; returns the handles. The hooks hold the
         watch weakly, so that models stay deep-copyable."""
-        handles = [m.register_load_state_dict_post_hook(self._load_hook()) for m in modules]
+        handles = [module_hooks.register(m, "register_load_state_dict_post_hook",
+                                         self._load_hook()) for m in modules]
         for opt in optimizers:
             self._join(opt)
         _FOLLOWING.add(self)

@@ -16,6 +16,7 @@ from typing import List, Sequence
 import torch
 
 from . import _C
+from . import _module_hooks as module_hooks
 
 
 def install_progress_hooks(model: torch.nn.Module, params: Sequence[torch.Tensor],
@@ -30,5 +31,6 @@ def install_progress_hooks(model: torch.nn.Module, params: Sequence[torch.Tensor
             if sync.pending:
                 sync.test()
 
-    return ([m.register_forward_pre_hook(progress) for m in model.modules()] +
+    return ([module_hooks.register(m, "register_forward_pre_hook", progress)
+             for m in model.modules()] +
             [p.register_post_accumulate_grad_hook(progress) for p in params])

@@ -23,6 +23,7 @@ from ._consistency import check_same_structure
 from ._mpi import as_mpi4py, resolve_comm
 from ._params import TrainableAtSetup
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .wrapper_copy import reduce_wrapper
 
 __all__ = ["with_bagua", "BaguaModule"]
 
@@ -57,6 +58,9 @@ class BaguaModule(torch.nn.Module):
                 "GradientAllReduceAlgorithm and ByteGradAlgorithm do); give every rank the same "
                 "number of batches (e.g. DistributedSampler(..., drop_last=True))")
         return join(adopt_optimizer_state)
+
+    def __reduce_ex__(self, protocol):
+        return reduce_wrapper(self, self.module)
 
     def bagua_state_dict(self):
         """The algorithm's own state (its optimizers' states are theirs)."""

@@ -19,10 +19,12 @@ from ._mpi import MPI, as_mpi4py, resolve_comm
 from ._params import (TrainableAtSetup, broadcast_state, broadcast_tensors, check_module,
                       name_list, remove_handles)
 from ._loads import LoadWatch
+from . import _module_hooks as module_hooks
 from ._pending_reads import QuietParameters, set_pending, unwatch, watch
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
+from .wrapper_copy import reduce_wrapper
 from .topology import cross_node_comm, node_comm, topology
 
 __all__ = ["DataParallel"]
@@ -359,7 +361,8 @@ class DataParallel(torch.nn.Module):
             if not own:
                 continue
             buckets = tuple(sorted({self._param_bucket[i] for i in own}))
-            self._hook_handles.append(module.register_forward_pre_hook(
+            self._hook_handles.append(module_hooks.register(
+                module, "register_forward_pre_hook",
                 functools.partial(_apply_pending, weakref.ref(self), buckets)))
 
     def _watch_reads(self) -> None:
@@ -615,6 +618,9 @@ class DataParallel(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         self.synchronize()
         return super().state_dict(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        return reduce_wrapper(self, self.module)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's, without applying a pending update (non-blocking mode):

@@ -17,6 +17,7 @@ from .daso import DASO
 from .data_parallel import DataParallel
 from .process_group import init_process_group, node_process_group
 from .topology import node_comm, topology
+from .wrapper_copy import reduce_wrapper
 
 __all__ = ["DataParallelMultiGPU"]
 
@@ -115,6 +116,11 @@ class DataParallelMultiGPU(torch.nn.Module):
         self._daso = optimizer
         self._joining = False
         self._last_inputs = None
+
+    def __reduce_ex__(self, protocol):
+        inner = self.module
+        model = inner.module if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else inner
+        return reduce_wrapper(self, model)
 
     def forward(self, *inputs, **kwargs):
         if (self.training and torch.is_grad_enabled() and not self._joining

@@ -38,6 +38,7 @@ from typing import Any, Dict, List
 import torch
 
 from . import _C, kernels
+from . import _module_hooks as module_hooks
 from ._algorithm import Algorithm
 from ._args import check_bool, check_choice, check_int
 from ._consistency import _ranks_named, check_every, check_in_sync, check_same_step
@@ -116,7 +117,8 @@ class _DecentralizedHandle:
         self._check_every = check_every() if mode == "all" else 0  # "all" makes replicas equal
         self._pending = None     # (work, sent, received) of an exchange in flight
         self._queued = False
-        self._handles = [module.register_forward_pre_hook(self._before_forward)]
+        self._handles = [module_hooks.register(module, "register_forward_pre_hook",
+                                               self._before_forward)]
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def _before_forward(self, _module, _inputs) -> None:

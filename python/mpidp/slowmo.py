@@ -40,6 +40,7 @@ from .averaging import average_tensors
 from .data_parallel import DataParallel
 from .gossip import DynamicDirectedExponentialGraph, GraphManager, MixingManager, UniformMixing, mix
 from .topology import node_comm
+from .wrapper_copy import reduce_wrapper
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
 
@@ -247,6 +248,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         if current is None or current() is not self:
             raise RuntimeError("SlowMoDistributedDataParallel: a newer wrapper of this module "
                                "took over; use that one")
+
+    def __reduce_ex__(self, protocol):
+        return reduce_wrapper(self, self.module)
 
     def forward(self, *inputs: Any, **kwargs: Any):
         self._check_current()
