@@ -65,6 +65,42 @@ def test_buffers_follow_rank0_before_every_training_forward(broadcast, blocking)
             assert torch.allclose(mine, want, atol=1e-6), f"step {step}: buffer {name}"
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_two_forwards_before_one_backward_with_batchnorm(blocking):
+    """torch DDP runs this (a model applied to two views of a batch, one
+    loss); mpidp's buffer broadcast before the second forward bumped the
+    running statistics' version on the receiving ranks only, and their
+    backward failed with torch's in-place error. Against a simulation of
+    every rank's replica (BatchNorm in training normalises with each rank's
+    own batch, so there is no one-process equivalent): the update uses the
+    mean over ranks of each replica's gradient."""
+    model = build(BNNet, seed=4)
+    reference = copy.deepcopy(model)
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=blocking)
+    ref_opt = sgd(reference.parameters())
+    g = seeded(10)
+    for step in range(3):
+        X1, X2 = (on_device(torch.randn(4 * SIZE, 6, generator=g)) for _ in range(2))
+        Y = on_device(torch.randint(0, 3, (4 * SIZE,), generator=g))
+        opt.zero_grad()
+        (F.cross_entropy(net(rank_slice(X1)), rank_slice(Y))
+         + F.cross_entropy(net(rank_slice(X2)), rank_slice(Y))).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for r in range(SIZE):
+            replica = copy.deepcopy(reference)
+            loss = (F.cross_entropy(replica(rank_slice(X1, r)), rank_slice(Y, r))
+                    + F.cross_entropy(replica(rank_slice(X2, r)), rank_slice(Y, r)))
+            for p, q in zip(reference.parameters(),
+                            torch.autograd.grad(loss, list(replica.parameters()))):
+                p.grad = q / SIZE if p.grad is None else p.grad + q / SIZE
+        ref_opt.step()
+    net.synchronize()
+    assert_params_close(model, reference)
+    assert_same_on_all_ranks(model)
+
+
 def test_broadcast_buffers_must_be_a_bool():
     with pytest.raises(TypeError, match="broadcast_buffers: expected a bool"):
         mpidp.DataParallel(build(BNNet, 0), broadcast_buffers="yes")

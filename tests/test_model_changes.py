@@ -9,9 +9,10 @@ set it up again; following that advice trains like one process again.
 Freezing after set-up needs nothing: such parameters get no gradient and are
 left alone, as in one process. Converting the model (model.double()) after
 DataParallel was set up leaves its gradient buckets in the old dtype: a
-clear error, then a new wrapper trains like one process. A tensor given to
-a non-blocking DataParallel's optimizer after set-up would never be updated
-(the update goes bucket by bucket): step() raises.
+clear error, then a new wrapper trains like one process. A tensor outside
+the model given to the optimizer would train on each rank's own gradient
+(blocking) or never be updated (non-blocking, whose update goes bucket by
+bucket): step() raises.
 
 Each rank trains on its own slice of every batch; the reference is one
 process on the whole batch (tests/dp_reference.py).
@@ -277,23 +278,95 @@ def test_converting_the_model_after_wrapping_is_named_and_a_new_wrapper_trains_i
     assert_same_on_all_ranks(model)
 
 
-def test_nonblocking_refuses_a_tensor_given_to_the_optimizer_after_set_up():
-    """Non-blocking updates are applied bucket by bucket: a tensor outside
-    the model given to the optimizer later (a learnable temperature) would
-    never be updated, so step() raises; blocking mode steps it."""
-    for blocking in (False, True):
-        model = build(MLP, 800 + RANK)
-        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
-        net = wrap(model, opt, blocking)
-        scale = torch.ones(1, requires_grad=True)
-        opt.torch_optimizer.add_param_group({"params": [scale]})
-        x, y = classification_batch(seeded(20), 4 * SIZE, (6, 3))
-        opt.zero_grad()
-        F.cross_entropy(net(rank_slice(x)) * scale, rank_slice(y)).backward()
-        if blocking:
-            opt.step()
-            assert scale.item() != 1.0
+class Scaled(torch.nn.Module):
+    """MLP whose logits are multiplied by a learnable temperature: a
+    parameter of the model when `own` (averaged), else a tensor outside it."""
+
+    def __init__(self, own=True):
+        super().__init__()
+        self.mlp = MLP()
+        temperature = torch.ones(1, requires_grad=True)
+        if own:
+            self.temperature = torch.nn.Parameter(temperature)
         else:
-            with pytest.raises(RuntimeError, match="holds 1 tensor\\(s\\) that are not parameters "
-                                                   "DataParallel averages"):
-                opt.step()
+            self.outside = [temperature]
+
+    def forward(self, x):
+        t = self.temperature if hasattr(self, "temperature") else self.outside[0]
+        return self.mlp(x) * t
+
+
+@pytest.mark.parametrize("how", ["blocking", "non-blocking", "plain-optimizer"])
+def test_a_tensor_outside_the_model_in_the_optimizer_is_refused(how):
+    """A learnable tensor outside the model, given to the optimizer after
+    set-up: non-blocking mode would never update it (its step goes bucket by
+    bucket); blocking mode, and a plain torch optimizer stepped directly,
+    used to step it on each rank's own gradient (the ranks drifted 5.7e-3
+    apart in a few steps). Every mode raises at step(), before any update."""
+    torch.manual_seed(800 + RANK)
+    model = Scaled(own=False)
+    temperature = model.outside[0]
+    if how == "plain-optimizer":
+        opt = sgd(model.parameters())
+        net = mpidp.DataParallel(model)
+    else:
+        opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+        net = wrap(model, opt, how == "blocking")
+    (opt if how == "plain-optimizer" else opt.torch_optimizer).add_param_group(
+        {"params": [temperature]})
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = classification_batch(seeded(20), 4 * SIZE, (6, 3))
+    opt.zero_grad()
+    F.cross_entropy(net(rank_slice(x)), rank_slice(y)).backward()
+    words = ("holds tensor\\(s\\) that are not parameters DataParallel averages"
+             if how == "non-blocking" else
+             "steps tensor\\(s\\) with gradients that are not parameters of the wrapped "
+             "model \\(param group 1 \\[0\\] \\(shape \\[1\\]\\)\\)")
+    with pytest.raises(RuntimeError, match=words):
+        opt.step()
+    assert temperature.item() == 1.0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_the_same_temperature_as_a_parameter_of_the_model_trains_like_one_process(blocking):
+    """The error's advice: a parameter of the model is averaged."""
+    torch.manual_seed(801)
+    reference = Scaled(own=True)
+    model = Scaled(own=True)
+    model.load_state_dict(reference.state_dict())
+    opt = mpidp.DataParallelOptimizer(sgd(model.parameters()))
+    net = wrap(model, opt, blocking)
+    ref_opt = sgd(reference.parameters())
+    gen = seeded(21)
+    for _ in range(4):
+        x, y = classification_batch(gen, 4 * SIZE, (6, 3))
+        step_like_one_process(net, opt, reference, ref_opt, x, y)
+    net.synchronize()
+    assert model.temperature.item() != 1.0
+    assert_params_close(model, reference)
+    assert_same_on_all_ranks(model)
+
+
+def test_add_param_group_of_the_dataparallel_optimizer_trains_like_one_process():
+    """Fine-tuning's habit: the head trains from the start, the body's
+    layer is added to the optimizer later with add_param_group (torch's
+    optimizers have it; DataParallelOptimizer had none)."""
+    torch.manual_seed(802)
+    reference = MLP()
+    model = MLP()
+    model.load_state_dict(reference.state_dict())
+    opt = mpidp.DataParallelOptimizer(sgd(model.l2.parameters()))
+    net = mpidp.DataParallel(model, optimizer=opt)
+    ref_opt = sgd(reference.l2.parameters())
+    gen = seeded(22)
+    for step in range(5):
+        if step == 2:
+            opt.add_param_group({"params": list(model.l1.parameters()), "lr": 0.02})
+            ref_opt.add_param_group({"params": list(reference.l1.parameters()), "lr": 0.02})
+            assert len(opt.param_groups) == 2 and opt.defaults == ref_opt.defaults
+        x, y = classification_batch(gen, 4 * SIZE, (6, 3))
+        step_like_one_process(net, opt, reference, ref_opt, x, y)
+    net.synchronize()
+    assert_params_close(model, reference)
+    assert_same_on_all_ranks(model)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel
 
-from dp_reference import (RANK, SIZE, assert_params_close, assert_same_on_all_ranks,
+from dp_reference import (SIZE, assert_params_close, assert_same_on_all_ranks,
                           classification_batch, data_parallel_and_reference, rank_slice,
                           reference_step, seeded)
 from test_data_parallel import MLP, sgd

@@ -77,6 +77,9 @@ class LoadWatch:
         self._optimizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._unrelated: "weakref.WeakSet" = weakref.WeakSet()
         self._hash_mask = (1 << max(8, min(20, (52 - comm.size.bit_length()) // 2))) - 1
+        # Called with each watched optimizer before its step (the wrapper's
+        # checks of what the step will update); None: nothing.
+        self.on_step: Callable | None = None
 
     def install(self, modules, optimizers) -> list:
         """Counts load_state_dict on every module (a submodule's own
@@ -99,12 +102,15 @@ class LoadWatch:
         self._count += 1     # its state joins the comparison: compare once now
 
     def _saw(self, optimizer) -> None:
-        if optimizer in self._optimizers or optimizer in self._unrelated:
+        if optimizer in self._unrelated:
             return
-        if any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
+        if optimizer not in self._optimizers:
+            if not any(id(p) in self._params for g in optimizer.param_groups for p in g["params"]):
+                self._unrelated.add(optimizer)
+                return
             self._join(optimizer)
-        else:
-            self._unrelated.add(optimizer)
+        if self.on_step is not None:
+            self.on_step(optimizer)
 
     def _groups(self):
         """(optimizer index, group index, optimizer, group) of the param

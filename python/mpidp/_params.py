@@ -53,6 +53,15 @@ def broadcast_tensors(tensors, comm: "_C.Comm", root: int = 0) -> None:
                 t.copy_(flat[off:off + c.numel()].view(t.dtype).view(t.shape))
 
 
+def broadcast_buffers(module: torch.nn.Module, comm: "_C.Comm") -> None:
+    """Rank 0's buffers before a training forward (broadcast_buffers=True),
+    written through `.data` so that their version counters do not move, as
+    torch DDP's: BatchNorm saves its running statistics for backward, and a
+    forward run twice before one backward failed that backward with torch's
+    in-place error on the ranks that received (rank 0 copies nothing)."""
+    broadcast_tensors([b.data for b in module.buffers()], comm)
+
+
 def _pack_bytes(group):
     """The bytes of `group` in one uint8 tensor on their device, each tensor at
     a multiple of 8 bytes so that its slice can be viewed as its dtype again;

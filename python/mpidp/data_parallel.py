@@ -16,7 +16,7 @@ from ._args import check_bool, check_real
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync, check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import (TrainableAtSetup, broadcast_state, broadcast_tensors, check_module,
+from ._params import (TrainableAtSetup, broadcast_buffers, broadcast_state, check_module,
                       name_list, remove_handles)
 from ._loads import LoadWatch
 from . import _module_hooks as module_hooks
@@ -133,6 +133,16 @@ def _check_direct_step(wrapper_ref, _optimizer, _args, _kwargs) -> None:
         "and the deferred update (e.g. scaler.step(opt.torch_optimizer)), but its gradients are "
         "zeros until the averaged ones arrive. Step the DataParallelOptimizer instead "
         "(scaler.step(dp_opt)), or call dp_opt.synchronize() first")
+
+
+def _before_optimizer_step(wrapper_ref, optimizer) -> None:
+    """Before any step of an optimizer that updates wrapped parameters
+    (LoadWatch.on_step): one stepped directly (DDP's pattern) must update
+    nothing that DataParallel does not average. DataParallelOptimizer's own
+    steps are checked in _step_due."""
+    wrapper = wrapper_ref()
+    if wrapper is not None and not wrapper._stepping and wrapper._released is None:
+        wrapper._refuse_outside_tensors(optimizer)
 
 
 def _check_optimizers(optimizer) -> List[DataParallelOptimizer]:
@@ -287,6 +297,7 @@ class DataParallel(torch.nn.Module):
         # at the next training forwards (_loads.py), also for plain torch
         # optimizers stepped directly (DDP's pattern).
         self._loads = LoadWatch(c_comm, "DataParallel", self._params)
+        self._loads.on_step = functools.partial(_before_optimizer_step, weakref.ref(self))
         self._hook_handles += self._loads.install(list(module.modules()),
                                                   [opt.torch_optimizer for opt in optimizers])
         self._joining = False    # inside join(): every training forward takes part in a ballot
@@ -295,7 +306,8 @@ class DataParallel(torch.nn.Module):
         # until the update is applied), else None.
         self._due = None
         self._backwards_at_step = 0   # the reducer's backward count at the last step()
-        self._holdings_sig = None     # the optimizer's groups when last found to hold bucket params
+        # id(optimizer) -> (its groups' layout, the tensors it holds that no bucket holds)
+        self._outside_of: dict = {}
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
@@ -391,7 +403,7 @@ class DataParallel(torch.nn.Module):
             self._join_steps += 1
         if self.training and torch.is_grad_enabled() and not self._joining and not reducer.paused:
             if self.broadcast_buffers:
-                broadcast_tensors(list(self.module.buffers()), self._c_comm)
+                broadcast_buffers(self.module, self._c_comm)
             self._loads.check(self._shared_state, "mpidp.broadcast_parameters(model) and "
                               "mpidp.broadcast_optimizer_state(optimizer)")
         if self._check_every and self.training:
@@ -655,6 +667,7 @@ class DataParallel(torch.nn.Module):
             self._refuse_unaveraged_grads()
         self._backwards_at_step = backwards
         if self.blocking_parameter_updates or not self._reducer.finalized:
+            self._refuse_outside_tensors(optimizer.torch_optimizer)
             with self._own_step():
                 optimizer.torch_optimizer.step()
             return
@@ -669,7 +682,7 @@ class DataParallel(torch.nn.Module):
         if self._due:
             raise RuntimeError("DataParallel (non-blocking): optimizer.step() was called twice "
                                "without a forward pass in between")
-        self._check_holdings(optimizer.torch_optimizer)
+        self._refuse_outside_tensors(optimizer.torch_optimizer)
         groups = optimizer.torch_optimizer.param_groups
         self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._due = optimizer
@@ -678,24 +691,42 @@ class DataParallel(torch.nn.Module):
         # scheduler stepped before its optimizer; the step is merely deferred.
         optimizer.torch_optimizer._opt_called = True
 
-    def _check_holdings(self, opt: torch.optim.Optimizer) -> None:
-        """Non-blocking: the step is applied bucket by bucket, so a tensor the
-        optimizer was given after set-up (add_param_group) that no bucket
-        holds would never be updated. Checked again only when the groups
-        change."""
+    def _refuse_outside_tensors(self, opt: torch.optim.Optimizer) -> None:
+        """A tensor that `opt` updates but no bucket holds (a learnable
+        tensor outside the model, a group added after set-up) is never
+        averaged: in blocking mode each rank would step it on its own
+        gradient and the ranks drift apart; in non-blocking mode, whose step
+        is applied bucket by bucket, it would never be updated at all. The
+        tensors are found again only when the optimizer's groups change."""
         groups = opt.param_groups
         sig = tuple(id(g["params"]) for g in groups) + tuple(len(g["params"]) for g in groups)
-        if sig == self._holdings_sig:
+        known = self._outside_of.get(id(opt))
+        if known is None or known[0] != sig:
+            planned = {id(p) for p in self._params}
+            known = (sig, [(j, i, p) for j, g in enumerate(groups)
+                           for i, p in enumerate(g["params"]) if id(p) not in planned])
+            self._outside_of[id(opt)] = known
+        outside = known[1]
+        if not outside:
             return
-        planned = {id(p) for p in self._params}
-        extra = sum(1 for g in groups for p in g["params"] if id(p) not in planned)
-        if extra:
+        nonblocking = not self.blocking_parameter_updates
+        stepped = outside if nonblocking else [t for t in outside if t[2].grad is not None]
+        if not stepped:
+            return
+        where = ", ".join(f"param group {j} [{i}] (shape {list(p.shape)})" for j, i, p in stepped[:3])
+        more = f" and {len(stepped) - 3} more" if len(stepped) > 3 else ""
+        if nonblocking:
             raise RuntimeError(
-                f"DataParallel (non-blocking): the optimizer holds {extra} tensor(s) that are not "
-                "parameters DataParallel averages (given with add_param_group after set-up): the "
-                "update is applied bucket by bucket, so they would never be updated. Use "
-                "blocking_parameter_updates=True, or step them with another optimizer")
-        self._holdings_sig = sig
+                f"DataParallel (non-blocking): the optimizer holds tensor(s) that are not "
+                f"parameters DataParallel averages ({where}{more}): the update is applied bucket "
+                "by bucket, so they would never be updated. Use blocking_parameter_updates=True, "
+                "or step them with another optimizer")
+        raise RuntimeError(
+            f"DataParallel: the optimizer steps tensor(s) with gradients that are not parameters "
+            f"of the wrapped model ({where}{more}), so their gradients are this rank's alone and "
+            "the ranks would drift apart. Make them parameters of the model before wrapping it "
+            "(then they are averaged), or average their gradients yourself "
+            "(mpidp.allreduce(t.grad, op='avg')) and step them with an optimizer of their own")
 
     def _refuse_unaveraged_grads(self) -> None:
         """A step with no backward through the hooks since the last one: a

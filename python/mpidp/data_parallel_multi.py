@@ -12,7 +12,7 @@ import torch.distributed as dist
 from . import _C
 from ._consistency import check_same_structure
 from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import broadcast_state, broadcast_tensors, check_module
+from ._params import broadcast_buffers, broadcast_state, check_module
 from .daso import DASO
 from .data_parallel import DataParallel
 from .process_group import init_process_group, node_process_group
@@ -138,7 +138,7 @@ class DataParallelMultiGPU(torch.nn.Module):
         buffers before a forward, when DDP would send them (after a forward
         that was followed by a synced backward: DDP's own flag)."""
         if self._host_buffers_comm is not None and self.module.require_forward_param_sync:
-            broadcast_tensors(list(self.module.module.buffers()), self._host_buffers_comm)
+            broadcast_buffers(self.module.module, self._host_buffers_comm)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -95,6 +95,18 @@ class DataParallelOptimizer:
     def state(self):
         return self.torch_optimizer.state
 
+    @property
+    def defaults(self) -> dict:
+        return self.torch_optimizer.defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group on the wrapped optimizer (fine-tuning
+        recipes add the layers they unfreeze, schedulers read the groups).
+        The tensors added must be parameters DataParallel averages -- trainable
+        parameters of the wrapped model when it was set up -- else the next
+        step() raises: their gradients would be each rank's own."""
+        self.torch_optimizer.add_param_group(param_group)
+
     def state_dict(self):
         if self._model is not None:
             self._model.synchronize()

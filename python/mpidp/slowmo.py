@@ -35,7 +35,7 @@ from . import _C
 from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_step, check_same_structure, param_group_settings
 from ._mpi import as_mpi4py, resolve_comm
-from ._params import TrainableAtSetup, broadcast_tensors
+from ._params import TrainableAtSetup, broadcast_buffers, broadcast_tensors
 from .averaging import average_tensors
 from .data_parallel import DataParallel
 from .gossip import DynamicDirectedExponentialGraph, GraphManager, MixingManager, UniformMixing, mix
@@ -257,7 +257,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         if self.training and torch.is_grad_enabled():
             self._trainable_at_setup.check()
         if self.broadcast_buffers and self.training:
-            broadcast_tensors(list(self.module.buffers()), self._world)
+            broadcast_buffers(self.module, self._world)
         runner = self._node_dp if self._node_dp is not None else self.module
         return runner(*inputs, **kwargs)
 
