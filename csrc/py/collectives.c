@@ -7,6 +7,7 @@
 
 #include <limits.h>
 
+#include "mpidp/agree.h"
 #include "mpidp/allreduce.h"
 #include "mpidp/collectives.h"
 #include "mpidp/peerx.h"
@@ -187,6 +188,30 @@ PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_
     mpidp_error_clear();
     int rc = mpidp_barrier_start(((mpidp_py_comm_t *)self)->comm, st->reqs, &x);
     return started(st, rc, &mpidp_coll_operation, x, NULL, 0, async_op, self, Py_None, "barrier");
+}
+
+/* agree(fields) -> bool (mpidp/agree.h): every rank passed the same tuple of ints. */
+PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
+{
+    mpidp_py_state *st = begin(self, "agree(fields)", nargs, 1, 1, kwnames, "agree");
+    if (st == NULL) return NULL;
+    PyObject *fields = args[0];
+    Py_ssize_t n = PyTuple_Check(fields) ? PyTuple_GET_SIZE(fields) : -1;
+    if (n < 1 || n > MPIDP_AGREE_MAX_FIELDS)
+        return PyErr_Format(PyExc_TypeError, "fields: expected a tuple of 1 to %d ints",
+                            MPIDP_AGREE_MAX_FIELDS);
+    int64_t sig[MPIDP_AGREE_MAX_FIELDS];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        sig[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(fields, i));
+        if (sig[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    int agreed = 0, rc;
+    mpidp_error_clear();
+    MPIDP_PY_WAIT(st, rc, mpidp_agree(((mpidp_py_comm_t *)self)->comm, sig, (size_t)n, st->reqs,
+                                      mpidp_py_timeout_s, &agreed));
+    if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "agree");
+    return PyBool_FromLong(agreed);
 }
 
 /* A tuple of at most MPIDP_PEERX_MAX_PEERS ranks into out[]; -1 with an exception. */

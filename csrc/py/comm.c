@@ -125,6 +125,8 @@ static PyMethodDef comm_methods[] = {
                "each rank of out_peers, receive recvs[i] from in_peers[i] (every rank calls it,\n"
                "in the same order)"),
     COLLECTIVE(barrier, "barrier(async_op=False) -> Work | None"),
+    COLLECTIVE(agree, "agree(fields) -> bool: whether every rank passed the same tuple of ints\n"
+               "(each in (-2**63, 2**63)); blocking, with the deadline of every wait"),
 #undef COLLECTIVE
     {"py2f", (PyCFunction)comm_py2f, METH_NOARGS, "The Fortran handle of the duplicate."},
     {NULL, NULL, 0, NULL},

@@ -145,6 +145,8 @@ PyObject *mpidp_py_comm_allgatherv(PyObject *self, PyObject *const *args, Py_ssi
                                    PyObject *kwnames);
 PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                       PyObject *kwnames);
+PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames);
 
 /* The types, one per file; module.c creates them. */
 extern PyType_Spec mpidp_py_comm_spec, mpidp_py_work_spec, mpidp_py_reducer_spec,

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ._agreement import agree, crc_of
 from .collectives import check_root
 from ._mpi import resolve_comm
 from .optimizer import DataParallelOptimizer
@@ -43,6 +44,9 @@ def broadcast_parameters(params, root: int = 0, comm=None) -> None:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"params: entry {i} is a {type(t).__name__}, not a tensor")
+    # The tensors travel packed: every rank must pack the same layout.
+    layout = crc_of((t.dtype, tuple(t.shape)) for t in tensors)
+    agree(c_comm, "broadcast_parameters", torch.empty(len(tensors)), root=root, layout=layout)
     with torch.no_grad():
         broadcast_tensors(tensors, c_comm, root)
 

@@ -13,8 +13,9 @@ import zlib
 import torch
 
 from . import _C
+from ._agreement import agree, crc_of, refuse, signature
 from ._args import check_bool, check_choice, check_int
-from ._dtypes import wire_code
+from ._dtypes import CODE_OF, wire_code
 from ._mpi import MPI, resolve_comm
 from .topology import topology
 
@@ -23,6 +24,10 @@ __all__ = ["allreduce", "allreduce_scalar", "allgather", "broadcast", "barrier",
 
 _OPS = {"sum": _C.OP_SUM, "avg": _C.OP_AVG, "min": _C.OP_MIN, "max": _C.OP_MAX,
         "prod": _C.OP_PROD}
+# Names of the settings' codes, for the message of ranks that disagree.
+_NAMES = {"op": {code: name for name, code in _OPS.items()},
+          "wire": {_C.NO_WIRE: "none", _C.DTYPE_U8: "uint8",
+                   **{code: str(d).replace("torch.", "") for d, code in CODE_OF.items()}}}
 _INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -123,14 +128,29 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,
     a block holding a NaN or an infinity on any rank becomes NaN on every
     rank). With async_op=True a `Work` is
     returned: `wait()` completes it, `is_completed()` polls it, `result()`
-    waits and returns the tensor; the tensor must not be used until then."""
+    waits and returns the tensor; the tensor must not be used until then.
+
+    Before anything is sent the ranks check that they passed the same shape,
+    dtype, op and wire_dtype (one small blocking allreduce; a mismatch raises
+    ValueError on every rank, naming each rank's)."""
+    return allreduce_agreed(tensor, op, comm, wire_dtype, async_op, check=True)
+
+
+def allreduce_agreed(tensor: torch.Tensor, op: str = "sum", comm=None, wire_dtype=None,
+                     async_op: bool = False, check: bool = False):
+    """allreduce() for callers whose ranks agreed on the tensor's shape when
+    they were set up (the algorithms' per-step traffic): no check unless
+    `check`."""
     _check_tensor(tensor)
     code = _check_op(op, tensor.dtype, wire_dtype)
     wire = wire_code(wire_dtype, quantized=True)
     if wire == _C.DTYPE_U8 and tensor.dtype != torch.float32:
         raise TypeError(f"wire_dtype: torch.uint8 quantizes float32 tensors, got {tensor.dtype}")
     check_bool("async_op", async_op)
-    work = resolve_comm(comm).allreduce(tensor.detach(), code, wire, async_op)
+    c = resolve_comm(comm)
+    if check:
+        agree(c, "allreduce", tensor, names=_NAMES, op=code, wire=wire)
+    work = c.allreduce(tensor.detach(), code, wire, async_op)
     return Work(work, tensor) if async_op else None
 
 
@@ -168,7 +188,8 @@ def broadcast(tensor: torch.Tensor, root: int = 0, comm=None, async_op: bool = F
     c = resolve_comm(comm)
     _check_tensor(tensor, writable=c.rank != root)
     check_bool("async_op", async_op)
-    work = c.bcast(tensor.detach(), check_root(root, c), async_op)
+    agree(c, "broadcast", tensor, root=check_root(root, c))
+    work = c.bcast(tensor.detach(), root, async_op)
     return Work(work, tensor) if async_op else tensor
 
 
@@ -201,9 +222,7 @@ def _rows_of_every_rank(c, t: torch.Tensor) -> list:
     c.allgather(shape, shapes)
     shapes = shapes.view(c.size, 3)
     if not bool((shapes[:, 1] == shape[1]).all()):
-        odd = [r for r in range(c.size) if shapes[r, 1] != shapes[0, 1]]
-        raise ValueError(f"tensor: ranks {odd} have another dtype or trailing shape than rank 0 "
-                         f"(this rank: {t.dtype}, {tuple(t.shape[1:])})")
+        refuse(c, "allgather", signature("allgather", t, rows_free=True), {})
     return shapes[:, 0].tolist()
 
 
@@ -220,7 +239,14 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
     None: every rank). With async_op=True a `Work` is returned whose result()
     is this rank's block.
 
-    op: "sum" or "avg"."""
+    op: "sum" or "avg". The ranks first check that they passed the same
+    shape, dtype, op and counts (see allreduce)."""
+    return reduce_scatter_agreed(tensor, op, comm, counts, async_op, check=True)
+
+
+def reduce_scatter_agreed(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None,
+                          async_op: bool = False, check: bool = False):
+    """reduce_scatter() without the check, as allreduce_agreed()."""
     _check_tensor(tensor, writable=False)
     check_choice("op", op, ("sum", "avg"))
     check_bool("async_op", async_op)
@@ -236,10 +262,13 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", comm=None, counts=None
         if len(counts) != c.size or sum(counts) != n:
             raise ValueError(f"counts: expected {c.size} ints >= 0 (one per rank) summing to "
                              f"{n}, got {counts!r}")
+    code = _OPS["avg" if op == "avg" else "sum"]
+    if check:
+        agree(c, "reduce_scatter", t, names=_NAMES, op=code, layout=crc_of(counts))
     row = int(torch.Size(t.shape[1:]).numel())
     out = torch.empty((counts[c.rank],) + tuple(t.shape[1:]), dtype=t.dtype)
     work = c.reduce_scatter(t.contiguous(), out, tuple(k * row for k in counts),
-                            _OPS["avg" if op == "avg" else "sum"], async_op)
+                            code, async_op)
     return Work(work, tensor) if async_op else out
 
 

@@ -43,7 +43,7 @@ from ._algorithm import Algorithm
 from ._args import check_bool, check_choice, check_int
 from ._consistency import _ranks_named, check_every, check_in_sync, check_same_step
 from ._mpi import resolve_comm
-from .collectives import allgather, allreduce, reduce_scatter
+from .collectives import allgather, allreduce_agreed, reduce_scatter_agreed
 from .topology import cross_node_comm, node_comm, topology
 
 __all__ = ["DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm"]
@@ -85,7 +85,7 @@ class _Workers:
     def local_part(self, flat: torch.Tensor) -> torch.Tensor:
         """This worker's share of `flat`: all of it, or this local rank's
         slice of the node's mean."""
-        return flat if self.node is None else reduce_scatter(flat, op="avg", comm=self.node)
+        return flat if self.node is None else reduce_scatter_agreed(flat, op="avg", comm=self.node)
 
     def whole(self, part: torch.Tensor) -> torch.Tensor:
         return part if self.node is None else allgather(part, comm=self.node)
@@ -133,7 +133,7 @@ class _DecentralizedHandle:
         check_same_step(self.workers.world, self.step, "DecentralizedAlgorithm")
         sent = self.workers.local_part(_flat(self.params))
         if self.mode == "all":
-            work = allreduce(sent, op="avg", comm=self.workers.comm, async_op=True)
+            work = allreduce_agreed(sent, op="avg", comm=self.workers.comm, async_op=True)
             received = None
         else:
             t = self.step // self.interval     # the exchange's number: a new pairing each time

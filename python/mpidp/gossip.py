@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import _C
+from ._agreement import agree
 from ._args import check_bool, check_int
 
 __all__ = ["mix", "GraphManager", "DynamicDirectedExponentialGraph", "NPeerDynamicDirectedExponentialGraph",
@@ -171,15 +172,21 @@ class UniformMixing(MixingManager):
         return {"uniform": w, "lo": w} if residual_adjusted else {"uniform": w}
 
 
-def mix(x: torch.Tensor, graph: GraphManager, mixing: MixingManager, comm) -> torch.Tensor:
+def mix(x: torch.Tensor, graph: GraphManager, mixing: MixingManager, comm,
+        check: bool = True) -> torch.Tensor:
     """One gossip round: this worker's `x` (a contiguous float32 CPU tensor)
     mixed with its in-peers' over `comm` (an mpidp Comm whose ranks are the
     graph's workers), w x + w x_j summed in a fixed order -- its own first,
     then the in-peers in the graph's order -- so a simulation of all workers
     gives the same bits. Every worker calls it at the same round; the graph
-    then moves to the next round. Returns a new tensor."""
+    then moves to the next round. Returns a new tensor. The workers first
+    check that their x have the same shape and dtype (one small allreduce;
+    check=False skips it where the shapes were agreed before, as SlowMo's
+    SGP does at set-up)."""
     if not mixing.is_uniform():
         raise ValueError("mixing: only uniform mixing is supported (mpidp.gossip.UniformMixing)")
+    if check:
+        agree(comm, "gossip.mix", x)
     out, inp = graph.worker_peers()
     mixed = x * mixing.get_mixing_weights()["uniform"]
     received = tuple(torch.empty_like(mixed) for _ in inp)

@@ -31,7 +31,7 @@ from ._algorithm import Algorithm
 from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_step, param_group_settings
 from ._mpi import resolve_comm
-from .collectives import allgather, allreduce, reduce_scatter
+from .collectives import allgather, allreduce_agreed, reduce_scatter_agreed
 from .data_parallel import DataParallel
 from .topology import cross_node_comm, node_comm, topology
 
@@ -147,11 +147,11 @@ class _QAdamHandle:
         """The ranks' mean of `flat` (every rank's momenta, concatenated),
         8-bit quantized across the nodes (see the module's docstring)."""
         if self.hierarchy is None:
-            allreduce(flat, op="avg", comm=self.comm, wire_dtype=torch.uint8)
+            allreduce_agreed(flat, op="avg", comm=self.comm, wire_dtype=torch.uint8)
             return flat
         node, cross = self.hierarchy
-        part = reduce_scatter(flat, op="avg", comm=node)
-        allreduce(part, op="avg", comm=cross, wire_dtype=torch.uint8)
+        part = reduce_scatter_agreed(flat, op="avg", comm=node)
+        allreduce_agreed(part, op="avg", comm=cross, wire_dtype=torch.uint8)
         return allgather(part, comm=node)
 
     def end_warmup(self) -> None:

@@ -1,0 +1,32 @@
+/* Whether the ranks passed the same signature (see mpidp/agree.h). */
+#include "mpidp/agree.h"
+
+#include "mpidp/mpi_util.h"
+#include "mpidp/mpiops.h"
+#include "mpidp/status.h"
+#include "mpidp/tensor.h"
+
+int mpidp_agree(MPI_Comm comm, const int64_t *sig, size_t n, mpidp_reqtable_t *reqs,
+                double timeout_s, int *agreed)
+{
+    if (sig == NULL || reqs == NULL || agreed == NULL || n == 0 || n > MPIDP_AGREE_MAX_FIELDS)
+        return mpidp__fail(MPIDP_EINVAL, "agreement: expected 1 .. %d fields, got %zu",
+                           MPIDP_AGREE_MAX_FIELDS, n);
+    int64_t both[2 * MPIDP_AGREE_MAX_FIELDS];
+    for (size_t i = 0; i < n; i++) {
+        if (sig[i] == INT64_MIN)
+            return mpidp__fail(MPIDP_EINVAL, "agreement: field %zu is INT64_MIN, whose negation "
+                               "does not exist", i);
+        both[i] = sig[i];
+        both[n + i] = -sig[i];
+    }
+    mpidp_req_t req;
+    int rc = mpidp__post_iallreduce(comm, reqs, both, 2 * n, MPIDP_OP_MAX, MPIDP_I64,
+                                    "agreement of the ranks' arguments (MPI_Iallreduce)", &req);
+    if (rc == MPIDP_OK) rc = mpidp_reqtable_wait(reqs, req, timeout_s);
+    if (rc != MPIDP_OK) return rc;
+    *agreed = 1;
+    for (size_t i = 0; i < n; i++)
+        if (both[i] != -both[n + i]) *agreed = 0;
+    return MPIDP_OK;
+}
