@@ -148,7 +148,7 @@ static void *thread_main(void *arg)
         atomic_fetch_add(&x->rounds, 1);
         pause_between_rounds(x);
     }
-    if (rc == MPIDP_ETIMEDOUT && x->abort_on_timeout) {
+    if (mpidp_left_in_flight(rc) && x->abort_on_timeout) {
         /* The stalled rank cannot be waited for, and the training threads
          * would only find out at their next lock: end the job now, loudly. */
         fprintf(stderr, "mpidp: rank %d: %s\nmpidp: aborting the job (set MPIDP_ON_TIMEOUT=raise "
@@ -160,7 +160,7 @@ static void *thread_main(void *arg)
     pthread_mutex_lock(&x->mu);
     x->status = rc;
     if (rc != MPIDP_OK) snprintf(x->detail, sizeof x->detail, "%s", mpidp_error_detail());
-    if (rc == MPIDP_ETIMEDOUT) x->leak_buffers = 1;
+    if (mpidp_left_in_flight(rc)) x->leak_buffers = 1;
     pthread_mutex_unlock(&x->mu);
     return NULL;
 }

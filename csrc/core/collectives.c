@@ -103,9 +103,9 @@ static int coll_claim(mpidp_coll_t *x, const char *what, mpidp_req_t *slot)
  * success hands x to the caller in *out; on failure frees x, since the
  * operation never started. */
 static int coll_post_done(mpidp_coll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Request req,
-                          const char *what, mpidp_coll_t **out)
+                          MPI_Comm comm, const char *what, mpidp_coll_t **out)
 {
-    int rc = mpidp__post_done(x->reqs, slot, mpi_rc, req, what, &x->req);
+    int rc = mpidp__post_done(x->reqs, slot, mpi_rc, req, comm, what, &x->req);
     if (rc != MPIDP_OK) {
         mpidp_coll_free(x);
         return rc;
@@ -137,7 +137,7 @@ int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_re
     if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ibcast(t->data, (int)bytes, MPI_BYTE, root, comm, &req);
-    return coll_post_done(x, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
@@ -167,7 +167,7 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
     MPI_Request req;
     rc = MPI_Iallgather(send->data, (int)bytes, MPI_BYTE, recv->data, (int)bytes, MPI_BYTE, comm,
                         &req);
-    return coll_post_done(x, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_coll_t **out)
@@ -180,7 +180,7 @@ int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_coll_t **ou
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ibarrier(comm, &req);
-    return coll_post_done(x, slot, rc, req, "MPI_Ibarrier", out);
+    return coll_post_done(x, slot, rc, req, comm, "MPI_Ibarrier", out);
 }
 
 /* ---- collectives with a count per rank ---------------------------------- */
@@ -221,7 +221,7 @@ int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
     MPI_Request req;
     rc = MPI_Ireduce_scatter(send->data, recv->data, x->counts, mpidp_mpi_datatype(send->dtype),
                              MPI_SUM, comm, &req);
-    return coll_post_done(x, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
@@ -258,7 +258,7 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
     MPI_Request req;
     rc = MPI_Iallgatherv(send->data, (int)(send->numel * esize), MPI_BYTE, recv->data, x->counts,
                          x->displs, MPI_BYTE, comm, &req);
-    return coll_post_done(x, slot, rc, req, what, out);
+    return coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 /* Once the request has completed: the mean's scaling, exactly once. */

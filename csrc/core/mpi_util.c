@@ -32,13 +32,13 @@ int mpidp__mpi_fail(int mpi_rc, const char *fmt, ...)
 }
 
 int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_Request req,
-                     const char *what, mpidp_req_t *out)
+                     MPI_Comm comm, const char *what, mpidp_req_t *out)
 {
     if (mpi_rc != MPI_SUCCESS) {
         mpidp_reqtable_unclaim(reqs, slot);
         return mpidp__mpi_fail(mpi_rc, "%s", what);
     }
-    mpidp_reqtable_fill(reqs, slot, req, what);
+    mpidp_reqtable_fill(reqs, slot, req, comm, what);
     if (out) *out = slot;
     return MPIDP_OK;
 }
@@ -79,7 +79,7 @@ int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, siz
     MPI_Request req;
     rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(dtype),
                         mpidp_mpi_op(op, dtype), comm, &req);
-    return mpidp__post_done(reqs, slot, rc, req, what, out);
+    return mpidp__post_done(reqs, slot, rc, req, comm, what, out);
 }
 
 int mpidp__mpi_finalized(void)

@@ -11,7 +11,7 @@ int mpidp_operation_finish(const mpidp_operation_t *ops, void *op, double timeou
     if (ops == NULL || op == NULL || ended == NULL)
         return mpidp__fail(MPIDP_EINVAL, "operation: NULL argument");
     int rc = ops->wait(op, timeout_s);
-    if (rc == MPIDP_ETIMEDOUT) return rc; /* still in flight: MPI may write its buffers */
+    if (mpidp_left_in_flight(rc)) return rc; /* MPI may still write its buffers */
     /* The wait's failure is the one to report: keep its detail, which a
      * failing free would overwrite. */
     char detail[256];
@@ -43,7 +43,7 @@ int mpidp_handle_wait(mpidp_handle_t *h, double timeout_s)
         return mpidp__fail(h->status, "the operation failed when it was first waited for");
     }
     int rc = h->ops->wait(h->op, timeout_s);
-    if (rc != MPIDP_ETIMEDOUT) ended(h, rc);
+    if (!mpidp_left_in_flight(rc)) ended(h, rc);
     return rc;
 }
 

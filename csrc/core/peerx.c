@@ -42,7 +42,7 @@ static int drain(mpidp_peerx_t *x, double timeout_s)
 {
     int all = 1;
     for (size_t i = 0; i < x->n_handles; i++)
-        if (mpidp_reqtable_wait(x->reqs, x->handles[i], timeout_s) == MPIDP_ETIMEDOUT) all = 0;
+        if (mpidp_left_in_flight(mpidp_reqtable_wait(x->reqs, x->handles[i], timeout_s))) all = 0;
     return all;
 }
 
@@ -58,7 +58,8 @@ static int post_all(mpidp_peerx_t *x, MPI_Comm comm, const mpidp_peerx_spec_t *s
             MPI_Request req;
             int rc = MPI_Irecv((char *)s->recv[i] + off, (int)len, MPI_BYTE, s->in[i], tag, comm,
                                &req);
-            rc = mpidp__post_done(x->reqs, slots[k], rc, req, x->what, &x->handles[x->n_handles]);
+            rc = mpidp__post_done(x->reqs, slots[k], rc, req, comm, x->what,
+                                  &x->handles[x->n_handles]);
             if (rc != MPIDP_OK) return rc;
             x->n_handles++;
         }
@@ -66,7 +67,8 @@ static int post_all(mpidp_peerx_t *x, MPI_Comm comm, const mpidp_peerx_spec_t *s
             MPI_Request req;
             int rc = MPI_Isend((const char *)s->send + off, (int)len, MPI_BYTE, s->out[i], tag,
                                comm, &req);
-            rc = mpidp__post_done(x->reqs, slots[k], rc, req, x->what, &x->handles[x->n_handles]);
+            rc = mpidp__post_done(x->reqs, slots[k], rc, req, comm, x->what,
+                                  &x->handles[x->n_handles]);
             if (rc != MPIDP_OK) return rc;
             x->n_handles++;
         }

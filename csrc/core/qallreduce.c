@@ -118,7 +118,7 @@ static int exchange(mpidp_qallreduce_t *x, slot_t *sl, int phase, size_t chunk_b
             MPI_Request req;
             rc = dir == 0 ? MPI_Irecv(in, (int)chunk_bytes, MPI_BYTE, from, tag, x->comm, &req)
                           : MPI_Isend(out, (int)chunk_bytes, MPI_BYTE, to, tag, x->comm, &req);
-            rc = mpidp__post_done(x->reqs, slot, rc, req, what, &sl->reqs[sl->n_reqs]);
+            rc = mpidp__post_done(x->reqs, slot, rc, req, x->comm, what, &sl->reqs[sl->n_reqs]);
             if (rc != MPIDP_OK) return rc;
             sl->n_reqs++;
         }

@@ -79,7 +79,7 @@ typedef int (*node_phase_start_fn)(const mpidp_reducer_t *r, const bucket_t *bk,
  * slot is claimed first so that a full table is found out before anything is
  * posted (mpidp/mpi_util.h). */
 static int post_node_phase(mpidp_reducer_t *r, size_t b, const char *step,
-                           node_phase_start_fn start, int phase)
+                           node_phase_start_fn start, MPI_Comm comm, int phase)
 {
     bucket_t *bk = &r->buckets[b];
     char what[MPIDP_REQ_WHAT_LEN + 64];
@@ -89,7 +89,7 @@ static int post_node_phase(mpidp_reducer_t *r, size_t b, const char *step,
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = start(r, bk, &req);
-    rc = mpidp__post_done(r->reqs, slot, rc, req, what, &bk->req);
+    rc = mpidp__post_done(r->reqs, slot, rc, req, comm, what, &bk->req);
     if (rc == MPIDP_OK) bk->h.phase = phase;
     return rc;
 }
@@ -107,7 +107,7 @@ int mpidp__hier_post(mpidp_reducer_t *r, size_t b, void *buf, int dtype)
 {
     bucket_t *bk = &r->buckets[b];
     bk->h.buf = buf, bk->h.dtype = dtype;
-    return post_node_phase(r, b, "node reduce-scatter", start_scatter, H_SCATTER);
+    return post_node_phase(r, b, "node reduce-scatter", start_scatter, r->h_node, H_SCATTER);
 }
 
 /* Phase 2 of bucket b: its slice over the cross communicator. */
@@ -145,7 +145,7 @@ static int start_gather(const mpidp_reducer_t *r, const bucket_t *bk, MPI_Reques
 /* Phase 3 of bucket b: the slices back into the bucket. */
 static int post_gather(mpidp_reducer_t *r, size_t b)
 {
-    return post_node_phase(r, b, "node allgather", start_gather, H_GATHER);
+    return post_node_phase(r, b, "node allgather", start_gather, r->h_gather, H_GATHER);
 }
 
 /* 1 when bucket b's current phase has arrived (tested, never waited). */

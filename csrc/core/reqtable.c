@@ -8,11 +8,13 @@
 #include <string.h>
 #include <time.h>
 
+#include "mpidp/departures.h"
 #include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
 typedef struct {
     MPI_Request req;
+    MPI_Comm comm;   /* whose ranks it waits for (mpidp/departures.h) */
     uint32_t gen;
     int live;        /* a posted request is tracked here */
     uint32_t pos;    /* live: where live_idx names this slot */
@@ -184,7 +186,8 @@ static slot_t *claimed_slot(mpidp_reqtable_t *t, mpidp_req_t h)
     return s->claimed && s->gen == h.gen ? s : NULL;
 }
 
-void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, const char *what)
+void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, MPI_Comm comm,
+                         const char *what)
 {
     if (t == NULL) return;
     pthread_mutex_lock(&t->lock);
@@ -195,6 +198,7 @@ void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, co
         s->pos = (uint32_t)t->n_live;
         t->live_idx[t->n_live] = h.slot;
         s->req = req;
+        s->comm = comm;
         s->posted_at = mpidp_now();
         snprintf(s->what, sizeof s->what, "%s", what ? what : "request");
         t->n_claimed--;
@@ -310,6 +314,23 @@ static int timed_out(mpidp_reqtable_t *t, double timeout_s)
                        "pending: %s", timeout_s, pending);
 }
 
+/* MPIDP_EDEPARTED when a live request of `t` (only `h` unless it names
+ * none) waits on a communicator holding a rank that has ended its program
+ * (mpidp/departures.h); MPIDP_OK otherwise. */
+static int departed(mpidp_reqtable_t *t, mpidp_req_t h, double start)
+{
+    double now = mpidp_now();
+    int rc = MPIDP_OK;
+    pthread_mutex_lock(&t->lock);
+    for (size_t k = 0; k < t->n_live && rc == MPIDP_OK; k++) {
+        slot_t *s = &t->slots[t->live_idx[k]];
+        if (h.gen == 0 || (t->live_idx[k] == h.slot && s->gen == h.gen))
+            rc = mpidp__departures_check(s->comm, start, now, s->what);
+    }
+    pthread_mutex_unlock(&t->lock);
+    return rc;
+}
+
 int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
 {
     double start = mpidp_now(), spin = mpidp_reqtable_spin(t);
@@ -320,6 +341,8 @@ int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
         run_engines(t);
         double waited = mpidp_now() - start;
         if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
+        /* Every 64th round: notices are rare, and a grace is seconds long. */
+        if ((it & 63) == 63 && (rc = departed(t, h, start)) != MPIDP_OK) return rc;
         backoff(it, waited, spin);
     }
 }
@@ -354,6 +377,7 @@ int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s)
         if (mpidp_reqtable_pending(t) == 0) return MPIDP_OK;
         double waited = mpidp_now() - start;
         if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
+        if ((it & 63) == 63 && (rc = departed(t, MPIDP_REQ_NONE, start)) != MPIDP_OK) return rc;
         backoff(it, waited, spin);
     }
 }

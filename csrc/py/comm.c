@@ -54,7 +54,7 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (status == MPIDP_OK) {
         MPI_Request req;
         int rc = MPI_Comm_idup(*user, &self->comm, &req);
-        status = mpidp__post_done(st->reqs, handle, rc, req, what, &handle);
+        status = mpidp__post_done(st->reqs, handle, rc, req, *user, what, &handle);
         posted = status == MPIDP_OK;
     }
     if (posted) MPIDP_PY_WAIT(st, status, mpidp_reqtable_wait(st->reqs, handle, mpidp_py_timeout_s));

@@ -34,6 +34,7 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
     case MPIDP_EMPI: type = st->comm_error; break;
     case MPIDP_ETIMEDOUT: type = st->comm_timeout; break;
     case MPIDP_EMISMATCH: type = st->comm_error; break;
+    case MPIDP_EDEPARTED: type = st->comm_error; break;
     default: type = PyExc_RuntimeError; break;
     }
     int rank = world_rank();
@@ -47,6 +48,14 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
         msg = PyUnicode_FromFormat("%s: %s", what, mpidp_strerror(status));
     if (msg == NULL) return NULL;
 
+    /* A rank that ended: the job cannot go on either, and waits as a timeout does. */
+    if (status == MPIDP_EDEPARTED) mpidp_py_timed_out = 1;
+    if (status == MPIDP_EDEPARTED && mpidp_py_abort_on_timeout) {
+        fprintf(stderr, "mpidp: %s\nmpidp: aborting the job (set MPIDP_ON_TIMEOUT=raise to raise "
+                        "mpidp.CommError instead)\n", PyUnicode_AsUTF8(msg));
+        fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 4);
+    }
     if (status == MPIDP_ETIMEDOUT) mpidp_py_timed_out = 1;
     if (status == MPIDP_ETIMEDOUT && mpidp_py_abort_on_timeout) {
         /* Another rank is most likely stuck (or dead) in a collective that will

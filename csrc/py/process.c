@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "mpidp/convert.h"
+#include "mpidp/departures.h"
 #include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
@@ -46,17 +47,22 @@ int mpidp_py_warn_fp16_overflow(void)
 static PyObject *mod_configure(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"timeout", "abort_on_timeout", "hook_progress", "forked",
-                             "wait_spin", NULL};
+                             "wait_spin", "departure_grace", NULL};
     mpidp_reqtable_t *reqs = mpidp_py_state_of_module(m)->reqs;
     double timeout = mpidp_py_timeout_s, spin = mpidp_reqtable_spin(reqs);
+    double grace = mpidp_departures_grace();
     int abort_on = mpidp_py_abort_on_timeout, hook = mpidp_py_hook_progress, forked = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$dpppd:configure", kwlist, &timeout, &abort_on,
-                                     &hook, &forked, &spin))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$dpppdd:configure", kwlist, &timeout,
+                                     &abort_on, &hook, &forked, &spin, &grace))
         return NULL;
     if (!(spin >= 0))
         return PyErr_Format(PyExc_ValueError, "wait_spin: expected seconds >= 0, got %S",
                             PyDict_GetItemString(kwds, "wait_spin"));
+    if (!(grace >= 0))
+        return PyErr_Format(PyExc_ValueError, "departure_grace: expected seconds >= 0, got %S",
+                            PyDict_GetItemString(kwds, "departure_grace"));
     mpidp_reqtable_set_spin(reqs, spin);
+    mpidp_departures_set_grace(grace);
     mpidp_py_timeout_s = timeout;
     mpidp_py_abort_on_timeout = abort_on;
     mpidp_py_hook_progress = hook;
@@ -69,8 +75,9 @@ static PyObject *mod_process_state(PyObject *m, PyObject *unused)
 {
     (void)unused;
     mpidp_reqtable_t *reqs = mpidp_py_state_of_module(m)->reqs;
-    return Py_BuildValue("{s:d,s:d,s:N,s:N,s:N,s:N,s:n,s:n}", "timeout", mpidp_py_timeout_s,
+    return Py_BuildValue("{s:d,s:d,s:d,s:N,s:N,s:N,s:N,s:n,s:n}", "timeout", mpidp_py_timeout_s,
                          "wait_spin", mpidp_reqtable_spin(reqs),
+                         "departure_grace", mpidp_departures_grace(),
                          "abort_on_timeout", PyBool_FromLong(mpidp_py_abort_on_timeout),
                          "hook_progress", PyBool_FromLong(mpidp_py_hook_progress),
                          "forked", PyBool_FromLong(mpidp_py_forked),
@@ -93,6 +100,33 @@ static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* departures_start(comm): listen for ranks of comm (the world's Comm) that
+ * end their program (mpidp/departures.h); collective over it. */
+static PyObject *mod_departures_start(PyObject *m, PyObject *comm)
+{
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    mpidp_py_comm_t *c = mpidp_py_as_comm(st, comm, "comm");
+    if (c == NULL) return NULL;
+    mpidp_error_clear();
+    if (mpidp_py_check(st, mpidp_departures_start(c->comm), "departures_start") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* departures_announce(): this rank ends its program; tell the others. */
+static PyObject *mod_departures_announce(PyObject *m, PyObject *unused)
+{
+    (void)unused;
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    if (mpidp__mpi_finalized()) Py_RETURN_NONE;
+    int rc;
+    mpidp_error_clear();
+    Py_BEGIN_ALLOW_THREADS
+    rc = mpidp_departures_announce();
+    Py_END_ALLOW_THREADS
+    if (mpidp_py_check(st, rc, "departures_announce") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* iallreduce_algorithm(prefer=0) -> Open MPI's MPI_Iallreduce algorithm in
  * force, after making a 0 (Open MPI's own choice) `prefer`; -1 where MPI
  * has no such setting (mpidp__mpi_iallreduce_algorithm). */
@@ -111,10 +145,15 @@ PyMethodDef mpidp_py_process_methods[] = {
      "settings (timeout: seconds of every wait, <= 0 none; abort_on_timeout: a deadline aborts\n"
      "the job instead of raising mpidp.CommTimeout; hook_progress: gradient hooks test what is\n"
      "in flight; forked: this is a fork of a rank, every later communication raises;\n"
-     "wait_spin: seconds a wait spins before it sleeps between tests)."},
+     "wait_spin: seconds a wait spins before it sleeps between tests; departure_grace: seconds\n"
+     "a wait goes on after a rank of its communicator ended its program)."},
     {"process_state", mod_process_state, METH_NOARGS,
      "The settings, and timed_out / fp16_overflows / pending (requests in flight), as a dict."},
     {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},
+    {"departures_start", mod_departures_start, METH_O,
+     "departures_start(comm): listen for ranks of comm (the world) that end their program."},
+    {"departures_announce", mod_departures_announce, METH_NOARGS,
+     "This rank ends its program: tell the other ranks (at exit, after finish_pending)."},
     {"iallreduce_algorithm", (PyCFunction)(void (*)(void))mod_iallreduce_algorithm,
      METH_FASTCALL, "iallreduce_algorithm(prefer=0) -> Open MPI's MPI_Iallreduce algorithm in\n"
      "force (coll_libnbc_iallreduce_algorithm), a 0 made `prefer` first; -1: no such setting."},

@@ -69,6 +69,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "seconds any wait on a collective may take before it is reported as stuck"),
     Setting("MPIDP_ON_TIMEOUT", "abort", _choice("abort", "raise"), "'abort' or 'raise'",
             "abort: print what was pending and abort the job; raise: raise mpidp.CommTimeout"),
+    Setting("MPIDP_DEPARTURE_GRACE", 10.0, _positive(float, zero_too=True),
+            "a number of seconds >= 0",
+            "how long a wait goes on after a rank of its communicator ended its program "
+            "(sys.exit, SystemExit, a shorter loop) before it ends the job naming that rank"),
     Setting("MPIDP_ABORT_ON_EXCEPTION", True, _flag, "0 or 1",
             "1: an uncaught exception on any rank aborts the whole job instead of leaving the "
             "others waiting"),

@@ -66,7 +66,8 @@ def _read_env_settings() -> None:
     # from driving MPI progress.
     _C.configure(timeout=config.get("MPIDP_TIMEOUT"),
                  abort_on_timeout=config.get("MPIDP_ON_TIMEOUT") == "abort",
-                 hook_progress=config.get("MPIDP_HOOK_PROGRESS"))
+                 hook_progress=config.get("MPIDP_HOOK_PROGRESS"),
+                 departure_grace=config.get("MPIDP_DEPARTURE_GRACE"))
     # Unset, the extension chose the spin from MPI's own word on whether the
     # node's ranks share its cores (mpidp/reqtable.h).
     spin_ms = config.get("MPIDP_WAIT_SPIN_MS")
@@ -90,21 +91,37 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _abort_at_exit(why: str) -> None:
+    sys.stderr.write(f"mpidp: rank {MPI.COMM_WORLD.Get_rank()} is exiting {why}; another rank "
+                     "is stuck or gone, so MPI_Finalize would wait forever: aborting the job\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(3)
+
+
 def _at_exit() -> None:
-    """Lands every pending request while MPI and the buffers still exist.
+    """Lands every pending request while MPI and the buffers still exist,
+    then tells the other ranks that this one has ended (mpidp/departures.h):
+    a rank that leaves early (sys.exit or SystemExit on one rank) would
+    otherwise sit in MPI_Finalize, which waits for every rank, while the
+    others wait for it in their next collective until the deadline; told,
+    their waits end the job within MPIDP_DEPARTURE_GRACE, naming this rank.
 
     After a CommTimeout that the program caught (MPIDP_ON_TIMEOUT=raise), some
     rank is stuck or gone: waiting again, and MPI_Finalize (which waits for
     every rank), would hang the job, so the job is ended here instead."""
     if _forked:
         return
-    if _C.process_state()["timed_out"] and MPI.COMM_WORLD.Get_size() > 1:
-        sys.stderr.write(f"mpidp: rank {MPI.COMM_WORLD.Get_rank()} is exiting after a "
-                         "communication timeout (CommTimeout); another rank is stuck or gone, so "
-                         "MPI_Finalize would wait forever: aborting the job\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(3)
-    _C.finish_pending()
+    several = MPI.COMM_WORLD.Get_size() > 1
+    if _C.process_state()["timed_out"] and several:
+        _abort_at_exit("after a communication timeout or a rank that ended (CommTimeout, "
+                       "CommError)")
+    try:
+        _C.finish_pending()
+    except (_C.CommError, _C.CommTimeout) as error:
+        if not several:
+            raise
+        _abort_at_exit(f"with communication that cannot complete ({error})")
+    _C.departures_announce()
 
 
 # mpi4py registered MPI_Finalize with atexit when it was imported; handlers run
@@ -146,6 +163,8 @@ def world() -> _C.Comm:
     if _world is None:
         check_launch(MPI.COMM_WORLD.Get_size())
         _world = _C.Comm(MPI.COMM_WORLD)
+        if _world.size > 1:
+            _C.departures_start(_world)   # every rank is here: creating _world was collective
     return _world
 
 

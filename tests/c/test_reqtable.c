@@ -13,7 +13,7 @@
 static int track(mpidp_reqtable_t *t, MPI_Request req, const char *what, mpidp_req_t *h)
 {
     int rc = mpidp_reqtable_claim(t, what, h);
-    if (rc == MPIDP_OK) mpidp_reqtable_fill(t, *h, req, what);
+    if (rc == MPIDP_OK) mpidp_reqtable_fill(t, *h, req, MPI_COMM_SELF, what);
     return rc;
 }
 
@@ -163,7 +163,7 @@ TEST(bad_arguments)
     ASSERT_EQ_INT(mpidp_reqtable_claim(t, "x", NULL), MPIDP_EINVAL);
     ASSERT_EQ_INT(mpidp_reqtable_claim(NULL, "x", &(mpidp_req_t){0, 0}), MPIDP_EINVAL);
     /* Filling or releasing a handle that was never claimed changes nothing. */
-    mpidp_reqtable_fill(t, (mpidp_req_t){0, 77}, MPI_REQUEST_NULL, "x");
+    mpidp_reqtable_fill(t, (mpidp_req_t){0, 77}, MPI_REQUEST_NULL, MPI_COMM_SELF, "x");
     mpidp_reqtable_unclaim(t, (mpidp_req_t){0, 77});
     ASSERT_EQ_INT(mpidp_reqtable_pending(t), 0);
     ASSERT_OK(mpidp_reqtable_destroy(t));
@@ -195,7 +195,7 @@ TEST(post_done_registers_or_translates_the_failure)
     mpidp_req_t slot, h = MPIDP_REQ_NONE;
     /* A failed post frees its slot and reports MPI's message with the context. */
     ASSERT_OK(mpidp_reqtable_claim(t, "MPI_Ibcast of 3 float32", &slot));
-    ASSERT_EQ_INT(mpidp__post_done(t, slot, MPI_ERR_COUNT, MPI_REQUEST_NULL,
+    ASSERT_EQ_INT(mpidp__post_done(t, slot, MPI_ERR_COUNT, MPI_REQUEST_NULL, MPI_COMM_SELF,
                                    "MPI_Ibcast of 3 float32", &h), MPIDP_EMPI);
     ASSERT_TRUE(strstr(mpidp_error_detail(), "MPI_Ibcast of 3 float32: ") != NULL);
     ASSERT_EQ_INT(h.gen, 0);
@@ -203,7 +203,7 @@ TEST(post_done_registers_or_translates_the_failure)
     ASSERT_OK(mpidp_reqtable_claim(t, "barrier", &slot));
     MPI_Request req;
     int rc = MPI_Ibarrier(MPI_COMM_SELF, &req);
-    ASSERT_OK(mpidp__post_done(t, slot, rc, req, "barrier", &h));
+    ASSERT_OK(mpidp__post_done(t, slot, rc, req, MPI_COMM_SELF, "barrier", &h));
     ASSERT_EQ_INT(h.gen, slot.gen);
     ASSERT_EQ_INT(mpidp_reqtable_pending(t), 1);
     ASSERT_OK(mpidp_reqtable_wait(t, h, 5.0));

@@ -27,11 +27,12 @@ int mpidp__mpi_fail(int mpi_rc, const char *fmt, ...)
 #endif
     ;
 
-/* Finishes a post: with mpi_rc == MPI_SUCCESS, registers `req` in the claimed
- * slot and stores its handle in *out; otherwise releases the slot and returns
- * MPIDP_EMPI with "<what>: <MPI's error string>". */
+/* Finishes a post: with mpi_rc == MPI_SUCCESS, registers `req` (posted on
+ * `comm`, whose ranks it waits for) in the claimed slot and stores its
+ * handle in *out; otherwise releases the slot and returns MPIDP_EMPI with
+ * "<what>: <MPI's error string>". */
 int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_Request req,
-                     const char *what, mpidp_req_t *out);
+                     MPI_Comm comm, const char *what, mpidp_req_t *out);
 
 /* The in-place sum of `count` elements of core dtype `dtype` over `comm`
  * (MPI_Iallreduce with mpiops.c's datatype and op), posted as above: claim,

@@ -47,7 +47,8 @@ int mpidp_reqtable_destroy(mpidp_reqtable_t *t);
  *   unclaim: posting failed: the slot is free again.
  * The handle returned by claim names the request once filled. */
 int mpidp_reqtable_claim(mpidp_reqtable_t *t, const char *what, mpidp_req_t *out);
-void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, const char *what);
+void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, MPI_Comm comm,
+                         const char *what);
 void mpidp_reqtable_unclaim(mpidp_reqtable_t *t, mpidp_req_t h);
 
 /* Tests one request without blocking; *done = 1 when it has completed (now or
@@ -56,7 +57,11 @@ int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done);
 
 /* Waits for one request for at most `timeout_s` seconds (<= 0: no limit).
  * Returns MPIDP_ETIMEDOUT, with a detail listing everything still pending,
- * when the deadline passes; the request then stays registered. */
+ * when the deadline passes; the request then stays registered. Returns
+ * MPIDP_EDEPARTED, naming the rank, when a rank of the request's
+ * communicator has ended its program (mpidp/departures.h) and the request
+ * has not completed within the departure grace since both that and the
+ * start of the wait. */
 int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s);
 
 /* Waits for every pending request, as mpidp_reqtable_wait does for one. */

@@ -25,7 +25,8 @@
     X(MPIDP_EFULL,    -9,   "too many requests in flight")                      \
     X(MPIDP_ECUDA,    -10,  "CUDA call failed")                                 \
     X(MPIDP_EMISMATCH,-11,  "ranks disagree")                                   \
-    X(MPIDP_ECALLBACK,-12,  "a caller-supplied callback failed")
+    X(MPIDP_ECALLBACK,-12,  "a caller-supplied callback failed")                \
+    X(MPIDP_EDEPARTED,-13,  "a rank the operation waits for has ended its program")
 
 enum mpidp_status {
 #define MPIDP__ENUM(name, value, msg) name = (value),
@@ -35,6 +36,14 @@ enum mpidp_status {
 
 /* The fixed message of a status code ("unknown status" for anything else). */
 const char *mpidp_strerror(int status);
+
+/* A wait that ended with this status left its operation posted (a deadline
+ * passed, or a rank it needs has ended): MPI may still write its buffers, so
+ * they must stay allocated. */
+static inline int mpidp_left_in_flight(int status)
+{
+    return status == MPIDP_ETIMEDOUT || status == MPIDP_EDEPARTED;
+}
 /* The symbolic name of a status code ("MPIDP_EINVAL"), for logs and tests. */
 const char *mpidp_status_name(int status);
 
