@@ -67,10 +67,11 @@ def main() -> None:
         print(json.dumps({"ranks": COMM.Get_size(), "rows": rows}))
         return
     print(f"agreement check, {COMM.Get_size()} ranks, median of {args.reps} calls (us)")
-    print(f"{'call':<10} {'elements':>9} {'checked':>9} {'unchecked':>10} {'extra':>8} {'ratio':>6}")
+    print(f"{'call':<10} {'elements':>9} {'checked':>9} {'unchecked':>10} {'extra':>8} "
+          f"{'ratio':>6}")
     for r in rows:
-        print(f"{r['call']:<10} {r['elements']:>9} {r['checked_us']:>9.1f} {r['unchecked_us']:>10.1f} "
-              f"{r['extra_us']:>8.1f} {r['ratio']:>6.2f}")
+        print(f"{r['call']:<10} {r['elements']:>9} {r['checked_us']:>9.1f} "
+              f"{r['unchecked_us']:>10.1f} {r['extra_us']:>8.1f} {r['ratio']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -107,9 +107,9 @@ int mpidp__departures_check(MPI_Comm comm, double wait_start, double now, const 
     pthread_mutex_unlock(&lock);
     if (gone < 0) return MPIDP_OK;
     return mpidp__fail(MPIDP_EDEPARTED, "rank %d of the job has ended its program (it exited: "
-                       "sys.exit or SystemExit on that rank, or its script ended sooner) while this "
-                       "rank waits for it in %s; %.1f s later the operation has not completed and "
-                       "never will", gone, what ? what : "an operation", waited);
+                       "sys.exit or SystemExit on that rank, or its script ended sooner) while "
+                       "this rank waits for it in %s; %.1f s later the operation has not "
+                       "completed and never will", gone, what ? what : "an operation", waited);
 }
 
 int mpidp_departures_announce(void)
@@ -137,5 +137,6 @@ int mpidp_departures_announce(void)
         free(sends);
     }
     pthread_mutex_unlock(&lock);
-    return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "telling the other ranks this one ends");
+    return rc == MPI_SUCCESS ? MPIDP_OK
+                             : mpidp__mpi_fail(rc, "telling the other ranks this one ends");
 }

@@ -306,8 +306,8 @@ class DataParallel(torch.nn.Module):
         # until the update is applied), else None.
         self._due = None
         self._backwards_at_step = 0   # the reducer's backward count at the last step()
-        # id(optimizer) -> (its groups' layout, the tensors it holds that no bucket holds)
-        self._outside_of: dict = {}
+        # optimizer -> (its groups' layout, the tensors it holds that no bucket holds)
+        self._outside_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._applying = False   # non-blocking: this forward applies the pending update
         self._hyper = None       # the optimizer's hyperparameters when step() was called
         self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
@@ -700,12 +700,12 @@ class DataParallel(torch.nn.Module):
         tensors are found again only when the optimizer's groups change."""
         groups = opt.param_groups
         sig = tuple(id(g["params"]) for g in groups) + tuple(len(g["params"]) for g in groups)
-        known = self._outside_of.get(id(opt))
+        known = self._outside_of.get(opt)
         if known is None or known[0] != sig:
             planned = {id(p) for p in self._params}
             known = (sig, [(j, i, p) for j, g in enumerate(groups)
                            for i, p in enumerate(g["params"]) if id(p) not in planned])
-            self._outside_of[id(opt)] = known
+            self._outside_of[opt] = known
         outside = known[1]
         if not outside:
             return
