@@ -166,7 +166,7 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
 {
     if (t == NULL || opts == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "allreduce: NULL argument");
-    if (opts->op < MPIDP_OP_SUM || opts->op > MPIDP_OP_PROD)
+    if (opts->op < MPIDP_OP_SUM || opts->op > MPIDP_OP_BXOR)
         return mpidp__fail(MPIDP_EINVAL, "allreduce: unknown op %d", opts->op);
     if (opts->wire == MPIDP_U8) return start_quantized(comm, t, opts, reqs, out);
     if (opts->chunk_elems == 0 || opts->chunk_elems > (size_t)INT_MAX)
@@ -187,9 +187,7 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
     if (mpidp_mpi_op(opts->op, (int)t->dtype) == MPI_OP_NULL)
         return mpidp__fail(MPIDP_EDTYPE, "allreduce: op %s is not defined for %s tensors%s",
                            mpidp_op_name(opts->op), mpidp_dtype_name(t->dtype),
-                           t->dtype == MPIDP_BOOL ? " (bool takes min = all, max = any, prod)"
-                           : mpidp_dtype_is_float(t->dtype) ? " (use float32 for min, max, prod)"
-                                                            : " (avg needs a floating-point tensor)");
+                           mpidp_op_hint(opts->op, (int)t->dtype));
     if (opts->keep_wire && (!compressed || opts->max_in_flight != 0))
         return mpidp__fail(MPIDP_EINVAL, "allreduce: keep_wire needs a compressing wire dtype "
                            "and every chunk in flight (max_in_flight 0)");

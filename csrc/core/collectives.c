@@ -13,8 +13,11 @@
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 
-/* The bytes of `t` as one MPI count (int), or MPIDP_EINVAL naming `what`. */
-static int byte_count(const mpidp_tensor_t *t, const char *what, size_t *bytes)
+#include "coll_internal.h"
+
+/* ---- helpers shared with rooted.c and exchange.c (coll_internal.h) ------- */
+
+int mpidp__coll_byte_count(const mpidp_tensor_t *t, const char *what, size_t *bytes)
 {
     size_t esize = mpidp_dtype_size(t->dtype);
     if (esize == 0 || t->numel > (size_t)INT_MAX / esize)
@@ -24,24 +27,34 @@ static int byte_count(const mpidp_tensor_t *t, const char *what, size_t *bytes)
     return MPIDP_OK;
 }
 
-static int comm_size(MPI_Comm comm, int *size)
+int mpidp__coll_comm_size(MPI_Comm comm, int *size)
 {
     int rc = MPI_Comm_size(comm, size);
     return rc == MPI_SUCCESS ? MPIDP_OK : mpidp__mpi_fail(rc, "MPI_Comm_size");
 }
 
-/* A posted collective: its request, what MPI reads while it runs (the
- * counts of a vector collective) and how its result is finished. */
-struct mpidp_coll {
-    mpidp_reqtable_t *reqs;
-    mpidp_req_t req;       /* MPIDP_REQ_NONE: nothing was posted (done at once) */
-    int *counts, *displs;  /* in elements (reduce-scatter) or bytes (allgatherv) */
-    mpidp_tensor_t recv;
-    double scale;          /* applied to recv on completion (avg); 1: none */
-    int finished;
-};
+int mpidp__coll_rank_size(MPI_Comm comm, int *rank, int *size)
+{
+    int rc = mpidp__coll_comm_size(comm, size);
+    if (rc == MPIDP_OK && (rc = MPI_Comm_rank(comm, rank)) != MPI_SUCCESS)
+        rc = mpidp__mpi_fail(rc, "MPI_Comm_rank");
+    return rc;
+}
 
-static int coll_new(mpidp_reqtable_t *reqs, const char *what, mpidp_coll_t **out)
+int mpidp__coll_check_op(int op, int dtype, const char *what)
+{
+    if (op < MPIDP_OP_SUM || op > MPIDP_OP_BXOR)
+        return mpidp__fail(MPIDP_EINVAL, "%s: unknown op %d", what, op);
+    if (mpidp_mpi_op(op, dtype) == MPI_OP_NULL)
+        return mpidp__fail(MPIDP_EDTYPE, "%s: op %s is not defined for %s tensors%s", what,
+                           mpidp_op_name(op), mpidp_dtype_name(dtype), mpidp_op_hint(op, dtype));
+    if (op == MPIDP_OP_AVG && dtype != MPIDP_F32 && dtype != MPIDP_F64)
+        return mpidp__fail(MPIDP_EDTYPE, "%s: avg of %s tensors: sum them and scale", what,
+                           mpidp_dtype_name(dtype));
+    return MPIDP_OK;
+}
+
+int mpidp__coll_new(mpidp_reqtable_t *reqs, const char *what, mpidp_coll_t **out)
 {
     mpidp_coll_t *x = calloc(1, sizeof *x);
     if (x == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s", what);
@@ -51,21 +64,18 @@ static int coll_new(mpidp_reqtable_t *reqs, const char *what, mpidp_coll_t **out
     return MPIDP_OK;
 }
 
-/* A collective with nothing to move (one rank, no bytes): complete already. */
-static int finished_at_once(mpidp_coll_t *x, mpidp_coll_t **out)
+int mpidp__coll_finished_at_once(mpidp_coll_t *x, mpidp_coll_t **out)
 {
     x->req = MPIDP_REQ_NONE;
     *out = x;
     return MPIDP_OK;
 }
 
-/* A coll with `size` counts (times `unit`) and their displacements; checks
- * that each and their sum fit an MPI count. *total = the sum of counts. */
-static int vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, size_t unit,
+int mpidp__vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, size_t unit,
                      const char *what, mpidp_coll_t **out, size_t *total)
 {
     mpidp_coll_t *x = NULL;
-    int rc = coll_new(reqs, what, &x);
+    int rc = mpidp__coll_new(reqs, what, &x);
     if (rc != MPIDP_OK) return rc;
     x->counts = malloc((size_t)size * sizeof *x->counts);
     x->displs = malloc((size_t)size * sizeof *x->displs);
@@ -92,7 +102,7 @@ static int vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, siz
 /* Claims a request slot for x's operation, described by `what`. On failure
  * (MPIDP_EFULL: nothing may be posted) x is freed, because no request will
  * ever refer to it, so the caller only returns the status. */
-static int coll_claim(mpidp_coll_t *x, const char *what, mpidp_req_t *slot)
+int mpidp__coll_claim(mpidp_coll_t *x, const char *what, mpidp_req_t *slot)
 {
     int rc = mpidp_reqtable_claim(x->reqs, what, slot);
     if (rc != MPIDP_OK) mpidp_coll_free(x);
@@ -102,7 +112,7 @@ static int coll_claim(mpidp_coll_t *x, const char *what, mpidp_req_t *slot)
 /* Finishes the post coll_claim began (mpidp__post_done into x->req): on
  * success hands x to the caller in *out; on failure frees x, since the
  * operation never started. */
-static int coll_post_done(mpidp_coll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Request req,
+int mpidp__coll_post_done(mpidp_coll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Request req,
                           MPI_Comm comm, const char *what, mpidp_coll_t **out)
 {
     int rc = mpidp__post_done(x->reqs, slot, mpi_rc, req, comm, what, &x->req);
@@ -120,24 +130,24 @@ int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_re
     if (t == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "bcast: NULL argument");
     size_t bytes = 0;
-    int size = 0, rc = byte_count(t, "bcast", &bytes);
-    if (rc == MPIDP_OK) rc = comm_size(comm, &size);
+    int size = 0, rc = mpidp__coll_byte_count(t, "bcast", &bytes);
+    if (rc == MPIDP_OK) rc = mpidp__coll_comm_size(comm, &size);
     if (rc != MPIDP_OK) return rc;
     if (root < 0 || root >= size)
         return mpidp__fail(MPIDP_EINVAL, "bcast: root %d is not a rank of a %d-process communicator",
                            root, size);
     mpidp_coll_t *x = NULL;
-    if ((rc = coll_new(reqs, "bcast", &x)) != MPIDP_OK) return rc;
-    if (size == 1 || t->numel == 0) return finished_at_once(x, out);
+    if ((rc = mpidp__coll_new(reqs, "bcast", &x)) != MPIDP_OK) return rc;
+    if (size == 1 || t->numel == 0) return mpidp__coll_finished_at_once(x, out);
     /* Bytes, not elements: a broadcast needs no arithmetic, so any dtype goes. */
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "MPI_Ibcast of %zu %s from rank %d", t->numel,
              mpidp_dtype_name(t->dtype), root);
     mpidp_req_t slot;
-    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
+    if ((rc = mpidp__coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ibcast(t->data, (int)bytes, MPI_BYTE, root, comm, &req);
-    return coll_post_done(x, slot, rc, req, comm, what, out);
+    return mpidp__coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
@@ -146,8 +156,8 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
     if (send == NULL || recv == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "allgather: NULL argument");
     size_t bytes = 0;
-    int size = 0, rc = byte_count(send, "allgather", &bytes);
-    if (rc == MPIDP_OK) rc = comm_size(comm, &size);
+    int size = 0, rc = mpidp__coll_byte_count(send, "allgather", &bytes);
+    if (rc == MPIDP_OK) rc = mpidp__coll_comm_size(comm, &size);
     if (rc != MPIDP_OK) return rc;
     if (recv->dtype != send->dtype || recv->numel != (size_t)size * send->numel)
         return mpidp__fail(MPIDP_EINVAL, "allgather: the result must hold %d x %zu %s elements, "
@@ -157,17 +167,17 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
     if (bytes && s < r + (size_t)size * bytes && r < s + bytes)
         return mpidp__fail(MPIDP_EINVAL, "allgather: the result overlaps the input");
     mpidp_coll_t *x = NULL;
-    if ((rc = coll_new(reqs, "allgather", &x)) != MPIDP_OK) return rc;
-    if (bytes == 0) return finished_at_once(x, out);
+    if ((rc = mpidp__coll_new(reqs, "allgather", &x)) != MPIDP_OK) return rc;
+    if (bytes == 0) return mpidp__coll_finished_at_once(x, out);
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "MPI_Iallgather of %zu %s per rank", send->numel,
              mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
+    if ((rc = mpidp__coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Iallgather(send->data, (int)bytes, MPI_BYTE, recv->data, (int)bytes, MPI_BYTE, comm,
                         &req);
-    return coll_post_done(x, slot, rc, req, comm, what, out);
+    return mpidp__coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_coll_t **out)
@@ -175,12 +185,12 @@ int mpidp_barrier_start(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_coll_t **ou
     if (reqs == NULL || out == NULL) return mpidp__fail(MPIDP_EINVAL, "barrier: NULL argument");
     mpidp_coll_t *x = NULL;
     mpidp_req_t slot;
-    int rc = coll_new(reqs, "barrier", &x);
-    if (rc == MPIDP_OK) rc = coll_claim(x, "MPI_Ibarrier", &slot);
+    int rc = mpidp__coll_new(reqs, "barrier", &x);
+    if (rc == MPIDP_OK) rc = mpidp__coll_claim(x, "MPI_Ibarrier", &slot);
     if (rc != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ibarrier(comm, &req);
-    return coll_post_done(x, slot, rc, req, comm, "MPI_Ibarrier", out);
+    return mpidp__coll_post_done(x, slot, rc, req, comm, "MPI_Ibarrier", out);
 }
 
 /* ---- collectives with a count per rank ---------------------------------- */
@@ -191,19 +201,12 @@ int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
 {
     if (send == NULL || recv == NULL || counts == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "reduce_scatter: NULL argument");
-    if (send->dtype != MPIDP_F32 && send->dtype != MPIDP_F64)
-        return mpidp__fail(MPIDP_EDTYPE, "reduce_scatter: expected float32 or float64, got %s",
-                           mpidp_dtype_name(send->dtype));
-    if (op != MPIDP_OP_SUM && op != MPIDP_OP_AVG)
-        return mpidp__fail(MPIDP_EINVAL, "reduce_scatter: op must be sum or avg, got %s",
-                           mpidp_op_name(op));
-    int size = 0, rank = 0, rc = comm_size(comm, &size);
-    if (rc == MPIDP_OK && (rc = MPI_Comm_rank(comm, &rank)) != MPI_SUCCESS)
-        rc = mpidp__mpi_fail(rc, "MPI_Comm_rank");
+    int size = 0, rank = 0, rc = mpidp__coll_check_op(op, send->dtype, "reduce_scatter");
+    if (rc == MPIDP_OK) rc = mpidp__coll_rank_size(comm, &rank, &size);
     if (rc != MPIDP_OK) return rc;
     mpidp_coll_t *x = NULL;
     size_t total;
-    rc = vcoll_new(reqs, counts, size, 1, "reduce_scatter", &x, &total);
+    rc = mpidp__vcoll_new(reqs, counts, size, 1, "reduce_scatter", &x, &total);
     if (rc != MPIDP_OK) return rc;
     if (send->numel != total || recv->numel != counts[rank] || recv->dtype != send->dtype) {
         mpidp_coll_free(x);
@@ -217,11 +220,11 @@ int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "MPI_Ireduce_scatter of %zu %s", total, mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
+    if ((rc = mpidp__coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Ireduce_scatter(send->data, recv->data, x->counts, mpidp_mpi_datatype(send->dtype),
-                             MPI_SUM, comm, &req);
-    return coll_post_done(x, slot, rc, req, comm, what, out);
+                             mpidp_mpi_op(op, send->dtype), comm, &req);
+    return mpidp__coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
@@ -229,15 +232,13 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
 {
     if (send == NULL || recv == NULL || counts == NULL || reqs == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "allgatherv: NULL argument");
-    int size = 0, rank = 0, rc = comm_size(comm, &size);
-    if (rc == MPIDP_OK && (rc = MPI_Comm_rank(comm, &rank)) != MPI_SUCCESS)
-        rc = mpidp__mpi_fail(rc, "MPI_Comm_rank");
+    int size = 0, rank = 0, rc = mpidp__coll_rank_size(comm, &rank, &size);
     if (rc != MPIDP_OK) return rc;
     size_t esize = mpidp_dtype_size(send->dtype);
     if (esize == 0) return mpidp__fail(MPIDP_EDTYPE, "allgatherv: unknown dtype");
     mpidp_coll_t *x = NULL;
     size_t total;
-    rc = vcoll_new(reqs, counts, size, esize, "allgatherv", &x, &total);
+    rc = mpidp__vcoll_new(reqs, counts, size, esize, "allgatherv", &x, &total);
     if (rc != MPIDP_OK) return rc;
     if (send->numel != counts[rank] || recv->numel != total || recv->dtype != send->dtype) {
         mpidp_coll_free(x);
@@ -254,11 +255,11 @@ int mpidp_allgatherv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpid
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "MPI_Iallgatherv of %zu %s", total, mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
-    if ((rc = coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
+    if ((rc = mpidp__coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
     rc = MPI_Iallgatherv(send->data, (int)(send->numel * esize), MPI_BYTE, recv->data, x->counts,
                          x->displs, MPI_BYTE, comm, &req);
-    return coll_post_done(x, slot, rc, req, comm, what, out);
+    return mpidp__coll_post_done(x, slot, rc, req, comm, what, out);
 }
 
 /* Once the request has completed: the mean's scaling, exactly once. */
@@ -266,6 +267,7 @@ static void coll_finished(mpidp_coll_t *x)
 {
     if (x->finished) return;
     x->finished = 1;
+    if (x->source_out != NULL) *x->source_out = x->source;
     if (x->scale != 1.0) {
         const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
         if (x->recv.dtype == MPIDP_F32) k->scale_f32(x->recv.data, (float)x->scale, x->recv.numel);
@@ -297,6 +299,8 @@ int mpidp_coll_free(mpidp_coll_t *x)
     if (!done) return mpidp__fail(MPIDP_ESTATE, "collective: still in flight");
     free(x->counts);
     free(x->displs);
+    free(x->recv_counts);
+    free(x->recv_displs);
     free(x);
     return MPIDP_OK;
 }

@@ -140,6 +140,9 @@ MPI_Op mpidp_mpi_op(int op, int dtype)
         case MPIDP_OP_MIN:
         case MPIDP_OP_PROD: return MPI_LAND;
         case MPIDP_OP_MAX: return MPI_LOR;
+        case MPIDP_OP_BAND: return MPI_LAND;
+        case MPIDP_OP_BOR: return MPI_LOR;
+        case MPIDP_OP_BXOR: return MPI_LXOR;
         }
         return MPI_OP_NULL;
     }
@@ -152,11 +155,28 @@ MPI_Op mpidp_mpi_op(int op, int dtype)
     case MPIDP_OP_MAX: return half ? MPI_OP_NULL : MPI_MAX;
     case MPIDP_OP_PROD: return half ? MPI_OP_NULL : MPI_PROD;
     }
+    if (mpidp_dtype_is_float(dtype)) return MPI_OP_NULL;
+    switch (op) {
+    case MPIDP_OP_BAND: return MPI_BAND;
+    case MPIDP_OP_BOR: return MPI_BOR;
+    case MPIDP_OP_BXOR: return MPI_BXOR;
+    }
     return MPI_OP_NULL;
 }
 
 const char *mpidp_op_name(int op)
 {
-    static const char *const names[] = {"sum", "avg", "min", "max", "prod"};
+    static const char *const names[] = {"sum", "avg", "min", "max", "prod",
+                                         "band", "bor", "bxor"};
     return op >= 0 && op < (int)(sizeof names / sizeof names[0]) ? names[op] : "unknown";
+}
+
+const char *mpidp_op_hint(int op, int dtype)
+{
+    if (mpidp_mpi_op(op, dtype) != MPI_OP_NULL) return "";
+    if (dtype == MPIDP_BOOL) return " (bool takes min = all, max = any, prod, band, bor, bxor)";
+    if (op >= MPIDP_OP_BAND && op <= MPIDP_OP_BXOR)
+        return " (bitwise ops take integer and bool tensors)";
+    if (mpidp_dtype_is_float(dtype)) return " (use float32 for min, max, prod)";
+    return " (avg needs a floating-point tensor)";
 }

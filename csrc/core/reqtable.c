@@ -20,6 +20,7 @@ typedef struct {
     uint32_t pos;    /* live: where live_idx names this slot */
     int claimed;     /* reserved for a request about to be posted */
     double posted_at;
+    int *source;     /* NULL, or where completion writes the sender's rank */
     char what[MPIDP_REQ_WHAT_LEN];
 } slot_t;
 
@@ -168,6 +169,7 @@ int mpidp_reqtable_claim(mpidp_reqtable_t *t, const char *what, mpidp_req_t *out
     while (t->slots[i].live || t->slots[i].claimed) i = (i + 1) % t->capacity;
     slot_t *s = &t->slots[i];
     s->claimed = 1;
+    s->source = NULL;
     s->gen = t->next_gen++;
     if (t->next_gen == 0) t->next_gen = 1; /* 0 is reserved for "none" */
     t->n_claimed++;
@@ -207,6 +209,15 @@ void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, MP
     pthread_mutex_unlock(&t->lock);
 }
 
+void mpidp_reqtable_set_source(mpidp_reqtable_t *t, mpidp_req_t h, int *source)
+{
+    if (t == NULL) return;
+    pthread_mutex_lock(&t->lock);
+    slot_t *s = claimed_slot(t, h);
+    if (s != NULL) s->source = source;
+    pthread_mutex_unlock(&t->lock);
+}
+
 void mpidp_reqtable_unclaim(mpidp_reqtable_t *t, mpidp_req_t h)
 {
     if (t == NULL) return;
@@ -228,6 +239,7 @@ static int test_slot_locked(mpidp_reqtable_t *t, slot_t *s, int *done, char *wha
     int rc = MPI_Test(&s->req, &flag, &st);
     if (rc != MPI_SUCCESS || flag) {
         if (what_out) memcpy(what_out, s->what, MPIDP_REQ_WHAT_LEN);
+        if (rc == MPI_SUCCESS && s->source != NULL) *s->source = st.MPI_SOURCE;
         /* The last live slot takes this one's place in live_idx. */
         uint32_t last = t->live_idx[--t->n_live];
         t->live_idx[s->pos] = last;

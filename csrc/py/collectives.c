@@ -18,7 +18,7 @@
 /* The module state for Comm method `usage` (its signature, for messages)
  * called with `nargs` positional arguments (`min` to `max` allowed) and no
  * keywords, in a process that may communicate; NULL with an exception. */
-static mpidp_py_state *begin(PyObject *self, const char *usage, Py_ssize_t nargs, Py_ssize_t min,
+mpidp_py_state *mpidp_py_coll_begin(PyObject *self, const char *usage, Py_ssize_t nargs, Py_ssize_t min,
                              Py_ssize_t max, PyObject *kwnames, const char *what)
 {
     if (kwnames != NULL || nargs < min || nargs > max) {
@@ -31,7 +31,7 @@ static mpidp_py_state *begin(PyObject *self, const char *usage, Py_ssize_t nargs
 }
 
 /* The optional trailing async_op argument: 0, 1, or -1 with an exception. */
-static int async_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at)
+int mpidp_py_async_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at)
 {
     return nargs > at ? PyObject_IsTrue(args[at]) : 0;
 }
@@ -42,7 +42,7 @@ static int async_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at)
  * whose result() is `result`; else the operation runs to its end here
  * (mpidp_operation_finish, GIL released) and the tensors are released once
  * the core freed it. */
-static PyObject *started(mpidp_py_state *st, int rc, const mpidp_operation_t *ops, void *x,
+PyObject *mpidp_py_started(mpidp_py_state *st, int rc, const mpidp_operation_t *ops, void *x,
                          mpidp_py_borrowed_t *t, size_t n, int async_op, PyObject *comm,
                          PyObject *result, const char *what)
 {
@@ -61,12 +61,12 @@ static PyObject *started(mpidp_py_state *st, int rc, const mpidp_operation_t *op
 PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames)
 {
-    mpidp_py_state *st = begin(self, "allreduce(tensor, op, wire_dtype, async_op)", nargs, 4, 4,
+    mpidp_py_state *st = mpidp_py_coll_begin(self, "allreduce(tensor, op, wire_dtype, async_op)", nargs, 4, 4,
                                kwnames, "allreduce");
     if (st == NULL) return NULL;
     int op = PyLong_AsLong(args[1]);
     int wire = PyLong_AsLong(args[2]);
-    int async_op = async_arg(args, nargs, 3);
+    int async_op = mpidp_py_async_arg(args, nargs, 3);
     if (PyErr_Occurred() || async_op < 0) return NULL;
     mpidp_py_borrowed_t tensor;
     if (mpidp_py_borrow(st, args[0], ANY_CPU | MPIDP_TENSOR_WRITABLE, "tensor", &tensor) < 0)
@@ -81,19 +81,19 @@ PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssiz
     mpidp_allreduce_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_allreduce_start(((mpidp_py_comm_t *)self)->comm, &tensor.t, &opts, st->reqs, &x);
-    return started(st, rc, &mpidp_allreduce_operation, x, &tensor, 1, async_op, self, args[0],
+    return mpidp_py_started(st, rc, &mpidp_allreduce_operation, x, &tensor, 1, async_op, self, args[0],
                    "allreduce");
 }
 
 PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames)
 {
-    mpidp_py_state *st = begin(self, "bcast(tensor, root, async_op=False)", nargs, 2, 3, kwnames,
+    mpidp_py_state *st = mpidp_py_coll_begin(self, "bcast(tensor, root, async_op=False)", nargs, 2, 3, kwnames,
                                "bcast");
     if (st == NULL) return NULL;
     mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
     int root = PyLong_AsLong(args[1]);
-    int async_op = async_arg(args, nargs, 2);
+    int async_op = mpidp_py_async_arg(args, nargs, 2);
     if (PyErr_Occurred() || async_op < 0) return NULL;
     unsigned need = ANY_CPU | (comm->rank == root ? 0u : MPIDP_TENSOR_WRITABLE);
     mpidp_py_borrowed_t tensor;
@@ -101,11 +101,11 @@ PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t 
     mpidp_coll_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_bcast_start(comm->comm, &tensor.t, root, st->reqs, &x);
-    return started(st, rc, &mpidp_coll_operation, x, &tensor, 1, async_op, self, args[0], "bcast");
+    return mpidp_py_started(st, rc, &mpidp_coll_operation, x, &tensor, 1, async_op, self, args[0], "bcast");
 }
 
 /* The counts tuple of a vector collective: one int >= 0 per rank, or -1. */
-static size_t *counts_arg(PyObject *obj, int size)
+size_t *mpidp_py_counts_arg(PyObject *obj, int size)
 {
     if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != size) {
         PyErr_Format(PyExc_ValueError, "counts: expected a tuple of %d ints (one per rank)", size);
@@ -129,14 +129,14 @@ static PyObject *gather_or_scatter(PyObject *self, PyObject *const *args, Py_ssi
                                    PyObject *kwnames, const char *usage, const char *name,
                                    Py_ssize_t n_args)
 {
-    mpidp_py_state *st = begin(self, usage, nargs, n_args, n_args + 1, kwnames, name);
+    mpidp_py_state *st = mpidp_py_coll_begin(self, usage, nargs, n_args, n_args + 1, kwnames, name);
     if (st == NULL) return NULL;
     mpidp_py_comm_t *comm = (mpidp_py_comm_t *)self;
     int scatter = n_args == 4, vector = n_args >= 3;
     int op = scatter ? (int)PyLong_AsLong(args[3]) : 0;
-    int async_op = async_arg(args, nargs, n_args);
+    int async_op = mpidp_py_async_arg(args, nargs, n_args);
     if (PyErr_Occurred() || async_op < 0) return NULL;
-    size_t *counts = vector ? counts_arg(args[2], comm->size) : NULL;
+    size_t *counts = vector ? mpidp_py_counts_arg(args[2], comm->size) : NULL;
     if (vector && counts == NULL) return NULL;
     mpidp_py_borrowed_t t[2];
     PyObject *res = NULL;
@@ -150,7 +150,7 @@ static PyObject *gather_or_scatter(PyObject *self, PyObject *const *args, Py_ssi
     int rc = scatter  ? mpidp_reduce_scatter_start(comm->comm, &t[0].t, &t[1].t, counts, op, st->reqs, &x)
              : vector ? mpidp_allgatherv_start(comm->comm, &t[0].t, &t[1].t, counts, st->reqs, &x)
                       : mpidp_allgather_start(comm->comm, &t[0].t, &t[1].t, st->reqs, &x);
-    res = started(st, rc, &mpidp_coll_operation, x, t, 2, async_op, self, args[1], name);
+    res = mpidp_py_started(st, rc, &mpidp_coll_operation, x, t, 2, async_op, self, args[1], name);
 done:
     PyMem_Free(counts);
     return res;
@@ -181,20 +181,20 @@ PyObject *mpidp_py_comm_reduce_scatter(PyObject *self, PyObject *const *args, Py
 PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames)
 {
-    mpidp_py_state *st = begin(self, "barrier(async_op=False)", nargs, 0, 1, kwnames, "barrier");
-    int async_op = st ? async_arg(args, nargs, 0) : -1;
+    mpidp_py_state *st = mpidp_py_coll_begin(self, "barrier(async_op=False)", nargs, 0, 1, kwnames, "barrier");
+    int async_op = st ? mpidp_py_async_arg(args, nargs, 0) : -1;
     if (async_op < 0) return NULL;
     mpidp_coll_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_barrier_start(((mpidp_py_comm_t *)self)->comm, st->reqs, &x);
-    return started(st, rc, &mpidp_coll_operation, x, NULL, 0, async_op, self, Py_None, "barrier");
+    return mpidp_py_started(st, rc, &mpidp_coll_operation, x, NULL, 0, async_op, self, Py_None, "barrier");
 }
 
 /* agree(fields) -> bool (mpidp/agree.h): every rank passed the same tuple of ints. */
 PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames)
 {
-    mpidp_py_state *st = begin(self, "agree(fields)", nargs, 1, 1, kwnames, "agree");
+    mpidp_py_state *st = mpidp_py_coll_begin(self, "agree(fields)", nargs, 1, 1, kwnames, "agree");
     if (st == NULL) return NULL;
     PyObject *fields = args[0];
     Py_ssize_t n = PyTuple_Check(fields) ? PyTuple_GET_SIZE(fields) : -1;
@@ -237,7 +237,7 @@ static int peers_arg(PyObject *obj, const char *argname, int *out)
 PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                       PyObject *kwnames)
 {
-    mpidp_py_state *st = begin(self, "peer_exchange(send, out_peers, recvs, in_peers)", nargs, 4,
+    mpidp_py_state *st = mpidp_py_coll_begin(self, "peer_exchange(send, out_peers, recvs, in_peers)", nargs, 4,
                                4, kwnames, "peer_exchange");
     if (st == NULL) return NULL;
     int out[MPIDP_PEERX_MAX_PEERS], in[MPIDP_PEERX_MAX_PEERS];
@@ -266,6 +266,6 @@ PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_
     mpidp_peerx_t *x = NULL;
     mpidp_error_clear();
     int rc = mpidp_peerx_start(((mpidp_py_comm_t *)self)->comm, &spec, st->reqs, &x);
-    return started(st, rc, &mpidp_peerx_operation, x, t, 1 + (size_t)n_in, 1, self, Py_None,
+    return mpidp_py_started(st, rc, &mpidp_peerx_operation, x, t, 1 + (size_t)n_in, 1, self, Py_None,
                    "peer_exchange");
 }

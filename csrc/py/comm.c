@@ -125,6 +125,17 @@ static PyMethodDef comm_methods[] = {
                "each rank of out_peers, receive recvs[i] from in_peers[i] (every rank calls it,\n"
                "in the same order)"),
     COLLECTIVE(barrier, "barrier(async_op=False) -> Work | None"),
+    COLLECTIVE(reduce, "reduce(tensor, op, root, async_op=False) -> Work | None: root's tensor\n"
+               "becomes the reduction of every rank's (in place)"),
+    COLLECTIVE(gatherv, "gatherv(send, recv, counts, root, async_op=False) -> Work | None: every\n"
+               "rank's send (counts[r] elements) into root's recv, in rank order (None elsewhere)"),
+    COLLECTIVE(scatterv, "scatterv(send, recv, counts, root, async_op=False) -> Work | None:\n"
+               "block r of root's send (None elsewhere) into rank r's recv"),
+    COLLECTIVE(alltoallv, "alltoallv(send, recv, send_counts, recv_counts, async_op=False) ->\n"
+               "Work | None: block r of send to rank r, rank r's block for this rank into recv"),
+    COLLECTIVE(send, "send(tensor, peer, tag) -> Work"),
+    COLLECTIVE(recv, "recv(tensor, peer, tag, source) -> Work: peer -1 = any rank; the sender\n"
+               "lands in source (a one-element int32 tensor)"),
     COLLECTIVE(agree, "agree(fields) -> bool: whether every rank passed the same tuple of ints\n"
                "(each in (-2**63, 2**63)); blocking, with the deadline of every wait"),
 #undef COLLECTIVE

@@ -131,6 +131,22 @@ typedef struct {
 mpidp_py_comm_t *mpidp_py_as_comm(mpidp_py_state *st, PyObject *obj, const char *argname);
 
 /* Collective methods of Comm (csrc/py/collectives.c). */
+/* Shared by the Comm methods' files (collectives.c, exchanges.c): the
+ * module state for a Comm method called with `nargs` positional arguments
+ * (min..max, no keywords) in a process that may communicate; the trailing
+ * async_op argument at `at` (0, 1, or -1 with an exception); what a started
+ * operation becomes (a Work with async_op, else run to its end here, GIL
+ * released); a counts tuple of one int >= 0 per rank (PyMem; NULL with an
+ * exception). */
+mpidp_py_state *mpidp_py_coll_begin(PyObject *self, const char *usage, Py_ssize_t nargs,
+                                    Py_ssize_t min, Py_ssize_t max, PyObject *kwnames,
+                                    const char *what);
+int mpidp_py_async_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at);
+PyObject *mpidp_py_started(mpidp_py_state *st, int rc, const mpidp_operation_t *ops, void *x,
+                           mpidp_py_borrowed_t *t, size_t n, int async_op, PyObject *comm,
+                           PyObject *result, const char *what);
+size_t *mpidp_py_counts_arg(PyObject *obj, int size);
+
 PyObject *mpidp_py_comm_allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames);
 PyObject *mpidp_py_comm_bcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -145,6 +161,18 @@ PyObject *mpidp_py_comm_allgatherv(PyObject *self, PyObject *const *args, Py_ssi
                                    PyObject *kwnames);
 PyObject *mpidp_py_comm_peer_exchange(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                       PyObject *kwnames);
+PyObject *mpidp_py_comm_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames);
+PyObject *mpidp_py_comm_gatherv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames);
+PyObject *mpidp_py_comm_scatterv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames);
+PyObject *mpidp_py_comm_alltoallv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames);
+PyObject *mpidp_py_comm_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames);
+PyObject *mpidp_py_comm_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames);
 PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames);
 

@@ -23,6 +23,7 @@ from .data_parallel import DataParallel
 from .data_parallel_multi import DataParallelMultiGPU
 from .optimizer import DataParallelOptimizer
 from .process_group import init_process_group
+from . import c10d                                         # registers the "mpidp" backend
 from .topology import Topology, cross_node_comm, node_comm, topology
 from .wrapper_copy import WrapperCopy
 from . import nn, optim                                   # Heat's names: ht.nn, ht.optim

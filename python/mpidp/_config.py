@@ -86,6 +86,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     # runs, so it reads this one itself (csrc/py/module.c) and checks it there.
     Setting("MPIDP_SIMD", None, None, "'ref', 'avx2' or 'avx512'",
             "force the bf16/fp16 kernels' CPU path (mpidp.simd_path() says which runs)"),
+    Setting("MPIDP_C10D_CHECK", True, _flag, "0 or 1",
+            "the torch.distributed backend 'mpidp' checks that every rank passed the same "
+            "shape, dtype and settings before each collective (one small allreduce)"),
     Setting("MPIDP_STORE_ADDR", None, _text, "a host name or address",
             "address of the TCP store init_process_group opens on the group's first rank"),
     Setting("MPIDP_HOOK_PROGRESS", True, _flag, "0 or 1",

@@ -33,25 +33,34 @@ MPI_Datatype mpidp_mpi_bf16_type(void);
 MPI_Datatype mpidp_mpi_fp16_type(void);
 MPI_Op mpidp_mpi_half_sum_op(void);
 
-/* Reductions. AVG is a SUM of values scaled by 1/size first (floats only). */
+/* Reductions. AVG is a SUM of values scaled by 1/size first (floats only);
+ * the bitwise ones take the integer dtypes and bool (and, or, xor). */
 typedef enum {
     MPIDP_OP_SUM = 0,
     MPIDP_OP_AVG = 1,
     MPIDP_OP_MIN = 2,
     MPIDP_OP_MAX = 3,
     MPIDP_OP_PROD = 4,
+    MPIDP_OP_BAND = 5,
+    MPIDP_OP_BOR = 6,
+    MPIDP_OP_BXOR = 7,
 } mpidp_op_t;
 
 /* The MPI datatype of a core dtype (MPIDP_F32 ...; see mpidp/tensor.h), and
  * the MPI op reducing it with `op`: MPI_DATATYPE_NULL / MPI_OP_NULL when
  * unknown or not defined for that dtype (avg of integers; min, max or prod
  * of bfloat16/float16; sum or avg of bool -- bool takes min = all, max = any,
- * prod = all), and for the 16-bit types before a successful
+ * prod = all, and the bitwise ops as logical ones; the bitwise ops of
+ * floats), and for the 16-bit types before a successful
  * mpidp_mpiops_init. The one place the core maps its dtypes and ops to MPI. */
 MPI_Datatype mpidp_mpi_datatype(int dtype);
 MPI_Op mpidp_mpi_op(int op, int dtype);
-/* "sum", "avg", "min", "max", "prod", or "unknown". */
+/* "sum", "avg", "min", "max", "prod", "band", "bor", "bxor", or "unknown". */
 const char *mpidp_op_name(int op);
+
+/* Why mpidp_mpi_op(op, dtype) is MPI_OP_NULL, as advice for a message
+ * (" (bool takes min = all, ...)"), starting with a space; "" otherwise. */
+const char *mpidp_op_hint(int op, int dtype);
 
 /* Frees the handles when MPI is still initialized (after MPI_Finalize it only
  * forgets them), so that mpidp_mpiops_init can create them again. Never call it

@@ -50,6 +50,11 @@ int mpidp_reqtable_claim(mpidp_reqtable_t *t, const char *what, mpidp_req_t *out
 void mpidp_reqtable_fill(mpidp_reqtable_t *t, mpidp_req_t h, MPI_Request req, MPI_Comm comm,
                          const char *what);
 void mpidp_reqtable_unclaim(mpidp_reqtable_t *t, mpidp_req_t h);
+/* For a receive: between claim and fill, asks that completion write the
+ * sender's rank (MPI_SOURCE) into *source, which must stay valid until the
+ * request has completed; whichever thread's test or progress completes it
+ * writes it, so a receive from any source learns whom it heard. */
+void mpidp_reqtable_set_source(mpidp_reqtable_t *t, mpidp_req_t h, int *source);
 
 /* Tests one request without blocking; *done = 1 when it has completed (now or
  * earlier). An MPI error completes the request and returns MPIDP_EMPI. */

@@ -1,0 +1,112 @@
+"""The "mpidp" backend's registration and group creation, and the
+rendezvous that needs no MASTER_ADDR under an MPI launcher.
+
+Groups are MPI communicators: the default group is MPI.COMM_WORLD (or the
+communicator given to mpidp.init_process_group), and a subgroup of it --
+dist.new_group, new_subgroups, a DeviceMesh's dimensions -- is made by
+MPI_Comm_create_group over its members only (torch calls the creator on
+members only). torch hands every creator a store; the backend never uses
+it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import zlib
+
+import torch.distributed as dist
+
+from .._mpi import MPI
+from ._process_group import ProcessGroupMPIDP
+
+NAME = "mpidp"
+
+# The module, not the function torch.distributed exports under the same name.
+_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+# The communicator the next default group is made from (mpidp.init_process_group(comm=...)).
+_next_default_comm = None
+# The default group's communicator: subgroups' ranks are ranks of it.
+_default_comm = None
+
+
+def use_for_default_group(comm) -> None:
+    """Makes the next default "mpidp" group from `comm` (None: MPI.COMM_WORLD)."""
+    global _next_default_comm
+    _next_default_comm = comm
+
+
+def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
+    global _default_comm, _next_default_comm
+    members = list(opts.global_ranks_in_group)
+    if not members or not dist.is_initialized():   # the default group
+        comm = _next_default_comm if _next_default_comm is not None else MPI.COMM_WORLD
+        _next_default_comm = None
+        if comm.Get_size() != opts.group_size or comm.Get_rank() != opts.group_rank:
+            raise ValueError(
+                f"init_process_group('mpidp'): rank {opts.group_rank} of {opts.group_size} was "
+                f"asked for, but MPI made this process rank {comm.Get_rank()} of "
+                f"{comm.Get_size()}: leave rank and world_size out (MPI knows them), or pass the "
+                "communicator to mpidp.init_process_group(comm=...)")
+        _default_comm = comm.Dup()
+        return ProcessGroupMPIDP(_default_comm, opts.timeout, None)
+    if _default_comm is None:
+        raise RuntimeError("mpidp backend: a subgroup was asked for before a default 'mpidp' "
+                           "group exists: init_process_group('mpidp') first")
+    group = _default_comm.Get_group().Incl(members)
+    # Members only take part; a tag from the group's name keeps two groups
+    # made at once with overlapping members apart.
+    tag = zlib.crc32(str(opts.group_id).encode()) % 32768
+    comm = _default_comm.Create_group(group, tag)
+    group.Free()
+    if comm.Get_rank() != opts.group_rank:
+        raise RuntimeError(f"mpidp backend: group rank {comm.Get_rank()} from MPI, "
+                           f"{opts.group_rank} from torch, for ranks {members}")
+    return ProcessGroupMPIDP(comm, opts.timeout, members)
+
+
+class _StoreForMPIDPOnly(dist.Store):
+    """The store the rendezvous below hands torch when the job has no
+    MASTER_ADDR: the "mpidp" backend never reads it, and any other backend
+    that does learns why it cannot work instead of waiting."""
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError(
+            "torch.distributed was initialised without MASTER_ADDR/MASTER_PORT under an MPI "
+            "launcher, which only the 'mpidp' backend supports (it needs no store); for gloo or "
+            "nccl use mpidp.init_process_group(backend='gloo'), which builds the store from MPI")
+
+    set = get = add = compare_set = wait = check = delete_key = num_keys = _refuse
+    multi_get = multi_set = append = queue_push = queue_pop = queue_len = _refuse
+
+
+def _launched_by_mpi() -> bool:
+    return MPI.COMM_WORLD.Get_size() > 1 or any(
+        k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                                                  "PMIX_RANK", "SLURM_NTASKS"))
+
+
+_torch_env_handler = None
+
+
+def _env_rendezvous(url: str, timeout=None, **kwargs):
+    """torch's env:// rendezvous, except that under an MPI launcher with no
+    MASTER_ADDR the rank and world size come from MPI and the store is one
+    that only the "mpidp" backend can do without."""
+    if "MASTER_ADDR" in os.environ or not _launched_by_mpi():
+        yield from _torch_env_handler(url, timeout=timeout, **kwargs)
+        return
+    comm = _next_default_comm if _next_default_comm is not None else MPI.COMM_WORLD
+    yield (_StoreForMPIDPOnly(), comm.Get_rank(), comm.Get_size())
+    raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+def register() -> None:
+    """Registers the backend (once) and the MPI-aware env:// rendezvous."""
+    global _torch_env_handler
+    if not hasattr(dist.Backend, NAME.upper()):
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    handlers = _rendezvous._rendezvous_handlers
+    if _torch_env_handler is None and handlers.get("env") is not _env_rendezvous:
+        _torch_env_handler = handlers["env"]
+        handlers["env"] = _env_rendezvous

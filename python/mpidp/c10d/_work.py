@@ -1,0 +1,191 @@
+"""The Work handles the "mpidp" backend returns, and the thread that
+completes their futures.
+
+DDP's reducer asks an allreduce's Work for its future and later blocks on
+it in C++, where no Python code runs: something must complete it while the
+backward goes on. A Work whose future is asked for is handed to one
+progress thread per process, which waits for it in the C core (the GIL
+released) and completes the future; its own wait() then waits on the
+future, so that one Work never has two waiters. A Work nobody asks a
+future of is waited for by whoever calls wait()."""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from .. import _C
+from .._mpi import MPI
+
+
+def seconds(timeout) -> float | None:
+    """A wait's deadline in seconds: a timedelta, a number, or None (none given)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    return None if timeout <= 0 else float(timeout)
+
+
+class MPIDPWork(dist.Work):
+    """One operation of the backend: `c_works` are the core's handles (None
+    or empty: done already), `finish` runs once after they complete (copies
+    out of staging buffers, scaling), `outputs` are the future's value,
+    `describe()` names the operation and group for messages, and `deadline`
+    (seconds) bounds each wait."""
+
+    def __init__(self, c_works, outputs, finish, describe, deadline: float,
+                 source: torch.Tensor | None = None):
+        super().__init__()
+        self._c_works = [w for w in (c_works or ()) if w is not None]
+        self._outputs = outputs
+        self._finish = finish
+        self._describe = describe
+        self._deadline = deadline
+        self._source = source
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._future: Future | None = None
+
+    # -- completion ---------------------------------------------------------
+    def _complete(self, timeout: float | None) -> None:
+        """Waits for the operation (deadline: the smaller of `timeout` and
+        the group's) and finishes it, once; a failure is kept and raised
+        here and at every later call."""
+        with self._lock:
+            if not self._done:
+                deadline = self._deadline if timeout is None else min(timeout, self._deadline)
+                try:
+                    while self._c_works:
+                        self._c_works[0].wait(deadline)
+                        self._c_works.pop(0)
+                    if self._finish is not None:
+                        self._finish()
+                        self._finish = None
+                except (_C.CommTimeout, _C.CommError) as exc:
+                    self._error = dist.DistBackendError(f"{self._describe()}: {exc}")
+                except Exception as exc:   # a staging copy's failure
+                    self._error = exc
+                self._done = True
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, timeout=None) -> bool:
+        if self._future is not None:
+            self._future.wait()   # raises what the progress thread set
+            return True
+        self._complete(seconds(timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False   # the progress thread is waiting for it
+        try:
+            done = all(w.is_completed() for w in self._c_works)
+        finally:
+            self._lock.release()
+        if done and self._future is None:
+            try:
+                self._complete(None)
+            except Exception:
+                pass   # kept in self._error, raised by wait()
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any rank (torch's dist.recv(src=None))."""
+        self.wait()
+        if self._source is None:
+            raise ValueError("source rank: this Work is not a receive from any rank")
+        return int(self._source.item())
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+    def result(self):
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> Future:
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+                if self._done:
+                    _settle(self)
+                else:
+                    _progress().submit(self)
+        return self._future
+
+
+def _settle(work: MPIDPWork) -> None:
+    if work._error is not None:
+        work._future.set_exception(work._error)
+    else:
+        work._future.set_result(work._outputs)
+
+
+class _ProgressThread:
+    """Completes the futures of Works handed to it, in the order given
+    (the order their operations were posted)."""
+
+    def __init__(self):
+        self._queue: "queue.SimpleQueue[MPIDPWork]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="mpidp-c10d-progress", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: MPIDPWork) -> None:
+        self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            try:
+                work._complete(None)
+            except BaseException:
+                pass   # kept in work._error
+            _settle(work)
+
+
+_thread: _ProgressThread | None = None
+_thread_lock = threading.Lock()
+
+
+class _InlineProgress:
+    """Without MPI_THREAD_MULTIPLE no second thread may wait in MPI: the
+    future is completed at once, by waiting here (no overlap)."""
+
+    @staticmethod
+    def submit(work: MPIDPWork) -> None:
+        try:
+            work._complete(None)
+        except BaseException:
+            pass
+        _settle(work)
+
+
+def _progress():
+    global _thread
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return _InlineProgress
+    with _thread_lock:
+        if _thread is None:
+            _thread = _ProgressThread()
+        return _thread
+
+
+def done_work(outputs, describe) -> MPIDPWork:
+    """A Work for an operation that had nothing to do."""
+    return MPIDPWork(None, outputs, None, describe, 0.0)
