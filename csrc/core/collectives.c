@@ -163,9 +163,15 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
         return mpidp__fail(MPIDP_EINVAL, "allgather: the result must hold %d x %zu %s elements, "
                            "got %zu %s", size, send->numel, mpidp_dtype_name(send->dtype),
                            recv->numel, mpidp_dtype_name(recv->dtype));
+    int rank = 0;
+    if ((rc = mpidp__coll_rank_size(comm, &rank, &size)) != MPIDP_OK) return rc;
     const char *s = send->data, *r = recv->data;
-    if (bytes && s < r + (size_t)size * bytes && r < s + bytes)
-        return mpidp__fail(MPIDP_EINVAL, "allgather: the result overlaps the input");
+    /* The input sitting in its own block of the result (FSDP's unshard) is
+     * MPI's in-place allgather; any other overlap is an error. */
+    int in_place = bytes && s == r + (size_t)rank * bytes;
+    if (bytes && !in_place && s < r + (size_t)size * bytes && r < s + bytes)
+        return mpidp__fail(MPIDP_EINVAL, "allgather: the result overlaps the input (other than "
+                           "with the input in this rank's own block)");
     mpidp_coll_t *x = NULL;
     if ((rc = mpidp__coll_new(reqs, "allgather", &x)) != MPIDP_OK) return rc;
     if (bytes == 0) return mpidp__coll_finished_at_once(x, out);
@@ -175,8 +181,8 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
     mpidp_req_t slot;
     if ((rc = mpidp__coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
     MPI_Request req;
-    rc = MPI_Iallgather(send->data, (int)bytes, MPI_BYTE, recv->data, (int)bytes, MPI_BYTE, comm,
-                        &req);
+    rc = MPI_Iallgather(in_place ? MPI_IN_PLACE : send->data, (int)bytes, MPI_BYTE, recv->data,
+                        (int)bytes, MPI_BYTE, comm, &req);
     return mpidp__coll_post_done(x, slot, rc, req, comm, what, out);
 }
 

@@ -142,10 +142,17 @@ def _install_abort_on_uncaught_exception() -> None:
 
     def abort_job(exc_type, exc, tb):
         previous(exc_type, exc, tb)
-        sys.stderr.write(f"mpidp: uncaught {exc_type.__name__} on rank {MPI.COMM_WORLD.Get_rank()}"
-                         f" of {MPI.COMM_WORLD.Get_size()}: aborting the job so that no rank is "
-                         "left waiting\n")
-        sys.stderr.flush()
+        # A hook installed after this one may have swapped stderr for a
+        # buffer it prints once this hook returns (torch.distributed's
+        # init_process_group does, to prefix "[rankN]"); this hook never
+        # returns, so the traceback is printed from that buffer here.
+        captured = sys.stderr
+        if captured is not sys.__stderr__ and hasattr(captured, "getvalue"):
+            sys.__stderr__.write(captured.getvalue())
+        sys.__stderr__.write(f"mpidp: uncaught {exc_type.__name__} on rank "
+                             f"{MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()}: "
+                             "aborting the job so that no rank is left waiting\n")
+        sys.__stderr__.flush()
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job

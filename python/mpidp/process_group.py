@@ -56,7 +56,9 @@ def init_process_group(comm=None, backend: str | None = None,
     comm: the ranks of the group (an mpi4py communicator); default: every
     rank of the job (MPI.COMM_WORLD), so that torch's defaults
     (DistributedSampler, dist.all_reduce) mean the whole job, as under
-    torchrun. backend: "gloo" or "nccl"; default NCCL for CUDA tensors and
+    torchrun. backend: "mpidp" (torch.distributed over MPI through mpidp's
+    core: the group is `comm` itself, with no store and no ports), "gloo"
+    or "nccl"; default NCCL for CUDA tensors and
     gloo for CPU ones when the node has at least one GPU for each of its ranks
     (each rank then uses GPU `local_rank`), else gloo. Calling it again with the same ranks does
     nothing; with other ranks it raises.
@@ -72,7 +74,7 @@ def init_process_group(comm=None, backend: str | None = None,
         backend = default_backend(gpus, same_machine.Get_size())
         same_machine.Free()
     else:
-        check_choice("backend", backend, ("gloo", "nccl", "mpi"))
+        check_choice("backend", backend, ("gloo", "nccl", "mpidp"))
     if backend == "nccl" and gpus == 0:
         raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
                            "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "
@@ -87,6 +89,13 @@ def init_process_group(comm=None, backend: str | None = None,
     if "nccl" in backend:
         torch.cuda.set_device(topology().local_rank % gpus)
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
+    if backend == "mpidp":   # the group is `group` itself: no store, no ports
+        from .c10d import _registration
+        _registration.use_for_default_group(group)
+        dist.init_process_group("mpidp", store=_registration.StoreForMPIDPOnly(),
+                                rank=group.Get_rank(), world_size=group.Get_size(),
+                                timeout=timeout)
+        return
     host, spans_nodes = _store_host(group)
     if host == "127.0.0.1" and not spans_nodes:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -115,7 +124,9 @@ def init_process_group(comm=None, backend: str | None = None,
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
 
-# Node-local groups made so far, by (the default group, the nodes' ranks).
+# Node-local groups made so far, by the nodes' ranks: (the default group they
+# belong to, the group). A group of an earlier default group (destroyed and
+# made again) is never handed out.
 _node_groups: dict = {}
 
 
@@ -126,7 +137,8 @@ def node_process_group(comm: MPI.Intracomm) -> dist.ProcessGroup:
     for the same layout return the same group."""
     members = tuple(node_comm(comm).allgather(comm.Get_rank()))
     nodes = tuple(sorted(set(comm.allgather(members))))
-    key = (id(dist.group.WORLD), nodes)
-    if key not in _node_groups:
-        _node_groups[key], _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
-    return _node_groups[key]
+    world, group = _node_groups.get(nodes, (None, None))
+    if world is not dist.group.WORLD:
+        group, _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
+        _node_groups[nodes] = (dist.group.WORLD, group)
+    return group

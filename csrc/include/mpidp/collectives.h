@@ -27,7 +27,8 @@ int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_re
 /* Posts an allgather of equal blocks: every rank's `send` (same dtype and
  * element count on every rank) lands in `recv`, rank r's at element
  * r * send->numel; recv must hold size * send->numel elements of that dtype
- * and not overlap send. Moves bytes: any dtype goes. */
+ * and not overlap send, unless send is exactly this rank's block of recv (an
+ * in-place allgather). Moves bytes: any dtype goes. */
 int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
                           mpidp_reqtable_t *reqs, mpidp_coll_t **out);
 

@@ -65,39 +65,34 @@ def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
     return ProcessGroupMPIDP(comm, opts.timeout, members)
 
 
-class _StoreForMPIDPOnly(dist.Store):
+class StoreForMPIDPOnly(dist.Store):
     """The store the rendezvous below hands torch when the job has no
     MASTER_ADDR: the "mpidp" backend never reads it, and any other backend
     that does learns why it cannot work instead of waiting."""
 
     def _refuse(self, *args, **kwargs):
         raise RuntimeError(
-            "torch.distributed was initialised without MASTER_ADDR/MASTER_PORT under an MPI "
-            "launcher, which only the 'mpidp' backend supports (it needs no store); for gloo or "
-            "nccl use mpidp.init_process_group(backend='gloo'), which builds the store from MPI")
+            "torch.distributed was initialised without MASTER_ADDR/MASTER_PORT, which only the "
+            "'mpidp' backend supports (it needs no store: MPI gives the ranks); for gloo or "
+            "nccl use mpidp.init_process_group(backend='gloo'), which builds the store from MPI, "
+            "or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE")
 
     set = get = add = compare_set = wait = check = delete_key = num_keys = _refuse
     multi_get = multi_set = append = queue_push = queue_pop = queue_len = _refuse
-
-
-def _launched_by_mpi() -> bool:
-    return MPI.COMM_WORLD.Get_size() > 1 or any(
-        k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-                                                  "PMIX_RANK", "SLURM_NTASKS"))
 
 
 _torch_env_handler = None
 
 
 def _env_rendezvous(url: str, timeout=None, **kwargs):
-    """torch's env:// rendezvous, except that under an MPI launcher with no
-    MASTER_ADDR the rank and world size come from MPI and the store is one
-    that only the "mpidp" backend can do without."""
-    if "MASTER_ADDR" in os.environ or not _launched_by_mpi():
+    """torch's env:// rendezvous where MASTER_ADDR is set; otherwise the rank
+    and world size come from MPI (mpirun, srun, or one process alone) and
+    the store is one that only the "mpidp" backend can do without."""
+    if "MASTER_ADDR" in os.environ:
         yield from _torch_env_handler(url, timeout=timeout, **kwargs)
         return
     comm = _next_default_comm if _next_default_comm is not None else MPI.COMM_WORLD
-    yield (_StoreForMPIDPOnly(), comm.Get_rank(), comm.Get_size())
+    yield (StoreForMPIDPOnly(), comm.Get_rank(), comm.Get_size())
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 
