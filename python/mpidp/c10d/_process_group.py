@@ -17,7 +17,7 @@ from .. import _C
 from .. import _config as config
 from .._agreement import agree, crc_of
 from ._tensors import check_dtype, reduction, staged
-from ._work import MPIDPWork, done_work
+from ._work import MPIDPWork
 
 def _root(opts) -> int:
     return int(opts.rootRank)

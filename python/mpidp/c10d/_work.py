@@ -78,6 +78,12 @@ class MPIDPWork(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         if self._future is not None:
+            if on_progress_thread():
+                # A future's callback waiting for a Work queued behind it:
+                # only this thread could complete it, so it does so here.
+                self._complete(seconds(timeout))
+                _settle(self)
+                return True
             self._future.wait()   # raises what the progress thread set
             return True
         self._complete(seconds(timeout))
@@ -123,14 +129,21 @@ class MPIDPWork(dist.Work):
         with self._lock:
             if self._future is None:
                 self._future = Future()
-                if self._done:
-                    _settle(self)
+                if self._done or on_progress_thread():
+                    # On the progress thread (a future's callback starting
+                    # the next collective, as PowerSGD's do, and waiting for
+                    # it) the Work is completed here: queued, it would wait
+                    # behind the callback that waits for it.
+                    _InlineProgress.submit(self)
                 else:
                     _progress().submit(self)
         return self._future
 
 
 def _settle(work: MPIDPWork) -> None:
+    """Completes the Work's future with its outputs or its error (once)."""
+    if work._future.done():
+        return
     if work._error is not None:
         work._future.set_exception(work._error)
     else:
@@ -159,6 +172,10 @@ class _ProgressThread:
             _settle(work)
 
 
+def on_progress_thread() -> bool:
+    return _thread is not None and threading.current_thread() is _thread._thread
+
+
 _thread: _ProgressThread | None = None
 _thread_lock = threading.Lock()
 
@@ -184,8 +201,3 @@ def _progress():
         if _thread is None:
             _thread = _ProgressThread()
         return _thread
-
-
-def done_work(outputs, describe) -> MPIDPWork:
-    """A Work for an operation that had nothing to do."""
-    return MPIDPWork(None, outputs, None, describe, 0.0)
