@@ -111,6 +111,35 @@ def test_ddp_bf16_compress_hook_is_close_to_one_process():
     assert torch.equal(top, low)
 
 
+def test_ddp_powersgd_hook_keeps_replicas_equal_and_learns():
+    """PowerSGD's callbacks start collectives and wait for them inside
+    other collectives' futures (once a deadlock of the progress thread).
+    Its first two steps are plain allreduces (equal to one process), the
+    later ones compressed: replicas stay equal and the loss on the union of
+    the data falls."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    net, data = model(), batches(6)
+    union = lambda m: sum(nn.functional.mse_loss(m(x), y).item() for x, y in data)  # noqa: E731
+    before = union(net)
+    ddp = DDP(net)
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, min_compression_rate=0.5)
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(data + data):
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(mine(x)), mine(y)).backward()
+        opt.step()
+        if step == 1:
+            assert_same(ddp.module, reference(model(), data[:2]))
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    top, low = flat.clone(), flat.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    assert torch.equal(top, low)
+    assert union(ddp.module) < before
+
+
 def test_ddp_join_with_uneven_inputs_matches_the_simulation():
     """Rank r has r + 1 batches; joined ranks contribute zero gradients and
     DDP divides by the world size, so each step's gradient is the sum of

@@ -48,7 +48,8 @@ class MPIDPWork(dist.Work):
         self._describe = describe
         self._deadline = deadline
         self._source = source
-        self._lock = threading.Lock()
+        # Reentrant: get_future() completes the Work under it on the progress thread.
+        self._lock = threading.RLock()
         self._done = False
         self._error: BaseException | None = None
         self._future: Future | None = None
