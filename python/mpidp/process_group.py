@@ -122,6 +122,8 @@ def init_process_group(comm=None, backend: str | None = None,
     if rank != 0:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    from .c10d import _registration
+    _registration.note_default_comm(group)   # for "mpidp" subgroups beside it
 
 
 # Node-local groups made so far, by the nodes' ranks: (the default group they

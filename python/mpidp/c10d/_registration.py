@@ -28,6 +28,8 @@ _rendezvous = importlib.import_module("torch.distributed.rendezvous")
 _next_default_comm = None
 # The default group's communicator: subgroups' ranks are ranks of it.
 _default_comm = None
+# The communicator of a gloo or NCCL default group mpidp.init_process_group made.
+_other_default_comm = None
 
 
 def use_for_default_group(comm) -> None:
@@ -50,19 +52,42 @@ def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
                 "communicator to mpidp.init_process_group(comm=...)")
         _default_comm = comm.Dup()
         return ProcessGroupMPIDP(_default_comm, opts.timeout, None)
-    if _default_comm is None:
-        raise RuntimeError("mpidp backend: a subgroup was asked for before a default 'mpidp' "
-                           "group exists: init_process_group('mpidp') first")
-    group = _default_comm.Get_group().Incl(members)
+    parent = _parent_comm()
+    group = parent.Get_group().Incl(members)
     # Members only take part; a tag from the group's name keeps two groups
     # made at once with overlapping members apart.
     tag = zlib.crc32(str(opts.group_id).encode()) % 32768
-    comm = _default_comm.Create_group(group, tag)
+    comm = parent.Create_group(group, tag)
     group.Free()
     if comm.Get_rank() != opts.group_rank:
         raise RuntimeError(f"mpidp backend: group rank {comm.Get_rank()} from MPI, "
                            f"{opts.group_rank} from torch, for ranks {members}")
     return ProcessGroupMPIDP(comm, opts.timeout, members)
+
+
+def _parent_comm():
+    """The communicator whose ranks are torch's default group's: the "mpidp"
+    default group's, else the one mpidp.init_process_group made a gloo or
+    NCCL default group from, else MPI.COMM_WORLD when torch's ranks are its
+    ranks (an "mpidp" subgroup beside a gloo default group)."""
+    if _default_comm is not None and dist.get_backend() == NAME:
+        return _default_comm
+    if _other_default_comm is not None:
+        return _other_default_comm
+    world = MPI.COMM_WORLD
+    if dist.get_world_size() != world.Get_size() or dist.get_rank() != world.Get_rank():
+        raise RuntimeError(
+            f"mpidp backend: torch's default group (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}) is not MPI's world (rank {world.Get_rank()} of "
+            f"{world.Get_size()}), so its ranks cannot be found in MPI: make the default group "
+            "with mpidp.init_process_group(comm=...)")
+    return world
+
+
+def note_default_comm(comm) -> None:
+    """mpidp.init_process_group made a default group of another backend from `comm`."""
+    global _other_default_comm
+    _other_default_comm = comm
 
 
 class StoreForMPIDPOnly(dist.Store):

@@ -1,0 +1,203 @@
+"""torch.distributed over the "mpidp" backend against gloo, and against
+mpidp.DataParallel and mpi4py, at the ranks it is started on.
+
+    mpirun -np 2 python benchmarks/bench_c10d.py [--quick] [--json]
+
+One process tree: the default group is gloo (made from MPI by
+mpidp.init_process_group) and an "mpidp" group of the same ranks sits
+beside it, so every method runs on the same processes and data, taking
+turns in several rounds (median of each method's mean step time; the
+slowest rank counts). Three tables:
+  1. DDP step time on bench_step's models (the 500-tensor MLP, ResNet-18):
+     local (no communication), DDP over gloo, DDP over "mpidp",
+     mpidp.DataParallel (blocking); the communication overhead over the
+     local step and its ratios (goal: "mpidp" <= 0.3x gloo's overhead and
+     <= 1.2x DataParallel's).
+  2. FSDP2 (fully_shard of eight Linear(256, 256)) step time over gloo and
+     over "mpidp" (goal: "mpidp" <= 0.5x gloo).
+  3. all_reduce, all_gather_into_tensor and reduce_scatter_tensor through
+     dist on the "mpidp" group against mpi4py's blocking Allreduce,
+     Allgather and Reduce_scatter_block on the same buffers, 1 KB to 64 MB
+     (goal: >= 0.9x mpi4py's bandwidth)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mpidp  # noqa: E402
+from models import ManyTensorMLP, ResNet18  # noqa: E402
+from mpidp import MPI  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+
+def slowest(seconds: float) -> float:
+    return max(COMM.allgather(seconds))
+
+
+def timed(fn, repeats: int) -> float:
+    COMM.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    COMM.Barrier()
+    return (time.perf_counter() - t0) / repeats
+
+
+def rounds_of(methods: dict, rounds: int, repeats: int) -> dict:
+    for fn in methods.values():       # warm-up: allocators, buckets, connections
+        fn()
+        fn()
+    samples = {m: [] for m in methods}
+    for _ in range(rounds):
+        for m, fn in methods.items():
+            samples[m].append(timed(fn, repeats))
+    return {m: slowest(statistics.median(s)) for m, s in samples.items()}
+
+
+def train_step(net, opt, x, y):
+    def run():
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    return run
+
+
+def ddp_table(mpidp_group, quick, rounds, steps):
+    rows = []
+    for name in ("mlp", "resnet18"):
+        torch.manual_seed(0)
+        if name == "mlp":
+            base, x, y = ManyTensorMLP(), torch.randn(32, 32), torch.randint(0, 10, (32,))
+        else:
+            base = ResNet18(width=32 if quick else 64)
+            x, y = torch.randn(8 if quick else 16, 3, 32, 32), torch.randint(0, 10, (8 if quick else 16,))
+        methods = {}
+        local = copy.deepcopy(base)
+        methods["local"] = train_step(local, torch.optim.SGD(local.parameters(), lr=0.01), x, y)
+        for label, group in (("ddp-gloo", None), ("ddp-mpidp", mpidp_group)):
+            ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                            process_group=group)
+            methods[label] = train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x, y)
+        model = copy.deepcopy(base)
+        opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=True)
+        methods["dataparallel"] = train_step(net, opt, x, y)
+        t = rounds_of(methods, rounds, steps)
+        over = {m: t[m] - t["local"] for m in t}
+        rows.append({"model": name, **{m: t[m] * 1e3 for m in t},
+                     "overhead_vs_gloo": over["ddp-mpidp"] / over["ddp-gloo"],
+                     "overhead_vs_dataparallel": over["ddp-mpidp"] / over["dataparallel"]})
+    return rows
+
+
+def fsdp_table(mpidp_group, rounds, steps):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    times = {}
+    methods = {}
+    for label, group in (("fsdp2-gloo", dist.group.WORLD), ("fsdp2-mpidp", mpidp_group)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(32, 256)
+
+        def run(model=model, opt=opt, x=x):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        methods[label] = run
+    times = rounds_of(methods, rounds, steps)
+    return [{**{m: times[m] * 1e3 for m in times},
+             "mpidp_vs_gloo": times["fsdp2-mpidp"] / times["fsdp2-gloo"]}]
+
+
+def bandwidth_table(mpidp_group, quick, repeats):
+    sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 22] + ([] if quick else [1 << 26])
+    rows = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        n -= n % SIZE
+        t = torch.ones(n)
+        a = np.ones(n, dtype=np.float32)
+        out_t, out_a = torch.empty(n * SIZE), np.empty(n * SIZE, dtype=np.float32)
+        part_t, part_a = torch.empty(n // SIZE), np.empty(n // SIZE, dtype=np.float32)
+        reps = max(3, min(repeats, (64 << 20) // max(nbytes, 1)))
+        cases = {
+            "all_reduce": (lambda: dist.all_reduce(t, group=mpidp_group),
+                           lambda: COMM.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)),
+            "all_gather_into_tensor": (
+                lambda: dist.all_gather_into_tensor(out_t, t, group=mpidp_group),
+                lambda: COMM.Allgather(a, out_a)),
+            "reduce_scatter_tensor": (
+                lambda: dist.reduce_scatter_tensor(part_t, t, group=mpidp_group),
+                lambda: COMM.Reduce_scatter_block(a, part_a, op=MPI.SUM)),
+        }
+        for op, (ours, theirs) in cases.items():
+            got = rounds_of({"mpidp": ours, "mpi4py": theirs}, 3, reps)
+            rows.append({"op": op, "bytes": n * 4, "mpidp_us": got["mpidp"] * 1e6,
+                         "mpi4py_us": got["mpi4py"] * 1e6,
+                         "bandwidth_vs_mpi4py": got["mpi4py"] / got["mpidp"]})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models and buffers")
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", choices=("ddp", "fsdp", "bandwidth"), action="append")
+    args = parser.parse_args()
+    if SIZE < 2:
+        sys.exit("run it on 2 or more ranks: mpirun -np 2 python benchmarks/bench_c10d.py")
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    mpidp.init_process_group(backend="gloo")
+    group = dist.new_group(backend="mpidp")
+    only = set(args.only or ("ddp", "fsdp", "bandwidth"))
+    result = {"ranks": SIZE}
+    if "ddp" in only:
+        result["ddp"] = ddp_table(group, args.quick, args.rounds, args.steps)
+    if "fsdp" in only:
+        result["fsdp"] = fsdp_table(group, args.rounds, args.steps)
+    if "bandwidth" in only:
+        result["bandwidth"] = bandwidth_table(group, args.quick, 20)
+    if RANK != 0:
+        return
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{SIZE} ranks; times in ms (the slowest rank's median of {args.rounds} rounds)")
+    for r in result.get("ddp", []):
+        print(f"DDP {r['model']:9s} local {r['local']:8.2f}  gloo {r['ddp-gloo']:8.2f}  "
+              f"mpidp {r['ddp-mpidp']:8.2f}  DataParallel {r['dataparallel']:8.2f}  "
+              f"overhead: {r['overhead_vs_gloo']:.2f}x gloo's, "
+              f"{r['overhead_vs_dataparallel']:.2f}x DataParallel's")
+    for r in result.get("fsdp", []):
+        print(f"FSDP2 8 x Linear(256)  gloo {r['fsdp2-gloo']:8.2f}  mpidp {r['fsdp2-mpidp']:8.2f}"
+              f"  = {r['mpidp_vs_gloo']:.2f}x")
+    for r in result.get("bandwidth", []):
+        print(f"{r['op']:24s} {r['bytes']:>10d} B  mpidp {r['mpidp_us']:10.1f} us  mpi4py "
+              f"{r['mpi4py_us']:10.1f} us  bandwidth {r['bandwidth_vs_mpi4py']:.2f}x mpi4py's")
+
+
+if __name__ == "__main__":
+    main()
