@@ -241,12 +241,13 @@ def test_send_recv_tags_any_source_and_batch():
         senders = set()
         for _ in range(SIZE - 1):
             buf = torch.empty(1, dtype=torch.int64)
-            src = dist.recv(buf)                       # any source
+            src = dist.recv(buf, tag=7)                # any source (tag 7: the ring
+            # below uses tag 0 and may already be sending to this rank)
             assert buf.item() == src * 11
             senders.add(src)
         assert senders == set(range(1, SIZE))
     else:
-        dist.send(torch.tensor([RANK * 11]), dst=0)
+        dist.send(torch.tensor([RANK * 11]), dst=0, tag=7)
     ops = [dist.P2POp(dist.isend, data(RANK), right), dist.P2POp(dist.irecv, torch.empty(5), left)]
     recv = ops[1].tensor
     for w in dist.batch_isend_irecv(ops):

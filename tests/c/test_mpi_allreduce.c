@@ -148,8 +148,10 @@ TEST(bad_options_are_refused_before_posting)
     mpidp_allreduce_opts_t ok = {.op = MPIDP_OP_SUM, .wire = -1, .chunk_elems = 2};
     mpidp_allreduce_opts_t o;
     mpidp_allreduce_t *x = NULL;
-    o = ok, o.op = 7;
+    o = ok, o.op = MPIDP_OP_BXOR + 1;
     ASSERT_EQ_INT(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x), MPIDP_EINVAL);
+    o = ok, o.op = MPIDP_OP_BXOR;   /* a bitwise op of floats */
+    ASSERT_EQ_INT(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x), MPIDP_EDTYPE);
     o = ok, o.chunk_elems = 0;
     ASSERT_EQ_INT(mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x), MPIDP_EINVAL);
     o = ok, o.wire = MPIDP_BF16;

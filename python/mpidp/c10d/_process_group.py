@@ -29,6 +29,15 @@ def _one(tensors, what: str) -> torch.Tensor:
     return tensors[0]
 
 
+def _unflatten_into(outputs, flat: torch.Tensor, counts) -> None:
+    """Copies flat's consecutive pieces (counts[i] elements; a complex
+    output's as its real view) into the tensors `outputs`."""
+    with torch.no_grad():
+        for o, piece in zip(outputs, torch.split(flat, list(counts))):
+            o.copy_(torch.view_as_complex(piece.view(*o.shape, 2)) if o.is_complex()
+                    else piece.view(o.shape))
+
+
 class ProcessGroupMPIDP(dist.ProcessGroup):
     """The group over mpi4py communicator `mpi_comm` (its ranks in its
     order), with torch's per-group `timeout`."""
@@ -221,12 +230,8 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         recv = torch.empty(sum(counts), dtype=send.dtype)
         c = self._comm.allgatherv(send.reshape(-1), recv, counts, True)
 
-        def finish():
-            with torch.no_grad():
-                for o, piece in zip(out_list, torch.split(recv, counts)):
-                    o.copy_(torch.view_as_complex(piece.view(*o.shape, 2)) if o.is_complex()
-                            else piece.view(o.shape))
-        return self._work([c], outputs, finish, "all_gather")
+        return self._work([c], outputs, lambda: _unflatten_into(out_list, recv, counts),
+                          "all_gather")
 
     def all_gather_single(self, output, input, opts=None):
         size = self._comm.size
@@ -272,10 +277,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
             recv = torch.empty(count * size, dtype=send.dtype)
 
             def finish():
-                with torch.no_grad():
-                    for o, piece in zip(out_list, torch.split(recv, count)):
-                        o.copy_(torch.view_as_complex(piece.view(*o.shape, 2)) if o.is_complex()
-                                else piece.view(o.shape))
+                _unflatten_into(out_list, recv, (count,) * size)
         elif outputs and any(len(o) for o in outputs):
             raise ValueError(f"mpidp backend: gather: only the root (rank {root}) passes "
                              "output tensors")
@@ -357,13 +359,8 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         recv = torch.empty(sum(recv_counts), dtype=send.dtype)
         self._agree("all_to_all", send[:0])
         c = self._comm.alltoallv(send, recv, send_counts, recv_counts, True)
-
-        def finish():
-            with torch.no_grad():
-                for o, piece in zip(outputs, torch.split(recv, recv_counts)):
-                    o.copy_(torch.view_as_complex(piece.view(*o.shape, 2)) if o.is_complex()
-                            else piece.view(o.shape))
-        return self._work([c], outputs, finish, "all_to_all")
+        return self._work([c], outputs, lambda: _unflatten_into(outputs, recv, recv_counts),
+                          "all_to_all")
 
     # -- synchronisation and point to point -------------------------------------
     def barrier(self, opts=None):
