@@ -29,6 +29,11 @@ _CORE_OP = {RedOpType.SUM: _C.OP_SUM, RedOpType.AVG: _C.OP_AVG, RedOpType.PRODUC
             RedOpType.PREMUL_SUM: _C.OP_SUM}
 
 
+# Dtypes the core sums (bool's sum is an "or", below) and averages as they are.
+_PLAIN_SUM = frozenset(d for d in CORE_DTYPES if d is not torch.bool)
+_CORE_AVG = frozenset((torch.float32, torch.float64))
+
+
 class Unsupported(TypeError):
     """An op or dtype the backend cannot reduce (named in the message)."""
 
@@ -63,8 +68,14 @@ def reduction(t: torch.Tensor, op: dist.ReduceOp, size: int, what: str):
     factor), finish after completion (the copy back, a 16-bit min/max in
     float32); raises Unsupported naming op and dtype."""
     kind = op.op if isinstance(op, dist.ReduceOp) else op
-    name = op_name(kind)
     dtype = t.dtype
+    # The common case (DDP's buckets, FSDP2's float reductions, metrics):
+    # the caller's own contiguous host tensor, an op the core does itself.
+    if (kind == RedOpType.SUM and dtype in _PLAIN_SUM) or (
+            kind == RedOpType.AVG and dtype in _CORE_AVG):
+        if t.device.type == "cpu" and t.is_contiguous():
+            return _CORE_OP[kind], t.detach(), None, None
+    name = op_name(kind)
     if kind not in _CORE_OP:
         raise Unsupported(f"mpidp backend: {what} with op {name} is not supported")
     if dtype in _COMPLEX and kind not in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM):
