@@ -311,7 +311,6 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     # -- all-to-all -------------------------------------------------------------
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        size = self._comm.size
         send, _ = staged(input, False, "all_to_all_single")
         recv, finish = staged(output, True, "all_to_all_single")
         if output.dtype != input.dtype:
