@@ -10,6 +10,7 @@
 
 #include <mpi4py/mpi4py.h>
 
+#include "mpidp/comm.h"
 #include "mpidp/mpi_util.h"
 #include "mpidp/status.h"
 
@@ -43,34 +44,15 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
     mpidp_py_comm_t *self = (mpidp_py_comm_t *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
-    self->comm = MPI_COMM_NULL;
-    /* MPI_Comm_dup is a collective: a rank that never joins would block the
-     * others forever, so use the non-blocking form and wait with a deadline. */
-    const char *what = "MPI_Comm_idup (creating mpidp's communicator)";
-    mpidp_req_t handle = MPIDP_REQ_NONE;
+    int status, in_flight = 0;
     mpidp_error_clear();
-    int posted = 0;
-    int status = mpidp_reqtable_claim(st->reqs, what, &handle);
-    if (status == MPIDP_OK) {
-        MPI_Request req;
-        int rc = MPI_Comm_idup(*user, &self->comm, &req);
-        status = mpidp__post_done(st->reqs, handle, rc, req, *user, what, &handle);
-        posted = status == MPIDP_OK;
-    }
-    if (posted) MPIDP_PY_WAIT(st, status, mpidp_reqtable_wait(st->reqs, handle, mpidp_py_timeout_s));
+    MPIDP_PY_WAIT(st, status, mpidp_comm_dup(*user, st->reqs, mpidp_py_timeout_s, &self->comm,
+                                             &self->rank, &self->size, &in_flight));
     if (status != MPIDP_OK) {
         /* Posted but not finished: MPI will write the new handle into
          * self->comm when it completes, so self must never be freed. */
-        if (!posted) Py_DECREF(self);
+        if (!in_flight) Py_DECREF(self);
         return mpidp_py_raise(st, status, "Comm");
-    }
-    int rc = MPI_Comm_set_errhandler(self->comm, MPI_ERRORS_RETURN);
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(self->comm, &self->rank);
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(self->comm, &self->size);
-    if (rc != MPI_SUCCESS) {
-        mpidp__mpi_fail(rc, "setting up mpidp's communicator");
-        Py_DECREF(self);
-        return mpidp_py_raise(st, MPIDP_EMPI, "Comm");
     }
     return (PyObject *)self;
 }
