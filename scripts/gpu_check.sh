@@ -23,6 +23,10 @@
 #   daso     DASO on CUDA tensors (host mirror) at 1 and 2 ranks, nodes of 1 and 2 ranks
 #            (node-local DDP over gloo: two ranks share the GPU), and scripts/gpu/daso_nccl.py:
 #            whether NCCL accepts two ranks on one GPU, and DASO over it where it does
+#   c10d     the "mpidp" torch.distributed backend: scripts/gpu/c10d_cuda.py at 2 ranks (its
+#            collectives on CUDA tensors, DDP, DDP under bf16 autocast and FSDP2 on CUDA models
+#            against one process, DDP over "mpidp" and gloo timed), its CPU tests at 2 ranks,
+#            and benchmarks/bench_c10d.py at 2 ranks on the CPU cores the machine has
 #   example  examples/imagenet_daso.py --synthetic with AMP, 2 ranks as 1 node and as 2 nodes
 #   bench    benchmarks/bench_pack.py --device cuda; benchmarks/bench_step.py --device cuda
 #            at 1 rank (DDP over NCCL) and 2 ranks (DDP over gloo); and bench_step.py on the
@@ -38,7 +42,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-STEPS=(setup build kernels dp daso example bench)
+STEPS=(setup build kernels dp daso c10d example bench)
 OUT=gpu-check-out
 WHEELS=.whl
 WHEEL_LIST=scripts/gpu_wheels.txt
@@ -152,7 +156,8 @@ check_wheels() {
 # Files the steps run: a renamed test or script fails the dry run, not the GPU run.
 NEEDED=(setup.py tests/test_cuda_kernels.py tests/test_data_parallel.py tests/test_nonblocking.py
         tests/test_compressed_allreduce.py tests/test_join.py tests/test_staging.py tests/test_daso.py
-        scripts/gpu/daso_nccl.py scripts/run_pytest.sh scripts/mpirun.sh examples/imagenet_daso.py
+        scripts/gpu/daso_nccl.py scripts/gpu/c10d_cuda.py tests/test_c10d_collectives.py
+        tests/test_c10d_training.py benchmarks/bench_c10d.py scripts/run_pytest.sh scripts/mpirun.sh examples/imagenet_daso.py
         benchmarks/bench_pack.py benchmarks/bench_step.py)
 for f in "${NEEDED[@]}"; do [ -f "$f" ] || die "missing $f, which a step runs"; done
 
@@ -292,6 +297,19 @@ step_daso() {
     else
         run 300 daso.nccl ./scripts/mpirun.sh 2 "$PY" scripts/gpu/daso_nccl.py | tee "$OUT/daso_nccl.json"
     fi
+}
+
+step_c10d() {
+    if [ $DRY = 1 ]; then
+        run 300 c10d.cuda ./scripts/mpirun.sh 2 "$PY" scripts/gpu/c10d_cuda.py
+        run 300 c10d.bench ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_c10d.py --json
+    else
+        run 300 c10d.cuda ./scripts/mpirun.sh 2 "$PY" scripts/gpu/c10d_cuda.py | tee "$OUT/c10d_cuda.json"
+        run 300 c10d.bench ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_c10d.py --rounds 3 --steps 5 \
+            --json | tee "$OUT/bench_c10d_cpu_2ranks.json"
+    fi
+    run 580 c10d.tests.2ranks env MPIDP_TEST_LIMIT=570 ./scripts/run_pytest.sh 2 \
+        tests/test_c10d_collectives.py tests/test_c10d_training.py
 }
 
 step_example() {

@@ -111,6 +111,10 @@ def test_ddp_bf16_compress_hook_is_close_to_one_process():
     assert torch.equal(top, low)
 
 
+# torch's powerSGD_hook calls torch.cuda.synchronize(the gradients' device)
+# whenever CUDA is available, which fails for CPU gradients on any backend.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch's powerSGD_hook cannot run on CPU "
+                    "gradients where CUDA is available (torch.cuda.synchronize of a CPU device)")
 def test_ddp_powersgd_hook_keeps_replicas_equal_and_learns():
     """PowerSGD's callbacks start collectives and wait for them inside
     other collectives' futures (once a deadlock of the progress thread).
@@ -168,6 +172,7 @@ def test_ddp_join_with_uneven_inputs_matches_the_simulation():
 
 @pytest.mark.parametrize("mixed", [False, True])
 def test_fsdp2_trains_like_one_process(mixed):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
@@ -175,9 +180,11 @@ def test_fsdp2_trains_like_one_process(mixed):
     want = reference(net, data)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed else MixedPrecisionPolicy()
+    # The mesh is named: without one, fully_shard moves the model to CUDA where it is available.
+    mesh = init_device_mesh("cpu", (SIZE,))
     for layer in net:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(net, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(net, mesh=mesh, mp_policy=policy)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for x, y in data:
         opt.zero_grad()

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.serial
 
 SCRIPT = str(ROOT / "scripts" / "gpu_check.sh")
 STEPS = ["setup.wheels", "setup.mpi", "build.mpidp", "build.import", "kernels", "dp.1rank",
-         "dp.2ranks", "daso.1rank", "daso.2ranks", "daso.nccl", "example.1node",
+         "dp.2ranks", "daso.1rank", "daso.2ranks", "daso.nccl", "c10d.cuda", "c10d.bench",
+         "c10d.tests.2ranks", "example.1node",
          "example.2nodes", "bench.pack", "bench.step.1rank", "bench.step.2ranks"]
 
 

@@ -42,6 +42,21 @@ def op_name(op) -> str:
     return str(op).rsplit(".", 1)[-1]
 
 
+def premul_factor(op):
+    """PREMUL_SUM's factor (a number or a tensor), or None where torch does
+    not say: `ReduceOp.factor` is new in torch 2.13; older versions give it
+    only through the op's pickled state, (kind, factor)."""
+    if not isinstance(op, dist.ReduceOp):
+        return None
+    if hasattr(op, "factor"):
+        return op.factor
+    try:
+        state = op.__getstate__()
+    except Exception:
+        return None
+    return state[1] if isinstance(state, tuple) and len(state) == 2 else None
+
+
 def check_dtype(t: torch.Tensor, what: str) -> None:
     if t.dtype not in CORE_DTYPES and t.dtype not in _COMPLEX:
         raise Unsupported(f"mpidp backend: {what} of a {t.dtype} tensor: the backend takes "
@@ -109,7 +124,7 @@ def reduction(t: torch.Tensor, op: dist.ReduceOp, size: int, what: str):
                 inner_back()
     prepare = None
     if kind == RedOpType.PREMUL_SUM:
-        factor = op.factor if isinstance(op, dist.ReduceOp) else None
+        factor = premul_factor(op)
         if factor is None:
             raise Unsupported(f"mpidp backend: {what} with PREMUL_SUM needs its factor")
 
