@@ -10,8 +10,9 @@ turns in several rounds (median of each method's mean step time; the
 slowest rank counts). Three tables:
   1. DDP step time on bench_step's models (the 500-tensor MLP, ResNet-18):
      local (no communication), DDP over gloo, DDP over "mpidp",
-     mpidp.DataParallel (blocking); the communication overhead over the
-     local step and its ratios (goal: "mpidp" <= 0.3x gloo's overhead and
+     mpidp.DataParallel (blocking), and DDP with no communication at all (a
+     comm hook handing each bucket back: DDP's own floor); the
+     communication overhead over the local step and its ratios (goal: "mpidp" <= 0.3x gloo's overhead and
      <= 1.2x DataParallel's).
   2. FSDP2 (fully_shard of eight Linear(256, 256)) step time over gloo and
      over "mpidp" (goal: "mpidp" <= 0.5x gloo).
@@ -76,6 +77,12 @@ def train_step(net, opt, x, y):
     return run
 
 
+def _no_communication(state, bucket):
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
 def ddp_table(mpidp_group, quick, rounds, steps):
     rows = []
     for name in ("mlp", "resnet18"):
@@ -92,6 +99,11 @@ def ddp_table(mpidp_group, quick, rounds, steps):
             ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
                                                             process_group=group)
             methods[label] = train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x, y)
+        # DDP's own cost with no communication at all (a comm hook that hands
+        # the bucket back): the floor any backend's DDP overhead sits on.
+        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        ddp.register_comm_hook(None, _no_communication)
+        methods["ddp-nocomm"] = train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x, y)
         model = copy.deepcopy(base)
         opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
         net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=True)
@@ -99,6 +111,7 @@ def ddp_table(mpidp_group, quick, rounds, steps):
         t = rounds_of(methods, rounds, steps)
         over = {m: t[m] - t["local"] for m in t}
         rows.append({"model": name, **{m: t[m] * 1e3 for m in t},
+                     "nocomm_overhead_vs_gloo": over["ddp-nocomm"] / over["ddp-gloo"],
                      "overhead_vs_gloo": over["ddp-mpidp"] / over["ddp-gloo"],
                      "overhead_vs_dataparallel": over["ddp-mpidp"] / over["dataparallel"]})
     return rows
@@ -190,7 +203,9 @@ def main():
         print(f"DDP {r['model']:9s} local {r['local']:8.2f}  gloo {r['ddp-gloo']:8.2f}  "
               f"mpidp {r['ddp-mpidp']:8.2f}  DataParallel {r['dataparallel']:8.2f}  "
               f"overhead: {r['overhead_vs_gloo']:.2f}x gloo's, "
-              f"{r['overhead_vs_dataparallel']:.2f}x DataParallel's")
+              f"{r['overhead_vs_dataparallel']:.2f}x DataParallel's; DDP with no "
+              f"communication {r['ddp-nocomm']:8.2f} ({r['nocomm_overhead_vs_gloo']:.2f}x gloo's "
+              "overhead)")
     for r in result.get("fsdp", []):
         print(f"FSDP2 8 x Linear(256)  gloo {r['fsdp2-gloo']:8.2f}  mpidp {r['fsdp2-mpidp']:8.2f}"
               f"  = {r['mpidp_vs_gloo']:.2f}x")

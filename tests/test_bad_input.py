@@ -76,6 +76,28 @@ def test_nccl_without_gpus_says_so():
         mpidp.init_process_group(MPI.COMM_SELF, backend="nccl")
 
 
+def test_the_glue_takes_a_dlpack_capsule_once():
+    """The torch.distributed backend hands the core DLPack capsules it made
+    itself: the capsule is the tensor's memory (the sum lands in it; the
+    glue only borrows it, so it can be passed again), and a capsule that is
+    not DLPack's is refused naming the argument."""
+    import ctypes
+    comm = mpidp._C.Comm(MPI.COMM_WORLD)
+    t = torch.full((4,), float(comm.rank + 1))
+    capsule = torch._C._to_dlpack_versioned(t)
+    total = float(sum(range(1, comm.size + 1)))
+    comm.allreduce(capsule, mpidp._C.OP_SUM, mpidp._C.NO_WIRE, False)
+    assert torch.equal(t, torch.full((4,), total))
+    comm.allreduce(capsule, mpidp._C.OP_SUM, mpidp._C.NO_WIRE, False)
+    assert torch.equal(t, torch.full((4,), total * comm.size))
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, (ctypes.c_void_p,
+                                                                   ctypes.c_char_p, ctypes.c_void_p)
+    foreign = new_capsule(ctypes.addressof(ctypes.c_int(0)), b"not_dltensor", None)
+    with pytest.raises(TypeError, match="tensor: expected an unused DLPack capsule"):
+        comm.allreduce(foreign, mpidp._C.OP_SUM, mpidp._C.NO_WIRE, False)
+
+
 def test_messages_name_the_operation_once():
     """The core's detail often starts with the operation the glue names too."""
     with pytest.raises((TypeError, ValueError)) as info:

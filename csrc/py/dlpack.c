@@ -30,6 +30,13 @@ static PyObject *take_exception(void)
 
 static PyObject *get_capsule(PyObject *obj, const char *argname)
 {
+    /* A capsule its caller made (torch._C._to_dlpack_versioned: the
+     * torch.distributed backend's hot path skips Tensor.__dlpack__'s Python
+     * checks for the host tensors it made itself). */
+    if (PyCapsule_CheckExact(obj)) {
+        Py_INCREF(obj);
+        return obj;
+    }
     PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
     if (method == NULL) {
         PyErr_Clear();
@@ -86,8 +93,8 @@ int mpidp_py_borrow(mpidp_py_state *st, PyObject *obj, unsigned requirements,
         dl = &m->dl_tensor;
     } else {
         Py_DECREF(capsule);
-        PyErr_Format(PyExc_TypeError, "%s: __dlpack__ returned something that is not an "
-                     "unused DLPack capsule", argname);
+        PyErr_Format(PyExc_TypeError, "%s: expected an unused DLPack capsule (from "
+                     "__dlpack__ or passed as it is), got a used or foreign one", argname);
         return -1;
     }
     mpidp_error_clear();

@@ -80,9 +80,21 @@ def agree(c: "_C.Comm", call: str, tensor: torch.Tensor, *, rows_free: bool = Fa
     for the message."""
     if c.size == 1:
         return
-    sig = signature(call, tensor, rows_free, **settings)
-    if not c.agree(tuple(sig)):
-        refuse(c, call, sig, names or {})
+    key = (call, tensor.dtype, tensor.shape, rows_free, tuple(settings.items()))
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = tuple(signature(call, tensor, rows_free, **settings))
+        if len(_SIGNATURES) >= _SIGNATURES_KEPT:
+            _SIGNATURES.clear()
+        _SIGNATURES[key] = sig
+    if not c.agree(sig):
+        refuse(c, call, list(sig), names or {})
+
+
+# The signatures of recent calls: a training loop repeats a few shapes, and
+# building one (two CRCs) costs several times the lookup.
+_SIGNATURES: dict = {}
+_SIGNATURES_KEPT = 4096
 
 
 def refuse(c: "_C.Comm", call: str, sig: list, names: dict) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import _C
 from .. import _config as config
 from .._agreement import agree, crc_of
-from ._tensors import check_dtype, reduction, staged
+from ._tensors import check_dtype, exported, reduction, staged
 from ._work import MPIDPWork
 
 def _root(opts) -> int:
@@ -129,7 +129,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         self._agree("all_reduce", work, op=op)
         if prepare is not None:
             prepare(work)
-        c = self._comm.allreduce(work, op, _C.NO_WIRE, True)
+        c = self._comm.allreduce(exported(work), op, _C.NO_WIRE, True)
         return self._work([c], tensors, finish, "all_reduce")
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -187,7 +187,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         if prepare is not None:
             send = send.clone()   # the caller's input is only read
             prepare(send)
-        c = self._comm.reduce_scatter(send.reshape(-1), work.reshape(-1),
+        c = self._comm.reduce_scatter(exported(send.reshape(-1)), exported(work.reshape(-1)),
                                       tuple(n * (2 if out.is_complex() else 1) for n in counts),
                                       op, True)
         return self._work([c], [out], finish, what)
@@ -206,7 +206,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         root = _root(opts)
         work, finish = staged(t, self._comm.rank != root, "broadcast")
         self._agree("broadcast", work, root=root)
-        c = self._comm.bcast(work.reshape(-1), root, True)
+        c = self._comm.bcast(exported(work.reshape(-1)), root, True)
         return self._work([c], tensors, finish, "broadcast")
 
     def allgather(self, outputs, inputs, opts=None):
@@ -245,7 +245,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         send, _ = staged(input, False, "all_gather_into_tensor")
         recv, finish = staged(output, True, "all_gather_into_tensor")
         self._agree("all_gather_into_tensor", send)
-        c = self._comm.allgather(send.reshape(-1), recv.reshape(-1), True)
+        c = self._comm.allgather(exported(send.reshape(-1)), exported(recv.reshape(-1)), True)
         return self._work([c], [output], finish, "all_gather_into_tensor")
 
     _allgather_base = all_gather_single

@@ -29,6 +29,17 @@ _CORE_OP = {RedOpType.SUM: _C.OP_SUM, RedOpType.AVG: _C.OP_AVG, RedOpType.PRODUC
             RedOpType.PREMUL_SUM: _C.OP_SUM}
 
 
+_SUM, _AVG = RedOpType.SUM.value, RedOpType.AVG.value
+_to_dlpack = getattr(torch._C, "_to_dlpack_versioned", None)
+
+
+def exported(t: torch.Tensor):
+    """A host tensor the backend detached or made itself, as the DLPack
+    capsule the core takes: made directly, without the per-call checks of
+    Tensor.__dlpack__ (which cost more than the core's own post)."""
+    return t if _to_dlpack is None else _to_dlpack(t)
+
+
 # Dtypes the core sums (bool's sum is an "or", below) and averages as they are.
 _PLAIN_SUM = frozenset(d for d in CORE_DTYPES if d is not torch.bool)
 _CORE_AVG = frozenset((torch.float32, torch.float64))
@@ -70,7 +81,7 @@ def staged(t: torch.Tensor, writes: bool, what: str):
     or nothing is written). Complex tensors travel as their real view."""
     check_dtype(t, what)
     view = (torch.view_as_real(t) if t.is_complex() else t).detach()
-    if view.device.type == "cpu" and view.is_contiguous():
+    if view.is_cpu and view.is_contiguous():
         return view, None
     work = torch.empty(view.shape, dtype=view.dtype, device="cpu")
     work.copy_(view)
@@ -86,10 +97,11 @@ def reduction(t: torch.Tensor, op: dist.ReduceOp, size: int, what: str):
     dtype = t.dtype
     # The common case (DDP's buckets, FSDP2's float reductions, metrics):
     # the caller's own contiguous host tensor, an op the core does itself.
-    if (kind == RedOpType.SUM and dtype in _PLAIN_SUM) or (
-            kind == RedOpType.AVG and dtype in _CORE_AVG):
-        if t.device.type == "cpu" and t.is_contiguous():
-            return _CORE_OP[kind], t.detach(), None, None
+    # (Enum values compared as ints: pybind's == on enums costs a microsecond.)
+    value = kind.value
+    if t.is_cpu and ((value == _SUM and dtype in _PLAIN_SUM) or
+                     (value == _AVG and dtype in _CORE_AVG)) and t.is_contiguous():
+        return (_C.OP_SUM if value == _SUM else _C.OP_AVG), t.detach(), None, None
     name = op_name(kind)
     if kind not in _CORE_OP:
         raise Unsupported(f"mpidp backend: {what} with op {name} is not supported")
