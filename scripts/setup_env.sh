@@ -16,6 +16,9 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 PY=$VENV/bin/python
 TORCH_VERSION=2.13.0
+# Lightning: tests/test_c10d_lightning.py (its DDPStrategy on the "mpidp" backend); it
+# accepts the torch above and leaves it in place.
+LIGHTNING_VERSION=2.6.6
 
 say() { printf '[setup] %s\n' "$*"; }
 # Runs pip quietly, hiding this machine's harmless local-index warnings but
@@ -42,7 +45,7 @@ import importlib, sys
 import torch
 assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
 for m in ("numpy", "pytest", "sklearn", "tqdm", "PIL", "matplotlib", "mpi4py", "setuptools", "wheel",
-          "sphinx", "myst_parser"):
+          "sphinx", "myst_parser", "lightning"):
     importlib.import_module(m)
 import setuptools   # pyproject.toml's license-files needs 77
 assert int(setuptools.__version__.split(".")[0]) >= 77, setuptools.__version__
@@ -51,7 +54,7 @@ then
     say "installing Python packages into .venv"
     pip_q install -q --upgrade "pip>=23" "setuptools>=77" wheel
     pip_q install -q "torch==$TORCH_VERSION" numpy pytest scikit-learn tqdm Pillow matplotlib \
-        sphinx myst-parser
+        sphinx myst-parser "lightning==$LIGHTNING_VERSION"
     pip_q install -q --only-binary=mpi4py "mpi4py>=4" || MPICC="${MPICC:-mpicc}" pip_q install -q --no-binary=mpi4py mpi4py
 fi
 
