@@ -2,7 +2,8 @@
 the union of every rank's data: DDP (plain, comm hooks, no_sync, join for
 uneven inputs, static_graph, find_unused_parameters), FSDP2 with and
 without mixed precision, DTensor on a 2-D mesh, torch.distributed.checkpoint
-and DistributedSampler."""
+and DistributedSampler; and users' habits with DDP on it: bf16 autocast,
+bucket sizes that differ across ranks, a rank that loaded other weights."""
 
 import copy
 
@@ -237,3 +238,68 @@ def test_distributed_sampler_shards_by_backend_rank():
     got = [None] * SIZE
     dist.all_gather_object(got, list(sampler))
     assert sorted(sum(got, [])) == list(range(SIZE * 5))
+
+
+def test_ddp_under_cpu_autocast_trains_like_one_process():
+    """bf16 autocast on the CPU: the gradients DDP averages are float32
+    (autocast leaves parameters and their gradients alone)."""
+    net, data = model(), batches(3)
+    ref = copy.deepcopy(net)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:
+        grads = []
+        for r in range(SIZE):          # each rank's slice on its own, as DDP computes it
+            part = slice(r * BATCH, (r + 1) * BATCH)
+            ropt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                nn.functional.mse_loss(ref(x[part]), y[part]).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, *per_rank in zip(ref.parameters(), *grads):   # DDP's average, in float32
+            p.grad = torch.stack(per_rank).sum(0) / SIZE
+        ropt.step()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(ddp(mine(x)), mine(y))
+        loss.backward()
+        opt.step()
+    assert all(p.dtype is torch.float32 for p in ddp.parameters())
+    assert_same(ddp.module, ref, atol=1e-5)
+
+
+def test_ddp_with_bucket_sizes_that_differ_across_ranks_trains_like_one_process():
+    """bucket_cap_mb set differently on one rank: DDP rebuilds its buckets
+    after the first step from rank 0's layout, sent over the backend, so
+    every rank all-reduces the same buckets and training is exact."""
+    net, data = model(), batches(4)
+    want = reference(net, data)
+    ddp = DDP(net, bucket_cap_mb=0.0002 if RANK == 0 else 25)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(mine(x)), mine(y)).backward()
+        opt.step()
+    assert_same(ddp.module, want)
+
+
+def test_ddp_starts_every_rank_from_rank_0s_weights():
+    """A rank that loaded other weights (a stale checkpoint, another seed)
+    gets rank 0's when DDP wraps the model (its broadcast over the backend),
+    and training then matches one process started from rank 0's weights."""
+    net, data = model(), batches(3)
+    want = reference(net, data)
+    mine_only = copy.deepcopy(net)
+    if RANK != 0:
+        with torch.no_grad():
+            for p in mine_only.parameters():
+                p.add_(float(RANK))
+    ddp = DDP(mine_only)
+    assert_same(ddp.module, net, atol=0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(mine(x)), mine(y)).backward()
+        opt.step()
+    assert_same(ddp.module, want)
