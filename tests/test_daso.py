@@ -119,6 +119,21 @@ def test_torch_defaults_span_the_whole_job(nodes_of):
     assert t.item() == SIZE * (SIZE + 1) / 2
 
 
+def test_node_local_ddp_runs_on_the_expected_backend(nodes_of):
+    """On the host, the node-local DDP's group is an "mpidp" one (its start-up
+    broadcast and bucket layout go over MPI, not gloo's TCP); on a GPU it is
+    the default group's backend (NCCL where every rank has a GPU)."""
+    import torch.distributed as dist
+    _, _, _, net = make()
+    if nodes_of == 1:
+        assert not isinstance(net.module, torch.nn.parallel.DistributedDataParallel)
+        return
+    group = net.module.process_group
+    assert dist.get_world_size(group) == nodes_of
+    want = "mpidp" if DEVICE.type == "cpu" else dist.get_backend()
+    assert dist.get_backend(group) == want
+
+
 def restart(model, daso, **kw):
     """A new job built with make(**kw) that loads `model`'s and `daso`'s
     checkpoint (deep copies, as if read back from disk)."""

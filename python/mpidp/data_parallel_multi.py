@@ -25,11 +25,11 @@ __all__ = ["DataParallelMultiGPU"]
 class DataParallelMultiGPU(torch.nn.Module):
     """Wraps `module` in torch DistributedDataParallel over the ranks of this
     node, for training with mpidp.DASO, which syncs the nodes with each other.
-    On CPUs DDP's gradient buckets and buffers travel over MPI (shared memory
-    within a node: an 11 MB allreduce costs ~2.6 ms on the project's machine)
-    through a DDP communication hook, instead of gloo's TCP loopback; DDP
-    still buckets, accumulates and switches (no_sync), and `module` is the
-    DDP. On GPUs DDP uses its own backend (NCCL).
+    On CPUs DDP runs on an "mpidp" node group, and its gradient buckets and
+    buffers travel over MPI (shared memory within a node) through a DDP
+    communication hook that reduces them in place, instead of gloo's TCP
+    loopback; DDP still buckets, accumulates and switches (no_sync), and
+    `module` is the DDP. On GPUs DDP uses the default group's backend (NCCL).
 
     torch.distributed's default group spans `comm` (created from MPI if it is
     not initialised yet, see mpidp.init_process_group), so torch's defaults
@@ -92,12 +92,16 @@ class DataParallelMultiGPU(torch.nn.Module):
                           "data parallelism; DASO syncs the nodes only", stacklevel=2)
             self.module = module
         else:
-            node_group = None if node_default else node_process_group(mpi_comm)
             device_ids = None
             first = next(module.parameters(), None)
             if first is not None and first.is_cuda:
                 device_ids = [first.device.index]
             on_host = first is None or first.device.type == "cpu"
+            # On the host DDP's own traffic (its start-up broadcast, the
+            # bucket layout it sends after the first step) goes over MPI too:
+            # the node group is an "mpidp" one, with no store behind it.
+            node_group = None if node_default else node_process_group(
+                mpi_comm, "mpidp" if on_host else None)
             # On the host the gradients are views of DDP's buckets: the MPI
             # hook reduces them in place, with no copy in or out.
             self.module = torch.nn.parallel.DistributedDataParallel(

@@ -132,15 +132,16 @@ def init_process_group(comm=None, backend: str | None = None,
 _node_groups: dict = {}
 
 
-def node_process_group(comm: MPI.Intracomm) -> dist.ProcessGroup:
+def node_process_group(comm: MPI.Intracomm, backend: str | None = None) -> dist.ProcessGroup:
     """The torch.distributed group of this rank's node (mpidp.topology), within
-    the default group, which must be `comm`'s ranks in `comm`'s order. Every
-    rank of `comm` must call it (creating groups is collective); later calls
-    for the same layout return the same group."""
+    the default group, which must be `comm`'s ranks in `comm`'s order, on
+    `backend` (None: the default group's). Every rank of `comm` must call it
+    (creating groups is collective); later calls for the same layout and
+    backend return the same group."""
     members = tuple(node_comm(comm).allgather(comm.Get_rank()))
     nodes = tuple(sorted(set(comm.allgather(members))))
-    world, group = _node_groups.get(nodes, (None, None))
+    world, group = _node_groups.get((nodes, backend), (None, None))
     if world is not dist.group.WORLD:
-        group, _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
-        _node_groups[nodes] = (dist.group.WORLD, group)
+        group, _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes], backend=backend)
+        _node_groups[(nodes, backend)] = (dist.group.WORLD, group)
     return group
