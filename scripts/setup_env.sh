@@ -17,7 +17,8 @@ VENV=$ROOT/.venv
 PY=$VENV/bin/python
 TORCH_VERSION=2.13.0
 # Lightning: tests/test_c10d_lightning.py (its DDPStrategy on the "mpidp" backend); it
-# accepts the torch above and leaves it in place.
+# accepts the torch above and leaves it in place. expecttest: torch's own distributed
+# test suite imports it (tests/test_torch_distributed_suite.py).
 LIGHTNING_VERSION=2.6.6
 
 say() { printf '[setup] %s\n' "$*"; }
@@ -45,7 +46,7 @@ import importlib, sys
 import torch
 assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
 for m in ("numpy", "pytest", "sklearn", "tqdm", "PIL", "matplotlib", "mpi4py", "setuptools", "wheel",
-          "sphinx", "myst_parser", "lightning"):
+          "sphinx", "myst_parser", "lightning", "expecttest"):
     importlib.import_module(m)
 import setuptools   # pyproject.toml's license-files needs 77
 assert int(setuptools.__version__.split(".")[0]) >= 77, setuptools.__version__
@@ -54,7 +55,7 @@ then
     say "installing Python packages into .venv"
     pip_q install -q --upgrade "pip>=23" "setuptools>=77" wheel
     pip_q install -q "torch==$TORCH_VERSION" numpy pytest scikit-learn tqdm Pillow matplotlib \
-        sphinx myst-parser "lightning==$LIGHTNING_VERSION"
+        sphinx myst-parser "lightning==$LIGHTNING_VERSION" expecttest
     pip_q install -q --only-binary=mpi4py "mpi4py>=4" || MPICC="${MPICC:-mpicc}" pip_q install -q --no-binary=mpi4py mpi4py
 fi
 

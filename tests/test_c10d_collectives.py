@@ -91,13 +91,14 @@ def test_all_reduce_complex_and_non_contiguous():
     assert torch.equal(m, torch.stack([everyone().sum(0), everyone().sum(0) * 10]).t())
 
 
-@pytest.mark.parametrize("what", ["int avg", "float band", "uint16", "bf16 bxor"])
+@pytest.mark.parametrize("what", ["int avg", "float band", "uint16", "bf16 bxor", "sparse"])
 def test_unsupported_op_or_dtype_names_both(what):
     t, op, words = {
         "int avg": (torch.ones(2, dtype=torch.int64), OP.AVG, ["AVG", "int64"]),
         "float band": (torch.ones(2), OP.BAND, ["BAND", "float32"]),
         "uint16": (torch.ones(2, dtype=torch.uint16), OP.SUM, ["uint16"]),
         "bf16 bxor": (torch.ones(2, dtype=torch.bfloat16), OP.BXOR, ["BXOR", "bfloat16"]),
+        "sparse": (torch.eye(2).to_sparse(), OP.SUM, ["sparse_coo", "to_dense"]),
     }[what]
     with pytest.raises(TypeError) as info:
         dist.all_reduce(t, op=op)
@@ -152,6 +153,17 @@ def test_all_gather_even_uneven_and_into_tensor():
     flat[RANK * 5:(RANK + 1) * 5] = data(RANK)
     dist.all_gather_into_tensor(flat, flat[RANK * 5:(RANK + 1) * 5])
     assert torch.equal(flat, everyone().reshape(-1))
+
+
+def test_all_gather_coalesced_fills_one_list_per_rank():
+    """torch's layout: outputs[r][k] receives input k of rank r (tensors of
+    different shapes in one call)."""
+    inputs = [data(RANK, n=3), data(RANK, n=4).reshape(2, 2)]
+    outputs = [[torch.empty(3), torch.empty(2, 2)] for _ in range(SIZE)]
+    dist.all_gather_coalesced(outputs, inputs)
+    for r in range(SIZE):
+        assert torch.equal(outputs[r][0], data(r, n=3))
+        assert torch.equal(outputs[r][1], data(r, n=4).reshape(2, 2))
 
 
 @pytest.mark.parametrize("op", ["SUM", "AVG", "MAX"])

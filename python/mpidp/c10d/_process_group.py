@@ -258,7 +258,14 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, inputs)]
+        # output_lists[r][k]: input k of rank r (torch's layout: one list per rank).
+        size = self._comm.size
+        if len(output_lists) != size or any(len(o) != len(inputs) for o in output_lists):
+            raise ValueError(f"mpidp backend: all_gather_coalesced needs {size} output lists "
+                             f"(one per rank) of {len(inputs)} tensors (one per input), got "
+                             f"{[len(o) for o in output_lists]}")
+        works = [self.allgather([[output_lists[r][k] for r in range(size)]], [t], opts)
+                 for k, t in enumerate(inputs)]
         return self._work([], output_lists, self._then(*[w.wait for w in works]),
                           "all_gather_coalesced")
 

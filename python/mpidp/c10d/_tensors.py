@@ -69,6 +69,9 @@ def premul_factor(op):
 
 
 def check_dtype(t: torch.Tensor, what: str) -> None:
+    if t.layout != torch.strided:
+        raise Unsupported(f"mpidp backend: {what} of a {t.layout} tensor: the backend takes "
+                          "dense (strided) tensors; pass t.to_dense()")
     if t.dtype not in CORE_DTYPES and t.dtype not in _COMPLEX:
         raise Unsupported(f"mpidp backend: {what} of a {t.dtype} tensor: the backend takes "
                           f"{', '.join(str(d).replace('torch.', '') for d in CORE_DTYPES)} "
