@@ -1,10 +1,11 @@
 /* Whether the ranks passed the same signature (see mpidp/agree.h). */
 #include "mpidp/agree.h"
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
+#include "fail.h"
 
 int mpidp_agree(MPI_Comm comm, const int64_t *sig, size_t n, mpidp_reqtable_t *reqs,
                 double timeout_s, int *agreed)

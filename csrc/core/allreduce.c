@@ -6,12 +6,13 @@
 #include <stdlib.h>
 
 #include "mpidp/convert.h"
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/operation.h"
 #include "mpidp/pack.h"
 #include "mpidp/qallreduce.h"
 #include "mpidp/status.h"
+#include "fail.h"
 
 struct mpidp_allreduce {
     MPI_Comm comm;

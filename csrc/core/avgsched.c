@@ -4,6 +4,7 @@
 #include "mpidp/avgsched.h"
 
 #include "mpidp/status.h"
+#include "fail.h"
 
 #include <inttypes.h>
 #include <stddef.h>

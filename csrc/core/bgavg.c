@@ -10,11 +10,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
+#include "fail.h"
 
 #define DETAIL_LEN 1024
 

@@ -3,6 +3,7 @@
 
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
+#include "fail.h"
 
 int mpidp_bucket_plan(const size_t *numel, const int *dtype, size_t n_params,
                       size_t first_cap_bytes, size_t cap_bytes, uint32_t *out_bucket,

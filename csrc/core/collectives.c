@@ -7,13 +7,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/operation.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 
 #include "coll_internal.h"
+#include "fail.h"
 
 /* ---- helpers shared with rooted.c and exchange.c (coll_internal.h) ------- */
 

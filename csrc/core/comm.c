@@ -1,8 +1,9 @@
 /* mpidp's duplicate of a user's communicator (see mpidp/comm.h). */
 #include "mpidp/comm.h"
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/status.h"
+#include "fail.h"
 
 int mpidp_comm_dup(MPI_Comm user, mpidp_reqtable_t *reqs, double timeout_s, MPI_Comm *out,
                    int *rank, int *size, int *in_flight)

@@ -10,6 +10,8 @@
 #include "mpidp/cuda.h"
 #include "mpidp/quant8.h"
 #include "mpidp/status.h"
+#include "fail.h"
+#include "quant8_internal.h"
 
 #define BIT(dt) (1u << (dt))
 #define HALF (BIT(MPIDP_BF16) | BIT(MPIDP_F16))

@@ -9,6 +9,7 @@
 #include "mpidp/cuda.h"
 
 #include "mpidp/status.h"
+#include "fail.h"
 
 static int no_cuda(void)
 {

@@ -4,9 +4,11 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"
+#include "fail.h"
+#include "departures_internal.h"
 
 #define TAG 7301
 

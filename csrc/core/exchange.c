@@ -6,10 +6,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/status.h"
 
 #include "coll_internal.h"
+#include "fail.h"
 
 int mpidp_alltoallv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
                           const size_t *send_counts, const size_t *recv_counts,

@@ -1,5 +1,5 @@
-/* MPI posting and failure reporting (see mpidp/mpi_util.h). */
-#include "mpidp/mpi_util.h"
+/* MPI posting and failure reporting (see mpi_util.h). */
+#include "mpi_util.h"
 
 #include <limits.h>
 #include <pthread.h>
@@ -10,6 +10,7 @@
 
 #include "mpidp/mpiops.h"
 #include "mpidp/status.h"
+#include "fail.h"
 
 /* The message of an MPI error code ("MPI_ERR_TRUNCATE: ..."). */
 static const char *mpi_errstr(int code, char *buf, size_t len)
@@ -82,7 +83,7 @@ int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, siz
     return mpidp__post_done(reqs, slot, rc, req, comm, what, out);
 }
 
-int mpidp__mpi_finalized(void)
+int mpidp_mpi_finalized(void)
 {
     int finalized = 1;
     MPI_Finalized(&finalized);
@@ -133,7 +134,7 @@ int mpidp__mpi_yields_when_idle(void)
     return yields;
 }
 
-int mpidp__mpi_iallreduce_algorithm(int prefer)
+int mpidp_mpi_iallreduce_algorithm(int prefer)
 {
     unsigned char value[16];
     int size, now;

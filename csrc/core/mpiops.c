@@ -1,10 +1,11 @@
 /* The bf16 and fp16 MPI datatypes and their sum op (see mpidp/mpiops.h). */
 #include "mpidp/mpiops.h"
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/pack.h"
 #include "mpidp/tensor.h"
 #include "mpidp/status.h"
+#include "fail.h"
 
 #include <pthread.h>
 #include <stdio.h>

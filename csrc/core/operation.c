@@ -4,6 +4,7 @@
 #include <stdio.h>
 
 #include "mpidp/status.h"
+#include "fail.h"
 
 int mpidp_operation_finish(const mpidp_operation_t *ops, void *op, double timeout_s, int *ended)
 {

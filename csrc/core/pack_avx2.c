@@ -15,6 +15,7 @@
  * the same tests as the reference, selecting a loop specialised by the
  * always-inlined helpers. */
 #include "mpidp/pack.h"
+#include "pack_internal.h"
 
 #if defined(__AVX2__) && defined(__F16C__)
 

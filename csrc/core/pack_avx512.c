@@ -21,6 +21,7 @@
  * This file cannot run on a CPU without AVX-512; mpidp_pack_init self-checks
  * whichever table it picks against the reference before using it. */
 #include "mpidp/pack.h"
+#include "pack_internal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)

@@ -12,6 +12,8 @@
 #include "mpidp/pack.h"
 
 #include "mpidp/status.h"
+#include "fail.h"
+#include "pack_internal.h"
 
 #include <pthread.h>
 #include <stdarg.h>

@@ -9,6 +9,7 @@
  * expression). The SIMD paths call these kernels for their last few elements,
  * so a tail is correct whenever the reference is. */
 #include "mpidp/pack.h"
+#include "pack_internal.h"
 
 #include <string.h>
 

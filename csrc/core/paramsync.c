@@ -8,10 +8,11 @@
 
 #include "mpidp/allreduce.h"
 #include "mpidp/convert.h"
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
+#include "fail.h"
 
 /* IDLE: nothing to read; POSTED: the allreduce is in flight; RECEIVED: the sum
  * is in the wire buffer, unread. */
@@ -118,7 +119,7 @@ int mpidp_paramsync_free(mpidp_paramsync_t *s)
 int mpidp_paramsync_close(mpidp_paramsync_t *s, double timeout_s)
 {
     if (s != NULL && s->state == POSTED) {
-        if (mpidp__mpi_finalized())
+        if (mpidp_mpi_finalized())
             return mpidp__fail(MPIDP_ESTATE, "%s: MPI was finalized with a sync in flight", s->what);
         int rc = mpidp_paramsync_wait(s, timeout_s);
         if (rc != MPIDP_OK) return rc;

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "mpidp/status.h"
+#include "fail.h"
 
 /* Offsets of a phone book: at most 2 per distance, distances < W. */
 #define MAX_OFFSETS (2 * MPIDP_GRAPH_MAX_WORLD)

@@ -6,9 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/operation.h"
 #include "mpidp/status.h"
+#include "fail.h"
 
 struct mpidp_peerx {
     mpidp_reqtable_t *reqs;

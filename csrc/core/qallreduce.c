@@ -22,9 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/quant8.h"
 #include "mpidp/status.h"
+#include "fail.h"
 
 enum { FREE, SCATTER, REDUCED, GATHER };
 

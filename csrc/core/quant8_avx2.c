@@ -8,6 +8,7 @@
 
 #include "mpidp/quant8.h"
 #include "quant8_elem.h"
+#include "quant8_internal.h"
 
 #if defined(__AVX2__)
 

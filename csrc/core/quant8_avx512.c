@@ -5,6 +5,7 @@
 
 #include "mpidp/quant8.h"
 #include "quant8_elem.h"
+#include "quant8_internal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)

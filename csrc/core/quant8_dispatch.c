@@ -9,6 +9,8 @@
 #include "mpidp/quant8.h"
 #include "mpidp/status.h"
 #include "quant8_elem.h"
+#include "fail.h"
+#include "quant8_internal.h"
 
 int mpidp_q8_kernels_for(const char *name, const mpidp_q8_kernels_t **out)
 {

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "mpidp/quant8.h"
+#include "quant8_internal.h"
 
 #define MPIDP_Q8_CANON_NAN 0x7fc00000u
 

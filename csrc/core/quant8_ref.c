@@ -6,6 +6,7 @@
 
 #include "mpidp/quant8.h"
 #include "quant8_elem.h"
+#include "quant8_internal.h"
 
 /* The header {lo, hi} of the block src[0..n) (n >= 1) scaled by s. */
 static void block_bounds(const float *src, float s, size_t n, float *lo, float *hi)

@@ -9,13 +9,14 @@
 
 #include "mpidp/allreduce.h"
 #include "mpidp/convert.h"
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/qallreduce.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
 #include "reducer_internal.h"
+#include "fail.h"
 
 /* A float32 bucket that travels as bf16/fp16. */
 static int bk_compressed(const mpidp_reducer_t *r, const bucket_t *bk)
@@ -198,7 +199,7 @@ int mpidp_reducer_destroy(mpidp_reducer_t *r)
 int mpidp_reducer_close(mpidp_reducer_t *r, double timeout_s)
 {
     /* The wait's failure shows in what destroy finds still in flight. */
-    if (r != NULL && r->finalized && !mpidp__mpi_finalized()) (void)mpidp_reducer_wait_all(r, timeout_s);
+    if (r != NULL && r->finalized && !mpidp_mpi_finalized()) (void)mpidp_reducer_wait_all(r, timeout_s);
     return mpidp_reducer_destroy(r);
 }
 

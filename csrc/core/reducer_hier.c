@@ -20,11 +20,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/qallreduce.h"
 #include "mpidp/status.h"
 #include "reducer_internal.h"
+#include "fail.h"
 
 enum { H_IDLE, H_SCATTER, H_CROSS, H_GATHER, H_DONE };
 
@@ -77,7 +78,7 @@ typedef int (*node_phase_start_fn)(const mpidp_reducer_t *r, const bucket_t *bk,
  * <step> of bucket <b+1>/<n>", starts the collective with `start`, registers
  * it in bk->req and, once it is in flight, moves the bucket to `phase`. The
  * slot is claimed first so that a full table is found out before anything is
- * posted (mpidp/mpi_util.h). */
+ * posted (core/mpi_util.h). */
 static int post_node_phase(mpidp_reducer_t *r, size_t b, const char *step,
                            node_phase_start_fn start, MPI_Comm comm, int phase)
 {

@@ -11,6 +11,7 @@
 
 #include "mpidp/status.h"
 #include "reducer_internal.h"
+#include "fail.h"
 
 int mpidp__reducer_pass_alloc(mpidp_reducer_t *r)
 {

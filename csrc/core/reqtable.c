@@ -9,8 +9,11 @@
 #include <time.h>
 
 #include "mpidp/departures.h"
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/status.h"
+#include "fail.h"
+#include "reqtable_internal.h"
+#include "departures_internal.h"
 
 typedef struct {
     MPI_Request req;
@@ -134,7 +137,7 @@ int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out)
     t->next_gen = 1;
     int mpi_up = 0;
     MPI_Initialized(&mpi_up);
-    t->spin_s = mpi_up && !mpidp__mpi_finalized() && mpidp__mpi_yields_when_idle()
+    t->spin_s = mpi_up && !mpidp_mpi_finalized() && mpidp__mpi_yields_when_idle()
                     ? MPIDP_SPIN_SHARED_CORES_SECONDS
                     : MPIDP_SPIN_SECONDS;
     *out = t;

@@ -6,11 +6,12 @@
 #include <limits.h>
 #include <stdio.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/status.h"
 
 #include "coll_internal.h"
+#include "fail.h"
 
 /* Rank and size of comm, with `root` checked to be one of its ranks. */
 static int rooted_begin(MPI_Comm comm, int root, const char *what, int *rank, int *size)

@@ -7,6 +7,7 @@
 #include "mpidp/schedule.h"
 
 #include "mpidp/status.h"
+#include "fail.h"
 
 #include <inttypes.h>
 #include <math.h>

@@ -1,5 +1,6 @@
 /* The status table and the thread-local failure detail. */
 #include "mpidp/status.h"
+#include "fail.h"
 
 #include <stdarg.h>
 #include <stdio.h>

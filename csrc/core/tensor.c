@@ -2,6 +2,7 @@
 #include "mpidp/tensor.h"
 
 #include "mpidp/status.h"
+#include "fail.h"
 
 size_t mpidp_dtype_size(int dtype)
 {

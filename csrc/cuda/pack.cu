@@ -17,6 +17,7 @@
 
 extern "C" {
 #include "mpidp/status.h"
+#include "../core/fail.h"
 }
 
 #include <cuda_runtime.h>

@@ -13,6 +13,8 @@
 
 extern "C" {
 #include "mpidp/status.h"
+#include "../core/fail.h"
+#include "../core/quant8_internal.h"
 }
 
 #include <cuda_runtime.h>

@@ -11,7 +11,7 @@
 #include <mpi4py/mpi4py.h>
 
 #include "mpidp/comm.h"
-#include "mpidp/mpi_util.h"
+#include "mpidp/mpi_info.h"
 #include "mpidp/status.h"
 
 static int mpi4py_ready = 0;
@@ -61,7 +61,7 @@ static void comm_dealloc(mpidp_py_comm_t *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     /* After MPI_Finalize (mpi4py finalizes at exit) no handle may be freed. */
-    if (self->comm != MPI_COMM_NULL && !mpidp__mpi_finalized()) MPI_Comm_free(&self->comm);
+    if (self->comm != MPI_COMM_NULL && !mpidp_mpi_finalized()) MPI_Comm_free(&self->comm);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }

@@ -9,7 +9,7 @@
 
 #include "mpidp/convert.h"
 #include "mpidp/departures.h"
-#include "mpidp/mpi_util.h"
+#include "mpidp/mpi_info.h"
 #include "mpidp/status.h"
 
 double mpidp_py_timeout_s = 1800.0;
@@ -92,7 +92,7 @@ static PyObject *mod_finish_pending(PyObject *m, PyObject *unused)
 {
     (void)unused;
     mpidp_py_state *st = mpidp_py_state_of_module(m);
-    if (mpidp__mpi_finalized()) Py_RETURN_NONE;
+    if (mpidp_mpi_finalized()) Py_RETURN_NONE;
     int rc;
     mpidp_error_clear();
     MPIDP_PY_WAIT(st, rc, mpidp_reqtable_wait_all(st->reqs, mpidp_py_timeout_s));
@@ -117,7 +117,7 @@ static PyObject *mod_departures_announce(PyObject *m, PyObject *unused)
 {
     (void)unused;
     mpidp_py_state *st = mpidp_py_state_of_module(m);
-    if (mpidp__mpi_finalized()) Py_RETURN_NONE;
+    if (mpidp_mpi_finalized()) Py_RETURN_NONE;
     int rc;
     mpidp_error_clear();
     Py_BEGIN_ALLOW_THREADS
@@ -129,14 +129,14 @@ static PyObject *mod_departures_announce(PyObject *m, PyObject *unused)
 
 /* iallreduce_algorithm(prefer=0) -> Open MPI's MPI_Iallreduce algorithm in
  * force, after making a 0 (Open MPI's own choice) `prefer`; -1 where MPI
- * has no such setting (mpidp__mpi_iallreduce_algorithm). */
+ * has no such setting (mpidp_mpi_iallreduce_algorithm). */
 static PyObject *mod_iallreduce_algorithm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)m;
     long prefer = nargs > 0 ? PyLong_AsLong(args[0]) : 0;
     if (nargs > 1) return PyErr_Format(PyExc_TypeError, "iallreduce_algorithm(prefer=0)");
     if (prefer == -1 && PyErr_Occurred()) return NULL;
-    return PyLong_FromLong(mpidp__mpi_iallreduce_algorithm((int)prefer));
+    return PyLong_FromLong(mpidp_mpi_iallreduce_algorithm((int)prefer));
 }
 
 PyMethodDef mpidp_py_process_methods[] = {

@@ -10,7 +10,7 @@
 
 #include <stdlib.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpidp/mpi_info.h"
 
 typedef mpidp_py_reducer_t reducer_t;
 
@@ -243,7 +243,7 @@ static void reducer_dealloc(reducer_t *r)
     PyObject_GC_UnTrack(r);
     /* Buckets still in flight after close keep their memory while MPI runs
      * (mpidp_reducer_close): leaked, so that MPI never writes into freed memory. */
-    if (mpidp_reducer_close(r->core, mpidp_py_timeout_s) != MPIDP_OK && !mpidp__mpi_finalized()) {
+    if (mpidp_reducer_close(r->core, mpidp_py_timeout_s) != MPIDP_OK && !mpidp_mpi_finalized()) {
         r->buckets = NULL;
         r->bucket_tensors = NULL;
     }

@@ -10,7 +10,7 @@
 
 #include <stdio.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpidp/mpi_info.h"
 #include "mpidp/status.h"
 
 typedef struct {
@@ -101,7 +101,7 @@ static void work_dealloc(work_t *self)
     PyTypeObject *tp = Py_TYPE(self);
     /* Finished here so that MPI never writes into freed tensors; after
      * MPI_Finalize nothing can be tested: the tensors are leaked. */
-    if (self->h.op != NULL && !mpidp__mpi_finalized()) {
+    if (self->h.op != NULL && !mpidp_mpi_finalized()) {
         int rc = mpidp_handle_drop(&self->h, mpidp_py_timeout_s);
         if (rc != MPIDP_OK && !self->h.done)
             fprintf(stderr, "mpidp: a dropped Work could not complete: %s\n", mpidp_error_detail());

@@ -8,10 +8,11 @@
 #include <string.h>
 
 #include "mpidp/departures.h"
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/status.h"
 #include "mpi_world.h"
 #include "test.h"
+#include "departures_internal.h"
 
 TEST(checks_before_start_find_nothing)
 {

@@ -18,6 +18,7 @@
 #include "mpidp/status.h"
 #include "mpi_world.h"
 #include "test.h"
+#include "quant8_internal.h"
 
 /* Rank r's input: smooth values of a different scale per rank, plus noise. */
 static float input(int r, size_t i)

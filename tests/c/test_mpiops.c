@@ -16,6 +16,7 @@
 #include "mpidp/status.h"
 #include "pack_oracle.h"
 #include "test.h"
+#include "pack_internal.h"
 
 static void finalize_mpi(void)
 {

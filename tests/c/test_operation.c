@@ -6,6 +6,7 @@
 #include "mpidp/operation.h"
 #include "mpidp/status.h"
 #include "test.h"
+#include "fail.h"
 
 /* An operation whose wait and free return what the test sets, counting calls. */
 typedef struct {

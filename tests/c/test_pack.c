@@ -10,6 +10,7 @@
 #include "mpidp/status.h"
 #include "pack_oracle.h"
 #include "test.h"
+#include "pack_internal.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>

@@ -20,6 +20,7 @@
 #include "mpidp/status.h"
 #include "pack_oracle.h"
 #include "test.h"
+#include "pack_internal.h"
 
 enum { CHUNK = 1 << 20, THREADS = 2 };
 

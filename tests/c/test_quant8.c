@@ -11,6 +11,7 @@
 #include "mpidp/quant8.h"
 #include "mpidp/status.h"
 #include "test.h"
+#include "quant8_internal.h"
 
 static const char *const paths[] = {"avx2", "avx512"};
 

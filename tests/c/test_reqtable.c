@@ -1,13 +1,14 @@
 /* The request table: claiming and registration, completion, deadlines,
- * descriptions; and the core's posting helper (mpidp/mpi_util.h). */
+ * descriptions; and the core's posting helper (core/mpi_util.h). */
 #include <mpi.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "mpidp/mpi_util.h"
+#include "mpi_util.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"
 #include "test.h"
+#include "reqtable_internal.h"
 
 /* Registers an already posted request (claim + fill), as tests need. */
 static int track(mpidp_reqtable_t *t, MPI_Request req, const char *what, mpidp_req_t *h)
@@ -260,14 +261,14 @@ TEST(mpi_says_whether_it_yields_when_idle)
  * algorithm it set: the variable is process-wide.) */
 TEST(mpi_iallreduce_algorithm_is_preferred_only_over_open_mpis_choice)
 {
-    int level = -1, now = mpidp__mpi_iallreduce_algorithm(0);
+    int level = -1, now = mpidp_mpi_iallreduce_algorithm(0);
     const char *set = getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
     if (now == -1) return; /* not Open MPI's libnbc: nothing to choose */
     ASSERT_EQ_INT(now, set ? atoi(set) : 0);
-    ASSERT_EQ_INT(mpidp__mpi_iallreduce_algorithm(0), now); /* prefer 0: a read */
-    int chosen = mpidp__mpi_iallreduce_algorithm(3);
+    ASSERT_EQ_INT(mpidp_mpi_iallreduce_algorithm(0), now); /* prefer 0: a read */
+    int chosen = mpidp_mpi_iallreduce_algorithm(3);
     ASSERT_EQ_INT(chosen, now == 0 ? 3 : now);
-    ASSERT_EQ_INT(mpidp__mpi_iallreduce_algorithm(1), chosen); /* not 0 any more: kept */
+    ASSERT_EQ_INT(mpidp_mpi_iallreduce_algorithm(1), chosen); /* not 0 any more: kept */
     MPI_Query_thread(&level);
     ASSERT_EQ_INT(level, MPI_THREAD_MULTIPLE);
     int rank = 0, size = 1;

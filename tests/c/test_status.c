@@ -1,6 +1,7 @@
 /* The status table: names, messages and the thread-local detail. */
 #include "mpidp/status.h"
 #include "test.h"
+#include "fail.h"
 
 TEST(status_names_and_messages)
 {

@@ -38,10 +38,4 @@ double mpidp_departures_grace(void);
  * nothing when not started. */
 int mpidp_departures_announce(void);
 
-/* For the request table's waits: MPIDP_EDEPARTED (with a detail naming the
- * rank and `what`) when a rank of `comm` (MPI_COMM_NULL: any rank) has gone
- * and max(its notice, wait_start) lies more than the grace before `now`;
- * MPIDP_OK otherwise, also when not started. */
-int mpidp__departures_check(MPI_Comm comm, double wait_start, double now, const char *what);
-
 #endif /* MPIDP_DEPARTURES_H */

@@ -15,8 +15,12 @@
  * same collectives in the same order whatever order their hooks fire in.
  *
  * Lifecycle per backward: mark_ready (each param) -> all posted -> wait
- * (per bucket or all) -> reset. Not thread-safe: the glue serialises calls
- * (it holds the GIL), except that waits may run without it.
+ * (per bucket or all) -> reset. Not thread-safe: calls must not overlap.
+ * The glue's calls hold the GIL (waits may release it). The C++ gradient
+ * hook (py/grad_hook_api.h, `arrived`) marks parameters WITHOUT the GIL, on
+ * the thread running the backward, which runs its hooks one at a time;
+ * every other call during a backward comes from that thread too (a Python
+ * hook, or the end of backward), so marks never overlap another call.
  *
  * With `separate` set (non-blocking DataParallel), each bucket has its own
  * communication buffer: posting copies the bucket into it (scaled, or packed

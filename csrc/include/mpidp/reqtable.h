@@ -37,7 +37,7 @@ int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out);
  * are still pending: wait for them first. */
 int mpidp_reqtable_destroy(mpidp_reqtable_t *t);
 
-/* Registering a request takes two steps around posting it (mpidp/mpi_util.h
+/* Registering a request takes two steps around posting it (core/mpi_util.h
  * has the helper the core posts through), so that a full table is found out
  * before anything is posted:
  *   claim:   reserve a slot; MPIDP_EFULL (with a detail naming `what` and the
@@ -86,20 +86,13 @@ int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s);
  * ~17,000, and its blocking warm-up and cool-down epochs took 5-10% less
  * time; on 2 ranks with a core each, 64 MB allreduces were 5-10% slower
  * with the short spin, hence two values). A new table takes the value from
- * MPI's own word on sharing (mpidp__mpi_yields_when_idle) when MPI is
+ * MPI's own word on sharing (core/mpi_util.h: mpidp__mpi_yields_when_idle) when MPI is
  * initialized; the glue sets MPIDP_WAIT_SPIN_MS over it. Values < 0 read
  * as 0. */
 #define MPIDP_SPIN_SECONDS 0.02
 #define MPIDP_SPIN_SHARED_CORES_SECONDS 0.003
 void mpidp_reqtable_set_spin(mpidp_reqtable_t *t, double seconds);
 double mpidp_reqtable_spin(mpidp_reqtable_t *t);
-
-/* What a wait does before its next test, after `iteration` tests and
- * `waited` seconds with spin `spin`: test again at once (the first 64),
- * yield the core while the spin lasts, then sleep 100 us. Internal; the
- * wait loops' policy, exposed for the C tests. */
-typedef enum { MPIDP__WAIT_TEST, MPIDP__WAIT_YIELD, MPIDP__WAIT_SLEEP } mpidp__wait_step_t;
-mpidp__wait_step_t mpidp__wait_step(unsigned long iteration, double waited, double spin);
 
 /* Calls MPI_Test on every pending request once so that MPI progresses them;
  * *n_done (may be NULL) counts the requests that completed. */

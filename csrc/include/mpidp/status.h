@@ -49,13 +49,6 @@ const char *mpidp_status_name(int status);
 
 /* Thread-local detail of the last failure on this thread, "" when none. */
 const char *mpidp_error_detail(void);
-/* Record a detail for the failure about to be returned; printf-style.
- * Returns `status` so callers can write `return mpidp__fail(MPIDP_EINVAL, ...)`. */
-int mpidp__fail(int status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
 /* Forget any recorded detail (called at the start of each glue entry point). */
 void mpidp_error_clear(void);
 

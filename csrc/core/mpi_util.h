@@ -1,6 +1,6 @@
-/* How the core talks to MPI: one way to post a non-blocking operation and one
- * way to report an MPI failure (core-private; the glue uses it for the few MPI
- * calls it makes itself).
+/* Core-private: how the core talks to MPI -- one way to post a non-blocking
+ * operation and one way to report an MPI failure (what the glue may ask of
+ * MPI is in mpidp/mpi_info.h).
  *
  * Posting is two-phase so that no request is ever posted without a slot to
  * track it (which would leave only an unbounded MPI_Wait to finish it):
@@ -13,11 +13,12 @@
  *     return mpidp__post_done(reqs, slot, mrc, req, what, &handle);
  *
  * The handle then goes to mpidp_reqtable_test / _wait (deadline-bounded). */
-#ifndef MPIDP_MPI_UTIL_H
-#define MPIDP_MPI_UTIL_H
+#ifndef MPIDP_CORE_MPI_UTIL_H
+#define MPIDP_CORE_MPI_UTIL_H
 
 #include <mpi.h>
 
+#include "mpidp/mpi_info.h"
 #include "mpidp/reqtable.h"
 
 /* Records "<formatted context>: <MPI's error string>" and returns MPIDP_EMPI. */
@@ -55,19 +56,4 @@ int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out);
  * after MPI_Init; MPI's thread level is left as it was. */
 int mpidp__mpi_yields_when_idle(void);
 
-/* Open MPI's choice of algorithm for a non-blocking allreduce (libnbc's
- * coll_libnbc_iallreduce_algorithm: 0 lets Open MPI choose, which for an
- * in-place call -- every allreduce mpidp posts -- is a binomial tree: reduce
- * to one rank, then broadcast, each rank's bytes crossing the network twice;
- * 1 ring, 2 binomial, 3 Rabenseifner's reduce-scatter + allgather, 4
- * recursive doubling). With `prefer` > 0, a 0 in force becomes `prefer`
- * (through the MPI tool interface, so also after MPI_Init; process-wide).
- * Returns the value in force, or -1 where MPI has no such variable (not Open
- * MPI, or no libnbc). */
-int mpidp__mpi_iallreduce_algorithm(int prefer);
-
-/* 1 once MPI_Finalize has run: no request can be tested or write any more,
- * and no handle may be freed. */
-int mpidp__mpi_finalized(void);
-
-#endif /* MPIDP_MPI_UTIL_H */
+#endif /* MPIDP_CORE_MPI_UTIL_H */
