@@ -25,7 +25,7 @@ from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
 from .wrapper_copy import reduce_wrapper
-from .topology import cross_node_comm, node_comm, topology
+from .topology import useful_hierarchy
 
 __all__ = ["DataParallel"]
 
@@ -168,14 +168,11 @@ def _hierarchy(mpi_comm):
     reduce-scatter), the ranks with this local rank on every node, and the
     node's again (a second duplicate, for the allgather) -- or None, with a
     warning, where a hierarchy cannot help (one rank per node, one node)."""
-    topo = topology(mpi_comm)
-    if topo.local_size == 1 or topo.n_nodes == 1:
-        warnings.warn("DataParallel: hierarchical=True cannot help with "
-                      + ("one rank per node" if topo.local_size == 1 else "a single node")
-                      + "; reducing gradients flat", stacklevel=3)
+    comms = useful_hierarchy(mpi_comm, "DataParallel", "reducing gradients flat", stacklevel=3)
+    if comms is None:
         return None
-    node = node_comm(mpi_comm)
-    return (resolve_comm(node), resolve_comm(cross_node_comm(mpi_comm)), _C.Comm(node))
+    node, across = comms
+    return (resolve_comm(node), resolve_comm(across), _C.Comm(node))
 
 
 class DataParallel(torch.nn.Module):

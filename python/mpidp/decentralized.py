@@ -32,7 +32,6 @@ own (3x the model's memory).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, List
 
 import torch
@@ -44,7 +43,7 @@ from ._args import check_bool, check_choice, check_int
 from ._consistency import _ranks_named, check_every, check_in_sync, check_same_step
 from ._mpi import resolve_comm
 from .collectives import allgather, allreduce_agreed, reduce_scatter_agreed
-from .topology import cross_node_comm, node_comm, topology
+from .topology import useful_hierarchy
 
 __all__ = ["DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm"]
 
@@ -66,14 +65,10 @@ class _Workers:
         self.world = resolve_comm(comm)     # every rank (the MPIDP_CHECK votes)
         self.node = None
         if hierarchical:
-            topo = topology(comm)
-            if topo.local_size > 1 and topo.n_nodes > 1:
-                self.node = node_comm(comm)
-                self.comm = resolve_comm(cross_node_comm(comm))
-            else:
-                warnings.warn(f"{who}: hierarchical=True cannot help with "
-                              + ("one rank per node" if topo.local_size == 1 else "a single node")
-                              + "; every rank is a worker", stacklevel=5)
+            comms = useful_hierarchy(comm, who, "every rank is a worker", stacklevel=5)
+            if comms is not None:
+                self.node = comms[0]
+                self.comm = resolve_comm(comms[1])
         if self.node is None:
             self.comm = resolve_comm(comm)
         self.size, self.rank = self.comm.size, self.comm.rank

@@ -22,7 +22,6 @@ node, that cannot help: a warning, and the flat 8-bit average over all ranks.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict
 
 import torch
@@ -33,7 +32,7 @@ from ._consistency import check_same_step, param_group_settings
 from ._mpi import resolve_comm
 from .collectives import allgather, allreduce_agreed, reduce_scatter_agreed
 from .data_parallel import DataParallel
-from .topology import cross_node_comm, node_comm, topology
+from .topology import useful_hierarchy
 
 __all__ = ["QAdamOptimizer", "QAdamAlgorithm"]
 
@@ -119,19 +118,16 @@ class _QAdamHandle:
     def __init__(self, module, optimizer: QAdamOptimizer, comm, hierarchical: bool):
         self.module, self.opt, self.comm = module, optimizer, comm
         self._c_comm = resolve_comm(comm)
-        self.hierarchy = None        # (node, cross-node) communicators of the momentum's average
-        if hierarchical:
-            topo = topology(comm)
-            if topo.local_size > 1 and topo.n_nodes > 1:
-                self.hierarchy = (node_comm(comm), cross_node_comm(comm))
+        warming_up = optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps
+        # (node, cross-node) communicators of the momentum's average; in the
+        # warm-up DataParallel warns where the hierarchy cannot help.
+        self.hierarchy = useful_hierarchy(comm, "QAdamAlgorithm", "averaging the momentum flat",
+                                          warn=not warming_up, stacklevel=4) \
+            if hierarchical else None
         self.dp = None
-        if optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps:
-            # DataParallel warns where the hierarchy cannot help.
+        if warming_up:
             self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
                                    hierarchical=hierarchical)
-        elif hierarchical and self.hierarchy is None:
-            warnings.warn("QAdamAlgorithm: hierarchical=True cannot help with one rank per node "
-                          "or a single node; averaging the momentum flat", stacklevel=4)
         optimizer._handle = self
 
     def check_step(self, t: int) -> None:

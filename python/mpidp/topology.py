@@ -7,6 +7,7 @@ machine (tests, benchmarks)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from . import _config as config
@@ -89,3 +90,18 @@ def cross_node_comm(comm=None) -> MPI.Intracomm:
         topo = topology(comm)
         _cross_cache[key] = comm.Split(color=topo.local_rank, key=topo.node)
     return _cross_cache[key]
+
+
+def useful_hierarchy(comm, who: str, instead: str, *, warn: bool = True, stacklevel: int = 2):
+    """(node_comm(comm), cross_node_comm(comm)) where a hierarchy -- within
+    each node, then across nodes -- can help: several ranks on each of
+    several nodes. Elsewhere None, after warning (unless `warn` is False)
+    that `who`'s hierarchical=True cannot help and what happens `instead`."""
+    topo = topology(comm)
+    if topo.local_size > 1 and topo.n_nodes > 1:
+        return node_comm(comm), cross_node_comm(comm)
+    if warn:
+        warnings.warn(f"{who}: hierarchical=True cannot help with "
+                      + ("one rank per node" if topo.local_size == 1 else "a single node")
+                      + f"; {instead}", stacklevel=stacklevel + 1)
+    return None
