@@ -76,7 +76,7 @@ def test_nccl_without_gpus_says_so():
         mpidp.init_process_group(MPI.COMM_SELF, backend="nccl")
 
 
-def test_the_glue_takes_a_dlpack_capsule_once():
+def test_the_glue_takes_a_dlpack_capsule_as_it_is():
     """The torch.distributed backend hands the core DLPack capsules it made
     itself: the capsule is the tensor's memory (the sum lands in it; the
     glue only borrows it, so it can be passed again), and a capsule that is

@@ -46,6 +46,18 @@ def reference(net, data, lr=0.1):
     return net
 
 
+def train(ddp, data, lr=0.1, autocast=False):
+    """Each rank's share of every batch, one SGD step each (what reference() does
+    on the union)."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    for x, y in data:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.mse_loss(ddp(mine(x)), mine(y))
+        loss.backward()
+        opt.step()
+
+
 def assert_same(a, b, atol=1e-6):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), atol=atol, rtol=1e-5, msg=name)
@@ -59,11 +71,7 @@ def test_ddp_trains_like_one_process(flavour):
               "find_unused": {"find_unused_parameters": True},
               "bucket_small": {"bucket_cap_mb": 0.0002}}[flavour]
     ddp = DDP(net, **kwargs)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(mine(x)), mine(y)).backward()
-        opt.step()
+    train(ddp, data)
     assert_same(ddp.module, want)
 
 
@@ -98,11 +106,7 @@ def test_ddp_bf16_compress_hook_is_close_to_one_process():
     def bf16_hook(state, bucket):
         return default_hooks.bf16_compress_hook(state, bucket)
     ddp.register_comm_hook(None, bf16_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(mine(x)), mine(y)).backward()
-        opt.step()
+    train(ddp, data)
     assert_same(ddp.module, want, atol=2e-3)
     # every rank holds the same model
     flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
@@ -258,13 +262,7 @@ def test_ddp_under_cpu_autocast_trains_like_one_process():
             p.grad = torch.stack(per_rank).sum(0) / SIZE
         ropt.step()
     ddp = DDP(net)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in data:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.mse_loss(ddp(mine(x)), mine(y))
-        loss.backward()
-        opt.step()
+    train(ddp, data, autocast=True)
     assert all(p.dtype is torch.float32 for p in ddp.parameters())
     assert_same(ddp.module, ref, atol=1e-5)
 
@@ -276,11 +274,7 @@ def test_ddp_with_bucket_sizes_that_differ_across_ranks_trains_like_one_process(
     net, data = model(), batches(4)
     want = reference(net, data)
     ddp = DDP(net, bucket_cap_mb=0.0002 if RANK == 0 else 25)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(mine(x)), mine(y)).backward()
-        opt.step()
+    train(ddp, data)
     assert_same(ddp.module, want)
 
 
@@ -297,9 +291,5 @@ def test_ddp_starts_every_rank_from_rank_0s_weights():
                 p.add_(float(RANK))
     ddp = DDP(mine_only)
     assert_same(ddp.module, net, atol=0)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(mine(x)), mine(y)).backward()
-        opt.step()
+    train(ddp, data)
     assert_same(ddp.module, want)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 
 import pytest
 
-from mpi_jobs import ROOT, run_mpi
+from mpi_jobs import ROOT, clean_env, run_mpi
 
 pytestmark = pytest.mark.serial
 
@@ -34,7 +36,7 @@ def run_suite(n: int, tmp_path, names=(), gates_as="mpidp") -> list[dict]:
     results: list[dict] = []
     remaining = list(names)
     out = tmp_path / f"suite-{n}-{gates_as}.jsonl"
-    for attempt in range(20):
+    for _ in range(20):
         out.write_text("")
         rc, output, _ = run_mpi(n, [RUNNER, "--out", str(out), "--gates-as", gates_as,
                                     *remaining], timeout=600, MPIDP_TIMEOUT="60")
@@ -49,18 +51,15 @@ def run_suite(n: int, tmp_path, names=(), gates_as="mpidp") -> list[dict]:
                         f"{output[-3000:]}")
         results.append({"test": started[-1], "outcome": "failed",
                         "reason": f"the job ended inside it (exit {rc}): {output[-600:]}"})
-        every = remaining or _all_names(results, started)
+        every = remaining or _all_names()
         remaining = every[every.index(started[-1]) + 1:]
         if not remaining:
             return results
     pytest.fail("the suite's job kept ending")
 
 
-def _all_names(results, started):
+def _all_names():
     """The full test list, in the runner's order, when no names were given."""
-    import subprocess
-    import sys
-    from mpi_jobs import clean_env
     code = ("import os; os.environ.update(BACKEND='mpidp', WORLD_SIZE='1', TEMP_DIR='/tmp');"
             "from torch.testing._internal.distributed.distributed_test import DistributedTest as D;"
             "print('\\n'.join(sorted(n for n in dir(D._DistTestBase) if n.startswith('test_'))))")
