@@ -400,15 +400,20 @@ def test_settings_or_models_that_differ_across_ranks_are_named():
                      outer_sgd(other.parameters()), 4)
 
 
-def test_a_model_under_two_diloco_blocks_at_once_is_refused():
-    """Wrapping twice: two entered DiLoCos would sync every turn twice."""
+def test_a_second_diloco_entered_on_a_model_takes_it_over():
+    """Wrapping twice: two entered DiLoCos would sync every turn twice, so
+    the newer one takes the model over (mpidp's one ownership policy) and the
+    older one's hooks are gone."""
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     first = mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), 4)
     second = mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), 4)
     with first:
-        with pytest.raises(RuntimeError, match="already under another DiLoCo"):
-            second.__enter__()
-    with second:   # once the first is left, the second may take over
-        inner_step(model, inner, *batches(1)[0], RANK)
+        with pytest.warns(UserWarning, match="already wrapped by another DiLoCo"):
+            with second:
+                inner_step(model, inner, *batches(1)[0], RANK)
+        inner_step(model, inner, *batches(1)[0], RANK)    # neither counts it
     assert second.step == 1 and first.step == 0
+    with first:   # entered again, the first takes over again
+        inner_step(model, inner, *batches(1)[0], RANK)
+    assert second.step == 1 and first.step == 1

@@ -241,10 +241,10 @@ def test_wrapping_twice_hands_over_to_the_newer_wrapper():
     with pytest.warns(UserWarning, match="already wrapped"):
         new = mpidp.SlowMoDistributedDataParallel(model, nprocs_per_node=1)
     x, y = batches(1)[0]
-    with pytest.raises(RuntimeError, match="newer wrapper"):
+    with pytest.raises(RuntimeError, match="detached: a newer SlowMoDistributedDataParallel"):
         old(rank_slice(x))
     opt = torch.optim.SGD(new.parameters(), lr=LR)
-    with pytest.raises(RuntimeError, match="newer wrapper"):
+    with pytest.raises(RuntimeError, match="detached: a newer SlowMoDistributedDataParallel"):
         old.perform_slowmo(opt)
     torch.nn.functional.mse_loss(new(rank_slice(x)), rank_slice(y)).backward()
     opt.step()

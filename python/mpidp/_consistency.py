@@ -179,6 +179,16 @@ def refuse_different_settings(c_comm, who: str, settings) -> None:
                        f"rank {bad[0]}, {table[0, col].item()!r} on rank 0), {advice}")
 
 
+def ranks_range(c_comm, *values: float) -> list:
+    """(smallest, largest) of each value over the ranks of `c_comm`, in one
+    allreduce (the maximum of each value and of its negation): the ranks
+    agree on a value when its two ends are equal."""
+    both = torch.tensor([v for x in values for v in (float(x), -float(x))], dtype=torch.float64)
+    if c_comm.size > 1:
+        c_comm.allreduce(both, _C.OP_MAX, _C.NO_WIRE, False)
+    return [(-both[2 * i + 1].item(), both[2 * i].item()) for i in range(len(values))]
+
+
 def check_same_step(c_comm, step: int, who: str, settings=()) -> None:
     """Every rank of `c_comm` is at `step` of `who`'s schedule and holds the
     same (name, number) optimizer `settings`, or every rank raises the same
@@ -188,11 +198,9 @@ def check_same_step(c_comm, step: int, who: str, settings=()) -> None:
     details travel."""
     if c_comm.size == 1:
         return
-    h = float(settings_hash([v for _, v in settings]))
-    bounds = torch.tensor([float(step), -float(step), h, -h], dtype=torch.float64)
-    c_comm.allreduce(bounds, _C.OP_MAX, _C.NO_WIRE, False)
-    if bounds[0] == -bounds[1]:
-        if bounds[2] != -bounds[3]:
+    steps, hashes = ranks_range(c_comm, step, settings_hash([v for _, v in settings]))
+    if steps[0] == steps[1]:
+        if hashes[0] != hashes[1]:
             refuse_different_settings(c_comm, who, settings)
         return
     steps = torch.zeros(c_comm.size, dtype=torch.float64)

@@ -14,7 +14,8 @@ from . import _C
 from . import _config as config
 from ._launch import check_launch
 
-__all__ = ["MPI", "resolve_comm", "world", "mpi_library_version"]
+__all__ = ["MPI", "Communicator", "communicator", "resolve_comm", "as_mpi4py", "world",
+           "mpi_library_version"]
 
 
 def _implementation(version: str) -> str:
@@ -175,16 +176,48 @@ def world() -> _C.Comm:
     return _world
 
 
-def resolve_comm(comm, argname: str = "comm") -> _C.Comm:
-    """mpidp's duplicate of `comm`: an mpi4py communicator, Heat's communicator
-    wrapper (anything with an mpi4py `.handle`), or None for COMM_WORLD.
+class Communicator:
+    """A communicator argument, checked once: `.c` is mpidp's duplicate (what
+    the core's engines run on), `.mpi` the mpi4py communicator behind it
+    (for splits and topology), `.ranks` its members as ranks of
+    MPI.COMM_WORLD (which ranks an algorithm runs over: drivers over the
+    same ranks compete for a module, drivers over different ranks compose)."""
+
+    __slots__ = ("c", "mpi", "_ranks")
+
+    def __init__(self, c: _C.Comm, mpi: MPI.Intracomm):
+        self.c, self.mpi, self._ranks = c, mpi, None
+
+    @property
+    def ranks(self) -> tuple:
+        if self._ranks is None:
+            group, everyone = self.mpi.Get_group(), MPI.COMM_WORLD.Get_group()
+            try:
+                self._ranks = tuple(MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                              everyone))
+            finally:
+                group.Free()
+                everyone.Free()
+        return self._ranks
+
+
+# mpi4py communicator of each duplicate that came from one (a _C.Comm passed
+# back in as a `comm` argument keeps its source; _C.Comm takes no weak
+# references, hence the id, dropped with the duplicate's cache entry).
+_source_of: "dict[int, MPI.Intracomm]" = {}
+
+
+def communicator(comm, argname: str = "comm") -> Communicator:
+    """The one check of a communicator argument: an mpi4py intra-communicator,
+    Heat's communicator wrapper (anything with an mpi4py `.handle`), a
+    duplicate mpidp made, or None for COMM_WORLD.
 
     Duplicates are cached per communicator object: MPI_Comm_dup is collective,
     so creating one per call would cost a synchronisation every time."""
     if comm is None or comm is MPI.COMM_WORLD:
-        return world()
+        return Communicator(world(), MPI.COMM_WORLD)
     if isinstance(comm, _C.Comm):
-        return comm
+        return Communicator(comm, _source_of.get(id(comm), MPI.COMM_WORLD if comm is _world else None))
     handle = getattr(comm, "handle", None)
     if not isinstance(comm, MPI.Comm) and isinstance(handle, MPI.Comm):
         comm = handle  # Heat's MPICommunication
@@ -203,20 +236,25 @@ def resolve_comm(comm, argname: str = "comm") -> _C.Comm:
         cached = _C.Comm(comm)
         try:
             _duplicates[comm] = cached
+            _source_of[id(cached)] = comm
+            weakref.finalize(comm, _source_of.pop, id(cached), None)
         except TypeError:
             pass
-    return cached
+    return Communicator(cached, comm)
 
 
-def as_mpi4py(comm) -> MPI.Intracomm:
-    """The mpi4py communicator behind a `comm` argument (None: COMM_WORLD;
-    Heat's wrapper: its .handle)."""
-    if comm is None:
-        return MPI.COMM_WORLD
-    handle = getattr(comm, "handle", None)
-    if not isinstance(comm, MPI.Comm) and isinstance(handle, MPI.Comm):
-        return handle
-    return comm
+def resolve_comm(comm, argname: str = "comm") -> _C.Comm:
+    """communicator(comm, argname).c: mpidp's duplicate, for the engines."""
+    return communicator(comm, argname).c
+
+
+def as_mpi4py(comm, argname: str = "comm") -> MPI.Intracomm:
+    """communicator(comm, argname).mpi: the mpi4py communicator behind it."""
+    mpi = communicator(comm, argname).mpi
+    if mpi is None:
+        raise TypeError(f"{argname}: expected an mpi4py communicator here (this one is an mpidp "
+                        "duplicate whose source is unknown)")
+    return mpi
 
 
 def mpi_library_version() -> str:

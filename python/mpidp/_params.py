@@ -77,6 +77,23 @@ def _pack_bytes(group):
     return flat, chunks, offsets
 
 
+def flatten(tensors, dtype=None) -> torch.Tensor:
+    """The tensors' elements one after another in a new 1-D tensor (of
+    `dtype`, else their common one); write_back undoes it."""
+    return torch.cat([t.detach().reshape(-1) if dtype is None else
+                      t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def write_back(flat: torch.Tensor, tensors) -> None:
+    """Copies consecutive pieces of `flat` into `tensors`, in place (each cast
+    to its tensor's dtype and device): flatten's inverse."""
+    with torch.no_grad():
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
     """An alias of `flat`'s memory from `offset` on, shaped like `param`'s
     gradient, sharing `flat`'s version counter (an in-place change of the

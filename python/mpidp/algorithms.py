@@ -10,11 +10,10 @@ allreduce), the peer graphs and the peer exchange, the background averager.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict
-
 import torch
 
 from ._algorithm import Algorithm
+from ._driver import Driver
 from ._args import check_bool
 from .async_average import AsyncModelAverageAlgorithm
 from .broadcast import broadcast_optimizer_state
@@ -27,13 +26,17 @@ __all__ = ["Algorithm", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "QAda
            "AsyncModelAverageAlgorithm"]
 
 
-class _GradientHandle:
-    """A reducer-based algorithm on a module: mpidp.DataParallel underneath."""
+class _GradientHandle(Driver):
+    """A reducer-based algorithm on a module: mpidp.DataParallel underneath
+    (its part), with blocking updates: the user's own optimizers step as
+    usual."""
 
-    def __init__(self, module, optimizers, comm, wire_dtype, hierarchical: bool, average: bool):
-        # Blocking updates: the user's own optimizers step as usual.
-        self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
-                               wire_dtype=wire_dtype, hierarchical=hierarchical)
+    def __init__(self, what, module, optimizers, comm, wire_dtype, hierarchical: bool,
+                 average: bool):
+        self.what, self.module = what, module
+        with self._building_parts():
+            self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
+                                   wire_dtype=wire_dtype, hierarchical=hierarchical)
         self.dp._set_average(average)
         self.optimizers, self.comm = optimizers, comm
 
@@ -49,21 +52,15 @@ class _GradientHandle:
             for opt in self.optimizers:
                 broadcast_optimizer_state(opt, root=self.dp.join_root, comm=self.comm)
 
-    def forward(self, *inputs, **kwargs):
+    def train_forward(self, *inputs, **kwargs):
+        self._check_attached()
         return self.dp(*inputs, **kwargs)
 
     def drain(self) -> None:
         self.dp.synchronize()
 
-    def detach(self) -> None:
-        self.dp.remove_hooks()
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state:
-            raise ValueError(f"state: this algorithm keeps no state, got keys {sorted(state)}")
+    def _remove_hooks(self) -> None:
+        pass        # the hooks are the DataParallel's, a part
 
 
 class _GradientAlgorithm(Algorithm):
@@ -79,8 +76,8 @@ class _GradientAlgorithm(Algorithm):
         self.average = average
 
     def _attach(self, module, optimizers, comm):
-        return _GradientHandle(module, optimizers, comm, self._wire_dtype, self.hierarchical,
-                               self.average)
+        return _GradientHandle(type(self).__name__, module, optimizers, comm, self._wire_dtype,
+                               self.hierarchical, self.average)
 
 
 class GradientAllReduceAlgorithm(_GradientAlgorithm):

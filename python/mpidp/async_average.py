@@ -30,8 +30,10 @@ import torch
 from . import _C
 from ._algorithm import Algorithm
 from ._args import check_bool, check_choice, check_int
-from ._consistency import check_every
-from ._mpi import resolve_comm
+from ._consistency import check_every, ranks_range
+from ._driver import Driver
+from ._mpi import communicator, resolve_comm
+from ._params import remove_handles
 from .data_parallel import DataParallel
 from .decentralized import _trainable
 
@@ -47,7 +49,9 @@ def _stop_every_thread() -> None:
         handle._stop()
 
 
-class _AsyncHandle:
+class _AsyncHandle(Driver):
+    what = "AsyncModelAverageAlgorithm"
+
     def __init__(self, algorithm: "AsyncModelAverageAlgorithm", module, optimizers, comm):
         self.module, self.comm = module, comm
         self.params = tuple(_trainable(module))
@@ -62,6 +66,7 @@ class _AsyncHandle:
         if not optimizers and self.warmup_steps:
             raise ValueError(f"optimizers: the warm-up ({self.warmup_steps} steps) counts the "
                              "steps of the first optimizer; pass it to with_bagua")
+        self._claim(module, communicator(comm))
         self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
         self._counting = optimizers[0] if optimizers else None
         self._begin()
@@ -75,7 +80,9 @@ class _AsyncHandle:
         """The warm-up until warmup_steps steps, then the thread (unless aborted)."""
         if self.step < self.warmup_steps:
             if self._warmup is None:
-                self._warmup = DataParallel(self.module, self.comm, blocking_parameter_updates=True)
+                with self._building_parts():
+                    self._warmup = DataParallel(self.module, self.comm,
+                                                blocking_parameter_updates=True)
             return
         if self._warmup is not None:
             self._warmup.synchronize()
@@ -103,15 +110,14 @@ class _AsyncHandle:
 
     def _check_rounds(self, rounds: int) -> None:
         """MPIDP_CHECK: every rank's thread took part in the same rounds."""
-        c = resolve_comm(self.comm)
-        counts = torch.tensor([float(rounds), -float(rounds)], dtype=torch.float64)
-        c.allreduce(counts, _C.OP_MAX, _C.NO_WIRE, False)
-        if counts[0] != -counts[1]:
+        (least, most), = ranks_range(resolve_comm(self.comm), rounds)
+        if least != most:
             raise RuntimeError(f"AsyncModelAverageAlgorithm: the ranks' background threads "
-                               f"completed between {int(-counts[1])} and {int(counts[0])} "
+                               f"completed between {int(least)} and {int(most)} "
                                "averaging rounds, which must be equal (MPIDP_CHECK)")
 
-    def forward(self, *inputs, **kwargs):
+    def train_forward(self, *inputs, **kwargs):
+        self._check_attached()
         if self._warmup is not None:
             return self._warmup(*inputs, **kwargs)
         if self.averager is None or self._locked:
@@ -153,19 +159,16 @@ class _AsyncHandle:
     def drain(self) -> None:
         self._stop()                     # a switch: the weights stop moving
 
-    def detach(self) -> None:
-        self._stop()
+    def _remove_hooks(self) -> None:
         if self._warmup is not None:
             self._warmup.remove_hooks()
             self._warmup = None
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        remove_handles(self._handles)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.step, "aborted": self.aborted}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
         """Collective (it stops and restarts the thread on every rank)."""
         if set(state) != {"step", "aborted"}:
             raise ValueError(f"state: expected the keys ['aborted', 'step'], got {sorted(state)}")

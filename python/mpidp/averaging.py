@@ -22,7 +22,8 @@ import torch
 
 from . import _C
 from ._args import check_int
-from ._consistency import check_same_step, check_same_structure, param_group_settings
+from ._consistency import check_same_step, check_same_structure, param_group_settings, ranks_range
+from ._params import flatten, write_back
 from ._mpi import MPI, as_mpi4py, resolve_comm
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
@@ -47,12 +48,11 @@ def _params_to_average(params: Iterable[Any]) -> List[torch.Tensor]:
 
 def _check_same_count(numel: int, comm: _C.Comm) -> None:
     """All ranks of `comm` average the same number of elements, or all raise."""
-    bounds = torch.tensor([numel, -numel], dtype=torch.int64)
-    comm.allreduce(bounds, _C.OP_MAX, _C.NO_WIRE, False)
-    if bounds[0] != -bounds[1]:
+    (least, most), = ranks_range(comm, numel)
+    if least != most:
         raise ValueError(
-            f"params: the ranks average different numbers of elements (from {-int(bounds[1])} to "
-            f"{int(bounds[0])}; {numel} on this rank). Parameters whose .grad is None are left "
+            f"params: the ranks average different numbers of elements (from {int(least)} to "
+            f"{int(most)}; {numel} on this rank). Parameters whose .grad is None are left "
             "out, as in torch: give every rank the same parameters with gradients (set unused "
             "ones' .grad to zeros), or pass the parameters themselves")
 
@@ -75,15 +75,11 @@ def average_tensors(tensors: List[torch.Tensor], comm: _C.Comm) -> None:
     flat buffer (mixed dtypes upcast), divided by the size, summed."""
     if not tensors:
         return
-    with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        flat /= comm.size
-        host = flat.cpu() if flat.device.type != "cpu" else flat
-        comm.allreduce(host, _C.OP_SUM, _C.NO_WIRE, False)
-        offset = 0
-        for t in tensors:
-            t.copy_(host[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+    flat = flatten(tensors)
+    flat /= comm.size
+    host = flat.cpu()
+    comm.allreduce(host, _C.OP_SUM, _C.NO_WIRE, False)
+    write_back(host, tensors)
 
 
 class ModelAverager:

@@ -6,10 +6,12 @@ API over mpidp's engines::
         optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
 
 The result wraps the module (`.module`; forward runs the algorithm's). Calling
-with_bagua again on it (or on the plain module) switches the algorithm: the
-old one's pending communication is drained and its hooks removed, then every
+with_bagua again on it switches the algorithm -- between any two of
+mpidp.algorithms, Bagua's and LocalSGD, SlowMo and DiLoCo alike: the old
+one's pending communication is drained and its hooks removed, then every
 rank takes rank 0's parameters, buffers and optimizer state, so after a
-switch every rank's parameters equal rank 0's bit for bit.
+switch every rank's parameters equal rank 0's bit for bit. Each algorithm
+is a driver (mpidp/_driver.py): BaguaModule only switches drivers.
 """
 
 from __future__ import annotations
@@ -19,10 +21,8 @@ from typing import Optional, Sequence
 import torch
 
 from ._algorithm import Algorithm
-from ._consistency import check_same_structure
-from ._mpi import as_mpi4py, resolve_comm
-from ._params import TrainableAtSetup
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from ._driver import Driver, set_up
+from .broadcast import broadcast_optimizer_state
 from .wrapper_copy import reduce_wrapper
 
 __all__ = ["with_bagua", "BaguaModule"]
@@ -36,13 +36,13 @@ class BaguaModule(torch.nn.Module):
         self.module = module
         self.bagua_algorithm: Optional[Algorithm] = None
         self.bagua_optimizers: Sequence[torch.optim.Optimizer] = ()
-        self._handle = None
+        self._handle: Optional[Driver] = None      # the attached algorithm's driver
         self._trainable_at_setup = None    # TrainableAtSetup of the attached algorithm
 
     def forward(self, *inputs, **kwargs):
         if self.training and torch.is_grad_enabled():
             self._trainable_at_setup.check()
-        return self._handle.forward(*inputs, **kwargs)
+        return self._handle.train_forward(*inputs, **kwargs)
 
     def join(self, adopt_optimizer_state: bool = False):
         """A context for uneven inputs (ranks with fewer batches finish early),
@@ -51,23 +51,17 @@ class BaguaModule(torch.nn.Module):
         others raise: QAdam averages momenta inside the optimizer's step, the
         decentralized ones and AsyncModelAverageAlgorithm average weights with
         peers that would wait for a finished rank."""
-        join = getattr(self._handle, "join", None)
-        if join is None:
-            raise NotImplementedError(
-                f"join: {type(self.bagua_algorithm).__name__} does not support uneven inputs (only "
-                "GradientAllReduceAlgorithm and ByteGradAlgorithm do); give every rank the same "
-                "number of batches (e.g. DistributedSampler(..., drop_last=True))")
-        return join(adopt_optimizer_state)
+        return self._handle.join(adopt_optimizer_state)
 
     def __reduce_ex__(self, protocol):
         return reduce_wrapper(self, self.module)
 
     def bagua_state_dict(self):
         """The algorithm's own state (its optimizers' states are theirs)."""
-        return self._handle.state_dict()
+        return self._handle.algorithm_state()
 
     def load_bagua_state_dict(self, state) -> None:
-        self._handle.load_state_dict(state)
+        self._handle.load_algorithm_state(state)
 
 
 def _check_optimizers(optimizers) -> list:
@@ -101,27 +95,24 @@ def with_bagua(module: torch.nn.Module, optimizers, algorithm: Algorithm, comm=N
     optimizers = _check_optimizers(optimizers)
     if isinstance(module, BaguaModule):
         wrapped = module
-        wrapped._handle.drain()
-        wrapped._handle.detach()
+        wrapped._handle.detach("with_bagua switched the module to another algorithm")
     elif isinstance(module, torch.nn.Module):
         wrapped = BaguaModule(module)
     else:
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     inner = wrapped.module
-    # Ranks with another algorithm, other settings or another model would post
-    # different communication and wait until the timeout: name the difference.
+    # Ranks with another algorithm or other settings would post different
+    # communication: the settings of the algorithm join the model's check.
     # (Optimizer states may differ: rank 0's is broadcast below.)
     settings = {"algorithm": type(algorithm).__name__}
     settings.update((k, v) for k, v in vars(algorithm).items()
                     if not k.startswith("_") and not isinstance(v, torch.optim.Optimizer))
-    check_same_structure(resolve_comm(comm), as_mpi4py(comm), inner, "with_bagua", settings)
-    broadcast_parameters(inner, root=0, comm=comm)
+    _, wrapped._trainable_at_setup = set_up(
+        inner, comm, "with_bagua", settings, rebuild="Call mpidp.with_bagua(model, optimizers, "
+        "algorithm) again after such a change")
+    wrapped._handle = algorithm._attach(inner, optimizers, comm)
     for opt in optimizers:
         broadcast_optimizer_state(opt, root=0, comm=comm)
-    wrapped._handle = algorithm._attach(inner, optimizers, comm)
-    wrapped._trainable_at_setup = TrainableAtSetup(
-        inner, "with_bagua", "Call mpidp.with_bagua(model, optimizers, algorithm) again after "
-        "such a change")
     wrapped.bagua_algorithm = algorithm
     wrapped.bagua_optimizers = tuple(optimizers)
     return wrapped

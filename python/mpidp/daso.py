@@ -12,6 +12,7 @@ parameter's difference from the last blocking sync (mpidp._C.ParamSync).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
@@ -25,7 +26,8 @@ from ._args import check_bool, check_dtype, check_int, check_real
 from ._dtypes import CODE_OF
 from ._consistency import (check_every, check_in_sync, param_group_settings, ranks_differing,
                            refuse_different_settings)
-from ._mpi import MPI, as_mpi4py, resolve_comm
+from ._driver import Driver, wait_pending
+from ._mpi import MPI, communicator
 from ._params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
 from .topology import node_comm, topology
@@ -37,10 +39,9 @@ _STATE_FORMAT = "mpidp.DASO/1"
 
 # The DASO syncing each (unwrapped) model: a model rebuilt under a new DASO
 # leaves the old one's progress hooks behind otherwise.
-_DASO_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-class DASO:
+class DASO(Driver):
     """Optimizer wrapper for DASO training; see the module docstring.
 
     Use it with mpidp.DataParallelMultiGPU, call `step()` after every backward,
@@ -128,15 +129,15 @@ class DASO:
         self.verbose = verbose
 
         self.comm = comm
-        self._world = resolve_comm(comm)
-        mpi_comm = as_mpi4py(comm)
+        self._world_comm = communicator(comm)
+        self._world, mpi_comm = self._world_comm.c, self._world_comm.mpi
         topo = topology(mpi_comm)
         self.rank = mpi_comm.Get_rank()
         self.n_nodes, self.local_rank, self.loc_size = topo.n_nodes, topo.local_rank, topo.local_size
-        self._node = resolve_comm(node_comm(mpi_comm))
+        self._node = communicator(node_comm(mpi_comm)).c
         # Global syncs take turns over `loc_size` groups; group i holds local
         # rank i of every node. Each rank only ever needs its own group.
-        self._group = resolve_comm(self._make_group(mpi_comm, topo)) if self.n_nodes > 1 else None
+        self._group = communicator(self._make_group(mpi_comm, topo)).c if self.n_nodes > 1 else None
         self._schedule = _C.Schedule(total_epochs, warmup_epochs, cooldown_epochs, max_global_skips,
                                      skip_reduction_factor, local_skip_factor, self.loc_size,
                                      self.stability_level)
@@ -157,8 +158,8 @@ class DASO:
         self._pointers = ()
         self._flat = None
         self._needs_reference = False
-        # Set by DataParallelMultiGPU: rank 0's buffers at every blocking global
-        # sync (broadcast_buffers), and whether its no_sync() is active.
+        # Set by set_model: rank 0's buffers at every blocking global sync
+        # (broadcast_buffers). Set by no_sync(): its context is active.
         self._broadcast_buffers = False
         self._no_sync = False
         self._schedule_checked = None   # the epoch whose schedule the ranks compared
@@ -219,10 +220,12 @@ class DASO:
                 "sending_chunk_size": self.sending_chunk_size,
                 "use_mpi_groups": self.use_mpi_groups, "MPIDP_CHECK every": check_every()}
 
-    def set_model(self, model: torch.nn.Module) -> None:
+    def set_model(self, model: torch.nn.Module, *, broadcast_buffers: bool = False) -> None:
         """The (node-locally wrapped) model whose parameters DASO syncs;
         mpidp.DataParallelMultiGPU calls this. Every rank must hold the same
-        parameter values when it is called."""
+        parameter values when it is called. broadcast_buffers: the buffers
+        become world rank 0's at every blocking global sync."""
+        check_bool("broadcast_buffers", broadcast_buffers)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -237,6 +240,7 @@ class DASO:
         if not held.issubset({id(p) for p in model.parameters()}):
             raise ValueError("local_optimizer: it holds tensors that are not parameters of the model")
         self.module = model
+        self._broadcast_buffers = broadcast_buffers
         # Named as the user's model names them, not as DDP's wrapper (module.*).
         user_model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
             else model
@@ -258,8 +262,7 @@ class DASO:
         else:
             self._params = self._device_params
         self._staged = staged
-        if self._sync is not None and self._sync.pending:
-            self._sync.wait()
+        self.drain()
         wire = CODE_OF[torch.float16 if self.downcast_type == torch.half else self.downcast_type]
         self._sync = (_C.ParamSync(self._group, self._params, wire, self.sending_chunk_size,
                                    what="DASO global sync")
@@ -270,14 +273,10 @@ class DASO:
 
     def _install_progress_hooks(self, model: torch.nn.Module, params) -> None:
         """Forward and gradient hooks test the global sync in flight
-        (_progress.py); a newer DASO of the same model takes them over."""
+        (_progress.py); DASO claims the user's model (under
+        DataParallelMultiGPU's DDP), so a newer DASO of it takes over."""
         remove_handles(self._progress_handles)
-        plain = getattr(model, "module", model)  # under DataParallelMultiGPU's DDP
-        previous = _DASO_OF.get(plain)
-        previous = previous() if previous is not None else None
-        if previous is not None and previous is not self:
-            remove_handles(previous._progress_handles)
-        _DASO_OF[plain] = weakref.ref(self)
+        self._claim(getattr(model, "module", model), self._world_comm)
         if self._sync is not None:
             self._progress_handles += install_progress_hooks(model, params, [self._sync])
 
@@ -303,6 +302,7 @@ class DASO:
         added; then the scheduler, once per batch, if one was given), then
         whatever the schedule says for this batch: complete a pending global
         sync, send a new one, switch node-local sync for the next backward."""
+        self._check_attached()
         if self.module is None:
             raise RuntimeError("DASO.step: no model; wrap it with mpidp.DataParallelMultiGPU(module, "
                                "daso) or call daso.set_model(model)")
@@ -356,20 +356,51 @@ class DASO:
                               f"({self.phase}: warm-up syncs globally every batch) -- call "
                               "daso.epoch_loss_logic(epoch_loss) after every epoch", stacklevel=2)
 
-    # -- uneven inputs (driven by DataParallelMultiGPU.join) ----------------------------
+    # -- the driver interface (mpidp/_driver.py) ----------------------------------------
 
-    def _join_begin(self) -> None:
+    what = "DASO"
+
+    def drain(self) -> None:
+        """Completes the global sync in flight (merged at its scheduled batch)."""
+        wait_pending([self._sync])
+
+    def _remove_hooks(self) -> None:
+        remove_handles(self._progress_handles)
+
+    def algorithm_state(self) -> dict:
+        return self.state_dict()
+
+    def load_algorithm_state(self, state: dict) -> None:
+        self.load_state_dict(state)
+
+    # -- the host wrapper's interface (DataParallelMultiGPU drives these) -------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DataParallelMultiGPU.no_sync(): step() inside raises (the node's
+        gradients are not averaged yet)."""
+        if self._no_sync:
+            raise RuntimeError("DataParallelMultiGPU.no_sync() is already active")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    # Uneven inputs (DataParallelMultiGPU.join):
+
+    def join_begin(self) -> None:
         if self.current_batch != 0:
             raise RuntimeError("join() must wrap one epoch's batch loop: it started at batch "
                                f"{self.current_batch} of an epoch")
         self._joining, self._common_last = True, None
 
-    def _join_end(self) -> None:
+    def join_end(self) -> None:
         self._joining = False
         self._node_mixed, self._node_active = False, True
         self._active_nodes = self.n_nodes
 
-    def _join_ballot(self, active: bool) -> tuple[int, bool]:
+    def join_ballot(self, active: bool) -> tuple[int, bool]:
         """One world-wide ballot: who still trains, and with which last_batch.
         Returns (ranks of this node still training, anyone training at all)."""
         world = len(self._node_of)
@@ -393,7 +424,7 @@ class DASO:
         self._active_nodes = len({self._node_of[r] for r in training})
         return len(mine), True
 
-    def _shadow_step(self) -> None:
+    def shadow_step(self) -> None:
         """A rank out of data mirrors one step of the others."""
         self._schedule_step(self._common_last)
 
@@ -436,8 +467,7 @@ class DASO:
 
     def reset(self) -> None:
         """Back to the base state (epoch 0, warm-up), as at construction."""
-        if self._sync is not None and self._sync.pending:
-            self._sync.wait()
+        self.drain()
         self._schedule.reset()
         self.current_batch = 0
         self._needs_reference = True
@@ -478,8 +508,7 @@ class DASO:
         if (state["n_nodes"], state["local_size"]) != (self.n_nodes, self.loc_size):
             raise ValueError(f"state: saved on {state['n_nodes']} nodes x {state['local_size']} "
                              f"ranks, this job has {self.n_nodes} x {self.loc_size}")
-        if self._sync is not None and self._sync.pending:
-            self._sync.wait()
+        self.drain()
         self._schedule.load(state["schedule"])
         # This job's own settings win over the checkpoint's (a restart may ask
         # for more epochs); the next epoch's phase is recomputed for them.
@@ -536,8 +565,7 @@ class DASO:
         checksum pass and two small collectives per epoch."""
         if self._world.size == 1:
             return
-        if self._sync is not None and self._sync.pending:
-            self._sync.wait()
+        self.drain()
         # Parameters only: buffers (BatchNorm statistics) are node-local under DASO.
         differ = ranks_differing(self._world, self._device_params)
         if differ:
@@ -549,7 +577,7 @@ class DASO:
             broadcast_state(self.module, self._world)
             self._set_reference()
 
-    def _check_schedules_agree(self) -> None:
+    def check_schedules_agree(self) -> None:
         """Called at the first training forward of each epoch, where every rank
         is at batch 0 of some epoch: the ranks' schedules must be one. A rank
         that loaded another epoch's checkpoint would otherwise run other

@@ -14,9 +14,10 @@ from . import _config as config
 from . import _C
 from ._args import check_bool, check_real
 from ._dtypes import code_of, wire_code
-from ._consistency import check_every, check_in_sync, check_same_structure
-from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import (TrainableAtSetup, broadcast_buffers, broadcast_state, check_module,
+from ._consistency import check_every, check_in_sync
+from ._driver import Driver
+from ._mpi import MPI, communicator
+from ._params import (broadcast_buffers, broadcast_state, check_module,
                       name_list, remove_handles)
 from ._loads import LoadWatch
 from . import _module_hooks as module_hooks
@@ -58,28 +59,6 @@ def _nonblocking_obstacle(optimizers, module) -> str | None:
         # during the next forward breaks autograd's version check.
         return "a torch.compile'd module cannot take its update layer by layer during forward"
     return None
-
-
-# The live DataParallel of each module: a module is wrapped by one at a time,
-# so that its gradients are averaged exactly once.
-_WRAPPER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
-def _take_over(module: torch.nn.Module, wrapper: "DataParallel") -> None:
-    """Makes `wrapper` the module's DataParallel, detaching a previous one
-    that is still alive (its hooks would average every gradient a second
-    time, or apply a stale update)."""
-    if isinstance(module, DataParallel):
-        raise TypeError("module: is already a mpidp.DataParallel; wrap the plain model once "
-                        "(a second wrapper would average every gradient again)")
-    previous = _WRAPPER_OF.get(module)
-    previous = previous() if previous is not None else None
-    if previous is not None and previous._released is None:
-        previous._release("a newer DataParallel of the same module replaced it; use that one")
-        warnings.warn("DataParallel: this module was already wrapped by another DataParallel; "
-                      "that wrapper is detached (its hooks removed, using it raises), so that "
-                      "gradients are averaged once", stacklevel=3)
-    _WRAPPER_OF[module] = weakref.ref(wrapper)
 
 
 def _apply_pending(wrapper_ref, buckets, module, _args) -> None:
@@ -172,10 +151,10 @@ def _hierarchy(mpi_comm):
     if comms is None:
         return None
     node, across = comms
-    return (resolve_comm(node), resolve_comm(across), _C.Comm(node))
+    return (communicator(node).c, communicator(across).c, _C.Comm(node))
 
 
-class DataParallel(torch.nn.Module):
+class DataParallel(torch.nn.Module, Driver):
     """Data-parallel training of `module` over the ranks of `comm`.
 
     Every rank holds a full replica; each computes gradients on its own data,
@@ -252,14 +231,13 @@ class DataParallel(torch.nn.Module):
         wire = wire_code(wire_dtype, quantized=True)
         if wire == code_of(torch.float32, "wire_dtype"):
             wire = _C.NO_WIRE  # float32 on the wire: no compression
-        c_comm = resolve_comm(comm)
+        if isinstance(module, DataParallel):
+            raise TypeError("module: is already a mpidp.DataParallel; wrap the plain model once "
+                            "(a second wrapper would average every gradient again)")
+        communicator(comm)          # checked before anything else
         super().__init__()
-        _take_over(module, self)
-        self._released = None    # why this wrapper no longer works (replaced, remove_hooks)
         self.module = module
         self.comm = comm
-        self._c_comm = c_comm
-        self._mpi_comm = as_mpi4py(comm)
         if not blocking_parameter_updates:
             obstacle = _nonblocking_obstacle(optimizers, module)
             if obstacle and blocking_parameter_updates is False:  # asked for explicitly
@@ -269,6 +247,15 @@ class DataParallel(torch.nn.Module):
         self.blocking_parameter_updates = blocking_parameter_updates
         self.wire_dtype = wire_dtype
         self._wire = wire
+        handle = self._set_up(module, comm, settings={
+            "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
+            "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
+            "broadcast_buffers": broadcast_buffers, "hierarchical": hierarchical,
+            "MPIDP_CHECK every": check_every()},
+            rebuild="Build mpidp.DataParallel(model, ...) again after such a change (the new "
+                    "wrapper takes over the model and its optimizers)")
+        c_comm = self._c_comm = handle.c
+        self._mpi_comm = handle.mpi
         # Held weakly: each optimizer holds its wrapper (opt._model), and the
         # reverse reference would make a cycle that keeps a dropped wrapper
         # and its buckets alive until the garbage collector runs.
@@ -276,17 +263,10 @@ class DataParallel(torch.nn.Module):
         for opt in optimizers:
             opt.blocking_parameter_updates = blocking_parameter_updates
             opt._model = self
-
-        check_same_structure(c_comm, as_mpi4py(comm), module, "DataParallel", settings={
-            "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
-            "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
-            "broadcast_buffers": broadcast_buffers, "hierarchical": hierarchical,
-            "MPIDP_CHECK every": check_every()})
         self._average = True     # gradients averaged; Bagua's average=False sums them
         self._hier_comms = _hierarchy(self._mpi_comm) if hierarchical else None
         self.hierarchical = self._hier_comms is not None
         self.broadcast_buffers = broadcast_buffers
-        broadcast_state(module, c_comm)
         self._check_every = check_every()
         self._forwards = 0
         self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
@@ -342,9 +322,6 @@ class DataParallel(torch.nn.Module):
                     raise ValueError(f"wire_dtype: parameter {name!r} is {p.dtype}; gradients can "
                                      f"be compressed to {self.wire_dtype} from float32 only")
         self._params = params
-        self._trainable_at_setup = TrainableAtSetup(
-            self.module, "DataParallel", "Build mpidp.DataParallel(model, ...) again after such a "
-            "change (the new wrapper takes over the model and its optimizers)")
         self._reducer = GradientReducer.build(
             self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
             wire=self._wire, staged=staged, hier_comms=self._hier_comms)
@@ -387,8 +364,7 @@ class DataParallel(torch.nn.Module):
     # -- training -------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
-        if self._released is not None:
-            raise RuntimeError(f"DataParallel: this wrapper is detached: {self._released}")
+        self._check_attached()
         reducer = self._reducer
         if self.training and torch.is_grad_enabled():
             self._trainable_at_setup.check()
@@ -546,8 +522,7 @@ class DataParallel(torch.nn.Module):
         up; the first backward after the context averages the whole sum over
         the ranks. A step before that backward raises (the gradients would be
         this rank's alone). Buffers are not broadcast inside, as in DDP."""
-        if self._released is not None:
-            raise RuntimeError(f"DataParallel: this wrapper is detached: {self._released}")
+        self._check_attached()
         reducer = self._reducer
         if reducer.paused:
             raise RuntimeError("DataParallel.no_sync() is already active")
@@ -759,15 +734,22 @@ class DataParallel(torch.nn.Module):
     def remove_hooks(self) -> None:
         """Detach DataParallel from the module's parameters (the module keeps working
         as a plain, local torch module; this wrapper cannot be used again)."""
-        self._release("remove_hooks() detached it from its module")
+        self.detach("remove_hooks() detached it from its module")
 
-    def _release(self, reason: str) -> None:
-        if self._released is None:
-            self.synchronize()
-            remove_handles(self._hook_handles)
-            for m, params in zip(self._watched_modules, self._watched_params):
-                unwatch(m, params)
-            self._released = reason
+    # -- the driver interface (mpidp/_driver.py) ---------------------------------
+
+    what = "DataParallel"
+
+    def drain(self) -> None:
+        self.synchronize()
+
+    def _remove_hooks(self) -> None:
+        remove_handles(self._hook_handles)
+        for m, params in zip(self._watched_modules, self._watched_params):
+            unwatch(m, params)
+
+    def train_forward(self, *inputs, **kwargs):
+        return self(*inputs, **kwargs)
 
     @property
     def bucket_count(self) -> int:

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._consistency import check_same_structure
-from ._mpi import MPI, as_mpi4py, resolve_comm
-from ._params import broadcast_buffers, broadcast_state, check_module
+from ._driver import set_up
+from ._mpi import MPI, communicator
+from ._params import broadcast_buffers, check_module
 from .daso import DASO
 from .data_parallel import DataParallel
 from .process_group import init_process_group, node_process_group
@@ -54,16 +54,16 @@ class DataParallelMultiGPU(torch.nn.Module):
                             f"other optimizers use mpidp.DataParallel), got {type(optimizer).__name__}")
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
-        c_comm = resolve_comm(comm)
-        mpi_comm = as_mpi4py(comm)
-        topo = topology(mpi_comm)
         super().__init__()
+        # The module is DASO's (claimed in set_model below): checked and
+        # broadcast here, with DASO's settings and this wrapper's.
+        handle, _ = set_up(module, comm, "DataParallelMultiGPU",
+                           settings=dict(optimizer.settings(), broadcast_buffers=broadcast_buffers))
+        mpi_comm = handle.mpi
+        topo = topology(mpi_comm)
         self.comm = comm
         self._host_buffers_comm = None
         self.loc_gpus = topo.local_size
-        check_same_structure(c_comm, mpi_comm, module, "DataParallelMultiGPU",
-                             settings=dict(optimizer.settings(), broadcast_buffers=broadcast_buffers))
-        broadcast_state(module, c_comm)
         # torch's default group spans `comm` (the whole job), so that
         # DistributedSampler and dist.all_reduce with their defaults mean every
         # rank; DDP gets the node-local group explicitly.
@@ -108,15 +108,14 @@ class DataParallelMultiGPU(torch.nn.Module):
                 module, device_ids=device_ids, process_group=node_group,
                 gradient_as_bucket_view=on_host,
                 **_ddp_buffer_sync(broadcast_buffers and not on_host))
-            node = resolve_comm(node_comm(mpi_comm)) if on_host else None
+            node = communicator(node_comm(mpi_comm)).c if on_host else None
             self._host_buffers_comm = node if broadcast_buffers else None
             # Node-local gradients are summed and divided by this many ranks:
             # all of the node's, except during join() when some are out of data.
             self._divisor = _NodeMean(topo.local_size, node_group, node)
             self.module.register_comm_hook(self._divisor,
                                            _mpi_allreduce_mean if on_host else _allreduce_mean)
-        optimizer.set_model(self.module)
-        optimizer._broadcast_buffers = broadcast_buffers
+        optimizer.set_model(self.module, broadcast_buffers=broadcast_buffers)
         self._daso = optimizer
         self._joining = False
         self._last_inputs = None
@@ -129,10 +128,10 @@ class DataParallelMultiGPU(torch.nn.Module):
     def forward(self, *inputs, **kwargs):
         if (self.training and torch.is_grad_enabled() and not self._joining
                 and self._daso.current_batch == 0):
-            self._daso._check_schedules_agree()
+            self._daso.check_schedules_agree()
         if self._joining and self.training and torch.is_grad_enabled():
             self._last_inputs = (inputs, kwargs)
-            active_here, _ = self._daso._join_ballot(True)
+            active_here, _ = self._daso.join_ballot(True)
             self._set_divisor(active_here)
         self._sync_host_buffers()
         return self.module(*inputs, **kwargs)
@@ -149,19 +148,13 @@ class DataParallelMultiGPU(torch.nn.Module):
         """torch DDP's gradient accumulation: backward passes inside do not
         average gradients within the node; the first backward after the
         context averages the accumulated sum. DASO.step() inside raises."""
-        if self._daso._no_sync:
-            raise RuntimeError("DataParallelMultiGPU.no_sync() is already active")
         if self._joining:
             raise RuntimeError("DataParallelMultiGPU.no_sync() inside join() is not supported")
         local = (self.module.no_sync()
                  if isinstance(self.module, torch.nn.parallel.DistributedDataParallel)
                  else contextlib.nullcontext())
-        self._daso._no_sync = True
-        try:
-            with local:
-                yield
-        finally:
-            self._daso._no_sync = False
+        with self._daso.no_sync(), local:
+            yield
 
     def _set_divisor(self, n: int) -> None:
         if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
@@ -187,27 +180,27 @@ class DataParallelMultiGPU(torch.nn.Module):
         backward and daso.step(), and the loop may run no other collectives."""
         if self._joining:
             raise RuntimeError("DataParallelMultiGPU.join() is already active")
-        self._daso._join_begin()
+        self._daso.join_begin()
         self._joining, self._last_inputs = True, None
         try:
             yield self
         except BaseException:
             self._joining = False
-            self._daso._join_end()
+            self._daso.join_end()
             raise
         try:
             while True:
-                active_here, anyone = self._daso._join_ballot(False)
+                active_here, anyone = self._daso.join_ballot(False)
                 if not anyone:
                     break
                 self._set_divisor(active_here)
                 if active_here and isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
                     self._shadow_backward()
-                self._daso._shadow_step()
+                self._daso.shadow_step()
         finally:
             self._joining = False
             self._set_divisor(self.loc_gpus)
-            self._daso._join_end()
+            self._daso.join_end()
 
     def _shadow_backward(self) -> None:
         """Run the node-local DDP collectives of one step with zero gradients:

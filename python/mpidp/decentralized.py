@@ -41,7 +41,9 @@ from . import _module_hooks as module_hooks
 from ._algorithm import Algorithm
 from ._args import check_bool, check_choice, check_int
 from ._consistency import _ranks_named, check_every, check_in_sync, check_same_step
-from ._mpi import resolve_comm
+from ._driver import Driver
+from ._mpi import communicator, resolve_comm
+from ._params import flatten, remove_handles, write_back
 from .collectives import allgather, allreduce_agreed, reduce_scatter_agreed
 from .topology import useful_hierarchy
 
@@ -86,19 +88,9 @@ class _Workers:
         return part if self.node is None else allgather(part, comm=self.node)
 
 
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
+class _DecentralizedHandle(Driver):
+    what = "DecentralizedAlgorithm"
 
-
-def _write(params, flat: torch.Tensor) -> None:
-    with torch.no_grad():
-        offset = 0
-        for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
-class _DecentralizedHandle:
     def __init__(self, module, comm, hierarchical: bool, mode: str, interval: int):
         self.module, self.mode, self.interval = module, mode, interval
         self.params = _trainable(module)
@@ -112,6 +104,7 @@ class _DecentralizedHandle:
         self._check_every = check_every() if mode == "all" else 0  # "all" makes replicas equal
         self._pending = None     # (work, sent, received) of an exchange in flight
         self._queued = False
+        self._claim(module, communicator(comm))
         self._handles = [module_hooks.register(module, "register_forward_pre_hook",
                                                self._before_forward)]
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -126,7 +119,7 @@ class _DecentralizedHandle:
 
     def _start(self) -> None:
         check_same_step(self.workers.world, self.step, "DecentralizedAlgorithm")
-        sent = self.workers.local_part(_flat(self.params))
+        sent = self.workers.local_part(flatten(self.params))
         if self.mode == "all":
             work = allreduce_agreed(sent, op="avg", comm=self.workers.comm, async_op=True)
             received = None
@@ -151,24 +144,19 @@ class _DecentralizedHandle:
         self._pending = None
         work.wait()
         mixed = sent if received is None else (sent + received) * 0.5
-        _write(self.params, self.workers.whole(mixed))
+        write_back(self.workers.whole(mixed), self.params)
         self.exchanges += 1
         if self._check_every and self.exchanges % self._check_every == 0:
             check_in_sync(self.workers.world, list(self.module.named_parameters()),
                           "DecentralizedAlgorithm", f"right after average {self.exchanges}")
 
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+    def _remove_hooks(self) -> None:
+        remove_handles(self._handles)
 
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def state_dict(self) -> Dict[str, Any]:
+    def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.step}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
         if set(state) != {"step"}:
             raise ValueError(f"state: expected the keys ['step'], got {sorted(state)}")
         self.step = check_int("state['step']", state["step"], 0)
@@ -196,20 +184,23 @@ class DecentralizedAlgorithm(Algorithm):
                                     self.communication_interval)
 
 
-class _LowPrecisionHandle:
+class _LowPrecisionHandle(Driver):
+    what = "LowPrecisionDecentralizedAlgorithm"
+
     def __init__(self, module, optimizers, comm, hierarchical: bool, interval: int):
         self.module, self.interval = module, interval
         self.params = _trainable(module)
         self.workers = _Workers(comm, hierarchical, "LowPrecisionDecentralizedAlgorithm")
         w, r = self.workers.size, self.workers.rank
         self.left, self.right = (r - 1) % w, (r + 1) % w
-        part = self.workers.local_part(_flat(self.params))
+        part = self.workers.local_part(flatten(self.params))
         # The copies of the left neighbour's, this worker's and the right
         # neighbour's weights: all equal to the start (with_bagua broadcast it).
         self.replicas = [part.clone(), part.clone(), part.clone()]
         self.step = 0
         self.exchanges = 0
         self._check_every = check_every()
+        self._claim(module, communicator(comm))
         self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
 
     def _after_step(self, _optimizer, _args, _kwargs) -> None:
@@ -220,7 +211,7 @@ class _LowPrecisionHandle:
     def _exchange(self) -> None:
         check_same_step(self.workers.world, self.step, "LowPrecisionDecentralizedAlgorithm")
         left, own, right = self.replicas
-        x = self.workers.local_part(_flat(self.params))
+        x = self.workers.local_part(flatten(self.params))
         d = x - own + (left + own + right) / 3 - own
         q = torch.empty(kernels.quant8_bytes(d.numel()), dtype=torch.uint8)
         kernels.quantize8(q, d)
@@ -230,7 +221,7 @@ class _LowPrecisionHandle:
         kernels.dequantize8(own, q, accumulate=True)
         kernels.dequantize8(left, received[0], accumulate=True)
         kernels.dequantize8(right, received[-1], accumulate=True)
-        _write(self.params, self.workers.whole(own))
+        write_back(self.workers.whole(own), self.params)
         self.exchanges += 1
         if self._check_every and self.exchanges % self._check_every == 0:
             self._check_copies(peers)
@@ -258,21 +249,16 @@ class _LowPrecisionHandle:
                                f"weights of rank(s) {flagged} differ from their own after "
                                f"exchange {self.exchanges} (MPIDP_CHECK)")
 
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
-
     def drain(self) -> None:
         pass                                   # every exchange completes in its step
 
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+    def _remove_hooks(self) -> None:
+        remove_handles(self._handles)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.step, "replicas": [t.clone() for t in self.replicas]}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
         if set(state) != {"step", "replicas"}:
             raise ValueError(f"state: expected the keys ['replicas', 'step'], got {sorted(state)}")
         replicas = state["replicas"]

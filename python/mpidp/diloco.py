@@ -17,7 +17,6 @@ the averaged outer gradient."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -25,9 +24,9 @@ import torch
 from . import _C
 from ._args import check_bool, check_int, check_real
 from ._dtypes import wire_code
-from ._consistency import check_same_step, check_same_structure, param_group_settings
-from ._mpi import as_mpi4py, resolve_comm
-from ._params import TrainableAtSetup, broadcast_tensors, remove_handles
+from ._consistency import check_same_step, param_group_settings
+from ._driver import Driver, set_up, wait_pending
+from ._params import remove_handles
 from ._progress import install_progress_hooks
 from .averaging import average_tensors
 
@@ -36,15 +35,11 @@ __all__ = ["DiLoCo"]
 # Elements per MPI call of a fragment's sync (chunks are all posted at once).
 _CHUNK = 1 << 22
 
-# The entered DiLoCo of each model: two at once would sync every turn twice.
-_ENTERED: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
 def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-class DiLoCo:
+class DiLoCo(Driver):
     """with DiLoCo(model, inner_optimizer, outer_optimizer, sync_every) as diloco:
     train as usual, stepping `inner_optimizer`; the syncs happen after its steps.
 
@@ -90,9 +85,6 @@ class DiLoCo:
                             f"{type(model_fragments).__name__}") from None
         check_bool("sync_buffers", sync_buffers)
         self._fragments = self._partition(model, fragments)
-        self._trainable_at_setup = TrainableAtSetup(
-            model, "DiLoCo", "Build a new DiLoCo, its outer optimizer holding the parameters "
-            "trainable now, after such a change")
         self._buffers = self._fragment_buffers(model, fragments) if sync_buffers else None
         n = len(fragments)
         if check_int("sync_every", sync_every, 1) % n:
@@ -118,16 +110,19 @@ class DiLoCo:
         self.fragment_update_alpha = float(fragment_update_alpha)
         self.wire_dtype = wire_dtype
         self.sync_buffers = bool(sync_buffers)
-        self._comm = resolve_comm(comm, "comm")
-        check_same_structure(self._comm, as_mpi4py(comm), model, "DiLoCo", settings={
-            "sync_every": sync_every, "fragments": len(self._fragments),
-            "fragment_sync_delay": fragment_sync_delay,
-            "fragment_update_alpha": float(fragment_update_alpha), "wire_dtype": wire_dtype,
-            "sync_buffers": bool(sync_buffers)})
+        # Claimed when entered: a DiLoCo is the model's algorithm inside its `with` block.
+        self._handle, self._trainable_at_setup = set_up(
+            model, comm, "DiLoCo", settings={
+                "sync_every": sync_every, "fragments": len(self._fragments),
+                "fragment_sync_delay": fragment_sync_delay,
+                "fragment_update_alpha": float(fragment_update_alpha), "wire_dtype": wire_dtype,
+                "sync_buffers": bool(sync_buffers)},
+            rebuild="Build a new DiLoCo, its outer optimizer holding the parameters trainable "
+                    "now, after such a change")
+        self._comm = self._handle.c
         self._schedule = {"n_fragments": n, "fragment_every": every,
                           "fragment_delay": fragment_sync_delay}
         self.step = 0  # inner steps taken under this DiLoCo
-        broadcast_tensors([p.data for p in params], self._comm)
         self._syncs = [_C.ParamSync(self._comm, tuple(p.data for p in frag),
                                     _C.DTYPE_F32 if wire == _C.NO_WIRE else wire, _CHUNK,
                                     what="DiLoCo outer-gradient sync")
@@ -182,11 +177,9 @@ class DiLoCo:
     def __enter__(self) -> "DiLoCo":
         if self._handles:
             raise RuntimeError("DiLoCo: already entered")
-        other = _ENTERED.get(self.model)
-        if other is not None and other() is not None:
-            raise RuntimeError("DiLoCo: this model is already under another DiLoCo's `with` "
-                               "block; leave that one first (both would sync every turn)")
-        _ENTERED[self.model] = weakref.ref(self)
+        # Another DiLoCo (or algorithm) of the model over the same ranks is
+        # detached: both would sync every turn.
+        self._claim(self.model, self._handle)
         self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
         self._handles += install_progress_hooks(self.model, [p for f in self._fragments for p in f],
                                                 self._syncs)
@@ -194,8 +187,26 @@ class DiLoCo:
 
     def __exit__(self, *exc) -> None:
         remove_handles(self._handles)
-        if _ENTERED.get(self.model) is not None and _ENTERED[self.model]() is self:
-            del _ENTERED[self.model]
+        self._unclaim(self.model)
+
+    # -- the driver interface (mpidp/_driver.py) ----------------------------------
+
+    what = "DiLoCo"
+
+    def drain(self) -> None:
+        """Completes the outer-gradient syncs in flight (kept for their turns)."""
+        for f in sorted(self._sent):
+            if f not in self._received:
+                self._received[f] = [g.clone() for g in self._outer_gradient(f)]
+
+    def _remove_hooks(self) -> None:
+        self.__exit__(None, None, None)
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return self.state_dict()
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        self.load_state_dict(state)
 
     # -- the syncs ---------------------------------------------------------------
 
@@ -256,8 +267,8 @@ class DiLoCo:
         or after the model's own state), the step, the outer optimizer's
         state and the averaged outer gradients of syncs in flight (completed
         here)."""
-        in_flight = {f: [g.clone() for g in self._outer_gradient(f)] for f in sorted(self._sent)}
-        self._received.update({f: [g.clone() for g in gs] for f, gs in in_flight.items()})
+        self.drain()
+        in_flight = {f: [g.clone() for g in self._received[f]] for f in sorted(self._sent)}
         return {"step": self.step, "shared": [self._shared(f) for f in range(len(self._syncs))],
                 "local": [[p.detach().clone() for p in frag] for frag in self._fragments],
                 "outer_optimizer": self.outer_optimizer.state_dict(), "in_flight": in_flight}
@@ -282,9 +293,7 @@ class DiLoCo:
                     len(v) != len(f) or any(a.shape != p.shape for a, p in zip(v, f))
                     for v, f in zip(values, self._fragments)):
                 raise ValueError(f"state: its {key!r} fragments do not match this DiLoCo's")
-        for sync in self._syncs:
-            if sync.pending:
-                sync.wait()
+        wait_pending(self._syncs)
         with torch.no_grad():
             for f, params in enumerate(self._fragments):
                 for p, x in zip(params, state["shared"][f]):

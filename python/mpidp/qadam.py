@@ -22,14 +22,16 @@ node, that cannot help: a warning, and the flat 8-bit average over all ranks.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+
 
 import torch
 
 from ._algorithm import Algorithm
 from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_step, param_group_settings
-from ._mpi import resolve_comm
+from ._driver import Driver
+from ._mpi import communicator
+from ._params import flatten, write_back
 from .collectives import allgather, allreduce_agreed, reduce_scatter_agreed
 from .data_parallel import DataParallel
 from .topology import useful_hierarchy
@@ -101,12 +103,8 @@ class QAdamOptimizer(torch.optim.Adam):
                 state["step"] += 1
                 stepped.append((p, state, group))
         if stepped:
-            flat = self._handle.average_momentum(
-                torch.cat([s["exp_avg"].reshape(-1) for _, s, _ in stepped]))
-            offset = 0
-            for p, state, _ in stepped:
-                state["exp_avg"].copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            momenta = [s["exp_avg"] for _, s, _ in stepped]
+            write_back(self._handle.average_momentum(flatten(momenta)), momenta)
         for p, state, group in stepped:
             b1, b2 = group["betas"]
             t = float(state["step"])
@@ -114,10 +112,13 @@ class QAdamOptimizer(torch.optim.Adam):
             p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** t))
 
 
-class _QAdamHandle:
+class _QAdamHandle(Driver):
+    what = "QAdamAlgorithm"
+
     def __init__(self, module, optimizer: QAdamOptimizer, comm, hierarchical: bool):
         self.module, self.opt, self.comm = module, optimizer, comm
-        self._c_comm = resolve_comm(comm)
+        handle = communicator(comm)
+        self._c_comm = handle.c
         warming_up = optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps
         # (node, cross-node) communicators of the momentum's average; in the
         # warm-up DataParallel warns where the hierarchy cannot help.
@@ -125,9 +126,11 @@ class _QAdamHandle:
                                           warn=not warming_up, stacklevel=4) \
             if hierarchical else None
         self.dp = None
+        self._claim(module, handle)
         if warming_up:
-            self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
-                                   hierarchical=hierarchical)
+            with self._building_parts():
+                self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
+                                       hierarchical=hierarchical)
         optimizer._handle = self
 
     def check_step(self, t: int) -> None:
@@ -155,24 +158,19 @@ class _QAdamHandle:
             self.dp.remove_hooks()
             self.dp = None
 
-    def forward(self, *inputs, **kwargs):
+    def train_forward(self, *inputs, **kwargs):
+        self._check_attached()
         return (self.dp if self.dp is not None else self.module)(*inputs, **kwargs)
 
     def drain(self) -> None:
         if self.dp is not None:
             self.dp.synchronize()
 
-    def detach(self) -> None:
+    def _remove_hooks(self) -> None:
         self.end_warmup()
         if self.opt._handle is self:
             self.opt._handle = None
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {}     # the step count is the optimizer's (its state_dict)
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state:
-            raise ValueError(f"state: QAdam keeps no state of its own, got keys {sorted(state)}")
+    # The step count is the optimizer's (its state_dict): no algorithm state.
 
 
 class QAdamAlgorithm(Algorithm):

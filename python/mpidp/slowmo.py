@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import enum
 import warnings
-import weakref
 from typing import Any, Dict, Optional
 
 import torch
 
 from . import _C
 from ._args import check_bool, check_int, check_real
-from ._consistency import check_same_step, check_same_structure, param_group_settings
-from ._mpi import as_mpi4py, resolve_comm
-from ._params import TrainableAtSetup, broadcast_buffers, broadcast_tensors
+from ._consistency import check_same_step, param_group_settings
+from ._driver import Driver
+from ._mpi import communicator
+from ._params import broadcast_buffers, broadcast_tensors, flatten, write_back
 from .averaging import average_tensors
 from .data_parallel import DataParallel
 from .gossip import DynamicDirectedExponentialGraph, GraphManager, MixingManager, UniformMixing, mix
@@ -43,10 +43,6 @@ from .topology import node_comm
 from .wrapper_copy import reduce_wrapper
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
-
-
-# The SlowMo wrapper of each module: a newer one takes over, the older raises.
-_SLOWMO_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class SlowMoBaseAlgorithm(str, enum.Enum):
@@ -58,7 +54,7 @@ class SlowMoBaseAlgorithm(str, enum.Enum):
     SGP = "sgp"
 
 
-class SlowMoDistributedDataParallel(torch.nn.Module):
+class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
     """model = SlowMoDistributedDataParallel(module); after each
     optimizer.step(), call model.perform_slowmo(optimizer).
 
@@ -161,10 +157,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         self.push_sum = push_sum
         self.localsgd_frequency = check_int("localsgd_frequency", localsgd_frequency, 1)
         check_int("slowmo_num_shards", slowmo_num_shards, 1)
-        mpi = as_mpi4py(comm)
-        self._world = resolve_comm(mpi, "comm")
-        world, rank = self._world.size, self._world.rank
-        check_same_structure(self._world, mpi, module, "SlowMoDistributedDataParallel", settings={
+        # Every rank starts from rank 0's parameters and buffers (set_up).
+        handle = self._set_up(module, comm, rebuild="Build mpidp.SlowMoDistributedDataParallel("
+                              "model, ...) again after such a change", settings={
             "nprocs_per_node": nprocs_per_node, "broadcast_buffers": bool(broadcast_buffers),
             "slowmo_momentum": float(slowmo_momentum), "slowmo_lr": float(slowmo_lr),
             "slowmo_memory_efficient": bool(slowmo_memory_efficient),
@@ -172,6 +167,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
             "localsgd_frequency": localsgd_frequency, "sgp": sgp, "push_sum": push_sum,
             "slowmo_sgp_average_params": slowmo_sgp_average_params,
             "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)})
+        self._world, mpi = handle.c, handle.mpi
+        world, rank = self._world.size, self._world.rank
         if nprocs_per_node is None:
             node = node_comm(mpi)
         else:
@@ -183,9 +180,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         self.nprocs_per_node = node.Get_size()
         self.local_rank = node.Get_rank()
         self.logical_world_size = world // self.nprocs_per_node
-        self._node = resolve_comm(node)
+        self._node = communicator(node).c
         masters = mpi.Split(0 if self.local_rank == 0 else 1, rank)
-        self._masters = resolve_comm(masters)
+        self._masters = communicator(masters).c
         self.sgp = sgp and self._setup_sgp(graph, mixing)
 
         self.module = module
@@ -197,25 +194,18 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         self.slowmo_num_shards = min(world, slowmo_num_shards)
         self.num_updates = 0
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._trainable_at_setup = TrainableAtSetup(
-            module, "SlowMoDistributedDataParallel",
-            "Build mpidp.SlowMoDistributedDataParallel(model, ...) again after such a change")
-        broadcast_tensors([p.data for p in self._params] + list(module.buffers()), self._world)
         # θ starts as the shared parameters (this rank's shard of them), u at 0.
         # fairscale copies θ after the first step instead, from each rank's own
         # replica, which leaves θ different on every node and the first step
         # out of the first slow step; the SlowMo paper starts from the shared point.
         self._theta = self._flat()[self._shard()].clone() if self.slowmo else None
         self._u = torch.zeros_like(self._theta) if self.slowmo else None
-        previous = _SLOWMO_OF.get(module)
-        if previous is not None and previous() is not None:
-            warnings.warn("SlowMoDistributedDataParallel: the module was already wrapped; the "
-                          "new wrapper takes over and the earlier one raises if used",
-                          UserWarning, stacklevel=2)
-        _SLOWMO_OF[module] = weakref.ref(self)
         # The node's ranks average gradients every backward: one replica per node.
-        self._node_dp = (DataParallel(module, comm=node, blocking_parameter_updates=True,
-                                      broadcast_buffers=False) if self.nprocs_per_node > 1 else None)
+        self._node_dp = None
+        if self.nprocs_per_node > 1:
+            with self._building_parts():
+                self._node_dp = DataParallel(module, comm=node, blocking_parameter_updates=True,
+                                             broadcast_buffers=False)
 
     def _setup_sgp(self, graph: Optional[GraphManager], mixing: Optional[MixingManager]) -> bool:
         """The gossip of the SGP base between the nodes' masters (ranks of the
@@ -243,17 +233,30 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         self.ps_weight = 1.0
         return True
 
-    def _check_current(self) -> None:
-        current = _SLOWMO_OF.get(self.module)
-        if current is None or current() is not self:
-            raise RuntimeError("SlowMoDistributedDataParallel: a newer wrapper of this module "
-                               "took over; use that one")
+    # -- the driver interface (mpidp/_driver.py) ----------------------------------
+
+    what = "SlowMoDistributedDataParallel"
+
+    def drain(self) -> None:
+        pass        # every average, gossip round and slow step completes in perform_slowmo
+
+    def _remove_hooks(self) -> None:
+        pass        # its hooks are its node-local DataParallel's, a part
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return self.slowmo_state_dict()
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        self.load_slowmo_state_dict(state)
+
+    def train_forward(self, *inputs, **kwargs):
+        return self(*inputs, **kwargs)
 
     def __reduce_ex__(self, protocol):
         return reduce_wrapper(self, self.module)
 
     def forward(self, *inputs: Any, **kwargs: Any):
-        self._check_current()
+        self._check_attached()
         if self.training and torch.is_grad_enabled():
             self._trainable_at_setup.check()
         if self.broadcast_buffers and self.training:
@@ -282,7 +285,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         return slice(start, start + counts[self._world.rank])
 
     def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+        return flatten(self._params, torch.float32)
 
     def _lrs(self, optimizer, part: slice) -> torch.Tensor:
         """Each element's group lr over `part` of the flat parameters (built
@@ -301,16 +304,12 @@ class SlowMoDistributedDataParallel(torch.nn.Module):
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     def _write(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            offset = 0
-            for p in self._params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        write_back(flat, self._params)
 
     def perform_slowmo(self, optimizer: torch.optim.Optimizer, fp32_params=None) -> None:
         """Call after optimizer.step(): the LocalSGD average and the slow
         momentum step when due (both counted by this call)."""
-        self._check_current()
+        self._check_attached()
         if fp32_params is not None:
             raise ValueError("fp32_params: fp16 master copies are not supported; keep the "
                              "parameters float32 (torch.autocast does)")

@@ -1,0 +1,198 @@
+"""The driver interface: what every training algorithm of mpidp is.
+
+A driver runs one algorithm on one module over one group of ranks, on the
+core's engines (the gradient reducer, parameter syncs, peer exchanges, the
+background averager). The public classes (DataParallel, DASO, SlowMo,
+DiLoCo, the handles of mpidp.algorithms) keep their upstream names and
+arguments and implement this interface; mpidp.with_bagua switches between
+any two of them through it alone.
+
+Every driver:
+- is set up by `set_up` (one path: the communicator argument checked once,
+  the ranks' models and settings compared, the module claimed, rank 0's
+  parameters and buffers broadcast, the trainable parameters recorded);
+- `drain()`s: finishes the communication it has in flight, so that the
+  parameters are what the algorithm's rule says they are now;
+- `detach()`es: drains, removes every hook it installed (the module is a plain
+  module again) and releases its claim;
+- saves and restores its own state (`algorithm_state()` /
+  `load_algorithm_state()`; a module's weights and an optimizer's state are
+  theirs);
+- supports uneven inputs through `join()` or says it does not.
+
+Ownership, one policy for every driver: a module has at most one algorithm
+per group of ranks. A driver that claims a module already claimed by
+another live driver over the same ranks (the same members of
+MPI.COMM_WORLD) takes it over: the older one is drained and detached, with
+a warning, and using it afterwards raises. Drivers over different ranks
+compose (DataParallel over mpidp.node_comm() with DiLoCo over
+mpidp.cross_node_comm() on one model), and a driver built from others
+names them as its `parts` so that they are not taken over by it."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import warnings
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ._consistency import check_same_structure
+from ._mpi import Communicator, communicator
+from ._params import TrainableAtSetup, broadcast_state
+
+__all__ = ["Driver", "set_up", "wait_pending"]
+
+# The live drivers that claimed each module (weakly held: a dropped driver
+# gives its claim up with it).
+_CLAIMS: "weakref.WeakKeyDictionary[torch.nn.Module, List[weakref.ref]]" = \
+    weakref.WeakKeyDictionary()
+# (owner, the drivers built as its parts so far), innermost last.
+_BUILDING: List[Tuple["Driver", List["Driver"]]] = []
+
+
+def set_up(module: Optional[torch.nn.Module], comm, who: str, settings: Dict[str, Any],
+           rebuild: str = "", argname: str = "comm", claim_by: Optional["Driver"] = None
+           ) -> Tuple[Communicator, Optional[TrainableAtSetup]]:
+    """The set-up every driver starts with: `comm` checked once (a
+    Communicator: the engines' duplicate and the mpi4py communicator), every
+    rank's model structure and `settings` compared (all ranks raise, naming
+    the first difference: ranks that differ would post different
+    communication and wait until the deadline), the module claimed by
+    `claim_by` (an older driver over the same ranks drained and detached
+    before anything is broadcast), rank 0's parameters and buffers
+    broadcast, and the parameters trainable now recorded (one that starts to
+    require grad later is an error at the next step, not a silently local
+    one; `rebuild` says how to set the driver up again). With module None
+    only the settings are compared."""
+    comm = communicator(comm, argname)
+    check_same_structure(comm.c, comm.mpi, module, who, settings)
+    if module is None:
+        return comm, None
+    if claim_by is not None:
+        claim_by._claim(module, comm)
+    broadcast_state(module, comm.c)
+    return comm, TrainableAtSetup(module, who, rebuild)
+
+
+def wait_pending(syncs: Iterable[Any]) -> None:
+    """Completes every engine operation of `syncs` that is in flight (the
+    core's ParamSync and its kin: `.pending`, `.wait()`); None entries are
+    skipped."""
+    for sync in syncs:
+        if sync is not None and sync.pending:
+            sync.wait()
+
+
+class Driver(abc.ABC):
+    """One algorithm on one module over one group of ranks (see the module's
+    docstring). Subclasses implement drain, _remove_hooks, algorithm_state
+    and load_algorithm_state, and call _claim once their checks passed and
+    before they install hooks."""
+
+    #: The algorithm's name in messages (the public class's name).
+    what = "algorithm"
+    # Why this driver no longer works (taken over, detached), else None.
+    _released: Optional[str] = None
+    _parts: Tuple["Driver", ...] = ()
+
+    # -- the interface -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def drain(self) -> None:
+        """Finish the communication in flight; the parameters are then what
+        the algorithm's rule makes them at this step."""
+
+    @abc.abstractmethod
+    def _remove_hooks(self) -> None:
+        """Remove every hook this driver installed (called once, by detach)."""
+
+    def detach(self, reason: str = "detach() detached it from its module") -> None:
+        """Drain, remove every hook (the module is a plain module again) and
+        give the module up; later use raises, naming `reason`."""
+        if self._released is not None:
+            return
+        self.drain()
+        self._remove_hooks()
+        for part in self._parts:
+            part.detach(reason)
+        self._released = reason
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        """The algorithm's own state (nothing by default)."""
+        return {}
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"state: {self.what} keeps no state of its own, got keys "
+                             f"{sorted(state)}")
+
+    def join(self, *args, **kwargs):
+        """Uneven inputs: algorithms that support them override this."""
+        raise NotImplementedError(
+            f"join: {self.what} does not support uneven inputs; give every rank the same "
+            "number of batches (e.g. DistributedSampler(..., drop_last=True))")
+
+    def train_forward(self, *inputs, **kwargs):
+        """The module's forward under this algorithm (with_bagua calls it)."""
+        self._check_attached()
+        return self.module(*inputs, **kwargs)
+
+    # -- for the subclasses --------------------------------------------------------
+
+    def _set_up(self, module: torch.nn.Module, comm, settings: Dict[str, Any], rebuild: str,
+                argname: str = "comm") -> Communicator:
+        """set_up for this driver: claims `module` and keeps the trainable
+        parameters' record as self._trainable_at_setup."""
+        comm, self._trainable_at_setup = set_up(module, comm, self.what, settings, rebuild,
+                                                argname, claim_by=self)
+        return comm
+
+    @contextlib.contextmanager
+    def _building_parts(self):
+        """Drivers created inside (this driver's own engines, e.g. SlowMo's
+        node-local DataParallel) are its parts: their claims do not take the
+        module over from it, and detaching it detaches them."""
+        _BUILDING.append((self, []))
+        try:
+            yield
+        finally:
+            _, built = _BUILDING.pop()
+            self._parts += tuple(built)
+
+    def _check_attached(self) -> None:
+        if self._released is not None:
+            raise RuntimeError(f"{self.what}: this {self.what} is detached: {self._released}")
+
+    def _claim(self, module: torch.nn.Module, comm: Communicator) -> None:
+        """Make this driver `module`'s algorithm over comm's ranks, taking the
+        module over from a live driver over the same ranks (not its owner,
+        when it is built as one's part, nor one of its own parts)."""
+        self._released = None
+        owner = _BUILDING[-1][0] if _BUILDING else None
+        if owner is not None:
+            _BUILDING[-1][1].append(self)
+        ranks = comm.ranks if comm.mpi is not None else None
+        self._claimed_ranks = ranks
+        kept = []
+        for ref in _CLAIMS.get(module, ()):
+            other = ref()
+            if other is None or other._released is not None or other is self:
+                continue
+            if other is owner or other in self._parts or ranks is None \
+                    or other._claimed_ranks != ranks:
+                kept.append(ref)
+                continue
+            other.detach(f"a newer {self.what} of the same module over the same ranks replaced "
+                         "it; use that one")
+            warnings.warn(f"{self.what}: this module was already wrapped by another {other.what} "
+                          "over the same ranks; that one is detached (its hooks removed, using "
+                          "it raises), so that the module has one algorithm per group of ranks",
+                          UserWarning, stacklevel=3)
+        _CLAIMS[module] = kept + [weakref.ref(self)]
+
+    def _unclaim(self, module: torch.nn.Module) -> None:
+        """Give `module` up without being detached (a context left: DiLoCo)."""
+        _CLAIMS[module] = [r for r in _CLAIMS.get(module, ()) if r() is not self and r() is not None]
