@@ -1,18 +1,33 @@
-"""The interface every algorithm of mpidp.algorithms implements (Bagua's API).
-
-`_attach(module, optimizers, comm)` installs what averages the gradients (or
-weights) from then on and returns a handle with `forward(*inputs, **kwargs)`,
-`drain()` (finish pending communication), `detach()` (remove every hook: the
-module is a plain module again) and the algorithm's own `state_dict()` /
-`load_state_dict()`. mpidp.with_bagua drives it: attach, and on a switch
-drain, detach, broadcast rank 0's state, attach the next.
+"""The base of mpidp.algorithms (Bagua's API): an algorithm is its settings;
+`_attach(module, optimizers, comm)` builds the driver (mpidp/_driver.py) that
+runs it on the module from then on. mpidp.with_bagua drives it: compare the
+settings across ranks, attach, and on a switch detach the old driver (which
+drains it first), set up the next from rank 0's state.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Dict, List
 
 import torch
+
+
+_SKIP = object()
+
+
+def _plain(value):
+    """A setting as the ranks can compare it: numbers, strings, dtypes and
+    their tuples as they are, a dict item by item, anything else (optimizers,
+    modules, graphs) by its type's name or not at all."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _plain(v)) for k, v in sorted(value.items()))
+    if isinstance(value, torch.optim.Optimizer):
+        return _SKIP                 # its state may differ: rank 0's is broadcast
+    return type(value).__name__
 
 
 class Algorithm:
@@ -20,6 +35,12 @@ class Algorithm:
 
     def _attach(self, module: torch.nn.Module, optimizers: List[torch.optim.Optimizer], comm):
         raise NotImplementedError
+
+    def _settings(self) -> Dict[str, Any]:
+        """What every rank must agree on (with_bagua compares it across
+        ranks): the public attributes that are plain values."""
+        return {k: _plain(v) for k, v in vars(self).items() if not k.startswith("_")
+                and _plain(v) is not _SKIP}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

@@ -20,10 +20,11 @@ from .broadcast import broadcast_optimizer_state
 from .data_parallel import DataParallel
 from .decentralized import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
 from .qadam import QAdamAlgorithm, QAdamOptimizer
+from .replica_algorithms import DiLoCoAlgorithm, LocalSGDAlgorithm, SlowMoAlgorithm
 
 __all__ = ["Algorithm", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "QAdamAlgorithm",
            "QAdamOptimizer", "DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm",
-           "AsyncModelAverageAlgorithm"]
+           "AsyncModelAverageAlgorithm", "LocalSGDAlgorithm", "SlowMoAlgorithm", "DiLoCoAlgorithm"]
 
 
 class _GradientHandle(Driver):

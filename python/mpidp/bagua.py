@@ -104,15 +104,13 @@ def with_bagua(module: torch.nn.Module, optimizers, algorithm: Algorithm, comm=N
     # Ranks with another algorithm or other settings would post different
     # communication: the settings of the algorithm join the model's check.
     # (Optimizer states may differ: rank 0's is broadcast below.)
-    settings = {"algorithm": type(algorithm).__name__}
-    settings.update((k, v) for k, v in vars(algorithm).items()
-                    if not k.startswith("_") and not isinstance(v, torch.optim.Optimizer))
+    settings = {"algorithm": type(algorithm).__name__, **algorithm._settings()}
     _, wrapped._trainable_at_setup = set_up(
         inner, comm, "with_bagua", settings, rebuild="Call mpidp.with_bagua(model, optimizers, "
         "algorithm) again after such a change")
-    wrapped._handle = algorithm._attach(inner, optimizers, comm)
     for opt in optimizers:
         broadcast_optimizer_state(opt, root=0, comm=comm)
+    wrapped._handle = algorithm._attach(inner, optimizers, comm)
     wrapped.bagua_algorithm = algorithm
     wrapped.bagua_optimizers = tuple(optimizers)
     return wrapped
