@@ -272,11 +272,12 @@ def test_new_algorithms_check_their_arguments():
 
 def test_a_new_algorithm_on_the_same_ranks_takes_the_module_over():
     """The ownership policy: DataParallel on a module that with_bagua trains
-    detaches the Bagua algorithm (warning); the wrapper then raises."""
+    detaches the Bagua algorithm, DataParallel underneath and all (warning);
+    the wrapper then raises."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     net = mpidp.with_bagua(model, [opt], GradientAllReduceAlgorithm())
-    with pytest.warns(UserWarning, match="already wrapped by another DataParallel"):
+    with pytest.warns(UserWarning, match="already wrapped by another GradientAllReduceAlgorithm"):
         dp = mpidp.DataParallel(model, blocking_parameter_updates=True)
     with pytest.raises(RuntimeError, match="detached: a newer DataParallel"):
         net(torch.zeros(2, 6))

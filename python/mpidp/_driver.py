@@ -88,22 +88,28 @@ def wait_pending(syncs: Iterable[Any]) -> None:
 
 class Driver(abc.ABC):
     """One algorithm on one module over one group of ranks (see the module's
-    docstring). Subclasses implement drain, _remove_hooks, algorithm_state
-    and load_algorithm_state, and call _claim once their checks passed and
-    before they install hooks."""
+    docstring). Subclasses set `what` and `module`, implement _remove_hooks
+    and, where they hold engines or state of their own, drain,
+    algorithm_state and load_algorithm_state; they are set up by _set_up
+    (or set_up, then _claim where they attach later, as DiLoCo's context)
+    before they install hooks, and build the drivers they run inside
+    _building_parts."""
 
     #: The algorithm's name in messages (the public class's name).
     what = "algorithm"
     # Why this driver no longer works (taken over, detached), else None.
     _released: Optional[str] = None
     _parts: Tuple["Driver", ...] = ()
+    _owner: Optional[weakref.ref] = None     # the driver this one is a part of
 
     # -- the interface -----------------------------------------------------------
 
-    @abc.abstractmethod
     def drain(self) -> None:
         """Finish the communication in flight; the parameters are then what
-        the algorithm's rule makes them at this step."""
+        the algorithm's rule makes them at this step. (By default: drain the
+        parts still attached; a driver with engines of its own overrides it.)"""
+        for part in self._live_parts():
+            part.drain()
 
     @abc.abstractmethod
     def _remove_hooks(self) -> None:
@@ -136,8 +142,13 @@ class Driver(abc.ABC):
             "number of batches (e.g. DistributedSampler(..., drop_last=True))")
 
     def train_forward(self, *inputs, **kwargs):
-        """The module's forward under this algorithm (with_bagua calls it)."""
+        """The module's forward under this algorithm (with_bagua calls it):
+        through the first attached part that is a module wrapper (a warm-up's
+        DataParallel, SlowMo's wrapper), else the module's own."""
         self._check_attached()
+        for part in self._live_parts():
+            if isinstance(part, torch.nn.Module):
+                return part.train_forward(*inputs, **kwargs)
         return self.module(*inputs, **kwargs)
 
     # -- for the subclasses --------------------------------------------------------
@@ -162,6 +173,9 @@ class Driver(abc.ABC):
             _, built = _BUILDING.pop()
             self._parts += tuple(built)
 
+    def _live_parts(self) -> List["Driver"]:
+        return [part for part in self._parts if part._released is None]
+
     def _check_attached(self) -> None:
         if self._released is not None:
             raise RuntimeError(f"{self.what}: this {self.what} is detached: {self._released}")
@@ -174,6 +188,7 @@ class Driver(abc.ABC):
         owner = _BUILDING[-1][0] if _BUILDING else None
         if owner is not None:
             _BUILDING[-1][1].append(self)
+            self._owner = weakref.ref(owner)
         ranks = comm.ranks if comm.mpi is not None else None
         self._claimed_ranks = ranks
         kept = []
@@ -185,6 +200,9 @@ class Driver(abc.ABC):
                     or other._claimed_ranks != ranks:
                 kept.append(ref)
                 continue
+            # A part taken over takes its whole driver with it.
+            while other._owner is not None and other._owner() is not None:
+                other = other._owner()
             other.detach(f"a newer {self.what} of the same module over the same ranks replaced "
                          "it; use that one")
             warnings.warn(f"{self.what}: this module was already wrapped by another {other.what} "

@@ -53,13 +53,6 @@ class _GradientHandle(Driver):
             for opt in self.optimizers:
                 broadcast_optimizer_state(opt, root=self.dp.join_root, comm=self.comm)
 
-    def train_forward(self, *inputs, **kwargs):
-        self._check_attached()
-        return self.dp(*inputs, **kwargs)
-
-    def drain(self) -> None:
-        self.dp.synchronize()
-
     def _remove_hooks(self) -> None:
         pass        # the hooks are the DataParallel's, a part
 

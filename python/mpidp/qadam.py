@@ -158,14 +158,6 @@ class _QAdamHandle(Driver):
             self.dp.remove_hooks()
             self.dp = None
 
-    def train_forward(self, *inputs, **kwargs):
-        self._check_attached()
-        return (self.dp if self.dp is not None else self.module)(*inputs, **kwargs)
-
-    def drain(self) -> None:
-        if self.dp is not None:
-            self.dp.synchronize()
-
     def _remove_hooks(self) -> None:
         self.end_warmup()
         if self.opt._handle is self:

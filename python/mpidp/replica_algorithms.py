@@ -65,14 +65,6 @@ class _LocalSGDDriver(Driver):
             self._warmup.detach("LocalSGDAlgorithm's warm-up ended")
             self._warmup = None
 
-    def train_forward(self, *inputs, **kwargs):
-        self._check_attached()
-        return (self._warmup if self._warmup is not None else self.module)(*inputs, **kwargs)
-
-    def drain(self) -> None:
-        if self._warmup is not None:
-            self._warmup.drain()
-
     def _remove_hooks(self) -> None:
         remove_handles(self._handles)
 
@@ -116,13 +108,6 @@ class _SlowMoDriver(Driver):
 
     def _after_step(self, optimizer, _args, _kwargs) -> None:
         self.slowmo.perform_slowmo(optimizer)
-
-    def train_forward(self, *inputs, **kwargs):
-        self._check_attached()
-        return self.slowmo(*inputs, **kwargs)
-
-    def drain(self) -> None:
-        self.slowmo.drain()
 
     def _remove_hooks(self) -> None:
         remove_handles(self._handles)
@@ -172,9 +157,6 @@ class _DiLoCoDriver(Driver):
                                  wire_dtype=algorithm.wire_dtype,
                                  sync_buffers=algorithm.sync_buffers)
             self.diloco.__enter__()
-
-    def drain(self) -> None:
-        self.diloco.drain()
 
     def _remove_hooks(self) -> None:
         pass            # DiLoCo's own, detached as a part
