@@ -348,27 +348,6 @@ int mpidp_reducer_deliver_now(mpidp_reducer_t *r, size_t b, long long version, c
     return MPIDP_OK;
 }
 
-int mpidp_reducer_decision_reads(int kind)
-{
-    return kind == MPIDP_DECIDE_ACCUMULATE || kind == MPIDP_DECIDE_DELIVER_FOR_STEP ||
-           kind == MPIDP_DECIDE_DELIVER_NOW;
-}
-
-int mpidp_reducer_decide(mpidp_reducer_t *r, int kind, size_t b, long long version,
-                         long accumulated, const uint8_t *seen, uint8_t *act, int *pass_over)
-{
-    if (pass_over == NULL) return mpidp__fail(MPIDP_EINVAL, "reducer: NULL");
-    *pass_over = 0;
-    switch (kind) {
-    case MPIDP_DECIDE_MISSING_GRADS: return mpidp_reducer_missing_grads(r, b, act);
-    case MPIDP_DECIDE_ACCUMULATE: return mpidp_reducer_accumulate(r, b, version, accumulated, seen, act);
-    case MPIDP_DECIDE_DELIVER_FOR_STEP: return mpidp_reducer_deliver_for_step(r, b, version, seen, act);
-    case MPIDP_DECIDE_DELIVER_NOW: return mpidp_reducer_deliver_now(r, b, version, seen, act);
-    case MPIDP_DECIDE_AFTER_STEP: return mpidp_reducer_after_step(r, b, act, pass_over);
-    }
-    return mpidp__fail(MPIDP_EINVAL, "reducer: unknown decision %d", kind);
-}
-
 int mpidp_reducer_contribute_nothing(mpidp_reducer_t *r)
 {
     if (r == NULL) return mpidp__fail(MPIDP_EINVAL, "reducer: NULL");

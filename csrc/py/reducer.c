@@ -129,28 +129,33 @@ static PyObject *reducer_get_n_ready(reducer_t *r, void *c) { (void)c; return Py
 static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(r->n_buckets); }
 
 /* Reducer(*, comm, params, views, buckets, param_numel, param_dtype, first_cap, cap,
- *         blocking, name, wire_dtype=-1, staged=False, hier_comms=None):
+ *         blocking, name, wire_dtype=-1, staged=False, hier_comms=None,
+ *         on_backward_opened=None):
  * keyword-only, so a caller cannot swap two of the many arguments unnoticed.
  * The core plans the bucket layout from the parameters' sizes and dtypes and
  * the caps (as plan_buckets gave Python to allocate `buckets`) and checks
  * each bucket tensor against it. staged: the .grad views live in device
  * buckets that Python copies to and from `buckets` (the core then waits for
- * `staged(b)` before posting). */
+ * `staged(b)` before posting). on_backward_opened(reducer, i): called by the
+ * gradient hook that opens a backward (the owner's: it completes a pass still
+ * open and asks autograd to say when the backward ends). */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_numel", "param_dtype",
                              "first_cap", "cap", "blocking", "name", "wire_dtype", "staged",
-                             "hier_comms", NULL};
+                             "hier_comms", "on_backward_opened", NULL};
     PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pn = NULL, *pd = NULL;
-    PyObject *hier = Py_None;
+    PyObject *hier = Py_None, *on_backward = Py_None;
     unsigned long long first_cap = 0, cap = 0;
     int blocking = -1, wire = -1, staged = 0;
     const char *name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsipO:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsipOO:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &pn, &pd, &first_cap, &cap, &blocking, &name,
-                                     &wire, &staged, &hier))
+                                     &wire, &staged, &hier, &on_backward))
         return NULL;
+    if (on_backward != Py_None && !PyCallable_Check(on_backward))
+        return PyErr_Format(PyExc_TypeError, "on_backward_opened: expected a callable or None");
     /* The format makes every keyword optional; all but the last two are required. */
     const void *given[] = {comm, params, views, buckets, pn, pd, first_cap ? &first_cap : NULL,
                            cap ? &cap : NULL, blocking < 0 ? NULL : &blocking, name};
@@ -187,6 +192,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->params = Py_NewRef(params);
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
+    r->on_backward = Py_NewRef(on_backward);
     r->n_params = (size_t)np;
     r->buckets = calloc(nb ? (size_t)nb : 1, sizeof *r->buckets);
     r->seen = calloc(np ? (size_t)np : 1, 1);
@@ -227,6 +233,7 @@ static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
     Py_VISIT(r->params);
     Py_VISIT(r->views);
     Py_VISIT(r->bucket_tensors);
+    Py_VISIT(r->on_backward);
     return 0;
 }
 
@@ -234,6 +241,7 @@ static int reducer_clear(reducer_t *r)
 {
     Py_CLEAR(r->params);
     Py_CLEAR(r->views);
+    Py_CLEAR(r->on_backward);
     return 0;
 }
 
@@ -268,8 +276,16 @@ static PyMethodDef reducer_methods[] = {
      "Before backward: point None grads at their zeroed bucket views."},
     {"mark_unhooked", mpidp_py_reducer_mark_unhooked, METH_NOARGS,
      "End of backward: mark the parameters no hook marked."},
-    {"decide", (PyCFunction)(void (*)(void))mpidp_py_reducer_decide, METH_FASTCALL,
-     "decide(kind, b, version=-1, accumulated=-1) -> pass over: a core decision, applied."},
+    {"apply_missing_grads", mpidp_py_reducer_apply_missing_grads, METH_O,
+     "apply_missing_grads(b): blocking pass done: .grad of bucket b as the mean left it."},
+    {"apply_accumulate", (PyCFunction)(void (*)(void))mpidp_py_reducer_apply_accumulate,
+     METH_FASTCALL, "apply_accumulate(b, version, accumulated): no step due: add the mean."},
+    {"apply_deliver_for_step", (PyCFunction)(void (*)(void))mpidp_py_reducer_apply_deliver_for_step,
+     METH_FASTCALL, "apply_deliver_for_step(b, version): bucket b's mean into .grad for the step."},
+    {"apply_deliver_now", (PyCFunction)(void (*)(void))mpidp_py_reducer_apply_deliver_now,
+     METH_FASTCALL, "apply_deliver_now(b, version): between backward and step: the mean now."},
+    {"apply_after_step", mpidp_py_reducer_apply_after_step, METH_O,
+     "apply_after_step(b) -> pass over: .grad back as the user left it after the step."},
     {"end_blocking_backward", mpidp_py_reducer_end_blocking_backward, METH_NOARGS,
      "Blocking, unstaged: mark_unhooked, finalize, wait and fix every bucket, reset."},
     METHOD(finalize, METH_O, "finalize(versions): every parameter is marked (versions: "

@@ -22,6 +22,7 @@ typedef struct {
     PyObject *params;          /* tuple of parameters */
     PyObject *views;           /* tuple of gradient views into the buckets */
     PyObject *bucket_tensors;  /* tuple of flat bucket tensors (host memory) */
+    PyObject *on_backward;     /* on_backward_opened(reducer, i), or None */
     mpidp_py_borrowed_t *buckets;
     size_t n_buckets;
     size_t n_params;
@@ -55,7 +56,12 @@ Py_ssize_t mpidp_py_index_arg(PyObject *arg, size_t limit, const char *what);
 PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused);
 PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused);
-PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mpidp_py_reducer_apply_missing_grads(PyObject *self, PyObject *arg);
+PyObject *mpidp_py_reducer_apply_accumulate(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mpidp_py_reducer_apply_deliver_for_step(PyObject *self, PyObject *const *args,
+                                                  Py_ssize_t nargs);
+PyObject *mpidp_py_reducer_apply_deliver_now(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mpidp_py_reducer_apply_after_step(PyObject *self, PyObject *arg);
 PyObject *mpidp_py_reducer_end_blocking_backward(PyObject *self, PyObject *unused);
 
 #endif /* MPIDP_PY_REDUCER_H */

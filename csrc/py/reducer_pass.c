@@ -6,20 +6,24 @@
  * per-bucket order of calls is python/mpidp/_reducer.py.
  *
  *   grad_arrived(i, param)  the hot path, every parameter's gradient hook:
- *                  the one that opens a backward calls self._begin_backward(i);
+ *                  the one that opens a backward calls the on_backward_opened
+ *                  callback the reducer was built with, (reducer, i), and
+ *                  returns True (what happened), else None;
  *                  a foreign `.grad` is copied in; the core marks the
  *                  parameter and posts full buckets (while paused, for
  *                  no_sync, it only records that the view holds a gradient);
  *   prepare()      before backward: None grads -> their zeroed bucket views;
  *   mark_unhooked() end of backward: parameters no hook marked are marked
  *                  (zero contribution), so every bucket is posted on every rank;
- *   decide(kind, b, version, accumulated)  one per-bucket decision of the
- *                  core (_C.PASS_*), applied to the bucket's parameters. */
+ *   apply_missing_grads(b), apply_accumulate(b, version, accumulated),
+ *   apply_deliver_for_step(b, version), apply_deliver_now(b, version),
+ *   apply_after_step(b)  the core's per-bucket decision of the same name,
+ *                  applied to the bucket's parameters. */
 #include "reducer.h"
 
 #include "grad_hook_api.h"
 
-static PyObject *str_grad, *str_copy_, *str_detach, *str_begin, *str_zero_;
+static PyObject *str_grad, *str_copy_, *str_detach, *str_zero_;
 
 int mpidp_py_reducer_pass_init(void)
 {
@@ -27,9 +31,8 @@ int mpidp_py_reducer_pass_init(void)
     str_grad = PyUnicode_InternFromString("grad");
     str_copy_ = PyUnicode_InternFromString("copy_");
     str_detach = PyUnicode_InternFromString("detach");
-    str_begin = PyUnicode_InternFromString("_begin_backward");
     str_zero_ = PyUnicode_InternFromString("zero_");
-    return str_grad && str_copy_ && str_detach && str_begin && str_zero_ ? 0 : -1;
+    return str_grad && str_copy_ && str_detach && str_zero_ ? 0 : -1;
 }
 
 /* The hooks' progress interval: MPIDP_HOOK_PROGRESS=0 turns it off (-1). */
@@ -137,17 +140,20 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     if (mpidp_py_forked) return none_or_null(mpidp_py_check_not_forked("DataParallel backward"));
     Py_ssize_t i = mpidp_py_index_arg(args[0], r->n_params, "parameter");
     if (i < 0) return NULL;
-    if (mpidp_reducer_opens_backward(r->core)) {
-        /* First hook of a new backward: Python finishes a pass still open
-         * and asks autograd to end this backward with _finalize_backward. */
-        PyObject *res = PyObject_CallMethodOneArg(self, str_begin, args[0]);
+    int opened = mpidp_reducer_opens_backward(r->core);
+    if (opened && r->on_backward && r->on_backward != Py_None) {
+        /* First hook of a new backward: the owner finishes a pass still open
+         * and asks autograd to tell it when this backward ends. */
+        PyObject *res = PyObject_CallFunctionObjArgs(r->on_backward, self, args[0], NULL);
         if (res == NULL) return NULL;
         Py_DECREF(res);
     }
     int has = take_grad(r, (size_t)i, args[1]);
-    if (has < 0) return NULL;
-    return none_or_null(CORE(r, "DataParallel backward",
-                             mpidp_reducer_grad_hooked(r->core, (size_t)i, has, hook_progress_every())));
+    if (has < 0 || CORE(r, "DataParallel backward",
+                        mpidp_reducer_grad_hooked(r->core, (size_t)i, has, hook_progress_every())) < 0)
+        return NULL;
+    if (opened) Py_RETURN_TRUE;
+    Py_RETURN_NONE;
 }
 
 PyObject *mpidp_py_reducer_prepare(PyObject *self, PyObject *unused)
@@ -174,28 +180,115 @@ PyObject *mpidp_py_reducer_mark_unhooked(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* decide(kind, b, version=-1, accumulated=-1) -> bool: one per-bucket
- * decision of the core (mpidp_reducer_decide), applied to bucket b's
- * parameters. The result is after_step's "the pass is over". */
-PyObject *mpidp_py_reducer_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The per-bucket decisions: each reads bucket b (observing its members'
+ * `.grad` first where the core's function reads them), calls the core's
+ * function of the same name and applies its actions. */
+
+/* Bucket b's members into *members / *n (observed into r->seen when
+ * `observe_them`): b, or -1 with an exception. */
+static Py_ssize_t bucket_members(mpidp_py_reducer_t *r, PyObject *arg, int observe_them,
+                                 const size_t **members, size_t *n)
+{
+    Py_ssize_t b = mpidp_py_index_arg(arg, r->n_buckets, "bucket");
+    if (b < 0) return -1;
+    *n = mpidp_reducer_bucket_params(r->core, (size_t)b, members);
+    return observe_them && observe(r, *members, *n, r->seen) < 0 ? -1 : b;
+}
+
+/* After the core's call rc: its actions applied to the members. */
+static PyObject *applied(mpidp_py_reducer_t *r, int rc, const size_t *members, size_t n)
+{
+    if (rc < 0 || apply(r, members, n, r->act) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* (b, version[, accumulated]) of the decisions that take them; 0 or -1. */
+static int bucket_version_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                               const char *usage, long long *version, long *accumulated)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s", usage);
+        return -1;
+    }
+    *version = PyLong_AsLongLong(args[1]);
+    if (want > 2) *accumulated = PyLong_AsLong(args[2]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+PyObject *mpidp_py_reducer_apply_missing_grads(PyObject *self, PyObject *arg)
 {
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
-    if (nargs < 2 || nargs > 4)
-        return PyErr_Format(PyExc_TypeError, "decide(kind, b, version=-1, accumulated=-1)");
-    int kind = PyLong_AsLong(args[0]);
-    long long version = nargs > 2 ? PyLong_AsLongLong(args[2]) : -1;
-    long accumulated = nargs > 3 ? PyLong_AsLong(args[3]) : -1;
-    if (PyErr_Occurred()) return NULL;
-    Py_ssize_t b = mpidp_py_index_arg(args[1], r->n_buckets, "bucket");
-    if (b < 0) return NULL;
     const size_t *members;
-    size_t n = mpidp_reducer_bucket_params(r->core, (size_t)b, &members);
-    int over;
-    if ((mpidp_reducer_decision_reads(kind) && observe(r, members, n, r->seen) < 0) ||
-        CORE(r, "DataParallel", mpidp_reducer_decide(r->core, kind, (size_t)b, version, accumulated,
-                                                     r->seen, r->act, &over)) < 0 ||
-        apply(r, members, n, r->act) < 0)
+    size_t n;
+    Py_ssize_t b = bucket_members(r, arg, 0, &members, &n);
+    if (b < 0) return NULL;
+    return applied(r, CORE(r, "DataParallel", mpidp_reducer_missing_grads(r->core, (size_t)b,
+                                                                          r->act)), members, n);
+}
+
+PyObject *mpidp_py_reducer_apply_accumulate(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    long long version;
+    long accumulated;
+    const size_t *members;
+    size_t n;
+    if (bucket_version_args(args, nargs, 3, "apply_accumulate(b, version, accumulated)", &version,
+                            &accumulated) < 0)
         return NULL;
+    Py_ssize_t b = bucket_members(r, args[0], 1, &members, &n);
+    if (b < 0) return NULL;
+    return applied(r, CORE(r, "DataParallel",
+                           mpidp_reducer_accumulate(r->core, (size_t)b, version, accumulated,
+                                                    r->seen, r->act)), members, n);
+}
+
+PyObject *mpidp_py_reducer_apply_deliver_for_step(PyObject *self, PyObject *const *args,
+                                                  Py_ssize_t nargs)
+{
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    long long version;
+    const size_t *members;
+    size_t n;
+    if (bucket_version_args(args, nargs, 2, "apply_deliver_for_step(b, version)", &version,
+                            NULL) < 0)
+        return NULL;
+    Py_ssize_t b = bucket_members(r, args[0], 1, &members, &n);
+    if (b < 0) return NULL;
+    return applied(r, CORE(r, "DataParallel",
+                           mpidp_reducer_deliver_for_step(r->core, (size_t)b, version, r->seen,
+                                                          r->act)), members, n);
+}
+
+PyObject *mpidp_py_reducer_apply_deliver_now(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    long long version;
+    const size_t *members;
+    size_t n;
+    if (bucket_version_args(args, nargs, 2, "apply_deliver_now(b, version)", &version, NULL) < 0)
+        return NULL;
+    Py_ssize_t b = bucket_members(r, args[0], 1, &members, &n);
+    if (b < 0) return NULL;
+    return applied(r, CORE(r, "DataParallel",
+                           mpidp_reducer_deliver_now(r->core, (size_t)b, version, r->seen, r->act)),
+                   members, n);
+}
+
+/* apply_after_step(b) -> True when b was the pass's last bucket (reset it). */
+PyObject *mpidp_py_reducer_apply_after_step(PyObject *self, PyObject *arg)
+{
+    mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
+    const size_t *members;
+    size_t n;
+    int over = 0;
+    Py_ssize_t b = bucket_members(r, arg, 0, &members, &n);
+    if (b < 0) return NULL;
+    PyObject *res = applied(r, CORE(r, "DataParallel",
+                                    mpidp_reducer_after_step(r->core, (size_t)b, r->act, &over)),
+                            members, n);
+    if (res == NULL) return NULL;
+    Py_DECREF(res);
     return PyBool_FromLong(over);
 }
 

@@ -10,8 +10,9 @@ reads (staging, torch's API).
 A pass:
   prepare()            before backward: None grads -> their zeroed bucket views;
   grad_arrived(i, p)   every parameter's hook (C, the hot path); the first of a
-                       backward calls _begin_backward, which completes a pass
-                       still open and queues _finalize_backward with autograd;
+                       backward calls the reducer's on_backward_opened callback
+                       (_backward_opened: begin_backward, which completes a pass
+                       still open and queues _finalize_backward with autograd);
   _finalize_backward() end of backward: unhooked parameters are marked, every
                        bucket is posted; blocking mode then completes the pass;
   complete()           waits for every bucket; blocking: the mean is in `.grad`;
@@ -61,7 +62,8 @@ class GradientReducer(_C.Reducer):
         views = tuple(grad_view(grads_in[b], off, p) for p, b, off in zip(params, bucket_of, offset))
         self = cls(comm=comm, params=params, views=views, buckets=host, param_numel=tuple(numel),
                    param_dtype=tuple(dtypes), first_cap=first_cap, cap=cap, blocking=blocking,
-                   name=name, wire_dtype=wire, staged=staged, hier_comms=hier_comms)
+                   name=name, wire_dtype=wire, staged=staged, hier_comms=hier_comms,
+                   on_backward_opened=_backward_opened)
         self.blocking = blocking
         self.param_bucket = bucket_of
         self.views = views
@@ -101,8 +103,8 @@ class GradientReducer(_C.Reducer):
 
     # -- backward -------------------------------------------------------------
 
-    def _begin_backward(self, first: int) -> None:
-        """Called by grad_arrived for the first hook of a backward: finish a
+    def begin_backward(self, first: int) -> None:
+        """Called (through _backward_opened) by grad_arrived for the first hook of a backward: finish a
         pass still open (non-blocking mode, or two backwards before one
         step), then ask autograd to call us when this backward ends."""
         if self.finalized:
@@ -153,11 +155,11 @@ class GradientReducer(_C.Reducer):
                 if self.needs_unstaging(b):
                     self._stage(b, _TO_DEVICE)
                     self.unstaged(b)
-                self.decide(_C.PASS_MISSING_GRADS, b)
+                self.apply_missing_grads(b)
             else:
                 now = self._grad_buckets[b]._version
                 self._stage(b, _TO_HOST)  # what autograd added since
-                self.decide(_C.PASS_ACCUMULATE, b, now, accumulated)
+                self.apply_accumulate(b, now, accumulated)
                 self._stage(b, _TO_DEVICE)
         self._reset()
 
@@ -165,23 +167,22 @@ class GradientReducer(_C.Reducer):
 
     def deliver_for_step(self, b: int) -> None:
         if not self.delivered(b):
-            self._deliver(_C.PASS_DELIVER_FOR_STEP, b)
+            self.wait_bucket(b)
+            self.apply_deliver_for_step(b, self._grad_buckets[b]._version)
+            self._stage(b, _TO_DEVICE)
 
     def after_step(self, b: int) -> None:
-        if self.decide(_C.PASS_AFTER_STEP, b):
+        if self.apply_after_step(b):
             self._reset()
 
     def deliver_now(self) -> None:
         """Between backward and step: the means into `.grad` now; the pass ends
         (the step that follows is an ordinary one)."""
         for b in range(self.n_buckets):
-            self._deliver(_C.PASS_DELIVER_NOW, b)
+            self.wait_bucket(b)
+            self.apply_deliver_now(b, self._grad_buckets[b]._version)
+            self._stage(b, _TO_DEVICE)
         self._reset()
-
-    def _deliver(self, kind: int, b: int) -> None:
-        self.wait_bucket(b)
-        self.decide(kind, b, self._grad_buckets[b]._version)
-        self._stage(b, _TO_DEVICE)
 
     def edited(self) -> bool:
         """True when gradients were changed in place since the end of backward."""
@@ -215,6 +216,12 @@ class GradientReducer(_C.Reducer):
         self.reset()
         if self._staging is not None:
             self._staging.new_pass()
+
+
+def _backward_opened(reducer: GradientReducer, first: int) -> None:
+    """The reducer's on_backward_opened callback (a function, not a bound
+    method: the reducer would hold itself)."""
+    reducer.begin_backward(first)
 
 
 class _AccumulatorHook:

@@ -293,9 +293,10 @@ TEST(gradients_held_without_communication_count_in_the_next_pass)
     teardown(&f);
 }
 
-TEST(decide_names_each_decision)
+TEST(decisions_of_the_other_mode_are_refused)
 {
-    /* Blocking pass, every bucket done: MISSING_GRADS by name is missing_grads. */
+    /* Blocking pass, every bucket done: missing_grads decides; the
+     * non-blocking decisions are refused, and after_step wants its out-argument. */
     fixture_t f;
     ASSERT_OK(setup(&f));
     uint8_t seen[NP] = {NONE, NONE, NONE, NONE}, act[NP];
@@ -305,18 +306,11 @@ TEST(decide_names_each_decision)
     ASSERT_OK(mark_rest_unhooked(&f));
     ASSERT_OK(mpidp_reducer_finalize(f.r, NULL));
     ASSERT_OK(mpidp_reducer_wait_all(f.r, 1.0));
-    ASSERT_OK(mpidp_reducer_decide(f.r, MPIDP_DECIDE_MISSING_GRADS, 0, -1, -1, seen, act, &over));
+    ASSERT_OK(mpidp_reducer_missing_grads(f.r, 0, act));
     ASSERT_ACTS(act, MPIDP_GRAD_KEEP, MPIDP_GRAD_SET_NONE);   /* 2 had a gradient, 3 none */
-    ASSERT_EQ_INT(over, 0);
-    /* Non-blocking decisions are refused in blocking mode, as when called directly. */
-    ASSERT_EQ_INT(mpidp_reducer_decide(f.r, MPIDP_DECIDE_DELIVER_FOR_STEP, 0, 0, -1, seen, act,
-                                       &over), MPIDP_ESTATE);
-    ASSERT_EQ_INT(mpidp_reducer_decide(f.r, 9, 0, 0, -1, seen, act, &over), MPIDP_EINVAL);
-    ASSERT_EQ_INT(mpidp_reducer_decide(f.r, MPIDP_DECIDE_AFTER_STEP, 0, 0, -1, seen, act, NULL),
-                  MPIDP_EINVAL);
-    ASSERT_EQ_INT(mpidp_reducer_decision_reads(MPIDP_DECIDE_ACCUMULATE), 1);
-    ASSERT_EQ_INT(mpidp_reducer_decision_reads(MPIDP_DECIDE_MISSING_GRADS), 0);
-    ASSERT_EQ_INT(mpidp_reducer_decision_reads(MPIDP_DECIDE_AFTER_STEP), 0);
+    ASSERT_EQ_INT(mpidp_reducer_deliver_for_step(f.r, 0, 0, seen, act), MPIDP_ESTATE);
+    ASSERT_EQ_INT(mpidp_reducer_after_step(f.r, 0, act, NULL), MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_reducer_after_step(f.r, 0, act, &over), MPIDP_ESTATE);
     teardown(&f);
 }
 
@@ -403,4 +397,4 @@ TEST_MAIN_MPI(a_hook_marks_and_progresses_what_is_in_flight,
               accumulating_without_a_step_adds_the_mean_unless_cleared,
               synchronizing_before_the_step_delivers_the_mean_now,
               gradients_held_without_communication_count_in_the_next_pass,
-              decide_names_each_decision)
+              decisions_of_the_other_mode_are_refused)

@@ -323,24 +323,6 @@ int mpidp_reducer_after_step(mpidp_reducer_t *r, size_t b, uint8_t *act, int *pa
 /* 1 when after_step has handed out bucket b's actions in the open pass. */
 int mpidp_reducer_stepped(const mpidp_reducer_t *r, size_t b);
 
-/* One per-bucket decision by name, for callers that order the pass's calls
- * themselves (the glue): each kind is the function of the same name above,
- * with the arguments it takes (version and accumulated are ignored where it
- * takes none; *pass_over is set by AFTER_STEP only). seen must hold what the
- * caller saw of the bucket's members when mpidp_reducer_decision_reads(kind). */
-typedef enum {
-    MPIDP_DECIDE_MISSING_GRADS = 0,
-    MPIDP_DECIDE_ACCUMULATE = 1,
-    MPIDP_DECIDE_DELIVER_FOR_STEP = 2,
-    MPIDP_DECIDE_DELIVER_NOW = 3,
-    MPIDP_DECIDE_AFTER_STEP = 4,
-} mpidp_reducer_decision_t;
-
-int mpidp_reducer_decide(mpidp_reducer_t *r, int kind, size_t b, long long version,
-                         long accumulated, const uint8_t *seen, uint8_t *act, int *pass_over);
-/* 1 when decision `kind` reads what the caller saw of `.grad`. */
-int mpidp_reducer_decision_reads(int kind);
-
 /* join: this rank has run out of data but the others have not: marks every
  * parameter with no contribution, so that this rank posts every bucket (in
  * order, zeros with "no gradient" flags) like the others. MPIDP_ESTATE while
