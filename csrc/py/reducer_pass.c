@@ -8,7 +8,7 @@
  *   grad_arrived(i, param)  the hot path, every parameter's gradient hook:
  *                  the one that opens a backward calls the on_backward_opened
  *                  callback the reducer was built with, (reducer, i), and
- *                  returns True (what happened), else None;
+ *                  returns True (what happened; called as a node hook, None);
  *                  a foreign `.grad` is copied in; the core marks the
  *                  parameter and posts full buckets (while paused, for
  *                  no_sync, it only records that the view holds a gradient);
@@ -152,7 +152,9 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     if (has < 0 || CORE(r, "DataParallel backward",
                         mpidp_reducer_grad_hooked(r->core, (size_t)i, has, hook_progress_every())) < 0)
         return NULL;
-    if (opened) Py_RETURN_TRUE;
+    /* As a node post hook (4 arguments) it must return None: autograd reads a
+     * result as replacement gradients. */
+    if (opened && nargs == 2) Py_RETURN_TRUE;
     Py_RETURN_NONE;
 }
 
