@@ -17,13 +17,14 @@ from torch.overrides import TorchFunctionMode
 
 
 class StaleReadDetector(TorchFunctionMode):
-    """Within `with StaleReadDetector(wrapper, bucket_of, names) as d:` the
+    """Within `with StaleReadDetector(deferred, bucket_of, names) as d:` the
     first read of a parameter whose bucket is still pending applies every
-    bucket; d.found is then that parameter's name."""
+    bucket of `deferred` (the wrapper's DeferredStep); d.found is then that
+    parameter's name."""
 
-    def __init__(self, wrapper, bucket_of: dict, names: dict):
+    def __init__(self, deferred, bucket_of: dict, names: dict):
         super().__init__()
-        self._wrapper = wrapper
+        self._deferred = deferred
         self._bucket_of = bucket_of    # id(parameter) -> bucket
         self._names = names            # id(parameter) -> name
         self.found = None
@@ -32,15 +33,15 @@ class StaleReadDetector(TorchFunctionMode):
         kwargs = kwargs or {}
         # DataParallel's own delivery and step (from a layer's pre-hook) read
         # parameters too, and attribute access (p.grad) is no use of the values.
-        if (self.found is None and not self._wrapper._stepping
+        if (self.found is None and not self._deferred.stepping
                 and getattr(func, "__name__", "") not in ("__get__", "__set__")):
-            reducer = self._wrapper._reducer
+            reducer = self._deferred.reducer
             for arg in _tensors(args, kwargs):
                 b = self._bucket_of.get(id(arg))
                 if b is not None and reducer.finalized and not reducer.stepped(b):
                     self.found = self._names[id(arg)]
                     # The mode is off inside this handler: the optimizer's ops run plainly.
-                    self._wrapper._apply_buckets(range(reducer.n_buckets))
+                    self._deferred.apply_all()
                     break
         return func(*args, **kwargs)
 

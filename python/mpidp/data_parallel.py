@@ -21,7 +21,8 @@ from ._params import (broadcast_buffers, broadcast_state, check_module,
                       name_list, remove_handles)
 from ._loads import LoadWatch
 from . import _module_hooks as module_hooks
-from ._pending_reads import QuietParameters, set_pending, unwatch, watch
+from ._deferred_step import DeferredStep, bucket_members
+from ._pending_reads import QuietParameters, unwatch, watch
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
@@ -71,9 +72,9 @@ def _apply_pending(wrapper_ref, buckets, module, _args) -> None:
     wrapper = wrapper_ref()
     if wrapper is None:
         return
-    if wrapper._applying:
-        wrapper._apply_buckets(buckets)
-    elif wrapper._due:
+    if wrapper._deferred.applying:
+        wrapper._deferred.apply(buckets)
+    elif wrapper._deferred.due:
         wrapper.synchronize()
     params = module.__dict__.get("_parameters")
     if isinstance(params, QuietParameters):
@@ -86,14 +87,14 @@ def _read_pending(wrapper_ref, params, value) -> None:
     parameter's bucket is applied now (weight tying through another module's
     attribute); anywhere else the whole update is."""
     wrapper = wrapper_ref()
-    if wrapper is None or wrapper._due is None:
+    if wrapper is None or not wrapper._deferred.due:
         params.__class__ = QuietParameters
-    elif wrapper._stepping:
+    elif wrapper._deferred.stepping:
         return   # DataParallel's own delivery and step
-    elif wrapper._applying:
+    elif wrapper._deferred.applying:
         bucket_of = wrapper._bucket_of_param
         wanted = dict.values(params) if value is None else (value,)
-        wrapper._apply_buckets(sorted({bucket_of[id(p)] for p in wanted if id(p) in bucket_of}))
+        wrapper._deferred.apply(sorted({bucket_of[id(p)] for p in wanted if id(p) in bucket_of}))
     else:
         wrapper.synchronize()
 
@@ -104,8 +105,8 @@ def _check_direct_step(wrapper_ref, _optimizer, _args, _kwargs) -> None:
     update (scaler.step(opt.torch_optimizer)) would step on the zeros that
     `.grad` holds until the averaged gradients arrive."""
     wrapper = wrapper_ref()
-    if (wrapper is None or wrapper._stepping or wrapper._released is not None
-            or wrapper._due or not wrapper._reducer.finalized):
+    if (wrapper is None or wrapper._deferred.stepping or wrapper._released is not None
+            or wrapper._deferred.due or not wrapper._reducer.finalized):
         return
     raise RuntimeError(
         "DataParallel (non-blocking): the torch optimizer was stepped directly between backward() "
@@ -118,9 +119,9 @@ def _before_optimizer_step(wrapper_ref, optimizer) -> None:
     """Before any step of an optimizer that updates wrapped parameters
     (LoadWatch.on_step): one stepped directly (DDP's pattern) must update
     nothing that DataParallel does not average. DataParallelOptimizer's own
-    steps are checked in _step_due."""
+    steps are checked in optimizer_step."""
     wrapper = wrapper_ref()
-    if wrapper is not None and not wrapper._stepping and wrapper._released is None:
+    if wrapper is not None and not wrapper._deferred.stepping and wrapper._released is None:
         wrapper._refuse_outside_tensors(optimizer)
 
 
@@ -256,13 +257,13 @@ class DataParallel(torch.nn.Module, Driver):
                     "wrapper takes over the model and its optimizers)")
         c_comm = self._c_comm = handle.c
         self._mpi_comm = handle.mpi
-        # Held weakly: each optimizer holds its wrapper (opt._model), and the
+        # Held weakly: each optimizer holds its wrapper (opt.data_parallel), and the
         # reverse reference would make a cycle that keeps a dropped wrapper
         # and its buckets alive until the garbage collector runs.
         self._optimizer_refs = [weakref.ref(opt) for opt in optimizers]
         for opt in optimizers:
             opt.blocking_parameter_updates = blocking_parameter_updates
-            opt._model = self
+            opt.data_parallel = self
         self._average = True     # gradients averaged; Bagua's average=False sums them
         self._hier_comms = _hierarchy(self._mpi_comm) if hierarchical else None
         self.hierarchical = self._hier_comms is not None
@@ -279,19 +280,14 @@ class DataParallel(torch.nn.Module, Driver):
                                                   [opt.torch_optimizer for opt in optimizers])
         self._joining = False    # inside join(): every training forward takes part in a ballot
         self._join_steps = 0     # training steps this rank took inside join()
-        # Non-blocking: the DataParallelOptimizer whose step() is pending (held
-        # until the update is applied), else None.
-        self._due = None
-        self._backwards_at_step = 0   # the reducer's backward count at the last step()
         # optimizer -> (its groups' layout, the tensors it holds that no bucket holds)
         self._outside_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._applying = False   # non-blocking: this forward applies the pending update
-        self._hyper = None       # the optimizer's hyperparameters when step() was called
-        self._stepping = False   # the torch optimizer's step is running on DataParallel's behalf
-        self._reads_checked = False   # non-blocking: the first applying forward watched reads
-        self._apply_all_first = False  # ... and found a parameter read before its layer
         # Non-blocking: the modules whose _parameters are watched, and those dicts (_pending_reads.py).
         self._watched_modules, self._watched_params = [], []
+        # The optimizer step (non-blocking: deferred to the next forward) has one owner.
+        self._deferred = DeferredStep(self._reducer, self._params,
+                                      bucket_members(self._param_bucket, self._reducer.n_buckets),
+                                      self._watched_params)
         if not self.blocking_parameter_updates:
             self._install_layer_hooks()
             self._watch_reads()
@@ -336,12 +332,6 @@ class DataParallel(torch.nn.Module, Driver):
         applies the pending update of the buckets holding that module's
         parameters before it runs."""
         index = {id(p): i for i, p in enumerate(self._params)}
-        n_buckets = self._reducer.n_buckets
-        self._bucket_params = [[] for _ in range(n_buckets)]
-        for i, b in enumerate(self._param_bucket):
-            self._bucket_params[b].append(i)
-        self._bucket_params = [tuple(ps) for ps in self._bucket_params]
-        self._subset_sig = None
         for module in self.module.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
             if not own:
@@ -359,55 +349,85 @@ class DataParallel(torch.nn.Module, Driver):
         self._watched_modules = [m for m in self.module.modules()
                                  if any(id(p) in self._bucket_of_param
                                         for p in m.__dict__["_parameters"].values())]
-        self._watched_params = [watch(m, reader) for m in self._watched_modules]
+        self._watched_params[:] = [watch(m, reader) for m in self._watched_modules]
 
     # -- training -------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
         self._check_attached()
-        reducer = self._reducer
-        if self.training and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        if training:
             self._trainable_at_setup.check()
-        if self._joining and self.training and torch.is_grad_enabled():
-            # Ranks that ran out of data answer this ballot with 0 and add zeros
-            # to this step's gradients, which are averaged over the rest.
-            active = self._ballot(True)
-            reducer.set_divisor(active if self._average else 1)
-            self._join_steps += 1
-        if self.training and torch.is_grad_enabled() and not self._joining and not reducer.paused:
-            if self.broadcast_buffers:
-                broadcast_buffers(self.module, self._c_comm)
-            self._loads.check(self._shared_state, "mpidp.broadcast_parameters(model) and "
-                              "mpidp.broadcast_optimizer_state(optimizer)")
-        if self._check_every and self.training:
-            if self._forwards % self._check_every == 0:
-                check_in_sync(self._c_comm, list(self.module.named_parameters()), "DataParallel",
-                              f"before training step {self._forwards}")
-            self._forwards += 1
-        if not self.blocking_parameter_updates and reducer.finalized:
-            if self._due:
-                self._applying = True
-            else:
-                reducer.complete()  # no step due: gradients accumulate
-        try:
-            if self._applying and self._apply_all_first:
-                self._apply_buckets(range(reducer.n_buckets))
-            if self._applying and not self._reads_checked:
-                out = self._forward_watching_reads(inputs, kwargs)
-            else:
-                out = self.module(*inputs, **kwargs)
-        finally:
-            # Layers this forward did not reach (dynamic graphs, or an exception)
-            # still get their update, so the step is never left half applied.
-            if self._applying:
-                self._apply_buckets(range(reducer.n_buckets))
-        if self.training and torch.is_grad_enabled():
-            try:
-                reducer.prepare()
-            except RuntimeError as e:
-                self._refuse_converted_params(e)
-                raise
+            self._vote_if_joining()
+            self._share_buffers_and_check_loads()
+        if self.training:
+            self._check_replicas_every_n_forwards()
+        self._finish_previous_pass()
+        out = self._run_module(inputs, kwargs)
+        if training:
+            self._prepare_backward()
         return out
+
+    # The steps of a forward, in order:
+
+    def _vote_if_joining(self) -> None:
+        """Inside join(), ranks that ran out of data answer this ballot with 0
+        and add zeros to this step's gradients, averaged over the rest."""
+        if self._joining:
+            active = self._ballot(True)
+            self._reducer.set_divisor(active if self._average else 1)
+            self._join_steps += 1
+
+    def _share_buffers_and_check_loads(self) -> None:
+        """Rank 0's buffers (broadcast_buffers), and a checkpoint loaded on one
+        rank only or optimizer settings that differ are found (_loads.py)."""
+        if self._joining or self._reducer.paused:
+            return
+        if self.broadcast_buffers:
+            broadcast_buffers(self.module, self._c_comm)
+        self._loads.check(self._shared_state, "mpidp.broadcast_parameters(model) and "
+                          "mpidp.broadcast_optimizer_state(optimizer)")
+
+    def _check_replicas_every_n_forwards(self) -> None:
+        """MPIDP_CHECK: every n-th training forward the ranks compare their
+        parameters."""
+        if not self._check_every:
+            return
+        if self._forwards % self._check_every == 0:
+            check_in_sync(self._c_comm, list(self.module.named_parameters()), "DataParallel",
+                          f"before training step {self._forwards}")
+        self._forwards += 1
+
+    def _finish_previous_pass(self) -> None:
+        """Non-blocking: a finished backward either has its step due (applied
+        during this forward) or, with no step, adds its mean to the
+        accumulated gradients now."""
+        if not self.blocking_parameter_updates and self._reducer.finalized \
+                and not self._deferred.begin():
+            self._reducer.complete()
+
+    def _run_module(self, inputs, kwargs):
+        """The module's forward; a due step is applied layer by layer as it
+        runs (the layers' pre-hooks), and whatever it did not reach (dynamic
+        graphs, an exception) right after, so it is never left half applied."""
+        deferred = self._deferred
+        if not deferred.applying:
+            return self.module(*inputs, **kwargs)
+        try:
+            if deferred.apply_all_first:
+                deferred.apply_all()
+            if not deferred.reads_checked:
+                return self._forward_watching_reads(inputs, kwargs)
+            return self.module(*inputs, **kwargs)
+        finally:
+            deferred.apply_all()
+
+    def _prepare_backward(self) -> None:
+        try:
+            self._reducer.prepare()
+        except RuntimeError as e:
+            self._refuse_converted_params(e)
+            raise
 
     def _refuse_converted_params(self, error: RuntimeError) -> None:
         """prepare() failed: say so plainly where it is because the model was
@@ -439,74 +459,29 @@ class DataParallel(torch.nn.Module, Driver):
 
     def _forward_watching_reads(self, inputs, kwargs):
         """The first forward that applies an update: see _stale_reads.py."""
-        self._reads_checked = True
+        deferred = self._deferred
+        deferred.reads_checked = True
         params = self._params
-        detector = StaleReadDetector(self, {id(p): b for p, b in zip(params, self._param_bucket)},
+        detector = StaleReadDetector(deferred, {id(p): b for p, b in zip(params, self._param_bucket)},
                                      {id(p): n for p, n in zip(params, self._param_names)})
         with detector:
             out = self.module(*inputs, **kwargs)
         if detector.found is not None:
-            self._apply_all_first = True
+            deferred.apply_all_first = True
             warnings.warn(f"DataParallel (non-blocking): parameter {detector.found!r} is read "
                           "before its own layer runs (weight tying through a functional call, or "
                           "a module using another's parameter), so applying the update layer by "
                           "layer would hand it out one step stale; the whole pending update is "
-                          "applied at the start of each forward instead", stacklevel=3)
+                          "applied at the start of each forward instead", stacklevel=4)
         return out
-
-    def _apply_buckets(self, buckets) -> None:
-        if not self._applying:
-            return
-        reducer = self._reducer
-        for b in buckets:
-            if reducer.stepped(b):
-                continue
-            with self._own_step():
-                reducer.deliver_for_step(b)
-                self._step_bucket(b)
-                reducer.after_step(b)
-            if not reducer.finalized:
-                break
-        if not reducer.finalized:  # the last bucket's after_step ended the pass
-            self._applying = False
-            self._due = None
-            set_pending(self._watched_params, False)
-
-    def _step_bucket(self, b: int) -> None:
-        """Steps the optimizer on bucket b's parameters only, with the
-        hyperparameters it had when step() was called (a scheduler may have
-        changed the learning rate since). Per-parameter state (momentum, Adam
-        moments, step counts) ends exactly as a full step leaves it."""
-        opt = self._due.torch_optimizer
-        groups = opt.param_groups
-        sig = tuple(id(g["params"]) for g in groups) + tuple(len(g["params"]) for g in groups)
-        if sig != self._subset_sig:
-            self._subsets = []
-            for params in self._bucket_params:
-                wanted = {id(self._params[i]) for i in params}
-                self._subsets.append([[p for p in g["params"] if id(p) in wanted] for g in groups])
-            self._subset_sig = sig
-        saved = [(g["params"], {k: v for k, v in g.items() if k != "params"}) for g in groups]
-        try:
-            for g, subset, hyper in zip(groups, self._subsets[b], self._hyper):
-                g.update(hyper)
-                g["params"] = subset
-            with self._own_step():
-                opt.step()
-        finally:
-            for g, (params, current) in zip(groups, saved):
-                g["params"] = params
-                g.update(current)
 
     def synchronize(self) -> None:
         """Finish all pending communication and apply a pending update."""
-        if self.blocking_parameter_updates or not self._reducer.finalized:
+        if self.blocking_parameter_updates or not self._reducer.finalized \
+                or not self._deferred.begin():
             self._reducer.complete()
-        elif self._due:
-            self._applying = True
-            self._apply_buckets(range(self._reducer.n_buckets))
         else:
-            self._reducer.complete()
+            self._deferred.apply_all()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -610,21 +585,27 @@ class DataParallel(torch.nn.Module, Driver):
         """As torch's, without applying a pending update (non-blocking mode):
         clearing gradients reads no parameter values, and the update keeps
         its overlap with whatever runs before the next forward."""
-        due = self._due is not None
-        set_pending(self._watched_params, False)
-        try:
+        with self._deferred.reads_unwatched():
             super().zero_grad(set_to_none)
-        finally:
-            if due and self._due is not None:
-                set_pending(self._watched_params, True)
 
-    def _gradients_now(self) -> None:
+    # -- the optimizer's side (DataParallelOptimizer calls these) ---------------
+
+    @property
+    def update_pending(self) -> bool:
+        """Non-blocking: a step() was called and its update is applied during
+        the next forward (or by synchronize())."""
+        return self._deferred.due
+
+    def synchronize_gradients(self) -> None:
         """Non-blocking mode, between backward and step: wait for the averaging
         and put the means in `.grad`; the step that follows is an ordinary one."""
-        if not self.blocking_parameter_updates and not self._due and self._reducer.finalized:
+        if not self.blocking_parameter_updates and not self._deferred.due \
+                and self._reducer.finalized:
             self._reducer.deliver_now()
 
-    def _step_due(self, optimizer: DataParallelOptimizer) -> None:
+    def optimizer_step(self, optimizer: DataParallelOptimizer) -> None:
+        """`optimizer`'s step(): now (blocking), or deferred to the next
+        forward (non-blocking), after the checks that keep the ranks equal."""
         if self._released is not None:
             raise RuntimeError(f"DataParallel: the optimizer's wrapper is detached: "
                                f"{self._released}")
@@ -635,12 +616,12 @@ class DataParallel(torch.nn.Module, Driver):
                 "drift apart. Run the accumulation's last backward outside no_sync() (torch DDP's "
                 "pattern); it averages everything accumulated")
         backwards = self._reducer.backwards
-        if backwards == self._backwards_at_step:
+        if backwards == self._deferred.backwards_at_step:
             self._refuse_unaveraged_grads()
-        self._backwards_at_step = backwards
+        self._deferred.backwards_at_step = backwards
         if self.blocking_parameter_updates or not self._reducer.finalized:
             self._refuse_outside_tensors(optimizer.torch_optimizer)
-            with self._own_step():
+            with self._deferred.own_step():
                 optimizer.torch_optimizer.step()
             return
         if self._reducer.edited():
@@ -651,14 +632,11 @@ class DataParallel(torch.nn.Module, Driver):
                 "so the change would be lost. Call optimizer.synchronize() right after backward() "
                 "to have the averaged gradients in .grad, then edit them and step; or use "
                 "blocking_parameter_updates=True")
-        if self._due:
+        if self._deferred.due:
             raise RuntimeError("DataParallel (non-blocking): optimizer.step() was called twice "
                                "without a forward pass in between")
         self._refuse_outside_tensors(optimizer.torch_optimizer)
-        groups = optimizer.torch_optimizer.param_groups
-        self._hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        self._due = optimizer
-        set_pending(self._watched_params, True)
+        self._deferred.schedule(optimizer)
         # LR schedulers check this flag (set by the real step) to warn about a
         # scheduler stepped before its optimizer; the step is merely deferred.
         optimizer.torch_optimizer._opt_called = True
@@ -714,16 +692,6 @@ class DataParallel(torch.nn.Module, Driver):
                 "rank would step on its own. Compute them with loss.backward(); code that "
                 "averages its own gradients (mpidp.allreduce(grad, op='avg')) steps the torch "
                 "optimizer itself, in blocking mode")
-
-    @contextlib.contextmanager
-    def _own_step(self):
-        """Marks what runs inside as DataParallel's own delivering and stepping
-        (see _check_direct_step and _stale_reads.py); nests."""
-        before, self._stepping = self._stepping, True
-        try:
-            yield
-        finally:
-            self._stepping = before
 
     def _set_average(self, average: bool) -> None:
         """Average the gradients (the default) or sum them (Bagua's

@@ -36,9 +36,15 @@ class DataParallelOptimizer:
             raise TypeError(f"blocking: expected a bool, got {type(blocking).__name__}")
         self.torch_optimizer = torch_optimizer
         self.blocking_parameter_updates = blocking
-        # Set by a non-blocking DataParallel: the update is applied at the next forward.
-        self.update_next = False
-        self._model = None
+        # The mpidp.DataParallel that steps this optimizer (set when it is
+        # wrapped with one), else None: step() then steps the torch optimizer.
+        self.data_parallel = None
+
+    @property
+    def update_next(self) -> bool:
+        """Heat's flag: a non-blocking step() was called and its update is
+        applied during the next forward."""
+        return self.data_parallel is not None and self.data_parallel.update_pending
 
     # Heat's name for the flag that DataParallel overwrites.
     @property
@@ -47,8 +53,8 @@ class DataParallelOptimizer:
 
     def step(self) -> None:
         """Update the parameters (now if blocking, else during the next forward)."""
-        if self._model is not None:
-            self._model._step_due(self)
+        if self.data_parallel is not None:
+            self.data_parallel.optimizer_step(self)
         else:
             self.torch_optimizer.step()
 
@@ -67,8 +73,8 @@ class DataParallelOptimizer:
 
         Reading `param_groups` between backward and step (GradScaler's
         ``unscale_`` and step do) synchronizes too."""
-        if self._model is not None:
-            self._model._gradients_now()
+        if self.data_parallel is not None:
+            self.data_parallel.synchronize_gradients()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -87,8 +93,8 @@ class DataParallelOptimizer:
     def param_groups(self):
         # Whoever reads the groups between backward and step may read the
         # gradients in them (GradScaler.unscale_, hand-written clipping).
-        if self._model is not None:
-            self._model._gradients_now()
+        if self.data_parallel is not None:
+            self.data_parallel.synchronize_gradients()
         return self.torch_optimizer.param_groups
 
     @property
@@ -108,13 +114,13 @@ class DataParallelOptimizer:
         self.torch_optimizer.add_param_group(param_group)
 
     def state_dict(self):
-        if self._model is not None:
-            self._model.synchronize()
+        if self.data_parallel is not None:
+            self.data_parallel.synchronize()
         return self.torch_optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        if self._model is not None:
-            self._model.synchronize()
+        if self.data_parallel is not None:
+            self.data_parallel.synchronize()
         self.torch_optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
