@@ -2,6 +2,7 @@
 #include "mpidp/agree.h"
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"

@@ -7,6 +7,7 @@
 
 #include "mpidp/convert.h"
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/operation.h"
 #include "mpidp/pack.h"

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/operation.h"
 #include "mpidp/pack.h"

@@ -2,6 +2,7 @@
 #include "mpidp/comm.h"
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/status.h"
 #include "fail.h"
 
@@ -31,4 +32,9 @@ int mpidp_comm_dup(MPI_Comm user, mpidp_reqtable_t *reqs, double timeout_s, MPI_
         return mpidp__mpi_fail(rc, "setting up mpidp's communicator");
     }
     return MPIDP_OK;
+}
+
+void mpidp_comm_free(MPI_Comm *c)
+{
+    if (c != NULL && *c != MPI_COMM_NULL && !mpidp_mpi_finalized()) MPI_Comm_free(c);
 }

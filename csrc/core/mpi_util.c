@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "mpidp/mpiops.h"
 #include "mpidp/status.h"
 #include "fail.h"
 
@@ -30,18 +29,6 @@ int mpidp__mpi_fail(int mpi_rc, const char *fmt, ...)
     vsnprintf(context, sizeof context, fmt, ap);
     va_end(ap);
     return mpidp__fail(MPIDP_EMPI, "%s: %s", context, mpi_errstr(mpi_rc, msg, sizeof msg));
-}
-
-int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_Request req,
-                     MPI_Comm comm, const char *what, mpidp_req_t *out)
-{
-    if (mpi_rc != MPI_SUCCESS) {
-        mpidp_reqtable_unclaim(reqs, slot);
-        return mpidp__mpi_fail(mpi_rc, "%s", what);
-    }
-    mpidp_reqtable_fill(reqs, slot, req, comm, what);
-    if (out) *out = slot;
-    return MPIDP_OK;
 }
 
 static int op_keyval = MPI_KEYVAL_INVALID;
@@ -67,20 +54,6 @@ int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out)
     if (rc != MPI_SUCCESS) return mpidp__mpi_fail(rc, "%s: numbering the operation", what);
     *out = (unsigned)n;
     return MPIDP_OK;
-}
-
-int mpidp__post_iallreduce(MPI_Comm comm, mpidp_reqtable_t *reqs, void *buf, size_t count, int op,
-                           int dtype, const char *what, mpidp_req_t *out)
-{
-    if (count > (size_t)INT_MAX)
-        return mpidp__fail(MPIDP_EINVAL, "%s: %zu elements exceed one MPI call's count", what, count);
-    mpidp_req_t slot;
-    int rc = mpidp_reqtable_claim(reqs, what, &slot);
-    if (rc != MPIDP_OK) return rc;
-    MPI_Request req;
-    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, mpidp_mpi_datatype(dtype),
-                        mpidp_mpi_op(op, dtype), comm, &req);
-    return mpidp__post_done(reqs, slot, rc, req, comm, what, out);
 }
 
 int mpidp_mpi_finalized(void)

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/operation.h"
 #include "mpidp/status.h"
 #include "fail.h"

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/quant8.h"
 #include "mpidp/status.h"
 #include "fail.h"

@@ -10,6 +10,7 @@
 #include "mpidp/allreduce.h"
 #include "mpidp/convert.h"
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/qallreduce.h"
@@ -17,12 +18,6 @@
 #include "mpidp/tensor.h"
 #include "reducer_internal.h"
 #include "fail.h"
-
-/* A float32 bucket that travels as bf16/fp16. */
-static int bk_compressed(const mpidp_reducer_t *r, const bucket_t *bk)
-{
-    return (r->wire == MPIDP_BF16 || r->wire == MPIDP_F16) && bk->info.dtype == MPIDP_F32;
-}
 
 /* A float32 bucket whose data travel quantized to 8 bits (mpidp/qallreduce.h);
  * its flags go beside them in a float32 allreduce, exactly. */
@@ -35,6 +30,42 @@ static int bk_quantized(const mpidp_reducer_t *r, const bucket_t *bk)
 static int comm_dtype(const mpidp_reducer_t *r, const bucket_t *bk)
 {
     return bk_compressed(r, bk) ? r->wire : bk->info.dtype;
+}
+
+/* The pass's per-parameter and per-bucket state (what reducer_pass.c decides
+ * from): allocated with the reducer, cleared at each reset. */
+static int pass_alloc(mpidp_reducer_t *r)
+{
+    size_t np = r->n_params ? r->n_params : 1, nb = r->n_buckets ? r->n_buckets : 1;
+    r->was_none = calloc(np, 1);
+    r->local_has = calloc(np, 1);
+    r->after = calloc(np, 1);
+    r->version = calloc(nb, sizeof *r->version);
+    r->delivered = calloc(nb, 1);
+    r->applied = calloc(nb, 1);
+    return r->was_none && r->local_has && r->after && r->version && r->delivered && r->applied
+               ? MPIDP_OK
+               : MPIDP_ENOMEM;
+}
+
+static void pass_free(mpidp_reducer_t *r)
+{
+    free(r->was_none);
+    free(r->local_has);
+    free(r->after);
+    free(r->version);
+    free(r->delivered);
+    free(r->applied);
+}
+
+static void pass_clear(mpidp_reducer_t *r)
+{
+    memset(r->was_none, 0, r->n_params);
+    memset(r->local_has, 0, r->n_params);
+    memset(r->after, 0, r->n_params);
+    memset(r->delivered, 0, r->n_buckets);
+    memset(r->applied, 0, r->n_buckets);
+    r->finalized = 0;
 }
 
 static void free_reducer(mpidp_reducer_t *r)
@@ -50,7 +81,7 @@ static void free_reducer(mpidp_reducer_t *r)
     mpidp__hier_free(r);
     for (size_t b = 0; r->buckets && b < r->n_buckets; b++) free(r->buckets[b].comm);
     free(r->buckets);
-    mpidp__reducer_pass_free(r);
+    pass_free(r);
     free(r);
 }
 
@@ -166,7 +197,7 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->last_hook_progress = -HUGE_VAL; /* the first hook progresses */
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
     rc = init_layout(r, cfg);
-    if (rc == MPIDP_OK && mpidp__reducer_pass_alloc(r) != MPIDP_OK)
+    if (rc == MPIDP_OK && pass_alloc(r) != MPIDP_OK)
         rc = mpidp__fail(MPIDP_ENOMEM, "reducer: pass state of %zu buckets", r->n_buckets);
     if (rc == MPIDP_OK) rc = mpidp__hier_init(r, cfg);
     if (rc != MPIDP_OK) {
@@ -258,7 +289,6 @@ static void scale_data(bucket_t *bk, double s)
     }
 }
 
-#define complete_bucket mpidp__reducer_complete_bucket
 static int post_bucket(mpidp_reducer_t *r, size_t b);
 
 /* Posts, strictly in bucket order, every bucket that is full (and, in staged
@@ -310,7 +340,7 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
 {
     bucket_t *bk = &r->buckets[b];
     /* One rank sums nothing, but a quantized bucket still rounds as in a larger job. */
-    if (r->size == 1 && bk->comm == NULL && !bk_quantized(r, bk)) return complete_bucket(r, bk);
+    if (r->size == 1 && bk->comm == NULL && !bk_quantized(r, bk)) return reducer_complete_bucket(r, bk);
     size_t count = bk->info.numel + bk->info.n_params;
     void *buf = bk->data;
     int wire_dtype = comm_dtype(r, bk);
@@ -361,18 +391,6 @@ static int post_bucket(mpidp_reducer_t *r, size_t b)
 
 /* The bucket's collective has completed: bring compressed results home
  * (separate mode leaves them for mpidp_reducer_deliver). */
-int mpidp__reducer_complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
-{
-    if (bk_compressed(r, bk) && !r->separate) {
-        const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
-        size_t count = bk->info.numel + bk->info.n_params;
-        if (r->wire == MPIDP_BF16) k->unpack_bf16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
-        else k->unpack_fp16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
-    }
-    bk->state = MPIDP_BUCKET_DONE;
-    return MPIDP_OK;
-}
-
 int mpidp_reducer_mark_ready(mpidp_reducer_t *r, size_t param, int has_grad)
 {
     if (r == NULL || param >= r->n_params)
@@ -471,7 +489,7 @@ int mpidp_reducer_wait_bucket(mpidp_reducer_t *r, size_t b, double timeout_s)
         if (rc == MPIDP_OK) bk->q = NULL;
     }
     if (rc != MPIDP_OK) return rc;
-    return complete_bucket(r, bk);
+    return reducer_complete_bucket(r, bk);
 }
 
 int mpidp_reducer_wait_all(mpidp_reducer_t *r, double timeout_s)
@@ -568,7 +586,7 @@ int mpidp_reducer_reset(mpidp_reducer_t *r)
     }
     memset(r->ready, 0, r->n_params);
     r->n_ready = 0;
-    mpidp__reducer_pass_clear(r);
+    pass_clear(r);
     r->next_to_post = 0;
     if (r->hier) mpidp__hier_reset(r);
     for (size_t b = 0; b < r->n_buckets; b++) {

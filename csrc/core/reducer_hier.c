@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/qallreduce.h"
 #include "mpidp/status.h"
@@ -186,7 +187,7 @@ int mpidp__hier_progress(mpidp_reducer_t *r)
             bk = &r->buckets[b];
             if (bk->h.phase == H_GATHER && arrived(r, bk, &rc)) {
                 bk->h.phase = H_DONE;
-                rc = mpidp__reducer_complete_bucket(r, bk);
+                rc = reducer_complete_bucket(r, bk);
                 moved = 1;
             }
         }

@@ -5,7 +5,9 @@
 #ifndef MPIDP_REDUCER_INTERNAL_H
 #define MPIDP_REDUCER_INTERNAL_H
 
+#include "mpidp/pack.h"
 #include "mpidp/reducer.h"
+#include "mpidp/status.h"
 
 typedef struct {
     mpidp_bucket_info_t info;
@@ -72,8 +74,27 @@ struct mpidp_reducer {
     double last_hook_progress; /* mpidp_now() of the last progress a hook drove */
 };
 
-/* The bucket's collective has completed: bring compressed results home. */
-int mpidp__reducer_complete_bucket(mpidp_reducer_t *r, bucket_t *bk);
+/* A float32 bucket that travels compressed (bf16/fp16 wire). */
+static inline int bk_compressed(const mpidp_reducer_t *r, const bucket_t *bk)
+{
+    return (r->wire == MPIDP_BF16 || r->wire == MPIDP_F16) && bk->info.dtype == MPIDP_F32;
+}
+
+/* The bucket's collective has completed: bring compressed results home.
+ * (Here, not in reducer.c, so that the hierarchical engine, which completes
+ * its buckets' last phase, calls nothing of the reducer that drives it.) */
+static inline int reducer_complete_bucket(mpidp_reducer_t *r, bucket_t *bk)
+{
+    if (bk_compressed(r, bk) && !r->separate) {
+        const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
+        size_t count = bk->info.numel + bk->info.n_params;
+        if (r->wire == MPIDP_BF16) k->unpack_bf16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
+        else k->unpack_fp16(bk->data, bk->comm, NULL, 0.0f, 1.0f, 0.0f, count);
+    }
+    bk->state = MPIDP_BUCKET_DONE;
+    return MPIDP_OK;
+}
+
 
 /* Hierarchical mode: set-up (slices, engine registration), freeing, the
  * first phase of bucket b over `buf` travelling as `dtype`, progress (the
@@ -86,11 +107,5 @@ int mpidp__hier_progress(mpidp_reducer_t *r);
 void mpidp__hier_engine(void *ctx);
 int mpidp__hier_wait(mpidp_reducer_t *r, size_t b, double timeout_s);
 void mpidp__hier_reset(mpidp_reducer_t *r);
-
-/* Allocates and frees the pass arrays (called by create and free). */
-int mpidp__reducer_pass_alloc(mpidp_reducer_t *r);
-void mpidp__reducer_pass_free(mpidp_reducer_t *r);
-/* Forgets the pass (called by mpidp_reducer_reset). */
-void mpidp__reducer_pass_clear(mpidp_reducer_t *r);
 
 #endif /* MPIDP_REDUCER_INTERNAL_H */

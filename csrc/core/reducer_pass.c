@@ -13,40 +13,6 @@
 #include "reducer_internal.h"
 #include "fail.h"
 
-int mpidp__reducer_pass_alloc(mpidp_reducer_t *r)
-{
-    size_t np = r->n_params ? r->n_params : 1, nb = r->n_buckets ? r->n_buckets : 1;
-    r->was_none = calloc(np, 1);
-    r->local_has = calloc(np, 1);
-    r->after = calloc(np, 1);
-    r->version = calloc(nb, sizeof *r->version);
-    r->delivered = calloc(nb, 1);
-    r->applied = calloc(nb, 1);
-    return r->was_none && r->local_has && r->after && r->version && r->delivered && r->applied
-               ? MPIDP_OK
-               : MPIDP_ENOMEM;
-}
-
-void mpidp__reducer_pass_free(mpidp_reducer_t *r)
-{
-    free(r->was_none);
-    free(r->local_has);
-    free(r->after);
-    free(r->version);
-    free(r->delivered);
-    free(r->applied);
-}
-
-void mpidp__reducer_pass_clear(mpidp_reducer_t *r)
-{
-    memset(r->was_none, 0, r->n_params);
-    memset(r->local_has, 0, r->n_params);
-    memset(r->after, 0, r->n_params);
-    memset(r->delivered, 0, r->n_buckets);
-    memset(r->applied, 0, r->n_buckets);
-    r->finalized = 0;
-}
-
 mpidp_accum_action_t mpidp_reducer_accumulate_action(int grad_is_view, int cleared, int used,
                                                      int was_none, int new_grad_arrived)
 {

@@ -105,13 +105,6 @@ static void run_engines(mpidp_reqtable_t *t)
     }
 }
 
-double mpidp_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 int mpidp_reqtable_create(size_t capacity, mpidp_reqtable_t **out)
 {
     if (out == NULL || capacity == 0 || capacity > UINT32_MAX)

@@ -11,7 +11,6 @@
 #include <mpi4py/mpi4py.h>
 
 #include "mpidp/comm.h"
-#include "mpidp/mpi_info.h"
 #include "mpidp/status.h"
 
 static int mpi4py_ready = 0;
@@ -60,8 +59,7 @@ static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void comm_dealloc(mpidp_py_comm_t *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    /* After MPI_Finalize (mpi4py finalizes at exit) no handle may be freed. */
-    if (self->comm != MPI_COMM_NULL && !mpidp_mpi_finalized()) MPI_Comm_free(&self->comm);
+    mpidp_comm_free(&self->comm);   /* nothing after MPI_Finalize (mpi4py's, at exit) */
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }

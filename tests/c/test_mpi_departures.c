@@ -9,6 +9,7 @@
 
 #include "mpidp/departures.h"
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/status.h"
 #include "mpi_world.h"
 #include "test.h"

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "mpi_util.h"
+#include "post.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"
 #include "test.h"

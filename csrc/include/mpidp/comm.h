@@ -23,4 +23,8 @@
 int mpidp_comm_dup(MPI_Comm user, mpidp_reqtable_t *reqs, double timeout_s, MPI_Comm *out,
                    int *rank, int *size, int *in_flight);
 
+/* Frees a duplicate made by mpidp_comm_dup (*c becomes MPI_COMM_NULL);
+ * nothing after MPI_Finalize, when no handle may be freed. */
+void mpidp_comm_free(MPI_Comm *c);
+
 #endif /* MPIDP_COMM_H */
