@@ -45,7 +45,7 @@ def train_step(net, opt, x, y):
 def rounds_after(net, n, opt=None, batches=()):
     """Trains on `batches` round-robin (or idles) until the thread has
     completed n rounds since it last started."""
-    handle, i = net._handle, 0
+    handle, i = net.bagua_driver, 0
     while handle.averager.rounds < n:
         if opt is not None:
             x, y = batches[i % len(batches)]
@@ -71,7 +71,7 @@ def test_with_the_weights_left_alone_a_round_gives_every_rank_the_mean():
     rounds_after(net, 2, opt, data(4))
     algorithm.abort(net)
     torch.testing.assert_close(flat(model).double(), torch.from_numpy(mean), rtol=0, atol=1e-6)
-    assert net._handle.rounds >= 2
+    assert net.bagua_driver.rounds >= 2
 
 
 def test_the_sum_over_ranks_is_kept_while_every_rank_trains():
@@ -102,13 +102,13 @@ def test_the_warm_up_averages_gradients_then_the_thread_starts():
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     net = mpidp.with_bagua(model, [opt], AsyncModelAverageAlgorithm(warmup_steps=3))
     for i, (x, y) in enumerate(data(3)):
-        assert net._handle.averager is None
+        assert net.bagua_driver.averager is None
         train_step(net, opt, x, y)
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(reference(x), y).backward()   # the whole batch
         ref_opt.step()
         torch.testing.assert_close(flat(model), flat(reference), rtol=0, atol=1e-6)
-    assert net._handle.averager is not None and net._handle.step == 3
+    assert net.bagua_driver.averager is not None and net.bagua_driver.step == 3
     net.bagua_algorithm.abort(net)
 
 
@@ -119,16 +119,16 @@ def test_abort_stops_the_averaging_and_resume_restarts_it():
     algorithm = AsyncModelAverageAlgorithm(sync_interval_ms=1)
     net = mpidp.with_bagua(model, [opt], algorithm)
     algorithm.abort(net)
-    rounds = net._handle.rounds
+    rounds = net.bagua_driver.rounds
     for x, y in data(3, seed=10 + RANK):                  # each rank its own data, no averaging
         train_step(net, opt, x, y)
-    assert net._handle.rounds == rounds and net._handle.averager is None
+    assert net.bagua_driver.rounds == rounds and net.bagua_driver.averager is None
     copies = MPI.COMM_WORLD.allgather(flat(model).numpy().tobytes())
     assert len(set(copies)) == SIZE                        # the ranks drifted apart
     algorithm.resume(net)
     rounds_after(net, 1)
     algorithm.abort(net)
-    assert net._handle.rounds > rounds
+    assert net.bagua_driver.rounds > rounds
 
 
 def test_a_checkpoint_resumes_the_step_and_the_abort():
@@ -144,11 +144,11 @@ def test_a_checkpoint_resumes_the_step_and_the_abort():
     fresh = make_model()
     again = mpidp.with_bagua(fresh, [torch.optim.SGD(fresh.parameters(), lr=0.1)],
                              AsyncModelAverageAlgorithm(warmup_steps=2))
-    assert again._handle._warmup is not None               # a fresh start warms up
+    assert again.bagua_driver._warmup is not None               # a fresh start warms up
     again.load_bagua_state_dict(state)
-    assert again._handle._warmup is None and again._handle.averager is None   # past it, aborted
+    assert again.bagua_driver._warmup is None and again.bagua_driver.averager is None   # past it, aborted
     again.load_bagua_state_dict({"step": 5, "aborted": False})
-    assert again._handle.averager is not None
+    assert again.bagua_driver.averager is not None
     again.bagua_algorithm.abort(again)
     with pytest.raises(ValueError, match=r"state: expected the keys \['aborted', 'step'\]"):
         again.load_bagua_state_dict({"step": 1})
@@ -160,13 +160,13 @@ def test_evaluation_forwards_do_not_keep_the_lock():
     net = mpidp.with_bagua(model, [opt], AsyncModelAverageAlgorithm(sync_interval_ms=1))
     with torch.no_grad():
         net(torch.randn(2, 5))
-    assert not net._handle._locked
-    rounds_after(net, net._handle.averager.rounds + 2)      # the thread is not blocked
+    assert not net.bagua_driver._locked
+    rounds_after(net, net.bagua_driver.averager.rounds + 2)      # the thread is not blocked
     x, y = data(1)[0]
     net(rank_slice(x))
-    assert net._handle._locked                              # training: until the step
+    assert net.bagua_driver._locked                              # training: until the step
     opt.step()
-    assert not net._handle._locked
+    assert not net.bagua_driver._locked
     net.bagua_algorithm.abort(net)
 
 

@@ -203,7 +203,7 @@ def test_low_precision_matches_the_replica_simulation_and_copies_agree(per_node,
     net, _ = run(LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical,
                                                     communication_interval=interval),
                  init, data, per_node, monkeypatch, compare)
-    h = net._handle
+    h = net.bagua_driver
     if h.workers.size > 1:
         # Bagua's check: my left neighbour's copy of me is my own copy, bit for bit.
         w, n = h.workers.rank, h.workers.size
@@ -311,7 +311,7 @@ def test_mpidp_check_passes_healthy_runs_and_catches_a_corrupted_copy(monkeypatc
     net, opt = run(LowPrecisionDecentralizedAlgorithm(hierarchical=False), init, data, 1,
                    monkeypatch)
     if RANK == 0:
-        net._handle.replicas[1][0] += 1.0          # rank 0's own copy no longer its neighbours'
+        net.bagua_driver.replicas[1][0] += 1.0          # rank 0's own copy no longer its neighbours'
     x, y = data[0]
     opt.zero_grad()
     torch.nn.functional.mse_loss(net(rank_slice(x)), rank_slice(y)).backward()

@@ -130,7 +130,7 @@ def test_after_the_warmup_every_step_matches_the_replica(per_node, weight_decay,
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {t}: {m}")
 
     net = wrap(model, opt)
-    assert (net._handle.hierarchy is not None) == (per_node > 1 and SIZE // per_node > 1)
+    assert (net.bagua_driver.hierarchy is not None) == (per_node > 1 and SIZE // per_node > 1)
     train(model, opt, net, data, compare)
     assert opt.param_groups[0]["qadam_step"] == 8
 
@@ -198,7 +198,7 @@ def test_hierarchical_momentum_on_a_single_node_warns_and_averages_flat(monkeypa
         group["qadam_step"] = 1
     with pytest.warns(UserWarning, match="QAdamAlgorithm: hierarchical=True cannot help"):
         net = mpidp.with_bagua(model, [opt], QAdamAlgorithm(opt))
-    assert net._handle.hierarchy is None
+    assert net.bagua_driver.hierarchy is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mpidp.with_bagua(net, [opt], QAdamAlgorithm(opt, hierarchical=False))

@@ -1,5 +1,5 @@
 """The base of mpidp.algorithms (Bagua's API): an algorithm is its settings;
-`_attach(module, optimizers, comm)` builds the driver (mpidp/_driver.py) that
+`attach(module, optimizers, comm)` builds the driver (mpidp/_driver.py) that
 runs it on the module from then on. mpidp.with_bagua drives it: compare the
 settings across ranks, attach, and on a switch detach the old driver (which
 drains it first), set up the next from rank 0's state.
@@ -33,10 +33,12 @@ def _plain(value):
 class Algorithm:
     """Base class of mpidp's Bagua algorithms."""
 
-    def _attach(self, module: torch.nn.Module, optimizers: List[torch.optim.Optimizer], comm):
+    def attach(self, module: torch.nn.Module, optimizers: List[torch.optim.Optimizer], comm):
+        """The driver that runs this algorithm on `module` from now on
+        (with_bagua calls it, after comparing shared_settings() across ranks)."""
         raise NotImplementedError
 
-    def _settings(self) -> Dict[str, Any]:
+    def shared_settings(self) -> Dict[str, Any]:
         """What every rank must agree on (with_bagua compares it across
         ranks): the public attributes that are plain values."""
         return {k: _plain(v) for k, v in vars(self).items() if not k.startswith("_")

@@ -38,7 +38,7 @@ class _GradientHandle(Driver):
         with self._building_parts():
             self.dp = DataParallel(module, comm, blocking_parameter_updates=True,
                                    wire_dtype=wire_dtype, hierarchical=hierarchical)
-        self.dp._set_average(average)
+        self.dp.set_average(average)
         self.optimizers, self.comm = optimizers, comm
 
     @contextlib.contextmanager
@@ -69,7 +69,7 @@ class _GradientAlgorithm(Algorithm):
         self.hierarchical = hierarchical
         self.average = average
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         return _GradientHandle(type(self).__name__, module, optimizers, comm, self._wire_dtype,
                                self.hierarchical, self.average)
 

@@ -194,11 +194,11 @@ class AsyncModelAverageAlgorithm(Algorithm):
         self.sync_interval_ms = check_int("sync_interval_ms", sync_interval_ms, 0)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         return _AsyncHandle(self, module, optimizers, comm)
 
     def _handle_of(self, model) -> _AsyncHandle:
-        handle = getattr(model, "_handle", None)
+        handle = getattr(model, "bagua_driver", None)
         if not isinstance(handle, _AsyncHandle) or getattr(model, "bagua_algorithm", None) is not self:
             raise ValueError("model: expected the module that mpidp.with_bagua returned for this "
                              f"algorithm, got {type(model).__name__}"

@@ -36,13 +36,18 @@ class BaguaModule(torch.nn.Module):
         self.module = module
         self.bagua_algorithm: Optional[Algorithm] = None
         self.bagua_optimizers: Sequence[torch.optim.Optimizer] = ()
-        self._handle: Optional[Driver] = None      # the attached algorithm's driver
+        self._driver: Optional[Driver] = None      # the attached algorithm's driver
         self._trainable_at_setup = None    # TrainableAtSetup of the attached algorithm
+
+    @property
+    def bagua_driver(self) -> Driver:
+        """The driver (mpidp/_driver.py) running the attached algorithm."""
+        return self._driver
 
     def forward(self, *inputs, **kwargs):
         if self.training and torch.is_grad_enabled():
             self._trainable_at_setup.check()
-        return self._handle.train_forward(*inputs, **kwargs)
+        return self._driver.train_forward(*inputs, **kwargs)
 
     def join(self, adopt_optimizer_state: bool = False):
         """A context for uneven inputs (ranks with fewer batches finish early),
@@ -51,17 +56,42 @@ class BaguaModule(torch.nn.Module):
         others raise: QAdam averages momenta inside the optimizer's step, the
         decentralized ones and AsyncModelAverageAlgorithm average weights with
         peers that would wait for a finished rank."""
-        return self._handle.join(adopt_optimizer_state)
+        return self._driver.join(adopt_optimizer_state)
 
     def __reduce_ex__(self, protocol):
         return reduce_wrapper(self, self.module)
 
     def bagua_state_dict(self):
         """The algorithm's own state (its optimizers' states are theirs)."""
-        return self._handle.algorithm_state()
+        return self._driver.algorithm_state()
 
     def load_bagua_state_dict(self, state) -> None:
-        self._handle.load_algorithm_state(state)
+        self._driver.load_algorithm_state(state)
+
+    def with_bagua(self, optimizers, algorithm: Algorithm, comm=None) -> "BaguaModule":
+        """Switch to `algorithm` (Bagua's method of the same name): the old
+        driver drains and detaches, every rank takes rank 0's parameters,
+        buffers and optimizer state, the new driver attaches."""
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError("algorithm: expected an instance of a class of mpidp.algorithms "
+                            "(e.g. mpidp.algorithms.GradientAllReduceAlgorithm()), got "
+                            f"{type(algorithm).__name__}")
+        optimizers = _check_optimizers(optimizers)
+        if self._driver is not None:
+            self._driver.detach("with_bagua switched the module to another algorithm")
+        # Ranks with another algorithm or other settings would post different
+        # communication: the settings of the algorithm join the model's check.
+        # (Optimizer states may differ: rank 0's is broadcast below.)
+        settings = {"algorithm": type(algorithm).__name__, **algorithm.shared_settings()}
+        _, self._trainable_at_setup = set_up(
+            self.module, comm, "with_bagua", settings, rebuild="Call mpidp.with_bagua(model, "
+            "optimizers, algorithm) again after such a change")
+        for opt in optimizers:
+            broadcast_optimizer_state(opt, root=0, comm=comm)
+        self._driver = algorithm.attach(self.module, optimizers, comm)
+        self.bagua_algorithm = algorithm
+        self.bagua_optimizers = tuple(optimizers)
+        return self
 
 
 def _check_optimizers(optimizers) -> list:
@@ -86,31 +116,9 @@ def with_bagua(module: torch.nn.Module, optimizers, algorithm: Algorithm, comm=N
     module; on a wrapped module it switches the algorithm (see above).
     do_flatten is accepted for Bagua's signature: mpidp always reduces
     flattened buckets."""
-    if not isinstance(algorithm, Algorithm):
-        raise TypeError("algorithm: expected an instance of a class of mpidp.algorithms (e.g. "
-                        f"mpidp.algorithms.GradientAllReduceAlgorithm()), got "
-                        f"{type(algorithm).__name__}")
     if not isinstance(do_flatten, bool):
         raise TypeError(f"do_flatten: expected a bool, got {type(do_flatten).__name__}")
-    optimizers = _check_optimizers(optimizers)
-    if isinstance(module, BaguaModule):
-        wrapped = module
-        wrapped._handle.detach("with_bagua switched the module to another algorithm")
-    elif isinstance(module, torch.nn.Module):
-        wrapped = BaguaModule(module)
-    else:
+    if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-    inner = wrapped.module
-    # Ranks with another algorithm or other settings would post different
-    # communication: the settings of the algorithm join the model's check.
-    # (Optimizer states may differ: rank 0's is broadcast below.)
-    settings = {"algorithm": type(algorithm).__name__, **algorithm._settings()}
-    _, wrapped._trainable_at_setup = set_up(
-        inner, comm, "with_bagua", settings, rebuild="Call mpidp.with_bagua(model, optimizers, "
-        "algorithm) again after such a change")
-    for opt in optimizers:
-        broadcast_optimizer_state(opt, root=0, comm=comm)
-    wrapped._handle = algorithm._attach(inner, optimizers, comm)
-    wrapped.bagua_algorithm = algorithm
-    wrapped.bagua_optimizers = tuple(optimizers)
-    return wrapped
+    wrapped = module if isinstance(module, BaguaModule) else BaguaModule(module)
+    return wrapped.with_bagua(optimizers, algorithm, comm)

@@ -693,9 +693,10 @@ class DataParallel(torch.nn.Module, Driver):
                 "averages its own gradients (mpidp.allreduce(grad, op='avg')) steps the torch "
                 "optimizer itself, in blocking mode")
 
-    def _set_average(self, average: bool) -> None:
+    def set_average(self, average: bool) -> None:
         """Average the gradients (the default) or sum them (Bagua's
         average=False), from the next backward on."""
+        check_bool("average", average)
         self._average = average
         self._reducer.set_divisor(self._c_comm.size if average else 1)
 

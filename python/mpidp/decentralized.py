@@ -179,7 +179,7 @@ class DecentralizedAlgorithm(Algorithm):
         self.peer_selection_mode = peer_selection_mode
         self.communication_interval = communication_interval
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         return _DecentralizedHandle(module, comm, self.hierarchical, self.peer_selection_mode,
                                     self.communication_interval)
 
@@ -281,6 +281,6 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         return _LowPrecisionHandle(module, optimizers, comm, self.hierarchical,
                                    self.communication_interval)

@@ -111,7 +111,7 @@ class DiLoCo(Driver):
         self.wire_dtype = wire_dtype
         self.sync_buffers = bool(sync_buffers)
         # Claimed when entered: a DiLoCo is the model's algorithm inside its `with` block.
-        self._handle, self._trainable_at_setup = set_up(
+        self._communicator, self._trainable_at_setup = set_up(
             model, comm, "DiLoCo", settings={
                 "sync_every": sync_every, "fragments": len(self._fragments),
                 "fragment_sync_delay": fragment_sync_delay,
@@ -119,7 +119,7 @@ class DiLoCo(Driver):
                 "sync_buffers": bool(sync_buffers)},
             rebuild="Build a new DiLoCo, its outer optimizer holding the parameters trainable "
                     "now, after such a change")
-        self._comm = self._handle.c
+        self._comm = self._communicator.c
         self._schedule = {"n_fragments": n, "fragment_every": every,
                           "fragment_delay": fragment_sync_delay}
         self.step = 0  # inner steps taken under this DiLoCo
@@ -179,7 +179,7 @@ class DiLoCo(Driver):
             raise RuntimeError("DiLoCo: already entered")
         # Another DiLoCo (or algorithm) of the model over the same ranks is
         # detached: both would sync every turn.
-        self._claim(self.model, self._handle)
+        self._claim(self.model, self._communicator)
         self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
         self._handles += install_progress_hooks(self.model, [p for f in self._fragments for p in f],
                                                 self._syncs)

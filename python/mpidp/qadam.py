@@ -180,7 +180,7 @@ class QAdamAlgorithm(Algorithm):
         self.optimizer = q_adam_optimizer
         self.hierarchical = hierarchical
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         if not any(o is self.optimizer for o in optimizers):
             raise ValueError("optimizers: expected them to include the QAdamAlgorithm's "
                              "q_adam_optimizer")

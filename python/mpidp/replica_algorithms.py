@@ -92,7 +92,7 @@ class LocalSGDAlgorithm(Algorithm):
         self.period = check_int("period", period, 1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         return _LocalSGDDriver(module, optimizers, comm, self.period, self.warmup_steps)
 
 
@@ -139,7 +139,7 @@ class SlowMoAlgorithm(Algorithm):
     def __repr__(self) -> str:
         return f"SlowMoAlgorithm({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         return _SlowMoDriver(module, optimizers, comm, self.settings)
 
 
@@ -188,5 +188,5 @@ class DiLoCoAlgorithm(Algorithm):
         self.wire_dtype = wire_dtype
         self.sync_buffers = sync_buffers
 
-    def _attach(self, module, optimizers, comm):
+    def attach(self, module, optimizers, comm):
         return _DiLoCoDriver(module, optimizers, comm, self)
