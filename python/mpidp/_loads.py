@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _C
 from . import _module_hooks as module_hooks
 from ._consistency import numbers_of, ranks_differing, refuse_different_settings, settings_hash
+from ._params import remove_handles
 
 __all__ = ["LoadWatch"]
 
@@ -184,6 +185,5 @@ class _Watching:
         if watch is None:
             return
         _FOLLOWING.discard(watch)
-        for handle in list(watch._optimizers.values()):
-            handle.remove()
+        remove_handles(list(watch._optimizers.values()))
         watch._optimizers.clear()

@@ -124,10 +124,10 @@ _SLOWMO_SETTINGS = [name for name in inspect.signature(SlowMoDistributedDataPara
 
 
 class SlowMoAlgorithm(Algorithm):
-    """SlowMo (fairscale's SlowMoDistributedDataParallel, its arguments and
-    defaults: nprocs_per_node, slowmo_base_algorithm, slowmo_momentum,
-    slowmo_lr, slowmo_frequency, localsgd_frequency, ...); perform_slowmo
-    runs after each step of the first optimizer."""
+    """SlowMo: `settings` are fairscale's SlowMoDistributedDataParallel
+    arguments, with its defaults (nprocs_per_node, slowmo_base_algorithm,
+    slowmo_momentum, slowmo_lr, slowmo_frequency, localsgd_frequency, ...);
+    perform_slowmo runs after each step of the first optimizer."""
 
     def __init__(self, **settings):
         unknown = sorted(set(settings) - set(_SLOWMO_SETTINGS))
@@ -171,7 +171,11 @@ class _DiLoCoDriver(Driver):
 class DiLoCoAlgorithm(Algorithm):
     """DiLoCo and Streaming DiLoCo (torchft's arguments, mpidp.DiLoCo's
     rule): the first optimizer given to with_bagua is the inner one;
-    `outer_optimizer` holds the model's trainable parameters."""
+    `outer_optimizer` holds the model's trainable parameters and steps them
+    every `sync_every` inner steps. model_fragments, fragment_sync_delay,
+    fragment_update_alpha, wire_dtype and sync_buffers are mpidp.DiLoCo's
+    (Streaming DiLoCo's fragments, the overlap, the mixing, the outer
+    gradients' wire and the BatchNorm statistics' average)."""
 
     def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int, *,
                  model_fragments: Optional[Sequence[torch.nn.Module]] = None,
