@@ -1,6 +1,6 @@
 """The driver interface: what every training algorithm of mpidp is.
 
-A driver runs one algorithm on one module over one group of ranks, on the
+A driver runs one algorithm on one module over one communicator, on the
 core's engines (the gradient reducer, parameter syncs, peer exchanges, the
 background averager). The public classes (DataParallel, DASO, SlowMo,
 DiLoCo, the handles of mpidp.algorithms) keep their upstream names and
@@ -21,13 +21,15 @@ Every driver:
 - supports uneven inputs through `join()` or says it does not.
 
 Ownership, one policy for every driver: a module has at most one algorithm
-per group of ranks. A driver that claims a module already claimed by
-another live driver over the same ranks (the same members of
-MPI.COMM_WORLD) takes it over: the older one is drained and detached, with
-a warning, and using it afterwards raises. Drivers over different ranks
-compose (DataParallel over mpidp.node_comm() with DiLoCo over
-mpidp.cross_node_comm() on one model), and a driver built from others
-names them as its `parts` so that they are not taken over by it."""
+per communicator. A driver that claims a module already claimed by another
+live driver over the same MPI communicator takes it over: the older one is
+drained and detached, with a warning, and using it afterwards raises
+(two algorithms on one communicator would average every gradient or sync
+twice). Drivers over different communicators compose -- the user split
+the ranks on purpose: DataParallel over mpidp.node_comm() with DiLoCo over
+mpidp.cross_node_comm() on one model, whose groups may even hold the same
+ranks (one rank per node, a one-rank job) -- and the drivers a driver
+builds for itself are its parts, never taken over by it."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def set_up(module: Optional[torch.nn.Module], comm, who: str, settings: Dict[str
     rank's model structure and `settings` compared (all ranks raise, naming
     the first difference: ranks that differ would post different
     communication and wait until the deadline), the module claimed by
-    `claim_by` (an older driver over the same ranks drained and detached
+    `claim_by` (an older driver over the same communicator drained and detached
     before anything is broadcast), rank 0's parameters and buffers
     broadcast, and the parameters trainable now recorded (one that starts to
     require grad later is an error at the next step, not a silently local
@@ -87,7 +89,7 @@ def wait_pending(syncs: Iterable[Any]) -> None:
 
 
 class Driver(abc.ABC):
-    """One algorithm on one module over one group of ranks (see the module's
+    """One algorithm on one module over one communicator (see the module's
     docstring). Subclasses set `what` and `module`, implement _remove_hooks
     and, where they hold engines or state of their own, drain,
     algorithm_state and load_algorithm_state; they are set up by _set_up
@@ -181,33 +183,34 @@ class Driver(abc.ABC):
             raise RuntimeError(f"{self.what}: this {self.what} is detached: {self._released}")
 
     def _claim(self, module: torch.nn.Module, comm: Communicator) -> None:
-        """Make this driver `module`'s algorithm over comm's ranks, taking the
-        module over from a live driver over the same ranks (not its owner,
+        """Make this driver `module`'s algorithm over `comm`, taking the
+        module over from a live driver over the same communicator (not its owner,
         when it is built as one's part, nor one of its own parts)."""
         self._released = None
         owner = _BUILDING[-1][0] if _BUILDING else None
         if owner is not None:
             _BUILDING[-1][1].append(self)
             self._owner = weakref.ref(owner)
-        ranks = comm.ranks if comm.mpi is not None else None
-        self._claimed_ranks = ranks
+        key = comm.key
+        self._claimed_key = key
         kept = []
         for ref in _CLAIMS.get(module, ()):
             other = ref()
             if other is None or other._released is not None or other is self:
                 continue
-            if other is owner or other in self._parts or ranks is None \
-                    or other._claimed_ranks != ranks:
+            if other is owner or other in self._parts or key is None \
+                    or other._claimed_key != key:
                 kept.append(ref)
                 continue
             # A part taken over takes its whole driver with it.
             while other._owner is not None and other._owner() is not None:
                 other = other._owner()
-            other.detach(f"a newer {self.what} of the same module over the same ranks replaced "
-                         "it; use that one")
+            other.detach(f"a newer {self.what} of the same module over the same communicator "
+                         "replaced it; use that one")
             warnings.warn(f"{self.what}: this module was already wrapped by another {other.what} "
-                          "over the same ranks; that one is detached (its hooks removed, using "
-                          "it raises), so that the module has one algorithm per group of ranks",
+                          "over the same communicator; that one is detached (its hooks removed, "
+                          "using it raises), so that the module has one algorithm per "
+                          "communicator",
                           UserWarning, stacklevel=3)
         _CLAIMS[module] = kept + [weakref.ref(self)]
 

@@ -135,7 +135,7 @@ class LoadWatch:
                     numbers += [v for _, v in numbers_of(state)]
         return tensors + [torch.tensor(numbers or [0.0], dtype=torch.float64)]
 
-    def shared_settings(self) -> list:
+    def _settings(self) -> list:
         """(name, number) of the watched param groups' settings (for messages:
         the per-forward hash takes the numbers alone, unnamed)."""
         return [(f"optimizer {i}, param group {j}: {k}", v)

@@ -179,26 +179,19 @@ def world() -> _C.Comm:
 class Communicator:
     """A communicator argument, checked once: `.c` is mpidp's duplicate (what
     the core's engines run on), `.mpi` the mpi4py communicator behind it
-    (for splits and topology), `.ranks` its members as ranks of
-    MPI.COMM_WORLD (which ranks an algorithm runs over: drivers over the
-    same ranks compete for a module, drivers over different ranks compose)."""
+    (for splits and topology; None for a duplicate whose source is unknown).
+    `.key` names the MPI communicator itself: algorithms given the same
+    communicator compete for a module, algorithms given different ones
+    compose (mpidp/_driver.py)."""
 
-    __slots__ = ("c", "mpi", "_ranks")
+    __slots__ = ("c", "mpi")
 
     def __init__(self, c: _C.Comm, mpi: MPI.Intracomm):
-        self.c, self.mpi, self._ranks = c, mpi, None
+        self.c, self.mpi = c, mpi
 
     @property
-    def ranks(self) -> tuple:
-        if self._ranks is None:
-            group, everyone = self.mpi.Get_group(), MPI.COMM_WORLD.Get_group()
-            try:
-                self._ranks = tuple(MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                                              everyone))
-            finally:
-                group.Free()
-                everyone.Free()
-        return self._ranks
+    def key(self):
+        return None if self.mpi is None else self.mpi.py2f()
 
 
 # mpi4py communicator of each duplicate that came from one (a _C.Comm passed

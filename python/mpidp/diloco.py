@@ -177,7 +177,7 @@ class DiLoCo(Driver):
     def __enter__(self) -> "DiLoCo":
         if self._handles:
             raise RuntimeError("DiLoCo: already entered")
-        # Another DiLoCo (or algorithm) of the model over the same ranks is
+        # Another DiLoCo (or algorithm) of the model over the same communicator is
         # detached: both would sync every turn.
         self._claim(self.model, self._communicator)
         self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
