@@ -22,7 +22,8 @@ import torch
 
 from . import _C
 from ._args import check_int
-from ._consistency import check_same_step, check_same_structure, param_group_settings, ranks_range
+from ._consistency import check_same_step, param_group_settings, ranks_range
+from ._driver import set_up
 from ._params import flatten, write_back
 from ._mpi import MPI, as_mpi4py, resolve_comm
 
@@ -95,8 +96,7 @@ class ModelAverager:
     def _check_settings_agree(self, settings: Dict[str, Any]) -> None:
         """Every rank of the group built the same averager, or all raise
         (different periods would post mismatched allreduces)."""
-        check_same_structure(self._comm, as_mpi4py(self.process_group), None,
-                             type(self).__name__, settings)
+        set_up(None, self.process_group, type(self).__name__, settings, argname="process_group")
 
     def _schedule(self) -> Dict[str, Any]:
         raise NotImplementedError

@@ -37,10 +37,6 @@ __all__ = ["DASO"]
 _STATE_FORMAT = "mpidp.DASO/1"
 
 
-# The DASO syncing each (unwrapped) model: a model rebuilt under a new DASO
-# leaves the old one's progress hooks behind otherwise.
-
-
 class DASO(Driver):
     """Optimizer wrapper for DASO training; see the module docstring.
 
