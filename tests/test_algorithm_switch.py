@@ -282,3 +282,21 @@ def test_a_new_algorithm_on_the_same_ranks_takes_the_module_over():
     with pytest.raises(RuntimeError, match="detached: a newer DataParallel"):
         net(torch.zeros(2, 6))
     dp(torch.zeros(2, 6))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
+@pytest.mark.parametrize("make,setting", [
+    (lambda m: LocalSGDAlgorithm(period=2 if RANK == 0 else 3), "period"),
+    (lambda m: DiLoCoAlgorithm(outer_sgd(m.parameters()), sync_every=2 if RANK == 0 else 4),
+     "sync_every"),
+    (lambda m: mpidp.algorithms.SlowMoAlgorithm(nprocs_per_node=1,
+                                                slowmo_frequency=2 if RANK == 0 else 3),
+     "slowmo_frequency")],
+    ids=["localsgd", "diloco", "slowmo"])
+def test_settings_that_differ_across_ranks_are_named_on_every_rank(make, setting):
+    """A rank with another period would post syncs the others never match:
+    with_bagua compares the new algorithms' settings and every rank raises."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=f"with_bagua: the ranks' settings differ.*{setting}"):
+        mpidp.with_bagua(model, [opt], make(model))

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ._algorithm import Algorithm
+from ._algorithm import Algorithm, _plain
 from ._args import check_int
 from ._driver import Driver
 from ._mpi import communicator
@@ -52,18 +52,21 @@ class _LocalSGDDriver(Driver):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")          # period 1: the user asked for it
             self.averager = PeriodicModelAverager(period, warmup_steps, handle.mpi)
-        # torch's recipe: gradients averaged every step for the warm-up.
-        self._warmup = None
+        # torch's recipe: gradients averaged every step for the warm-up, by a
+        # DataParallel part (the default train_forward and drain use it).
         if warmup_steps > 0:
             with self._building_parts():
-                self._warmup = DataParallel(module, comm, blocking_parameter_updates=True)
+                DataParallel(module, comm, blocking_parameter_updates=True)
         self._handles = [self.optimizer.register_step_post_hook(self._after_step)]
 
     def _after_step(self, _optimizer, _args, _kwargs) -> None:
         self.averager.average_parameters(self.params)
-        if self._warmup is not None and self.averager.step >= self.averager.warmup_steps:
-            self._warmup.detach("LocalSGDAlgorithm's warm-up ended")
-            self._warmup = None
+        self._end_warmup_when_due()
+
+    def _end_warmup_when_due(self) -> None:
+        if self.averager.step >= self.averager.warmup_steps:
+            for part in self._live_parts():
+                part.detach("LocalSGDAlgorithm's warm-up ended")
 
     def _remove_hooks(self) -> None:
         remove_handles(self._handles)
@@ -75,9 +78,7 @@ class _LocalSGDDriver(Driver):
         if set(state) != {"step"}:
             raise ValueError(f"state: expected the keys ['step'], got {sorted(state)}")
         self.averager.step = check_int("state['step']", state["step"], 0)
-        if self._warmup is not None and self.averager.step >= self.averager.warmup_steps:
-            self._warmup.detach("LocalSGDAlgorithm's warm-up ended")
-            self._warmup = None
+        self._end_warmup_when_due()
 
 
 class LocalSGDAlgorithm(Algorithm):
@@ -135,6 +136,10 @@ class SlowMoAlgorithm(Algorithm):
             raise TypeError(f"SlowMoAlgorithm: unexpected argument(s) {unknown}; expected "
                             f"SlowMoDistributedDataParallel's: {_SLOWMO_SETTINGS}")
         self.settings = dict(settings)
+
+    def shared_settings(self) -> Dict[str, Any]:
+        # Each of SlowMo's arguments on its own, so a difference is named by it.
+        return {k: _plain(v) for k, v in self.settings.items()}
 
     def __repr__(self) -> str:
         return f"SlowMoAlgorithm({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
