@@ -3,6 +3,7 @@
 
 #include "mpi_util.h"
 #include "post.h"
+#include "mpidp/ft.h"
 #include "mpidp/status.h"
 #include "fail.h"
 
@@ -31,10 +32,13 @@ int mpidp_comm_dup(MPI_Comm user, mpidp_reqtable_t *reqs, double timeout_s, MPI_
         MPI_Comm_free(out);
         return mpidp__mpi_fail(rc, "setting up mpidp's communicator");
     }
+    mpidp_ft_track(*out);
     return MPIDP_OK;
 }
 
 void mpidp_comm_free(MPI_Comm *c)
 {
-    if (c != NULL && *c != MPI_COMM_NULL && !mpidp_mpi_finalized()) MPI_Comm_free(c);
+    if (c == NULL || *c == MPI_COMM_NULL) return;
+    mpidp_ft_untrack(*c);
+    if (!mpidp_mpi_finalized()) MPI_Comm_free(c);
 }

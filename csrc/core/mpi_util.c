@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "mpidp/ft.h"
 #include "mpidp/status.h"
 #include "fail.h"
 
@@ -28,7 +29,8 @@ int mpidp__mpi_fail(int mpi_rc, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(context, sizeof context, fmt, ap);
     va_end(ap);
-    return mpidp__fail(MPIDP_EMPI, "%s: %s", context, mpi_errstr(mpi_rc, msg, sizeof msg));
+    int status = mpidp_ft_is_peer_failure(mpi_rc) ? MPIDP_EPEERFAILED : MPIDP_EMPI;
+    return mpidp__fail(status, "%s: %s", context, mpi_errstr(mpi_rc, msg, sizeof msg));
 }
 
 static int op_keyval = MPI_KEYVAL_INVALID;

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "mpidp/ft.h"
 #include "mpidp/status.h"
 
 static int world_rank(void)
@@ -35,11 +36,16 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
     case MPIDP_ETIMEDOUT: type = st->comm_timeout; break;
     case MPIDP_EMISMATCH: type = st->comm_error; break;
     case MPIDP_EDEPARTED: type = st->comm_error; break;
+    case MPIDP_EPEERFAILED: type = st->ranks_lost; break;
     default: type = PyExc_RuntimeError; break;
     }
     int rank = world_rank();
     PyObject *msg;
-    if (type == st->comm_error || type == st->comm_timeout)
+    /* Survivors waiting on this rank in any of mpidp's communicators must
+     * learn of the failure too, rather than wait on a rank now in recovery. */
+    if (status == MPIDP_EPEERFAILED) mpidp_ft_revoke_all();
+    int comm_failure = type == st->comm_error || type == st->comm_timeout || type == st->ranks_lost;
+    if (comm_failure)
         msg = PyUnicode_FromFormat("%s on rank %d: %s: %s", what, rank, mpidp_strerror(status),
                                    detail);
     else if (detail[0])
@@ -71,7 +77,7 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
         MPI_Abort(MPI_COMM_WORLD, 3);
     }
     PyObject *exc = PyObject_CallOneArg(type, msg);
-    if (exc != NULL && (type == st->comm_error || type == st->comm_timeout)) {
+    if (exc != NULL && comm_failure) {
         PyObject *r = PyLong_FromLong(rank);
         PyObject *op = PyUnicode_FromString(what);
         if (r && op) {

@@ -168,6 +168,14 @@ static int module_exec(PyObject *m)
     Py_DECREF(bases);
     if (st->comm_timeout == NULL || PyModule_AddObjectRef(m, "CommTimeout", st->comm_timeout) < 0)
         return -1;
+    st->ranks_lost = PyErr_NewExceptionWithDoc(
+        "mpidp.RanksLost",
+        "Fault-tolerant mode: a rank of the job failed during this step. Every survivor raises "
+        "it within the same step, which none of them applied; mpidp.recover() continues on the "
+        "survivors. Attributes: rank, operation.",
+        st->comm_error, NULL);
+    if (st->ranks_lost == NULL || PyModule_AddObjectRef(m, "RanksLost", st->ranks_lost) < 0)
+        return -1;
     if (mpidp_py_import_mpi4py() < 0 || mpidp_py_reducer_pass_init() < 0) return -1;
     PyObject *api = mpidp_py_grad_hook_api_capsule();
     int added = api ? PyModule_AddObjectRef(m, "_grad_hook_api", api) : -1;

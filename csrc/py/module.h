@@ -14,11 +14,12 @@
 
 /* The module state's Python objects, listed once for the GC's traverse and clear:
  * the types the glue creates objects of, the struct sequences of Schedule.batch
- * and avgsched_actions, mpidp.CommError(RuntimeError), mpidp.CommTimeout(CommError). */
+ * and avgsched_actions, mpidp.CommError(RuntimeError), mpidp.CommTimeout(CommError),
+ * mpidp.RanksLost(CommError). */
 #define MPIDP_PY_STATE_OBJECTS(X)                                               \
     X(PyTypeObject, comm_type) X(PyTypeObject, work_type) X(PyTypeObject, reducer_type) \
     X(PyTypeObject, schedule_actions_type) X(PyTypeObject, avgsched_actions_type) \
-    X(PyObject, comm_error) X(PyObject, comm_timeout)
+    X(PyObject, comm_error) X(PyObject, comm_timeout) X(PyObject, ranks_lost)
 
 /* An object of one of these types keeps the module, and so this state and
  * its request table, alive through its type: every instance holds its heap

@@ -5,10 +5,13 @@
  * process_state(); finish_pending() lands what is in flight at exit. */
 #include "module.h"
 
+#include "mpidp/ft.h"
+
 #include <unistd.h>
 
 #include "mpidp/convert.h"
 #include "mpidp/departures.h"
+#include "mpidp/ft.h"
 #include "mpidp/mpi_info.h"
 #include "mpidp/status.h"
 
@@ -139,6 +142,23 @@ static PyObject *mod_iallreduce_algorithm(PyObject *m, PyObject *const *args, Py
     return PyLong_FromLong(mpidp_mpi_iallreduce_algorithm((int)prefer));
 }
 
+/* ft_support() -> (compiled, running): ULFM in the MPI mpidp was built
+ * against, and fault tolerance on in this job (mpidp/ft.h). */
+static PyObject *mod_ft_support(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return Py_BuildValue("(ii)", mpidp_ft_compiled(), mpidp_ft_running());
+}
+
+/* ft_revoke_all() -> how many of the core's communicators it revoked now. */
+static PyObject *mod_ft_revoke_all(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return PyLong_FromLong(mpidp_ft_revoke_all());
+}
+
 PyMethodDef mpidp_py_process_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))mod_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, timeout, abort_on_timeout, hook_progress, forked, wait_spin): process-wide\n"
@@ -157,5 +177,9 @@ PyMethodDef mpidp_py_process_methods[] = {
     {"iallreduce_algorithm", (PyCFunction)(void (*)(void))mod_iallreduce_algorithm,
      METH_FASTCALL, "iallreduce_algorithm(prefer=0) -> Open MPI's MPI_Iallreduce algorithm in\n"
      "force (coll_libnbc_iallreduce_algorithm), a 0 made `prefer` first; -1: no such setting."},
+    {"ft_support", mod_ft_support, METH_NOARGS,
+     "ft_support() -> (compiled, running): the MPI has ULFM; the job runs with it on."},
+    {"ft_revoke_all", mod_ft_revoke_all, METH_NOARGS,
+     "Revoke every communicator mpidp made (ULFM); returns how many were revoked now."},
     {NULL, NULL, 0, NULL},
 };

@@ -9,7 +9,7 @@ Launch with `mpirun -np N python train.py` or `srun python train.py`.
 
 from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
 from . import _C
-from ._C import CommError, CommTimeout
+from ._C import CommError, CommTimeout, RanksLost
 from . import algorithms, gossip
 from .averaging import HierarchicalModelAverager, PeriodicModelAverager, PostLocalSGDOptimizer
 from .bagua import BaguaModule, with_bagua
@@ -27,6 +27,9 @@ from . import c10d                                         # registers the "mpid
 from .topology import Topology, cross_node_comm, node_comm, topology
 from .wrapper_copy import WrapperCopy
 from . import nn, optim                                   # Heat's names: ht.nn, ht.optim
+from . import fault_tolerance
+from .fault_tolerance import Membership, recover
+from .fault_tolerance import enable as enable_fault_tolerance
 from .communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.MPI_WORLD
 
 from ._version import __version__
@@ -35,6 +38,11 @@ __all__ = [
     "__version__",
     "CommError",
     "CommTimeout",
+    "RanksLost",
+    "Membership",
+    "recover",
+    "enable_fault_tolerance",
+    "fault_tolerance",
     "DASO",
     "DiLoCo",
     "SlowMoBaseAlgorithm",

@@ -76,6 +76,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_ABORT_ON_EXCEPTION", True, _flag, "0 or 1",
             "1: an uncaught exception on any rank aborts the whole job instead of leaving the "
             "others waiting"),
+    Setting("MPIDP_FAULT_TOLERANCE", False, _flag, "0 or 1",
+            "1: keep training when ranks die (MPI's ULFM; Open MPI 5 under mpirun --with-ft "
+            "ulfm): mpidp.RanksLost, then mpidp.recover() (docs/fault-tolerance.md)"),
     Setting("MPIDP_IGNORE_LAUNCHER", False, _flag, "0 or 1",
             "1: run even when torchrun, Slurm or another MPI's launcher started several "
             "processes but MPI sees one (each would train alone; refused by default)"),

@@ -45,7 +45,7 @@ from ._consistency import check_same_structure
 from ._mpi import Communicator, communicator
 from ._params import TrainableAtSetup, broadcast_state
 
-__all__ = ["Driver", "set_up", "wait_pending"]
+__all__ = ["Driver", "set_up", "wait_pending", "continue_on_survivors"]
 
 # The live drivers that claimed each module (weakly held: a dropped driver
 # gives its claim up with it).
@@ -86,6 +86,25 @@ def wait_pending(syncs: Iterable[Any]) -> None:
     for sync in syncs:
         if sync is not None and sync.pending:
             sync.wait()
+
+
+def continue_on_survivors(old_world) -> None:
+    """Fault-tolerant mode, after the world shrank to the survivors
+    (mpidp/fault_tolerance.py): every live driver over the old world is set
+    up again over the new one (`_continue_on`), or, where its algorithm
+    cannot go on, detached with the reason (using it raises)."""
+    from ._mpi import world_mpi
+    key = old_world.py2f()
+    drivers = {id(d): d for refs in list(_CLAIMS.values()) for d in (r() for r in refs)
+               if d is not None and d._released is None and d._owner is None
+               and d._claimed_key == key}
+    for driver in drivers.values():
+        try:
+            driver._continue_on(world_mpi())
+        except NotImplementedError as why:
+            driver._released = (f"a rank was lost and {driver.what} cannot continue on the "
+                                f"survivors ({why}); build it again over the survivors")
+            driver._remove_hooks()
 
 
 class Driver(abc.ABC):
@@ -142,6 +161,12 @@ class Driver(abc.ABC):
         raise NotImplementedError(
             f"join: {self.what} does not support uneven inputs; give every rank the same "
             "number of batches (e.g. DistributedSampler(..., drop_last=True))")
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode: go on over `comm`, the survivors of the
+        communicator this driver ran on, after the step in flight was
+        discarded everywhere. Algorithms that support it override this."""
+        raise NotImplementedError(f"{self.what} does not support fault-tolerant mode yet")
 
     def train_forward(self, *inputs, **kwargs):
         """The module's forward under this algorithm (with_bagua calls it):

@@ -15,7 +15,7 @@ from . import _config as config
 from ._launch import check_launch
 
 __all__ = ["MPI", "Communicator", "communicator", "resolve_comm", "as_mpi4py", "world",
-           "mpi_library_version"]
+           "world_mpi", "mpi_library_version"]
 
 
 def _implementation(version: str) -> str:
@@ -163,17 +163,36 @@ _install_abort_on_uncaught_exception()
 
 _duplicates: "weakref.WeakKeyDictionary[MPI.Comm, _C.Comm]" = weakref.WeakKeyDictionary()
 _world: _C.Comm | None = None
+# The job's ranks: MPI.COMM_WORLD, or in fault-tolerant mode, after ranks
+# were lost, the survivors' communicator (mpidp/fault_tolerance.py).
+_world_mpi: MPI.Intracomm = MPI.COMM_WORLD
+
+
+def world_mpi() -> MPI.Intracomm:
+    """The mpi4py communicator of every rank of the job still running
+    (MPI.COMM_WORLD until fault-tolerant mode shrinks it)."""
+    return _world_mpi
 
 
 def world() -> _C.Comm:
-    """mpidp's duplicate of MPI.COMM_WORLD (created once)."""
+    """mpidp's duplicate of world_mpi() (created once per world)."""
     global _world
     if _world is None:
-        check_launch(MPI.COMM_WORLD.Get_size())
-        _world = _C.Comm(MPI.COMM_WORLD)
-        if _world.size > 1:
+        check_launch(_world_mpi.Get_size())
+        _world = _C.Comm(_world_mpi)
+        # Ranks that end their program are listened for over the first world;
+        # under fault tolerance MPI itself reports them (ULFM).
+        if _world.size > 1 and _world_mpi is MPI.COMM_WORLD and not _C.ft_support()[1]:
             _C.departures_start(_world)   # every rank is here: creating _world was collective
     return _world
+
+
+def replace_world(survivors: MPI.Intracomm) -> None:
+    """Fault-tolerant mode: the survivors' communicator becomes the world
+    that MPI.COMM_WORLD (and None) stand for in every mpidp call."""
+    global _world, _world_mpi
+    _world_mpi, _world = survivors, None
+    _duplicates.clear()
 
 
 class Communicator:
@@ -207,10 +226,10 @@ def communicator(comm, argname: str = "comm") -> Communicator:
 
     Duplicates are cached per communicator object: MPI_Comm_dup is collective,
     so creating one per call would cost a synchronisation every time."""
-    if comm is None or comm is MPI.COMM_WORLD:
-        return Communicator(world(), MPI.COMM_WORLD)
+    if comm is None or comm is MPI.COMM_WORLD or comm is _world_mpi:
+        return Communicator(world(), _world_mpi)
     if isinstance(comm, _C.Comm):
-        return Communicator(comm, _source_of.get(id(comm), MPI.COMM_WORLD if comm is _world else None))
+        return Communicator(comm, _source_of.get(id(comm), _world_mpi if comm is _world else None))
     handle = getattr(comm, "handle", None)
     if not isinstance(comm, MPI.Comm) and isinstance(handle, MPI.Comm):
         comm = handle  # Heat's MPICommunication

@@ -16,7 +16,7 @@ from . import _C
 from ._agreement import agree, crc_of, refuse, signature
 from ._args import check_bool, check_choice, check_int
 from ._dtypes import CODE_OF, wire_code
-from ._mpi import MPI, resolve_comm
+from ._mpi import resolve_comm
 from .topology import topology
 
 __all__ = ["allreduce", "allreduce_scalar", "allgather", "broadcast", "barrier", "rank", "size",
@@ -292,7 +292,7 @@ def size(comm=None) -> int:
 
 def local_rank() -> int:
     """This rank's index on its node (mpidp.topology().local_rank)."""
-    return topology(MPI.COMM_WORLD).local_rank
+    return topology().local_rank
 
 
 def check_root(root, c) -> int:

@@ -12,6 +12,7 @@ import torch
 
 from . import _config as config
 from . import _C
+from . import fault_tolerance
 from ._args import check_bool, check_real
 from ._dtypes import code_of, wire_code
 from ._consistency import check_every, check_in_sync
@@ -121,7 +122,12 @@ def _before_optimizer_step(wrapper_ref, optimizer) -> None:
     nothing that DataParallel does not average. DataParallelOptimizer's own
     steps are checked in optimizer_step."""
     wrapper = wrapper_ref()
-    if wrapper is not None and not wrapper._deferred.stepping and wrapper._released is None:
+    if wrapper is None or wrapper._released is not None:
+        return
+    # Fault-tolerant mode: the step is applied only if every rank lived through it.
+    if wrapper.blocking_parameter_updates:
+        fault_tolerance.step_boundary()
+    if not wrapper._deferred.stepping:
         wrapper._refuse_outside_tensors(optimizer)
 
 
@@ -245,18 +251,13 @@ class DataParallel(torch.nn.Module, Driver):
                 warnings.warn(f"DataParallel: {obstacle}; falling back to blocking parameter "
                               "updates", stacklevel=2)
             blocking_parameter_updates = bool(obstacle)
+        if fault_tolerance.enabled() and not blocking_parameter_updates:
+            raise NotImplementedError(
+                "blocking_parameter_updates: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports "
+                "blocking DataParallel only so far; pass blocking_parameter_updates=True")
         self.blocking_parameter_updates = blocking_parameter_updates
         self.wire_dtype = wire_dtype
         self._wire = wire
-        handle = self._set_up(module, comm, settings={
-            "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
-            "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
-            "broadcast_buffers": broadcast_buffers, "hierarchical": hierarchical,
-            "MPIDP_CHECK every": check_every()},
-            rebuild="Build mpidp.DataParallel(model, ...) again after such a change (the new "
-                    "wrapper takes over the model and its optimizers)")
-        c_comm = self._c_comm = handle.c
-        self._mpi_comm = handle.mpi
         # Held weakly: each optimizer holds its wrapper (opt.data_parallel), and the
         # reverse reference would make a cycle that keeps a dropped wrapper
         # and its buckets alive until the garbage collector runs.
@@ -265,12 +266,32 @@ class DataParallel(torch.nn.Module, Driver):
             opt.blocking_parameter_updates = blocking_parameter_updates
             opt.data_parallel = self
         self._average = True     # gradients averaged; Bagua's average=False sums them
-        self._hier_comms = _hierarchy(self._mpi_comm) if hierarchical else None
-        self.hierarchical = self._hier_comms is not None
         self.broadcast_buffers = broadcast_buffers
+        self._caps = (int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
+        self._setup_settings = {
+            "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
+            "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
+            "broadcast_buffers": broadcast_buffers, "hierarchical": hierarchical,
+            "MPIDP_CHECK every": check_every()}
+        self._attach(comm)
+
+    def _attach(self, comm) -> None:
+        """Everything that depends on the communicator: the set-up (settings
+        compared, rank 0's state broadcast), the gradient buckets and every
+        hook. Run again on the survivors after a rank was lost (_continue_on)."""
+        module = self.module
+        optimizers = self._dp_optimizers
+        handle = self._set_up(module, comm, settings=self._setup_settings,
+                              rebuild="Build mpidp.DataParallel(model, ...) again after such a "
+                                      "change (the new wrapper takes over the model and its "
+                                      "optimizers)")
+        c_comm = self._c_comm = handle.c
+        self._mpi_comm = handle.mpi
+        self._hier_comms = _hierarchy(self._mpi_comm) if self._setup_settings["hierarchical"] else None
+        self.hierarchical = self._hier_comms is not None
         self._check_every = check_every()
         self._forwards = 0
-        self._build_reducer(int(first_bucket_cap_mb * _MB), int(bucket_cap_mb * _MB))
+        self._build_reducer(*self._caps)
         # Loads on one rank only and optimizer settings that differ are found
         # at the next training forwards (_loads.py), also for plain torch
         # optimizers stepped directly (DDP's pattern).
@@ -716,6 +737,20 @@ class DataParallel(torch.nn.Module, Driver):
         remove_handles(self._hook_handles)
         for m, params in zip(self._watched_modules, self._watched_params):
             unwatch(m, params)
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        step in flight was discarded on every survivor, so the replicas are
+        equal; the buckets and hooks are built again over the survivors'
+        communicator. The discarded step's gradients are dropped (they hold
+        the dead rank's share or nothing)."""
+        if not self.blocking_parameter_updates:
+            raise NotImplementedError("non-blocking DataParallel does not survive a lost rank yet")
+        self._remove_hooks()
+        for p in self._params:
+            p.grad = None
+        self.comm = comm
+        self._attach(comm)
 
     def train_forward(self, *inputs, **kwargs):
         return self(*inputs, **kwargs)

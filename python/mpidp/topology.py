@@ -11,9 +11,9 @@ import warnings
 from dataclasses import dataclass
 
 from . import _config as config
-from ._mpi import MPI
+from ._mpi import MPI, world_mpi
 
-__all__ = ["Topology", "topology", "node_comm", "cross_node_comm"]
+__all__ = ["Topology", "topology", "node_comm", "cross_node_comm", "forget_splits"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def _split(comm: MPI.Intracomm):
 
 def node_comm(comm=None) -> MPI.Intracomm:
     """The mpi4py communicator of this rank's node within `comm` (cached)."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world_mpi() if comm is None or comm is MPI.COMM_WORLD else comm
     key = (comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))
     if key not in _cache:
         local = _split(comm)
@@ -67,7 +67,7 @@ def topology(comm=None) -> Topology:
 
     comm: the ranks taking part (an mpi4py communicator or MPICommunication;
     None: every rank)."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world_mpi() if comm is None or comm is MPI.COMM_WORLD else comm
     node_comm(comm)
     return _cache[(comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))][1]
 
@@ -84,7 +84,7 @@ def cross_node_comm(comm=None) -> MPI.Intracomm:
     passing this communicator to an algorithm that syncs replicas (`DiLoCo`,
     the model averagers) makes each rank sync with its counterparts on the
     other nodes, which hold the other nodes' replicas."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = world_mpi() if comm is None or comm is MPI.COMM_WORLD else comm
     key = (comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))
     if key not in _cross_cache:
         topo = topology(comm)
@@ -105,3 +105,10 @@ def useful_hierarchy(comm, who: str, instead: str, *, warn: bool = True, stackle
                       + ("one rank per node" if topo.local_size == 1 else "a single node")
                       + f"; {instead}", stacklevel=stacklevel + 1)
     return None
+
+
+def forget_splits() -> None:
+    """Drop every cached split: the world changed (fault-tolerant mode lost
+    ranks), and a freed communicator's handle may be reused by a new one."""
+    _cache.clear()
+    _cross_cache.clear()

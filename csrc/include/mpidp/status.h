@@ -26,7 +26,8 @@
     X(MPIDP_ECUDA,    -10,  "CUDA call failed")                                 \
     X(MPIDP_EMISMATCH,-11,  "ranks disagree")                                   \
     X(MPIDP_ECALLBACK,-12,  "a caller-supplied callback failed")                \
-    X(MPIDP_EDEPARTED,-13,  "a rank the operation waits for has ended its program")
+    X(MPIDP_EDEPARTED,-13,  "a rank the operation waits for has ended its program")   \
+    X(MPIDP_EPEERFAILED,-14, "a rank failed (MPI fault tolerance: process failed or communicator revoked)")
 
 enum mpidp_status {
 #define MPIDP__ENUM(name, value, msg) name = (value),

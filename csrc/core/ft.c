@@ -1,0 +1,99 @@
+/* ULFM support: error classes, run-time detection, revoking the core's
+ * communicators (see mpidp/ft.h). */
+#include "mpidp/ft.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+
+/* ULFM declares its names in mpi-ext.h (Open MPI's MPI extensions). */
+#if defined(__has_include)
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+#endif
+
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI && defined(MPIX_ERR_PROC_FAILED)
+#define MPIDP_HAVE_ULFM 1
+#else
+#define MPIDP_HAVE_ULFM 0
+#endif
+
+int mpidp_ft_compiled(void) { return MPIDP_HAVE_ULFM; }
+
+int mpidp_ft_running(void)
+{
+#if MPIDP_HAVE_ULFM
+    int *value = NULL, found = 0;
+    if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPIX_FT, &value, &found) != MPI_SUCCESS) return 0;
+    return found && value != NULL && *value != 0;
+#else
+    return 0;
+#endif
+}
+
+int mpidp_ft_is_peer_failure(int mpi_rc)
+{
+#if MPIDP_HAVE_ULFM
+    int cls = mpi_rc;
+    if (MPI_Error_class(mpi_rc, &cls) != MPI_SUCCESS) cls = mpi_rc;
+    return cls == MPIX_ERR_PROC_FAILED || cls == MPIX_ERR_PROC_FAILED_PENDING ||
+           cls == MPIX_ERR_REVOKED;
+#else
+    (void)mpi_rc;
+    return 0;
+#endif
+}
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static MPI_Comm *tracked;
+static size_t n_tracked, cap_tracked;
+
+void mpidp_ft_track(MPI_Comm c)
+{
+    pthread_mutex_lock(&lock);
+    if (n_tracked == cap_tracked) {
+        size_t cap = cap_tracked ? 2 * cap_tracked : 16;
+        MPI_Comm *grown = realloc(tracked, cap * sizeof *grown);
+        if (grown == NULL) {   /* untracked: it is merely not revoked early */
+            pthread_mutex_unlock(&lock);
+            return;
+        }
+        tracked = grown;
+        cap_tracked = cap;
+    }
+    tracked[n_tracked++] = c;
+    pthread_mutex_unlock(&lock);
+}
+
+void mpidp_ft_untrack(MPI_Comm c)
+{
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < n_tracked; i++) {
+        if (tracked[i] == c) {
+            tracked[i] = tracked[--n_tracked];
+            break;
+        }
+    }
+    if (n_tracked == 0) {
+        free(tracked);
+        tracked = NULL;
+        cap_tracked = 0;
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+int mpidp_ft_revoke_all(void)
+{
+    int revoked = 0;
+#if MPIDP_HAVE_ULFM
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < n_tracked; i++) {
+        int flag = 0;
+        if (MPIX_Comm_is_revoked(tracked[i], &flag) == MPI_SUCCESS && !flag &&
+            MPIX_Comm_revoke(tracked[i]) == MPI_SUCCESS)
+            revoked++;
+    }
+    pthread_mutex_unlock(&lock);
+#endif
+    return revoked;
+}

@@ -1,0 +1,31 @@
+/* Fault tolerance over ULFM, MPI's User-Level Failure Mitigation extension.
+ *
+ * With ULFM (Open MPI 5 launched with `mpirun --with-ft ulfm`), an operation
+ * that needs a rank that died fails with MPI_ERR_PROC_FAILED (or
+ * MPI_ERR_REVOKED once a survivor revoked the communicator) instead of
+ * ending the job. The core reports both as MPIDP_EPEERFAILED. The rank that
+ * sees such a failure revokes every communicator the core made
+ * (mpidp_ft_revoke_all), so that no survivor is left waiting on a peer that
+ * went to recovery; the agreement and the shrink that follow are done above
+ * the core (mpidp/fault_tolerance.py, through mpi4py). */
+#ifndef MPIDP_FT_H
+#define MPIDP_FT_H
+
+#include <mpi.h>
+
+/* 1 when mpidp was compiled against an MPI with the ULFM extension. */
+int mpidp_ft_compiled(void);
+/* 1 when, besides, this job runs with fault tolerance on (MPIX_FT attribute
+ * of MPI_COMM_WORLD; Open MPI: mpirun --with-ft ulfm). */
+int mpidp_ft_running(void);
+/* 1 when `mpi_rc` is a ULFM error: a peer failed or the communicator was revoked. */
+int mpidp_ft_is_peer_failure(int mpi_rc);
+
+/* The communicators the core made (its duplicates), revoked together. */
+void mpidp_ft_track(MPI_Comm c);
+void mpidp_ft_untrack(MPI_Comm c);
+/* Revokes every tracked communicator (a no-op without ULFM). Returns how
+ * many were revoked now (already revoked ones are skipped). */
+int mpidp_ft_revoke_all(void);
+
+#endif /* MPIDP_FT_H */

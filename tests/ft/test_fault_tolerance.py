@@ -1,0 +1,137 @@
+"""Fault-tolerant mode (mpidp/fault_tolerance.py), tested by killing ranks.
+
+Each test launches tests/ft/train_ft.py under ULFM (scripts/mpirun_ft.sh) at
+3 or 4 ranks, SIGKILLs some of them at a chosen step and phase, and compares
+what every survivor ends with against a single-process simulation of every
+replica written from the documented rule: a step in which a rank dies is
+applied by no survivor; the dead rank's data counts in every step applied
+before its death and in none after. Survivors must end bit for bit equal.
+
+These run in `make pytest-ft` (.venv-ft: Open MPI 5 with ULFM), not in the
+main passes, whose Open MPI 4.1 has no ULFM."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import train_ft  # noqa: E402
+
+pytestmark = pytest.mark.serial
+
+
+def run_job(tmp_path, n, kill, steps=8, **env):
+    """Runs the job; returns {launched rank: what it saved}."""
+    environ = dict(os.environ, FT_KILL=kill, FT_STEPS=str(steps), MPIDP_TIMEOUT="60",
+                   **{k: str(v) for k, v in env.items()})
+    proc = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
+                           os.path.join(HERE, "train_ft.py"), str(tmp_path)],
+                          env=environ, capture_output=True, text=True, timeout=240)
+    saved = {int(f[5:-3]): torch.load(tmp_path / f) for f in os.listdir(tmp_path)
+             if f.startswith("rank-")}
+    victims = {int(r) for r in kill.split(":")[0].split(",")} if kill else set()
+    assert set(saved) == set(range(n)) - victims, (
+        f"survivors that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
+        + "\n".join(line for line in proc.stderr.splitlines() if "NBC_Progress" not in line)[-4000:])
+    return saved
+
+
+def simulate(n, steps, victims, lost_from):
+    """Every replica of the rule: rank r's batch counts in step t while r is
+    alive (t < lost_from for the victims); the mean over those ranks is
+    stepped by SGD with momentum. Returns (params, momentum, params after
+    each step)."""
+    model = train_ft.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    history = []
+    for t in range(steps):
+        alive = [r for r in range(n) if r not in victims or t < lost_from]
+        grads = None
+        for r in alive:
+            model.zero_grad()
+            x, y = train_ft.batch(r, t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            g = [p.grad.clone() for p in model.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g / len(alive)
+        opt.step()
+        history.append({"model": {k: v.clone() for k, v in model.state_dict().items()},
+                        "optimizer": copy.deepcopy(opt.state_dict())})
+    return ([p.detach() for p in model.parameters()],
+            [opt.state[p]["momentum_buffer"] for p in model.parameters()], history)
+
+
+def check_survivors(saved, n, victims, lost_from, steps=8):
+    params, momentum, history = simulate(n, steps, victims, lost_from)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank {min(saved)}'s"
+        assert [r["lost"] for r in got["recoveries"]][-1:] and \
+            sorted(sum((list(r["lost"]) for r in got["recoveries"]), [])) == \
+            sorted(victims), got["recoveries"]
+        last = got["recoveries"][-1]
+        assert (last["size"], last["mpidp_size"]) == (n - len(victims),) * 2
+        assert last["mpidp_rank"] == last["rank"] == sorted(saved).index(rank)
+    for a, b in zip(first["params"], params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(first["momentum"], momentum):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return history
+
+
+# (ranks, kill spec, the first step without the victims' data)
+CASES = {
+    "one rank before forward": (3, "2:3:forward", 3),
+    "one rank in backward, buckets in flight": (3, "1:3:backward", 3),
+    "one rank after backward, before the step": (4, "3:2:step", 2),
+    "one rank between two steps": (4, "2:2:between", 3),
+    "rank 0 in backward": (4, "0:3:backward", 3),
+    "two ranks at once in backward": (4, "1,2:4:backward", 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_survivors_finish_equal_to_the_simulation(tmp_path, case):
+    n, kill, lost_from = CASES[case]
+    victims = {int(r) for r in kill.split(":")[0].split(",")}
+    check_survivors(run_job(tmp_path, n, kill), n, victims, lost_from)
+
+
+def test_a_whole_emulated_node_is_lost_under_hierarchical_averaging(tmp_path):
+    saved = run_job(tmp_path, 4, "2,3:3:backward", MPIDP_RANKS_PER_NODE=2, FT_HIERARCHICAL=1)
+    check_survivors(saved, 4, {2, 3}, 3)
+
+
+def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_path):
+    saved = run_job(tmp_path, 4, "3:4:checkpoint")
+    history = check_survivors(saved, 4, {3}, 5)
+    written = torch.load(tmp_path / "checkpoint.pt")
+    assert written["steps"] == 5
+    for key, value in history[4]["model"].items():
+        torch.testing.assert_close(written["model"][key], value, rtol=1e-5, atol=1e-6)
+    # A relaunch (here: one process) resumes from it with the usual state_dicts.
+    model = train_ft.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.load_state_dict(written["model"])
+    opt.load_state_dict(written["optimizer"])
+    ref = history[4]["optimizer"]["state"]
+    for i, state in opt.state_dict()["state"].items():
+        torch.testing.assert_close(state["momentum_buffer"], ref[i]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_no_failure_trains_as_plain_data_parallel(tmp_path):
+    saved = run_job(tmp_path, 3, "")
+    params, _, _ = simulate(3, 8, set(), 8)
+    for got in saved.values():
+        assert got["recoveries"] == []
+        for a, b in zip(got["params"], params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,94 @@
+"""One fault-tolerant training job, launched by tests/ft/test_fault_tolerance.py
+through scripts/mpirun_ft.sh: blocking DataParallel on a small MLP, plain SGD
+with momentum stepped directly, every rank on its own data stream (seeded by
+its rank in the launched job). The ranks named in FT_KILL end themselves
+with SIGKILL at a chosen step and phase; the survivors catch RanksLost,
+recover() and finish the run. Every survivor saves its final parameters and
+what it saw to FT_OUT/rank-<launched rank>.pt.
+
+FT_KILL: "<ranks>:<step>:<phase>", ranks comma-separated, phase one of
+forward (before the forward), backward (inside backward, gradient buckets in
+flight), step (backward done, before the optimizer's step), between (after
+the step, before the next forward), checkpoint (inside a checkpoint write,
+which every rank starts after that step)."""
+
+import os
+import signal
+import sys
+
+import torch
+
+import mpidp
+from mpi4py import MPI
+
+STEPS = int(os.environ.get("FT_STEPS", "8"))
+LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batch(launched_rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * launched_rank + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def kill_plan():
+    spec = os.environ.get("FT_KILL", "")
+    if not spec:
+        return set(), -1, ""
+    ranks, step, phase = spec.split(":")
+    return {int(r) for r in ranks.split(",")}, int(step), phase
+
+
+def main(out_dir: str) -> None:
+    victims, kill_step, kill_phase = kill_plan()
+
+    def maybe_die(step: int, phase: str) -> None:
+        if LAUNCHED_RANK in victims and step == kill_step and phase == kill_phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model = make_model()
+    # One bucket per parameter, so that several are in flight when a rank dies in backward.
+    net = mpidp.DataParallel(model, first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
+                             hierarchical=bool(os.environ.get("FT_HIERARCHICAL")))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    first_layer = model[0].weight   # its gradient comes last in backward
+    first_layer.register_hook(lambda g: maybe_die(step, "backward") or g)
+    checkpoint_after = kill_step if kill_phase == "checkpoint" else -1
+    checkpoint_due = False
+    recoveries = []
+    step = 0     # steps applied
+    while step < STEPS:
+        try:
+            if checkpoint_due:     # written after step `checkpoint_after`, retried after a failure
+                maybe_die(checkpoint_after, "checkpoint")
+                mpidp.fault_tolerance.save_checkpoint(
+                    os.path.join(out_dir, "checkpoint.pt"),
+                    {"model": model.state_dict(), "optimizer": opt.state_dict(), "steps": step})
+                checkpoint_due = False
+            x, y = batch(LAUNCHED_RANK, step)
+            maybe_die(step, "forward")
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            maybe_die(step, "step")
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            maybe_die(step - 1, "between")
+            checkpoint_due = step - 1 == checkpoint_after
+        except mpidp.RanksLost:
+            m = mpidp.recover()
+            recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
+                               "mpidp_size": mpidp.size(), "mpidp_rank": mpidp.rank()})
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+                "recoveries": recoveries},
+               os.path.join(out_dir, f"rank-{LAUNCHED_RANK}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
