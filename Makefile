@@ -3,15 +3,18 @@
 #   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2, 3 (ranks3 tests) and 4 MPI ranks
 #                 + DataParallel's tests with the Python gradient hook
 #                 + pytest at 2 ranks against the oldest mpi4py pyproject.toml claims
+#                 + the fault-tolerance tests: ranks killed under ULFM (Open MPI 5, .venv-ft)
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests (ASan/UBSan) and a replay of the fuzz corpus
 #   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
 #   make pytest-oldest-deps  pytest at 2 ranks with the oldest claimed mpi4py (builds it once)
 #   make pytest-python-hook  DataParallel's tests at 2 ranks with the Python gradient hook
+#   make pytest-ft  fault-tolerant mode: jobs under ULFM whose ranks are killed (builds .venv-ft once)
 #   make fuzz     libFuzzer harnesses (DLPack intake, DASO and averaging schedules), FUZZ_SECONDS each
 #   make valgrind a short DataParallel and DASO job under valgrind memcheck
 #   make bench    the step-time benchmark (benchmarks/bench_step.py) at 2 ranks
 #   make bench-daso  DASO vs DDP and DataParallel on an emulated 2-node cluster (root)
+#   make bench-ft    fault-tolerant mode: recovery time from a killed rank, cost per step
 #   make docs     the HTML documentation (Sphinx, warnings as errors) into docs/_build/html
 
 PY       := .venv/bin/python
@@ -22,7 +25,7 @@ DEMO_RANKS_PER_NODE := 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps demo bench bench-daso fuzz valgrind docs clean
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps pytest-ft demo bench bench-daso bench-ft fuzz valgrind docs clean
 
 setup:
 	@./scripts/setup_env.sh
@@ -44,7 +47,7 @@ valgrind: setup
 	@command -v valgrind >/dev/null || ./scripts/apt_install.sh valgrind
 	$(MAKE) --no-print-directory -C tests/valgrind run
 
-pytest: pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps
+pytest: pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps pytest-ft
 
 # Explicit rules: make skips pattern rules for .PHONY targets, so a
 # `pytest-%: ...` rule would silently run nothing for them.
@@ -57,6 +60,9 @@ pytest-3: setup
 
 pytest-oldest-deps: setup
 	@./scripts/test_oldest_deps.sh
+
+pytest-ft: setup
+	@./scripts/test_fault_tolerance.sh
 
 # DataParallel's tests with the Python-level gradient hook: the path of builds
 # without the C++ hook (mpidp._grad_hook), and of GPU staging.
@@ -74,6 +80,10 @@ demo: setup
 
 bench: setup
 	./scripts/mpirun.sh 2 $(PY) benchmarks/bench_step.py
+
+bench-ft: setup
+	./scripts/setup_ft_env.sh
+	$(PY) benchmarks/bench_fault_tolerance.py
 
 # DASO against DDP and DataParallel on an emulated 2-node cluster (root; ~20 min)
 bench-daso: setup

@@ -57,12 +57,15 @@ RanksLost = _C.RanksLost
 class Membership(NamedTuple):
     """The job after a recovery: this rank's new rank and the new size, the
     ranks lost (numbered in the world before the recovery), the size before,
-    and how many recoveries the job has been through."""
+    how many recoveries the job has been through, and the survivors' mpi4py
+    communicator (for the program's own MPI calls; MPI.COMM_WORLD still
+    holds the dead ranks, though mpidp calls given it use the survivors)."""
     rank: int
     size: int
     lost: Tuple[int, ...]
     previous_size: int
     generation: int
+    comm: MPI.Intracomm
 
 
 class _State:
@@ -170,7 +173,7 @@ def recover() -> Membership:
     _state.generation += 1
     _state.times = times
     return Membership(survivors.Get_rank(), survivors.Get_size(), lost, old_size,
-                      _state.generation)
+                      _state.generation, survivors)
 
 
 def recovery_times() -> Dict[str, float]:

@@ -1,0 +1,195 @@
+"""Fault-tolerant mode (MPIDP_FAULT_TOLERANCE=1, ULFM): what a lost rank costs,
+and what the mode costs when no rank is lost.
+
+    python benchmarks/bench_fault_tolerance.py [--ranks 4] [--rounds 3] [--steps 20] [--quick]
+
+Runs jobs under scripts/mpirun_ft.sh (Open MPI 5 with ULFM, .venv-ft; run
+scripts/setup_ft_env.sh first) from this one process, taking turns:
+
+1. Step time of blocking mpidp.DataParallel on bench_step.py's models (the
+   500-tensor MLP, ResNet-18), SGD with momentum, every rank's slowest
+   median counting: launched with ULFM and fault-tolerant mode on, against
+   the same launch with the mode off (MPIDP_FAULT_TOLERANCE=0), and a launch
+   without ULFM (plain mpirun of the same Open MPI, mode off).
+2. Recovery: the last rank SIGKILLs itself in the middle of a backward pass
+   (gradient buckets in flight); the survivors' times from the kill (a clock
+   reading the victim wrote just before) to RanksLost (detection), through
+   recover()'s phases (agreement, shrink, rebuild over the survivors), to the
+   end of their first step at the new size; and how many steps' work was
+   lost (steps begun and not applied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FT_PYTHON = os.path.join(ROOT, ".venv-ft", "bin", "python")
+
+
+# -- the workers (run on every rank) -------------------------------------------
+
+def _worker_setup():
+    import torch
+    sys.path.insert(0, HERE)
+    import mpidp
+    from bench_step import make_case
+    return torch, mpidp, make_case
+
+
+def worker_steps(args):
+    torch, mpidp, make_case = _worker_setup()
+    import torch.nn.functional as F
+    comm = mpidp.MPI.COMM_WORLD
+    result = {}
+    for name in ("mlp", "resnet18"):
+        torch.manual_seed(0)
+        model, x, y = make_case(name, args.quick, torch.device("cpu"))
+        net = mpidp.DataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        for _ in range(3):
+            step()
+        samples = []
+        for _ in range(args.repeats):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            comm.Barrier()
+            samples.append((time.perf_counter() - t0) / args.steps)
+        result[name] = max(comm.allgather(statistics.median(samples)))
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def worker_recovery(args):
+    torch, mpidp, make_case = _worker_setup()
+    import torch.nn.functional as F
+    comm = mpidp.MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.manual_seed(0)
+    model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
+    net = mpidp.DataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    kill_at = 6
+    state = {"step": 0}
+
+    def die_in_backward(grad):
+        if rank == size - 1 and state["step"] == kill_at:
+            with open(args.stamp, "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+    model.layers[len(model.layers) // 2].weight.register_hook(die_in_backward)
+    begun = applied = 0
+    step_times, caught, first_after = [], None, None
+    while applied < kill_at + 4:
+        try:
+            t0 = time.perf_counter()
+            begun += 1
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            applied += 1
+            state["step"] = applied
+            if caught is not None and first_after is None:
+                first_after = time.time()
+            elif caught is None:
+                step_times.append(time.perf_counter() - t0)
+        except mpidp.RanksLost:
+            caught = time.time()
+            membership = mpidp.recover()
+    with open(args.stamp) as f:
+        killed = float(f.read())
+    phases = mpidp.fault_tolerance.recovery_times()
+    recovered = caught + sum(phases.values())
+    mine = {"detection": caught - killed, **phases, "first step": first_after - recovered,
+            "kill to first step": first_after - killed, "steps lost": begun - applied,
+            "step": statistics.median(step_times[2:])}
+    every = membership.comm.allgather(mine)
+    if membership.rank == 0:
+        print("RESULT " + json.dumps({k: max(m[k] for m in every) for k in mine}), flush=True)
+
+
+# -- the driver ------------------------------------------------------------------
+
+def run_job(ranks, worker, extra, ft_mode=True, ulfm=True):
+    env = dict(os.environ, MPIDP_FAULT_TOLERANCE="1" if ft_mode else "0")
+    cmd = [os.path.join(ROOT, "scripts", "mpirun_ft.sh"), str(ranks)]
+    if not ulfm:
+        env["FT_LAUNCH_WITHOUT_ULFM"] = "1"
+    cmd += [FT_PYTHON, os.path.abspath(__file__), "--worker", worker] + extra
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{worker} job failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n"
+                       + "\n".join(line for line in out.stderr.splitlines()
+                                   if "NBC_Progress" not in line)[-3000:])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="jobs of each kind, taking turns")
+    p.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per job (median)")
+    p.add_argument("--quick", action="store_true", help="smaller ResNet-18")
+    p.add_argument("--worker", choices=["steps", "recovery"], help=argparse.SUPPRESS)
+    p.add_argument("--stamp", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "steps":
+        return worker_steps(args)
+    if args.worker == "recovery":
+        return worker_recovery(args)
+    if not os.path.exists(FT_PYTHON):
+        sys.exit("bench_fault_tolerance: .venv-ft is missing: run scripts/setup_ft_env.sh first")
+
+    common = ["--steps", str(args.steps), "--repeats", str(args.repeats)] + \
+        (["--quick"] if args.quick else [])
+    kinds = {"ulfm, mode on": dict(ft_mode=True), "ulfm, mode off": dict(ft_mode=False),
+             "no ulfm, mode off": dict(ft_mode=False, ulfm=False)}
+    steps = {k: [] for k in kinds}
+    recoveries = []
+    for _ in range(args.rounds):
+        for kind, how in kinds.items():
+            steps[kind].append(run_job(args.ranks, "steps", common, **how))
+        with tempfile.NamedTemporaryFile(suffix=".stamp") as stamp:
+            recoveries.append(run_job(args.ranks, "recovery", common + ["--stamp", stamp.name]))
+
+    print(f"\nStep time of blocking DataParallel at {args.ranks} ranks, median of {args.rounds} "
+          "jobs (ms):")
+    print(f"{'model':10s}" + "".join(f"{k:>20s}" for k in kinds) + f"{'on / off':>10s}"
+          f"{'on / no ulfm':>14s}")
+    for model in ("mlp", "resnet18"):
+        ms = {k: 1e3 * statistics.median(r[model] for r in steps[k]) for k in kinds}
+        print(f"{model:10s}" + "".join(f"{ms[k]:20.2f}" for k in kinds)
+              + f"{ms['ulfm, mode on'] / ms['ulfm, mode off']:10.3f}"
+              + f"{ms['ulfm, mode on'] / ms['no ulfm, mode off']:14.3f}")
+    print(f"\nRecovery from one SIGKILLed rank of {args.ranks} in backward (500-tensor MLP), the "
+          f"slowest survivor, median of {args.rounds} jobs (ms; steps lost: steps begun but not "
+          "applied):")
+    for key in recoveries[0]:
+        values = [r[key] for r in recoveries]
+        if key == "steps lost":
+            print(f"  {key:20s}{statistics.median(values):10.0f}")
+        else:
+            print(f"  {key:20s}{1e3 * statistics.median(values):10.2f}")
+
+
+if __name__ == "__main__":
+    main()
