@@ -36,7 +36,7 @@ if [ ! -f "$STAMP" ] || [ -n "$(find csrc python setup.py -newer "$STAMP" -type 
         \( -name '*.c' -o -name '*.h' -o -name '*.py' \) -print -quit)" ]; then
     say "building mpidp with $DIR/bin/mpicc"
     PATH="$DIR/bin:$PATH" MPICC="$DIR/bin/mpicc" MPIDP_CUDA=0 "$PY" setup.py -q build \
-        --build-base "$DIR/build" --build-lib "$DIR/lib" >/dev/null
+        --build-base "$DIR/build" --build-lib "$DIR/lib" >"$DIR/build.log" 2>&1 || { cat "$DIR/build.log"; exit 1; }
     touch "$STAMP"
 fi
 PYTHONPATH="$DIR/lib" "$PY" -c "import mpidp, mpi4py; print('[ft-env] mpidp', mpidp.__file__, 'on', mpidp.mpi_library_version().splitlines()[0])"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import List, Sequence
 
+from . import fault_tolerance
 from ._pending_reads import set_pending
 
 __all__ = ["DeferredStep", "bucket_members"]
@@ -57,8 +58,15 @@ class DeferredStep:
 
     def begin(self) -> bool:
         """At a forward after a finished backward: start applying the step if
-        one is due; False when none is."""
-        if self.optimizer is not None:
+        one is due; False when none is. In fault-tolerant mode the step's end
+        is here: every bucket's averaging is waited for and every rank agrees
+        before any of it is applied (RanksLost otherwise, the step applied
+        nowhere), so this step forgoes the overlap with the forward."""
+        if self.optimizer is not None and not self.applying:
+            if fault_tolerance.enabled():
+                for b in range(self.reducer.n_buckets):
+                    self.reducer.wait_bucket(b)
+                fault_tolerance.step_boundary()
             self.applying = True
         return self.applying
 

@@ -251,10 +251,6 @@ class DataParallel(torch.nn.Module, Driver):
                 warnings.warn(f"DataParallel: {obstacle}; falling back to blocking parameter "
                               "updates", stacklevel=2)
             blocking_parameter_updates = bool(obstacle)
-        if fault_tolerance.enabled() and not blocking_parameter_updates:
-            raise NotImplementedError(
-                "blocking_parameter_updates: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports "
-                "blocking DataParallel only so far; pass blocking_parameter_updates=True")
         self.blocking_parameter_updates = blocking_parameter_updates
         self.wire_dtype = wire_dtype
         self._wire = wire
@@ -743,9 +739,8 @@ class DataParallel(torch.nn.Module, Driver):
         step in flight was discarded on every survivor, so the replicas are
         equal; the buckets and hooks are built again over the survivors'
         communicator. The discarded step's gradients are dropped (they hold
-        the dead rank's share or nothing)."""
-        if not self.blocking_parameter_updates:
-            raise NotImplementedError("non-blocking DataParallel does not survive a lost rank yet")
+        the dead rank's share or nothing), and so is a non-blocking step that
+        was due (its agreement failed)."""
         self._remove_hooks()
         for p in self._params:
             p.grad = None

@@ -49,7 +49,7 @@ from ._mpi import MPI
 from .topology import forget_splits
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "step_boundary",
-           "save_checkpoint", "recovery_times"]
+           "steps_committed", "save_checkpoint", "recovery_times"]
 
 RanksLost = _C.RanksLost
 
@@ -73,6 +73,7 @@ class _State:
     agree_comm: Optional[MPI.Intracomm] = None   # a duplicate of the world, never revoked
     agreed = False          # this round's agreement is behind us (the step's end saw the failure)
     generation = 0
+    committed = 0           # step ends every rank agreed on
     times: Dict[str, float] = {}
 
 
@@ -122,12 +123,14 @@ def step_boundary() -> None:
         _state.agreed = True
         raise _lost(f"step end on rank {_mpi.world_mpi().Get_rank()}: the step was applied by "
                     "no rank", error) from None
-    if not ok:
-        _state.agreed = True
-        _C.ft_revoke_all()
-        raise RanksLost(f"step end on rank {_mpi.world_mpi().Get_rank()}: another rank saw a "
-                        "rank fail during this step, which no rank applied; call "
-                        "mpidp.recover() to go on with the survivors")
+    if ok:
+        _state.committed += 1
+        return
+    _state.agreed = True
+    _C.ft_revoke_all()
+    raise RanksLost(f"step end on rank {_mpi.world_mpi().Get_rank()}: another rank saw a rank "
+                    "fail during this step, which no rank applied; call mpidp.recover() to go "
+                    "on with the survivors")
 
 
 def recover() -> Membership:
@@ -174,6 +177,15 @@ def recover() -> Membership:
     _state.times = times
     return Membership(survivors.Get_rank(), survivors.Get_size(), lost, old_size,
                       _state.generation, survivors)
+
+
+def steps_committed() -> int:
+    """Optimizer steps every rank agreed to apply since fault-tolerant mode
+    was turned on (with several optimizers, each one's step counts). After
+    recover(), the loop goes on from this step: the step in flight when a
+    rank died is not among them (non-blocking DataParallel: the step that
+    was due, which the loop had already passed)."""
+    return _state.committed
 
 
 def recovery_times() -> Dict[str, float]:

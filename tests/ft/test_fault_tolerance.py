@@ -105,6 +105,22 @@ def test_survivors_finish_equal_to_the_simulation(tmp_path, case):
     check_survivors(run_job(tmp_path, n, kill), n, victims, lost_from)
 
 
+# Non-blocking DataParallel: a step's end is the next forward, which applies
+# it; a rank lost between step() and that forward discards that step.
+NONBLOCKING_CASES = {
+    "one rank in backward": (3, "1:3:backward", 3),
+    "one rank between step() and the forward that applies it": (4, "2:2:between", 2),
+    "rank 0 before the forward": (3, "0:4:forward", 3),
+}
+
+
+@pytest.mark.parametrize("case", list(NONBLOCKING_CASES))
+def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path, case):
+    n, kill, lost_from = NONBLOCKING_CASES[case]
+    victims = {int(r) for r in kill.split(":")[0].split(",")}
+    check_survivors(run_job(tmp_path, n, kill, FT_NONBLOCKING=1), n, victims, lost_from)
+
+
 def test_a_whole_emulated_node_is_lost_under_hierarchical_averaging(tmp_path):
     saved = run_job(tmp_path, 4, "2,3:3:backward", MPIDP_RANKS_PER_NODE=2, FT_HIERARCHICAL=1)
     check_survivors(saved, 4, {2, 3}, 3)

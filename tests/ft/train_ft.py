@@ -52,10 +52,15 @@ def main(out_dir: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    nonblocking = bool(os.environ.get("FT_NONBLOCKING"))
+    # Non-blocking: Heat's DataParallelOptimizer, the update applied by the next forward.
+    opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if nonblocking else sgd
     # One bucket per parameter, so that several are in flight when a rank dies in backward.
-    net = mpidp.DataParallel(model, first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
+    net = mpidp.DataParallel(model, optimizer=opt if nonblocking else None,
+                             blocking_parameter_updates=not nonblocking,
+                             first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
                              hierarchical=bool(os.environ.get("FT_HIERARCHICAL")))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     first_layer = model[0].weight   # its gradient comes last in backward
     first_layer.register_hook(lambda g: maybe_die(step, "backward") or g)
     checkpoint_after = kill_step if kill_phase == "checkpoint" else -1
@@ -84,8 +89,12 @@ def main(out_dir: str) -> None:
             m = mpidp.recover()
             recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
                                "mpidp_size": mpidp.size(), "mpidp_rank": mpidp.rank()})
+            # Go on from the last step every rank applied (non-blocking: the
+            # step due when the rank died may be one the loop had passed).
+            step = mpidp.fault_tolerance.steps_committed()
+    net.synchronize()   # non-blocking: the last step's update
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+                "momentum": [sgd.state[p]["momentum_buffer"].clone() for p in model.parameters()],
                 "recoveries": recoveries},
                os.path.join(out_dir, f"rank-{LAUNCHED_RANK}.pt"))
 
