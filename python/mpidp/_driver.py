@@ -95,9 +95,15 @@ def continue_on_survivors(old_world) -> None:
     cannot go on, detached with the reason (using it raises)."""
     from ._mpi import world_mpi
     key = old_world.py2f()
-    drivers = {id(d): d for refs in list(_CLAIMS.values()) for d in (r() for r in refs)
-               if d is not None and d._released is None and d._owner is None
-               and d._claimed_key == key}
+    drivers = {}
+    for refs in list(_CLAIMS.values()):
+        for driver in (r() for r in refs):
+            if driver is None or driver._released is not None or driver._claimed_key != key:
+                continue
+            # A part goes on through the driver it is a part of.
+            while driver._owner is not None and driver._owner() is not None:
+                driver = driver._owner()
+            drivers[id(driver)] = driver
     for driver in drivers.values():
         try:
             driver._continue_on(world_mpi())

@@ -56,6 +56,12 @@ class _GradientHandle(Driver):
     def _remove_hooks(self) -> None:
         pass        # the hooks are the DataParallel's, a part
 
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode: the DataParallel underneath goes on over the
+        survivors (the failed step was applied by none of them)."""
+        self.dp._continue_on(comm)
+        self.comm = comm
+
 
 class _GradientAlgorithm(Algorithm):
     """The gradient reducer's algorithms, which differ only in their wire

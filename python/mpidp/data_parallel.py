@@ -28,7 +28,7 @@ from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
 from .wrapper_copy import reduce_wrapper
-from .topology import useful_hierarchy
+from .topology import nodes_are_even, useful_hierarchy
 
 __all__ = ["DataParallel"]
 
@@ -744,8 +744,13 @@ class DataParallel(torch.nn.Module, Driver):
         self._remove_hooks()
         for p in self._params:
             p.grad = None
+        if self._setup_settings["hierarchical"] and not nodes_are_even(comm):
+            warnings.warn("DataParallel: after the loss of ranks the nodes hold different "
+                          "numbers of ranks; reducing gradients flat from now on", stacklevel=2)
+            self._setup_settings = dict(self._setup_settings, hierarchical=False)
         self.comm = comm
         self._attach(comm)
+        self.set_average(self._average)
 
     def train_forward(self, *inputs, **kwargs):
         return self(*inputs, **kwargs)

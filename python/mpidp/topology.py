@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from . import _config as config
 from ._mpi import MPI, world_mpi
 
-__all__ = ["Topology", "topology", "node_comm", "cross_node_comm", "forget_splits"]
+__all__ = ["Topology", "topology", "node_comm", "cross_node_comm", "forget_splits",
+           "nodes_are_even"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,21 @@ def useful_hierarchy(comm, who: str, instead: str, *, warn: bool = True, stackle
                       + ("one rank per node" if topo.local_size == 1 else "a single node")
                       + f"; {instead}", stacklevel=stacklevel + 1)
     return None
+
+
+def nodes_are_even(comm=None) -> bool:
+    """Whether every node holds the same number of ranks of `comm` (what a
+    hierarchy needs; after ranks were lost it may no longer hold).
+    Collective over comm."""
+    comm = world_mpi() if comm is None or comm is MPI.COMM_WORLD else comm
+    k = config.get("MPIDP_RANKS_PER_NODE")
+    if k is not None:
+        return comm.Get_size() % k == 0
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return len(set(comm.allgather(local.Get_size()))) == 1
+    finally:
+        local.Free()
 
 
 def forget_splits() -> None:

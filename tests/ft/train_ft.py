@@ -6,6 +6,8 @@ with SIGKILL at a chosen step and phase; the survivors catch RanksLost,
 recover() and finish the run. Every survivor saves its final parameters and
 what it saw to FT_OUT/rank-<launched rank>.pt.
 
+FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
+averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua.
 FT_KILL: "<ranks>:<step>:<phase>", ranks comma-separated, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
 flight), step (backward done, before the optimizer's step), between (after
@@ -56,11 +58,16 @@ def main(out_dir: str) -> None:
     nonblocking = bool(os.environ.get("FT_NONBLOCKING"))
     # Non-blocking: Heat's DataParallelOptimizer, the update applied by the next forward.
     opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if nonblocking else sgd
-    # One bucket per parameter, so that several are in flight when a rank dies in backward.
-    net = mpidp.DataParallel(model, optimizer=opt if nonblocking else None,
-                             blocking_parameter_updates=not nonblocking,
-                             first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
-                             hierarchical=bool(os.environ.get("FT_HIERARCHICAL")))
+    hierarchical = bool(os.environ.get("FT_HIERARCHICAL"))
+    if os.environ.get("FT_ALGORITHM") == "bytegrad":      # Bagua's, through with_bagua
+        net = mpidp.with_bagua(model, [sgd],
+                               mpidp.algorithms.ByteGradAlgorithm(hierarchical=hierarchical))
+    else:
+        # One bucket per parameter, so that several are in flight when a rank dies in backward.
+        net = mpidp.DataParallel(model, optimizer=opt if nonblocking else None,
+                                 blocking_parameter_updates=not nonblocking,
+                                 first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
+                                 hierarchical=hierarchical)
     first_layer = model[0].weight   # its gradient comes last in backward
     first_layer.register_hook(lambda g: maybe_die(step, "backward") or g)
     checkpoint_after = kill_step if kill_phase == "checkpoint" else -1
@@ -92,7 +99,8 @@ def main(out_dir: str) -> None:
             # Go on from the last step every rank applied (non-blocking: the
             # step due when the rank died may be one the loop had passed).
             step = mpidp.fault_tolerance.steps_committed()
-    net.synchronize()   # non-blocking: the last step's update
+    if nonblocking:
+        net.synchronize()   # the last step's update
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "momentum": [sgd.state[p]["momentum_buffer"].clone() for p in model.parameters()],
                 "recoveries": recoveries},
