@@ -21,14 +21,15 @@ from typing import Any, Dict, Iterable, List, Mapping
 import torch
 
 from . import _C
+from . import fault_tolerance
 from ._args import check_int
 from ._consistency import check_same_step, param_group_settings, ranks_range
 from ._driver import set_up
 from ._params import flatten, write_back
-from ._mpi import MPI, as_mpi4py, resolve_comm
+from ._mpi import MPI, as_mpi4py, resolve_comm, world, world_mpi
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
-           "PostLocalSGDOptimizer", "average_parameters"]
+           "PostLocalSGDOptimizer", "average_parameters", "average_tensors", "mean_over_ranks"]
 
 
 def _params_to_average(params: Iterable[Any]) -> List[torch.Tensor]:
@@ -76,11 +77,21 @@ def average_tensors(tensors: List[torch.Tensor], comm: _C.Comm) -> None:
     flat buffer (mixed dtypes upcast), divided by the size, summed."""
     if not tensors:
         return
+    mean = mean_over_ranks(tensors, comm)
+    if fault_tolerance.enabled() and comm is world():
+        # Taken by every rank or by none (the mean may hold a rank that died).
+        fault_tolerance.agree_all_alive("model averaging", "no rank took the average")
+    write_back(mean, tensors)
+
+
+def mean_over_ranks(tensors: List[torch.Tensor], comm: _C.Comm) -> torch.Tensor:
+    """The tensors' means over the ranks of `comm`, flattened into one host
+    buffer (for write_back); the tensors are left as they are."""
     flat = flatten(tensors)
     flat /= comm.size
     host = flat.cpu()
     comm.allreduce(host, _C.OP_SUM, _C.NO_WIRE, False)
-    write_back(host, tensors)
+    return host
 
 
 class ModelAverager:
@@ -92,6 +103,30 @@ class ModelAverager:
         self._comm = resolve_comm(process_group, "process_group")
         self.process_group = process_group if process_group is not None else MPI.COMM_WORLD
         self.step = 0
+        self._interrupted = None     # the parameters of an averaging a lost rank interrupted
+        self._last_params: list = []    # those of the last average_parameters call
+        if fault_tolerance.enabled():
+            if self._comm is not world():
+                raise NotImplementedError(
+                    "process_group: in fault-tolerant mode the averagers average over every "
+                    "rank of the job (process_group=None) only")
+            fault_tolerance.participate(self)
+
+    def _continue_on(self, survivors) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): go on
+        over the survivors, first completing over them the averaging the
+        loss interrupted (every survivor's local step was applied, and none
+        took that average)."""
+        self._comm, self.process_group = world(), world_mpi()
+        if self._interrupted is not None:
+            average_parameters(self._interrupted, self.process_group)
+            self._interrupted = None
+            self.step += 1
+            fault_tolerance.commit_step()
+        # The cut-short step's gradients are spent: a zero_grad() after the
+        # step, which the exception skipped, must not find them added to.
+        for p in _params_to_average(self._last_params):
+            p.grad = None
 
     def _check_settings_agree(self, settings: Dict[str, Any]) -> None:
         """Every rank of the group built the same averager, or all raise
@@ -107,13 +142,16 @@ class ModelAverager:
     def average_parameters(self, params: Iterable[Any]) -> None:
         """Average `params` (model parameters or optimizer parameter groups)
         if this step is due, then count the step."""
-        params = list(params)
+        params = self._last_params = list(params)
         due = _C.avgsched_actions(self.step, **self._schedule())
         if due.average:
             group = self._group(due.level)
+            self._interrupted = params      # until done (fault-tolerant mode: recover() ends it)
             check_same_step(group, self.step, type(self).__name__, param_group_settings(params))
             average_parameters(params, group)
+            self._interrupted = None
         self.step += 1
+        fault_tolerance.commit_step()
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -165,16 +203,19 @@ class HierarchicalModelAverager(ModelAverager):
         if periods != sorted(set(periods)):
             raise ValueError(f"period_group_size_dict: periods must be ascending, got {periods}")
         check_int("warmup_steps", warmup_steps, 0)
+        if fault_tolerance.enabled():
+            raise NotImplementedError("HierarchicalModelAverager: fault-tolerant mode supports "
+                                      "PeriodicModelAverager only so far")
         super().__init__(process_group)
-        world = self._comm.size
-        if sizes[-1] != world:
+        n_ranks = self._comm.size
+        if sizes[-1] != n_ranks:
             raise ValueError(f"period_group_size_dict: the last group size must be the size of "
-                             f"process_group ({world}), got {sizes[-1]}")
+                             f"process_group ({n_ranks}), got {sizes[-1]}")
         for size in sizes:
             check_int("period_group_size_dict: a group size", size, 1)
-            if world % size:
+            if n_ranks % size:
                 raise ValueError(f"period_group_size_dict: group size {size} does not divide "
-                                 f"the {world} ranks of process_group")
+                                 f"the {n_ranks} ranks of process_group")
         if periods[-1] == 1:
             warnings.warn("HierarchicalModelAverager: a largest period of 1 averages after every "
                           "step, which costs at least as much as averaging gradients "
@@ -184,7 +225,7 @@ class HierarchicalModelAverager(ModelAverager):
         self._check_settings_agree({"period_group_size_dict": self.period_group_size_dict,
                                     "warmup_steps": warmup_steps})
         self._periods = tuple(periods)
-        self._groups = [self._comm if size == world else self._subgroup(size) for size in sizes]
+        self._groups = [self._comm if size == n_ranks else self._subgroup(size) for size in sizes]
 
     def _subgroup(self, size: int) -> _C.Comm:
         """mpidp's communicator over this rank's group of `size` consecutive

@@ -22,13 +22,15 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from . import _C
+from . import fault_tolerance
 from ._args import check_bool, check_int, check_real
 from ._dtypes import wire_code
 from ._consistency import check_same_step, param_group_settings
 from ._driver import Driver, set_up, wait_pending
-from ._params import remove_handles
+from ._mpi import communicator, world
+from ._params import remove_handles, write_back
 from ._progress import install_progress_hooks
-from .averaging import average_tensors
+from .averaging import mean_over_ranks
 
 __all__ = ["DiLoCo"]
 
@@ -120,19 +122,27 @@ class DiLoCo(Driver):
             rebuild="Build a new DiLoCo, its outer optimizer holding the parameters trainable "
                     "now, after such a change")
         self._comm = self._communicator.c
+        if fault_tolerance.enabled() and (self._comm is not world() or fragment_sync_delay):
+            raise NotImplementedError(
+                "DiLoCo: fault-tolerant mode supports syncs over every rank of the job "
+                "(comm=None) without fragment_sync_delay so far")
         self._schedule = {"n_fragments": n, "fragment_every": every,
                           "fragment_delay": fragment_sync_delay}
         self.step = 0  # inner steps taken under this DiLoCo
-        self._syncs = [_C.ParamSync(self._comm, tuple(p.data for p in frag),
-                                    _C.DTYPE_F32 if wire == _C.NO_WIRE else wire, _CHUNK,
-                                    what="DiLoCo outer-gradient sync")
-                       for frag in self._fragments]
+        self._wire = _C.DTYPE_F32 if wire == _C.NO_WIRE else wire
+        self._syncs = self._make_syncs()
         for sync in self._syncs:
             sync.set_reference()
+        self._round_open = False           # a sync's turn is under way (fault-tolerant mode)
         self._outer_grads = [None] * n     # per fragment, allocated at its first sync
         self._sent: set = set()  # fragments sent and not yet applied
         self._received: Dict[int, List[torch.Tensor]] = {}  # outer gradients kept by state_dict
         self._handles: List = []
+
+    def _make_syncs(self) -> List:
+        return [_C.ParamSync(self._comm, tuple(p.data for p in frag), self._wire, _CHUNK,
+                             what="DiLoCo outer-gradient sync")
+                for frag in self._fragments]
 
     @staticmethod
     def _fragment_buffers(model, fragments) -> List[List[torch.Tensor]]:
@@ -202,6 +212,35 @@ class DiLoCo(Driver):
     def _remove_hooks(self) -> None:
         self.__exit__(None, None, None)
 
+    def _continue_on(self, survivors) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): θ
+        moves to syncs over the survivors, each keeps its replica, and a
+        sync the loss interrupted (applied by none of them; its inner step
+        was) is done again over the survivors."""
+        entered = bool(self._handles)
+        if entered:
+            self.__exit__(None, None, None)
+        self._communicator = communicator(survivors)
+        self._comm = self._communicator.c
+        syncs = self._make_syncs()
+        with torch.no_grad():
+            for params, old, new in zip(self._fragments, self._syncs, syncs):
+                local = [p.detach().clone() for p in params]
+                old.restore()          # x = θ
+                new.set_reference()    # θ, on the new syncs
+                for p, x in zip(params, local):
+                    p.copy_(x)
+        self._syncs = syncs
+        self._sent, self._received = set(), {}
+        self._outer_grads = [None] * len(self._fragments)
+        if entered:
+            self.__enter__()
+        if self._round_open:
+            self._round_open = False
+            self._after_inner_step(None, None, None)
+        for p in self.model.parameters():     # the cut-short step's, spent
+            p.grad = None
+
     def algorithm_state(self) -> Dict[str, Any]:
         return self.state_dict()
 
@@ -213,6 +252,7 @@ class DiLoCo(Driver):
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self._trainable_at_setup.check()
         due = _C.avgsched_actions(self.step, **self._schedule)
+        self._round_open = due.send_fragment >= 0 or due.apply_fragment >= 0
         if due.send_fragment >= 0 or due.apply_fragment >= 0:
             # The outer optimizer steps the shared parameters: its settings must match.
             check_same_step(self._comm, self.step, "DiLoCo",
@@ -222,7 +262,9 @@ class DiLoCo(Driver):
             self._sent.add(due.send_fragment)
         if due.apply_fragment >= 0:
             self._apply(due.apply_fragment)
+        self._round_open = False
         self.step += 1
+        fault_tolerance.commit_step()
 
     def _outer_gradient(self, f: int) -> List[torch.Tensor]:
         """Completes fragment f's sync: θ - mean(x) over the ranks."""
@@ -237,6 +279,10 @@ class DiLoCo(Driver):
     def _apply(self, f: int) -> None:
         params, sync = self._fragments[f], self._syncs[f]
         grads = self._outer_gradient(f)
+        buffers = self._buffers[f] if self._buffers is not None else []
+        buffer_means = mean_over_ranks(buffers, self._comm) if buffers else None
+        if fault_tolerance.enabled():
+            fault_tolerance.agree_all_alive("DiLoCo outer sync", "no rank applied it")
         self._sent.discard(f)
         alpha = self.fragment_update_alpha
         local = [p.detach().clone() for p in params] if alpha > 0.0 else None
@@ -257,8 +303,8 @@ class DiLoCo(Driver):
             with torch.no_grad():
                 for p, x in zip(params, local):
                     p.lerp_(x, alpha)
-        if self._buffers is not None:
-            average_tensors(self._buffers[f], self._comm)
+        if buffer_means is not None:
+            write_back(buffer_means, buffers)
 
     # -- checkpoints ---------------------------------------------------------------
 

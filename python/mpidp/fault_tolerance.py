@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -49,7 +50,8 @@ from ._mpi import MPI
 from .topology import forget_splits
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "step_boundary",
-           "steps_committed", "save_checkpoint", "recovery_times"]
+           "agree_all_alive", "commit_step", "participate", "steps_committed", "save_checkpoint",
+           "recovery_times"]
 
 RanksLost = _C.RanksLost
 
@@ -113,69 +115,96 @@ def enable() -> None:
 
 def step_boundary() -> None:
     """The end of a training step (DataParallel calls it before the optimizer
-    steps): every rank agrees that the step is complete. Raises RanksLost on
-    every survivor, before anything is applied, when a rank died."""
-    if not _state.enabled:
-        return
+    steps): every rank agrees that the step is complete, and it counts as
+    committed. Raises RanksLost on every survivor, before anything is
+    applied, when a rank died."""
+    if _state.enabled:
+        agree_all_alive("step end", "the step was applied by no rank")
+        _state.committed += 1
+
+
+def agree_all_alive(what: str, outcome: str) -> None:
+    """Every rank agrees that every rank lived through `what` (a step's end, a
+    sync of the replica algorithms) before its result is applied; RanksLost
+    on every survivor otherwise, `outcome` saying what became of it."""
     try:
         ok = _state.agree_comm.Agree(1)
     except MPI.Exception as error:
         _state.agreed = True
-        raise _lost(f"step end on rank {_mpi.world_mpi().Get_rank()}: the step was applied by "
-                    "no rank", error) from None
-    if ok:
+        raise _lost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: {outcome}", error) from None
+    if not ok:
+        _state.agreed = True
+        _C.ft_revoke_all()
+        raise RanksLost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: another rank saw a rank "
+                        f"fail; {outcome}; call mpidp.recover() to go on with the survivors")
+
+
+def commit_step() -> None:
+    """A step applied without an agreement of its own (the replica
+    algorithms' local steps; their syncs agree through agree_all_alive)."""
+    if _state.enabled:
         _state.committed += 1
-        return
-    _state.agreed = True
-    _C.ft_revoke_all()
-    raise RanksLost(f"step end on rank {_mpi.world_mpi().Get_rank()}: another rank saw a rank "
-                    "fail during this step, which no rank applied; call mpidp.recover() to go "
-                    "on with the survivors")
+
+
+_participants: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def participate(obj) -> None:
+    """`obj` (not a driver: PostLocalSGD's averagers) goes on over the
+    survivors through obj._continue_on(world) at every recovery."""
+    _participants.add(obj)
 
 
 def recover() -> Membership:
     """After RanksLost, on every survivor: agree on the ranks lost, shrink the
     world to the survivors, set every algorithm that ran over the world up
-    again over them. Returns the new Membership."""
+    again over them (completing, where the algorithm's rule says so, the
+    sync the loss interrupted). Should another rank fail meanwhile, it starts
+    over with the survivors of both. Returns the new Membership."""
     if not _state.enabled:
         raise RuntimeError("recover: fault-tolerant mode is off (MPIDP_FAULT_TOLERANCE=1)")
     from ._driver import continue_on_survivors   # the drivers import this module
-    times = {}
-    t0 = time.perf_counter()
-    _C.ft_revoke_all()
-    old_world = _mpi.world_mpi()
-    old_size = old_world.Get_size()
-    comm = _state.agree_comm
-    if not _state.agreed:
-        try:
-            comm.Agree(0)       # this round's agreement: the other survivors are in it too
-        except MPI.Exception:
-            pass
-    _state.agreed = False
-    _drain_core()
-    times["agreement"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    survivors = comm
+    first_world = _mpi.world_mpi()
     while True:
-        survivors = survivors.Shrink()
-        try:            # a rank may have died unseen during the shrink: shrink again
-            survivors.Agree(1)
-            break
-        except MPI.Exception:
-            survivors.Ack_failed()
-    lost = _lost_ranks(old_world, survivors)
-    times["shrink"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    old_agree = _state.agree_comm
-    _state.agree_comm = survivors.Dup()
-    _mpi.replace_world(survivors)
-    forget_splits()
-    continue_on_survivors(old_world)
-    _free_quietly(old_agree)
-    times["rebuild"] = time.perf_counter() - t2
+        times = {}
+        t0 = time.perf_counter()
+        _C.ft_revoke_all()
+        old_world = _mpi.world_mpi()
+        if not _state.agreed:
+            try:
+                _state.agree_comm.Agree(0)   # this round's agreement: every survivor is in it
+            except MPI.Exception:
+                pass
+        _state.agreed = False
+        _drain_core()
+        times["agreement"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        survivors = _state.agree_comm
+        while True:
+            survivors = survivors.Shrink()
+            try:        # a rank may have died unseen during the shrink: shrink again
+                survivors.Agree(1)
+                break
+            except MPI.Exception:
+                survivors.Ack_failed()
+        times["shrink"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        old_agree, _state.agree_comm = _state.agree_comm, survivors.Dup()
+        _free_quietly(old_agree)
+        _mpi.replace_world(survivors)
+        forget_splits()
+        try:
+            continue_on_survivors(old_world)
+            for obj in list(_participants):
+                obj._continue_on(survivors)
+        except RanksLost:
+            continue    # another rank failed during the recovery
+        times["rebuild"] = time.perf_counter() - t2
+        break
     _state.generation += 1
     _state.times = times
-    return Membership(survivors.Get_rank(), survivors.Get_size(), lost, old_size,
+    return Membership(survivors.Get_rank(), survivors.Get_size(),
+                      _lost_ranks(first_world, survivors), first_world.Get_size(),
                       _state.generation, survivors)
 
 

@@ -146,6 +146,78 @@ def test_bytegrad_survivors_stay_equal(tmp_path, hierarchical):
     check_survivors(saved, 4, {3}, 3, tol=dict(rtol=0, atol=3e-3))
 
 
+def simulate_replicas(n, steps, victims, lost_from, algorithm):
+    """Every replica of a replica algorithm, each with its own model and inner
+    optimizer (a victim's stops at lost_from). postlocalsgd: after local step
+    t, t % PERIOD == 0, the live replicas take their mean. diloco: after
+    inner step t, (t + 1) % PERIOD == 0, θ takes an outer step on θ - (the
+    live replicas' mean), and they take θ. A sync a rank's death
+    interrupted is done over the survivors. Returns each replica's
+    parameters and the momentum saved (inner for postlocalsgd, outer for
+    diloco)."""
+    period = train_ft.PERIOD
+    models = [train_ft.make_model() for _ in range(n)]
+    inner = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    theta = train_ft.make_model()
+    outer = torch.optim.SGD(theta.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for t in range(steps):
+        alive = [r for r in range(n) if r not in victims or t < lost_from]
+        for r in alive:
+            models[r].zero_grad()
+            x, y = train_ft.batch(r, t)
+            torch.nn.functional.mse_loss(models[r](x), y).backward()
+            inner[r].step()
+        replicas = [list(models[r].parameters()) for r in alive]
+        with torch.no_grad():
+            if algorithm == "postlocalsgd" and t % period == 0:
+                for ps in zip(*replicas):
+                    mean = sum(p / len(alive) for p in ps)
+                    for p in ps:
+                        p.copy_(mean)
+            if algorithm == "diloco" and (t + 1) % period == 0:
+                for i, th in enumerate(theta.parameters()):
+                    th.grad = th - sum(ps[i] for ps in replicas) / len(alive)
+                outer.step()
+                for ps in replicas:
+                    for p, th in zip(ps, theta.parameters()):
+                        p.copy_(th)
+    momentum = {r: [inner[r].state[p].get("momentum_buffer") for p in models[r].parameters()]
+                for r in range(n)}
+    if algorithm == "diloco":
+        momentum = {r: [outer.state[p].get("momentum_buffer") for p in theta.parameters()]
+                    for r in range(n)}
+    return {r: [p.detach() for p in models[r].parameters()] for r in range(n)}, momentum
+
+
+# (algorithm, ranks, kill spec, the first step whose sync goes without the victims)
+REPLICA_CASES = {
+    "postlocalsgd, a rank lost between averagings": ("postlocalsgd", 3, "2:3:backward", 3),
+    "postlocalsgd, a rank lost at an averaging step": ("postlocalsgd", 4, "1:4:step", 4),
+    "postlocalsgd, rank 0 lost": ("postlocalsgd", 3, "0:2:forward", 2),
+    "diloco, a rank lost between syncs": ("diloco", 3, "1:2:backward", 2),
+    "diloco, a rank lost at a sync step": ("diloco", 4, "3:3:step", 3),
+    "diloco, two ranks lost": ("diloco", 4, "0,2:5:backward", 5),
+    "diloco, no rank lost": ("diloco", 3, "", 8),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLICA_CASES))
+def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case):
+    algorithm, n, kill, lost_from = REPLICA_CASES[case]
+    victims = {int(r) for r in kill.split(":")[0].split(",")} if kill else set()
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm)
+    params, momentum = simulate_replicas(n, 8, victims, lost_from, algorithm)
+    for rank, got in saved.items():
+        lost = sorted(sum((list(r["lost"]) for r in got["recoveries"]), []))
+        assert lost == sorted(victims), got["recoveries"]
+        for a, b in zip(got["params"], params[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s momentum: {m}")
+
+
 def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_path):
     saved = run_job(tmp_path, 4, "3:4:checkpoint")
     history = check_survivors(saved, 4, {3}, 5)

@@ -7,7 +7,9 @@ recover() and finish the run. Every survivor saves its final parameters and
 what it saw to FT_OUT/rank-<launched rank>.pt.
 
 FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
-averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua.
+averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
+postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
+DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved).
 FT_KILL: "<ranks>:<step>:<phase>", ranks comma-separated, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
 flight), step (backward done, before the optimizer's step), between (after
@@ -24,6 +26,7 @@ import mpidp
 from mpi4py import MPI
 
 STEPS = int(os.environ.get("FT_STEPS", "8"))
+PERIOD = 2      # of the replica algorithms' syncs
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
 
 
@@ -59,9 +62,20 @@ def main(out_dir: str) -> None:
     # Non-blocking: Heat's DataParallelOptimizer, the update applied by the next forward.
     opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if nonblocking else sgd
     hierarchical = bool(os.environ.get("FT_HIERARCHICAL"))
-    if os.environ.get("FT_ALGORITHM") == "bytegrad":      # Bagua's, through with_bagua
+    algorithm = os.environ.get("FT_ALGORITHM", "")
+    saved_opt = sgd     # whose momentum is saved at the end
+    if algorithm == "bytegrad":      # Bagua's, through with_bagua
         net = mpidp.with_bagua(model, [sgd],
                                mpidp.algorithms.ByteGradAlgorithm(hierarchical=hierarchical))
+    elif algorithm == "postlocalsgd":    # torch's post-local SGD: average every PERIOD steps
+        net = model
+        opt = mpidp.PostLocalSGDOptimizer(sgd, mpidp.PeriodicModelAverager(period=PERIOD))
+    elif algorithm == "diloco":          # the outer sync every PERIOD inner steps
+        net = model
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
+        diloco.__enter__()     # for the whole job (a with-block around the loop does the same)
+        saved_opt = outer
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
         net = mpidp.DataParallel(model, optimizer=opt if nonblocking else None,
@@ -88,6 +102,8 @@ def main(out_dir: str) -> None:
             loss.backward()
             maybe_die(step, "step")
             opt.step()
+            # After the step, so a step a lost rank cut short leaves its
+            # gradients behind: recover() must drop them.
             opt.zero_grad()
             step += 1
             maybe_die(step - 1, "between")
@@ -102,7 +118,8 @@ def main(out_dir: str) -> None:
     if nonblocking:
         net.synchronize()   # the last step's update
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "momentum": [sgd.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+                "momentum": [saved_opt.state[p]["momentum_buffer"].clone()
+                             for p in model.parameters()],
                 "recoveries": recoveries},
                os.path.join(out_dir, f"rank-{LAUNCHED_RANK}.pt"))
 
