@@ -113,6 +113,19 @@ def continue_on_survivors(old_world) -> None:
             driver._remove_hooks()
 
 
+def _refuse_without_fault_tolerance(driver: "Driver") -> None:
+    """In fault-tolerant mode, an algorithm that cannot go on after a rank is
+    lost is refused when it is set up, not found out at the first failure."""
+    from . import fault_tolerance
+    while driver._owner is not None and driver._owner() is not None:
+        driver = driver._owner()
+    if fault_tolerance.enabled() and type(driver)._continue_on is Driver._continue_on:
+        raise NotImplementedError(
+            f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
+            "with_bagua's GradientAllReduce and ByteGrad, PeriodicModelAverager with "
+            f"PostLocalSGDOptimizer, and DiLoCo so far; {driver.what} is not among them yet")
+
+
 class Driver(abc.ABC):
     """One algorithm on one module over one communicator (see the module's
     docstring). Subclasses set `what` and `module`, implement _remove_hooks
@@ -219,6 +232,7 @@ class Driver(abc.ABC):
         when it is built as one's part, nor one of its own parts)."""
         self._released = None
         owner = _BUILDING[-1][0] if _BUILDING else None
+        _refuse_without_fault_tolerance(owner or self)
         if owner is not None:
             _BUILDING[-1][1].append(self)
             self._owner = weakref.ref(owner)

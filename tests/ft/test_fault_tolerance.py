@@ -243,3 +243,18 @@ def test_no_failure_trains_as_plain_data_parallel(tmp_path):
         assert got["recoveries"] == []
         for a, b in zip(got["params"], params):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_algorithms_that_cannot_go_on_are_refused_when_set_up():
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "1", sys.executable,
+                          os.path.join(HERE, "refusals.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert "ALL REFUSED" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_a_job_launched_without_ulfm_is_refused_naming_the_launch():
+    env = dict(os.environ, FT_LAUNCH_WITHOUT_ULFM="1")
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "2", sys.executable, "-c",
+                          "import mpidp"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "not started with it: launch with `mpirun --with-ft ulfm" in out.stderr, out.stderr

@@ -1,0 +1,41 @@
+"""Run by tests/ft/test_fault_tolerance.py under ULFM: in fault-tolerant mode
+what cannot go on after a rank is lost is refused when it is set up, with a
+message naming it. Prints one line per check and "ALL REFUSED" at the end."""
+
+import torch
+
+import mpidp
+
+
+def refused(what, build, expected):
+    try:
+        build()
+    except NotImplementedError as error:
+        assert expected in str(error), f"{what}: {error}"
+        print(f"{what}: refused: {error}", flush=True)
+        return
+    raise AssertionError(f"{what}: was accepted in fault-tolerant mode")
+
+
+def model():
+    return torch.nn.Linear(4, 2)
+
+
+m = model()
+daso = mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=2)
+refused("DASO", lambda: mpidp.DataParallelMultiGPU(m, daso), "DASO: fault-tolerant mode")
+m = model()
+refused("SlowMo", lambda: mpidp.SlowMoDistributedDataParallel(m, slowmo_momentum=0.5),
+        "fault-tolerant mode")
+m = model()
+refused("DiLoCo with fragment_sync_delay",
+        lambda: mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                             torch.optim.SGD(m.parameters(), lr=0.7), sync_every=4,
+                             fragment_sync_delay=1), "fault-tolerant mode")
+refused("HierarchicalModelAverager", lambda: mpidp.HierarchicalModelAverager({1: 1}),
+        "fault-tolerant mode")
+m = model()
+refused("Decentralized", lambda: mpidp.with_bagua(
+    m, [torch.optim.SGD(m.parameters(), lr=0.1)], mpidp.algorithms.DecentralizedAlgorithm()),
+    "fault-tolerant mode")
+print("ALL REFUSED", flush=True)
