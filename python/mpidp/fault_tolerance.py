@@ -37,6 +37,8 @@ write a checkpoint from memory (mpidp.fault_tolerance.save_checkpoint)."""
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import time
 import weakref
 from typing import Any, Dict, NamedTuple, Optional, Tuple
@@ -49,7 +51,9 @@ from . import _mpi
 from ._mpi import MPI
 from .topology import forget_splits
 
-__all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "step_boundary",
+__all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
+           "world_comm",
+           "share_state", "step_boundary",
            "agree_all_alive", "commit_step", "participate", "steps_committed", "save_checkpoint",
            "recovery_times"]
 
@@ -59,15 +63,17 @@ RanksLost = _C.RanksLost
 class Membership(NamedTuple):
     """The job after a recovery: this rank's new rank and the new size, the
     ranks lost (numbered in the world before the recovery), the size before,
-    how many recoveries the job has been through, and the survivors' mpi4py
+    how many recoveries the job has been through, the new world's mpi4py
     communicator (for the program's own MPI calls; MPI.COMM_WORLD still
-    holds the dead ranks, though mpidp calls given it use the survivors)."""
+    holds the dead ranks, though mpidp calls given it use the new world),
+    and the ranks of the replacements that joined."""
     rank: int
     size: int
     lost: Tuple[int, ...]
     previous_size: int
     generation: int
     comm: MPI.Intracomm
+    joined: Tuple[int, ...] = ()    # the replacements' ranks (recover(replace=True))
 
 
 class _State:
@@ -76,6 +82,7 @@ class _State:
     agreed = False          # this round's agreement is behind us (the step's end saw the failure)
     generation = 0
     committed = 0           # step ends every rank agreed on
+    replacement = False     # this process was spawned to replace a lost rank
     times: Dict[str, float] = {}
 
 
@@ -109,8 +116,40 @@ def enable() -> None:
     if not hasattr(MPI.Comm, "Shrink"):
         raise RuntimeError("fault tolerance: needs mpi4py 4 or newer (Comm.Revoke/Agree/Shrink); "
                            f"this is mpi4py {__import__('mpi4py').__version__}")
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:
+        # Spawned by the survivors' recover(replace=True): their world and
+        # this process become one, this process last.
+        _mpi.replace_world(parent.Merge(high=True))
+        parent.Disconnect()
+        _state.replacement = True
     _state.agree_comm = _mpi.world_mpi().Dup()
     _state.enabled = True
+
+
+def world_comm() -> MPI.Intracomm:
+    """The mpi4py communicator of the job's ranks now: MPI.COMM_WORLD until a
+    recovery shrinks or grows it (for the program's own MPI calls)."""
+    return _mpi.world_mpi()
+
+
+def is_replacement() -> bool:
+    """Whether this process was spawned to replace a lost rank: it builds its
+    model and algorithms as the script does, then takes the training state
+    from the others through share_state()."""
+    return _state.replacement
+
+
+def share_state(state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """After recover(replace=True), on every rank of the new world: rank 0's
+    `state` (whatever the loop needs to go on: optimizer state_dicts, the
+    step, the epoch) for everyone; a replacement passes None. Model
+    parameters and buffers need not be in it: the algorithms' set-up made
+    them rank 0's. Also brings a replacement's steps_committed() level."""
+    comm = _mpi.world_mpi()
+    mine = (state, _state.committed, _state.generation) if comm.Get_rank() == 0 else None
+    state, _state.committed, _state.generation = comm.bcast(mine, root=0)
+    return state
 
 
 def step_boundary() -> None:
@@ -155,12 +194,19 @@ def participate(obj) -> None:
     _participants.add(obj)
 
 
-def recover() -> Membership:
+def recover(replace: bool = False) -> Membership:
     """After RanksLost, on every survivor: agree on the ranks lost, shrink the
     world to the survivors, set every algorithm that ran over the world up
     again over them (completing, where the algorithm's rule says so, the
     sync the loss interrupted). Should another rank fail meanwhile, it starts
-    over with the survivors of both. Returns the new Membership."""
+    over with the survivors of both. Returns the new Membership.
+
+    replace=True: grow back to the size before, as far as the launcher
+    allows: as many processes as were lost are spawned (MPI_Comm_spawn, the
+    same Python and command line), join at the end of the world and build
+    their model and algorithms as the script does (is_replacement() tells
+    them), whose set-up gives them rank 0's parameters; the loop then calls
+    share_state() on every rank for the rest of the training state."""
     if not _state.enabled:
         raise RuntimeError("recover: fault-tolerant mode is off (MPIDP_FAULT_TOLERANCE=1)")
     from ._driver import continue_on_survivors   # the drivers import this module
@@ -188,6 +234,12 @@ def recover() -> Membership:
             except MPI.Exception:
                 survivors.Ack_failed()
         times["shrink"] = time.perf_counter() - t1
+        joined = ()
+        if replace and survivors.Get_size() < old_world.Get_size():
+            t_spawn = time.perf_counter()
+            survivors, joined = _spawn_replacements(
+                survivors, old_world.Get_size() - survivors.Get_size())
+            times["spawn"] = time.perf_counter() - t_spawn
         t2 = time.perf_counter()
         old_agree, _state.agree_comm = _state.agree_comm, survivors.Dup()
         _free_quietly(old_agree)
@@ -205,7 +257,29 @@ def recover() -> Membership:
     _state.times = times
     return Membership(survivors.Get_rank(), survivors.Get_size(),
                       _lost_ranks(first_world, survivors), first_world.Get_size(),
-                      _state.generation, survivors)
+                      _state.generation, survivors, joined)
+
+
+_RUNTIME_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "PMI_", "HYDRA_", "MPI_LOCAL")
+
+
+def _spawn_replacements(survivors: MPI.Intracomm, n: int):
+    """Spawns n processes running this program, merged after the survivors:
+    (the merged communicator, the replacements' ranks in it)."""
+    if not sys.argv or sys.argv[0] in ("", "-c", "-m") or not os.path.exists(sys.argv[0]):
+        raise RuntimeError("recover(replace=True): this program was not started from a script "
+                           f"file (sys.argv[0] is {sys.argv[:1]}), so it cannot be started "
+                           "again for a replacement; recover() without replace goes on smaller")
+    # The replacements get this rank's environment (spawned processes start
+    # from the launcher's), less the MPI runtime's own per-process variables.
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items())
+           if not k.startswith(_RUNTIME_PREFIXES) and "=" not in k]
+    command = shutil.which("env") or "/usr/bin/env"
+    inter = survivors.Spawn(command, env + [sys.executable] + sys.argv, maxprocs=n, root=0)
+    merged = inter.Merge(high=False)
+    inter.Disconnect()
+    size = merged.Get_size()
+    return merged, tuple(range(size - n, size))
 
 
 def steps_committed() -> int:

@@ -26,8 +26,9 @@ import train_ft  # noqa: E402
 pytestmark = pytest.mark.serial
 
 
-def run_job(tmp_path, n, kill, steps=8, **env):
-    """Runs the job; returns {launched rank: what it saved}."""
+def run_job(tmp_path, n, kill, steps=8, expect=None, **env):
+    """Runs the job; returns {data stream (launched rank): what it saved}.
+    expect: the streams that must finish (default: the survivors')."""
     environ = dict(os.environ, FT_KILL=kill, FT_STEPS=str(steps), MPIDP_TIMEOUT="60",
                    **{k: str(v) for k, v in env.items()})
     proc = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
@@ -36,7 +37,8 @@ def run_job(tmp_path, n, kill, steps=8, **env):
     saved = {int(f[5:-3]): torch.load(tmp_path / f) for f in os.listdir(tmp_path)
              if f.startswith("rank-")}
     victims = {int(r) for r in kill.split(":")[0].split(",")} if kill else set()
-    assert set(saved) == set(range(n)) - victims, (
+    expect = set(range(n)) - victims if expect is None else set(expect)
+    assert set(saved) == expect, (
         f"survivors that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
         + "\n".join(line for line in proc.stderr.splitlines() if "NBC_Progress" not in line)[-4000:])
     return saved
@@ -243,6 +245,26 @@ def test_no_failure_trains_as_plain_data_parallel(tmp_path):
         assert got["recoveries"] == []
         for a, b in zip(got["params"], params):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_job_grows_back_to_its_size_with_a_replacement_that_takes_the_state(tmp_path):
+    """recover(replace=True): a process is spawned for the lost rank, takes
+    rank 0's parameters (set-up) and optimizer state (share_state), and
+    trains on the lost rank's data: with the failed step done again by all
+    four, the run ends where a run without failure ends."""
+    saved = run_job(tmp_path, 4, "2:3:backward", expect=range(4), FT_REPLACE=1)
+    params, momentum, _ = simulate(4, 8, set(), 8)
+    first = saved[0]
+    for key, got in saved.items():
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"stream {key}'s parameters differ from stream 0's"
+        if key != 2:
+            assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
+                [(4, (2,), (3,))], got["recoveries"]
+    for a, b in zip(first["params"], params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(saved[2]["momentum"], momentum):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_algorithms_that_cannot_go_on_are_refused_when_set_up():

@@ -49,11 +49,22 @@ def kill_plan():
     return {int(r) for r in ranks.split(",")}, int(step), phase
 
 
+def take_key(key, launched: int, comm) -> int:
+    """The data stream of each rank after a grow: the survivors keep theirs,
+    the replacements (key None) take the lost ranks' in order."""
+    keys = comm.allgather(key)
+    missing = iter(sorted(set(range(launched)) - {k for k in keys if k is not None}))
+    return [k if k is not None else next(missing) for k in keys][comm.Get_rank()]
+
+
 def main(out_dir: str) -> None:
     victims, kill_step, kill_phase = kill_plan()
+    replacement = mpidp.fault_tolerance.is_replacement()
+    replace = bool(os.environ.get("FT_REPLACE"))
+    key = None if replacement else LAUNCHED_RANK      # this rank's data stream
 
     def maybe_die(step: int, phase: str) -> None:
-        if LAUNCHED_RANK in victims and step == kill_step and phase == kill_phase:
+        if key in victims and not replacement and step == kill_step and phase == kill_phase:
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = make_model()
@@ -88,6 +99,12 @@ def main(out_dir: str) -> None:
     checkpoint_due = False
     recoveries = []
     step = 0     # steps applied
+    launched = MPI.COMM_WORLD.Get_size()
+    if replacement:      # spawned by recover(replace=True): the others' state, a lost rank's data
+        state = mpidp.fault_tolerance.share_state()
+        sgd.load_state_dict(state["optimizer"])
+        step, launched = state["step"], state["launched"]
+        key = take_key(key, launched, mpidp.fault_tolerance.world_comm())
     while step < STEPS:
         try:
             if checkpoint_due:     # written after step `checkpoint_after`, retried after a failure
@@ -96,7 +113,7 @@ def main(out_dir: str) -> None:
                     os.path.join(out_dir, "checkpoint.pt"),
                     {"model": model.state_dict(), "optimizer": opt.state_dict(), "steps": step})
                 checkpoint_due = False
-            x, y = batch(LAUNCHED_RANK, step)
+            x, y = batch(key, step)
             maybe_die(step, "forward")
             loss = torch.nn.functional.mse_loss(net(x), y)
             loss.backward()
@@ -109,19 +126,24 @@ def main(out_dir: str) -> None:
             maybe_die(step - 1, "between")
             checkpoint_due = step - 1 == checkpoint_after
         except mpidp.RanksLost:
-            m = mpidp.recover()
+            m = mpidp.recover(replace=replace)
             recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
-                               "mpidp_size": mpidp.size(), "mpidp_rank": mpidp.rank()})
+                               "joined": m.joined, "mpidp_size": mpidp.size(),
+                               "mpidp_rank": mpidp.rank()})
             # Go on from the last step every rank applied (non-blocking: the
             # step due when the rank died may be one the loop had passed).
             step = mpidp.fault_tolerance.steps_committed()
+            if m.joined:
+                mpidp.fault_tolerance.share_state({"optimizer": sgd.state_dict(), "step": step,
+                                                   "launched": launched})
+                key = take_key(key, launched, m.comm)
     if nonblocking:
         net.synchronize()   # the last step's update
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "momentum": [saved_opt.state[p]["momentum_buffer"].clone()
                              for p in model.parameters()],
                 "recoveries": recoveries},
-               os.path.join(out_dir, f"rank-{LAUNCHED_RANK}.pt"))
+               os.path.join(out_dir, f"rank-{key}.pt"))
 
 
 if __name__ == "__main__":
