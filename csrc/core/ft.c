@@ -4,6 +4,8 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
 
 /* ULFM declares its names in mpi-ext.h (Open MPI's MPI extensions). */
 #if defined(__has_include)
@@ -96,4 +98,36 @@ int mpidp_ft_revoke_all(void)
     pthread_mutex_unlock(&lock);
 #endif
     return revoked;
+}
+
+static void *exit_after(void *arg)
+{
+    double seconds = *(double *)arg;
+    free(arg);
+    struct timespec left = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&left, &left) != 0) {
+    }
+    _exit(0);
+    return NULL;
+}
+
+int mpidp_ft_exit_watchdog(double seconds)
+{
+    double *arg = malloc(sizeof *arg);
+    if (arg == NULL) return -1;
+    *arg = seconds > 0 ? seconds : 0;
+    pthread_t t;
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0) {
+        free(arg);
+        return -1;
+    }
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &attr, exit_after, arg);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        free(arg);
+        return -1;
+    }
+    return 0;
 }

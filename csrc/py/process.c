@@ -159,6 +159,17 @@ static PyObject *mod_ft_revoke_all(PyObject *m, PyObject *unused)
     return PyLong_FromLong(mpidp_ft_revoke_all());
 }
 
+/* ft_exit_watchdog(seconds): end the process with status 0 that much later. */
+static PyObject *mod_ft_exit_watchdog(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    if (mpidp_ft_exit_watchdog(seconds) != 0)
+        return PyErr_Format(PyExc_RuntimeError, "ft_exit_watchdog: no thread could start");
+    Py_RETURN_NONE;
+}
+
 PyMethodDef mpidp_py_process_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))mod_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, timeout, abort_on_timeout, hook_progress, forked, wait_spin): process-wide\n"
@@ -179,6 +190,9 @@ PyMethodDef mpidp_py_process_methods[] = {
      "force (coll_libnbc_iallreduce_algorithm), a 0 made `prefer` first; -1: no such setting."},
     {"ft_support", mod_ft_support, METH_NOARGS,
      "ft_support() -> (compiled, running): the MPI has ULFM; the job runs with it on."},
+    {"ft_exit_watchdog", mod_ft_exit_watchdog, METH_O,
+     "ft_exit_watchdog(seconds): end the process with status 0 that much later (at exit, after "
+     "ranks were lost: MPI_Finalize may wait for them forever)."},
     {"ft_revoke_all", mod_ft_revoke_all, METH_NOARGS,
      "Revoke every communicator mpidp made (ULFM); returns how many were revoked now."},
     {NULL, NULL, 0, NULL},

@@ -36,6 +36,7 @@ write a checkpoint from memory (mpidp.fault_tolerance.save_checkpoint)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -125,6 +126,19 @@ def enable() -> None:
         _state.replacement = True
     _state.agree_comm = _mpi.world_mpi().Dup()
     _state.enabled = True
+    atexit.register(_at_exit)
+
+
+# Seconds a process may spend in MPI_Finalize at exit once ranks were lost.
+_FINALIZE_GRACE_S = 10.0
+
+
+def _at_exit() -> None:
+    """Once ranks were lost, Open MPI's MPI_Finalize (which runs after this,
+    when the program is done) can wait forever for them (ompi#11404): the
+    process then ends itself, with status 0, after a grace period."""
+    if _state.generation or _state.replacement:
+        _C.ft_exit_watchdog(_FINALIZE_GRACE_S)
 
 
 def world_comm() -> MPI.Intracomm:

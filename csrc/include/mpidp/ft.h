@@ -28,4 +28,10 @@ void mpidp_ft_untrack(MPI_Comm c);
  * many were revoked now (already revoked ones are skipped). */
 int mpidp_ft_revoke_all(void);
 
+/* Ends the process with status 0 `seconds` from now, from a thread of its
+ * own, unless it has ended by then: after ranks were lost, Open MPI's
+ * MPI_Finalize can wait forever for them (ompi#11404), and it runs once
+ * the program is done. Returns 0, or -1 where no thread could start. */
+int mpidp_ft_exit_watchdog(double seconds);
+
 #endif /* MPIDP_FT_H */
