@@ -36,7 +36,7 @@ def run_job(tmp_path, n, kill, steps=8, expect=None, **env):
                           env=environ, capture_output=True, text=True, timeout=240)
     saved = {int(f[5:-3]): torch.load(tmp_path / f) for f in os.listdir(tmp_path)
              if f.startswith("rank-")}
-    victims = {int(r) for r in kill.split(":")[0].split(",")} if kill else set()
+    victims = {r for ranks, _, _ in train_ft.kill_plan(kill) for r in ranks}
     expect = set(range(n)) - victims if expect is None else set(expect)
     assert set(saved) == expect, (
         f"survivors that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
@@ -44,16 +44,16 @@ def run_job(tmp_path, n, kill, steps=8, expect=None, **env):
     return saved
 
 
-def simulate(n, steps, victims, lost_from):
+def simulate(n, steps, lost_from):
     """Every replica of the rule: rank r's batch counts in step t while r is
-    alive (t < lost_from for the victims); the mean over those ranks is
+    alive (t < lost_from[r] for the victims); the mean over those ranks is
     stepped by SGD with momentum. Returns (params, momentum, params after
     each step)."""
     model = train_ft.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     history = []
     for t in range(steps):
-        alive = [r for r in range(n) if r not in victims or t < lost_from]
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
         grads = None
         for r in alive:
             model.zero_grad()
@@ -70,15 +70,25 @@ def simulate(n, steps, victims, lost_from):
             [opt.state[p]["momentum_buffer"] for p in model.parameters()], history)
 
 
-def check_survivors(saved, n, victims, lost_from, steps=8, tol=None):
-    params, momentum, history = simulate(n, steps, victims, lost_from)
+def launched_ranks_lost(recoveries, n):
+    """The launched ranks each recovery lost (Membership.lost numbers them in
+    the world before that recovery), in order."""
+    alive, lost = list(range(n)), []
+    for r in recoveries:
+        gone = [alive[i] for i in r["lost"]]
+        lost += gone
+        alive = [a for a in alive if a not in gone]
+    return sorted(lost)
+
+
+def check_survivors(saved, n, lost_from, steps=8, tol=None):
+    victims = set(lost_from)
+    params, momentum, history = simulate(n, steps, lost_from)
     first = saved[min(saved)]
     for rank, got in saved.items():
         for a, b in zip(got["params"], first["params"]):
             assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank {min(saved)}'s"
-        assert [r["lost"] for r in got["recoveries"]][-1:] and \
-            sorted(sum((list(r["lost"]) for r in got["recoveries"]), [])) == \
-            sorted(victims), got["recoveries"]
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(victims), got["recoveries"]
         last = got["recoveries"][-1]
         assert (last["size"], last["mpidp_size"]) == (n - len(victims),) * 2
         assert last["mpidp_rank"] == last["rank"] == sorted(saved).index(rank)
@@ -90,67 +100,50 @@ def check_survivors(saved, n, victims, lost_from, steps=8, tol=None):
     return history
 
 
-# (ranks, kill spec, the first step without the victims' data)
+# (ranks, kill spec: failures one after the other, {victim: the first step
+# without its data}). A rank lost in a step's forward, backward or before
+# its optimizer step costs that step; one lost after it, the next.
 CASES = {
-    "one rank before forward": (3, "2:3:forward", 3),
-    "one rank in backward, buckets in flight": (3, "1:3:backward", 3),
-    "one rank after backward, before the step": (4, "3:2:step", 2),
-    "one rank between two steps": (4, "2:2:between", 3),
-    "rank 0 in backward": (4, "0:3:backward", 3),
-    "two ranks at once in backward": (4, "1,2:4:backward", 4),
+    "after backward, then rank 0 in backward with buckets in flight":
+        (4, "3:2:step;0:5:backward", {3: 2, 0: 5}),
+    "between two steps, then before a forward": (4, "2:2:between;1:5:forward", {2: 3, 1: 5}),
+    "two ranks at once in backward": (4, "1,2:4:backward", {1: 4, 2: 4}),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_survivors_finish_equal_to_the_simulation(tmp_path, case):
     n, kill, lost_from = CASES[case]
-    victims = {int(r) for r in kill.split(":")[0].split(",")}
-    check_survivors(run_job(tmp_path, n, kill), n, victims, lost_from)
+    check_survivors(run_job(tmp_path, n, kill), n, lost_from)
 
 
-# Non-blocking DataParallel: a step's end is the next forward, which applies
-# it; a rank lost between step() and that forward discards that step.
-NONBLOCKING_CASES = {
-    "one rank in backward": (3, "1:3:backward", 3),
-    "one rank between step() and the forward that applies it": (4, "2:2:between", 2),
-    "rank 0 before the forward": (3, "0:4:forward", 3),
-}
-
-
-@pytest.mark.parametrize("case", list(NONBLOCKING_CASES))
-def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path, case):
-    n, kill, lost_from = NONBLOCKING_CASES[case]
-    victims = {int(r) for r in kill.split(":")[0].split(",")}
-    check_survivors(run_job(tmp_path, n, kill, FT_NONBLOCKING=1), n, victims, lost_from)
+def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path):
+    """Non-blocking DataParallel: a step's end is the next forward, which
+    applies it; a rank lost between step() and that forward discards that
+    step (2 here), one lost in backward the step it was in."""
+    saved = run_job(tmp_path, 4, "2:2:between;0:5:backward", FT_NONBLOCKING=1)
+    check_survivors(saved, 4, {2: 2, 0: 5})
 
 
 def test_a_whole_emulated_node_is_lost_under_hierarchical_averaging(tmp_path):
     saved = run_job(tmp_path, 4, "2,3:3:backward", MPIDP_RANKS_PER_NODE=2, FT_HIERARCHICAL=1)
-    check_survivors(saved, 4, {2, 3}, 3)
+    check_survivors(saved, 4, {2: 3, 3: 3})
 
 
-def test_one_rank_of_an_emulated_node_is_lost_under_hierarchical_averaging(tmp_path):
-    """3 survivors cannot form nodes of 2: the averaging goes on flat."""
-    saved = run_job(tmp_path, 4, "1:3:backward", MPIDP_RANKS_PER_NODE=2, FT_HIERARCHICAL=1)
-    check_survivors(saved, 4, {1}, 3)
-
-
-@pytest.mark.parametrize("hierarchical", [False, True])
-def test_bytegrad_survivors_stay_equal(tmp_path, hierarchical):
-    """ByteGrad (8-bit gradients) through with_bagua: the survivors end
+def test_one_rank_of_an_emulated_node_is_lost_under_hierarchical_bytegrad(tmp_path):
+    """ByteGrad (8-bit gradients, hierarchical) through with_bagua: 3
+    survivors cannot form nodes of 2, so it goes on flat; the survivors end
     equal bit for bit, and within the 8-bit rounding of the simulation."""
-    env = dict(FT_ALGORITHM="bytegrad", MPIDP_RANKS_PER_NODE=2)
-    if hierarchical:
-        env["FT_HIERARCHICAL"] = 1
-    saved = run_job(tmp_path, 4, "3:3:backward", **env)
+    saved = run_job(tmp_path, 4, "1:3:backward", FT_ALGORITHM="bytegrad",
+                    MPIDP_RANKS_PER_NODE=2, FT_HIERARCHICAL=1)
     # The rounding leaves it within 1e-3 here; the dead rank counted one step
     # longer would put it 7e-3 away.
-    check_survivors(saved, 4, {3}, 3, tol=dict(rtol=0, atol=3e-3))
+    check_survivors(saved, 4, {1: 3}, tol=dict(rtol=0, atol=3e-3))
 
 
-def simulate_replicas(n, steps, victims, lost_from, algorithm):
+def simulate_replicas(n, steps, lost_from, algorithm):
     """Every replica of a replica algorithm, each with its own model and inner
-    optimizer (a victim's stops at lost_from). postlocalsgd: after local step
+    optimizer (a victim's stops at lost_from[victim]). postlocalsgd: after local step
     t, t % PERIOD == 0, the live replicas take their mean. diloco: after
     inner step t, (t + 1) % PERIOD == 0, θ takes an outer step on θ - (the
     live replicas' mean), and they take θ. A sync a rank's death
@@ -163,7 +156,7 @@ def simulate_replicas(n, steps, victims, lost_from, algorithm):
     theta = train_ft.make_model()
     outer = torch.optim.SGD(theta.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     for t in range(steps):
-        alive = [r for r in range(n) if r not in victims or t < lost_from]
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
         for r in alive:
             models[r].zero_grad()
             x, y = train_ft.batch(r, t)
@@ -191,27 +184,24 @@ def simulate_replicas(n, steps, victims, lost_from, algorithm):
     return {r: [p.detach() for p in models[r].parameters()] for r in range(n)}, momentum
 
 
-# (algorithm, ranks, kill spec, the first step whose sync goes without the victims)
+# (algorithm, ranks, kill spec, {victim: the first step whose sync goes without it})
 REPLICA_CASES = {
-    "postlocalsgd, a rank lost between averagings": ("postlocalsgd", 3, "2:3:backward", 3),
-    "postlocalsgd, a rank lost at an averaging step": ("postlocalsgd", 4, "1:4:step", 4),
-    "postlocalsgd, rank 0 lost": ("postlocalsgd", 3, "0:2:forward", 2),
-    "diloco, a rank lost between syncs": ("diloco", 3, "1:2:backward", 2),
-    "diloco, a rank lost at a sync step": ("diloco", 4, "3:3:step", 3),
-    "diloco, two ranks lost": ("diloco", 4, "0,2:5:backward", 5),
-    "diloco, no rank lost": ("diloco", 3, "", 8),
+    "postlocalsgd, a rank lost between averagings, then rank 0 at an averaging step":
+        ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}),
+    "diloco, a rank lost between syncs, then one at a sync step":
+        ("diloco", 4, "1:2:backward;3:5:step", {1: 2, 3: 5}),
+    "diloco, two ranks lost at once": ("diloco", 4, "0,2:5:backward", {0: 5, 2: 5}),
 }
 
 
 @pytest.mark.parametrize("case", list(REPLICA_CASES))
 def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case):
     algorithm, n, kill, lost_from = REPLICA_CASES[case]
-    victims = {int(r) for r in kill.split(":")[0].split(",")} if kill else set()
     saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm)
-    params, momentum = simulate_replicas(n, 8, victims, lost_from, algorithm)
+    params, momentum = simulate_replicas(n, 8, lost_from, algorithm)
     for rank, got in saved.items():
-        lost = sorted(sum((list(r["lost"]) for r in got["recoveries"]), []))
-        assert lost == sorted(victims), got["recoveries"]
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), \
+            got["recoveries"]
         for a, b in zip(got["params"], params[rank]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank}'s parameters: {m}")
@@ -222,7 +212,7 @@ def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case)
 
 def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_path):
     saved = run_job(tmp_path, 4, "3:4:checkpoint")
-    history = check_survivors(saved, 4, {3}, 5)
+    history = check_survivors(saved, 4, {3: 5})
     written = torch.load(tmp_path / "checkpoint.pt")
     assert written["steps"] == 5
     for key, value in history[4]["model"].items():
@@ -238,22 +228,13 @@ def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_p
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_no_failure_trains_as_plain_data_parallel(tmp_path):
-    saved = run_job(tmp_path, 3, "")
-    params, _, _ = simulate(3, 8, set(), 8)
-    for got in saved.values():
-        assert got["recoveries"] == []
-        for a, b in zip(got["params"], params):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 def test_the_job_grows_back_to_its_size_with_a_replacement_that_takes_the_state(tmp_path):
     """recover(replace=True): a process is spawned for the lost rank, takes
     rank 0's parameters (set-up) and optimizer state (share_state), and
     trains on the lost rank's data: with the failed step done again by all
     four, the run ends where a run without failure ends."""
     saved = run_job(tmp_path, 4, "2:3:backward", expect=range(4), FT_REPLACE=1)
-    params, momentum, _ = simulate(4, 8, set(), 8)
+    params, momentum, _ = simulate(4, 8, {})
     first = saved[0]
     for key, got in saved.items():
         for a, b in zip(got["params"], first["params"]):

@@ -10,7 +10,8 @@ FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
 averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
 postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
 DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved).
-FT_KILL: "<ranks>:<step>:<phase>", ranks comma-separated, phase one of
+FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
+ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
 flight), step (backward done, before the optimizer's step), between (after
 the step, before the next forward), checkpoint (inside a checkpoint write,
@@ -41,12 +42,14 @@ def batch(launched_rank: int, step: int):
     return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
 
 
-def kill_plan():
-    spec = os.environ.get("FT_KILL", "")
-    if not spec:
-        return set(), -1, ""
-    ranks, step, phase = spec.split(":")
-    return {int(r) for r in ranks.split(",")}, int(step), phase
+def kill_plan(spec=None):
+    """[(ranks, step, phase)] from `spec` (default: FT_KILL)."""
+    plan = []
+    spec = os.environ.get("FT_KILL", "") if spec is None else spec
+    for spec in filter(None, spec.split(";")):
+        ranks, step, phase = spec.split(":")
+        plan.append(({int(r) for r in ranks.split(",")}, int(step), phase))
+    return plan
 
 
 def take_key(key, launched: int, comm) -> int:
@@ -58,13 +61,14 @@ def take_key(key, launched: int, comm) -> int:
 
 
 def main(out_dir: str) -> None:
-    victims, kill_step, kill_phase = kill_plan()
+    plan = kill_plan()
     replacement = mpidp.fault_tolerance.is_replacement()
     replace = bool(os.environ.get("FT_REPLACE"))
     key = None if replacement else LAUNCHED_RANK      # this rank's data stream
 
     def maybe_die(step: int, phase: str) -> None:
-        if key in victims and not replacement and step == kill_step and phase == kill_phase:
+        if not replacement and (key, step, phase) in {
+                (r, s, p) for ranks, s, p in plan for r in ranks}:
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = make_model()
@@ -95,7 +99,7 @@ def main(out_dir: str) -> None:
                                  hierarchical=hierarchical)
     first_layer = model[0].weight   # its gradient comes last in backward
     first_layer.register_hook(lambda g: maybe_die(step, "backward") or g)
-    checkpoint_after = kill_step if kill_phase == "checkpoint" else -1
+    checkpoint_after = next((s for _, s, p in plan if p == "checkpoint"), -1)
     checkpoint_due = False
     recoveries = []
     step = 0     # steps applied
