@@ -62,12 +62,13 @@ RanksLost = _C.RanksLost
 
 
 class Membership(NamedTuple):
-    """The job after a recovery: this rank's new rank and the new size, the
-    ranks lost (numbered in the world before the recovery), the size before,
-    how many recoveries the job has been through, the new world's mpi4py
-    communicator (for the program's own MPI calls; MPI.COMM_WORLD still
-    holds the dead ranks, though mpidp calls given it use the new world),
-    and the ranks of the replacements that joined."""
+    """The job after a recovery. `rank`, `size`: this rank's and the job's
+    now; `lost`: the ranks lost, numbered in the world before the recovery;
+    `previous_size`: the size before it; `generation`: how many recoveries
+    the job has been through; `comm`: the new world's mpi4py communicator
+    (for the program's own MPI calls; MPI.COMM_WORLD still holds the dead
+    ranks, though mpidp calls given it use the new world); `joined`: the
+    ranks of the replacements that joined (recover(replace=True))."""
     rank: int
     size: int
     lost: Tuple[int, ...]
