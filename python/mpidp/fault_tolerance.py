@@ -53,10 +53,9 @@ from ._mpi import MPI
 from .topology import forget_splits
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
-           "world_comm",
-           "share_state", "step_boundary",
-           "agree_all_alive", "commit_step", "participate", "steps_committed", "save_checkpoint",
-           "recovery_times"]
+           "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
+           # for the algorithms:
+           "step_boundary", "agree_all_alive", "commit_step", "participate"]
 
 RanksLost = _C.RanksLost
 
@@ -288,7 +287,7 @@ def _spawn_replacements(survivors: MPI.Intracomm, n: int):
     # The replacements get this rank's environment (spawned processes start
     # from the launcher's), less the MPI runtime's own per-process variables.
     env = [f"{k}={v}" for k, v in sorted(os.environ.items())
-           if not k.startswith(_RUNTIME_PREFIXES) and "=" not in k]
+           if not k.startswith(_RUNTIME_PREFIXES)]
     command = shutil.which("env") or "/usr/bin/env"
     inter = survivors.Spawn(command, env + [sys.executable] + sys.argv, maxprocs=n, root=0)
     merged = inter.Merge(high=False)
@@ -339,12 +338,13 @@ def _lost(where: str, error: "MPI.Exception") -> Exception:
 def _drain_core() -> None:
     """Every request mpidp had in flight completes (with an error, on the
     revoked communicators), so no buffer is left to MPI."""
-    for _ in range(100000):
+    # Each failed request ends the wait with its error (and frees its slot):
+    # wait again until nothing is pending.
+    while _C.process_state()["pending"]:
         try:
             _C.finish_pending()
-            return
         except _C.CommError:
-            continue
+            pass
 
 
 def _lost_ranks(old_world: MPI.Intracomm, survivors: MPI.Intracomm) -> Tuple[int, ...]:

@@ -114,9 +114,9 @@ def nodes_are_even(comm=None) -> bool:
     Collective over comm."""
     comm = world_mpi() if comm is None or comm is MPI.COMM_WORLD else comm
     k = config.get("MPIDP_RANKS_PER_NODE")
-    if k is not None:
-        return comm.Get_size() % k == 0
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    if k is not None and comm.Get_size() % k:
+        return False
+    local = _split(comm)
     try:
         return len(set(comm.allgather(local.Get_size()))) == 1
     finally:
