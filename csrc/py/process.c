@@ -78,7 +78,9 @@ static PyObject *mod_process_state(PyObject *m, PyObject *unused)
 {
     (void)unused;
     mpidp_reqtable_t *reqs = mpidp_py_state_of_module(m)->reqs;
-    return Py_BuildValue("{s:d,s:d,s:d,s:N,s:N,s:N,s:N,s:n,s:n}", "timeout", mpidp_py_timeout_s,
+    char in_flight[1024];
+    mpidp_reqtable_describe(reqs, in_flight, sizeof in_flight);
+    return Py_BuildValue("{s:d,s:d,s:d,s:N,s:N,s:N,s:N,s:n,s:n,s:s}", "timeout", mpidp_py_timeout_s,
                          "wait_spin", mpidp_reqtable_spin(reqs),
                          "departure_grace", mpidp_departures_grace(),
                          "abort_on_timeout", PyBool_FromLong(mpidp_py_abort_on_timeout),
@@ -86,7 +88,8 @@ static PyObject *mod_process_state(PyObject *m, PyObject *unused)
                          "forked", PyBool_FromLong(mpidp_py_forked),
                          "timed_out", PyBool_FromLong(mpidp_py_timed_out),
                          "fp16_overflows", (Py_ssize_t)mpidp_fp16_overflow_total(),
-                         "pending", (Py_ssize_t)mpidp_reqtable_pending(reqs));
+                         "pending", (Py_ssize_t)mpidp_reqtable_pending(reqs),
+                         "in_flight", in_flight);
 }
 
 /* finish_pending(): waits for everything in flight (called at exit, before
@@ -179,7 +182,8 @@ PyMethodDef mpidp_py_process_methods[] = {
      "wait_spin: seconds a wait spins before it sleeps between tests; departure_grace: seconds\n"
      "a wait goes on after a rank of its communicator ended its program)."},
     {"process_state", mod_process_state, METH_NOARGS,
-     "The settings, and timed_out / fp16_overflows / pending (requests in flight), as a dict."},
+     "The settings, and timed_out / fp16_overflows / pending (requests in flight) / in_flight\n"
+     "(what they are and how long ago each was posted), as a dict."},
     {"finish_pending", mod_finish_pending, METH_NOARGS, "Wait for every request in flight."},
     {"departures_start", mod_departures_start, METH_O,
      "departures_start(comm): listen for ranks of comm (the world) that end their program."},

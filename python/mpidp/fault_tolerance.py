@@ -340,9 +340,13 @@ def _drain_core() -> None:
     revoked communicators), so no buffer is left to MPI."""
     # Each failed request ends the wait with its error (and frees its slot):
     # wait again until nothing is pending.
+    # A request that neither completes nor fails within MPIDP_TIMEOUT (one
+    # on a communicator nobody revoked) raises CommTimeout out of here.
     while _C.process_state()["pending"]:
         try:
             _C.finish_pending()
+        except _C.CommTimeout:
+            raise
         except _C.CommError:
             pass
 
