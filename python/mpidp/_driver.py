@@ -123,7 +123,7 @@ def _refuse_without_fault_tolerance(driver: "Driver") -> None:
         raise NotImplementedError(
             f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
             "with_bagua's GradientAllReduce and ByteGrad, PeriodicModelAverager with "
-            f"PostLocalSGDOptimizer, and DiLoCo so far; {driver.what} is not among them yet")
+            f"PostLocalSGDOptimizer, DiLoCo and DASO so far; {driver.what} is not among them yet")
 
 
 class Driver(abc.ABC):

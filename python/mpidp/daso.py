@@ -13,6 +13,7 @@ parameter's difference from the last blocking sync (mpidp._C.ParamSync).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
 import warnings
@@ -22,6 +23,7 @@ import torch
 
 from . import _config as config
 from . import _C
+from . import fault_tolerance
 from ._args import check_bool, check_dtype, check_int, check_real
 from ._dtypes import CODE_OF
 from ._consistency import (check_every, check_in_sync, param_group_settings, ranks_differing,
@@ -30,7 +32,7 @@ from ._driver import Driver, wait_pending
 from ._mpi import MPI, communicator
 from ._params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
-from .topology import node_comm, topology
+from .topology import node_comm, nodes_are_even, topology
 
 __all__ = ["DASO"]
 
@@ -124,16 +126,9 @@ class DASO(Driver):
         self.local_skip_factor = local_skip_factor
         self.verbose = verbose
 
-        self.comm = comm
-        self._world_comm = communicator(comm)
-        self._world, mpi_comm = self._world_comm.c, self._world_comm.mpi
-        topo = topology(mpi_comm)
-        self.rank = mpi_comm.Get_rank()
-        self.n_nodes, self.local_rank, self.loc_size = topo.n_nodes, topo.local_rank, topo.local_size
-        self._node = communicator(node_comm(mpi_comm)).c
-        # Global syncs take turns over `loc_size` groups; group i holds local
-        # rank i of every node. Each rank only ever needs its own group.
-        self._group = communicator(self._make_group(mpi_comm, topo)).c if self.n_nodes > 1 else None
+        self._one_rank_nodes = False   # every rank a node (fault-tolerant mode, uneven nodes)
+        self._wrapper = None   # weakref to the DataParallelMultiGPU that runs this DASO
+        self._attach_comms(comm)
         self._schedule = _C.Schedule(total_epochs, warmup_epochs, cooldown_epochs, max_global_skips,
                                      skip_reduction_factor, local_skip_factor, self.loc_size,
                                      self.stability_level)
@@ -167,9 +162,29 @@ class DASO(Driver):
         self._node_active = True      # some rank of this node still trains
         self._active_nodes = self.n_nodes
         self._pending_senders = self.n_nodes
-        self._node_of = mpi_comm.allgather(topo.node)
 
     # -- construction helpers -------------------------------------------------
+
+    def _attach_comms(self, comm) -> None:
+        """The communicators of `comm`'s layout: the world, this rank's node,
+        and its sync group (with _one_rank_nodes, every rank is a node)."""
+        self.comm = comm
+        self._world_comm = communicator(comm)
+        self._world, mpi_comm = self._world_comm.c, self._world_comm.mpi
+        self.rank = mpi_comm.Get_rank()
+        if self._one_rank_nodes:
+            self.n_nodes, self.local_rank, self.loc_size = mpi_comm.Get_size(), 0, 1
+            self._node = None
+            self._group = self._world if self.n_nodes > 1 else None
+            self._node_of = list(range(self.n_nodes))
+            return
+        topo = topology(mpi_comm)
+        self.n_nodes, self.local_rank, self.loc_size = topo.n_nodes, topo.local_rank, topo.local_size
+        self._node = communicator(node_comm(mpi_comm)).c
+        # Global syncs take turns over `loc_size` groups; group i holds local
+        # rank i of every node. Each rank only ever needs its own group.
+        self._group = communicator(self._make_group(mpi_comm, topo)).c if self.n_nodes > 1 else None
+        self._node_of = mpi_comm.allgather(topo.node)
 
     def _make_group(self, comm, topo):
         key = topo.node
@@ -314,6 +329,23 @@ class DASO(Driver):
         self._trainable_at_setup.check()
         if self._joining:
             last = self._common_last
+        if not fault_tolerance.enabled():
+            self._step(last)
+            return
+        # Fault-tolerant mode: the step is a transaction -- the local step and
+        # whatever syncs the schedule runs in it -- that every rank agrees on
+        # at its end. A rank lost in it undoes it on every survivor, whose
+        # state is then that of the last step all of them completed.
+        fault_tolerance.raise_deferred()     # the node-local averaging saw a loss
+        before = self._transaction_state()
+        try:
+            self._step(last)
+            fault_tolerance.step_boundary()
+        except fault_tolerance.RanksLost:
+            self._undo(before)
+            raise
+
+    def _step(self, last: int) -> None:
         if self._needs_reference:
             self._set_reference()
         if self.scaler is not None:
@@ -368,6 +400,84 @@ class DASO(Driver):
 
     def load_algorithm_state(self, state: dict) -> None:
         self.load_state_dict(state)
+
+    # -- fault-tolerant mode (mpidp/fault_tolerance.py) ----------------------------------
+
+    def _transaction_state(self) -> tuple:
+        """What a step changes, kept to undo it (parameters and the local
+        optimizer's state are copied: a step's cost in memory and copying)."""
+        return ([p.detach().clone() for p in self._device_params],
+                copy.deepcopy(self.local_optimizer.state_dict()), self._state_beside_optimizer(),
+                self.current_batch, self._epochs_unclosed, self.bytes_sent)
+
+    def _state_beside_optimizer(self) -> dict:
+        return {"schedule": self._schedule.state(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def _load_state_beside_optimizer(self, state: dict) -> None:
+        self._schedule.load(state["schedule"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _undo(self, before: tuple) -> None:
+        params, optimizer, beside, self.current_batch, self._epochs_unclosed, self.bytes_sent = before
+        with torch.no_grad():
+            for p, kept in zip(self._device_params, params):
+                p.copy_(kept)
+        self.local_optimizer.load_state_dict(optimizer)
+        self._load_state_beside_optimizer(beside)
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        step in flight was undone on every survivor. DASO is set up again over
+        the survivors -- the node-local DDP over the survivors of each node,
+        or, where the nodes now hold different numbers of ranks, every rank a
+        node of its own from then on -- and every survivor takes the new rank
+        0's replica, optimizer state and schedule (replicas differ between
+        global syncs). A global sync that was in flight is sent again, from
+        those parameters, by the group whose turn it was."""
+        self._remove_hooks()
+        self._sync = None            # recover() drained what it had in flight
+        if not self._one_rank_nodes and not nodes_are_even(comm):
+            warnings.warn("DASO: after the loss of ranks the nodes hold different numbers of "
+                          "ranks; every rank is a node of its own from now on (no node-local "
+                          "DDP, every rank in the global syncs)", stacklevel=2)
+            self._one_rank_nodes = True
+        self._attach_comms(comm)
+        self._active_nodes = self._pending_senders = self.n_nodes
+        wrapper = self._wrapper() if self._wrapper is not None else None
+        if wrapper is not None:
+            wrapper._continue_on(self._world_comm.mpi, self.loc_size)
+        model = wrapper.module if wrapper is not None else self.module
+        for p in model.parameters():
+            p.grad = None
+        self.set_model(model, broadcast_buffers=self._broadcast_buffers)
+        user_model = getattr(model, "module", model)
+        broadcast_state(user_model, self._world)
+        mpi_comm = self._world_comm.mpi
+        mine = None
+        if mpi_comm.Get_rank() == 0:
+            beside = self._state_beside_optimizer()
+            # The global syncs take turns over the new number of ranks per node.
+            schedule = beside["schedule"]
+            schedule = dict(schedule, send_mod=schedule["send_mod"] % self.loc_size,
+                            pending_group=schedule["pending_group"] % self.loc_size,
+                            **{"cfg.n_groups": self.loc_size})
+            mine = (self.local_optimizer.state_dict(), dict(beside, schedule=schedule),
+                    self.current_batch, self._epochs_unclosed)
+        optimizer, beside, self.current_batch, self._epochs_unclosed = mpi_comm.bcast(mine, root=0)
+        self.local_optimizer.load_state_dict(optimizer)
+        self._load_state_beside_optimizer(beside)
+        self._schedule_checked = None
+        self._set_reference()          # every rank holds rank 0's parameters
+        if self._schedule.pending:
+            # The sync in flight was lost with the old communicators: its
+            # group sends again, now the common parameters, for the merge
+            # the schedule has due.
+            self._send(self._schedule.state()["pending_group"])
 
     # -- the host wrapper's interface (DataParallelMultiGPU drives these) -------------
 

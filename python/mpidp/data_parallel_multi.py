@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from . import _C
+from . import fault_tolerance
 from ._driver import set_up
 from ._mpi import MPI, communicator
 from ._params import broadcast_buffers, check_module
@@ -62,8 +64,6 @@ class DataParallelMultiGPU(torch.nn.Module):
         mpi_comm = handle.mpi
         topo = topology(mpi_comm)
         self.comm = comm
-        self._host_buffers_comm = None
-        self.loc_gpus = topo.local_size
         # torch's default group spans `comm` (the whole job), so that
         # DistributedSampler and dist.all_reduce with their defaults mean every
         # rank; DDP gets the node-local group explicitly.
@@ -87,38 +87,70 @@ class DataParallelMultiGPU(torch.nn.Module):
                 f"{mpi_comm.Get_rank()} of {mpi_comm.Get_size()} in comm; the default group must "
                 "span comm's ranks (DataParallelMultiGPU makes the node-local groups itself): "
                 "call mpidp.init_process_group() before, or let DataParallelMultiGPU do it")
+        # Not a submodule of the wrapper (self.module holds it, under DDP).
+        object.__setattr__(self, "_user_module", module)
+        self._broadcast_buffers = broadcast_buffers
+        if fault_tolerance.enabled() and node_default:
+            raise NotImplementedError(
+                "DataParallelMultiGPU: in fault-tolerant mode mpidp makes torch.distributed's "
+                "default group (over the whole job, made again over the survivors after a "
+                "loss); do not make the node-local group the default one")
         if topo.local_size == 1:
             warnings.warn("DataParallelMultiGPU: one rank per node, so there is no node-local "
                           "data parallelism; DASO syncs the nodes only", stacklevel=2)
-            self.module = module
-        else:
-            device_ids = None
-            first = next(module.parameters(), None)
-            if first is not None and first.is_cuda:
-                device_ids = [first.device.index]
-            on_host = first is None or first.device.type == "cpu"
-            # On the host DDP's own traffic (its start-up broadcast, the
-            # bucket layout it sends after the first step) goes over MPI too:
-            # the node group is an "mpidp" one, with no store behind it.
-            node_group = None if node_default else node_process_group(
-                mpi_comm, "mpidp" if on_host else None)
-            # On the host the gradients are views of DDP's buckets: the MPI
-            # hook reduces them in place, with no copy in or out.
-            self.module = torch.nn.parallel.DistributedDataParallel(
-                module, device_ids=device_ids, process_group=node_group,
-                gradient_as_bucket_view=on_host,
-                **_ddp_buffer_sync(broadcast_buffers and not on_host))
-            node = communicator(node_comm(mpi_comm)).c if on_host else None
-            self._host_buffers_comm = node if broadcast_buffers else None
-            # Node-local gradients are summed and divided by this many ranks:
-            # all of the node's, except during join() when some are out of data.
-            self._divisor = _NodeMean(topo.local_size, node_group, node)
-            self.module.register_comm_hook(self._divisor,
-                                           _mpi_allreduce_mean if on_host else _allreduce_mean)
+        first = next(module.parameters(), None)
+        if fault_tolerance.enabled() and first is not None and first.device.type != "cpu":
+            raise NotImplementedError(
+                "DataParallelMultiGPU: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) runs DASO on "
+                "host (CPU) parameters so far: its node-local DDP on GPUs goes through NCCL, "
+                "which has no ULFM")
+        self._wrap_node_local(mpi_comm, topo.local_size, node_default)
         optimizer.set_model(self.module, broadcast_buffers=broadcast_buffers)
+        optimizer._wrapper = weakref.ref(self)
         self._daso = optimizer
         self._joining = False
         self._last_inputs = None
+
+    def _wrap_node_local(self, mpi_comm, local_size: int, node_default: bool = False) -> None:
+        """self.module: the user's module in a DDP over this node's ranks of
+        mpi_comm, or the module itself where a node has one rank (local_size 1)."""
+        module = self._user_module
+        self.loc_gpus = local_size
+        self._host_buffers_comm = None
+        if local_size == 1:
+            self.module = module
+            return
+        device_ids = None
+        first = next(module.parameters(), None)
+        if first is not None and first.is_cuda:
+            device_ids = [first.device.index]
+        on_host = first is None or first.device.type == "cpu"
+        # On the host DDP's own traffic (its start-up broadcast, the
+        # bucket layout it sends after the first step) goes over MPI too:
+        # the node group is an "mpidp" one, with no store behind it.
+        node_group = None if node_default else node_process_group(
+            mpi_comm, "mpidp" if on_host else None)
+        # On the host the gradients are views of DDP's buckets: the MPI
+        # hook reduces them in place, with no copy in or out.
+        self.module = torch.nn.parallel.DistributedDataParallel(
+            module, device_ids=device_ids, process_group=node_group,
+            gradient_as_bucket_view=on_host,
+            **_ddp_buffer_sync(self._broadcast_buffers and not on_host))
+        node = communicator(node_comm(mpi_comm)).c if on_host else None
+        self._host_buffers_comm = node if self._broadcast_buffers else None
+        # Node-local gradients are summed and divided by this many ranks:
+        # all of the node's, except during join() when some are out of data.
+        self._divisor = _NodeMean(local_size, node_group, node)
+        self.module.register_comm_hook(self._divisor,
+                                       _mpi_allreduce_mean if on_host else _allreduce_mean)
+
+    def _continue_on(self, mpi_comm, local_size: int) -> None:
+        """Fault-tolerant mode (DASO._continue_on): the node-local DDP made
+        again over the survivors' nodes (none where a node has one rank)."""
+        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+            # The old DDP's autograd hooks on the parameters go with it.
+            self.module._remove_autograd_hooks()
+        self._wrap_node_local(mpi_comm, local_size)
 
     def __reduce_ex__(self, protocol):
         inner = self.module
@@ -238,7 +270,12 @@ def _mpi_allreduce_mean(state: _NodeMean, bucket):
     the end of backward, and nothing would complete a pending one there; a
     node's allreduce through shared memory costs little next to a step."""
     tensor = bucket.buffer()
-    state.comm.allreduce(tensor, _C.OP_SUM, _C.NO_WIRE, False)
+    try:
+        state.comm.allreduce(tensor, _C.OP_SUM, _C.NO_WIRE, False)
+    except _C.RanksLost as lost:
+        # Raised here, torch would hand the loop a RuntimeError: DASO.step()
+        # raises it instead, and the step is discarded.
+        fault_tolerance.defer(lost)
     tensor.div_(state.n)
     done = torch.futures.Future()
     done.set_result(tensor)

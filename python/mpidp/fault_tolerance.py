@@ -50,12 +50,14 @@ from . import _C
 from . import _config as config
 from . import _mpi
 from ._mpi import MPI
+from . import process_group
 from .topology import forget_splits
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
            # for the algorithms:
-           "step_boundary", "agree_all_alive", "commit_step", "participate"]
+           "step_boundary", "agree_all_alive", "commit_step", "participate", "defer",
+           "raise_deferred"]
 
 RanksLost = _C.RanksLost
 
@@ -84,6 +86,7 @@ class _State:
     generation = 0
     committed = 0           # step ends every rank agreed on
     replacement = False     # this process was spawned to replace a lost rank
+    deferred: Optional[BaseException] = None   # a loss seen where it could not be raised
     times: Dict[str, float] = {}
 
 
@@ -172,8 +175,24 @@ def step_boundary() -> None:
     committed. Raises RanksLost on every survivor, before anything is
     applied, when a rank died."""
     if _state.enabled:
+        raise_deferred()
         agree_all_alive("step end", "the step was applied by no rank")
         _state.committed += 1
+
+
+def defer(error: BaseException) -> None:
+    """A loss seen where raising would not reach the training loop as
+    RanksLost (a DDP communication hook, whose exceptions torch turns into
+    RuntimeError): kept, and raised by the step's end (raise_deferred)."""
+    if _state.deferred is None:
+        _state.deferred = error
+
+
+def raise_deferred() -> None:
+    """Raise the loss kept by defer(), if any (once)."""
+    error, _state.deferred = _state.deferred, None
+    if error is not None:
+        raise error
 
 
 def agree_all_alive(what: str, outcome: str) -> None:
@@ -236,6 +255,7 @@ def recover(replace: bool = False) -> Membership:
             except MPI.Exception:
                 pass
         _state.agreed = False
+        _state.deferred = None
         _drain_core()
         times["agreement"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -260,6 +280,7 @@ def recover(replace: bool = False) -> Membership:
         _mpi.replace_world(survivors)
         forget_splits()
         try:
+            process_group.continue_on(survivors)
             continue_on_survivors(old_world)
             for obj in list(_participants):
                 obj._continue_on(survivors)

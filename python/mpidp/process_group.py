@@ -89,6 +89,8 @@ def init_process_group(comm=None, backend: str | None = None,
     if "nccl" in backend:
         torch.cuda.set_device(topology().local_rank % gpus)
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
+    global _made
+    _made = (backend, timeout)
     if backend == "mpidp":   # the group is `group` itself: no store, no ports
         from .c10d import _registration
         _registration.use_for_default_group(group)
@@ -124,6 +126,27 @@ def init_process_group(comm=None, backend: str | None = None,
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     from .c10d import _registration
     _registration.note_default_comm(group)   # for "mpidp" subgroups beside it
+
+
+# (backend, timeout) of the default group init_process_group made, for
+# continue_on; None where the program made it (or none exists).
+_made = None
+
+
+def continue_on(world: MPI.Intracomm) -> None:
+    """Fault-tolerant mode, after mpidp.recover() shrank or grew the world:
+    the default group that init_process_group made over the old world (a
+    dead rank's store or connections in it) is destroyed and made again over
+    `world`, with the same backend; the node groups made from it go too. A
+    group the program made itself is its to remake."""
+    global _made
+    if _made is None or not dist.is_initialized():
+        return
+    backend, timeout = _made
+    _node_groups.clear()
+    dist.destroy_process_group()
+    _made = None
+    init_process_group(world, backend=None if "," in backend else backend, timeout=timeout)
 
 
 # Node-local groups made so far, by the nodes' ranks: (the default group they

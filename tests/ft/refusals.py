@@ -22,9 +22,6 @@ def model():
 
 
 m = model()
-daso = mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=2)
-refused("DASO", lambda: mpidp.DataParallelMultiGPU(m, daso), "DASO: fault-tolerant mode")
-m = model()
 refused("SlowMo", lambda: mpidp.SlowMoDistributedDataParallel(m, slowmo_momentum=0.5),
         "fault-tolerant mode")
 m = model()

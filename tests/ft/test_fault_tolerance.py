@@ -210,6 +210,99 @@ def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case)
                                        msg=lambda m: f"rank {rank}'s momentum: {m}")
 
 
+def simulate_daso(n, steps, lost_from, per_node=2):
+    """DASO in its warm-up (a blocking global average every batch, float32
+    on the wire) over emulated nodes of `per_node` ranks, by its rule: each
+    node's ranks average their gradients and step SGD with the node's
+    momentum; the parameters then become the mean over the nodes. A step in
+    which a rank died is undone; at each recovery every survivor takes the
+    new rank 0's (the lowest surviving rank's) momentum, and where the
+    survivors cannot form whole nodes every rank is a node of its own from
+    then on. Returns the parameters and each rank's momentum."""
+    model = train_ft.make_model()
+    params = [p.detach().clone() for p in model.parameters()]
+    alive, one_rank_nodes = list(range(n)), False
+    momentum = {r: None for r in alive}          # of each rank (its node's)
+    for t in range(steps):
+        survivors = [r for r in alive if t < lost_from.get(r, steps)]
+        if survivors != alive:
+            alive = survivors
+            momentum = {r: momentum[alive[0]] for r in alive}
+            one_rank_nodes = one_rank_nodes or len(alive) % per_node != 0
+        size = 1 if one_rank_nodes else per_node
+        nodes = [alive[i:i + size] for i in range(0, len(alive), size)]
+        stepped = []
+        for node in nodes:
+            grads = None
+            for r in node:
+                with torch.no_grad():
+                    for p, v in zip(model.parameters(), params):
+                        p.copy_(v)
+                model.zero_grad()
+                x, y = train_ft.batch(r, t)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                g = [p.grad.clone() for p in model.parameters()]
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            grads = [g / len(node) for g in grads]
+            m = momentum[node[0]]
+            m = [g.clone() for g in grads] if m is None else [0.9 * a + g for a, g in zip(m, grads)]
+            for r in node:
+                momentum[r] = m
+            stepped.append([v - 0.05 * b for v, b in zip(params, m)])
+        params = [sum(ps) / len(stepped) for ps in zip(*stepped)]
+    return params, momentum
+
+
+# (kill spec, {victim: the first step without its data}), at 4 ranks on emulated nodes of 2.
+DASO_CASES = {
+    "one rank of a node in backward (every rank a node after), then rank 0 between steps":
+        ("1:2:backward;0:5:between", {1: 2, 0: 6}),
+    "a whole node in backward": ("2,3:3:backward", {2: 3, 3: 3}),
+    "one rank after its node's averaging, before the step": ("2:4:step", {2: 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(DASO_CASES))
+def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
+    kill, lost_from = DASO_CASES[case]
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="daso", MPIDP_RANKS_PER_NODE=2)
+    params, momentum = simulate_daso(4, 8, lost_from)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank {min(saved)}'s"
+        for a, b in zip(got["params"], params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s momentum: {m}")
+
+
+def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path):
+    """DASO's cycling phase: replicas differ between global syncs, which are
+    in flight across batches. At the recovery every survivor holds the new
+    rank 0's replica and momentum as they were after the last step every
+    rank completed (the interrupted step undone, the sync in flight
+    dropped); the epoch's last batch ends in a blocking sync."""
+    # The schedule here: group 1 (ranks 1 and 3) sends after step 4 and
+    # merges after step 5; rank 3 dies in step 5's backward.
+    saved = run_job(tmp_path, 4, "3:5:backward", FT_ALGORITHM="daso", FT_DASO_CYCLING=1,
+                    MPIDP_RANKS_PER_NODE=2)
+    root = saved[0]
+    (recovery,) = root["recoveries"]
+    step = recovery["step"]
+    assert step == 5
+    kept_params, kept_momentum = root["committed"][step]
+    for rank, got in saved.items():
+        (mine,) = got["recoveries"]
+        for a, b in zip(mine["params"] + mine["momentum"], kept_params + kept_momentum):
+            assert torch.equal(a, b), f"rank {rank} did not take rank 0's state at the recovery"
+        for a, b in zip(got["params"], root["params"]):
+            assert torch.equal(a, b), f"rank {rank} ended with other parameters than rank 0"
+
+
 def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_path):
     saved = run_job(tmp_path, 4, "3:4:checkpoint")
     history = check_survivors(saved, 4, {3: 5})

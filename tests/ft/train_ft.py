@@ -9,7 +9,8 @@ what it saw to FT_OUT/rank-<launched rank>.pt.
 FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
 averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
 postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
-DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved).
+DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved),
+daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches).
 FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
 ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
@@ -91,6 +92,16 @@ def main(out_dir: str) -> None:
         diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
         diloco.__enter__()     # for the whole job (a with-block around the loop does the same)
         saved_opt = outer
+    elif algorithm == "daso":
+        # One epoch of STEPS batches; FT_DASO_CYCLING=1: DASO's cycling phase
+        # (global syncs in flight across batches), else its warm-up (a
+        # blocking global average every batch). float32 on the wire.
+        cycling = bool(os.environ.get("FT_DASO_CYCLING"))
+        daso = mpidp.DASO(sgd, total_epochs=1, warmup_epochs=0 if cycling else 1,
+                          cooldown_epochs=0, max_global_skips=4, downcast_type=torch.float32)
+        net = mpidp.DataParallelMultiGPU(model, daso)
+        daso.last_batch = STEPS - 1
+        opt = daso
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
         net = mpidp.DataParallel(model, optimizer=opt if nonblocking else None,
@@ -102,6 +113,7 @@ def main(out_dir: str) -> None:
     checkpoint_after = next((s for _, s, p in plan if p == "checkpoint"), -1)
     checkpoint_due = False
     recoveries = []
+    committed = [None]   # DASO: parameters and momentum after each step this rank applied
     step = 0     # steps applied
     launched = MPI.COMM_WORLD.Get_size()
     if replacement:      # spawned by recover(replace=True): the others' state, a lost rank's data
@@ -127,6 +139,11 @@ def main(out_dir: str) -> None:
             # gradients behind: recover() must drop them.
             opt.zero_grad()
             step += 1
+            # DASO only: reading non-blocking DataParallel's parameters here
+            # would apply its step at once.
+            if algorithm == "daso":
+                committed.append(([p.detach().clone() for p in model.parameters()],
+                                  momenta(saved_opt, model)))
             maybe_die(step - 1, "between")
             checkpoint_due = step - 1 == checkpoint_after
         except mpidp.RanksLost:
@@ -134,20 +151,30 @@ def main(out_dir: str) -> None:
             recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
                                "joined": m.joined, "mpidp_size": mpidp.size(),
                                "mpidp_rank": mpidp.rank()})
+            if algorithm == "daso":
+                recoveries[-1].update(params=[p.detach().clone() for p in model.parameters()],
+                                      momentum=momenta(saved_opt, model))
             # Go on from the last step every rank applied (non-blocking: the
             # step due when the rank died may be one the loop had passed).
             step = mpidp.fault_tolerance.steps_committed()
+            del committed[step + 1:]
             if m.joined:
                 mpidp.fault_tolerance.share_state({"optimizer": sgd.state_dict(), "step": step,
                                                    "launched": launched})
                 key = take_key(key, launched, m.comm)
     if nonblocking:
         net.synchronize()   # the last step's update
+    if algorithm == "daso":
+        daso.epoch_loss_logic(loss)
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "momentum": [saved_opt.state[p]["momentum_buffer"].clone()
-                             for p in model.parameters()],
-                "recoveries": recoveries},
+                "momentum": momenta(saved_opt, model), "recoveries": recoveries,
+                "committed": committed},
                os.path.join(out_dir, f"rank-{key}.pt"))
+
+
+def momenta(optimizer, model):
+    return [optimizer.state[p]["momentum_buffer"].clone() if p in optimizer.state else None
+            for p in model.parameters()]
 
 
 if __name__ == "__main__":
