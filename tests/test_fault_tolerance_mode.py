@@ -35,3 +35,21 @@ def test_a_bad_setting_is_refused_naming_the_variable():
     out = subprocess.run([sys.executable, "-c", "import mpidp"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode != 0 and "MPIDP_FAULT_TOLERANCE" in out.stderr, out.stderr
+
+
+def test_reset_grad_scaler_forgets_a_step_cut_short_and_keeps_the_scale():
+    import torch
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    scaler.unscale_(opt)          # ... and the step is cut short by RanksLost
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.unscale_(opt)
+    mpidp.fault_tolerance.reset_grad_scaler(scaler)
+    scaler.unscale_(opt)          # the next step's
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 64.0
+    with pytest.raises(TypeError, match="scaler: expected a torch.amp.GradScaler"):
+        mpidp.fault_tolerance.reset_grad_scaler(opt)

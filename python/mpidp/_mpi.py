@@ -174,12 +174,35 @@ def world_mpi() -> MPI.Intracomm:
     return _world_mpi
 
 
+# Set by fault_tolerance.enable(); every rank must agree (_refuse_mixed_modes).
+fault_tolerant = False
+# Called once each world exists (fault_tolerance makes its agreement
+# communicator there, where every rank is).
+on_new_world: list = []
+
+
+def _refuse_mixed_modes() -> None:
+    """A rank in fault-tolerant mode agrees at every step's end; one that is
+    not would leave it waiting forever (an agreement has no deadline)."""
+    modes = _world_mpi.allgather(fault_tolerant)
+    if len(set(modes)) > 1:
+        on = [r for r, m in enumerate(modes) if m]
+        off = [r for r, m in enumerate(modes) if not m]
+        raise RuntimeError(f"fault-tolerant mode is on on rank(s) {on} and off on rank(s) {off}: "
+                           "set MPIDP_FAULT_TOLERANCE (or call mpidp.enable_fault_tolerance()) "
+                           "on every rank alike")
+
+
 def world() -> _C.Comm:
     """mpidp's duplicate of world_mpi() (created once per world)."""
     global _world
     if _world is None:
         check_launch(_world_mpi.Get_size())
         _world = _C.Comm(_world_mpi)
+        if _world.size > 1:
+            _refuse_mixed_modes()
+        for hook in on_new_world:
+            hook()
         # Ranks that end their program are listened for over the first world;
         # under fault tolerance MPI itself reports them (ULFM).
         if _world.size > 1 and _world_mpi is MPI.COMM_WORLD and not _C.ft_support()[1]:

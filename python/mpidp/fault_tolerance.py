@@ -55,6 +55,7 @@ from .topology import forget_splits
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
+           "reset_grad_scaler",
            # for the algorithms:
            "step_boundary", "agree_all_alive", "commit_step", "participate", "defer",
            "raise_deferred"]
@@ -127,9 +128,23 @@ def enable() -> None:
         _mpi.replace_world(parent.Merge(high=True))
         parent.Disconnect()
         _state.replacement = True
-    _state.agree_comm = _mpi.world_mpi().Dup()
+        _state.agree_comm = _mpi.world_mpi().Dup()   # the survivors' recover() makes theirs
     _state.enabled = True
+    _mpi.fault_tolerant = True
+    # Otherwise made with mpidp's world, where every rank is (and a rank not in
+    # this mode is found).
+    _mpi.on_new_world.append(_make_agree_comm)
     atexit.register(_at_exit)
+
+
+def _make_agree_comm() -> None:
+    if _state.agree_comm is None:
+        _state.agree_comm = _mpi.world_mpi().Dup()
+
+
+def _agree_comm() -> MPI.Intracomm:
+    _mpi.world()
+    return _state.agree_comm
 
 
 # Seconds a process may spend in MPI_Finalize at exit once ranks were lost.
@@ -200,7 +215,7 @@ def agree_all_alive(what: str, outcome: str) -> None:
     sync of the replica algorithms) before its result is applied; RanksLost
     on every survivor otherwise, `outcome` saying what became of it."""
     try:
-        ok = _state.agree_comm.Agree(1)
+        ok = _agree_comm().Agree(1)
     except MPI.Exception as error:
         _state.agreed = True
         raise _lost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: {outcome}", error) from None
@@ -216,6 +231,18 @@ def commit_step() -> None:
     algorithms' local steps; their syncs agree through agree_all_alive)."""
     if _state.enabled:
         _state.committed += 1
+
+
+def reset_grad_scaler(scaler) -> None:
+    """After RanksLost: a torch.amp.GradScaler whose step was cut short still
+    holds that step's unscale and inf checks, so its next unscale_() or
+    step() would raise (or skip a step); this drops them, keeping the scale
+    and its growth tracker as they were -- as if the step never began. Call
+    it in the except clause, beside recover()."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        raise TypeError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+    states.clear()
 
 
 _participants: "weakref.WeakSet" = weakref.WeakSet()

@@ -44,11 +44,11 @@ def run_job(tmp_path, n, kill, steps=8, expect=None, **env):
     return saved
 
 
-def simulate(n, steps, lost_from):
+def simulate(n, steps, lost_from, clip=None):
     """Every replica of the rule: rank r's batch counts in step t while r is
-    alive (t < lost_from[r] for the victims); the mean over those ranks is
-    stepped by SGD with momentum. Returns (params, momentum, params after
-    each step)."""
+    alive (t < lost_from[r] for the victims); the mean over those ranks
+    (clipped to norm `clip`, if given) is stepped by SGD with momentum.
+    Returns (params, momentum, params after each step)."""
     model = train_ft.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     history = []
@@ -63,6 +63,8 @@ def simulate(n, steps, lost_from):
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         for p, g in zip(model.parameters(), grads):
             p.grad = g / len(alive)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         history.append({"model": {k: v.clone() for k, v in model.state_dict().items()},
                         "optimizer": copy.deepcopy(opt.state_dict())})
@@ -81,9 +83,9 @@ def launched_ranks_lost(recoveries, n):
     return sorted(lost)
 
 
-def check_survivors(saved, n, lost_from, steps=8, tol=None):
+def check_survivors(saved, n, lost_from, steps=8, tol=None, clip=None):
     victims = set(lost_from)
-    params, momentum, history = simulate(n, steps, lost_from)
+    params, momentum, history = simulate(n, steps, lost_from, clip)
     first = saved[min(saved)]
     for rank, got in saved.items():
         for a, b in zip(got["params"], first["params"]):
@@ -123,6 +125,15 @@ def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path):
     step (2 here), one lost in backward the step it was in."""
     saved = run_job(tmp_path, 4, "2:2:between;0:5:backward", FT_NONBLOCKING=1)
     check_survivors(saved, 4, {2: 2, 0: 5})
+
+
+def test_habits_in_fault_tolerant_mode(tmp_path):
+    """The model wrapped twice, AMP's GradScaler, the gradients unscaled and
+    clipped before the step: a rank lost after backward (before the
+    scaler's unscale and step), then one in backward; the survivors end as
+    the simulation of the clipped mean gradient."""
+    saved = run_job(tmp_path, 4, "1:2:step;3:5:backward", FT_HABITS=1)
+    check_survivors(saved, 4, {1: 2, 3: 5}, clip=train_ft.CLIP)
 
 
 def test_a_whole_emulated_node_is_lost_under_hierarchical_averaging(tmp_path):
@@ -354,3 +365,22 @@ def test_a_job_launched_without_ulfm_is_refused_naming_the_launch():
                           "import mpidp"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode != 0
     assert "not started with it: launch with `mpirun --with-ft ulfm" in out.stderr, out.stderr
+
+
+def test_ranks_that_differ_in_the_mode_are_refused_on_every_rank():
+    """A rank not in fault-tolerant mode would leave the others waiting
+    forever in their step-end agreements: the first wrapper refuses."""
+    script = ("import os\n"
+              "from mpi4py import MPI\n"
+              "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+              "    os.environ['MPIDP_FAULT_TOLERANCE'] = '0'\n"
+              "import torch, mpidp\n"
+              "try:\n"
+              "    mpidp.DataParallel(torch.nn.Linear(3, 1))\n"
+              "except RuntimeError as error:\n"
+              "    print(f'rank {MPI.COMM_WORLD.Get_rank()} refused: {error}', flush=True)\n")
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "2", sys.executable, "-c",
+                          script], capture_output=True, text=True, timeout=120)
+    for rank in (0, 1):
+        assert (f"rank {rank} refused: fault-tolerant mode is on on rank(s) [0] and off on "
+                "rank(s) [1]") in out.stdout, out.stdout + out.stderr[-3000:]

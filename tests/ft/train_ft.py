@@ -11,6 +11,8 @@ averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
 postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
 DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved),
 daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches).
+FT_HABITS=1 (DataParallel): the model wrapped twice, AMP's GradScaler, and
+the gradients unscaled and clipped to norm CLIP before the step.
 FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
 ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
@@ -21,6 +23,7 @@ which every rank starts after that step)."""
 import os
 import signal
 import sys
+import warnings
 
 import torch
 
@@ -29,6 +32,7 @@ from mpi4py import MPI
 
 STEPS = int(os.environ.get("FT_STEPS", "8"))
 PERIOD = 2      # of the replica algorithms' syncs
+CLIP = 0.5      # FT_HABITS: the gradients' norm is clipped to this
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
 
 
@@ -79,6 +83,8 @@ def main(out_dir: str) -> None:
     opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if nonblocking else sgd
     hierarchical = bool(os.environ.get("FT_HIERARCHICAL"))
     algorithm = os.environ.get("FT_ALGORITHM", "")
+    habits = bool(os.environ.get("FT_HABITS"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
     saved_opt = sgd     # whose momentum is saved at the end
     if algorithm == "bytegrad":      # Bagua's, through with_bagua
         net = mpidp.with_bagua(model, [sgd],
@@ -104,10 +110,16 @@ def main(out_dir: str) -> None:
         opt = daso
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
-        net = mpidp.DataParallel(model, optimizer=opt if nonblocking else None,
-                                 blocking_parameter_updates=not nonblocking,
-                                 first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
-                                 hierarchical=hierarchical)
+        def wrap():
+            return mpidp.DataParallel(model, optimizer=opt if nonblocking else None,
+                                      blocking_parameter_updates=not nonblocking,
+                                      first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
+                                      hierarchical=hierarchical)
+        net = wrap()
+        if habits:      # wrapped twice: the newer wrapper takes over (with a warning)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                net = wrap()
     first_layer = model[0].weight   # its gradient comes last in backward
     first_layer.register_hook(lambda g: maybe_die(step, "backward") or g)
     checkpoint_after = next((s for _, s, p in plan if p == "checkpoint"), -1)
@@ -132,9 +144,17 @@ def main(out_dir: str) -> None:
             x, y = batch(key, step)
             maybe_die(step, "forward")
             loss = torch.nn.functional.mse_loss(net(x), y)
-            loss.backward()
-            maybe_die(step, "step")
-            opt.step()
+            if habits:   # AMP's scaler, and the gradients unscaled and clipped before the step
+                scaler.scale(loss).backward()
+                maybe_die(step, "step")
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                maybe_die(step, "step")
+                opt.step()
             # After the step, so a step a lost rank cut short leaves its
             # gradients behind: recover() must drop them.
             opt.zero_grad()
@@ -148,6 +168,8 @@ def main(out_dir: str) -> None:
             checkpoint_due = step - 1 == checkpoint_after
         except mpidp.RanksLost:
             m = mpidp.recover(replace=replace)
+            if scaler is not None:
+                mpidp.fault_tolerance.reset_grad_scaler(scaler)
             recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
                                "joined": m.joined, "mpidp_size": mpidp.size(),
                                "mpidp_rank": mpidp.rank()})
