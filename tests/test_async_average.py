@@ -44,9 +44,11 @@ def train_step(net, opt, x, y):
 
 def rounds_after(net, n, opt=None, batches=()):
     """Trains on `batches` round-robin (or idles) until the thread has
-    completed n rounds since it last started."""
+    completed n rounds since it last started, and training has gone through
+    `batches` once (the thread may run its rounds before a loaded machine
+    gives this one a step)."""
     handle, i = net.bagua_driver, 0
-    while handle.averager.rounds < n:
+    while handle.averager.rounds < n or (opt is not None and i < len(batches)):
         if opt is not None:
             x, y = batches[i % len(batches)]
             train_step(net, opt, x, y)
