@@ -7,8 +7,8 @@ Runs jobs under scripts/mpirun_ft.sh (Open MPI 5 with ULFM, .venv-ft; run
 scripts/setup_ft_env.sh first) from this one process, taking turns:
 
 1. Step time of blocking mpidp.DataParallel on bench_step.py's models (the
-   500-tensor MLP, ResNet-18), SGD with momentum, every rank's slowest
-   median counting: launched with ULFM and fault-tolerant mode on, against
+   500-tensor MLP, ResNet-18), and of DASO in its warm-up on the MLP (emulated
+   nodes of 2 ranks), SGD with momentum, every rank's slowest median counting: launched with ULFM and fault-tolerant mode on, against
    the same launch with the mode off (MPIDP_FAULT_TOLERANCE=0), and a launch
    without ULFM (plain mpirun of the same Open MPI, mode off).
 2. Recovery: the last rank SIGKILLs itself in the middle of a backward pass
@@ -53,16 +53,8 @@ def worker_steps(args):
     import torch.nn.functional as F
     comm = mpidp.MPI.COMM_WORLD
     result = {}
-    for name in ("mlp", "resnet18"):
-        torch.manual_seed(0)
-        model, x, y = make_case(name, args.quick, torch.device("cpu"))
-        net = mpidp.DataParallel(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-        def step():
-            opt.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
+    def timed(step):
         for _ in range(3):
             step()
         samples = []
@@ -73,7 +65,34 @@ def worker_steps(args):
                 step()
             comm.Barrier()
             samples.append((time.perf_counter() - t0) / args.steps)
-        result[name] = max(comm.allgather(statistics.median(samples)))
+        return max(comm.allgather(statistics.median(samples)))
+
+    for name in ("mlp", "resnet18"):
+        torch.manual_seed(0)
+        model, x, y = make_case(name, args.quick, torch.device("cpu"))
+        net = mpidp.DataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        result[name] = timed(step)
+        net.detach()
+    # DASO in its warm-up (a blocking global average every batch) on emulated
+    # nodes: the mode keeps a copy of the parameters and momentum per step.
+    torch.manual_seed(0)
+    model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
+    daso = mpidp.DASO(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                      total_epochs=1, warmup_epochs=1, cooldown_epochs=0)
+    net = mpidp.DataParallelMultiGPU(model, daso)
+    daso.last_batch = 10**9
+
+    def daso_step():
+        daso.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        daso.step()
+    result["daso mlp"] = timed(daso_step)
     if mpidp.fault_tolerance.enabled():    # the one thing the mode adds to a step: an agreement
         agree = mpidp.fault_tolerance._state.agree_comm
         comm.Barrier()
@@ -149,6 +168,8 @@ def worker_recovery(args):
 
 def run_job(ranks, worker, extra, ft_mode=True, ulfm=True):
     env = dict(os.environ, MPIDP_FAULT_TOLERANCE="1" if ft_mode else "0")
+    if worker == "steps":
+        env["MPIDP_RANKS_PER_NODE"] = "2"    # DASO's nodes (DataParallel runs flat)
     cmd = [os.path.join(ROOT, "scripts", "mpirun_ft.sh"), str(ranks)]
     if not ulfm:
         env["FT_LAUNCH_WITHOUT_ULFM"] = "1"
@@ -194,12 +215,12 @@ def main():
                 results.append(run_job(args.ranks, "recovery",
                                        common + ["--stamp", stamp.name] + extra))
 
-    print(f"\nStep time of blocking DataParallel at {args.ranks} ranks, median of {args.rounds} "
-          "jobs (ms):")
+    print(f"\nStep time of blocking DataParallel (and of DASO in its warm-up on nodes of 2) at "
+          f"{args.ranks} ranks, median of {args.rounds} jobs (ms):")
     print(f"{'model':10s}" + "".join(f"{k:>20s}" for k in kinds) + f"{'on / off':>10s}"
           f"{'on / no ulfm':>14s}")
     agreement = 1e3 * statistics.median(r["agreement"] for r in steps["ulfm, mode on"])
-    for model in ("mlp", "resnet18"):
+    for model in ("mlp", "resnet18", "daso mlp"):
         ms = {k: 1e3 * statistics.median(r[model] for r in steps[k]) for k in kinds}
         print(f"{model:10s}" + "".join(f"{ms[k]:20.2f}" for k in kinds)
               + f"{ms['ulfm, mode on'] / ms['ulfm, mode off']:10.3f}"

@@ -124,9 +124,14 @@ def _before_optimizer_step(wrapper_ref, optimizer) -> None:
     wrapper = wrapper_ref()
     if wrapper is None or wrapper._released is not None:
         return
-    # Fault-tolerant mode: the step is applied only if every rank lived through it.
-    if wrapper.blocking_parameter_updates:
-        fault_tolerance.step_boundary()
+    # Fault-tolerant mode: the step is applied only if every rank lived through
+    # it. One agreement per backward: it vouches for every gradient averaged
+    # in it, so the other optimizers of the same step need none.
+    if wrapper.blocking_parameter_updates and fault_tolerance.enabled():
+        backwards = wrapper._reducer.backwards
+        if backwards != wrapper._backwards_agreed:
+            fault_tolerance.step_boundary()
+            wrapper._backwards_agreed = backwards
     if not wrapper._deferred.stepping:
         wrapper._refuse_outside_tensors(optimizer)
 
@@ -288,6 +293,7 @@ class DataParallel(torch.nn.Module, Driver):
         self._check_every = check_every()
         self._forwards = 0
         self._build_reducer(*self._caps)
+        self._backwards_agreed = None    # fault-tolerant mode: the backward whose step was agreed
         # Loads on one rank only and optimizer settings that differ are found
         # at the next training forwards (_loads.py), also for plain torch
         # optimizers stepped directly (DDP's pattern).

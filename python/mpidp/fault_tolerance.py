@@ -345,8 +345,8 @@ def _spawn_replacements(survivors: MPI.Intracomm, n: int):
 
 
 def steps_committed() -> int:
-    """Optimizer steps every rank agreed to apply since fault-tolerant mode
-    was turned on (with several optimizers, each one's step counts). After
+    """Training steps every rank agreed to apply since fault-tolerant mode
+    was turned on (one per step, however many optimizers it steps). After
     recover(), the loop goes on from this step: the step in flight when a
     rank died is not among them (non-blocking DataParallel: the step that
     was due, which the loop had already passed)."""

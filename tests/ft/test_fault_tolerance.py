@@ -128,10 +128,11 @@ def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path):
 
 
 def test_habits_in_fault_tolerant_mode(tmp_path):
-    """The model wrapped twice, AMP's GradScaler, the gradients unscaled and
-    clipped before the step: a rank lost after backward (before the
-    scaler's unscale and step), then one in backward; the survivors end as
-    the simulation of the clipped mean gradient."""
+    """The model wrapped twice, two optimizers, AMP's GradScaler, the
+    gradients unscaled and clipped before the step: a rank lost after
+    backward (before the scaler's unscale and step), then one in backward;
+    the survivors end as the simulation of the clipped mean gradient (a
+    step counted once per optimizer would skip batches)."""
     saved = run_job(tmp_path, 4, "1:2:step;3:5:backward", FT_HABITS=1)
     check_survivors(saved, 4, {1: 2, 3: 5}, clip=train_ft.CLIP)
 

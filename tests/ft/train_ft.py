@@ -11,8 +11,9 @@ averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
 postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
 DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved),
 daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches).
-FT_HABITS=1 (DataParallel): the model wrapped twice, AMP's GradScaler, and
-the gradients unscaled and clipped to norm CLIP before the step.
+FT_HABITS=1 (DataParallel): the model wrapped twice, two optimizers (the
+first layer's own), AMP's GradScaler, and the gradients unscaled and
+clipped to norm CLIP before the step.
 FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
 ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
@@ -77,15 +78,19 @@ def main(out_dir: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = make_model()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    habits = bool(os.environ.get("FT_HABITS"))
+    params = list(model.parameters())
+    # FT_HABITS: the first layer has an optimizer of its own (one training
+    # step then steps two optimizers).
+    sgd = torch.optim.SGD(params[2:] if habits else params, lr=0.05, momentum=0.9)
+    first_sgd = torch.optim.SGD(params[:2], lr=0.05, momentum=0.9) if habits else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
     nonblocking = bool(os.environ.get("FT_NONBLOCKING"))
     # Non-blocking: Heat's DataParallelOptimizer, the update applied by the next forward.
     opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if nonblocking else sgd
     hierarchical = bool(os.environ.get("FT_HIERARCHICAL"))
     algorithm = os.environ.get("FT_ALGORITHM", "")
-    habits = bool(os.environ.get("FT_HABITS"))
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
-    saved_opt = sgd     # whose momentum is saved at the end
+    saved_opt = [sgd, first_sgd] if habits else [sgd]     # whose momentum is saved at the end
     if algorithm == "bytegrad":      # Bagua's, through with_bagua
         net = mpidp.with_bagua(model, [sgd],
                                mpidp.algorithms.ByteGradAlgorithm(hierarchical=hierarchical))
@@ -97,7 +102,7 @@ def main(out_dir: str) -> None:
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
         diloco.__enter__()     # for the whole job (a with-block around the loop does the same)
-        saved_opt = outer
+        saved_opt = [outer]
     elif algorithm == "daso":
         # One epoch of STEPS batches; FT_DASO_CYCLING=1: DASO's cycling phase
         # (global syncs in flight across batches), else its warm-up (a
@@ -148,9 +153,12 @@ def main(out_dir: str) -> None:
                 scaler.scale(loss).backward()
                 maybe_die(step, "step")
                 scaler.unscale_(opt)
+                scaler.unscale_(first_sgd)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
                 scaler.step(opt)
+                scaler.step(first_sgd)
                 scaler.update()
+                first_sgd.zero_grad()
             else:
                 loss.backward()
                 maybe_die(step, "step")
@@ -194,8 +202,9 @@ def main(out_dir: str) -> None:
                os.path.join(out_dir, f"rank-{key}.pt"))
 
 
-def momenta(optimizer, model):
-    return [optimizer.state[p]["momentum_buffer"].clone() if p in optimizer.state else None
+def momenta(optimizers, model):
+    state = {p: s for opt in optimizers for p, s in opt.state.items()}
+    return [state[p]["momentum_buffer"].clone() if p in state else None
             for p in model.parameters()]
 
 
