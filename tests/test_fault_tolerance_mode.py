@@ -53,3 +53,44 @@ def test_reset_grad_scaler_forgets_a_step_cut_short_and_keeps_the_scale():
     assert scaler.get_scale() == 64.0
     with pytest.raises(TypeError, match="scaler: expected a torch.amp.GradScaler"):
         mpidp.fault_tolerance.reset_grad_scaler(opt)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: __import__("torch").optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: __import__("torch").optim.Adam(ps, lr=0.01)], ids=["sgd-momentum", "adam"])
+def test_a_step_undone_leaves_parameters_state_and_hyperparameters_as_before(make):
+    """DASO's undo of a step a lost rank cut short (mpidp/_step_undo.py),
+    against copies taken before: the first step (which creates the state)
+    and a later one, with a scheduler that changes the learning rate."""
+    import copy
+    import torch
+    from mpidp._step_undo import StepUndo
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    opt = make(params)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    undo = StepUndo()
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        sched.step()
+
+    for taken in range(3):
+        want_params = [p.detach().clone() for p in params]
+        want_state = copy.deepcopy(opt.state_dict())
+        undo.save(params, opt)
+        step()
+        assert not torch.equal(params[0], want_params[0])
+        undo.restore(opt)
+        for p, w in zip(params, want_params):
+            assert torch.equal(p, w)
+        got_state = opt.state_dict()
+        assert got_state["param_groups"] == want_state["param_groups"]
+        assert got_state["state"].keys() == want_state["state"].keys()
+        for i, s in want_state["state"].items():
+            for k, v in s.items():
+                assert torch.equal(torch.as_tensor(got_state["state"][i][k]), torch.as_tensor(v))
+        step()     # the next step is taken for real

@@ -13,7 +13,6 @@ parameter's difference from the last blocking sync (mpidp._C.ParamSync).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import numbers
 import warnings
@@ -32,6 +31,7 @@ from ._driver import Driver, wait_pending
 from ._mpi import MPI, communicator
 from ._params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
+from ._step_undo import StepUndo
 from .topology import node_comm, nodes_are_even, topology
 
 __all__ = ["DASO"]
@@ -128,6 +128,7 @@ class DASO(Driver):
 
         self._one_rank_nodes = False   # every rank a node (fault-tolerant mode, uneven nodes)
         self._wrapper = None   # weakref to the DataParallelMultiGPU that runs this DASO
+        self._step_undo = StepUndo()   # fault-tolerant mode: a step's undo
         self._attach_comms(comm)
         self._schedule = _C.Schedule(total_epochs, warmup_epochs, cooldown_epochs, max_global_skips,
                                      skip_reduction_factor, local_skip_factor, self.loc_size,
@@ -404,11 +405,12 @@ class DASO(Driver):
     # -- fault-tolerant mode (mpidp/fault_tolerance.py) ----------------------------------
 
     def _transaction_state(self) -> tuple:
-        """What a step changes, kept to undo it (parameters and the local
-        optimizer's state are copied: a step's cost in memory and copying)."""
-        return ([p.detach().clone() for p in self._device_params],
-                copy.deepcopy(self.local_optimizer.state_dict()), self._state_beside_optimizer(),
-                self.current_batch, self._epochs_unclosed, self.bytes_sent)
+        """What a step changes, kept to undo it (the parameters and the local
+        optimizer's state are copied, _step_undo.py: memory for one more
+        copy of each, and a copy per step)."""
+        self._step_undo.save(self._device_params, self.local_optimizer)
+        return (self._state_beside_optimizer(), self.current_batch, self._epochs_unclosed,
+                self.bytes_sent)
 
     def _state_beside_optimizer(self) -> dict:
         return {"schedule": self._schedule.state(),
@@ -423,11 +425,8 @@ class DASO(Driver):
             self.scaler.load_state_dict(state["scaler"])
 
     def _undo(self, before: tuple) -> None:
-        params, optimizer, beside, self.current_batch, self._epochs_unclosed, self.bytes_sent = before
-        with torch.no_grad():
-            for p, kept in zip(self._device_params, params):
-                p.copy_(kept)
-        self.local_optimizer.load_state_dict(optimizer)
+        beside, self.current_batch, self._epochs_unclosed, self.bytes_sent = before
+        self._step_undo.restore(self.local_optimizer)
         self._load_state_beside_optimizer(beside)
 
     def _continue_on(self, comm) -> None:
@@ -455,8 +454,8 @@ class DASO(Driver):
         for p in model.parameters():
             p.grad = None
         self.set_model(model, broadcast_buffers=self._broadcast_buffers)
-        user_model = getattr(model, "module", model)
-        broadcast_state(user_model, self._world)
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        broadcast_state(model.module if ddp else model, self._world)
         mpi_comm = self._world_comm.mpi
         mine = None
         if mpi_comm.Get_rank() == 0:
