@@ -60,8 +60,9 @@ def test_reset_grad_scaler_forgets_a_step_cut_short_and_keeps_the_scale():
     lambda ps: __import__("torch").optim.Adam(ps, lr=0.01)], ids=["sgd-momentum", "adam"])
 def test_a_step_undone_leaves_parameters_state_and_hyperparameters_as_before(make):
     """DASO's undo of a step a lost rank cut short (mpidp/_step_undo.py),
-    against copies taken before: the first step (which creates the state)
-    and a later one, with a scheduler that changes the learning rate."""
+    against copies taken before: the first step (which creates the state),
+    later ones (the copy reuses its plan), and one after the state's
+    tensors were replaced, with a scheduler that changes the learning rate."""
     import copy
     import torch
     from mpidp._step_undo import StepUndo
@@ -78,7 +79,13 @@ def test_a_step_undone_leaves_parameters_state_and_hyperparameters_as_before(mak
         opt.step()
         sched.step()
 
-    for taken in range(3):
+    for taken in range(4):
+        if taken == 3:     # state objects replaced (a checkpoint loaded) and then changed
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            for state in opt.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v) and v.is_floating_point():
+                        v.mul_(2.0)
         want_params = [p.detach().clone() for p in params]
         want_state = copy.deepcopy(opt.state_dict())
         undo.save(params, opt)
