@@ -387,16 +387,19 @@ def _drain_core() -> None:
     """Every request mpidp had in flight completes (with an error, on the
     revoked communicators), so no buffer is left to MPI."""
     # Each failed request ends the wait with its error (and frees its slot):
-    # wait again until nothing is pending.
+    # wait again until a wait ends cleanly. At least one wait even with no
+    # request live: it runs the multi-stage engines (a quantized allreduce
+    # between stages), which fail on the revoked communicators and let go.
     # A request that neither completes nor fails within MPIDP_TIMEOUT (one
     # on a communicator nobody revoked) raises CommTimeout out of here.
-    while _C.process_state()["pending"]:
+    while True:
         try:
             _C.finish_pending()
+            return
         except _C.CommTimeout:
             raise
         except _C.CommError:
-            pass
+            continue
 
 
 def _lost_ranks(old_world: MPI.Intracomm, survivors: MPI.Intracomm) -> Tuple[int, ...]:
