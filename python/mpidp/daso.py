@@ -593,12 +593,10 @@ class DASO(Driver):
             "n_nodes": self.n_nodes,
             "local_size": self.loc_size,
             "rank": self.rank,
-            "schedule": self._schedule.state(),
             "last_batch": self.last_batch,
             "bytes_sent": self.bytes_sent,
             "local_optimizer": self.local_optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            **self._state_beside_optimizer(),    # schedule, scheduler, scaler
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -613,22 +611,18 @@ class DASO(Driver):
         if (state["n_nodes"], state["local_size"]) != (self.n_nodes, self.loc_size):
             raise ValueError(f"state: saved on {state['n_nodes']} nodes x {state['local_size']} "
                              f"ranks, this job has {self.n_nodes} x {self.loc_size}")
+        if (state["scheduler"] is None) != (self.scheduler is None):
+            raise ValueError("state: the saved job and this one differ in having a scheduler")
+        if (state["scaler"] is None) != (self.scaler is None):
+            raise ValueError("state: the saved job and this one differ in having a scaler")
         self.drain()
-        self._schedule.load(state["schedule"])
+        self._load_state_beside_optimizer(state)    # schedule, scheduler, scaler
         # This job's own settings win over the checkpoint's (a restart may ask
         # for more epochs); the next epoch's phase is recomputed for them.
         self._schedule.reconfigure(self.total_epochs, self.warmup_epochs, self.cooldown_epochs,
                                    self.max_global_skips, self.skip_reduction_factor,
                                    self.local_skip_factor, self.loc_size, self.stability_level)
         self.local_optimizer.load_state_dict(state["local_optimizer"])
-        if (state["scheduler"] is None) != (self.scheduler is None):
-            raise ValueError("state: the saved job and this one differ in having a scheduler")
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if (state["scaler"] is None) != (self.scaler is None):
-            raise ValueError("state: the saved job and this one differ in having a scaler")
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
         if self.last_batch is None:  # the data may have changed: a value set already stays
             self.last_batch = state["last_batch"]
         self._schedule_checked = None

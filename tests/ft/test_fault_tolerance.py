@@ -222,7 +222,7 @@ def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case)
                                        msg=lambda m: f"rank {rank}'s momentum: {m}")
 
 
-def simulate_daso(n, steps, lost_from, per_node=2):
+def simulate_daso(n, steps, lost_from, per_node=2, clip=None):
     """DASO in its warm-up (a blocking global average every batch, float32
     on the wire) over emulated nodes of `per_node` ranks, by its rule: each
     node's ranks average their gradients and step SGD with the node's
@@ -256,6 +256,10 @@ def simulate_daso(n, steps, lost_from, per_node=2):
                 g = [p.grad.clone() for p in model.parameters()]
                 grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             grads = [g / len(node) for g in grads]
+            if clip is not None:     # every rank of the node clips the node's mean
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                             for g in grads]))
+                grads = [g * torch.clamp(clip / (norm + 1e-6), max=1.0) for g in grads]
             m = momentum[node[0]]
             m = [g.clone() for g in grads] if m is None else [0.9 * a + g for a, g in zip(m, grads)]
             for r in node:
@@ -274,11 +278,15 @@ DASO_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DASO_CASES))
+@pytest.mark.parametrize("case", list(DASO_CASES) + ["habits"])
 def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
-    kill, lost_from = DASO_CASES[case]
-    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="daso", MPIDP_RANKS_PER_NODE=2)
-    params, momentum = simulate_daso(4, 8, lost_from)
+    """habits: DASO's own GradScaler (add_scaler), the gradients unscaled and
+    clipped before daso.step(), a rank lost after backward."""
+    habits = case == "habits"
+    kill, lost_from = ("2:3:step", {2: 3}) if habits else DASO_CASES[case]
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="daso", MPIDP_RANKS_PER_NODE=2,
+                    **({"FT_HABITS": 1} if habits else {}))
+    params, momentum = simulate_daso(4, 8, lost_from, clip=train_ft.CLIP if habits else None)
     first = saved[min(saved)]
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]

@@ -78,19 +78,20 @@ def main(out_dir: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = make_model()
+    algorithm = os.environ.get("FT_ALGORITHM", "")
     habits = bool(os.environ.get("FT_HABITS"))
     params = list(model.parameters())
     # FT_HABITS: the first layer has an optimizer of its own (one training
-    # step then steps two optimizers).
-    sgd = torch.optim.SGD(params[2:] if habits else params, lr=0.05, momentum=0.9)
-    first_sgd = torch.optim.SGD(params[:2], lr=0.05, momentum=0.9) if habits else None
+    # step then steps two optimizers), except under DASO, which steps one.
+    two = habits and algorithm != "daso"
+    sgd = torch.optim.SGD(params[2:] if two else params, lr=0.05, momentum=0.9)
+    first_sgd = torch.optim.SGD(params[:2], lr=0.05, momentum=0.9) if two else None
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
     nonblocking = bool(os.environ.get("FT_NONBLOCKING"))
     # Non-blocking: Heat's DataParallelOptimizer, the update applied by the next forward.
     opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if nonblocking else sgd
     hierarchical = bool(os.environ.get("FT_HIERARCHICAL"))
-    algorithm = os.environ.get("FT_ALGORITHM", "")
-    saved_opt = [sgd, first_sgd] if habits else [sgd]     # whose momentum is saved at the end
+    saved_opt = [sgd, first_sgd] if two else [sgd]     # whose momentum is saved at the end
     if algorithm == "bytegrad":      # Bagua's, through with_bagua
         net = mpidp.with_bagua(model, [sgd],
                                mpidp.algorithms.ByteGradAlgorithm(hierarchical=hierarchical))
@@ -112,6 +113,8 @@ def main(out_dir: str) -> None:
                           cooldown_epochs=0, max_global_skips=4, downcast_type=torch.float32)
         net = mpidp.DataParallelMultiGPU(model, daso)
         daso.last_batch = STEPS - 1
+        if habits:
+            daso.add_scaler(scaler)     # DASO's AMP: it steps through the scaler
         opt = daso
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
@@ -149,7 +152,13 @@ def main(out_dir: str) -> None:
             x, y = batch(key, step)
             maybe_die(step, "forward")
             loss = torch.nn.functional.mse_loss(net(x), y)
-            if habits:   # AMP's scaler, and the gradients unscaled and clipped before the step
+            if habits and algorithm == "daso":   # unscaled and clipped before DASO's step
+                scaler.scale(loss).backward()
+                maybe_die(step, "step")
+                scaler.unscale_(sgd)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                opt.step()
+            elif habits:   # AMP's scaler, and the gradients unscaled and clipped before the step
                 scaler.scale(loss).backward()
                 maybe_die(step, "step")
                 scaler.unscale_(opt)
