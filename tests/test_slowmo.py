@@ -131,7 +131,11 @@ def test_memory_efficient_buffers_live_on_shard_owners(shards):
     assert off.slowmo_buffer_numel == 0  # slowmo_lr 1 and momentum 0: LocalSGD only
 
 
-def test_state_round_trip_continues_exactly():
+@pytest.mark.parametrize("whole", [False, True])
+def test_state_round_trip_continues_exactly(whole):
+    """whole: the checkpoint holds θ and u whole (as fault-tolerant mode
+    saves them, which a relaunch at any size loads): each rank takes its
+    shard."""
     torch.manual_seed(0)
     init = Net()
     data = batches(10)
@@ -153,6 +157,10 @@ def test_state_round_trip_continues_exactly():
     half, net, opt = run(data[:5])
     state = copy.deepcopy({"slowmo": net.slowmo_state_dict(), "opt": opt.state_dict(),
                            "model": half.state_dict()})
+    if whole:
+        for key in ("theta", "u"):
+            state["slowmo"][key] = torch.cat(MPI.COMM_WORLD.allgather(state["slowmo"][key]))
+        assert state["slowmo"]["theta"].numel() == sum(p.numel() for p in init.parameters())
     resumed_model = Net()
     resumed_model.load_state_dict(state["model"])
     resumed, _, _ = run(data[5:], state, resumed_model)

@@ -123,7 +123,8 @@ def _refuse_without_fault_tolerance(driver: "Driver") -> None:
         raise NotImplementedError(
             f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
             "with_bagua's GradientAllReduce and ByteGrad, PeriodicModelAverager with "
-            f"PostLocalSGDOptimizer, DiLoCo and DASO so far; {driver.what} is not among them yet")
+            "PostLocalSGDOptimizer, DiLoCo, DASO and SlowMo (LOCALSGD) so far; "
+            f"{driver.what} is not among them yet")
 
 
 class Driver(abc.ABC):

@@ -20,7 +20,14 @@ With the SGP base (stochastic gradient push) the nodes do not average: after
 every step each node's master mixes its replica with its in-peers' of a
 gossip graph (mpidp.gossip; the core's peer graphs and peer exchange),
 x <- w (x + sum of the in-peers' x), w = 1 / (peers + 1), and the node's
-ranks take the result."""
+ranks take the result.
+
+In fault-tolerant mode (LOCALSGD base over the whole job) each
+perform_slowmo is a transaction: the averages and the slow step are
+computed into buffers, every rank agrees that every rank lived through
+them, and only then are they applied; one a rank's death cut short is done
+again over the survivors by recover() (_continue_on). θ and u are kept
+whole on every rank there (a shard would die with its owner)."""
 
 from __future__ import annotations
 
@@ -30,16 +37,16 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _C
+from . import _C, fault_tolerance
 from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_step, param_group_settings
 from ._driver import Driver
-from ._mpi import communicator
+from ._mpi import MPI, communicator, world as world_comm
 from ._params import broadcast_buffers, broadcast_tensors, flatten, write_back
-from .averaging import average_tensors
+from .averaging import mean_over_ranks
 from .data_parallel import DataParallel
 from .gossip import DynamicDirectedExponentialGraph, GraphManager, MixingManager, UniformMixing, mix
-from .topology import node_comm
+from .topology import topology
 from .wrapper_copy import reduce_wrapper
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
@@ -169,20 +176,20 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)})
         self._world, mpi = handle.c, handle.mpi
         world, rank = self._world.size, self._world.rank
+        if fault_tolerance.enabled() and (sgp or self._world is not world_comm()):
+            raise NotImplementedError(
+                "SlowMoDistributedDataParallel: fault-tolerant mode supports the LOCALSGD base "
+                "over every rank of the job (comm=None) so far")
         if nprocs_per_node is None:
-            node = node_comm(mpi)
+            self._node_id = topology(mpi).node
         else:
             check_int("nprocs_per_node", nprocs_per_node, 1)
             if world % nprocs_per_node:
                 raise ValueError(f"nprocs_per_node: {nprocs_per_node} does not divide the {world} "
                                  "ranks")
-            node = mpi.Split(rank // nprocs_per_node, rank)
-        self.nprocs_per_node = node.Get_size()
-        self.local_rank = node.Get_rank()
-        self.logical_world_size = world // self.nprocs_per_node
-        self._node = communicator(node).c
-        masters = mpi.Split(0 if self.local_rank == 0 else 1, rank)
-        self._masters = communicator(masters).c
+            self._node_id = rank // nprocs_per_node
+        self._one_rank_nodes = False     # fault-tolerant mode, after uneven losses
+        node = self._split_nodes(mpi)
         self.sgp = sgp and self._setup_sgp(graph, mixing)
 
         self.module = module
@@ -192,7 +199,10 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self.slowmo = self.slowmo_lr != 1.0 or self.slowmo_momentum != 0.0
         self.slowmo_memory_efficient = bool(slowmo_memory_efficient)
         self.slowmo_num_shards = min(world, slowmo_num_shards)
+        # Shards of θ and u would die with their owners in fault-tolerant mode.
+        self._sharded = self.slowmo_memory_efficient and not fault_tolerance.enabled()
         self.num_updates = 0
+        self._round = None   # fault-tolerant mode: the perform_slowmo under way (_continue_on)
         self._params = [p for p in module.parameters() if p.requires_grad]
         # θ starts as the shared parameters (this rank's shard of them), u at 0.
         # fairscale copies θ after the first step instead, from each rank's own
@@ -206,6 +216,19 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             with self._building_parts():
                 self._node_dp = DataParallel(module, comm=node, blocking_parameter_updates=True,
                                              broadcast_buffers=False)
+
+    def _split_nodes(self, mpi) -> "MPI.Intracomm":
+        """The node communicator (this rank's node: self._node_id, or itself
+        alone once nodes are uneven) and the masters' one over `mpi`."""
+        rank = mpi.Get_rank()
+        node = mpi.Split(rank if self._one_rank_nodes else self._node_id, rank)
+        self.nprocs_per_node = node.Get_size()
+        self.local_rank = node.Get_rank()
+        self.logical_world_size = mpi.Get_size() // self.nprocs_per_node
+        self._node = communicator(node).c
+        masters = mpi.Split(0 if self.local_rank == 0 else 1, rank)
+        self._masters = communicator(masters).c
+        return node
 
     def _setup_sgp(self, graph: Optional[GraphManager], mixing: Optional[MixingManager]) -> bool:
         """The gossip of the SGP base between the nodes' masters (ranks of the
@@ -277,8 +300,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
 
     def _shard(self) -> slice:
         """This rank's slice of the flat parameters (all of them unless
-        memory-efficient)."""
-        if not self.slowmo_memory_efficient:
+        memory-efficient outside fault-tolerant mode)."""
+        if not self._sharded:
             return slice(0, sum(p.numel() for p in self._params))
         counts = self._shard_counts()
         start = sum(counts[:self._world.rank])
@@ -313,10 +336,16 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         if fp32_params is not None:
             raise ValueError("fp32_params: fp16 master copies are not supported; keep the "
                              "parameters float32 (torch.autocast does)")
+        # Fault-tolerant mode: a node-local DataParallel commits the local
+        # step at its own step-end agreement; without one it counts here.
+        self._slowmo_round(optimizer, commit=self._node_dp is None)
+
+    def _slowmo_round(self, optimizer, commit: bool) -> None:
         due = _C.avgsched_actions(
             self.num_updates, periods=() if self.sgp else (self.localsgd_frequency,),
             after_period=True, slow_every=self.slowmo_frequency if self.slowmo else 0,
             slow_replaces_average=self.slowmo_memory_efficient)
+        self._round = (optimizer, commit)     # done again over the survivors if cut short
         # SGP gossips every step: a rank at another step would mix another
         # step's replica into its peers' with no error, so it checks every step.
         if self.sgp or due.average or due.slow_step:
@@ -324,21 +353,35 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
                             param_group_settings(optimizer.param_groups))
         if self.sgp:
             self._gossip()
+        replica = slow = None    # the new values, applied once complete everywhere
         if due.average:
-            self._average_replicas()
+            replica = self._averaged_replicas()
         if due.slow_step:
             if self.sgp and self.slowmo_sgp_average_params and not self.slowmo_memory_efficient:
-                self._average_replicas()      # an exact average before the slow step
-            self._slow_step(optimizer)
+                replica = self._averaged_replicas()      # an exact average before the slow step
+            slow = self._slow_step(optimizer, replica)
+            replica = slow[2]
+        if fault_tolerance.enabled() and (due.average or due.slow_step):
+            fault_tolerance.agree_all_alive("SlowMo's averaging", "no rank applied it")
+        if slow is not None:
+            self._theta, self._u = slow[0], slow[1]
+        if replica is not None:
+            self._write(replica)
+        self._round = None
         self.num_updates += 1
+        if commit:
+            fault_tolerance.commit_step()
 
-    def _average_replicas(self) -> None:
-        """Node masters average over the nodes; each node's ranks then take
-        their master's values."""
+    def _averaged_replicas(self) -> torch.Tensor:
+        """The nodes' mean replica, flat: node masters average over the nodes;
+        each node's ranks then take their master's."""
         if self.local_rank == 0 and self.logical_world_size > 1:
-            average_tensors([p.data for p in self._params], self._masters)
+            flat = mean_over_ranks(self._params, self._masters)
+        else:
+            flat = flatten(self._params)
         if self.nprocs_per_node > 1:
-            broadcast_tensors([p.data for p in self._params], self._node)
+            broadcast_tensors([flat], self._node)
+        return flat
 
     def _gossip(self) -> None:
         """One SGP round between the node masters (push-sum: the weight y
@@ -357,33 +400,70 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         if self.nprocs_per_node > 1:
             broadcast_tensors([p.data for p in self._params], self._node)
 
-    def _slow_step(self, optimizer) -> None:
+    def _slow_step(self, optimizer, replica: Optional[torch.Tensor]) -> tuple:
+        """The new (θ, u, replica) of a slow step from `replica` (the
+        averaged replica, if an average just ran; else this rank's)."""
         part = self._shard()
-        if self.slowmo_memory_efficient:
+        if self._sharded:
             # Each shard owner gets its shard of the world mean (a reduce-
             # scatter: half an allreduce's bytes), steps it, and every rank
             # gathers the owners' shards of θ.
             counts = self._shard_counts()
             x = torch.empty(part.stop - part.start)
             self._world.reduce_scatter(self._flat(), x, counts, _C.OP_AVG)
+        elif self.slowmo_memory_efficient:
+            # Fault-tolerant mode: the world mean whole, θ and u stepped whole.
+            x = self._flat()
+            self._world.allreduce(x, _C.OP_AVG, _C.NO_WIRE, False)
         else:
-            x = self._flat()                         # x̄ when a LocalSGD average just ran
+            x = self._flat() if replica is None else replica.float()
         lr = self._lrs(optimizer, part)
-        self._u.mul_(self.slowmo_momentum).add_((self._theta - x) / lr)
-        self._theta.sub_(self.slowmo_lr * lr * self._u)
-        if self.slowmo_memory_efficient:
-            theta = torch.empty(sum(counts))
-            self._world.allgatherv(self._theta, theta, counts)
-            self._write(theta)
-        else:
-            self._write(self._theta)
+        u = self._u * self.slowmo_momentum + (self._theta - x) / lr
+        theta = self._theta - self.slowmo_lr * lr * u
+        if self._sharded:
+            gathered = torch.empty(sum(counts))
+            self._world.allgatherv(theta, gathered, counts)
+            return theta, u, gathered
+        return theta, u, theta
+
+    # -- fault-tolerant mode (mpidp/fault_tolerance.py) ------------------------------
+
+    def _continue_on(self, survivors) -> None:
+        """After a rank was lost (mpidp.recover()): the nodes are made again
+        of each node's survivors -- or, where they now hold different numbers
+        of ranks, every rank a node of its own from then on -- each keeps its
+        replica, θ and u (whole on every rank), and a perform_slowmo the loss
+        cut short (applied by none of them) is done again over the survivors."""
+        handle = communicator(survivors)
+        self._claim(self.module, handle)
+        self._world = handle.c
+        ids = survivors.allgather(self._node_id)
+        if not self._one_rank_nodes and len({ids.count(i) for i in ids}) > 1:
+            warnings.warn("SlowMoDistributedDataParallel: after the loss of ranks the nodes hold "
+                          "different numbers of ranks; every rank is a node of its own from now "
+                          "on (no node-local gradient averaging)", stacklevel=2)
+            self._one_rank_nodes = True
+        node = self._split_nodes(survivors)
+        self.slowmo_num_shards = min(survivors.Get_size(), self.slowmo_num_shards)
+        if self._node_dp is not None:
+            if self.nprocs_per_node > 1:
+                self._node_dp._continue_on(node)
+            else:
+                self._node_dp._remove_hooks()
+                self._node_dp._released = "its SlowMo's nodes became one rank each"
+                self._node_dp = None
+        for p in self._params:      # the cut-short step's, spent
+            p.grad = None
+        if self._round is not None:
+            self._slowmo_round(*self._round)
 
     # -- checkpoints -----------------------------------------------------------------
 
     def slowmo_state_dict(self) -> Dict[str, Any]:
         """num_updates, this rank's replica (construction made every replica
         rank 0's, so loading restores it) and its slow parameters and momentum
-        (its shard in memory-efficient mode). Save beside the optimizer's."""
+        (its shard in memory-efficient mode; whole in fault-tolerant mode,
+        which any world size can load). Save beside the optimizer's."""
         return {"num_updates": self.num_updates,
                 "sgp": {"round": self.graph.round, "ps_weight": self.ps_weight} if self.sgp else None,
                 "local": [p.detach().clone() for p in self._params],
@@ -393,6 +473,10 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
     def load_slowmo_state_dict(self, state: Dict[str, Any]) -> None:
         theta, u, local = state["theta"], state["u"], state["local"]
         part = self._shard()
+        total = sum(p.numel() for p in self._params)
+        if theta is not None and theta.shape == (total,) != (part.stop - part.start,):
+            # Whole θ and u (saved in fault-tolerant mode): this rank's shard of them.
+            theta, u = theta[part], u[part]
         if (theta is None) != (self._theta is None) or (
                 theta is not None and theta.shape != (part.stop - part.start,)):
             raise ValueError("state: the slow buffers do not match this rank's (another world "

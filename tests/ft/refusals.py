@@ -22,8 +22,8 @@ def model():
 
 
 m = model()
-refused("SlowMo", lambda: mpidp.SlowMoDistributedDataParallel(m, slowmo_momentum=0.5),
-        "fault-tolerant mode")
+refused("SlowMo's SGP base", lambda: mpidp.SlowMoDistributedDataParallel(
+    m, slowmo_base_algorithm=mpidp.SlowMoBaseAlgorithm.SGP), "fault-tolerant mode")
 m = model()
 refused("DiLoCo with fragment_sync_delay",
         lambda: mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),

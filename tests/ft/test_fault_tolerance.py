@@ -323,6 +323,88 @@ def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path):
             assert torch.equal(a, b), f"rank {rank} ended with other parameters than rank 0"
 
 
+def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2):
+    """SlowMo (LOCALSGD base; θ and u whole in fault-tolerant mode) over
+    emulated nodes of `per_node` ranks, by its rule: every rank holds its
+    node's replica and inner momentum; a node's ranks average their
+    gradients and step. After step t, (t + 1) % PERIOD == 0, the replicas
+    take their mean over the ranks -- or, where (t + 1) % (2 PERIOD) == 0,
+    the slow step runs on that mean x (u = β u + (θ - x) / γ,
+    θ -= α γ u) and they take θ. Rank r's data counts in the steps before
+    lost_from[r]; it is in the syncs after the steps before
+    sync_lost_from[r] (a rank lost in a sync: the sync is done again over
+    the survivors). Where the survivors' nodes hold different numbers of
+    ranks, every rank is a node of its own from then on. Returns each
+    rank's parameters and momentum, and (θ, u)."""
+    period, lr = train_ft.PERIOD, 0.05
+    models = [train_ft.make_model() for _ in range(n)]
+    inner = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
+    theta = torch.nn.utils.parameters_to_vector(train_ft.make_model().parameters()).detach()
+    u = torch.zeros_like(theta)
+    alive, one_rank_nodes = list(range(n)), False
+    for t in range(steps):
+        now = [r for r in alive if t < lost_from.get(r, steps)]
+        if now != alive:
+            alive = now
+            counts = [sum(1 for q in alive if q // per_node == r // per_node) for r in alive]
+            one_rank_nodes = one_rank_nodes or len(set(counts)) > 1
+        nodes = {}
+        for r in alive:
+            nodes.setdefault(r if one_rank_nodes else r // per_node, []).append(r)
+        for node in nodes.values():
+            grads = []
+            for r in node:
+                models[r].zero_grad()
+                x, y = train_ft.batch(r, t)
+                torch.nn.functional.mse_loss(models[r](x), y).backward()
+                grads.append([p.grad.clone() for p in models[r].parameters()])
+            mean = [sum(gs) / len(node) for gs in zip(*grads)]
+            for r in node:
+                for p, g in zip(models[r].parameters(), mean):
+                    p.grad = g.clone()
+                inner[r].step()
+        if (t + 1) % period:
+            continue
+        in_sync = [r for r in alive if t < sync_lost_from.get(r, steps)]
+        x = sum(torch.nn.utils.parameters_to_vector(models[r].parameters()).detach()
+                for r in in_sync) / len(in_sync)
+        if (t + 1) % (2 * period) == 0:
+            u = train_ft.SLOW_MOMENTUM * u + (theta - x) / lr
+            theta = theta - train_ft.SLOW_LR * lr * u
+            x = theta
+        for r in in_sync:
+            torch.nn.utils.vector_to_parameters(x.clone(), models[r].parameters())
+    return ({r: [p.detach() for p in models[r].parameters()] for r in range(n)},
+            {r: [inner[r].state[p]["momentum_buffer"] for p in models[r].parameters()]
+             for r in range(n)}, (theta, u))
+
+
+# (kill spec, {victim: the first step without its data}, {victim: the first
+# sync without it}), at 4 ranks on emulated nodes of 2; LocalSGD after steps
+# 1 and 5, the slow step after steps 3 and 7.
+SLOWMO_CASES = {
+    "one rank of a node in backward (every rank a node after), then rank 0 in a slow step":
+        ("1:2:backward;0:3:sync", {1: 2, 0: 4}, {1: 2, 0: 3}),
+    "a whole node in a LocalSGD average": ("2,3:5:sync", {2: 6, 3: 6}, {2: 5, 3: 5}),
+}
+
+
+@pytest.mark.parametrize("case", list(SLOWMO_CASES))
+def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
+    kill, lost_from, sync_lost_from = SLOWMO_CASES[case]
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", MPIDP_RANKS_PER_NODE=2)
+    params, momentum, (theta, u) = simulate_slowmo(4, 8, lost_from, sync_lost_from)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], params[rank]):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum[rank]):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
+        torch.testing.assert_close(got["slowmo"]["theta"], theta, **tol)
+        torch.testing.assert_close(got["slowmo"]["u"], u, **tol)
+
+
 def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_path):
     saved = run_job(tmp_path, 4, "3:4:checkpoint")
     history = check_survivors(saved, 4, {3: 5})

@@ -10,15 +10,18 @@ FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
 averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
 postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
 DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved),
-daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches).
+daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches),
+slowmo: SlowMoDistributedDataParallel (LocalSGD every PERIOD steps, the
+slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says).
 FT_HABITS=1 (DataParallel): the model wrapped twice, two optimizers (the
 first layer's own), AMP's GradScaler, and the gradients unscaled and
 clipped to norm CLIP before the step.
 FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
 ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
-flight), step (backward done, before the optimizer's step), between (after
-the step, before the next forward), checkpoint (inside a checkpoint write,
+flight), step (backward done, before the optimizer's step), sync (after the
+optimizer's step, before SlowMo's perform_slowmo), between (after the
+step, before the next forward), checkpoint (inside a checkpoint write,
 which every rank starts after that step)."""
 
 import os
@@ -34,6 +37,7 @@ from mpi4py import MPI
 STEPS = int(os.environ.get("FT_STEPS", "8"))
 PERIOD = 2      # of the replica algorithms' syncs
 CLIP = 0.5      # FT_HABITS: the gradients' norm is clipped to this
+SLOW_LR, SLOW_MOMENTUM = 0.8, 0.5     # SlowMo's α and β
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
 
 
@@ -116,6 +120,10 @@ def main(out_dir: str) -> None:
         if habits:
             daso.add_scaler(scaler)     # DASO's AMP: it steps through the scaler
         opt = daso
+    elif algorithm == "slowmo":
+        net = mpidp.SlowMoDistributedDataParallel(model, localsgd_frequency=PERIOD,
+                                                  slowmo_frequency=2 * PERIOD,
+                                                  slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM)
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
         def wrap():
@@ -172,6 +180,9 @@ def main(out_dir: str) -> None:
                 loss.backward()
                 maybe_die(step, "step")
                 opt.step()
+            maybe_die(step, "sync")
+            if algorithm == "slowmo":
+                net.perform_slowmo(sgd)
             # After the step, so a step a lost rank cut short leaves its
             # gradients behind: recover() must drop them.
             opt.zero_grad()
@@ -207,7 +218,8 @@ def main(out_dir: str) -> None:
         daso.epoch_loss_logic(loss)
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "momentum": momenta(saved_opt, model), "recoveries": recoveries,
-                "committed": committed},
+                "committed": committed,
+                "slowmo": net.slowmo_state_dict() if algorithm == "slowmo" else None},
                os.path.join(out_dir, f"rank-{key}.pt"))
 
 
