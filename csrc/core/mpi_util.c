@@ -65,21 +65,33 @@ int mpidp_mpi_finalized(void)
     return finalized;
 }
 
+/* Opens MPI's tool interface once, at the level MPI runs at, and keeps it
+ * open: Open MPI's MPI_T_init_thread registers every component's variables
+ * again after an MPI_T_finalize (a fifth of a second per session, paid by
+ * every rank at import), and MPI_Finalize needs no MPI_T_finalize first.
+ * Open MPI's MPI_T_init_thread overwrites the level MPI_Query_thread
+ * reports (and that its own locking follows) with the one asked for, so it
+ * is asked for the level MPI already has. Called from the importing thread. */
+static int tool_interface_open(void)
+{
+    static int opened = 0;
+    int level = MPI_THREAD_SINGLE, provided;
+    if (!opened && MPI_Query_thread(&level) == MPI_SUCCESS &&
+        MPI_T_init_thread(level, &provided) == MPI_SUCCESS)
+        opened = 1;
+    return opened;
+}
+
 /* Reads into value[] (zeroed first; *size: its bytes) and then, with
  * `write`, sets the MPI tool interface's control variable `name`: a scalar
  * of at most 16 bytes bound to no object. 1 on success, 0 where MPI has no
- * such variable or refuses. The tool interface is opened at the level MPI
- * runs at: Open MPI's MPI_T_init_thread overwrites the level
- * MPI_Query_thread reports (and that its own locking follows) with the one
- * asked for. */
+ * such variable or refuses. */
 static int cvar_access(const char *name, unsigned char value[16], int *size, const void *write)
 {
-    int level = MPI_THREAD_SINGLE, provided, idx, count, ok = 0;
+    int idx, count, ok = 0;
     memset(value, 0, 16);
     *size = 0;
-    if (MPI_Query_thread(&level) != MPI_SUCCESS ||
-        MPI_T_init_thread(level, &provided) != MPI_SUCCESS)
-        return 0;
+    if (!tool_interface_open()) return 0;
     char found[64], desc[8];
     int found_len = sizeof found, desc_len = sizeof desc, verbosity, bind, scope;
     MPI_Datatype type;
@@ -95,7 +107,6 @@ static int cvar_access(const char *name, unsigned char value[16], int *size, con
              (write == NULL || MPI_T_cvar_write(h, write) == MPI_SUCCESS);
         MPI_T_cvar_handle_free(&h);
     }
-    MPI_T_finalize();
     return ok;
 }
 
