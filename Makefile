@@ -18,6 +18,7 @@
 #   make docs     the HTML documentation (Sphinx, warnings as errors) into docs/_build/html
 
 PY       := .venv/bin/python
+NPROC    := $(shell nproc 2>/dev/null || echo 2)
 # The demo: DASO on 4 ranks laid out as 2 emulated nodes of 2 ranks.
 NP_DEMO  := 4
 DEMO_RANKS_PER_NODE := 2
@@ -34,7 +35,9 @@ test: setup
 	$(MAKE) --no-print-directory ctest
 	$(MAKE) --no-print-directory pytest
 
+# The C tests compile on every core and then run one after another.
 ctest:
+	@$(MAKE) --no-print-directory -s -j$(NPROC) -C tests/c all
 	@$(MAKE) --no-print-directory -s -C tests/c
 	@$(MAKE) --no-print-directory -s -C tests/fuzz replay
 

@@ -8,5 +8,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_ft_env.sh || exit 1
 echo "== fault-tolerance tests (ULFM, .venv-ft)"
-export PYTHONPATH="$PWD/.venv-ft/lib" MPIDP_FT_TESTS=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$PWD/.venv-ft/lib" MPIDP_FT_TESTS=1 PYTHONUNBUFFERED=1
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/build/pycache}   # outside the tree
 timeout -k 10 "${MPIDP_TEST_LIMIT:-1500}" .venv-ft/bin/python -m pytest -q tests/ft "$@"
