@@ -122,7 +122,7 @@ def _refuse_without_fault_tolerance(driver: "Driver") -> None:
     if fault_tolerance.enabled() and type(driver)._continue_on is Driver._continue_on:
         raise NotImplementedError(
             f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
-            "with_bagua's GradientAllReduce and ByteGrad, PeriodicModelAverager with "
+            "with_bagua's GradientAllReduce, ByteGrad and QAdam, PeriodicModelAverager with "
             "PostLocalSGDOptimizer, DiLoCo, DASO and SlowMo (LOCALSGD) so far; "
             f"{driver.what} is not among them yet")
 

@@ -18,23 +18,29 @@ each local rank's slice with its counterparts on the other nodes, and an
 allgather within the node -- only the cross-node exchange is quantized, and
 each local rank carries 1/L of its bytes. With one rank per node, or one
 node, that cannot help: a warning, and the flat 8-bit average over all ranks.
+
+In fault-tolerant mode a step past the warm-up is a transaction: the new
+momenta are computed and averaged into buffers, every rank agrees that every
+rank lived through the step, and only then are the momenta, step counts and
+parameters written (a step a rank's death cut short is applied by none).
 """
 
 from __future__ import annotations
 
-
+import warnings
 
 import torch
 
+from . import fault_tolerance
 from ._algorithm import Algorithm
 from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_step, param_group_settings
 from ._driver import Driver
-from ._mpi import communicator
+from ._mpi import communicator, world
 from ._params import flatten, write_back
 from .collectives import allgather, allreduce_agreed, reduce_scatter_agreed
 from .data_parallel import DataParallel
-from .topology import useful_hierarchy
+from .topology import nodes_are_even, useful_hierarchy
 
 __all__ = ["QAdamOptimizer", "QAdamAlgorithm"]
 
@@ -77,19 +83,22 @@ class QAdamOptimizer(torch.optim.Adam):
             raise RuntimeError("QAdamOptimizer: past its warm-up it averages the momentum over the "
                                "ranks: train through mpidp.with_bagua(model, [optimizer], "
                                "mpidp.algorithms.QAdamAlgorithm(optimizer))")
-        for group in self.param_groups:
-            group["qadam_step"] = t
         if t <= self.warmup_steps:
             super().step()
-            if t == self.warmup_steps and self._handle is not None:
-                self._handle.end_warmup()    # from now on the gradients stay local
         else:
             self._handle.check_step(t)
             self._compressed_step()
+        # Counted once the step is applied (a step cut short by a lost rank is not).
+        for group in self.param_groups:
+            group["qadam_step"] = t
+        if t == self.warmup_steps and self._handle is not None:
+            self._handle.end_warmup()    # from now on the gradients stay local
         return loss
 
     def _compressed_step(self) -> None:
-        stepped = []          # (param, its state, its group) of the parameters Adam stepped
+        # (param, its state, its group, its new first moment) of the
+        # parameters Adam stepped; the state is written once they are averaged.
+        stepped = []
         for group in self.param_groups:
             b1 = group["betas"][0]
             for p in group["params"]:
@@ -99,13 +108,15 @@ class QAdamOptimizer(torch.optim.Adam):
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 if group["weight_decay"]:
                     grad = grad.add(p, alpha=group["weight_decay"])
-                state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
-                state["step"] += 1
-                stepped.append((p, state, group))
+                stepped.append((p, state, group, state["exp_avg"].mul(b1).add_(grad, alpha=1 - b1)))
         if stepped:
-            momenta = [s["exp_avg"] for _, s, _ in stepped]
+            momenta = [m for *_, m in stepped]
             write_back(self._handle.average_momentum(flatten(momenta)), momenta)
-        for p, state, group in stepped:
+        fault_tolerance.step_boundary()      # fault-tolerant mode: applied by every rank or none
+        for p, state, group, momentum in stepped:
+            state["exp_avg"] = momentum
+            state["step"] += 1
+        for p, state, group, _ in stepped:
             b1, b2 = group["betas"]
             t = float(state["step"])
             denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt().add_(group["eps"])
@@ -119,6 +130,9 @@ class _QAdamHandle(Driver):
         self.module, self.opt, self.comm = module, optimizer, comm
         handle = communicator(comm)
         self._c_comm = handle.c
+        if fault_tolerance.enabled() and handle.c is not world():
+            raise NotImplementedError("QAdamAlgorithm: fault-tolerant mode supports it over every "
+                                      "rank of the job (comm=None) so far")
         warming_up = optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps
         # (node, cross-node) communicators of the momentum's average; in the
         # warm-up DataParallel warns where the hierarchy cannot help.
@@ -152,6 +166,31 @@ class _QAdamHandle(Driver):
         part = reduce_scatter_agreed(flat, op="avg", comm=node)
         allreduce_agreed(part, op="avg", comm=cross, wire_dtype=torch.uint8)
         return allgather(part, comm=node)
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        step in flight was applied by no survivor, so the replicas and their
+        averaged momenta are equal; the averages go on over the survivors --
+        flat, with a warning, where their nodes now hold different numbers of
+        ranks."""
+        if self.dp is not None:
+            self.dp._continue_on(comm)
+        # Claimed after its part, which is kept (a claim first would be
+        # taken over by the part's over the same communicator).
+        handle = communicator(comm)
+        self._claim(self.module, handle)
+        self.comm, self._c_comm = comm, handle.c
+        if self.hierarchy is not None:
+            if nodes_are_even(comm):
+                self.hierarchy = useful_hierarchy(comm, "QAdamAlgorithm",
+                                                  "averaging the momentum flat", stacklevel=3)
+            else:
+                warnings.warn("QAdamAlgorithm: after the loss of ranks the nodes hold different "
+                              "numbers of ranks; averaging the momentum flat from now on",
+                              stacklevel=3)
+                self.hierarchy = None
+        for p in self.module.parameters():     # the cut-short step's
+            p.grad = None
 
     def end_warmup(self) -> None:
         if self.dp is not None:

@@ -21,7 +21,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))      # the main suite's references
 import train_ft  # noqa: E402
+from quant_reference import replica_of  # noqa: E402
 
 pytestmark = pytest.mark.serial
 
@@ -403,6 +405,67 @@ def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
         torch.testing.assert_close(got["slowmo"]["theta"], theta, **tol)
         torch.testing.assert_close(got["slowmo"]["u"], u, **tol)
+
+
+def simulate_qadam(n, steps, lost_from):
+    """QAdam by its rule over the ranks alive at each step (rank r's batch
+    counts in the steps before lost_from[r]): for QADAM_WARMUP steps torch's
+    Adam on the mean gradient; after, the second moment frozen, every rank's
+    first moment m_r = b1 m + (1 - b1) g_r, their 8-bit average (a replica of
+    the quantized allreduce, in the survivors' rank order) taken by all, and
+    x -= lr / (1 - b1^t) m / (sqrt(v / (1 - b2^t)) + eps). Returns the
+    parameters and the first moments."""
+    model = train_ft.make_model()
+    params = list(model.parameters())
+    adam = torch.optim.Adam(params, lr=train_ft.QADAM_LR)
+    (b1, b2), eps = adam.defaults["betas"], adam.defaults["eps"]
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        grads = []
+        for r in alive:
+            model.zero_grad()
+            x, y = train_ft.batch(r, t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in params])
+        if t < train_ft.QADAM_WARMUP:
+            for p, gs in zip(params, zip(*grads)):
+                p.grad = sum(gs) / len(alive)
+            adam.step()
+            continue
+        states = [adam.state[p] for p in params]
+        moments = [torch.cat([(s["exp_avg"] * b1).add_(g, alpha=1 - b1).reshape(-1)
+                              for s, g in zip(states, gs)]) for gs in grads]
+        mean = replica_of(moments, average=True)
+        offset = 0
+        with torch.no_grad():
+            for p, s in zip(params, states):
+                s["exp_avg"] = mean[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+                s["step"] += 1
+                k = float(s["step"])
+                denom = (s["exp_avg_sq"] / (1 - b2 ** k)).sqrt().add_(eps)
+                p.addcdiv_(s["exp_avg"], denom, value=-train_ft.QADAM_LR / (1 - b1 ** k))
+    return [p.detach() for p in params], [adam.state[p]["exp_avg"] for p in params]
+
+
+def test_qadam_survivors_finish_equal_to_the_simulation(tmp_path):
+    """Bagua's QAdam through with_bagua: a rank lost in the warm-up's
+    backward (DataParallel's rule), then rank 0 inside a step past the
+    warm-up, the survivors' new momenta computed and their average under
+    way: that step is applied by no survivor (momenta and step counts
+    included) and done again without it."""
+    lost_from = {1: 1, 0: 5}
+    saved = run_job(tmp_path, 4, "1:1:backward;0:5:average", FT_ALGORITHM="qadam")
+    params, moments = simulate_qadam(4, 8, lost_from)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"] + got["momentum"], first["params"] + first["momentum"]):
+            assert torch.equal(a, b), f"rank {rank}'s state differs from rank {min(saved)}'s"
+    for a, b in zip(first["params"], params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(first["momentum"], moments):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_path):

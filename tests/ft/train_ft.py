@@ -12,7 +12,9 @@ postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
 DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved),
 daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches),
 slowmo: SlowMoDistributedDataParallel (LocalSGD every PERIOD steps, the
-slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says).
+slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says),
+qadam: Bagua's QAdam through with_bagua (Adam for QADAM_WARMUP steps, then
+the 8-bit averaged first moment; the first moment is the momentum saved).
 FT_HABITS=1 (DataParallel): the model wrapped twice, two optimizers (the
 first layer's own), AMP's GradScaler, and the gradients unscaled and
 clipped to norm CLIP before the step.
@@ -20,8 +22,9 @@ FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
 ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
 flight), step (backward done, before the optimizer's step), sync (after the
-optimizer's step, before SlowMo's perform_slowmo), between (after the
-step, before the next forward), checkpoint (inside a checkpoint write,
+optimizer's step, before SlowMo's perform_slowmo), average (QAdam: inside
+the step, before its momentum average), between (after the step, before the
+next forward), checkpoint (inside a checkpoint write,
 which every rank starts after that step)."""
 
 import os
@@ -38,6 +41,7 @@ STEPS = int(os.environ.get("FT_STEPS", "8"))
 PERIOD = 2      # of the replica algorithms' syncs
 CLIP = 0.5      # FT_HABITS: the gradients' norm is clipped to this
 SLOW_LR, SLOW_MOMENTUM = 0.8, 0.5     # SlowMo's α and β
+QADAM_LR, QADAM_WARMUP = 0.01, 3
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
 
 
@@ -120,6 +124,14 @@ def main(out_dir: str) -> None:
         if habits:
             daso.add_scaler(scaler)     # DASO's AMP: it steps through the scaler
         opt = daso
+    elif algorithm == "qadam":
+        sgd = opt = mpidp.algorithms.QAdamOptimizer(params, lr=QADAM_LR, warmup_steps=QADAM_WARMUP)
+        saved_opt = [sgd]
+        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.QAdamAlgorithm(sgd, hierarchical=False))
+        # Phase "average": inside the step, the momenta computed and about to be averaged.
+        handle = net._driver
+        average = handle.average_momentum
+        handle.average_momentum = lambda flat: maybe_die(step, "average") or average(flat)
     elif algorithm == "slowmo":
         net = mpidp.SlowMoDistributedDataParallel(model, localsgd_frequency=PERIOD,
                                                   slowmo_frequency=2 * PERIOD,
@@ -224,9 +236,10 @@ def main(out_dir: str) -> None:
 
 
 def momenta(optimizers, model):
+    """SGD's momentum buffers (Adam's first moments) of the model's parameters."""
     state = {p: s for opt in optimizers for p, s in opt.state.items()}
-    return [state[p]["momentum_buffer"].clone() if p in state else None
-            for p in model.parameters()]
+    return [state[p].get("momentum_buffer", state[p].get("exp_avg")).clone() if p in state
+            else None for p in model.parameters()]
 
 
 if __name__ == "__main__":
