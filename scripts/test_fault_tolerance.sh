@@ -10,4 +10,5 @@ cd "$(dirname "$0")/.."
 echo "== fault-tolerance tests (ULFM, .venv-ft)"
 export PYTHONPATH="$PWD/.venv-ft/lib" MPIDP_FT_TESTS=1 PYTHONUNBUFFERED=1
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/build/pycache}   # outside the tree
+unset PYTHONDONTWRITEBYTECODE
 timeout -k 10 "${MPIDP_TEST_LIMIT:-1500}" .venv-ft/bin/python -m pytest -q tests/ft "$@"
