@@ -43,7 +43,7 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
         slurmctld slurmd slurm-client munge >/dev/null
 fi
 
-mkdir -p "$SLURM_DIR"/{state,spool,log}
+mkdir -p "$SLURM_DIR"/{state,spool,log,tmp}
 
 # --- munge: the only authentication Slurm 22.05 has. Reuse a running munged
 # (e.g. the machine's own service); otherwise start one as user munge.
@@ -69,6 +69,10 @@ SlurmUser=root
 AuthType=auth/munge
 StateSaveLocation=$SLURM_DIR/state
 SlurmdSpoolDir=$SLURM_DIR/spool
+# Job ids start at 1 again with each fresh state: steps' PMIx directories
+# (spmix_appdir_<uid>_<job>.<step>) go here, not to /tmp, where one left by
+# an earlier Slurm's job 1 would make this one's fail to launch.
+TmpFS=$SLURM_DIR/tmp
 SlurmctldPidFile=$SLURM_DIR/slurmctld.pid
 SlurmdPidFile=$SLURM_DIR/slurmd.pid
 SlurmctldLogFile=$SLURM_DIR/log/slurmctld.log
