@@ -13,6 +13,7 @@ the training loss and the test accuracy.
 """
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -93,6 +94,11 @@ def main():
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    if "OMP_NUM_THREADS" not in os.environ:
+        # The node's cores shared among its ranks (torch would take them all
+        # on each, and ranks that outnumber the cores would slow each other down).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // mpidp.topology().local_size))
     torch.manual_seed(args.seed)
     train_set, test_set = load_data(args.seed)
     sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
