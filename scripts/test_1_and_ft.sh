@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # test_1_and_ft.sh: the 1-rank pass (scripts/run_pytest.sh 1) and the
 # fault-tolerance pass (scripts/test_fault_tolerance.sh) side by side, as
-# `make test` runs them. Both spend much of their time waiting -- on their
-# jobs' start-up, on deadlines their tests provoke -- so side by side they use
-# cores that either alone leaves idle. The fault-tolerance pass writes to
+# `make test` runs them. The 1-rank pass alone leaves part of the machine idle
+# (it waits on its jobs' start-up and on deadlines its tests provoke); the
+# fault-tolerance pass fills some of that. The fault-tolerance pass writes to
 # tests/logs/ft-pass.log (its own pytest temporary directory), shown when both
 # have ended; the exit status is nonzero when either failed.
 set -uo pipefail
