@@ -97,7 +97,10 @@ class QAdamOptimizer(torch.optim.Adam):
 
     def _compressed_step(self) -> None:
         # (param, its state, its group, its new first moment) of the
-        # parameters Adam stepped; the state is written once they are averaged.
+        # parameters Adam stepped. In fault-tolerant mode the new moments go
+        # into buffers of their own, written into the state once every rank
+        # agreed; otherwise they are updated in place (no allocation a step).
+        transaction = fault_tolerance.enabled()
         stepped = []
         for group in self.param_groups:
             b1 = group["betas"][0]
@@ -108,15 +111,15 @@ class QAdamOptimizer(torch.optim.Adam):
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 if group["weight_decay"]:
                     grad = grad.add(p, alpha=group["weight_decay"])
-                stepped.append((p, state, group, state["exp_avg"].mul(b1).add_(grad, alpha=1 - b1)))
+                moment = state["exp_avg"].mul(b1) if transaction else state["exp_avg"].mul_(b1)
+                stepped.append((p, state, group, moment.add_(grad, alpha=1 - b1)))
         if stepped:
             momenta = [m for *_, m in stepped]
             write_back(self._handle.average_momentum(flatten(momenta)), momenta)
         fault_tolerance.step_boundary()      # fault-tolerant mode: applied by every rank or none
-        for p, state, group, momentum in stepped:
-            state["exp_avg"] = momentum
+        for p, state, group, moment in stepped:
+            state["exp_avg"] = moment
             state["step"] += 1
-        for p, state, group, _ in stepped:
             b1, b2 = group["betas"]
             t = float(state["step"])
             denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt().add_(group["eps"])

@@ -31,7 +31,9 @@ whole on every rank there (a shard would die with its owner)."""
 
 from __future__ import annotations
 
+import collections
 import enum
+import functools
 import warnings
 from typing import Any, Dict, Optional
 
@@ -377,8 +379,13 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         each node's ranks then take their master's."""
         if self.local_rank == 0 and self.logical_world_size > 1:
             flat = mean_over_ranks(self._params, self._masters)
+        elif self.local_rank == 0:
+            flat = flatten(self._params)          # one node: its replica is the mean
         else:
-            flat = flatten(self._params)
+            # Only a buffer for the master's mean, of the dtype flatten gives it.
+            dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))
+            flat = torch.empty(sum(p.numel() for p in self._params), dtype=dtype,
+                               device=self._params[0].device)
         if self.nprocs_per_node > 1:
             broadcast_tensors([flat], self._node)
         return flat
@@ -437,14 +444,13 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         handle = communicator(survivors)
         self._claim(self.module, handle)
         self._world = handle.c
-        ids = survivors.allgather(self._node_id)
-        if not self._one_rank_nodes and len({ids.count(i) for i in ids}) > 1:
+        ranks_per_node = collections.Counter(survivors.allgather(self._node_id))
+        if not self._one_rank_nodes and len(set(ranks_per_node.values())) > 1:
             warnings.warn("SlowMoDistributedDataParallel: after the loss of ranks the nodes hold "
                           "different numbers of ranks; every rank is a node of its own from now "
                           "on (no node-local gradient averaging)", stacklevel=2)
             self._one_rank_nodes = True
         node = self._split_nodes(survivors)
-        self.slowmo_num_shards = min(survivors.Get_size(), self.slowmo_num_shards)
         if self._node_dp is not None:
             if self.nprocs_per_node > 1:
                 self._node_dp._continue_on(node)

@@ -325,7 +325,7 @@ def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path):
             assert torch.equal(a, b), f"rank {rank} ended with other parameters than rank 0"
 
 
-def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2):
+def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None):
     """SlowMo (LOCALSGD base; θ and u whole in fault-tolerant mode) over
     emulated nodes of `per_node` ranks, by its rule: every rank holds its
     node's replica and inner momentum; a node's ranks average their
@@ -336,8 +336,9 @@ def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2):
     lost_from[r]; it is in the syncs after the steps before
     sync_lost_from[r] (a rank lost in a sync: the sync is done again over
     the survivors). Where the survivors' nodes hold different numbers of
-    ranks, every rank is a node of its own from then on. Returns each
-    rank's parameters and momentum, and (θ, u)."""
+    ranks, every rank is a node of its own from then on. clip: the node's
+    mean gradient is clipped to this norm. Returns each rank's parameters
+    and momentum, and (θ, u)."""
     period, lr = train_ft.PERIOD, 0.05
     models = [train_ft.make_model() for _ in range(n)]
     inner = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
@@ -361,6 +362,10 @@ def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2):
                 torch.nn.functional.mse_loss(models[r](x), y).backward()
                 grads.append([p.grad.clone() for p in models[r].parameters()])
             mean = [sum(gs) / len(node) for gs in zip(*grads)]
+            if clip is not None:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                             for g in mean]))
+                mean = [g * torch.clamp(clip / (norm + 1e-6), max=1.0) for g in mean]
             for r in node:
                 for p, g in zip(models[r].parameters(), mean):
                     p.grad = g.clone()
@@ -382,20 +387,24 @@ def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2):
 
 
 # (kill spec, {victim: the first step without its data}, {victim: the first
-# sync without it}), at 4 ranks on emulated nodes of 2; LocalSGD after steps
-# 1 and 5, the slow step after steps 3 and 7.
+# sync without it}, habits), at 4 ranks on emulated nodes of 2; LocalSGD after
+# steps 1 and 5, the slow step after steps 3 and 7. habits: the model wrapped
+# twice, AMP's GradScaler, the gradients unscaled and clipped before the step.
 SLOWMO_CASES = {
     "one rank of a node in backward (every rank a node after), then rank 0 in a slow step":
-        ("1:2:backward;0:3:sync", {1: 2, 0: 4}, {1: 2, 0: 3}),
-    "a whole node in a LocalSGD average": ("2,3:5:sync", {2: 6, 3: 6}, {2: 5, 3: 5}),
+        ("1:2:backward;0:3:sync", {1: 2, 0: 4}, {1: 2, 0: 3}, False),
+    "a whole node in a LocalSGD average, with the habits":
+        ("2,3:5:sync", {2: 6, 3: 6}, {2: 5, 3: 5}, True),
 }
 
 
 @pytest.mark.parametrize("case", list(SLOWMO_CASES))
 def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
-    kill, lost_from, sync_lost_from = SLOWMO_CASES[case]
-    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", MPIDP_RANKS_PER_NODE=2)
-    params, momentum, (theta, u) = simulate_slowmo(4, 8, lost_from, sync_lost_from)
+    kill, lost_from, sync_lost_from, habits = SLOWMO_CASES[case]
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", MPIDP_RANKS_PER_NODE=2,
+                    **({"FT_HABITS": 1} if habits else {}))
+    params, momentum, (theta, u) = simulate_slowmo(4, 8, lost_from, sync_lost_from,
+                                                   clip=train_ft.CLIP if habits else None)
     tol = dict(rtol=1e-5, atol=1e-6)
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]

@@ -15,9 +15,9 @@ slowmo: SlowMoDistributedDataParallel (LocalSGD every PERIOD steps, the
 slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says),
 qadam: Bagua's QAdam through with_bagua (Adam for QADAM_WARMUP steps, then
 the 8-bit averaged first moment; the first moment is the momentum saved).
-FT_HABITS=1 (DataParallel): the model wrapped twice, two optimizers (the
-first layer's own), AMP's GradScaler, and the gradients unscaled and
-clipped to norm CLIP before the step.
+FT_HABITS=1: AMP's GradScaler and the gradients unscaled and clipped to
+norm CLIP before the step; with DataParallel and SlowMo the model wrapped
+twice, with DataParallel two optimizers (the first layer's own).
 FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
 ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
@@ -91,7 +91,7 @@ def main(out_dir: str) -> None:
     params = list(model.parameters())
     # FT_HABITS: the first layer has an optimizer of its own (one training
     # step then steps two optimizers), except under DASO, which steps one.
-    two = habits and algorithm != "daso"
+    two = habits and algorithm not in ("daso", "slowmo")
     sgd = torch.optim.SGD(params[2:] if two else params, lr=0.05, momentum=0.9)
     first_sgd = torch.optim.SGD(params[:2], lr=0.05, momentum=0.9) if two else None
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
@@ -133,9 +133,15 @@ def main(out_dir: str) -> None:
         average = handle.average_momentum
         handle.average_momentum = lambda flat: maybe_die(step, "average") or average(flat)
     elif algorithm == "slowmo":
-        net = mpidp.SlowMoDistributedDataParallel(model, localsgd_frequency=PERIOD,
-                                                  slowmo_frequency=2 * PERIOD,
-                                                  slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM)
+        def wrap_slowmo():
+            return mpidp.SlowMoDistributedDataParallel(
+                model, localsgd_frequency=PERIOD, slowmo_frequency=2 * PERIOD,
+                slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM)
+        net = wrap_slowmo()
+        if habits:      # wrapped twice: the newer wrapper takes over (with a warning)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                net = wrap_slowmo()
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
         def wrap():
@@ -172,12 +178,16 @@ def main(out_dir: str) -> None:
             x, y = batch(key, step)
             maybe_die(step, "forward")
             loss = torch.nn.functional.mse_loss(net(x), y)
-            if habits and algorithm == "daso":   # unscaled and clipped before DASO's step
+            if habits and algorithm in ("daso", "slowmo"):   # one optimizer, unscaled and clipped
                 scaler.scale(loss).backward()
                 maybe_die(step, "step")
                 scaler.unscale_(sgd)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-                opt.step()
+                if algorithm == "daso":
+                    opt.step()       # DASO steps through its own scaler
+                else:
+                    scaler.step(sgd)
+                    scaler.update()
             elif habits:   # AMP's scaler, and the gradients unscaled and clipped before the step
                 scaler.scale(loss).backward()
                 maybe_die(step, "step")
