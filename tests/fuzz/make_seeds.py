@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the committed seed corpora, corpus/tensor, corpus/schedule and corpus/avgsched.
+"""Writes the committed seed corpora, corpus/tensor, corpus/schedule, corpus/avgsched
+and corpus/efpayload.
 
 Each seed is a hand-written input in the harnesses' encoding (fuzz_common.h,
 fuzz_tensor.c, fuzz_schedule.c): small, readable here, and aimed at one corner
@@ -235,6 +236,44 @@ AVGSCHED_SEEDS = {
 }
 
 
+# ---- error-feedback payloads ---------------------------------------------------
+# fuzz_efpayload.c: rows-1, cols-1, chunk-1, k selector, bins selector, R-1,
+# flags, then the ranks' payloads. These use 8 x 12 tensors in tiles of 4 x 6
+# (4 tiles of 24 slots).
+
+
+def ef_head(k=2, bins_sel=0, ranks=3, flags=0) -> bytes:
+    return bytes([7, 11, 5, k - 1, bins_sel, ranks - 1, flags])
+
+
+def plain_payload(slots_per_tile, value=1.5) -> bytes:
+    slots = b"".join(struct.pack("<H", s) for tile in slots_per_tile for s in tile)
+    n = sum(len(t) for t in slots_per_tile)
+    return slots + b"".join(struct.pack("<f", value + i) for i in range(n))
+
+
+def quant_payload(slots_per_tile, codes, bins=4, bits=2) -> bytes:
+    head = struct.pack("<f", 0.25) + b"".join(struct.pack("<f", b - 1.5) for b in range(bins))
+    slots = b"".join(struct.pack("<H", s) for tile in slots_per_tile for s in tile)
+    packed = bytearray((len(codes) * bits + 7) // 8)
+    for i, c in enumerate(codes):
+        packed[i * bits // 8] |= c << (i * bits % 8)
+    return head + slots + bytes(packed)
+
+
+GOOD = [[0, 5], [1, 23], [2, 3], [10, 11]]
+EFPAYLOAD_SEEDS = {
+    "plain_three_ranks": ef_head() + plain_payload(GOOD) + plain_payload([[0, 6]] * 4)
+    + plain_payload(GOOD, -2.0),
+    "plain_all_tile_major": ef_head(flags=3) + plain_payload(GOOD) * 3,
+    "quantized": ef_head(bins_sel=2, ranks=2) + quant_payload(GOOD, [0, 1, 2, 3] * 2) * 2,
+    "slot_outside_tile": ef_head(ranks=1) + plain_payload([[0, 24]] + GOOD[1:]),
+    "slot_repeated": ef_head(ranks=1) + plain_payload([[7, 7]] + GOOD[1:]),
+    "code_outside_three_bins": ef_head(bins_sel=1, ranks=1) + quant_payload(GOOD, [3] * 8, bins=3),
+    "demo": ef_head(k=3, flags=4, ranks=2) + plain_payload([[0, 1, 7]] * 4) * 2,
+}
+
+
 def write(kind: str, seeds: dict) -> None:
     d = os.path.join(HERE, "corpus", kind)
     os.makedirs(d, exist_ok=True)
@@ -250,5 +289,6 @@ if __name__ == "__main__":
     write("tensor", TENSOR_SEEDS)
     write("schedule", SCHEDULE_SEEDS)
     write("avgsched", AVGSCHED_SEEDS)
+    write("efpayload", EFPAYLOAD_SEEDS)
     print(f"wrote {len(TENSOR_SEEDS)} tensor, {len(SCHEDULE_SEEDS)} schedule and "
-          f"{len(AVGSCHED_SEEDS)} averaging schedule seeds")
+          f"{len(AVGSCHED_SEEDS)} averaging schedule and {len(EFPAYLOAD_SEEDS)} payload seeds")

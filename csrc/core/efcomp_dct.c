@@ -1,0 +1,87 @@
+/* Error-feedback compression: DeMo's orthonormal tile DCT-II and its
+ * inverse (DCT-III) (mpidp/efcomp.h). Each tile is transformed as two small
+ * matrix products in float32; the loops run over the output's columns
+ * innermost so that the compiler vectorizes them, and always in the same
+ * order, so the same input gives the same bits on every rank. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "efcomp_internal.h"
+#include "fail.h"
+#include "mpidp/efcomp.h"
+#include "mpidp/status.h"
+
+int mpidp_ef_dct_basis(int64_t s, float *basis)
+{
+    if (s < 1 || s > MPIDP_EF_MAX_CHUNK || basis == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "dct basis: expected a side of 1 .. %d, got %lld",
+                           MPIDP_EF_MAX_CHUNK, (long long)s);
+    const double pi = 3.14159265358979323846;
+    for (int64_t j = 0; j < s; j++)
+        for (int64_t q = 0; q < s; q++) {
+            double a = q == 0 ? sqrt(1.0 / (double)s) : sqrt(2.0 / (double)s);
+            basis[j * s + q] = (float)(a * cos(pi * (double)(2 * j + 1) * (double)q / (2.0 * s)));
+        }
+    return MPIDP_OK;
+}
+
+/* out (m x n) = A^T (a: r x m, so A^T is m x r) times B (r x n). */
+static void mul_at_b(const float *a, int64_t r, int64_t m, const float *b, int64_t n, float *out)
+{
+    memset(out, 0, (size_t)(m * n) * sizeof *out);
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t p = 0; p < m; p++) {
+            float x = a[i * m + p];
+            for (int64_t j = 0; j < n; j++) out[p * n + j] += x * b[i * n + j];
+        }
+}
+
+/* out (m x n) = A (m x r) times B (r x n). */
+static void mul_a_b(const float *a, int64_t m, int64_t r, const float *b, int64_t n, float *out)
+{
+    memset(out, 0, (size_t)(m * n) * sizeof *out);
+    for (int64_t p = 0; p < m; p++)
+        for (int64_t i = 0; i < r; i++) {
+            float x = a[p * r + i];
+            for (int64_t j = 0; j < n; j++) out[p * n + j] += x * b[i * n + j];
+        }
+}
+
+static void transpose(const float *a, int64_t m, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) out[j * m + i] = a[i * n + j];
+}
+
+void mpidp__ef_dct_tile(float *tile, int64_t r, int64_t c, const float *basis_rows,
+                        const float *basis_cols, const float *cols_t, int inverse, float *work)
+{
+    if (!inverse) {
+        mul_a_b(tile, r, c, basis_cols, c, work);  /* T Fc */
+        mul_at_b(basis_rows, r, r, work, c, tile); /* Fr^T (T Fc) */
+    } else {
+        mul_a_b(tile, r, c, cols_t, c, work);      /* X Fc^T */
+        mul_a_b(basis_rows, r, r, work, c, tile);  /* Fr (X Fc^T) */
+    }
+}
+
+int mpidp_ef_dct_tiles(float *tiles, int64_t ntiles, int64_t tile_rows, int64_t tile_cols,
+                       const float *basis_rows, const float *basis_cols, int inverse)
+{
+    if (ntiles < 0 || tile_rows < 1 || tile_cols < 1 || tile_rows > MPIDP_EF_MAX_CHUNK ||
+        tile_cols > MPIDP_EF_MAX_CHUNK || basis_rows == NULL || basis_cols == NULL ||
+        (ntiles > 0 && tiles == NULL))
+        return mpidp__fail(MPIDP_EINVAL, "dct: bad tile shape %lld x %lld or NULL argument",
+                           (long long)tile_rows, (long long)tile_cols);
+    int64_t len = tile_rows * tile_cols;
+    float *work = malloc((size_t)(len + tile_cols * tile_cols) * sizeof *work);
+    if (work == NULL) return mpidp__fail(MPIDP_ENOMEM, "dct: no memory for a tile");
+    float *cols_t = work + len;
+    transpose(basis_cols, tile_cols, tile_cols, cols_t);
+    for (int64_t t = 0; t < ntiles; t++)
+        mpidp__ef_dct_tile(tiles + t * len, tile_rows, tile_cols, basis_rows, basis_cols, cols_t,
+                           inverse, work);
+    free(work);
+    return MPIDP_OK;
+}
