@@ -47,6 +47,8 @@ int mpidp_ef_demo_compress(const mpidp_ef_tiling_t *t, float *delta, const float
         if (grad != NULL) {
             mpidp__ef_tile_load(t, grad, tl, x);
             for (int64_t i = 0; i < len; i++) tile[i] = beta * tile[i] + lr * x[i];
+        } else {
+            for (int64_t i = 0; i < len; i++) tile[i] = beta * tile[i];
         }
         memcpy(x, tile, (size_t)len * sizeof *x);
         mpidp__ef_dct_tile(x, r, c, basis_rows, basis_cols, cols_t, 0, work);

@@ -91,8 +91,10 @@ int mpidp_ef_compress(const mpidp_ef_tiling_t *t, float *e, const float *delta, 
             float *d = s.tile + len;
             mpidp__ef_tile_load(t, delta, tile, d);
             for (int64_t i = 0; i < len; i++) s.tile[i] = beta * s.tile[i] + alpha * d[i];
-            mpidp__ef_tile_store(t, e, tile, s.tile);
+        } else {
+            for (int64_t i = 0; i < len; i++) s.tile[i] = beta * s.tile[i];
         }
+        mpidp__ef_tile_store(t, e, tile, s.tile);
         if ((rc = mpidp_ef_topk(s.tile, 1, len, k, s.slots + tile * k, s.values + tile * k)))
             goto out;
     }

@@ -9,6 +9,7 @@
 
 #include "mpidp/allreduce.h"
 #include "mpidp/checksum.h"
+#include "mpidp/efcomp.h"
 #include "mpidp/convert.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
@@ -130,12 +131,14 @@ static int module_exec(PyObject *m)
         PyModule_AddFunctions(m, mpidp_py_process_methods) < 0 ||
         PyModule_AddFunctions(m, mpidp_py_bucket_plan_functions) < 0 ||
         PyModule_AddFunctions(m, mpidp_py_avgsched_functions) < 0 ||
-        PyModule_AddFunctions(m, mpidp_py_peers_functions) < 0)
+        PyModule_AddFunctions(m, mpidp_py_peers_functions) < 0 ||
+        PyModule_AddFunctions(m, mpidp_py_efcomp_functions) < 0)
         return -1;
     /* The codes Python passes to the core, exported so that Python keeps no copies. */
     static const struct { const char *name; int value; } constants[] = {
         {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},
-        {"DTYPE_F16", MPIDP_F16}, {"DTYPE_U8", MPIDP_U8}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
+        {"DTYPE_F16", MPIDP_F16}, {"DTYPE_U8", MPIDP_U8}, {"EF_MAX_CHUNK", MPIDP_EF_MAX_CHUNK},
+        {"EF_MAX_BINS", MPIDP_EF_MAX_BINS}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
         {"OP_MIN", MPIDP_OP_MIN}, {"OP_MAX", MPIDP_OP_MAX}, {"OP_PROD", MPIDP_OP_PROD},
         {"OP_BAND", MPIDP_OP_BAND}, {"OP_BOR", MPIDP_OP_BOR}, {"OP_BXOR", MPIDP_OP_BXOR},
         {"NO_WIRE", -1}, {"CONVERT_PACK", MPIDP_CONVERT_PACK},

@@ -205,5 +205,6 @@ extern PyMethodDef mpidp_py_process_methods[];
 extern PyMethodDef mpidp_py_bucket_plan_functions[];
 extern PyMethodDef mpidp_py_avgsched_functions[];
 extern PyMethodDef mpidp_py_peers_functions[];
+extern PyMethodDef mpidp_py_efcomp_functions[];
 
 #endif /* MPIDP_PY_MODULE_H */

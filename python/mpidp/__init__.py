@@ -18,6 +18,8 @@ from .collectives import (Work, allgather, allreduce, allreduce_scalar, barrier,
                           local_rank, rank, size, reduce_scatter)
 from .daso import DASO
 from .diloco import DiLoCo
+from .demo import DeMo
+from .sparseloco import SparseLoCo
 from .slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from .data_parallel import DataParallel
 from .data_parallel_multi import DataParallelMultiGPU
@@ -45,6 +47,8 @@ __all__ = [
     "fault_tolerance",
     "DASO",
     "DiLoCo",
+    "DeMo",
+    "SparseLoCo",
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "HierarchicalModelAverager",

@@ -45,7 +45,7 @@ from ._consistency import check_same_structure
 from ._mpi import Communicator, communicator
 from ._params import TrainableAtSetup, broadcast_state
 
-__all__ = ["Driver", "set_up", "wait_pending", "continue_on_survivors"]
+__all__ = ["Driver", "set_up", "wait_pending", "continue_on_survivors", "algorithms_over"]
 
 # The live drivers that claimed each module (weakly held: a dropped driver
 # gives its claim up with it).
@@ -111,6 +111,20 @@ def continue_on_survivors(old_world) -> None:
             driver._released = (f"a rank was lost and {driver.what} cannot continue on the "
                                 f"survivors ({why}); build it again over the survivors")
             driver._remove_hooks()
+
+
+def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
+    """The names of the live drivers whose module holds any of `params`
+    (an optimizer that does its own communication refuses to run under
+    them)."""
+    ids = {id(p) for p in params}
+    names = []
+    for module, refs in list(_CLAIMS.items()):
+        drivers = [r() for r in refs]
+        live = [d for d in drivers if d is not None and d._released is None]
+        if live and any(id(p) in ids for p in module.parameters()):
+            names += [d.what for d in live if d.what not in names]
+    return names
 
 
 def _refuse_without_fault_tolerance(driver: "Driver") -> None:

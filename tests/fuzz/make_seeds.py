@@ -290,5 +290,5 @@ if __name__ == "__main__":
     write("schedule", SCHEDULE_SEEDS)
     write("avgsched", AVGSCHED_SEEDS)
     write("efpayload", EFPAYLOAD_SEEDS)
-    print(f"wrote {len(TENSOR_SEEDS)} tensor, {len(SCHEDULE_SEEDS)} schedule and "
+    print(f"wrote {len(TENSOR_SEEDS)} tensor, {len(SCHEDULE_SEEDS)} schedule, "
           f"{len(AVGSCHED_SEEDS)} averaging schedule and {len(EFPAYLOAD_SEEDS)} payload seeds")

@@ -68,7 +68,7 @@ void mpidp_ef_pack_codes(const uint8_t *codes, int64_t n, int bits, uint8_t *out
 int mpidp_ef_unpack_codes(const uint8_t *in, int64_t n, int bits, int bins, uint8_t *codes);
 
 /* SparseLoCo's compression of one tensor (steps 6-9 of its round):
- *   e <- beta * e + alpha * delta   (delta may be NULL: no update)
+ *   e <- beta * e + alpha * delta   (delta NULL: a zero delta)
  *   keep the top k of each tile of e, quantize them (bins > 0)
  *   e <- e - what the payload decodes to, so e keeps every error
  *   write the payload (mpidp_ef_payload_bytes(ntiles, k, bins) bytes).
@@ -95,7 +95,7 @@ int mpidp_ef_dct_tiles(float *tiles, int64_t ntiles, int64_t tile_rows, int64_t 
                        const float *basis_rows, const float *basis_cols, int inverse);
 
 /* DeMo's compression of one tensor (steps 3-6 of its step):
- *   delta <- beta * delta + lr * grad   (grad may be NULL: no update)
+ *   delta <- beta * delta + lr * grad   (grad NULL: a zero gradient)
  *   X = the DCT of each tile of delta; keep the top k of each tile of X
  *   delta <- delta - the inverse DCT of what is kept
  *   write the plain payload (bins 0) of the kept coefficients. */
