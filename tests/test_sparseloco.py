@@ -1,0 +1,280 @@
+"""SparseLoCo against a float64 simulation of every replica (ef_reference),
+at 1-4 ranks: each rank's inner SGD steps on gradients of its own, and after
+every sync the parameters must be bitwise equal on every rank and equal to
+the simulation's θ̃ within float32 rounding, and each rank's error-feedback
+buffer equal to the simulation's buffer of that rank.
+
+Also: the dense limit (k = the whole tile, no quantizer, no decay) equals
+mpidp.DiLoCo with outer SGD at lr α², the bytes sent equal the payload
+formula, a checkpoint resumes exactly, and the habits (a rank reloaded
+alone, an outer lr differing by rank, parameters without gradients, a
+GradScaler, bad arguments)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import mpidp
+from dp_reference import RANK, SIZE, assert_same_on_all_ranks, differing_setting, seeded
+from ef_reference import SparseLoCoSim
+
+pytestmark = pytest.mark.ranks3
+
+
+class Net(torch.nn.Module):
+    """Tensors of several tilings at chunk 8: 20 x 12 (tiles 5 x 6), 20
+    (tiles of 5), 3 x 20 (3 x 5), a prime 7 (tiles of 7) and a 0-d scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(12, 20)
+        self.l2 = torch.nn.Linear(20, 3)
+        self.odd = torch.nn.Parameter(torch.randn(7))
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+
+def build():
+    torch.manual_seed(5)
+    return Net()
+
+
+def grads_for(model, rank, step, skip=()):
+    """Gradients drawn from (rank, step): every rank's differ."""
+    gen = seeded(1000 * rank + step)
+    return [None if i in skip else torch.randn(p.shape, generator=gen)
+            for i, p in enumerate(model.parameters())]
+
+
+def inner_step(model, opt, step, skip=(), scaler=None):
+    """One inner step on the loss sum(p * g) (its gradient is g exactly),
+    through `scaler` if given."""
+    opt.zero_grad()
+    loss = sum((p * g).sum() for p, g in zip(model.parameters(), grads_for(model, RANK, step, skip))
+               if g is not None)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def replicas_after(sim_shared, model, steps, lr, skip=()):
+    """Every rank's replica after inner SGD steps from θ̃ (float64)."""
+    out = []
+    for r in range(SIZE):
+        rep = [t.copy() for t in sim_shared]
+        for s in steps:
+            for i, g in enumerate(grads_for(model, r, s, skip)):
+                if g is not None:
+                    rep[i] = rep[i] - lr * g.double().numpy()
+        out.append(rep)
+    return out
+
+
+def check_against(model, sl, sim, what):
+    assert_same_on_all_ranks(model)
+    for p, t in zip(model.parameters(), sim.shared):
+        np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                   err_msg=what)
+    for e, t in zip(sl.error, sim.error[RANK]):
+        np.testing.assert_allclose(e.double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{what}: error feedback of rank {RANK}")
+
+
+CASES = {
+    "paper": dict(lr=1.0, error_decay=0.95, top_k=8, chunk_size=8),
+    "plain_mean_all": dict(lr=0.7, error_decay=0.5, top_k=20, chunk_size=8,
+                           use_quantization=False, mean="all", weight_decay=0.1),
+    "bins_16": dict(lr=1.0, error_decay=0.9, top_k=4, chunk_size=6, quantization_bins=16,
+                    quantization_range=4.0),
+}
+
+
+def sim_for(model, settings):
+    s = dict(settings)
+    bins = 0 if not s.pop("use_quantization", True) else s.pop("quantization_bins", 4)
+    spread = s.pop("quantization_range", 6.0)
+    return SparseLoCoSim([p.detach().double().numpy() for p in model.parameters()], SIZE,
+                         bins=bins, spread=spread, **s)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_the_simulation(case):
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sim = sim_for(model, CASES[case])
+    with mpidp.SparseLoCo(model, opt, 3, **CASES[case]) as sl:
+        for sync in range(3):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = replicas_after(sim.shared, model, steps, 0.1)
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas)
+            check_against(model, sl, sim, f"{case}, sync {sync}")
+
+
+def test_dense_limit_is_diloco_with_outer_sgd_at_lr_squared():
+    """k = the whole tile, no quantizer, no decay: θ̃ - α² mean Δ (α is applied
+    twice, as in the reference code), which mpidp.DiLoCo computes with outer
+    SGD at lr α²."""
+    alpha = 0.8
+    model, twin = build(), build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    outer = torch.optim.SGD(twin.parameters(), lr=alpha * alpha)
+    with mpidp.SparseLoCo(model, opt, 2, lr=alpha, error_decay=0.0, top_k=64, chunk_size=8,
+                          use_quantization=False) as sl, \
+            mpidp.DiLoCo(twin, twin_opt, outer, 2):
+        for s in range(6):
+            inner_step(model, opt, s)
+            inner_step(twin, twin_opt, s)
+            if s % 2 == 1:
+                for p, q in zip(model.parameters(), twin.parameters()):
+                    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert all(float(e.abs().max()) == 0.0 for e in sl.error)
+
+
+def test_bytes_sent_follow_the_payload_formula():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sl = mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8)   # 4 bins: 2 bits a code
+    # (tiles, k) per tensor: 20x12 in 5x6 tiles (k = round(30/8) = 4), 20 in
+    # tiles of 5 (k 1), 3x20 in 3x5 tiles (k = round(15/8) = 2), 3 in 1 tile of
+    # 3 (k 1), 7 in 1 tile (k 1), 0-d (k 1).
+    layout = [(8, 4), (4, 1), (4, 2), (1, 1), (1, 1), (1, 1)]
+    payload = sum(4 * 5 + 2 * t * k + (t * k * 2 + 7) // 8 for t, k in layout)
+    assert sl.bytes_sent == 24 + payload
+    params = sum(p.numel() for p in model.parameters())
+    assert sl.bytes_sent < 4 * params / 2
+
+
+def test_parameters_without_gradients_send_their_delta():
+    """A parameter the inner optimizer did not step has Δ = 0 this round, and
+    its error feedback still decays and sends."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    settings = dict(top_k=8, chunk_size=8)
+    sim = sim_for(model, settings)
+    with mpidp.SparseLoCo(model, opt, 2, **settings) as sl:
+        for sync in range(2):
+            skip = (1, 4) if sync == 0 else (0,)
+            steps = range(2 * sync, 2 * sync + 2)
+            replicas = replicas_after(sim.shared, model, steps, 0.1, skip)
+            for s in steps:
+                inner_step(model, opt, s, skip)
+            sim.round(replicas)
+            check_against(model, sl, sim, f"sync {sync}")
+
+
+def test_grad_scaler_gives_the_same_rounds():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    settings = dict(top_k=8, chunk_size=8)
+    sim = sim_for(model, settings)
+    with mpidp.SparseLoCo(model, opt, 2, **settings) as sl:
+        for sync in range(2):
+            steps = range(2 * sync, 2 * sync + 2)
+            replicas = replicas_after(sim.shared, model, steps, 0.1)
+            for s in steps:
+                inner_step(model, opt, s, scaler=scaler)
+            sim.round(replicas)
+            check_against(model, sl, sim, f"sync {sync}")
+
+
+def test_checkpoint_resumes_exactly():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8) as sl:
+        for s in range(3):
+            inner_step(model, opt, s)
+        saved = copy.deepcopy((sl.state_dict(), opt.state_dict()))
+        for s in range(3, 6):
+            inner_step(model, opt, s)
+        expected = [p.detach().clone() for p in model.parameters()]
+    other = Net()
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    with mpidp.SparseLoCo(other, other_opt, 2, top_k=8, chunk_size=8) as resumed:
+        resumed.load_state_dict(saved[0])
+        other_opt.load_state_dict(saved[1])
+        for s in range(3, 6):
+            inner_step(other, other_opt, s)
+    for p, q in zip(other.parameters(), expected):
+        assert torch.equal(p, q)
+
+
+def test_a_rank_reloaded_alone_is_refused():
+    if SIZE == 1:
+        pytest.skip("needs two ranks to differ")
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8) as sl:
+        for s in range(2):
+            inner_step(model, opt, s)
+        early = sl.state_dict()
+        for s in range(2, 4):
+            inner_step(model, opt, s)
+        if RANK == SIZE - 1:
+            sl.load_state_dict(early)      # back to step 2 alone
+        with pytest.raises(RuntimeError, match=r"SparseLoCo: the ranks reached this exchange at "
+                           rf"different steps \(rank\(s\) \[{SIZE - 1}\] at step 4"):
+            for s in range(4, 8):
+                inner_step(model, opt, s)
+
+
+def test_shared_weights_differing_by_rank_are_refused():
+    if SIZE == 1:
+        pytest.skip("needs two ranks to differ")
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8) as sl:
+        if RANK == SIZE - 1:
+            with torch.no_grad():
+                sl.shared[-1][0] += 1.0
+        with pytest.raises(RuntimeError, match=r"shared weights differ across ranks: rank\(s\) "
+                           rf"\[{SIZE - 1}\]"):
+            for s in range(2):
+                inner_step(model, opt, s)
+
+
+def test_an_outer_lr_differing_by_rank_is_refused():
+    if SIZE == 1:
+        pytest.skip("needs two ranks to differ")
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8) as sl:
+        if RANK == SIZE - 1:
+            sl.lr = 0.5
+        with pytest.raises(RuntimeError, match=differing_setting("SparseLoCo", "lr", 0.5, 1.0)):
+            for s in range(2):
+                inner_step(model, opt, s)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(top_k=0), ValueError, "top_k"),
+    (dict(chunk_size=300), ValueError, "chunk_size"),
+    (dict(quantization_bins=1), ValueError, "quantization_bins"),
+    (dict(quantization_bins=257), ValueError, "quantization_bins"),
+    (dict(quantization_range=0.0), ValueError, "quantization_range"),
+    (dict(error_decay=1.5), ValueError, "error_decay"),
+    (dict(mean="median"), ValueError, "mean"),
+    (dict(use_quantization=1), TypeError, "use_quantization"),
+    (dict(sync_every=0), ValueError, "sync_every"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = dict(kwargs)
+    sync_every = kwargs.pop("sync_every", 2)
+    with pytest.raises(error, match=match):
+        mpidp.SparseLoCo(model, opt, sync_every, **kwargs)
+
+
+def test_non_float32_parameters_are_refused():
+    model = build().double()
+    with pytest.raises(TypeError, match="float32 CPU"):
+        mpidp.SparseLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
