@@ -291,8 +291,10 @@ def test_a_new_algorithm_on_the_same_ranks_takes_the_module_over():
      "sync_every"),
     (lambda m: mpidp.algorithms.SlowMoAlgorithm(nprocs_per_node=1,
                                                 slowmo_frequency=2 if RANK == 0 else 3),
-     "slowmo_frequency")],
-    ids=["localsgd", "diloco", "slowmo"])
+     "slowmo_frequency"),
+    (lambda m: mpidp.algorithms.SparseLoCoAlgorithm(sync_every=2, top_k=8 if RANK == 0 else 16),
+     "top_k")],
+    ids=["localsgd", "diloco", "slowmo", "sparseloco"])
 def test_settings_that_differ_across_ranks_are_named_on_every_rank(make, setting):
     """A rank with another period would post syncs the others never match:
     with_bagua compares the new algorithms' settings and every rank raises."""

@@ -117,6 +117,36 @@ def test_matches_the_simulation(case):
             check_against(model, sl, sim, f"{case}, sync {sync}")
 
 
+def test_with_bagua_switches_to_it_after_averaged_gradients():
+    """Bagua's interface: two steps of averaged gradients, then SparseLoCo
+    from the replicas' common weights, matching the simulation; its state
+    is the algorithm state."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+    for s in range(2):
+        inner_step(model, opt, s)
+    mean = [torch.stack([g[i] for g in (grads_for(model, r, s) for r in range(SIZE) for s in
+                                        range(2))]).double().sum(0) / SIZE
+            for i in range(len(list(model.parameters())))]
+    settings = dict(top_k=8, chunk_size=8)
+    sim = sim_for(model, settings)
+    assert_same_on_all_ranks(model)
+    np.testing.assert_allclose(sim.shared[0], (build().odd.detach().double() - 0.1 * mean[0]).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    net = mpidp.with_bagua(net, [opt], mpidp.algorithms.SparseLoCoAlgorithm(2, **settings))
+    for sync in range(2):
+        steps = range(2 + 2 * sync, 4 + 2 * sync)
+        replicas = replicas_after(sim.shared, model, steps, 0.1)
+        for s in steps:
+            inner_step(model, opt, s)
+        sim.round(replicas)
+        assert_same_on_all_ranks(model)
+        for p, t in zip(model.parameters(), sim.shared):
+            np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6)
+    assert net.bagua_state_dict()["step"] == 4
+
+
 def test_dense_limit_is_diloco_with_outer_sgd_at_lr_squared():
     """k = the whole tile, no quantizer, no decay: θ̃ - α² mean Δ (α is applied
     twice, as in the reference code), which mpidp.DiLoCo computes with outer

@@ -12,6 +12,8 @@ DTYPE_F64: int
 DTYPE_BF16: int
 DTYPE_F16: int
 DTYPE_U8: int     # as a wire dtype: 8-bit block quantization (mpidp/qallreduce.h)
+EF_MAX_CHUNK: int  # largest tile side of the error-feedback kernels (mpidp/efcomp.h)
+EF_MAX_BINS: int   # most quantizer bins
 OP_SUM: int
 OP_AVG: int
 OP_MIN: int
@@ -219,6 +221,23 @@ def plan_buckets(numel: Sequence[int], dtype: Sequence[int], first_cap_bytes: in
                  cap_bytes: int) -> Tuple[Tuple[int, ...], Tuple[int, ...],
                                           Tuple[Tuple[int, int, int], ...]]: ...
 def checksums(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]: ...
+# The error-feedback kernels (mpidp/efcomp.h); a tiling is (rows, cols, tile_rows, tile_cols).
+def ef_tiling(shape: Sequence[int], chunk: int) -> Tuple[int, int, int, int]: ...
+def ef_payload_bytes(ntiles: int, k: int, bins: int) -> int: ...
+def ef_compress(e: torch.Tensor, delta: Optional[torch.Tensor], tiling: Tuple[int, int, int, int],
+                beta: float, alpha: float, k: int, bins: int, range: float, bucket: torch.Tensor,
+                offset: int) -> None: ...
+def ef_sparse_mean(out: torch.Tensor, gathered: torch.Tensor, offset: int, stride: int, R: int,
+                   tiling: Tuple[int, int, int, int], k: int, bins: int,
+                   divide_by_all: bool) -> None: ...
+def ef_dct_basis(out: torch.Tensor, side: int) -> None: ...
+def ef_demo_compress(delta: torch.Tensor, grad: Optional[torch.Tensor],
+                     tiling: Tuple[int, int, int, int], beta: float, lr: float, k: int,
+                     basis_rows: torch.Tensor, basis_cols: torch.Tensor, bucket: torch.Tensor,
+                     offset: int) -> None: ...
+def ef_demo_decode(out: torch.Tensor, gathered: torch.Tensor, offset: int, stride: int, R: int,
+                   tiling: Tuple[int, int, int, int], k: int, basis_rows: torch.Tensor,
+                   basis_cols: torch.Tensor) -> None: ...
 class _ProcessState(TypedDict):
     timeout: float
     wait_spin: float

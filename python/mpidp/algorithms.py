@@ -20,11 +20,13 @@ from .broadcast import broadcast_optimizer_state
 from .data_parallel import DataParallel
 from .decentralized import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
 from .qadam import QAdamAlgorithm, QAdamOptimizer
-from .replica_algorithms import DiLoCoAlgorithm, LocalSGDAlgorithm, SlowMoAlgorithm
+from .replica_algorithms import (DiLoCoAlgorithm, LocalSGDAlgorithm, SlowMoAlgorithm,
+                                 SparseLoCoAlgorithm)
 
 __all__ = ["Algorithm", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "QAdamAlgorithm",
            "QAdamOptimizer", "DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm",
-           "AsyncModelAverageAlgorithm", "LocalSGDAlgorithm", "SlowMoAlgorithm", "DiLoCoAlgorithm"]
+           "AsyncModelAverageAlgorithm", "LocalSGDAlgorithm", "SlowMoAlgorithm", "DiLoCoAlgorithm",
+           "SparseLoCoAlgorithm"]
 
 
 class _GradientHandle(Driver):

@@ -1,5 +1,6 @@
 """The replica algorithms as mpidp.algorithms, for with_bagua: LocalSGD
-(torch's post-local SGD), SlowMo (fairscale's) and DiLoCo (torchft's), with
+(torch's post-local SGD), SlowMo (fairscale's), DiLoCo (torchft's) and
+SparseLoCo (its authors' reference), with
 their upstream arguments, so that any algorithm of the family can follow any
 other mid-training::
 
@@ -9,7 +10,7 @@ other mid-training::
 
 Each counts the steps of the first optimizer given to with_bagua (the inner
 optimizer) and runs its rule after each of them; the engines are those of
-PeriodicModelAverager, SlowMoDistributedDataParallel and DiLoCo, which
+PeriodicModelAverager, SlowMoDistributedDataParallel, DiLoCo and SparseLoCo, which
 these drivers hold as parts."""
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from .averaging import PeriodicModelAverager
 from .data_parallel import DataParallel
 from .diloco import DiLoCo
 from .slowmo import SlowMoDistributedDataParallel
+from .sparseloco import SparseLoCo
 
-__all__ = ["LocalSGDAlgorithm", "SlowMoAlgorithm", "DiLoCoAlgorithm"]
+__all__ = ["LocalSGDAlgorithm", "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm"]
 
 
 def _first_optimizer(optimizers, who: str) -> torch.optim.Optimizer:
@@ -199,3 +201,57 @@ class DiLoCoAlgorithm(Algorithm):
 
     def attach(self, module, optimizers, comm):
         return _DiLoCoDriver(module, optimizers, comm, self)
+
+
+class _SparseLoCoDriver(Driver):
+    what = "SparseLoCoAlgorithm"
+
+    def __init__(self, module, optimizers, comm, algorithm: "SparseLoCoAlgorithm"):
+        self.module = module
+        inner = _first_optimizer(optimizers, self.what)
+        with self._building_parts():
+            self.sparseloco = SparseLoCo(module, inner, algorithm.sync_every, comm,
+                                         **algorithm.settings)
+            self.sparseloco.__enter__()
+
+    def _remove_hooks(self) -> None:
+        pass            # SparseLoCo's own, detached as a part
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return self.sparseloco.state_dict()
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        self.sparseloco.load_state_dict(state)
+
+
+_SPARSELOCO_SETTINGS = [name for name, p in inspect.signature(SparseLoCo).parameters.items()
+                        if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+class SparseLoCoAlgorithm(Algorithm):
+    """SparseLoCo (mpidp.SparseLoCo's rule and arguments): the first
+    optimizer given to with_bagua is the inner one; every `sync_every` inner
+    steps the replicas' outer gradients go through the error-feedback
+    buffers, as top-k 2-bit codes by default, and every replica restarts
+    from the new shared weights. `settings` are mpidp.SparseLoCo's keyword
+    arguments (lr, error_decay, top_k, chunk_size, use_quantization,
+    quantization_bins, quantization_range, weight_decay, mean,
+    sync_buffers)."""
+
+    def __init__(self, sync_every: int, **settings):
+        unknown = sorted(set(settings) - set(_SPARSELOCO_SETTINGS))
+        if unknown:
+            raise TypeError(f"SparseLoCoAlgorithm: unexpected argument(s) {unknown}; expected "
+                            f"mpidp.SparseLoCo's: {_SPARSELOCO_SETTINGS}")
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.settings = dict(settings)
+
+    def shared_settings(self) -> Dict[str, Any]:
+        return {"sync_every": self.sync_every, **{k: _plain(v) for k, v in self.settings.items()}}
+
+    def __repr__(self) -> str:
+        args = [f"sync_every={self.sync_every}"] + [f"{k}={v!r}" for k, v in self.settings.items()]
+        return f"SparseLoCoAlgorithm({', '.join(args)})"
+
+    def attach(self, module, optimizers, comm):
+        return _SparseLoCoDriver(module, optimizers, comm, self)
