@@ -43,6 +43,13 @@ momentum and a per-epoch cosine learning rate. Methods:
                 gradient every --sync-every steps
   diloco-stream the same in 2 fragments taking turns, each sent --delay steps
                 before its turn, bf16 on the wire
+  sparseloco    mpidp.SparseLoCo, every rank a worker, the same inner SGD: every
+                --sl-sync-every steps each rank sends the top --sl-top-k entries
+                of each 64x64 tile of its error-feedback buffer as 2-bit codes
+                (outer lr 1, error decay --sl-error-decay: the paper's run)
+  demo          mpidp.DeMo instead of the SGD, no gradient allreduce: each step
+                every rank sends the top --demo-topk DCT coefficients of each
+                64x64 tile of its momentum; a sign step of lr --demo-lr
   sgp           (not in the default set) SlowMo's SGP base without slow
                 momentum: node masters gossip every step
   decentralized (not in the default set) Bagua's DecentralizedAlgorithm, its
@@ -104,7 +111,7 @@ NODES = 2
 CANNOT_RUN = 77
 RESULT_TAG = "BENCH_DASO_RESULT "
 DEFAULT_METHODS = ("ddp", "dp-block", "dp-block-bf16", "dp-nb", "dp-nb-bf16", "daso")
-SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream")
+SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream", "sparseloco", "demo")
 COMPRESSED_METHODS = ("dp-block-u8", "dp-hier", "dp-hier-u8", "qadam")
 DECENTRALIZED_METHODS = ("sgp", "decentralized", "decentralized-shift", "lowprec", "async")
 ALL_METHODS = (DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS + COMPRESSED_METHODS
@@ -155,8 +162,11 @@ def worker(args) -> None:
     torch.manual_seed(args.seed)
     model = ResNet18(width=args.width, in_channels=1)
     n_params = sum(p.numel() for p in model.parameters())
-    base_lr = args.qadam_lr if method == "qadam" else args.lr
-    if method == "qadam":
+    base_lr = {"qadam": args.qadam_lr, "demo": args.demo_lr}.get(method, args.lr)
+    if method == "demo":
+        inner = mpidp.DeMo(model.parameters(), lr=base_lr, compression_topk=args.demo_topk,
+                           comm=comm)
+    elif method == "qadam":
         from mpidp.algorithms import QAdamOptimizer
         inner = QAdamOptimizer(model.parameters(), lr=base_lr, warmup_steps=args.qadam_warmup,
                                weight_decay=5e-4)
@@ -185,7 +195,7 @@ def worker(args) -> None:
         net = mpidp.DataParallelMultiGPU(model, daso, comm=comm)
         daso.last_batch = n_batches - 1
         opt = daso
-    elif method == "local":
+    elif method in ("local", "demo"):
         net, opt = model, inner
     elif method == "qadam":
         net = mpidp.with_bagua(model, [inner], mpidp.algorithms.QAdamAlgorithm(inner), comm)
@@ -226,6 +236,10 @@ def worker(args) -> None:
                               fragment_sync_delay=args.delay if stream else 0,
                               wire_dtype=torch.bfloat16 if stream else None)
         diloco.__enter__()     # syncs after the inner optimizer's steps from here on
+        net, opt = model, inner
+    elif method == "sparseloco":
+        mpidp.SparseLoCo(model, inner, args.sl_sync_every, comm, top_k=args.sl_top_k,
+                         error_decay=args.sl_error_decay).__enter__()
         net, opt = model, inner
     else:
         raise SystemExit(f"unknown method {method!r}")
@@ -405,7 +419,10 @@ def run_method(args, name: str, method: str, netstats) -> dict:
                    "--delay", args.delay, "--outer-lr", args.outer_lr,
                    "--outer-momentum", args.outer_momentum, "--qadam-lr", args.qadam_lr,
                    "--qadam-warmup", args.qadam_warmup,
-                   "--sync-interval-ms", args.sync_interval_ms]
+                   "--sync-interval-ms", args.sync_interval_ms,
+                   "--sl-sync-every", args.sl_sync_every, "--sl-top-k", args.sl_top_k,
+                   "--sl-error-decay", args.sl_error_decay, "--demo-lr", args.demo_lr,
+                   "--demo-topk", args.demo_topk]
     mpirun_opts = list(args.mpirun_args)
     if method == "ddp":
         # The global gloo group's TCP store is opened by rank 0 on node 0's
@@ -652,6 +669,16 @@ def main() -> None:
                         help="diloco: the outer SGD's Nesterov momentum (the paper: 0.9; 0: none)")
     parser.add_argument("--delay", type=int, default=4,
                         help="diloco-stream: steps between a fragment's send and its turn")
+    parser.add_argument("--sl-sync-every", type=int, default=12,
+                        help="sparseloco: inner steps between syncs (its authors run 15-30)")
+    parser.add_argument("--sl-top-k", type=int, default=128,
+                        help="sparseloco: entries sent per 64x64 tile (the paper's 128: 3.1%%)")
+    parser.add_argument("--sl-error-decay", type=float, default=0.95,
+                        help="sparseloco: the error-feedback decay (the paper's 0.95)")
+    parser.add_argument("--demo-lr", type=float, default=2e-3,
+                        help="demo: the sign step's lr, on the same cosine schedule")
+    parser.add_argument("--demo-topk", type=int, default=32,
+                        help="demo: DCT coefficients sent per 64x64 tile (DeMo's 32)")
     parser.add_argument("--qadam-lr", type=float, default=1e-3, help="qadam: Adam's lr (Bagua's)")
     parser.add_argument("--qadam-warmup", type=int, default=100,
                         help="qadam: steps of Adam on averaged gradients (Bagua's 100)")

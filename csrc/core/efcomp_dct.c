@@ -26,26 +26,41 @@ int mpidp_ef_dct_basis(int64_t s, float *basis)
     return MPIDP_OK;
 }
 
-/* out (m x n) = A^T (a: r x m, so A^T is m x r) times B (r x n). */
-static void mul_at_b(const float *a, int64_t r, int64_t m, const float *b, int64_t n, float *out)
+/* The products vectorize over the output's columns; where the CPU has AVX2
+ * a clone of each runs 8 columns at a time. Every output element still sums
+ * its terms in the same order with separate multiplies and adds
+ * (-ffp-contract=off), so every clone gives the same bits. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MPIDP_NO_CLONES)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* out (m x n) = A (m x r) times B (r x n), where A(p, i) = a[p * sp + i * si]
+ * (A itself: sp = r, si = 1; the transpose of an r x m matrix: sp = 1,
+ * si = m). Each output row is summed in a local row, in order of i. */
+static inline void mul_rows(const float *a, int64_t sp, int64_t si, int64_t m, int64_t r,
+                            const float *b, int64_t n, float *out)
 {
-    memset(out, 0, (size_t)(m * n) * sizeof *out);
-    for (int64_t i = 0; i < r; i++)
-        for (int64_t p = 0; p < m; p++) {
-            float x = a[i * m + p];
-            for (int64_t j = 0; j < n; j++) out[p * n + j] += x * b[i * n + j];
+    for (int64_t p = 0; p < m; p++) {
+        float acc[MPIDP_EF_MAX_CHUNK];
+        for (int64_t j = 0; j < n; j++) acc[j] = 0.0f;
+        for (int64_t i = 0; i < r; i++) {
+            float x = a[p * sp + i * si];
+            const float *row = b + i * n;
+            for (int64_t j = 0; j < n; j++) acc[j] += x * row[j];
         }
+        memcpy(out + p * n, acc, (size_t)n * sizeof *acc);
+    }
 }
 
-/* out (m x n) = A (m x r) times B (r x n). */
-static void mul_a_b(const float *a, int64_t m, int64_t r, const float *b, int64_t n, float *out)
+VECTOR_CLONES static void mul(const float *a, int64_t sp, int64_t si, int64_t m, int64_t r,
+                              const float *b, int64_t n, float *out)
 {
-    memset(out, 0, (size_t)(m * n) * sizeof *out);
-    for (int64_t p = 0; p < m; p++)
-        for (int64_t i = 0; i < r; i++) {
-            float x = a[p * r + i];
-            for (int64_t j = 0; j < n; j++) out[p * n + j] += x * b[i * n + j];
-        }
+    if (n == 64) /* the usual tile: a constant width keeps the row in registers */
+        mul_rows(a, sp, si, m, r, b, 64, out);
+    else
+        mul_rows(a, sp, si, m, r, b, n, out);
 }
 
 static void transpose(const float *a, int64_t m, int64_t n, float *out)
@@ -58,11 +73,11 @@ void mpidp__ef_dct_tile(float *tile, int64_t r, int64_t c, const float *basis_ro
                         const float *basis_cols, const float *cols_t, int inverse, float *work)
 {
     if (!inverse) {
-        mul_a_b(tile, r, c, basis_cols, c, work);  /* T Fc */
-        mul_at_b(basis_rows, r, r, work, c, tile); /* Fr^T (T Fc) */
+        mul(tile, c, 1, r, c, basis_cols, c, work);       /* T Fc */
+        mul(basis_rows, 1, r, r, r, work, c, tile);       /* Fr^T (T Fc) */
     } else {
-        mul_a_b(tile, r, c, cols_t, c, work);      /* X Fc^T */
-        mul_a_b(basis_rows, r, r, work, c, tile);  /* Fr (X Fc^T) */
+        mul(tile, c, 1, r, c, cols_t, c, work);           /* X Fc^T */
+        mul(basis_rows, r, 1, r, r, work, c, tile);       /* Fr (X Fc^T) */
     }
 }
 

@@ -56,10 +56,18 @@ int mpidp_ef_demo_compress(const mpidp_ef_tiling_t *t, float *delta, const float
         float *v = values + tl * k;
         mpidp_ef_topk(x, 1, len, k, s, v);
         /* delta loses what is sent: the inverse transform of the kept
-         * coefficients alone. */
+         * coefficients alone, the sum of their k basis images (k x len
+         * products, not a whole transform's (r + c) x len). */
         memset(x, 0, (size_t)len * sizeof *x);
-        for (int64_t i = 0; i < k; i++) x[s[i]] = v[i];
-        mpidp__ef_dct_tile(x, r, c, basis_rows, basis_cols, cols_t, 1, work);
+        for (int64_t i = 0; i < k; i++) {
+            int64_t a = s[i] / c, b = s[i] % c;
+            for (int64_t row = 0; row < r; row++) {
+                float w = v[i] * basis_rows[row * r + a];
+                float *out = x + row * c;
+                const float *image = cols_t + b * c; /* column b of Fc */
+                for (int64_t col = 0; col < c; col++) out[col] += w * image[col];
+            }
+        }
         for (int64_t i = 0; i < len; i++) tile[i] -= x[i];
         mpidp__ef_tile_store(t, delta, tl, tile);
     }
