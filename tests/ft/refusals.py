@@ -35,4 +35,8 @@ m = model()
 refused("Decentralized", lambda: mpidp.with_bagua(
     m, [torch.optim.SGD(m.parameters(), lr=0.1)], mpidp.algorithms.DecentralizedAlgorithm()),
     "fault-tolerant mode")
+m = model()
+refused("SparseLoCo", lambda: mpidp.SparseLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), 4),
+        "fault-tolerant mode")
+refused("DeMo", lambda: mpidp.DeMo(model().parameters(), lr=0.01), "fault-tolerant mode")
 print("ALL REFUSED", flush=True)
