@@ -91,11 +91,13 @@ CASES = {
                            use_quantization=False, mean="all", weight_decay=0.1),
     "bins_16": dict(lr=1.0, error_decay=0.9, top_k=4, chunk_size=6, quantization_bins=16,
                     quantization_range=4.0),
+    "delayed": dict(top_k=8, chunk_size=8, sync_delay=2),
 }
 
 
 def sim_for(model, settings):
     s = dict(settings)
+    s.pop("sync_delay", None)
     bins = 0 if not s.pop("use_quantization", True) else s.pop("quantization_bins", 4)
     spread = s.pop("quantization_range", 6.0)
     return SparseLoCoSim([p.detach().double().numpy() for p in model.parameters()], SIZE,
@@ -104,17 +106,44 @@ def sim_for(model, settings):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_the_simulation(case):
+    """With sync_delay d, Δ is taken d steps before the turn and the replica's
+    last d steps are dropped at it."""
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sim = sim_for(model, CASES[case])
+    delay = CASES[case].get("sync_delay", 0)
     with mpidp.SparseLoCo(model, opt, 3, **CASES[case]) as sl:
+        assert len(sl._wire.send) == 1
         for sync in range(3):
             steps = range(3 * sync, 3 * sync + 3)
-            replicas = replicas_after(sim.shared, model, steps, 0.1)
+            replicas = replicas_after(sim.shared, model, steps[:3 - delay], 0.1)
             for s in steps:
                 inner_step(model, opt, s)
             sim.round(replicas)
             check_against(model, sl, sim, f"{case}, sync {sync}")
+
+
+def test_payloads_in_several_buckets_and_a_second_wrapper(monkeypatch):
+    """Buckets of at most 100 bytes (three here, one allgather each), and the habit of wrapping twice: the newer SparseLoCo takes
+    the model over (the older one detached, with a warning), so each round
+    still runs once."""
+    monkeypatch.setattr(mpidp._ef_wire, "BUCKET_BYTES", 100)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    settings = dict(top_k=8, chunk_size=8)
+    sim = sim_for(model, settings)
+    with mpidp.SparseLoCo(model, opt, 2, **settings):
+        with pytest.warns(UserWarning, match="already wrapped by another SparseLoCo"):
+            inner_sl = mpidp.SparseLoCo(model, opt, 2, **settings).__enter__()
+        assert len(inner_sl._wire.send) == 3
+        for sync in range(2):
+            steps = range(2 * sync, 2 * sync + 2)
+            replicas = replicas_after(sim.shared, model, steps, 0.1)
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas)
+            check_against(model, inner_sl, sim, f"sync {sync}")
+        inner_sl.__exit__(None, None, None)
 
 
 def test_with_bagua_switches_to_it_after_averaged_gradients():
@@ -216,19 +245,24 @@ def test_grad_scaler_gives_the_same_rounds():
             check_against(model, sl, sim, f"sync {sync}")
 
 
-def test_checkpoint_resumes_exactly():
+@pytest.mark.parametrize("delay", [0, 1])
+def test_checkpoint_resumes_exactly(delay):
+    """Saved after step 3 of syncs every 2: with sync_delay 1 the second sync
+    is in flight (sent after step 3, due after step 4)."""
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8) as sl:
+    settings = dict(top_k=8, chunk_size=8, sync_delay=delay)
+    with mpidp.SparseLoCo(model, opt, 2, **settings) as sl:
         for s in range(3):
             inner_step(model, opt, s)
         saved = copy.deepcopy((sl.state_dict(), opt.state_dict()))
+        assert (saved[0]["in_flight"] is not None) == (delay == 1)
         for s in range(3, 6):
             inner_step(model, opt, s)
         expected = [p.detach().clone() for p in model.parameters()]
     other = Net()
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    with mpidp.SparseLoCo(other, other_opt, 2, top_k=8, chunk_size=8) as resumed:
+    with mpidp.SparseLoCo(other, other_opt, 2, **settings) as resumed:
         resumed.load_state_dict(saved[0])
         other_opt.load_state_dict(saved[1])
         for s in range(3, 6):
@@ -294,6 +328,7 @@ def test_an_outer_lr_differing_by_rank_is_refused():
     (dict(mean="median"), ValueError, "mean"),
     (dict(use_quantization=1), TypeError, "use_quantization"),
     (dict(sync_every=0), ValueError, "sync_every"),
+    (dict(sync_delay=2), ValueError, "sync_delay"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     model = build()

@@ -219,6 +219,37 @@ fail:
     return NULL;
 }
 
+/* ef_dct_tiles(tiles, tile_rows, tile_cols, basis_rows, basis_cols, inverse): in place
+ * over tile-major tiles. */
+static PyObject *ef_dct_tiles(PyObject *m, PyObject *args)
+{
+    PyObject *t_obj, *fr_obj, *fc_obj;
+    long long r, c;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "OLLOOp:ef_dct_tiles", &t_obj, &r, &c, &fr_obj, &fc_obj, &inverse))
+        return NULL;
+    mpidp_py_state *st = mpidp_py_state_of_module(m);
+    borrowed_set b = {.n = 0};
+    mpidp_tensor_t *tiles = take(st, &b, t_obj, MPIDP_F32, 1, "tiles"), *fr = NULL, *fc = NULL;
+    if (tiles == NULL || (fr = take(st, &b, fr_obj, MPIDP_F32, 0, "basis_rows")) == NULL ||
+        (fc = take(st, &b, fc_obj, MPIDP_F32, 0, "basis_cols")) == NULL)
+        goto fail;
+    if (r < 1 || c < 1 || (long long)fr->numel != r * r || (long long)fc->numel != c * c ||
+        tiles->numel % (size_t)(r * c)) {
+        PyErr_SetString(PyExc_ValueError, "ef_dct_tiles: expected whole tiles of tile_rows x "
+                                          "tile_cols and the bases of those sides");
+        goto fail;
+    }
+    int rc;
+    mpidp_error_clear();
+    RUN(rc, mpidp_ef_dct_tiles(tiles->data, (int64_t)(tiles->numel / (size_t)(r * c)), r, c,
+                               fr->data, fc->data, inverse));
+    return finish(st, &b, rc, "ef_dct_tiles");
+fail:
+    release_set(&b);
+    return NULL;
+}
+
 static int take_bases(mpidp_py_state *st, borrowed_set *b, PyObject *fr, PyObject *fc,
                       const mpidp_ef_tiling_t *t, const float **r, const float **c)
 {
@@ -315,6 +346,9 @@ PyMethodDef mpidp_py_efcomp_functions[] = {
      "sparse mean of R ranks' payloads of one tensor, in rank order."},
     {"ef_dct_basis", ef_dct_basis, METH_VARARGS,
      "ef_dct_basis(out, side): the orthonormal DCT-II matrix of that side."},
+    {"ef_dct_tiles", ef_dct_tiles, METH_VARARGS,
+     "ef_dct_tiles(tiles, tile_rows, tile_cols, basis_rows, basis_cols, inverse): the tile\n"
+     "DCT-II (or, inverse, DCT-III) in place over tile-major tiles."},
     {"ef_demo_compress", ef_demo_compress, METH_VARARGS,
      "ef_demo_compress(delta, grad, tiling, beta, lr, k, basis_rows, basis_cols, bucket,\n"
      "offset): DeMo's compression of one tensor's momentum (grad None: a zero gradient)."},

@@ -43,14 +43,13 @@ class Wire:
     """The buckets of a list of tensors over one communicator (_C.Comm)."""
 
     def __init__(self, comm, shapes: Sequence[Sequence[int]], chunk: int,
-                 k_of: Callable[[int], int], bins: int, what: str,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 k_of: Callable[[int], int], bins: int, what: str):
         self.comm = comm
         self.what = what
         self.tensors = [TensorWire(s, chunk, k_of, bins) for s in shapes]
         sizes = [_HEADER.size]
         for t in self.tensors:
-            if sizes[-1] and sizes[-1] + t.bytes > bucket_bytes:
+            if sizes[-1] and sizes[-1] + t.bytes > BUCKET_BYTES:
                 sizes.append(0)
             t.bucket, t.offset = len(sizes) - 1, sizes[-1]
             sizes[-1] += t.bytes

@@ -12,7 +12,7 @@ through mpidp/_ef_wire.py."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -134,8 +134,9 @@ class DeMo(torch.optim.Optimizer):
                 if wd:
                     p.mul_(1.0 - lr * wd)
                 grad = p.grad
-                if grad is not None and (grad.dtype != torch.float32 or grad.is_sparse
-                                         or not grad.is_contiguous()):
+                if grad is not None and grad.is_sparse:
+                    grad = grad.to_dense()
+                if grad is not None and (grad.dtype != torch.float32 or not grad.is_contiguous()):
                     grad = grad.to(torch.float32).contiguous()
                 bucket, offset = wire.buckets_of(i)
                 _C.ef_demo_compress(state["delta"], grad, t.tiling, self.compression_decay, lr,

@@ -52,10 +52,14 @@ class SparseLoCo(Driver):
 
     comm: an mpi4py communicator (None: every rank). sync_buffers: the
     floating-point buffers (BatchNorm statistics) become their mean at each
-    sync. The model's trainable parameters must be contiguous float32 CPU
+    sync. sync_delay (0 .. sync_every - 1): inner steps between a sync's
+    send and its turn; the allgather runs under the inner steps in between,
+    whose local progress the replica drops at the turn (Streaming DiLoCo's
+    rule). The model's trainable parameters must be contiguous float32 CPU
     tensors. Replicas start from rank 0's parameters. state_dict() /
     load_state_dict() hold θ̃, this rank's replica and error-feedback
-    buffer and the step count, so a resumed job continues exactly (each
+    buffer, the step count and a sync in flight, so a resumed job continues
+    exactly (each
     rank saves its own; save the inner optimizer beside it).
 
     Every sync checks, from the gathered bytes and without another
@@ -66,7 +70,8 @@ class SparseLoCo(Driver):
                  sync_every: int, comm=None, *, lr: float = 1.0, error_decay: float = 0.95,
                  top_k: int = 128, chunk_size: int = 64, use_quantization: bool = True,
                  quantization_bins: int = 4, quantization_range: float = 6.0,
-                 weight_decay: float = 0.0, mean: str = "chosen", sync_buffers: bool = True):
+                 weight_decay: float = 0.0, mean: str = "chosen", sync_buffers: bool = True,
+                 sync_delay: int = 0):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -92,6 +97,11 @@ class SparseLoCo(Driver):
         self.weight_decay = check_real("weight_decay", weight_decay, 0.0, None)
         self.mean = check_choice("mean", mean, _MEANS)
         self.sync_buffers = check_bool("sync_buffers", sync_buffers)
+        if check_int("sync_delay", sync_delay, 0) >= self.sync_every:
+            raise ValueError(f"sync_delay: expected 0 .. {self.sync_every - 1} (the send must "
+                             f"come before its sync, every {self.sync_every} steps), got "
+                             f"{sync_delay!r}")
+        self.sync_delay = sync_delay
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -109,14 +119,16 @@ class SparseLoCo(Driver):
                          if sync_buffers else [])
         self.step = 0  # inner steps taken under this SparseLoCo
         bins = self.quantization_bins if self.use_quantization else 0
-        share = self.top_k / (self.chunk_size * self.chunk_size)
+        # k of a tile of `length` entries: the share top_k / chunk² of it
+        top_k, square = self.top_k, self.chunk_size ** 2
         self._wire = Wire(self._comm, [p.shape for p in self.params], self.chunk_size,
-                          lambda length: round(length * share), bins, "SparseLoCo")
+                          lambda length: round(length * top_k / square), bins, "SparseLoCo")
         with torch.no_grad():
             self.shared = [p.detach().clone() for p in self.params]       # θ̃
         self.error = [torch.zeros_like(p) for p in self.params]          # e
         # Δ of one tensor at a time, then its G
         self._scratch = torch.empty(max((p.numel() for p in self.params), default=0))
+        self._received: Optional[List[torch.Tensor]] = None   # G of a sync in flight, drained
         self._handles: List = []
 
     def _settings_dict(self) -> Dict[str, Any]:
@@ -126,15 +138,16 @@ class SparseLoCo(Driver):
                 "quantization_bins": self.quantization_bins,
                 "quantization_range": self.quantization_range,
                 "weight_decay": self.weight_decay, "mean": self.mean,
-                "sync_buffers": self.sync_buffers}
+                "sync_buffers": self.sync_buffers, "sync_delay": self.sync_delay}
 
     def _settings(self) -> List[float]:
         """The settings every sync compares (those a user may change in flight)."""
-        return [float(self.sync_every), self.lr, self.error_decay, float(self.top_k),
-                float(self.quantization_bins), self.quantization_range, self.weight_decay]
+        return [float(self.sync_every), float(self.sync_delay), self.lr, self.error_decay,
+                float(self.top_k), float(self.quantization_bins), self.quantization_range,
+                self.weight_decay]
 
-    _SETTING_NAMES = ("sync_every", "lr", "error_decay", "top_k", "quantization_bins",
-                      "quantization_range", "weight_decay")
+    _SETTING_NAMES = ("sync_every", "sync_delay", "lr", "error_decay", "top_k",
+                      "quantization_bins", "quantization_range", "weight_decay")
 
     @property
     def bytes_sent(self) -> int:
@@ -159,7 +172,10 @@ class SparseLoCo(Driver):
     what = "SparseLoCo"
 
     def drain(self) -> None:
-        """Nothing to finish: a sync completes before the step that started it returns."""
+        """Completes a sync in flight (sync_delay > 0): its mean G is kept
+        for its turn."""
+        if self._wire.in_flight:
+            self._received = self._decode()
 
     def _remove_hooks(self) -> None:
         self.__exit__(None, None, None)
@@ -175,14 +191,24 @@ class SparseLoCo(Driver):
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self._trainable_at_setup.check()
         self.step += 1
-        if self.step % self.sync_every == 0:
-            self.sync()
+        phase = self.step % self.sync_every
+        if phase == (self.sync_every - self.sync_delay) % self.sync_every:
+            self._send()
+        if phase == 0:
+            self._apply()
 
-    @torch.no_grad()
     def sync(self) -> None:
         """One outer round now (collective; the inner steps call it every
-        sync_every steps)."""
-        wire, bins = self._wire, self.quantization_bins if self.use_quantization else 0
+        sync_every steps, in two halves when sync_delay > 0)."""
+        self._send()
+        self._apply()
+
+    @torch.no_grad()
+    def _send(self) -> None:
+        """Steps 1-5 of the round: each tensor's Δ folded into e, compressed
+        into its bucket, each bucket's allgather posted once it is full."""
+        wire, bins = self._wire, self._bins()
+        self._received = None
         wire.write_header(self.step, self._settings(), self.shared)
         last_bucket = 0
         for i, (p, theta, e) in enumerate(zip(self.params, self.shared, self.error)):
@@ -196,15 +222,34 @@ class SparseLoCo(Driver):
             _C.ef_compress(e, d, t.tiling, self.error_decay, self.lr, t.k, bins,
                            self.quantization_range, bucket, offset)
         wire.post(last_bucket)
-        buffer_means = mean_over_ranks(self._buffers, self._comm) if self._buffers else None
+
+    def _bins(self) -> int:
+        return self.quantization_bins if self.use_quantization else 0
+
+    @torch.no_grad()
+    def _decode(self) -> List[torch.Tensor]:
+        """Waits for the gathers and returns each tensor's sparse mean G."""
+        wire = self._wire
         wire.wait(self._SETTING_NAMES)
-        divide_by_all = self.mean == "all"
-        for i, (p, theta) in enumerate(zip(self.params, self.shared)):
+        out = []
+        for i, p in enumerate(self.params):
             t = wire.tensors[i]
-            g = self._scratch[:p.numel()].view_as(p)
+            g = torch.empty_like(p)
             gathered, offset, stride = wire.gathered_of(i)
-            _C.ef_sparse_mean(g, gathered, offset, stride, self._comm.size, t.tiling, t.k, bins,
-                              divide_by_all)
+            _C.ef_sparse_mean(g, gathered, offset, stride, self._comm.size, t.tiling, t.k,
+                              self._bins(), self.mean == "all")
+            out.append(g)
+        return out
+
+    @torch.no_grad()
+    def _apply(self) -> None:
+        """Steps 6-7: θ̃ ← θ̃(1 - α·wd) - αG, and the replica restarts from θ̃
+        (the local steps since the send, with sync_delay, are dropped, as in
+        Streaming DiLoCo)."""
+        buffer_means = mean_over_ranks(self._buffers, self._comm) if self._buffers else None
+        means = self._received if self._received is not None else self._decode()
+        self._received = None
+        for p, theta, g in zip(self.params, self.shared, means):
             if self.weight_decay:
                 theta.mul_(1.0 - self.lr * self.weight_decay)
             theta.sub_(g, alpha=self.lr)
@@ -215,19 +260,25 @@ class SparseLoCo(Driver):
     # -- checkpoints ---------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """θ̃, this rank's replica and error-feedback buffer, and the step."""
+        """θ̃, this rank's replica and error-feedback buffer, the step, and
+        the mean G of a sync in flight (completed here)."""
+        self.drain()
         return {"step": self.step, "shared": [t.clone() for t in self.shared],
                 "local": [p.detach().clone() for p in self.params],
-                "error": [e.clone() for e in self.error]}
+                "error": [e.clone() for e in self.error],
+                "in_flight": (None if self._received is None
+                              else [g.clone() for g in self._received])}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what state_dict saved (construction made the replicas
         rank 0's)."""
-        if not isinstance(state, dict) or set(state) != {"step", "shared", "local", "error"}:
-            raise ValueError("state: expected a SparseLoCo state_dict (keys step, shared, local, "
-                             "error)")
-        for key in ("shared", "local", "error"):
+        keys = {"step", "shared", "local", "error", "in_flight"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"state: expected a SparseLoCo state_dict (keys {sorted(keys)})")
+        for key in ("shared", "local", "error", "in_flight"):
             values = state[key]
+            if key == "in_flight" and values is None:
+                continue
             if len(values) != len(self.params) or any(
                     tuple(v.shape) != tuple(p.shape) for v, p in zip(values, self.params)):
                 raise ValueError(f"state: its {key!r} tensors do not match this model's trainable "
@@ -239,3 +290,7 @@ class SparseLoCo(Driver):
                 p.copy_(x)
                 e.copy_(err)
         self.step = check_int("state['step']", state["step"], 0)
+        if self._wire.in_flight:      # this instance's own sync in flight is replaced
+            self._decode()
+        self._received = (None if state["in_flight"] is None
+                          else [g.clone() for g in state["in_flight"]])

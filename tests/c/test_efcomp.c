@@ -230,6 +230,47 @@ TEST(dct_basis_is_orthonormal_and_transforms_round_trip)
     for (int i = 0; i < 24; i++) ASSERT_NEAR(tiles[i], orig[i], 1e-6);
 }
 
+/* out = A B with every element summed from 0 in order of the inner index,
+ * one rounding per multiply and per add: the order the kernels promise on
+ * every build (their AVX2 clone included). */
+static void ordered_product(const float *a, int sp, int si, int m, int r, const float *b, int n,
+                            float *out)
+{
+    for (int p = 0; p < m; p++)
+        for (int j = 0; j < n; j++) {
+            float acc = 0.0f;
+            for (int i = 0; i < r; i++) {
+                float prod = a[p * sp + i * si] * b[i * n + j];
+                acc = acc + prod;
+            }
+            out[p * n + j] = acc;
+        }
+}
+
+TEST(dct_gives_the_bits_of_the_ordered_scalar_products)
+{
+    static const int sides[][2] = {{64, 64}, {5, 48}, {1, 64}, {64, 7}};
+    for (int c = 0; c < 4; c++) {
+        int r = sides[c][0], n = sides[c][1], len = r * n;
+        float *fr = malloc(sizeof(float) * (size_t)(r * r)), *fc = malloc(sizeof(float) * (size_t)(n * n));
+        float *tile = malloc(sizeof(float) * (size_t)len), *work = malloc(sizeof(float) * (size_t)len);
+        float *ref = malloc(sizeof(float) * (size_t)len), *fct = malloc(sizeof(float) * (size_t)(n * n));
+        mpidp_ef_dct_basis(r, fr), mpidp_ef_dct_basis(n, fc);
+        for (int i = 0; i < len; i++) tile[i] = ref[i] = (float)uniform();
+        ASSERT_EQ_INT(mpidp_ef_dct_tiles(tile, 1, r, n, fr, fc, 0), MPIDP_OK);
+        ordered_product(ref, n, 1, r, n, fc, n, work);        /* T Fc */
+        ordered_product(fr, 1, r, r, r, work, n, ref);        /* Fr^T (T Fc) */
+        ASSERT_TRUE(memcmp(tile, ref, sizeof(float) * (size_t)len) == 0);
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < n; j++) fct[j * n + i] = fc[i * n + j];
+        ASSERT_EQ_INT(mpidp_ef_dct_tiles(tile, 1, r, n, fr, fc, 1), MPIDP_OK);
+        ordered_product(ref, n, 1, r, n, fct, n, work);       /* X Fc^T */
+        ordered_product(fr, r, 1, r, r, work, n, ref);        /* Fr (X Fc^T) */
+        ASSERT_TRUE(memcmp(tile, ref, sizeof(float) * (size_t)len) == 0);
+        free(fr), free(fc), free(tile), free(work), free(ref), free(fct);
+    }
+}
+
 /* A 2-D tensor of 8 x 12 cut into tiles of 4 x 6 (L 24). */
 static mpidp_ef_tiling_t small_tiling(void)
 {
@@ -352,6 +393,7 @@ TEST_MAIN(tile_side_is_the_largest_divisor_up_to_chunk, tiling_views_tensors_as_
           index_maps_every_slot_of_every_tile_once, topk_keeps_the_largest_magnitudes_lower_slot_on_ties,
           quantizer_follows_the_rule, quantizer_rounds_half_to_even_and_survives_constant_input,
           code_packing_round_trips_every_code, payload_bytes_follow_the_layout,
-          dct_basis_is_orthonormal_and_transforms_round_trip, compress_keeps_every_error_in_the_buffer,
+          dct_basis_is_orthonormal_and_transforms_round_trip,
+          dct_gives_the_bits_of_the_ordered_scalar_products, compress_keeps_every_error_in_the_buffer,
           sparse_mean_divides_by_the_ranks_that_chose, sparse_mean_refuses_broken_payloads,
           demo_with_every_coefficient_sends_the_whole_momentum, demo_keeps_what_it_does_not_send)

@@ -271,6 +271,12 @@ EFPAYLOAD_SEEDS = {
     "slot_repeated": ef_head(ranks=1) + plain_payload([[7, 7]] + GOOD[1:]),
     "code_outside_three_bins": ef_head(bins_sel=1, ranks=1) + quant_payload(GOOD, [3] * 8, bins=3),
     "demo": ef_head(k=3, flags=4, ranks=2) + plain_payload([[0, 1, 7]] * 4) * 2,
+    # Found by the fuzzer (README.md): NaNs of two payloads summed in DeMo's decode.
+    "regress_nan_payloads": bytes.fromhex(
+        "070b050200010400000100070000000100070000000100070000000100070000"
+        "00c03f00002040feffffffffffffff0000b0400000d0400000f0400000084100"
+        "0018410000284100003841000048410000010007000000010007000000010007"
+        "00000001000700d0400000f0400000ffffffffffffffff0041"),
 }
 
 
