@@ -115,9 +115,6 @@ class Wire:
                 "only? Load the same checkpoint on every rank (each rank its own error-feedback "
                 "state)")
 
-    def stride(self, i: int) -> int:
-        return self.send[self.tensors[i].bucket].numel()
-
     def gathered_of(self, i: int) -> Tuple[torch.Tensor, int, int]:
         """(gathered bucket, offset of rank 0's payload, stride between ranks)."""
         t = self.tensors[i]
