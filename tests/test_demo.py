@@ -196,6 +196,22 @@ def test_a_step_skipped_on_some_ranks_is_refused():
         opt.step()
 
 
+def test_a_second_demo_over_the_same_parameters_replaces_the_first():
+    model = build()
+    first = mpidp.DeMo(model.parameters(), lr=0.01, compression_topk=3, compression_chunk=8)
+    with pytest.warns(UserWarning, match="already stepped by another DeMo"):
+        second = mpidp.DeMo(model.parameters(), lr=0.01, compression_topk=3,
+                            compression_chunk=8)
+    backward(model, 0)
+    with pytest.raises(RuntimeError, match="a newer DeMo over the same parameters replaced"):
+        first.step()
+    params = [p.detach().double().numpy() for p in model.parameters()]
+    sim = DeMoSim(params, SIZE, topk=3, chunk=8, decay=0.999)
+    second.step()
+    params = sim.step(params, sim_grads(model, 0), 0.01)
+    check_against(model, second, sim, params, "the second DeMo's step")
+
+
 def test_data_parallel_beside_it_is_refused():
     model = build()
     net = mpidp.DataParallel(model, blocking_parameter_updates=True)

@@ -12,7 +12,9 @@ through mpidp/_ef_wire.py."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+import warnings
+import weakref
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -23,6 +25,11 @@ from ._driver import algorithms_over, set_up
 from ._ef_wire import Wire
 
 __all__ = ["DeMo"]
+
+# The DeMo that steps each parameter (the newest built over it), by id(parameter):
+# (the parameter, the DeMo), both weakly held (tensors compare elementwise, so
+# they cannot be the keys of a WeakKeyDictionary).
+_HOLDER: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
 
 
 class DeMo(torch.optim.Optimizer):
@@ -46,7 +53,9 @@ class DeMo(torch.optim.Optimizer):
 
     Parameters must be contiguous float32 CPU tensors; every rank builds
     DeMo over the same parameters in the same order, and they start from
-    rank 0's values (broadcast here)."""
+    rank 0's values (broadcast here). A second DeMo over the same
+    parameters takes them over, with a warning; the first one's step()
+    then raises."""
 
     def __init__(self, params, lr: float, compression_decay: float = 0.999,
                  compression_topk: int = 32, compression_chunk: int = 64,
@@ -87,6 +96,8 @@ class DeMo(torch.optim.Optimizer):
                     self._bases[side] = torch.empty(side * side)
                     _C.ef_dct_basis(self._bases[side], side)
         self._scratch = torch.empty(max((p.numel() for p in self._params), default=0))
+        self._replaced = False
+        self._hold(self._params)
         self.demo_step = 0
         self.data_transmit = 0
         self.data_receive = 0
@@ -100,7 +111,29 @@ class DeMo(torch.optim.Optimizer):
             f"param group {j}: {k}" for j in range(len(self.param_groups))
             for k in ("lr", "weight_decay")]
 
+    def _hold(self, params) -> None:
+        """One DeMo per parameter, as one algorithm per module: two would both
+        step it. The newer takes the parameters over, with a warning, and the
+        older raises at its next step."""
+        for key in [k for k, (param, _) in _HOLDER.items() if param() is None]:
+            del _HOLDER[key]             # parameters gone
+        older = {}
+        for p in params:
+            param, holder = (r() for r in _HOLDER.get(id(p), (lambda: None, lambda: None)))
+            if param is p and holder is not None and holder is not self and not holder._replaced:
+                older[id(holder)] = holder
+        for h in older.values():
+            h._replaced = True
+            warnings.warn("DeMo: these parameters were already stepped by another DeMo; that one "
+                          "is replaced (its step() raises), so that each parameter has one "
+                          "optimizer", UserWarning, stacklevel=3)
+        for p in params:
+            _HOLDER[id(p)] = (weakref.ref(p), weakref.ref(self))
+
     def _refuse_other_averaging(self) -> None:
+        if self._replaced:
+            raise RuntimeError("DeMo: a newer DeMo over the same parameters replaced this one; "
+                               "step that one")
         others = algorithms_over(self._params)
         if others:
             raise RuntimeError(
