@@ -189,6 +189,14 @@ def ranks_range(c_comm, *values: float) -> list:
     return [(-both[2 * i + 1].item(), both[2 * i].item()) for i in range(len(values))]
 
 
+def ranks_at_steps(steps) -> str:
+    """"rank(s) [..] at step s; ..." for each rank's step, in rank order."""
+    at: dict[int, list[int]] = {}
+    for r, s in enumerate(steps):
+        at.setdefault(s, []).append(r)
+    return "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
+
+
 def check_same_step(c_comm, step: int, who: str, settings=()) -> None:
     """Every rank of `c_comm` is at `step` of `who`'s schedule and holds the
     same (name, number) optimizer `settings`, or every rank raises the same
@@ -206,12 +214,9 @@ def check_same_step(c_comm, step: int, who: str, settings=()) -> None:
     steps = torch.zeros(c_comm.size, dtype=torch.float64)
     steps[c_comm.rank] = float(step)
     c_comm.allreduce(steps, _C.OP_SUM, _C.NO_WIRE, False)
-    at: dict[int, list[int]] = {}
-    for r, s in enumerate(steps.tolist()):
-        at.setdefault(int(s), []).append(r)
-    listed = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
     raise RuntimeError(
-        f"{who}: the ranks reached this sync at different steps ({listed}), so their syncs "
+        f"{who}: the ranks reached this sync at different steps "
+        f"({ranks_at_steps(int(s) for s in steps.tolist())}), so their syncs "
         "would pair different steps and mix models of different times. Were checkpoints "
         "loaded on some ranks only, or steps taken on some ranks only (a GradScaler skips the "
         "step of a rank whose gradients overflowed)? Load the same step's checkpoint on every "

@@ -16,7 +16,7 @@ from typing import Callable, List, Sequence, Tuple
 import torch
 
 from . import _C
-from ._consistency import refuse_different_settings, settings_hash
+from ._consistency import ranks_at_steps, refuse_different_settings, settings_hash
 
 # Bytes of one bucket's payloads per rank before a new bucket starts (each
 # bucket's allgather is posted as soon as its payloads are written).
@@ -94,12 +94,9 @@ class Wire:
                  for r in range(self.comm.size)]
         steps = [h[0] for h in heads]
         if len(set(steps)) > 1:
-            at: dict = {}
-            for r, s in enumerate(steps):
-                at.setdefault(s, []).append(r)
-            listed = "; ".join(f"rank(s) {ranks} at step {s}" for s, ranks in sorted(at.items()))
             raise RuntimeError(
-                f"{self.what}: the ranks reached this exchange at different steps ({listed}), so "
+                f"{self.what}: the ranks reached this exchange at different steps "
+                f"({ranks_at_steps(steps)}), so "
                 "it would mix updates of different times. A step some ranks skipped (a "
                 "GradScaler that found inf on some ranks only skips their optimizer's step) or a "
                 "checkpoint loaded on some ranks only does this; load every rank's state, and "
