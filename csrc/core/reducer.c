@@ -43,7 +43,9 @@ static int pass_alloc(mpidp_reducer_t *r)
     r->version = calloc(nb, sizeof *r->version);
     r->delivered = calloc(nb, 1);
     r->applied = calloc(nb, 1);
-    return r->was_none && r->local_has && r->after && r->version && r->delivered && r->applied
+    r->dev_deliver = calloc(np, 1);
+    return r->was_none && r->local_has && r->after && r->version && r->delivered && r->applied &&
+                   r->dev_deliver
                ? MPIDP_OK
                : MPIDP_ENOMEM;
 }
@@ -56,6 +58,7 @@ static void pass_free(mpidp_reducer_t *r)
     free(r->version);
     free(r->delivered);
     free(r->applied);
+    free(r->dev_deliver);
 }
 
 static void pass_clear(mpidp_reducer_t *r)
@@ -65,6 +68,7 @@ static void pass_clear(mpidp_reducer_t *r)
     memset(r->after, 0, r->n_params);
     memset(r->delivered, 0, r->n_buckets);
     memset(r->applied, 0, r->n_buckets);
+    memset(r->dev_deliver, 0, r->n_params);
     r->finalized = 0;
 }
 
@@ -111,7 +115,7 @@ static int init_bucket(mpidp_reducer_t *r, const mpidp_reducer_config_t *cfg, si
                            mpidp_dtype_name(dt), mpidp_dtype_name(cfg->wire_dtype));
     if (count > (size_t)INT_MAX)
         return mpidp__fail(MPIDP_EINVAL, "reducer: bucket %zu exceeds INT_MAX elements", b);
-    if (bk_compressed(r, bk) || r->separate) {
+    if (!r->device && (bk_compressed(r, bk) || r->separate)) {
         bk->comm = malloc((count + 1) * mpidp_dtype_size(comm_dtype(r, bk)));
         if (bk->comm == NULL) return mpidp__fail(MPIDP_ENOMEM, "reducer: wire buffer of bucket %zu", b);
     }
@@ -193,7 +197,13 @@ int mpidp_reducer_create(const mpidp_reducer_config_t *cfg, mpidp_reducer_t **ou
     r->wire = cfg->wire_dtype;
     r->drain_timeout_s = cfg->drain_timeout_s;
     r->separate = cfg->separate != 0;
-    r->staged = cfg->staged != 0;
+    r->device = cfg->device != 0;
+    r->staged = cfg->staged != 0 || r->device;
+    if (r->device && (r->wire != -1 || cfg->hierarchical)) {
+        free_reducer(r);
+        return mpidp__fail(MPIDP_EINVAL, "reducer: device-resident buckets travel in their own "
+                           "dtype, not hierarchically");
+    }
     r->last_hook_progress = -HUGE_VAL; /* the first hook progresses */
     snprintf(r->name, sizeof r->name, "%s", cfg->name ? cfg->name : "reducer");
     rc = init_layout(r, cfg);
@@ -255,8 +265,9 @@ static void set_flag(bucket_t *bk, size_t flag, int value)
  * mode (results stay there), else from the bucket (unpacked into it). */
 static int flag_is_set(const mpidp_reducer_t *r, const bucket_t *bk, size_t flag)
 {
-    int dtype = r->separate ? comm_dtype(r, bk) : bk->info.dtype;
-    const void *p = r->separate
+    int in_comm = r->separate && !r->device; /* device mode reduces the flags in place */
+    int dtype = in_comm ? comm_dtype(r, bk) : bk->info.dtype;
+    const void *p = in_comm
         ? (const char *)bk->comm + (bk->info.numel + flag) * mpidp_dtype_size(dtype)
         : element(bk, bk->info.numel + flag);
     switch (dtype) {
@@ -336,9 +347,26 @@ static int post_quantized(mpidp_reducer_t *r, size_t b, float *buf)
     return rc;
 }
 
+/* Device mode: the caller has started the data's reduction where it lives
+ * (scaled there); the flags, which the host decides from, are summed here. */
+static int post_flags(mpidp_reducer_t *r, size_t b)
+{
+    bucket_t *bk = &r->buckets[b];
+    if (r->size == 1) return reducer_complete_bucket(r, bk);
+    char what[MPIDP_REQ_WHAT_LEN + 64];
+    snprintf(what, sizeof what, "%s: MPI_Iallreduce of bucket %zu/%zu's flags (its data on the "
+             "device)", r->name, b + 1, r->n_buckets);
+    int rc = mpidp__post_iallreduce(r->comm, r->reqs, element(bk, bk->info.numel), bk->info.n_params,
+                                    MPIDP_OP_SUM, bk->info.dtype, what, &bk->req);
+    if (rc != MPIDP_OK) return rc;
+    bk->state = MPIDP_BUCKET_POSTED;
+    return MPIDP_OK;
+}
+
 static int post_bucket(mpidp_reducer_t *r, size_t b)
 {
     bucket_t *bk = &r->buckets[b];
+    if (r->device) return post_flags(r, b);
     /* One rank sums nothing, but a quantized bucket still rounds as in a larger job. */
     if (r->size == 1 && bk->comm == NULL && !bk_quantized(r, bk)) return reducer_complete_bucket(r, bk);
     size_t count = bk->info.numel + bk->info.n_params;
@@ -520,6 +548,11 @@ int mpidp_reducer_deliver(mpidp_reducer_t *r, size_t param, int mode)
     bucket_t *bk = &r->buckets[r->param_bucket[param]];
     if (!r->separate || bk->state != MPIDP_BUCKET_DONE)
         return mpidp__fail(MPIDP_ESTATE, "%s: nothing to deliver for parameter %zu", r->name, param);
+    if (r->device) {
+        /* The mean is on the device: the caller copies or adds it there. */
+        r->dev_deliver[param] = (uint8_t)(mode + 1); /* 0 says none */
+        return MPIDP_OK;
+    }
     if (r->size == 1 && bk->comm == NULL) return MPIDP_OK;
     const mpidp_pack_kernels_t *k = mpidp_pack_kernels();
     size_t off = r->param_offset[param], n = r->param_numel[param];
@@ -558,6 +591,23 @@ int mpidp_reducer_deliver(mpidp_reducer_t *r, size_t param, int mode)
     }
     return MPIDP_OK;
 }
+
+int mpidp_reducer_device_deliveries(mpidp_reducer_t *r, size_t b, uint8_t *modes)
+{
+    if (r == NULL || b >= r->n_buckets || modes == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "reducer: no bucket %zu", b);
+    if (!r->device)
+        return mpidp__fail(MPIDP_ESTATE, "%s: deliveries are made by the core in host mode", r->name);
+    const size_t *members;
+    size_t n = mpidp_reducer_bucket_params(r, b, &members);
+    for (size_t k = 0; k < n; k++) {
+        modes[k] = r->dev_deliver[members[k]];
+        r->dev_deliver[members[k]] = 0;
+    }
+    return MPIDP_OK;
+}
+
+int mpidp_reducer_divisor(const mpidp_reducer_t *r) { return r ? r->divisor : 0; }
 
 int mpidp_reducer_set_divisor(mpidp_reducer_t *r, int n)
 {

@@ -50,6 +50,8 @@ struct mpidp_reducer {
     int wire;              /* MPIDP_BF16/MPIDP_F16: float32 buckets travel compressed; -1 */
     int separate;          /* results stay in bk->comm until delivered */
     int staged;            /* buckets are posted only once the caller staged them */
+    int device;            /* the caller reduces the gradients where they live; the core the flags */
+    uint8_t *dev_deliver;  /* device mode: per parameter, the delivery the caller must make */
     char name[48];
 
     /* Hierarchical mode (reducer_hier.c). */

@@ -185,10 +185,11 @@ static int module_exec(PyObject *m)
     Py_XDECREF(api);
     if (added < 0) return -1;
     /* The types; the module state keeps those the glue creates objects of. */
-    PyTypeObject **kept[] = {&st->comm_type, &st->work_type, &st->reducer_type, NULL, NULL, NULL};
+    PyTypeObject **kept[] = {&st->comm_type, &st->work_type, &st->reducer_type, NULL, NULL, NULL,
+                             NULL};
     PyType_Spec *specs[] = {&mpidp_py_comm_spec, &mpidp_py_work_spec, &mpidp_py_reducer_spec,
                             &mpidp_py_paramsync_spec, &mpidp_py_schedule_spec,
-                            &mpidp_py_bgavg_spec};
+                            &mpidp_py_bgavg_spec, &mpidp_py_devcomm_spec};
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
         PyTypeObject *t = (PyTypeObject *)PyType_FromModuleAndSpec(m, specs[i], NULL);
         int rc = t ? PyModule_AddType(m, t) : -1;

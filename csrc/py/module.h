@@ -179,7 +179,7 @@ PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* The types, one per file; module.c creates them. */
 extern PyType_Spec mpidp_py_comm_spec, mpidp_py_work_spec, mpidp_py_reducer_spec,
-    mpidp_py_paramsync_spec, mpidp_py_schedule_spec, mpidp_py_bgavg_spec;
+    mpidp_py_paramsync_spec, mpidp_py_schedule_spec, mpidp_py_bgavg_spec, mpidp_py_devcomm_spec;
 extern PyStructSequence_Desc mpidp_py_schedule_actions_desc, mpidp_py_avgsched_actions_desc;
 /* Module-init hooks: mpi4py's C API (comm.c), the gradient path's interned
  * names (reducer_pass.c). 0, or -1 with an exception. */

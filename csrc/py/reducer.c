@@ -56,6 +56,22 @@ static PyObject *reducer_wait_bucket(reducer_t *r, PyObject *arg)
     return none_or_null(mpidp_py_check(r->st, rc, "DataParallel gradient allreduce"));
 }
 
+/* device_deliveries(b) -> bytes: device mode, the deliveries the pass's
+ * calls recorded for bucket b's members (mpidp_reducer_device_deliveries). */
+static PyObject *reducer_device_deliveries(reducer_t *r, PyObject *arg)
+{
+    Py_ssize_t b = mpidp_py_index_arg(arg, r->n_buckets, "bucket");
+    if (b < 0) return NULL;
+    const size_t *members;
+    size_t n = mpidp_reducer_bucket_params(r->core, (size_t)b, &members);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    if (out == NULL) return NULL;
+    if (CORE(r, "DataParallel", mpidp_reducer_device_deliveries(r->core, (size_t)b,
+                                                                 (uint8_t *)PyBytes_AS_STRING(out))) < 0)
+        Py_CLEAR(out);
+    return out;
+}
+
 /* next_to_stage(start) -> the first full bucket >= start that waits for its
  * copy to the host, or None. */
 static PyObject *reducer_next_to_stage(reducer_t *r, PyObject *arg)
@@ -127,6 +143,7 @@ static int reducer_set_paused(reducer_t *r, PyObject *value, void *c)
 static PyObject *reducer_get_finalized(reducer_t *r, void *c) { (void)c; return PyBool_FromLong(mpidp_reducer_finalized(r->core)); }
 static PyObject *reducer_get_n_ready(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(mpidp_reducer_n_ready(r->core)); }
 static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return PyLong_FromSize_t(r->n_buckets); }
+static PyObject *reducer_get_divisor(reducer_t *r, void *c) { (void)c; return PyLong_FromLong(mpidp_reducer_divisor(r->core)); }
 
 /* Reducer(*, comm, params, views, buckets, param_numel, param_dtype, first_cap, cap,
  *         blocking, name, wire_dtype=-1, staged=False, hier_comms=None,
@@ -136,23 +153,25 @@ static PyObject *reducer_get_n_buckets(reducer_t *r, void *c) { (void)c; return 
  * the caps (as plan_buckets gave Python to allocate `buckets`) and checks
  * each bucket tensor against it. staged: the .grad views live in device
  * buckets that Python copies to and from `buckets` (the core then waits for
- * `staged(b)` before posting). on_backward_opened(reducer, i): called by the
+ * `staged(b)` before posting). device: the caller reduces the .grad buckets
+ * where they live and the core sums the flags only (mpidp/reducer.h).
+ * on_backward_opened(reducer, i): called by the
  * gradient hook that opens a backward (the owner's: it completes a pass still
  * open and asks autograd to say when the backward ends). */
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_numel", "param_dtype",
                              "first_cap", "cap", "blocking", "name", "wire_dtype", "staged",
-                             "hier_comms", "on_backward_opened", NULL};
+                             "hier_comms", "on_backward_opened", "device", NULL};
     PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pn = NULL, *pd = NULL;
     PyObject *hier = Py_None, *on_backward = Py_None;
     unsigned long long first_cap = 0, cap = 0;
-    int blocking = -1, wire = -1, staged = 0;
+    int blocking = -1, wire = -1, staged = 0, device = 0;
     const char *name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsipOO:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsipOOp:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &pn, &pd, &first_cap, &cap, &blocking, &name,
-                                     &wire, &staged, &hier, &on_backward))
+                                     &wire, &staged, &hier, &on_backward, &device))
         return NULL;
     if (on_backward != Py_None && !PyCallable_Check(on_backward))
         return PyErr_Format(PyExc_TypeError, "on_backward_opened: expected a callable or None");
@@ -211,7 +230,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         .comm = c->comm, .reqs = st->reqs, .n_params = (size_t)np, .param_numel = sz.numel,
         .param_dtype = sz.dtype, .first_cap = (size_t)first_cap, .cap = (size_t)cap,
         .n_buckets = (size_t)nb, .bucket_tensors = tensors, .wire_dtype = wire,
-        .separate = !blocking, .name = name, .staged = staged,
+        .separate = !blocking, .name = name, .staged = staged, .device = device,
         .drain_timeout_s = mpidp_py_timeout_s, .hierarchical = h[0] != NULL,
         .hier_node_scatter = h[0] ? h[0]->comm : MPI_COMM_NULL,
         .hier_cross = h[1] ? h[1]->comm : MPI_COMM_NULL,
@@ -295,6 +314,8 @@ static PyMethodDef reducer_methods[] = {
     METHOD(staged, METH_O, "staged(b): bucket b's gradients are in its host bucket."),
     METHOD(needs_unstaging, METH_O, "needs_unstaging(b) -> bucket b's mean must be copied back."),
     METHOD(unstaged, METH_O, "unstaged(b): bucket b's mean was copied back."),
+    METHOD(device_deliveries, METH_O, "device_deliveries(b) -> bytes: device mode, per member "
+           "of bucket b: 0 none, 1 copy, 2 add the mean from the communication buffer."),
     METHOD(stepped, METH_O, "stepped(b) -> the step was applied to bucket b in the open pass."),
     METHOD(delivered, METH_O, "delivered(b) -> bucket b's mean is in .grad for the step."),
     METHOD(version_moved, METH_FASTCALL, "version_moved(b, version) -> changed since finalize."),
@@ -309,6 +330,7 @@ static PyGetSetDef reducer_getset[] = {
     {"finalized", (getter)reducer_get_finalized, NULL, "The open pass has every bucket posted.", NULL},
     {"n_ready", (getter)reducer_get_n_ready, NULL, "Parameters marked in the open pass.", NULL},
     {"n_buckets", (getter)reducer_get_n_buckets, NULL, "Number of buckets.", NULL},
+    {"divisor", (getter)reducer_get_divisor, NULL, "Ranks the open pass averages over.", NULL},
     {"paused", (getter)reducer_get_paused, (setter)reducer_set_paused,
      "no_sync: hooks hold gradients for the next pass instead of reducing them.", NULL},
     {"held", (getter)reducer_get_held, NULL,

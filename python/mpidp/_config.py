@@ -114,6 +114,12 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_DP_STAGING", False, _flag, "0 or 1",
             "1: DataParallel reduces CPU gradients through the staging buckets GPU gradients "
             "take (tests the GPU path's logic on CPUs)"),
+    Setting("MPIDP_DP_DEVICE_COMM", "auto", _choice("auto", "nccl", "staging", "standin"),
+            "'auto', 'nccl', 'staging' or 'standin'",
+            "how DataParallel reduces GPU gradients: auto (NCCL on the device where every rank "
+            "has a GPU of its own, else staging), nccl (that, or an error saying why not), "
+            "staging (through pinned host buffers and MPI), standin (the device path's logic on "
+            "CPU tensors over MPI, for tests)"),
     Setting("MPIDP_DASO_STAGING", False, _flag, "0 or 1",
             "1: DASO syncs CPU parameters through the host mirror GPU parameters use (tests "
             "the GPU path's logic on CPUs)"),

@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _C
+from ._device_reduction import DeviceReduction
 from ._grad_hook_loader import cpp_hook_module
 from ._params import grad_view
 
@@ -43,18 +44,21 @@ class GradientReducer(_C.Reducer):
     @classmethod
     def build(cls, comm: _C.Comm, params: Tuple[torch.Tensor, ...], dtypes: Sequence[int],
               first_cap: int, cap: int, blocking: bool, wire: int, staged: bool,
-              name: str = "DataParallel", hier_comms=None) -> "GradientReducer":
+              name: str = "DataParallel", hier_comms=None, devcomm=None) -> "GradientReducer":
         """Plans the buckets (core), allocates them, and makes every parameter's
         gradient a view into its bucket. `staged`: the views live in device
         buckets (GPU gradients; forced on CPU by MPIDP_DP_STAGING), copied to
         pinned host buckets for MPI and back. `hier_comms`: None, or the
-        hierarchical mode's node, cross-node and second node Comms."""
+        hierarchical mode's node, cross-node and second node Comms. `devcomm`:
+        a _C.DevComm that sums the device buckets where they live
+        (_device_reduction.py; the host buckets then carry only the flags)."""
+        staged = staged or devcomm is not None
         numel = [p.numel() for p in params]
         bucket_of, offset, infos = _C.plan_buckets(numel, list(dtypes), first_cap, cap)
         by_code = dict(zip(dtypes, (p.dtype for p in params)))
         device = params[0].device if params else torch.device("cpu")
         on_gpu = device.type == "cuda"
-        host = tuple(torch.zeros(n + k, dtype=by_code[dt], pin_memory=on_gpu)
+        host = tuple(torch.zeros(n + k, dtype=by_code[dt], pin_memory=on_gpu and devcomm is None)
                      for n, k, dt in infos)
         dev = (tuple(torch.zeros(n + k, dtype=by_code[dt], device=device) for n, k, dt in infos)
                if staged else None)
@@ -63,7 +67,7 @@ class GradientReducer(_C.Reducer):
         self = cls(comm=comm, params=params, views=views, buckets=host, param_numel=tuple(numel),
                    param_dtype=tuple(dtypes), first_cap=first_cap, cap=cap, blocking=blocking,
                    name=name, wire_dtype=wire, staged=staged, hier_comms=hier_comms,
-                   on_backward_opened=_backward_opened)
+                   on_backward_opened=_backward_opened, device=devcomm is not None)
         self.blocking = blocking
         self.param_bucket = bucket_of
         self.views = views
@@ -71,7 +75,15 @@ class GradientReducer(_C.Reducer):
         # The tensors the .grad views are views of: their version counters
         # tell in-place changes (the user's zero_grad, clipping) apart.
         self._grad_buckets = grads_in
-        self._staging = None if not staged else _Staging(host, dev, infos, on_gpu)
+        if devcomm is not None:
+            members = [[] for _ in infos]
+            for p, b, off in zip(params, bucket_of, offset):
+                members[b].append((off, p.numel()))
+            self._staging = DeviceReduction(devcomm, dev, infos, members, separate=not blocking,
+                                            name=name)
+        else:
+            self._staging = None if not staged else _Staging(host, dev, infos, on_gpu)
+        self.device_resident = devcomm is not None
         return self
 
     def install_hooks(self, params: Tuple[torch.Tensor, ...]) -> list:
@@ -210,7 +222,7 @@ class GradientReducer(_C.Reducer):
 
     def _stage(self, b: int, how: int) -> None:
         if self._staging is not None:
-            self._staging.copy(b, how)
+            self._staging.copy(self, b, how == _TO_DEVICE)
 
     def _reset(self) -> None:
         self.reset()
@@ -264,7 +276,12 @@ class _Staging:
     def new_pass(self) -> None:
         self._issued = [False] * len(self._issued)
 
-    def copy(self, b: int, how: int) -> None:
+    def copy(self, r, b: int, to_device: bool) -> None:
+        """GradientReducer's copies (r: the reducer, unused here): bucket b to
+        the host, or its mean back to where the .grad views are."""
+        self._copy(b, _TO_DEVICE if to_device else _TO_HOST)
+
+    def _copy(self, b: int, how: int) -> None:
         # Only the backward hooks' copies to the host may run ahead (their
         # arrival is checked before the core reads them); every other caller
         # reads the host bucket right away.
@@ -286,7 +303,7 @@ class _Staging:
         while (b := r.next_to_stage(start)) is not None:
             start = b + 1
             if not self._issued[b]:
-                self.copy(b, _TO_HOST_ASYNC)
+                self._copy(b, _TO_HOST_ASYNC)
                 self._issued[b] = True
                 if not r.blocking:
                     # Non-blocking mode: the core zeroes the host bucket once it

@@ -23,6 +23,7 @@ from ._params import (broadcast_buffers, broadcast_state, check_module,
 from ._loads import LoadWatch
 from . import _module_hooks as module_hooks
 from ._deferred_step import DeferredStep, bucket_members
+from ._device_reduction import device_comm_for
 from ._pending_reads import QuietParameters, unwatch, watch
 from ._reducer import GradientReducer
 from ._stale_reads import StaleReadDetector
@@ -273,7 +274,8 @@ class DataParallel(torch.nn.Module, Driver):
             "blocking_parameter_updates": blocking_parameter_updates, "wire_dtype": wire_dtype,
             "bucket_cap_mb": float(bucket_cap_mb), "first_bucket_cap_mb": float(first_bucket_cap_mb),
             "broadcast_buffers": broadcast_buffers, "hierarchical": hierarchical,
-            "MPIDP_CHECK every": check_every()}
+            "MPIDP_CHECK every": check_every(),
+            "MPIDP_DP_DEVICE_COMM": config.get("MPIDP_DP_DEVICE_COMM")}
         self._attach(comm)
 
     def _attach(self, comm) -> None:
@@ -332,6 +334,12 @@ class DataParallel(torch.nn.Module, Driver):
         # over just before a bucket is sent, back once its mean is in.
         # MPIDP_DP_STAGING=1 forces this for CPU tensors too (tests).
         staged = device.type != "cpu" or config.get("MPIDP_DP_STAGING")
+        # Where every rank has a GPU of its own, buckets are summed where they
+        # live instead (NCCL: _device_reduction.py); the choice is collective.
+        devcomm = device_comm_for(self._mpi_comm, self._c_comm, device,
+                                  wire=self._wire != _C.NO_WIRE,
+                                  hierarchical=self._hier_comms is not None,
+                                  fault_tolerant=fault_tolerance.enabled())
         self._param_names = [n for n, _ in named]
         params = tuple(p for _, p in named)
         dtypes = [code_of(p.dtype, f"module: parameter {n!r}") for n, p in named]
@@ -343,7 +351,7 @@ class DataParallel(torch.nn.Module, Driver):
         self._params = params
         self._reducer = GradientReducer.build(
             self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
-            wire=self._wire, staged=staged, hier_comms=self._hier_comms)
+            wire=self._wire, staged=staged, hier_comms=self._hier_comms, devcomm=devcomm)
         self._param_bucket = self._reducer.param_bucket
         self._hook_handles = self._reducer.install_hooks(params)
         # A wrapper the program dropped takes its hooks with it: otherwise the

@@ -71,6 +71,14 @@ typedef struct {
     int separate;                        /* 1: separate communication buffers (see above) */
     const char *name;                    /* used in messages, e.g. "DataParallel" */
     int staged;                          /* 1: the caller stages buckets (see above) */
+    /* 1 (implies staged; no wire compression, not hierarchical): the caller
+     * reduces each bucket's gradients where they live (a device collective,
+     * mpidp/devcomm.h), scaled by 1/divisor there, before it calls
+     * mpidp_reducer_staged(); posting then sums only the bucket's flags
+     * (host), in place. In separate mode the caller keeps the communication
+     * buffers too, and deliveries are recorded for it to make
+     * (mpidp_reducer_device_deliveries) instead of made here. */
+    int device;
     /* Hierarchical mode (1): each bucket is summed within the node first
      * (reduce-scatter on hier_node_scatter), each local rank's slice across
      * the nodes (allreduce on hier_cross: the ranks with its local rank),
@@ -134,6 +142,16 @@ int mpidp_reducer_staged(mpidp_reducer_t *r, size_t b);
  * not been copied back yet (mpidp_reducer_unstaged records that it was). */
 int mpidp_reducer_needs_unstaging(const mpidp_reducer_t *r, size_t b);
 int mpidp_reducer_unstaged(mpidp_reducer_t *r, size_t b);
+
+/* Device mode: the deliveries the pass calls recorded for bucket b since the
+ * last call, one per member parameter in index order: 0 none,
+ * 1 + MPIDP_DELIVER_COPY or 1 + MPIDP_DELIVER_ADD (the parameter's slice of the
+ * caller's communication buffer into, or onto, its slice of the bucket);
+ * cleared by the call. */
+int mpidp_reducer_device_deliveries(mpidp_reducer_t *r, size_t b, uint8_t *modes);
+
+/* The number of ranks gradients are averaged over in this pass (join changes it). */
+int mpidp_reducer_divisor(const mpidp_reducer_t *r);
 
 /* 1 if `param` was marked since the last reset. */
 int mpidp_reducer_is_ready(const mpidp_reducer_t *r, size_t param);

@@ -1,0 +1,228 @@
+/* Device collectives (mpidp/devcomm.h): the communicator, the stand-in, and
+ * the generalized requests that put NCCL's operations in the request table.
+ * The NCCL and CUDA runtime entry points are devcomm_nccl.c's. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "devcomm_internal.h"
+#include "fail.h"
+#include "mpi_util.h"
+#include "post.h"
+#include "mpidp/mpiops.h"
+#include "mpidp/status.h"
+#include "mpidp/tensor.h"
+
+static void standin_land(mpidp_devcomm_t *dc, mpidp_req_t h);
+
+/* --- generalized requests: MPI learns of an NCCL operation's end here ----- */
+
+static int greq_query(void *extra, MPI_Status *status)
+{
+    (void)extra;
+    MPI_Status_set_elements(status, MPI_BYTE, 0);
+    MPI_Status_set_cancelled(status, 0);
+    status->MPI_SOURCE = MPI_UNDEFINED;
+    status->MPI_TAG = MPI_UNDEFINED;
+    /* A failed operation still completes here: devcomm_wait reports its error,
+     * which MPI's error handlers would otherwise turn into an abort. */
+    return MPI_SUCCESS;
+}
+
+static int greq_free(void *extra) { (void)extra; return MPI_SUCCESS; }
+static int greq_cancel(void *extra, int complete) { (void)extra, (void)complete; return MPI_SUCCESS; }
+
+/* Completes pending op k (its request now tests as done) and drops it. */
+static void complete_op(mpidp_devcomm_t *dc, size_t k)
+{
+    MPI_Grequest_complete(dc->ops[k].greq);
+    mpidp__nccl_event_release(dc, dc->ops[k].event);
+    dc->ops[k] = dc->ops[--dc->n_ops];
+}
+
+void mpidp__devcomm_fail_all(mpidp_devcomm_t *dc)
+{
+    while (dc->n_ops > 0) complete_op(dc, dc->n_ops - 1);
+}
+
+/* The request table's engine: completes the operations whose events have
+ * passed, and all of them once NCCL reported an error (after aborting). */
+static void engine(void *ctx)
+{
+    mpidp_devcomm_t *dc = ctx;
+    for (size_t k = 0; k < dc->n_ops;) {
+        int passed = mpidp__nccl_event_passed(dc, dc->ops[k].event);
+        if (passed < 0) { /* the detail is recorded; nothing in flight can be trusted */
+            mpidp_devcomm_abort(dc);
+            return;
+        }
+        if (passed) complete_op(dc, k);
+        else k++;
+    }
+    if (dc->n_ops > 0 && mpidp__nccl_async_error(dc)) mpidp_devcomm_abort(dc);
+}
+
+/* --- the communicator ------------------------------------------------------ */
+
+int mpidp__devcomm_alloc(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_kind_t kind,
+                         mpidp_devcomm_t **out)
+{
+    mpidp_devcomm_t *dc = calloc(1, sizeof *dc);
+    if (dc == NULL) return mpidp__fail(MPIDP_ENOMEM, "device communicator");
+    dc->kind = kind;
+    dc->comm = comm;
+    dc->reqs = reqs;
+    MPI_Comm_rank(comm, &dc->rank);
+    MPI_Comm_size(comm, &dc->size);
+    *out = dc;
+    return MPIDP_OK;
+}
+
+int mpidp__devcomm_add_engine(mpidp_devcomm_t *dc)
+{
+    int rc = mpidp_reqtable_engine_add(dc->reqs, engine, dc);
+    if (rc == MPIDP_OK) dc->engine_added = 1;
+    return rc;
+}
+
+int mpidp_devcomm_create_standin(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_t **out)
+{
+    if (reqs == NULL || out == NULL) return mpidp__fail(MPIDP_EINVAL, "device communicator: NULL");
+    return mpidp__devcomm_alloc(comm, reqs, MPIDP_DEVCOMM_STANDIN, out);
+}
+
+mpidp_devcomm_kind_t mpidp_devcomm_kind(const mpidp_devcomm_t *dc) { return dc->kind; }
+
+int mpidp_devcomm_version(const mpidp_devcomm_t *dc) { return dc->nccl_version; }
+
+int mpidp_devcomm_aborted(const mpidp_devcomm_t *dc) { return dc != NULL && dc->aborted; }
+
+void mpidp__devcomm_set_failed(mpidp_devcomm_t *dc, int status, const char *detail)
+{
+    if (dc->fail_status != MPIDP_OK) return;
+    dc->fail_status = status;
+    snprintf(dc->fail_detail, sizeof dc->fail_detail, "%s", detail);
+}
+
+int mpidp_devcomm_wait(mpidp_devcomm_t *dc, mpidp_req_t req, double timeout_s)
+{
+    if (dc == NULL) return mpidp__fail(MPIDP_EINVAL, "device communicator: NULL");
+    int rc = mpidp_reqtable_wait(dc->reqs, req, timeout_s);
+    if (rc != MPIDP_OK) {
+        /* The detail (what was pending) is the wait's; the device work queued
+         * behind the operation must not hang on it. */
+        mpidp__devcomm_set_failed(dc, rc, "an earlier device collective failed or timed out");
+        mpidp_devcomm_abort(dc);
+        return rc;
+    }
+    if (dc->fail_status != MPIDP_OK) return mpidp__fail(dc->fail_status, "%s", dc->fail_detail);
+    if (dc->kind == MPIDP_DEVCOMM_STANDIN) standin_land(dc, req);
+    return MPIDP_OK;
+}
+
+static int standin_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
+                         const char *what, mpidp_req_t *out)
+{
+    if (dc->n_sops == dc->cap_sops) {
+        size_t cap = dc->cap_sops ? 2 * dc->cap_sops : 16;
+        mpidp__standin_op_t *ops = realloc(dc->sops, cap * sizeof *ops);
+        if (ops == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: stand-in operation list", what);
+        dc->sops = ops;
+        dc->cap_sops = cap;
+    }
+    size_t bytes = count * mpidp_dtype_size(dtype);
+    void *shadow = malloc(bytes ? bytes : 1);
+    if (shadow == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: stand-in buffer", what);
+    memcpy(shadow, buf, bytes);
+    int rc = mpidp__post_iallreduce(dc->comm, dc->reqs, shadow, count, MPIDP_OP_SUM, dtype, what, out);
+    if (rc != MPIDP_OK) {
+        free(shadow);
+        return rc;
+    }
+    dc->sops[dc->n_sops++] = (mpidp__standin_op_t){.h = *out, .buf = buf, .shadow = shadow,
+                                                   .bytes = bytes};
+    return MPIDP_OK;
+}
+
+/* The stand-in's sum h has completed: it lands in the caller's buffer. */
+static void standin_land(mpidp_devcomm_t *dc, mpidp_req_t h)
+{
+    for (size_t k = 0; k < dc->n_sops; k++) {
+        mpidp__standin_op_t *op = &dc->sops[k];
+        if (op->h.slot != h.slot || op->h.gen != h.gen) continue;
+        memcpy(op->buf, op->shadow, op->bytes);
+        free(op->shadow);
+        *op = dc->sops[--dc->n_sops];
+        return;
+    }
+}
+
+int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
+                                  void *stream, const char *what, mpidp_req_t *out)
+{
+    if (dc == NULL || out == NULL || (buf == NULL && count > 0))
+        return mpidp__fail(MPIDP_EINVAL, "device allreduce: NULL argument");
+    if (dc->aborted)
+        return mpidp__fail(dc->fail_status != MPIDP_OK ? dc->fail_status : MPIDP_ESTATE,
+                           "%s: the device communicator was aborted: %s", what,
+                           dc->fail_detail[0] ? dc->fail_detail : "by its owner");
+    if (dc->kind == MPIDP_DEVCOMM_STANDIN) return standin_start(dc, buf, count, dtype, what, out);
+
+    if (dc->n_ops == dc->cap_ops) {
+        size_t cap = dc->cap_ops ? 2 * dc->cap_ops : 16;
+        mpidp__devop_t *ops = realloc(dc->ops, cap * sizeof *ops);
+        if (ops == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: device operation list", what);
+        dc->ops = ops;
+        dc->cap_ops = cap;
+    }
+    mpidp_req_t slot;
+    int rc = mpidp_reqtable_claim(dc->reqs, what, &slot);
+    if (rc != MPIDP_OK) return rc;
+    void *event = NULL;
+    rc = mpidp__nccl_allreduce(dc, buf, count, dtype, stream, what, &event);
+    if (rc != MPIDP_OK) {
+        mpidp_reqtable_unclaim(dc->reqs, slot);
+        return rc;
+    }
+    MPI_Request greq;
+    int mrc = MPI_Grequest_start(greq_query, greq_free, greq_cancel, NULL, &greq);
+    if (mrc != MPI_SUCCESS) {
+        mpidp__nccl_event_release(dc, event);
+        mpidp_reqtable_unclaim(dc->reqs, slot);
+        return mpidp__mpi_fail(mrc, "%s: MPI_Grequest_start", what);
+    }
+    dc->ops[dc->n_ops++] = (mpidp__devop_t){.greq = greq, .event = event};
+    /* MPI_COMM_SELF: a generalized request waits for no other rank, so the
+     * table's departure checks must not hold it for a departed one. */
+    mpidp_reqtable_fill(dc->reqs, slot, greq, MPI_COMM_SELF, what);
+    *out = slot;
+    return MPIDP_OK;
+}
+
+void mpidp_devcomm_abort(mpidp_devcomm_t *dc)
+{
+    if (dc == NULL || dc->aborted) return;
+    dc->aborted = 1;
+    if (dc->kind == MPIDP_DEVCOMM_NCCL) mpidp__nccl_abort(dc);
+    mpidp__devcomm_fail_all(dc);
+}
+
+void mpidp_devcomm_destroy(mpidp_devcomm_t *dc, double timeout_s)
+{
+    if (dc == NULL) return;
+    if (dc->kind == MPIDP_DEVCOMM_NCCL && !dc->aborted && dc->n_ops > 0 && !mpidp_mpi_finalized()) {
+        int rc = mpidp_reqtable_wait_all(dc->reqs, timeout_s);
+        if (rc != MPIDP_OK || dc->n_ops > 0) mpidp_devcomm_abort(dc);
+    }
+    if (dc->n_sops > 0 && !mpidp_mpi_finalized()) {
+        /* Sums nobody waited for: MPI must be done with their copies first. */
+        int rc = mpidp_reqtable_wait_all(dc->reqs, timeout_s);
+        if (rc != MPIDP_OK) dc->sops = NULL, dc->n_sops = 0; /* leaked: MPI may still write */
+    }
+    for (size_t k = 0; k < dc->n_sops; k++) free(dc->sops[k].shadow);
+    free(dc->sops);
+    if (dc->engine_added) mpidp_reqtable_engine_remove(dc->reqs, dc);
+    if (dc->kind == MPIDP_DEVCOMM_NCCL) mpidp__nccl_close(dc);
+    free(dc->ops);
+    free(dc);
+}

@@ -1,0 +1,66 @@
+/* Core-private: the device communicator's state, shared by devcomm.c (the
+ * communicator, the stand-in, the request table's engine) and
+ * devcomm_nccl.c (NCCL and the CUDA runtime, loaded at run time). */
+#ifndef MPIDP_CORE_DEVCOMM_INTERNAL_H
+#define MPIDP_CORE_DEVCOMM_INTERNAL_H
+
+#include "mpidp/devcomm.h"
+
+typedef struct {
+    MPI_Request greq;  /* the generalized request the table tracks */
+    void *event;       /* cudaEvent_t recorded after the NCCL call */
+} mpidp__devop_t;
+
+/* A stand-in sum: MPI reduces a private copy, which lands in the caller's
+ * buffer only when the sum is waited for -- as a device sum is visible only
+ * to work ordered after it -- so a caller that forgets to wait reads its
+ * own unreduced bucket. */
+typedef struct {
+    mpidp_req_t h;
+    void *buf, *shadow;
+    size_t bytes;
+} mpidp__standin_op_t;
+
+struct mpidp_nccl_api; /* devcomm_nccl.c */
+
+struct mpidp_devcomm {
+    mpidp_devcomm_kind_t kind;
+    MPI_Comm comm;
+    int rank, size;
+    mpidp_reqtable_t *reqs;
+    int engine_added;
+    int aborted;
+    int fail_status;        /* MPIDP_OK, or why the communicator was aborted */
+    char fail_detail[256];
+    mpidp__devop_t *ops;    /* NCCL operations in flight, in no order */
+    size_t n_ops, cap_ops;
+    void **free_events;     /* events to reuse */
+    size_t n_free_events, cap_free_events;
+    mpidp__standin_op_t *sops; /* stand-in sums not yet waited for */
+    size_t n_sops, cap_sops;
+    int nccl_version;
+    void *nccl_comm;        /* ncclComm_t */
+    struct mpidp_nccl_api *api;
+};
+
+int mpidp__devcomm_alloc(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_kind_t kind,
+                         mpidp_devcomm_t **out);
+int mpidp__devcomm_add_engine(mpidp_devcomm_t *dc);
+/* Completes every operation in flight (their requests test as done). */
+void mpidp__devcomm_fail_all(mpidp_devcomm_t *dc);
+/* Records why the communicator fails from now on (the first reason stays). */
+void mpidp__devcomm_set_failed(mpidp_devcomm_t *dc, int status, const char *detail);
+
+/* devcomm_nccl.c. The allreduce enqueues ncclAllReduce on `stream` and
+ * records an event after it (*event); event_passed: 1 passed, 0 not yet,
+ * -1 a CUDA error (recorded on dc); async_error: 1 when NCCL reported an
+ * error for the communicator (recorded on dc). */
+int mpidp__nccl_allreduce(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
+                          const char *what, void **event);
+int mpidp__nccl_event_passed(mpidp_devcomm_t *dc, void *event);
+void mpidp__nccl_event_release(mpidp_devcomm_t *dc, void *event);
+int mpidp__nccl_async_error(mpidp_devcomm_t *dc);
+void mpidp__nccl_abort(mpidp_devcomm_t *dc);
+void mpidp__nccl_close(mpidp_devcomm_t *dc);
+
+#endif /* MPIDP_CORE_DEVCOMM_INTERNAL_H */

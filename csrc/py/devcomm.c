@@ -1,0 +1,178 @@
+/* mpidp._C.DevComm: a device communicator (mpidp/devcomm.h) over a Comm.
+ *
+ *   DevComm(comm, "nccl", nccl_path, cudart_path, device)   collective
+ *   DevComm(comm, "standin")                                 tests, CPU memory
+ *
+ * allreduce_(data_ptr, count, dtype, stream, what) starts an in-place sum
+ * and returns a ticket; wait(ticket) waits for it under the process
+ * deadline (GIL released) and raises what failed; test(ticket) -> done. The
+ * Python side (python/mpidp/_device_reduction.py) holds the tensors and
+ * orders the streams: pointers are taken as ints here. */
+#include "module.h"
+
+#include <stdint.h>
+#include <string.h>
+
+#include "mpidp/devcomm.h"
+#include "mpidp/mpi_info.h"
+
+typedef struct {
+    PyObject_HEAD
+    mpidp_py_state *st;
+    mpidp_devcomm_t *dc;
+    PyObject *comm; /* the Comm must outlive the device communicator */
+} devcomm_t;
+
+static PyObject *ticket_of(mpidp_req_t h)
+{
+    return PyLong_FromUnsignedLongLong(((unsigned long long)h.slot << 32) | h.gen);
+}
+
+static int req_of(PyObject *arg, mpidp_req_t *h)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    h->slot = (uint32_t)(v >> 32);
+    h->gen = (uint32_t)v;
+    return 0;
+}
+
+static PyObject *devcomm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"comm", "kind", "nccl_path", "cudart_path", "device", NULL};
+    PyObject *comm;
+    const char *kind, *nccl_path = NULL, *cudart_path = NULL;
+    int device = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Os|zzi:DevComm", kwlist, &comm, &kind,
+                                     &nccl_path, &cudart_path, &device))
+        return NULL;
+    mpidp_py_state *st = mpidp_py_state_of_type(type);
+    mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
+    if (c == NULL || mpidp_py_check_not_forked("DevComm") < 0) return NULL;
+    int nccl = strcmp(kind, "nccl") == 0;
+    if (!nccl && strcmp(kind, "standin") != 0)
+        return PyErr_Format(PyExc_ValueError, "kind: expected 'nccl' or 'standin', got '%s'", kind);
+    if (nccl && (nccl_path == NULL || cudart_path == NULL))
+        return PyErr_Format(PyExc_ValueError, "kind 'nccl' needs nccl_path and cudart_path");
+    devcomm_t *d = (devcomm_t *)type->tp_alloc(type, 0);
+    if (d == NULL) return NULL;
+    d->st = st;
+    d->comm = Py_NewRef(comm);
+    int rc;
+    mpidp_error_clear();
+    if (nccl) {
+        MPIDP_PY_WAIT(st, rc, mpidp_devcomm_create_nccl(c->comm, st->reqs, nccl_path, cudart_path,
+                                                         device, mpidp_py_timeout_s, &d->dc));
+    } else {
+        rc = mpidp_devcomm_create_standin(c->comm, st->reqs, &d->dc);
+    }
+    if (mpidp_py_check(st, rc, "DevComm") < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return (PyObject *)d;
+}
+
+/* allreduce_(data_ptr, count, dtype, stream, what) -> ticket */
+static PyObject *devcomm_allreduce_(devcomm_t *d, PyObject *args)
+{
+    unsigned long long ptr, count, stream;
+    int dtype;
+    const char *what;
+    if (!PyArg_ParseTuple(args, "KKiKs:allreduce_", &ptr, &count, &dtype, &stream, &what))
+        return NULL;
+    if (mpidp_py_check_not_forked("device allreduce") < 0) return NULL;
+    mpidp_req_t h;
+    if (MPIDP_PY_CALL(d->st, "device allreduce",
+                      mpidp_devcomm_allreduce_start(d->dc, (void *)(uintptr_t)ptr, (size_t)count,
+                                                    dtype, (void *)(uintptr_t)stream, what, &h)) < 0)
+        return NULL;
+    return ticket_of(h);
+}
+
+static PyObject *devcomm_wait(devcomm_t *d, PyObject *arg)
+{
+    mpidp_req_t h;
+    if (req_of(arg, &h) < 0) return NULL;
+    int rc;
+    mpidp_error_clear();
+    MPIDP_PY_WAIT(d->st, rc, mpidp_devcomm_wait(d->dc, h, mpidp_py_timeout_s));
+    return mpidp_py_none_or_null(mpidp_py_check(d->st, rc, "device allreduce"));
+}
+
+static PyObject *devcomm_test(devcomm_t *d, PyObject *arg)
+{
+    mpidp_req_t h;
+    int done = 0;
+    if (req_of(arg, &h) < 0 ||
+        MPIDP_PY_CALL(d->st, "device allreduce", mpidp_reqtable_test(d->st->reqs, h, &done)) < 0)
+        return NULL;
+    return PyBool_FromLong(done);
+}
+
+static PyObject *devcomm_abort(devcomm_t *d, PyObject *unused)
+{
+    (void)unused;
+    mpidp_devcomm_abort(d->dc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *devcomm_get_kind(devcomm_t *d, void *c)
+{
+    (void)c;
+    return PyUnicode_FromString(mpidp_devcomm_kind(d->dc) == MPIDP_DEVCOMM_NCCL ? "nccl" : "standin");
+}
+
+static PyObject *devcomm_get_version(devcomm_t *d, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(mpidp_devcomm_version(d->dc));
+}
+
+static PyObject *devcomm_get_aborted(devcomm_t *d, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(mpidp_devcomm_aborted(d->dc));
+}
+
+static void devcomm_dealloc(devcomm_t *d)
+{
+    PyTypeObject *tp = Py_TYPE(d);
+    if (d->dc) mpidp_devcomm_destroy(d->dc, mpidp_mpi_finalized() ? 0 : mpidp_py_timeout_s);
+    Py_CLEAR(d->comm);
+    tp->tp_free((PyObject *)d);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef devcomm_methods[] = {
+    {"allreduce_", (PyCFunction)devcomm_allreduce_, METH_VARARGS,
+     "allreduce_(data_ptr, count, dtype, stream, what) -> ticket: start an in-place sum."},
+    {"wait", (PyCFunction)devcomm_wait, METH_O, "wait(ticket): until the sum is over; raises its failure."},
+    {"test", (PyCFunction)devcomm_test, METH_O, "test(ticket) -> the sum is over."},
+    {"abort", (PyCFunction)devcomm_abort, METH_NOARGS, "End what is in flight; refuse new sums."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef devcomm_getset[] = {
+    {"kind", (getter)devcomm_get_kind, NULL, "'nccl' or 'standin'.", NULL},
+    {"version", (getter)devcomm_get_version, NULL, "NCCL's version code (0 for the stand-in).", NULL},
+    {"aborted", (getter)devcomm_get_aborted, NULL, "The communicator was aborted.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot devcomm_slots[] = {
+    {Py_tp_new, devcomm_new},
+    {Py_tp_dealloc, devcomm_dealloc},
+    {Py_tp_methods, devcomm_methods},
+    {Py_tp_getset, devcomm_getset},
+    {Py_tp_doc, "A device communicator: NCCL, or its MPI stand-in for tests (internal; "
+                "python/mpidp/_device_reduction.py)."},
+    {0, NULL},
+};
+
+PyType_Spec mpidp_py_devcomm_spec = {
+    .name = "mpidp._C.DevComm",
+    .basicsize = sizeof(devcomm_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = devcomm_slots,
+};

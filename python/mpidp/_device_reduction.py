@@ -1,0 +1,221 @@
+"""DataParallel's device-resident reduction: gradient buckets summed where
+they live (NCCL on a side stream), never copied to the host.
+
+Chosen by `device_comm_for` when every rank of the communicator has a GPU of
+its own and NCCL is loaded (torch's); otherwise GPU gradients take the host
+staging path (_reducer._Staging). MPIDP_DP_DEVICE_COMM picks by hand:
+'staging', 'nccl', or 'standin' -- the MPI stand-in that runs this module's
+ordering logic on CPU tensors in the tests.
+
+The order of one bucket, b:
+  hook (bucket full)   on the current stream: scale by 1/divisor (blocking,
+                       in place) or copy-and-scale into b's communication
+                       buffer and zero the bucket (non-blocking); the side
+                       stream waits for that, runs the allreduce and records
+                       b's "done" event; the core is told (staged) and sums
+                       b's flags on the host (which parameters any rank had).
+  completion           the current stream waits for "done" (no host wait):
+                       blocking, before .grad is read; non-blocking, before
+                       the mean is copied or added into .grad (the core
+                       records which, per parameter).
+  next pass            every "done" is waited for by the current stream
+                       before the buckets are written again.
+The stand-in runs the same calls with CPU tensors: a "stream" is the calling
+thread, the allreduce an MPI_Iallreduce in place, and waiting for "done"
+waits for that request, so a missing wait reads an unreduced bucket.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _C
+from . import _config as config
+from ._dtypes import code_of
+
+# Per member parameter of a bucket: its offset and length in the bucket.
+Members = Sequence[Tuple[int, int]]
+
+_DELIVER_COPY, _DELIVER_ADD = 1, 2   # as Reducer.device_deliveries reports them
+
+
+def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hierarchical: bool,
+                    fault_tolerant: bool) -> Optional[_C.DevComm]:
+    """The device communicator DataParallel reduces `device`'s gradients with,
+    or None for the host path (staging on a GPU). Collective (the setting
+    itself is compared across ranks with DataParallel's others): every rank
+    learns every rank's view, so all take the same path, also where some
+    ranks train on CPUs."""
+    asked = config.get("MPIDP_DP_DEVICE_COMM")
+    if asked == "staging":
+        return None
+    if asked == "standin" and device.type != "cpu":
+        raise ValueError("MPIDP_DP_DEVICE_COMM=standin runs the device path's logic on CPU "
+                         f"tensors (tests); the parameters are on {device}")
+    reason = _why_not(device, wire, hierarchical, fault_tolerant) if asked != "standin" else None
+    gpu_id = _gpu_identity(device) if reason is None and device.type == "cuda" else None
+    libs = _nccl_libraries() if gpu_id is not None else None
+    if gpu_id is not None and libs is None:
+        reason = "NCCL is not loaded in this process (torch's libnccl)"
+    views = mpi_comm.allgather((reason, gpu_id))
+    if asked == "standin":
+        return _C.DevComm(c_comm, "standin")
+    problem = next((f"rank {r}: {why}" for r, (why, _) in enumerate(views) if why), None)
+    ids = [g for _, g in views]
+    if problem is None and len(set(ids)) < len(ids):
+        problem = "two ranks share a GPU (NCCL needs one GPU per rank)"
+    if problem is not None:
+        if asked == "nccl":
+            raise ValueError(f"MPIDP_DP_DEVICE_COMM=nccl: {problem}")
+        return None
+    nccl, cudart = libs
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _C.DevComm(c_comm, "nccl", nccl, cudart, index)
+
+
+def _why_not(device: torch.device, wire: bool, hierarchical: bool,
+             fault_tolerant: bool) -> Optional[str]:
+    if device.type != "cuda":
+        return f"the parameters are on {device}"
+    if wire:
+        return "gradients travel compressed (wire_dtype); that path stages through the host"
+    if hierarchical:
+        return "hierarchical=True reduces through the host"
+    if fault_tolerant:
+        return "fault-tolerant mode reduces through MPI (ULFM) on the host"
+    return None
+
+
+def _gpu_identity(device: torch.device) -> str:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    return f"{socket.gethostname()}/{uuid if uuid is not None else index}"
+
+
+def _nccl_libraries() -> Optional[Tuple[str, str]]:
+    """Paths of the libnccl and CUDA runtime this process loaded (torch's), or None."""
+    torch.cuda.init()
+    found = {}
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                for key in ("libnccl.so", "libcudart.so"):
+                    if key in os.path.basename(path) and key not in found:
+                        found[key] = path
+    except OSError:
+        pass
+    if "libnccl.so" not in found:  # loaded lazily by some builds: torch's own copy
+        roots = [os.path.dirname(os.path.dirname(torch.__file__))]
+        hits = [p for r in roots for p in glob.glob(os.path.join(r, "nvidia", "*", "lib", "libnccl.so*"))]
+        if hits:
+            found["libnccl.so"] = hits[0]
+    if "libnccl.so" not in found or "libcudart.so" not in found:
+        return None
+    return found["libnccl.so"], found["libcudart.so"]
+
+
+class DeviceReduction:
+    """The device path's half of GradientReducer: the same calls as
+    _reducer._Staging (stage_full, copy, new_pass), with the buckets reduced
+    where they live (module docstring)."""
+
+    def __init__(self, devcomm: _C.DevComm, dev: Tuple[torch.Tensor, ...], infos,
+                 members: List[Members], separate: bool, name: str):
+        self._dc = devcomm
+        self._standin = devcomm.kind == "standin"
+        self._n = [n for n, _, _ in infos]
+        self._data = tuple(d[:n] for d, n in zip(dev, self._n))
+        self._dtype = [code_of(d.dtype, "bucket") for d in dev]
+        # Non-blocking: the mean waits in a buffer of its own until delivered.
+        self._comm = tuple(torch.empty_like(d) for d in self._data) if separate else None
+        self._members = members
+        self._name = name
+        self._done: list = [None] * len(dev)      # per bucket: the sum in flight
+        self._posted = [False] * len(dev)
+        self._side = None if self._standin else torch.cuda.Stream(dev[0].device) if dev else None
+
+    # -- the hook side -----------------------------------------------------------
+
+    def stage_full(self, r, flush: bool) -> None:
+        """Start the sum of every bucket the core says is full, and tell it."""
+        del flush  # nothing travels to the host: nothing to wait for
+        start = 0
+        while (b := r.next_to_stage(start)) is not None:
+            start = b + 1
+            self._post(b, r.divisor)
+            r.staged(b)
+
+    def _post(self, b: int, divisor: int) -> None:
+        data = self._data[b]
+        if self._comm is not None:
+            target = self._comm[b]
+            torch.mul(data, 1.0 / divisor, out=target) if divisor != 1 else target.copy_(data)
+            data.zero_()   # the .grad views start from zero, as in the host path
+        else:
+            target = data
+            if divisor != 1:
+                target.mul_(1.0 / divisor)
+        if not self._standin:
+            # The allocator must not hand the memory out again while the sum runs.
+            target.record_stream(self._side)
+        what = f"{self._name}: allreduce of gradient bucket {b + 1}/{len(self._data)} on the device"
+        if self._standin:
+            self._done[b] = self._dc.allreduce_(target.data_ptr(), target.numel(), self._dtype[b], 0, what)
+        else:
+            current = torch.cuda.current_stream(target.device)
+            self._side.wait_stream(current)
+            with torch.cuda.stream(self._side):
+                self._dc.allreduce_(target.data_ptr(), target.numel(), self._dtype[b],
+                                    self._side.cuda_stream, what)
+                event = torch.cuda.Event()
+                event.record(self._side)
+            self._done[b] = event
+        self._posted[b] = True
+
+    # -- completion ----------------------------------------------------------------
+
+    def copy(self, r, b: int, to_device: bool) -> None:
+        """Where staging copies bucket b between host and device: nothing
+        travels; before the mean is read (to_device) the reading stream waits
+        for its sum, and non-blocking mode's recorded deliveries are made."""
+        if not to_device:
+            return
+        self._wait(b)
+        if self._comm is not None:
+            self._deliver(r, b)
+
+    def _wait(self, b: int) -> None:
+        done = self._done[b]
+        if done is None:
+            return
+        if self._standin:
+            self._dc.wait(done)
+        else:
+            torch.cuda.current_stream(self._data[b].device).wait_event(done)
+        self._done[b] = None
+
+    def _deliver(self, r, b: int) -> None:
+        modes = r.device_deliveries(b)
+        if not any(modes):
+            return
+        data, comm = self._data[b], self._comm[b]
+        if all(m == modes[0] for m in modes):
+            data.copy_(comm) if modes[0] == _DELIVER_COPY else data.add_(comm)
+            return
+        for (offset, numel), mode in zip(self._members[b], modes):
+            if mode:
+                part, mean = data[offset:offset + numel], comm[offset:offset + numel]
+                part.copy_(mean) if mode == _DELIVER_COPY else part.add_(mean)
+
+    def new_pass(self) -> None:
+        """The pass ended: later writes to the buckets come after every sum."""
+        for b in range(len(self._done)):
+            self._wait(b)
+        self._posted = [False] * len(self._posted)

@@ -1,0 +1,73 @@
+"""DataParallel's device-resident reduction (_device_reduction.py: buckets
+summed where they live, NCCL on a GPU), run on CPU tensors through its MPI
+stand-in (MPIDP_DP_DEVICE_COMM=standin) so that its ordering -- what is
+posted when, what waits for which sum, the non-blocking mode's deliveries
+from its own buffers -- is checked on machines without a GPU, against the
+same single-process references as the host path."""
+
+import pytest
+import torch
+
+import mpidp
+import test_data_parallel as blocking_tests
+import test_ddp_habits as ddp_habits
+import test_join as join_tests
+import test_nonblocking as nonblocking_tests
+
+
+@pytest.fixture(autouse=True)
+def standin(monkeypatch):
+    monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "standin")
+
+
+def test_the_standin_is_the_path_taken():
+    dp = mpidp.DataParallel(torch.nn.Linear(3, 2))
+    assert dp._reducer.device_resident
+
+
+def test_blocking_with_unused_parameters():
+    blocking_tests.train_and_compare(blocking_tests.Branchy, loss_fn=blocking_tests.branchy_loss,
+                                     steps=6, zero_grad="after_forward")
+
+
+def test_blocking_cnn_adam():
+    blocking_tests.train_and_compare(blocking_tests.CNN, blocking_tests.adam, x_shape=(1, 12, 12))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_nonblocking(set_to_none):
+    nonblocking_tests.run(zero="before", set_to_none=set_to_none)
+
+
+def test_nonblocking_accumulation():
+    nonblocking_tests.test_gradient_accumulation()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_join(blocking):
+    join_tests.test_uneven_batches_match_the_reference(blocking, join_tests.sgd)
+
+
+@pytest.mark.parametrize("habit", ["clip", "amp"])
+def test_blocking_clipping_and_grad_scaler(habit):
+    blocking_tests.train_with_habits(habit)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_no_sync(blocking):
+    ddp_habits.test_no_sync_accumulates_locally_then_averages_the_sum(blocking)
+    ddp_habits.test_no_sync_keeps_gradients_of_parameters_the_last_backward_misses(blocking)
+
+
+def test_the_setting_must_match_across_ranks(monkeypatch):
+    if mpidp.size() < 2:
+        pytest.skip("needs 2 ranks")
+    monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "standin" if mpidp.rank() == 0 else "staging")
+    with pytest.raises(ValueError, match="MPIDP_DP_DEVICE_COMM"):
+        mpidp.DataParallel(torch.nn.Linear(3, 2))
+
+
+def test_standin_refuses_gpu_parameters_and_nccl_refuses_cpu(monkeypatch):
+    monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "nccl")
+    with pytest.raises(ValueError, match="MPIDP_DP_DEVICE_COMM=nccl: rank 0: the parameters are on cpu"):
+        mpidp.DataParallel(torch.nn.Linear(3, 2))
