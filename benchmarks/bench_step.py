@@ -9,6 +9,10 @@ reports the median over rounds of its mean step time. Methods:
   mpidp-block   mpidp.DataParallel, blocking
   mpidp-nb      mpidp.DataParallel, non-blocking (update applied by the next forward)
   mpidp-nb-bf16 the same with gradients sent as bf16
+  mpidp-block-staged, mpidp-nb-staged   (GPU only) blocking and non-blocking
+                through pinned host buffers and MPI (MPIDP_DP_DEVICE_COMM=staging),
+                beside the default, which sums on the device (NCCL) where every
+                rank has a GPU of its own
   ddp           torch DistributedDataParallel, its defaults, over gloo on CPUs;
                 on GPUs over NCCL when each rank has a GPU of its own, else
                 gloo (NCCL refuses two ranks on one GPU)
@@ -73,8 +77,18 @@ def make_method(method, base, heat):
         return model, opt
     if method.startswith("mpidp"):
         opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=method == "mpidp-block",
-                                 wire_dtype=torch.bfloat16 if method.endswith("bf16") else None)
+        saved = os.environ.get("MPIDP_DP_DEVICE_COMM")
+        if method.endswith("-staged"):
+            os.environ["MPIDP_DP_DEVICE_COMM"] = "staging"
+        try:
+            net = mpidp.DataParallel(model, optimizer=opt,
+                                     blocking_parameter_updates=method.startswith("mpidp-block"),
+                                     wire_dtype=torch.bfloat16 if method.endswith("bf16") else None)
+        finally:
+            if saved is None:
+                os.environ.pop("MPIDP_DP_DEVICE_COMM", None)
+            else:
+                os.environ["MPIDP_DP_DEVICE_COMM"] = saved
         return net, opt
     if method == "ddp":
         first = next(model.parameters())
@@ -87,6 +101,14 @@ def make_method(method, base, heat):
             torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), blocking=blocking)
         return heat.nn.DataParallel(model, heat.MPI_WORLD, opt, blocking_parameter_updates=blocking), opt
     raise ValueError(method)
+
+
+def _dp_path(device):
+    """How DataParallel reduces this device's gradients by default here."""
+    net = mpidp.DataParallel(torch.nn.Linear(2, 2).to(device))
+    path = "device (NCCL)" if net._reducer.device_resident else "host staging"
+    del net
+    return path
 
 
 def step(net, opt, x, y):
@@ -228,10 +250,13 @@ def main():
         mpidp.init_process_group(COMM, backend="gloo")
     backend = dist.get_backend()
     methods = ["local", "mpidp-block", "mpidp-nb", "mpidp-nb-bf16", "ddp"]
+    if device.type == "cuda":
+        methods[3:3] = ["mpidp-block-staged", "mpidp-nb-staged"]
     heat, heat_note = import_heat() if device.type == "cpu" else (None, "not on GPUs")
     if heat is not None:
         methods += ["heat-block", "heat-nb"]
     results = {}
+    dp_path = _dp_path(device) if device.type == "cuda" else None
     for name in ("resnet18", "mlp500"):
         results[name] = bench_model(name, methods, args.rounds if not args.quick else 3,
                                     args.steps if name == "resnet18" else 4 * args.steps,
@@ -245,6 +270,8 @@ def main():
     if args.json:
         out = {"ranks": SIZE, "device": str(device), "ddp_backend": backend}
         if device.type == "cuda":
+            out["mpidp_path"] = dp_path
+        if device.type == "cuda":
             out["gpu"] = torch.cuda.get_device_name(device)
         if hook:
             out.update(hook_us_per_param=round(hook[0], 3), noop_hook_us_per_param=round(hook[1], 3),
@@ -257,6 +284,8 @@ def main():
             out[f"{name}_mpidp_over_ddp"] = round(r["mpidp-block"] / r["ddp"], 3)
             out[f"{name}_nb_over_ddp"] = round(r["mpidp-nb"] / r["ddp"], 3)
             out[f"{name}_nb_over_block"] = round(r["mpidp-nb"] / r["mpidp-block"], 3)
+            if "mpidp-block-staged" in r:
+                out[f"{name}_staged_over_ddp"] = round(r["mpidp-block-staged"] / r["ddp"], 3)
             for mode, ratio in overhead_over_heat(r).items():
                 out[f"{name}_{mode}_overhead_over_heat"] = round(ratio, 3)
         out["heat"] = heat_note
@@ -264,7 +293,7 @@ def main():
         return
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"step time at {SIZE} ranks on {where}, DDP over {backend} (median of per-round means; "
-          "slowest rank)")
+          "slowest rank)" + (f"; mpidp's default path: {dp_path}" if dp_path else ""))
     print(f"{'model':<10} {'method':<14} {'ms/step':>9} {'vs ddp':>9} {'vs block':>9} {'vs local':>9}")
     for name, r in results.items():
         for m, t in r.items():

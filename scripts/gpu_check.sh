@@ -17,9 +17,10 @@
 #   setup    install the wheels, check that mpi4py runs on the Open MPI of the wheel
 #   build    mpidp with nvcc for this GPU; import it; its CUDA kernels must be usable
 #   kernels  tests/test_cuda_kernels.py: every CUDA kernel against the CPU reference, bit for bit
-#   dp       DataParallel on CUDA tensors (blocking and non-blocking, fp32 and bf16/fp16 wire,
-#            the staged buckets GPU gradients take) against the single-process reference,
-#            at 1 and 2 ranks (MPIDP_TEST_DEVICE=cuda on the reference tests)
+#   dp       DataParallel on CUDA tensors (blocking and non-blocking, fp32 and bf16/fp16 wire)
+#            against the single-process reference: at 1 rank on the device path (buckets
+#            summed by NCCL; MPIDP_DP_DEVICE_COMM=nccl, so that a fallback cannot hide), at 2
+#            ranks on one GPU through the host staging path (NCCL needs a GPU per rank)
 #   daso     DASO on CUDA tensors (host mirror) at 1 and 2 ranks, nodes of 1 and 2 ranks
 #            (node-local DDP over gloo: two ranks share the GPU), and scripts/gpu/daso_nccl.py:
 #            whether NCCL accepts two ranks on one GPU, and DASO over it where it does
@@ -29,7 +30,8 @@
 #            and benchmarks/bench_c10d.py at 2 ranks on the CPU cores the machine has
 #   example  examples/imagenet_daso.py --synthetic with AMP, 2 ranks as 1 node and as 2 nodes
 #   bench    benchmarks/bench_pack.py --device cuda; benchmarks/bench_step.py --device cuda
-#            at 1 rank (DDP over NCCL) and 2 ranks (DDP over gloo); and bench_step.py on the
+#            at 1 rank (DDP over NCCL) and 2 ranks (DDP over gloo); scripts/gpu/profile_step.py
+#            (torch.profiler tables of one rank's steps, each path); and bench_step.py on the
 #            CPU at 2 ranks: the hook and step figures with cores to spare, which the
 #            2-core development machine (2 ranks, nothing else running) cannot give
 #
@@ -158,7 +160,7 @@ NEEDED=(setup.py tests/test_cuda_kernels.py tests/test_data_parallel.py tests/te
         tests/test_compressed_allreduce.py tests/test_join.py tests/test_staging.py tests/test_daso.py
         scripts/gpu/daso_nccl.py scripts/gpu/c10d_cuda.py tests/test_c10d_collectives.py
         tests/test_c10d_training.py benchmarks/bench_c10d.py scripts/run_pytest.sh scripts/mpirun.sh examples/imagenet_daso.py
-        benchmarks/bench_pack.py benchmarks/bench_step.py)
+        benchmarks/bench_pack.py benchmarks/bench_step.py scripts/gpu/profile_step.py)
 for f in "${NEEDED[@]}"; do [ -f "$f" ] || die "missing $f, which a step runs"; done
 
 if [ $DRY = 1 ]; then
@@ -285,8 +287,8 @@ step_kernels() {
 DP_TESTS=(tests/test_data_parallel.py tests/test_nonblocking.py tests/test_compressed_allreduce.py
           tests/test_join.py tests/test_staging.py)
 step_dp() {
-    pytest_cuda 1 dp.1rank "${DP_TESTS[@]}"
-    pytest_cuda 2 dp.2ranks "${DP_TESTS[@]}"
+    MPIDP_DP_DEVICE_COMM=nccl pytest_cuda 1 dp.1rank.nccl "${DP_TESTS[@]}"
+    pytest_cuda 2 dp.2ranks.staged "${DP_TESTS[@]}"
 }
 
 step_daso() {
@@ -325,6 +327,7 @@ step_bench() {
     if [ $DRY = 1 ]; then
         run 300 bench.step.1rank ./scripts/mpirun.sh 1 "$PY" benchmarks/bench_step.py --device cuda --json
         run 300 bench.step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json
+        run 300 bench.profile "$PY" scripts/gpu/profile_step.py
         run 300 bench.step.cpu ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json
         return
     fi
@@ -333,6 +336,7 @@ step_bench() {
         | tee "$OUT/bench_step_1rank.json"
     run 300 bench.step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json \
         | tee "$OUT/bench_step_2ranks.json"
+    run 300 bench.profile "$PY" scripts/gpu/profile_step.py >"$OUT/profile_step.txt"
     run 300 bench.step.cpu ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json \
         | tee "$OUT/bench_step_cpu_2ranks.json"
 }

@@ -117,7 +117,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_DP_DEVICE_COMM", "auto", _choice("auto", "nccl", "staging", "standin"),
             "'auto', 'nccl', 'staging' or 'standin'",
             "how DataParallel reduces GPU gradients: auto (NCCL on the device where every rank "
-            "has a GPU of its own, else staging), nccl (that, or an error saying why not), "
+            "has a GPU of its own, else staging), nccl (that, or an error saying why not; "
+            "wire_dtype, hierarchical=True and fault tolerance go through the host either way), "
             "staging (through pinned host buffers and MPI), standin (the device path's logic on "
             "CPU tensors over MPI, for tests)"),
     Setting("MPIDP_DASO_STAGING", False, _flag, "0 or 1",

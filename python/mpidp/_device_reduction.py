@@ -57,16 +57,22 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
     if asked == "standin" and device.type != "cpu":
         raise ValueError("MPIDP_DP_DEVICE_COMM=standin runs the device path's logic on CPU "
                          f"tensors (tests); the parameters are on {device}")
-    reason = _why_not(device, wire, hierarchical, fault_tolerant) if asked != "standin" else None
-    gpu_id = _gpu_identity(device) if reason is None and device.type == "cuda" else None
-    libs = _nccl_libraries() if gpu_id is not None else None
-    if gpu_id is not None and libs is None:
+    # DataParallel's own arguments may choose a path through the host.
+    by_arguments = asked != "standin" and (wire or hierarchical or fault_tolerant)
+    reason = None
+    if asked != "standin" and device.type != "cuda":
+        reason = f"the parameters are on {device}"
+    gpu_id = _gpu_identity(device) if reason is None and asked != "standin" else None
+    libs = _nccl_libraries() if gpu_id is not None and not by_arguments else None
+    if gpu_id is not None and not by_arguments and libs is None:
         reason = "NCCL is not loaded in this process (torch's libnccl)"
-    views = mpi_comm.allgather((reason, gpu_id))
+    views = mpi_comm.allgather((reason, gpu_id, by_arguments))
     if asked == "standin":
         return _C.DevComm(c_comm, "standin")
-    problem = next((f"rank {r}: {why}" for r, (why, _) in enumerate(views) if why), None)
-    ids = [g for _, g in views]
+    if any(v[2] for v in views):
+        return None
+    problem = next((f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0]), None)
+    ids = [v[1] for v in views]
     if problem is None and len(set(ids)) < len(ids):
         problem = "two ranks share a GPU (NCCL needs one GPU per rank)"
     if problem is not None:
@@ -76,19 +82,6 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
     nccl, cudart = libs
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _C.DevComm(c_comm, "nccl", nccl, cudart, index)
-
-
-def _why_not(device: torch.device, wire: bool, hierarchical: bool,
-             fault_tolerant: bool) -> Optional[str]:
-    if device.type != "cuda":
-        return f"the parameters are on {device}"
-    if wire:
-        return "gradients travel compressed (wire_dtype); that path stages through the host"
-    if hierarchical:
-        return "hierarchical=True reduces through the host"
-    if fault_tolerant:
-        return "fault-tolerant mode reduces through MPI (ULFM) on the host"
-    return None
 
 
 def _gpu_identity(device: torch.device) -> str:
@@ -106,8 +99,10 @@ def _nccl_libraries() -> Optional[Tuple[str, str]]:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                base = os.path.basename(path)
                 for key in ("libnccl.so", "libcudart.so"):
-                    if key in os.path.basename(path) and key not in found:
+                    # torch may carry a renamed copy (libcudart-<hash>.so.N)
+                    if base.startswith(key.split(".")[0]) and ".so" in base and key not in found:
                         found[key] = path
     except OSError:
         pass

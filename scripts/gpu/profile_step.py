@@ -1,12 +1,14 @@
 """Where a DataParallel step's time goes on one GPU (1 rank): torch.profiler
 tables of ResNet-18 (CIFAR, batch 128) training steps, local vs mpidp blocking
-vs non-blocking. The rows to read are aten::copy_ and cudaStreamSynchronize
-(the staged gradient buckets: device -> pinned host -> device) and
+vs non-blocking, each on the default path (buckets summed on the device by
+NCCL) and, suffixed "-staged", through host buffers (MPIDP_DP_DEVICE_COMM=staging).
+The rows to read are aten::copy_ and cudaStreamSynchronize (staging: device ->
+pinned host -> device), ncclDevKernel (the device path's sums) and
 AccumulateGrad's self time (mpidp's gradient hooks run inside it).
 
     PYTHONPATH=python python3 scripts/gpu/profile_step.py   # after scripts/gpu_check.sh --only build
 """
-import sys, time, torch, torch.nn.functional as F
+import os, sys, time, torch, torch.nn.functional as F
 sys.path.insert(0, "benchmarks")
 import mpidp
 from models import ResNet18
@@ -19,8 +21,9 @@ def make(mode):
     if mode == "local":
         o = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9); return m, o
     o = mpidp.DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
-    return mpidp.DataParallel(m, optimizer=o, blocking_parameter_updates=(mode == "block")), o
-for mode in ("local", "block", "nb"):
+    os.environ["MPIDP_DP_DEVICE_COMM"] = "staging" if mode.endswith("-staged") else "auto"
+    return mpidp.DataParallel(m, optimizer=o, blocking_parameter_updates=mode.startswith("block")), o
+for mode in ("local", "block", "nb", "block-staged", "nb-staged"):
     net, opt = make(mode)
     def step():
         opt.zero_grad(); F.cross_entropy(net(x), y).backward(); opt.step()
@@ -29,7 +32,8 @@ for mode in ("local", "block", "nb"):
     t0 = time.perf_counter()
     for _ in range(20): step()
     torch.cuda.synchronize()
-    print(f"{mode}: {1e3*(time.perf_counter()-t0)/20:.2f} ms/step, buckets {getattr(net, 'bucket_count', '-')}")
+    path = ("device" if net._reducer.device_resident else "staged") if mode != "local" else "-"
+    print(f"{mode}: {1e3*(time.perf_counter()-t0)/20:.2f} ms/step, path {path}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5): step()
         torch.cuda.synchronize()
