@@ -29,11 +29,13 @@
 #            against one process, DDP over "mpidp" and gloo timed), its CPU tests at 2 ranks,
 #            and benchmarks/bench_c10d.py at 2 ranks on the CPU cores the machine has
 #   example  examples/imagenet_daso.py --synthetic with AMP, 2 ranks as 1 node and as 2 nodes
-#   bench    benchmarks/bench_pack.py --device cuda; benchmarks/bench_step.py --device cuda
-#            at 1 rank (DDP over NCCL) and 2 ranks (DDP over gloo); scripts/gpu/profile_step.py
-#            (torch.profiler tables of one rank's steps, each path); and bench_step.py on the
-#            CPU at 2 ranks: the hook and step figures with cores to spare, which the
-#            2-core development machine (2 ranks, nothing else running) cannot give
+#   pack     benchmarks/bench_pack.py --device cuda: the kernels against a device copy
+#   step     benchmarks/bench_step.py --device cuda at 1 rank (DDP over NCCL; mpidp on the
+#            device path and staged) and 2 ranks on one GPU (DDP over gloo; mpidp staged), and
+#            scripts/gpu/profile_step.py (torch.profiler tables of one rank's steps, each path)
+#   cpu      bench_step.py on the CPU at 2 ranks: the hook and step figures with cores to
+#            spare, which the 2-core development machine (2 ranks, nothing else running)
+#            cannot give
 #
 # Output (--out, default gpu-check-out/): gpu_check.log (everything printed),
 # gpu_check.json (each step's status and seconds, the environment, and the
@@ -44,7 +46,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-STEPS=(setup build kernels dp daso c10d example bench)
+STEPS=(setup build kernels dp daso c10d example pack step cpu)
 OUT=gpu-check-out
 WHEELS=.whl
 WHEEL_LIST=scripts/gpu_wheels.txt
@@ -322,23 +324,35 @@ step_example() {
     MPIDP_RANKS_PER_NODE=1 run 300 example.2nodes ./scripts/mpirun.sh 2 "$PY" "${args[@]}"
 }
 
-step_bench() {
-    run 120 bench.pack "$PY" benchmarks/bench_pack.py --device cuda
+step_pack() {
     if [ $DRY = 1 ]; then
-        run 300 bench.step.1rank ./scripts/mpirun.sh 1 "$PY" benchmarks/bench_step.py --device cuda --json
-        run 300 bench.step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json
-        run 300 bench.profile "$PY" scripts/gpu/profile_step.py
-        run 300 bench.step.cpu ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json
+        run 120 pack "$PY" benchmarks/bench_pack.py --device cuda --json
+    else
+        run 120 pack "$PY" benchmarks/bench_pack.py --device cuda --json | tee "$OUT/bench_pack.json"
+    fi
+}
+
+step_step() {
+    if [ $DRY = 1 ]; then
+        run 300 step.1rank ./scripts/mpirun.sh 1 "$PY" benchmarks/bench_step.py --device cuda --json
+        run 300 step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json
+        run 300 step.profile "$PY" scripts/gpu/profile_step.py
         return
     fi
-    run 120 bench.pack.json "$PY" benchmarks/bench_pack.py --device cuda --json >"$OUT/bench_pack.json"
-    run 300 bench.step.1rank ./scripts/mpirun.sh 1 "$PY" benchmarks/bench_step.py --device cuda --json \
+    run 300 step.1rank ./scripts/mpirun.sh 1 "$PY" benchmarks/bench_step.py --device cuda --json \
         | tee "$OUT/bench_step_1rank.json"
-    run 300 bench.step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json \
+    run 300 step.2ranks ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cuda --json \
         | tee "$OUT/bench_step_2ranks.json"
-    run 300 bench.profile "$PY" scripts/gpu/profile_step.py >"$OUT/profile_step.txt"
-    run 300 bench.step.cpu ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json \
-        | tee "$OUT/bench_step_cpu_2ranks.json"
+    run 300 step.profile "$PY" scripts/gpu/profile_step.py >"$OUT/profile_step.txt"
+}
+
+step_cpu() {
+    if [ $DRY = 1 ]; then
+        run 300 cpu.step ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json
+    else
+        run 300 cpu.step ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_step.py --device cpu --json \
+            | tee "$OUT/bench_step_cpu_2ranks.json"
+    fi
 }
 
 summarize() {  # gpu_check.json: the steps' status and the measurements, in one file

@@ -13,10 +13,10 @@ from mpi_jobs import ROOT, clean_env
 pytestmark = pytest.mark.serial
 
 SCRIPT = str(ROOT / "scripts" / "gpu_check.sh")
-STEPS = ["setup.wheels", "setup.mpi", "build.mpidp", "build.import", "kernels", "dp.1rank",
-         "dp.2ranks", "daso.1rank", "daso.2ranks", "daso.nccl", "c10d.cuda", "c10d.bench",
-         "c10d.tests.2ranks", "example.1node",
-         "example.2nodes", "bench.pack", "bench.step.1rank", "bench.step.2ranks"]
+STEPS = ["setup.wheels", "setup.mpi", "build.mpidp", "build.import", "kernels", "dp.1rank.nccl",
+         "dp.2ranks.staged", "daso.1rank", "daso.2ranks", "daso.nccl", "c10d.cuda", "c10d.bench",
+         "c10d.tests.2ranks", "example.1node", "example.2nodes", "pack", "step.1rank",
+         "step.2ranks", "step.profile", "cpu.step"]
 
 
 def gpu_check(*args: str):
@@ -51,12 +51,12 @@ def test_dry_run_lists_every_step_and_touches_nothing(tmp_path):
 
 def test_only_selects_steps_and_setup_and_build_always_run(tmp_path):
     """A fresh GPU machine has no build: `--only dp` must still build first."""
-    rc, out = gpu_check("--dry-run", "--only", "kernels,bench", "--wheels",
+    rc, out = gpu_check("--dry-run", "--only", "kernels,step", "--wheels",
                         str(tmp_path / "none"))
     assert rc == 0, out
     assert "wheels not fetched yet" in out
     assert "setup.wheels" in out and "build.mpidp" in out and "build.import" in out
-    assert "[dry-run] kernels" in out and "bench.step.2ranks" in out
+    assert "[dry-run] kernels" in out and "step.2ranks" in out and "step.profile" in out
     assert "dp.1rank" not in out and "daso" not in out and "example" not in out
 
 

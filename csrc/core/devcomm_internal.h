@@ -40,6 +40,7 @@ struct mpidp_devcomm {
     size_t n_sops, cap_sops;
     int nccl_version;
     void *nccl_comm;        /* ncclComm_t */
+    int blocking_comm;      /* NCCL refused the non-blocking config: made blocking */
     struct mpidp_nccl_api *api;
 };
 

@@ -18,7 +18,7 @@
 #include "mpidp/status.h"
 #include "mpidp/tensor.h"
 
-enum { NCCL_SUCCESS = 0, NCCL_IN_PROGRESS = 7 };
+enum { NCCL_SUCCESS = 0, NCCL_INVALID_ARGUMENT = 4, NCCL_INVALID_USAGE = 5, NCCL_IN_PROGRESS = 7 };
 enum { NCCL_SUM = 0 };
 enum { CUDA_SUCCESS = 0, CUDA_NOT_READY = 600, CUDA_EVENT_DISABLE_TIMING = 0x02 };
 #define NCCL_ID_BYTES 128
@@ -46,6 +46,7 @@ struct mpidp_nccl_api {
     int (*get_version)(int *);
     int (*get_unique_id)(nccl_id_t *);
     int (*comm_init_rank_config)(void **, int, nccl_id_t, int, nccl_config_t *);
+    int (*comm_init_rank)(void **, int, nccl_id_t, int);
     int (*all_reduce)(const void *, void *, size_t, int, int, void *, void *);
     int (*comm_get_async_error)(void *, int *);
     int (*comm_abort)(void *);
@@ -81,6 +82,7 @@ static int open_libraries(struct mpidp_nccl_api *a, const char *nccl_path, const
         {(void **)&a->get_version, a->lib, "ncclGetVersion", nccl_path},
         {(void **)&a->get_unique_id, a->lib, "ncclGetUniqueId", nccl_path},
         {(void **)&a->comm_init_rank_config, a->lib, "ncclCommInitRankConfig", nccl_path},
+        {(void **)&a->comm_init_rank, a->lib, "ncclCommInitRank", nccl_path},
         {(void **)&a->all_reduce, a->lib, "ncclAllReduce", nccl_path},
         {(void **)&a->comm_get_async_error, a->lib, "ncclCommGetAsyncError", nccl_path},
         {(void **)&a->comm_abort, a->lib, "ncclCommAbort", nccl_path},
@@ -214,7 +216,14 @@ int mpidp_devcomm_create_nccl(MPI_Comm comm, mpidp_reqtable_t *reqs, const char 
                              .cga_cluster_size = NCCL_UNDEF_INT, .min_ctas = NCCL_UNDEF_INT,
                              .max_ctas = NCCL_UNDEF_INT, .net_name = NULL};
         int nrc = a->comm_init_rank_config(&dc->nccl_comm, dc->size, id, dc->rank, &cfg);
-        if (nrc != NCCL_SUCCESS && nrc != NCCL_IN_PROGRESS) rc = nccl_fail(dc, nrc, "ncclCommInitRankConfig");
+        if (nrc == NCCL_INVALID_ARGUMENT || nrc == NCCL_INVALID_USAGE) {
+            /* A library that does not take this config: the blocking set-up
+             * (every rank got here, so all are on their way into it). */
+            dc->nccl_comm = NULL;
+            nrc = a->comm_init_rank(&dc->nccl_comm, dc->size, id, dc->rank);
+            dc->blocking_comm = 1;
+        }
+        if (nrc != NCCL_SUCCESS && nrc != NCCL_IN_PROGRESS) rc = nccl_fail(dc, nrc, "ncclCommInitRank");
         else rc = settle(dc, deadline, "ncclCommInitRankConfig");
         int ok = rc == MPIDP_OK;
         int arc = agree(dc, ok, timeout_s);

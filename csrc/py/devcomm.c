@@ -23,6 +23,19 @@ typedef struct {
     PyObject *comm; /* the Comm must outlive the device communicator */
 } devcomm_t;
 
+/* The communicator, or NULL with a RuntimeError once closed. */
+static mpidp_devcomm_t *open_dc(devcomm_t *d)
+{
+    if (d->dc == NULL) PyErr_SetString(PyExc_RuntimeError, "DevComm: closed");
+    return d->dc;
+}
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define finalizing() Py_IsFinalizing()
+#else
+#define finalizing() _Py_IsFinalizing()
+#endif
+
 static PyObject *ticket_of(mpidp_req_t h)
 {
     return PyLong_FromUnsignedLongLong(((unsigned long long)h.slot << 32) | h.gen);
@@ -81,7 +94,7 @@ static PyObject *devcomm_allreduce_(devcomm_t *d, PyObject *args)
     const char *what;
     if (!PyArg_ParseTuple(args, "KKiKs:allreduce_", &ptr, &count, &dtype, &stream, &what))
         return NULL;
-    if (mpidp_py_check_not_forked("device allreduce") < 0) return NULL;
+    if (mpidp_py_check_not_forked("device allreduce") < 0 || open_dc(d) == NULL) return NULL;
     mpidp_req_t h;
     if (MPIDP_PY_CALL(d->st, "device allreduce",
                       mpidp_devcomm_allreduce_start(d->dc, (void *)(uintptr_t)ptr, (size_t)count,
@@ -93,7 +106,7 @@ static PyObject *devcomm_allreduce_(devcomm_t *d, PyObject *args)
 static PyObject *devcomm_wait(devcomm_t *d, PyObject *arg)
 {
     mpidp_req_t h;
-    if (req_of(arg, &h) < 0) return NULL;
+    if (req_of(arg, &h) < 0 || open_dc(d) == NULL) return NULL;
     int rc;
     mpidp_error_clear();
     MPIDP_PY_WAIT(d->st, rc, mpidp_devcomm_wait(d->dc, h, mpidp_py_timeout_s));
@@ -113,19 +126,36 @@ static PyObject *devcomm_test(devcomm_t *d, PyObject *arg)
 static PyObject *devcomm_abort(devcomm_t *d, PyObject *unused)
 {
     (void)unused;
-    mpidp_devcomm_abort(d->dc);
+    if (d->dc) mpidp_devcomm_abort(d->dc);
+    Py_RETURN_NONE;
+}
+
+/* close(): waits for what is in flight (aborting what does not end by the
+ * deadline) and frees the communicator; later calls raise. */
+static PyObject *devcomm_close(devcomm_t *d, PyObject *unused)
+{
+    (void)unused;
+    mpidp_devcomm_t *dc = d->dc;
+    d->dc = NULL;
+    if (dc) {
+        Py_BEGIN_ALLOW_THREADS
+        mpidp_devcomm_destroy(dc, mpidp_mpi_finalized() ? 0 : mpidp_py_timeout_s);
+        Py_END_ALLOW_THREADS
+    }
     Py_RETURN_NONE;
 }
 
 static PyObject *devcomm_get_kind(devcomm_t *d, void *c)
 {
     (void)c;
+    if (open_dc(d) == NULL) return NULL;
     return PyUnicode_FromString(mpidp_devcomm_kind(d->dc) == MPIDP_DEVCOMM_NCCL ? "nccl" : "standin");
 }
 
 static PyObject *devcomm_get_version(devcomm_t *d, void *c)
 {
     (void)c;
+    if (open_dc(d) == NULL) return NULL;
     return PyLong_FromLong(mpidp_devcomm_version(d->dc));
 }
 
@@ -138,7 +168,11 @@ static PyObject *devcomm_get_aborted(devcomm_t *d, void *c)
 static void devcomm_dealloc(devcomm_t *d)
 {
     PyTypeObject *tp = Py_TYPE(d);
-    if (d->dc) mpidp_devcomm_destroy(d->dc, mpidp_mpi_finalized() ? 0 : mpidp_py_timeout_s);
+    /* At interpreter shutdown the CUDA runtime may already be gone: the
+     * process is ending, and the communicator is left to it (close() at
+     * exit, _device_reduction.py, normally came first). */
+    if (d->dc && !finalizing())
+        mpidp_devcomm_destroy(d->dc, mpidp_mpi_finalized() ? 0 : mpidp_py_timeout_s);
     Py_CLEAR(d->comm);
     tp->tp_free((PyObject *)d);
     Py_DECREF(tp);
@@ -150,6 +184,7 @@ static PyMethodDef devcomm_methods[] = {
     {"wait", (PyCFunction)devcomm_wait, METH_O, "wait(ticket): until the sum is over; raises its failure."},
     {"test", (PyCFunction)devcomm_test, METH_O, "test(ticket) -> the sum is over."},
     {"abort", (PyCFunction)devcomm_abort, METH_NOARGS, "End what is in flight; refuse new sums."},
+    {"close", (PyCFunction)devcomm_close, METH_NOARGS, "Wait for what is in flight, then free."},
     {NULL, NULL, 0, NULL},
 };
 

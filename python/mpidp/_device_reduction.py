@@ -27,6 +27,7 @@ waits for that request, so a missing wait reads an unreduced bucket.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import socket
@@ -36,6 +37,7 @@ import torch
 
 from . import _C
 from . import _config as config
+from . import _mpi  # noqa: F401 -- its exit handler registers first, so runs after ours
 from ._dtypes import code_of
 
 # Per member parameter of a bucket: its offset and length in the bucket.
@@ -68,7 +70,7 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
         reason = "NCCL is not loaded in this process (torch's libnccl)"
     views = mpi_comm.allgather((reason, gpu_id, by_arguments))
     if asked == "standin":
-        return _C.DevComm(c_comm, "standin")
+        return _shared(c_comm, "standin", lambda: _C.DevComm(c_comm, "standin"))
     if any(v[2] for v in views):
         return None
     problem = next((f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0]), None)
@@ -81,7 +83,43 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
         return None
     nccl, cudart = libs
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _C.DevComm(c_comm, "nccl", nccl, cudart, index)
+    return _shared(c_comm, f"nccl:{index}", lambda: _C.DevComm(c_comm, "nccl", nccl, cudart, index))
+
+
+# One device communicator per (communicator, device), shared by every
+# DataParallel over it: an NCCL communicator costs a collective set-up and
+# device memory, and the wrappers' sums must reach the GPU in one program
+# order, so they share one side stream too. Kept (with the Comm, whose id is
+# the key) until exit, where they are closed while CUDA and MPI still run.
+_SHARED: dict = {}
+
+
+def _shared(c_comm, key: str, make):
+    entry = _SHARED.get((id(c_comm), key))
+    if entry is None or entry[1].aborted:
+        entry = (c_comm, make())
+        _SHARED[(id(c_comm), key)] = entry
+    return entry[1]
+
+
+def side_stream(devcomm, device: torch.device):
+    """The stream devcomm's sums run on (one per device communicator)."""
+    stream = _STREAMS.get(id(devcomm))
+    if stream is None:
+        stream = _STREAMS[id(devcomm)] = torch.cuda.Stream(device)
+    return stream
+
+
+_STREAMS: dict = {}
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    # Registered after mpidp._mpi's exit handler, so it runs before it (and
+    # before MPI_Finalize): what is in flight lands, then NCCL is torn down.
+    for _, devcomm in _SHARED.values():
+        devcomm.close()
+    _SHARED.clear()
 
 
 def _gpu_identity(device: torch.device) -> str:
@@ -134,7 +172,7 @@ class DeviceReduction:
         self._name = name
         self._done: list = [None] * len(dev)      # per bucket: the sum in flight
         self._posted = [False] * len(dev)
-        self._side = None if self._standin else torch.cuda.Stream(dev[0].device) if dev else None
+        self._side = None if self._standin or not dev else side_stream(devcomm, dev[0].device)
 
     # -- the hook side -----------------------------------------------------------
 
