@@ -12,7 +12,7 @@
 
 #define MPIDP_GRAD_HOOK_API_CAPSULE "mpidp._C._grad_hook_api"
 /* Raised whenever the table or the meaning of an entry changes. */
-#define MPIDP_GRAD_HOOK_API_VERSION 2
+#define MPIDP_GRAD_HOOK_API_VERSION 3
 
 /* What an observer says parameter i's .grad is. */
 enum { MPIDP_GRAD_HOOK_NONE, MPIDP_GRAD_HOOK_VIEW, MPIDP_GRAD_HOOK_OTHER };
@@ -28,9 +28,12 @@ typedef struct {
     PyObject *(*param)(PyObject *reducer, size_t i);
     PyObject *(*view)(PyObject *reducer, size_t i);
     /* GIL not needed. Parameter i's .grad is its bucket view: mark it, as
-     * grad_arrived would. 1: done; 0: nothing done, the caller must call
-     * grad_arrived(i, param) (a backward opens, a forked process); -1: the
-     * core failed with *status (call `raise` with the GIL). */
+     * grad_arrived would. 1: done; 2: done, and a full bucket waits for the
+     * reducer's Python method bucket_full() (device-resident buckets: the
+     * caller calls it with the GIL, once per bucket rather than per
+     * parameter); 0: nothing done, the caller must call grad_arrived(i,
+     * param) (a backward opens, a forked process); -1: the core failed with
+     * *status (call `raise` with the GIL). */
     int (*arrived)(PyObject *reducer, size_t i, int *status);
     /* GIL held: sets the Python exception for a failed `arrived`. */
     void (*raise)(PyObject *reducer, int status);

@@ -212,6 +212,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->views = Py_NewRef(views);
     r->bucket_tensors = Py_NewRef(buckets);
     r->on_backward = Py_NewRef(on_backward);
+    r->device = device;
     r->n_params = (size_t)np;
     r->buckets = calloc(nb ? (size_t)nb : 1, sizeof *r->buckets);
     r->seen = calloc(np ? (size_t)np : 1, 1);

@@ -23,7 +23,7 @@
 
 #include "grad_hook_api.h"
 
-static PyObject *str_grad, *str_copy_, *str_detach, *str_zero_;
+static PyObject *str_grad, *str_copy_, *str_detach, *str_zero_, *str_bucket_full;
 
 int mpidp_py_reducer_pass_init(void)
 {
@@ -32,7 +32,8 @@ int mpidp_py_reducer_pass_init(void)
     str_copy_ = PyUnicode_InternFromString("copy_");
     str_detach = PyUnicode_InternFromString("detach");
     str_zero_ = PyUnicode_InternFromString("zero_");
-    return str_grad && str_copy_ && str_detach && str_zero_ ? 0 : -1;
+    str_bucket_full = PyUnicode_InternFromString("bucket_full");
+    return str_grad && str_copy_ && str_detach && str_zero_ && str_bucket_full ? 0 : -1;
 }
 
 /* The hooks' progress interval: MPIDP_HOOK_PROGRESS=0 turns it off (-1). */
@@ -131,6 +132,20 @@ static int take_grad(mpidp_py_reducer_t *r, size_t i, PyObject *param)
     return foreign && adopt(r, i) < 0 ? -1 : has;
 }
 
+/* Device mode: a full bucket waits for Python to start its sum on the device. */
+static int bucket_waits(const mpidp_py_reducer_t *r)
+{
+    return r->device && mpidp_reducer_next_to_stage(r->core, 0, NULL);
+}
+
+/* The owner's bucket_full(): starts the sums of the full buckets (GIL held). */
+static int call_bucket_full(PyObject *self)
+{
+    PyObject *res = PyObject_CallMethodNoArgs(self, str_bucket_full);
+    Py_XDECREF(res);
+    return res ? 0 : -1;
+}
+
 PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;
@@ -152,6 +167,7 @@ PyObject *mpidp_py_reducer_grad_arrived(PyObject *self, PyObject *const *args, P
     if (has < 0 || CORE(r, "DataParallel backward",
                         mpidp_reducer_grad_hooked(r->core, (size_t)i, has, hook_progress_every())) < 0)
         return NULL;
+    if (bucket_waits(r) && call_bucket_full(self) < 0) return NULL;
     /* As a node post hook (4 arguments) it must return None: autograd reads a
      * result as replacement gradients. */
     if (opened && nargs == 2) Py_RETURN_TRUE;
@@ -345,7 +361,8 @@ static int hook_arrived(PyObject *self, size_t i, int *status)
     mpidp_error_clear();
     int rc = mpidp_reducer_grad_hooked(r->core, i, 1, hook_progress_every());
     *status = rc;
-    return rc == MPIDP_OK ? 1 : -1;
+    if (rc != MPIDP_OK) return -1;
+    return bucket_waits(r) ? 2 : 1;
 }
 
 static void hook_raise(PyObject *self, int status)

@@ -81,6 +81,13 @@ struct ArrivedHook final : torch::autograd::FunctionPostHook {
             int status = 0;
             int done = api->arrived(reducer, index, &status);
             if (done == 1) return outputs;
+            if (done == 2) { /* a full device bucket: its sum starts from Python */
+                pybind11::gil_scoped_acquire gil;
+                PyObject *res = PyObject_CallMethod(reducer, "bucket_full", nullptr);
+                if (res == nullptr) throw_python_error();
+                Py_DECREF(res);
+                return outputs;
+            }
             if (done < 0) {
                 pybind11::gil_scoped_acquire gil;
                 api->raise(reducer, status);

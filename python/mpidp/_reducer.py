@@ -94,16 +94,18 @@ class GradientReducer(_C.Reducer):
         the gradient is therefore included in the average): a post hook of the
         parameter's gradient accumulator node, as torch DDP's. In C++ where
         mpidp._grad_hook is available (no Python call per parameter); in
-        Python otherwise, and always with staging, which copies buckets from
-        Python after each hook."""
+        Python otherwise, and always with host staging, which copies buckets
+        from Python after each hook (device-resident buckets are started by
+        bucket_full, called from C once per bucket)."""
         cpp = cpp_hook_module()
-        if self._staging is None and cpp is not None:
+        if (self._staging is None or self.device_resident) and cpp is not None:
             return [cpp.install(self)]
         return [_AccumulatorHook(p, self._python_hook(i, p)) for i, p in enumerate(params)]
 
     def _python_hook(self, i: int, param: torch.Tensor):
         """Parameter i's accumulator post hook, called (grad_inputs, grad_outputs)."""
-        if self._staging is None:
+        if self._staging is None or self.device_resident:
+            # Device-resident buckets: grad_arrived calls bucket_full() itself.
             # A C call per gradient, no Python frame.
             return functools.partial(self.grad_arrived, i, param)
         staging = self._staging
@@ -112,6 +114,11 @@ class GradientReducer(_C.Reducer):
             reducer.grad_arrived(i, param)
             staging.stage_full(reducer, flush=False)
         return staged_hook
+
+    def bucket_full(self) -> None:
+        """Device-resident buckets: the hooks' call (C, once per bucket) when a
+        bucket is full: its sum starts on the device."""
+        self._staging.stage_full(self, flush=False)
 
     # -- backward -------------------------------------------------------------
 
