@@ -19,8 +19,8 @@
 #   kernels  tests/test_cuda_kernels.py: every CUDA kernel against the CPU reference, bit for bit
 #   dp       DataParallel on CUDA tensors (blocking and non-blocking, fp32 and bf16/fp16 wire)
 #            against the single-process reference: at 1 rank on the device path (buckets
-#            summed by NCCL; MPIDP_DP_DEVICE_COMM=nccl, so that a fallback cannot hide), at 2
-#            ranks on one GPU through the host staging path (NCCL needs a GPU per rank)
+#            summed by NCCL; tests/test_device_reduction.py insists on it), at 2 ranks on
+#            one GPU through the host staging path (NCCL needs a GPU per rank)
 #   daso     DASO on CUDA tensors (host mirror) at 1 and 2 ranks, nodes of 1 and 2 ranks
 #            (node-local DDP over gloo: two ranks share the GPU), and scripts/gpu/daso_nccl.py:
 #            whether NCCL accepts two ranks on one GPU, and DASO over it where it does
@@ -160,6 +160,7 @@ check_wheels() {
 # Files the steps run: a renamed test or script fails the dry run, not the GPU run.
 NEEDED=(setup.py tests/test_cuda_kernels.py tests/test_data_parallel.py tests/test_nonblocking.py
         tests/test_compressed_allreduce.py tests/test_join.py tests/test_staging.py tests/test_daso.py
+        tests/test_device_reduction.py
         scripts/gpu/daso_nccl.py scripts/gpu/c10d_cuda.py tests/test_c10d_collectives.py
         tests/test_c10d_training.py benchmarks/bench_c10d.py scripts/run_pytest.sh scripts/mpirun.sh examples/imagenet_daso.py
         benchmarks/bench_pack.py benchmarks/bench_step.py scripts/gpu/profile_step.py)
@@ -287,10 +288,10 @@ step_kernels() {
 }
 
 DP_TESTS=(tests/test_data_parallel.py tests/test_nonblocking.py tests/test_compressed_allreduce.py
-          tests/test_join.py tests/test_staging.py)
+          tests/test_join.py tests/test_staging.py tests/test_device_reduction.py)
 step_dp() {
-    MPIDP_DP_DEVICE_COMM=nccl pytest_cuda 1 dp.1rank.nccl "${DP_TESTS[@]}"
-    pytest_cuda 2 dp.2ranks.staged "${DP_TESTS[@]}"
+    pytest_cuda 1 dp.1rank "${DP_TESTS[@]}"
+    pytest_cuda 2 dp.2ranks "${DP_TESTS[@]}"
 }
 
 step_daso() {

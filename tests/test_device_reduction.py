@@ -3,25 +3,33 @@ summed where they live, NCCL on a GPU), run on CPU tensors through its MPI
 stand-in (MPIDP_DP_DEVICE_COMM=standin) so that its ordering -- what is
 posted when, what waits for which sum, the non-blocking mode's deliveries
 from its own buffers -- is checked on machines without a GPU, against the
-same single-process references as the host path."""
+same single-process references as the host path. Under
+MPIDP_TEST_DEVICE=cuda (scripts/gpu_check.sh) the same tests run on NCCL
+(MPIDP_DP_DEVICE_COMM=nccl), where every rank has a GPU of its own."""
 
 import pytest
 import torch
 
 import mpidp
+from dp_reference import DEVICE
 import test_data_parallel as blocking_tests
 import test_ddp_habits as ddp_habits
 import test_join as join_tests
 import test_nonblocking as nonblocking_tests
 
 
+ON_GPU = DEVICE.type == "cuda"
+if ON_GPU and mpidp.size() > torch.cuda.device_count():
+    pytest.skip("NCCL needs a GPU per rank; these ranks share one", allow_module_level=True)
+
+
 @pytest.fixture(autouse=True)
-def standin(monkeypatch):
-    monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "standin")
+def device_path(monkeypatch):
+    monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "nccl" if ON_GPU else "standin")
 
 
-def test_the_standin_is_the_path_taken():
-    dp = mpidp.DataParallel(torch.nn.Linear(3, 2))
+def test_the_device_path_is_the_one_taken():
+    dp = mpidp.DataParallel(torch.nn.Linear(3, 2).to(DEVICE))
     assert dp._reducer.device_resident
 
 
@@ -67,7 +75,12 @@ def test_the_setting_must_match_across_ranks(monkeypatch):
         mpidp.DataParallel(torch.nn.Linear(3, 2))
 
 
-def test_standin_refuses_gpu_parameters_and_nccl_refuses_cpu(monkeypatch):
+def test_wire_compression_and_hierarchy_go_through_the_host():
+    dp = mpidp.DataParallel(torch.nn.Linear(3, 2).to(DEVICE), wire_dtype=torch.bfloat16)
+    assert not dp._reducer.device_resident
+
+
+def test_nccl_refuses_cpu_parameters(monkeypatch):
     monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "nccl")
     with pytest.raises(ValueError, match="MPIDP_DP_DEVICE_COMM=nccl: rank 0: the parameters are on cpu"):
         mpidp.DataParallel(torch.nn.Linear(3, 2))

@@ -13,8 +13,8 @@ from mpi_jobs import ROOT, clean_env
 pytestmark = pytest.mark.serial
 
 SCRIPT = str(ROOT / "scripts" / "gpu_check.sh")
-STEPS = ["setup.wheels", "setup.mpi", "build.mpidp", "build.import", "kernels", "dp.1rank.nccl",
-         "dp.2ranks.staged", "daso.1rank", "daso.2ranks", "daso.nccl", "c10d.cuda", "c10d.bench",
+STEPS = ["setup.wheels", "setup.mpi", "build.mpidp", "build.import", "kernels", "dp.1rank",
+         "dp.2ranks", "daso.1rank", "daso.2ranks", "daso.nccl", "c10d.cuda", "c10d.bench",
          "c10d.tests.2ranks", "example.1node", "example.2nodes", "pack", "step.1rank",
          "step.2ranks", "step.profile", "cpu.step"]
 

@@ -60,7 +60,7 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
         raise ValueError("MPIDP_DP_DEVICE_COMM=standin runs the device path's logic on CPU "
                          f"tensors (tests); the parameters are on {device}")
     # DataParallel's own arguments may choose a path through the host.
-    by_arguments = asked != "standin" and (wire or hierarchical or fault_tolerant)
+    by_arguments = bool(wire or hierarchical or fault_tolerant)
     reason = None
     if asked != "standin" and device.type != "cuda":
         reason = f"the parameters are on {device}"
@@ -69,10 +69,10 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
     if gpu_id is not None and not by_arguments and libs is None:
         reason = "NCCL is not loaded in this process (torch's libnccl)"
     views = mpi_comm.allgather((reason, gpu_id, by_arguments))
-    if asked == "standin":
-        return _shared(c_comm, "standin", lambda: _C.DevComm(c_comm, "standin"))
     if any(v[2] for v in views):
         return None
+    if asked == "standin":
+        return _shared(c_comm, "standin", lambda: _C.DevComm(c_comm, "standin"))
     problem = next((f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0]), None)
     ids = [v[1] for v in views]
     if problem is None and len(set(ids)) < len(ids):

@@ -59,7 +59,8 @@ def broadcast_buffers(module: torch.nn.Module, comm: "_C.Comm") -> None:
     torch DDP's: BatchNorm saves its running statistics for backward, and a
     forward run twice before one backward failed that backward with torch's
     in-place error on the ranks that received (rank 0 copies nothing)."""
-    broadcast_tensors([b.data for b in module.buffers()], comm)
+    if comm.size > 1:  # listing the buffers costs more than one rank's forward of a small model
+        broadcast_tensors([b.data for b in module.buffers()], comm)
 
 
 def _pack_bytes(group):
