@@ -203,8 +203,10 @@ int mpidp_devcomm_create_nccl(MPI_Comm comm, mpidp_reqtable_t *reqs, const char 
                             dc->nccl_version);
     if (local == MPIDP_OK && a->set_device(device) != CUDA_SUCCESS)
         local = mpidp__fail(MPIDP_ECUDA, "device communicator: cudaSetDevice(%d) failed", device);
+    char local_detail[256] = "";
+    if (local != MPIDP_OK) snprintf(local_detail, sizeof local_detail, "%s", mpidp_error_detail());
     rc = agree(dc, local == MPIDP_OK, timeout_s);
-    if (local != MPIDP_OK) rc = local;
+    if (local != MPIDP_OK) rc = mpidp__fail(local, "%s", local_detail); /* this rank's own cause */
     nccl_id_t id;
     if (rc == MPIDP_OK) rc = share_id(dc, &id, timeout_s);
     double deadline = mpidp_now() + (timeout_s > 0 ? timeout_s : 1e30);
