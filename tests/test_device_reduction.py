@@ -16,6 +16,7 @@ import test_data_parallel as blocking_tests
 import test_ddp_habits as ddp_habits
 import test_join as join_tests
 import test_nonblocking as nonblocking_tests
+import test_rewrap as rewrap_tests
 
 
 ON_GPU = DEVICE.type == "cuda"
@@ -84,3 +85,38 @@ def test_nccl_refuses_cpu_parameters(monkeypatch):
     monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "nccl")
     with pytest.raises(ValueError, match="MPIDP_DP_DEVICE_COMM=nccl: rank 0: the parameters are on cpu"):
         mpidp.DataParallel(torch.nn.Linear(3, 2))
+
+
+# The habits users bring, on the device path, against the same references.
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+@pytest.mark.parametrize("habit", ["clip", "amp", "amp-step-only"])
+def test_clipping_and_grad_scaler_between_backward_and_step(habit, blocking):
+    blocking_tests.test_clipping_and_grad_scaler_between_backward_and_step(habit, blocking)
+
+
+def test_nonblocking_edit_without_synchronize_raises_instead_of_being_lost():
+    blocking_tests.test_nonblocking_edit_without_synchronize_raises_instead_of_being_lost()
+
+
+@pytest.mark.parametrize("zero_grad", ["none", "zeros", "after_forward"])
+def test_parameter_unused_in_some_steps_and_ranks(zero_grad):
+    blocking_tests.test_parameter_unused_in_some_steps_and_ranks(zero_grad)
+
+
+def test_tied_and_frozen_parameters_and_500_small_tensors():
+    blocking_tests.test_tied_parameters()
+    blocking_tests.test_frozen_parameters_stay_frozen_and_equal()
+    blocking_tests.test_500_small_parameter_tensors()
+
+
+def test_gradient_accumulation_and_no_optimizer():
+    blocking_tests.test_gradient_accumulation(blocking_tests.adam)
+    blocking_tests.test_without_optimizer_gradients_are_averaged()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_wrapping_again_and_dropping_a_wrapper(blocking, monkeypatch):
+    rewrap_tests.test_a_second_wrapper_replaces_the_first(blocking)
+    rewrap_tests.test_wrap_drop_wrap_again_keeps_one_set_of_hooks(blocking)
+    rewrap_tests.test_a_dropped_wrapper_is_freed_at_once(blocking, False, monkeypatch)
