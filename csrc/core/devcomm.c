@@ -14,6 +14,7 @@
 #include "mpidp/tensor.h"
 
 static void standin_land(mpidp_devcomm_t *dc, mpidp_req_t h);
+static void set_failed(mpidp_devcomm_t *dc, int status, const char *detail);
 
 /* --- generalized requests: MPI learns of an NCCL operation's end here ----- */
 
@@ -40,7 +41,7 @@ static void complete_op(mpidp_devcomm_t *dc, size_t k)
     dc->ops[k] = dc->ops[--dc->n_ops];
 }
 
-void mpidp__devcomm_fail_all(mpidp_devcomm_t *dc)
+static void fail_all(mpidp_devcomm_t *dc)
 {
     while (dc->n_ops > 0) complete_op(dc, dc->n_ops - 1);
 }
@@ -52,19 +53,23 @@ static void engine(void *ctx)
     mpidp_devcomm_t *dc = ctx;
     for (size_t k = 0; k < dc->n_ops;) {
         int passed = mpidp__nccl_event_passed(dc, dc->ops[k].event);
-        if (passed < 0) { /* the detail is recorded; nothing in flight can be trusted */
+        if (passed < 0) { /* nothing in flight can be trusted */
+            set_failed(dc, MPIDP_ECUDA, mpidp_error_detail());
             mpidp_devcomm_abort(dc);
             return;
         }
         if (passed) complete_op(dc, k);
         else k++;
     }
-    if (dc->n_ops > 0 && mpidp__nccl_async_error(dc)) mpidp_devcomm_abort(dc);
+    if (dc->n_ops > 0 && mpidp__nccl_async_error(dc)) {
+        set_failed(dc, MPIDP_ECUDA, mpidp_error_detail());
+        mpidp_devcomm_abort(dc);
+    }
 }
 
 /* --- the communicator ------------------------------------------------------ */
 
-int mpidp__devcomm_alloc(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_kind_t kind,
+static int alloc_devcomm(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_kind_t kind,
                          mpidp_devcomm_t **out)
 {
     mpidp_devcomm_t *dc = calloc(1, sizeof *dc);
@@ -78,17 +83,33 @@ int mpidp__devcomm_alloc(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_ki
     return MPIDP_OK;
 }
 
-int mpidp__devcomm_add_engine(mpidp_devcomm_t *dc)
+int mpidp_devcomm_create_nccl(MPI_Comm comm, mpidp_reqtable_t *reqs, const char *nccl_path,
+                              const char *cudart_path, int device, double timeout_s,
+                              mpidp_devcomm_t **out)
 {
-    int rc = mpidp_reqtable_engine_add(dc->reqs, engine, dc);
-    if (rc == MPIDP_OK) dc->engine_added = 1;
-    return rc;
+    if (reqs == NULL || out == NULL || nccl_path == NULL || cudart_path == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "device communicator: NULL argument");
+    mpidp_devcomm_t *dc = NULL;
+    int rc = alloc_devcomm(comm, reqs, MPIDP_DEVCOMM_NCCL, &dc);
+    if (rc != MPIDP_OK) return rc;
+    rc = mpidp__nccl_open(dc, nccl_path, cudart_path, device, timeout_s);
+    if (rc == MPIDP_OK && (rc = mpidp_reqtable_engine_add(reqs, engine, dc)) == MPIDP_OK)
+        dc->engine_added = 1;
+    if (rc != MPIDP_OK) {
+        char detail[256];
+        snprintf(detail, sizeof detail, "%s", mpidp_error_detail());
+        mpidp_devcomm_abort(dc);
+        mpidp_devcomm_destroy(dc, 0);
+        return mpidp__fail(rc, "%s", detail);
+    }
+    *out = dc;
+    return MPIDP_OK;
 }
 
 int mpidp_devcomm_create_standin(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_t **out)
 {
     if (reqs == NULL || out == NULL) return mpidp__fail(MPIDP_EINVAL, "device communicator: NULL");
-    return mpidp__devcomm_alloc(comm, reqs, MPIDP_DEVCOMM_STANDIN, out);
+    return alloc_devcomm(comm, reqs, MPIDP_DEVCOMM_STANDIN, out);
 }
 
 mpidp_devcomm_kind_t mpidp_devcomm_kind(const mpidp_devcomm_t *dc) { return dc->kind; }
@@ -97,7 +118,7 @@ int mpidp_devcomm_version(const mpidp_devcomm_t *dc) { return dc->nccl_version; 
 
 int mpidp_devcomm_aborted(const mpidp_devcomm_t *dc) { return dc != NULL && dc->aborted; }
 
-void mpidp__devcomm_set_failed(mpidp_devcomm_t *dc, int status, const char *detail)
+static void set_failed(mpidp_devcomm_t *dc, int status, const char *detail)
 {
     if (dc->fail_status != MPIDP_OK) return;
     dc->fail_status = status;
@@ -111,7 +132,7 @@ int mpidp_devcomm_wait(mpidp_devcomm_t *dc, mpidp_req_t req, double timeout_s)
     if (rc != MPIDP_OK) {
         /* The detail (what was pending) is the wait's; the device work queued
          * behind the operation must not hang on it. */
-        mpidp__devcomm_set_failed(dc, rc, "an earlier device collective failed or timed out");
+        set_failed(dc, rc, "an earlier device collective failed or timed out");
         mpidp_devcomm_abort(dc);
         return rc;
     }
@@ -204,7 +225,7 @@ void mpidp_devcomm_abort(mpidp_devcomm_t *dc)
     if (dc == NULL || dc->aborted) return;
     dc->aborted = 1;
     if (dc->kind == MPIDP_DEVCOMM_NCCL) mpidp__nccl_abort(dc);
-    mpidp__devcomm_fail_all(dc);
+    fail_all(dc);
 }
 
 void mpidp_devcomm_destroy(mpidp_devcomm_t *dc, double timeout_s)

@@ -44,18 +44,16 @@ struct mpidp_devcomm {
     struct mpidp_nccl_api *api;
 };
 
-int mpidp__devcomm_alloc(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_kind_t kind,
-                         mpidp_devcomm_t **out);
-int mpidp__devcomm_add_engine(mpidp_devcomm_t *dc);
-/* Completes every operation in flight (their requests test as done). */
-void mpidp__devcomm_fail_all(mpidp_devcomm_t *dc);
-/* Records why the communicator fails from now on (the first reason stays). */
-void mpidp__devcomm_set_failed(mpidp_devcomm_t *dc, int status, const char *detail);
 
-/* devcomm_nccl.c. The allreduce enqueues ncclAllReduce on `stream` and
- * records an event after it (*event); event_passed: 1 passed, 0 not yet,
- * -1 a CUDA error (recorded on dc); async_error: 1 when NCCL reported an
- * error for the communicator (recorded on dc). */
+/* devcomm_nccl.c, below devcomm.c (it calls nothing there). open: loads
+ * the libraries, agrees with every rank that all could, shares rank 0's
+ * unique id and makes the NCCL communicator under the deadline (collective;
+ * on failure the caller aborts and destroys dc). The allreduce enqueues
+ * ncclAllReduce on `stream` and records an event after it (*event);
+ * event_passed: 1 passed, 0 not yet, -1 a CUDA error; async_error: 1 when
+ * NCCL reported an error for the communicator (both record the detail). */
+int mpidp__nccl_open(mpidp_devcomm_t *dc, const char *nccl_path, const char *cudart_path,
+                     int device, double timeout_s);
 int mpidp__nccl_allreduce(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
                           const char *what, void **event);
 int mpidp__nccl_event_passed(mpidp_devcomm_t *dc, void *event);

@@ -180,20 +180,11 @@ static int agree(mpidp_devcomm_t *dc, int ok, double timeout_s)
                              "rank (its error names the cause)");
 }
 
-int mpidp_devcomm_create_nccl(MPI_Comm comm, mpidp_reqtable_t *reqs, const char *nccl_path,
-                              const char *cudart_path, int device, double timeout_s,
-                              mpidp_devcomm_t **out)
+int mpidp__nccl_open(mpidp_devcomm_t *dc, const char *nccl_path, const char *cudart_path,
+                     int device, double timeout_s)
 {
-    if (reqs == NULL || out == NULL || nccl_path == NULL || cudart_path == NULL)
-        return mpidp__fail(MPIDP_EINVAL, "device communicator: NULL argument");
-    mpidp_devcomm_t *dc;
-    int rc = mpidp__devcomm_alloc(comm, reqs, MPIDP_DEVCOMM_NCCL, &dc);
-    if (rc != MPIDP_OK) return rc;
     struct mpidp_nccl_api *a = dc->api = calloc(1, sizeof *a);
-    if (a == NULL) {
-        free(dc);
-        return mpidp__fail(MPIDP_ENOMEM, "device communicator");
-    }
+    if (a == NULL) return mpidp__fail(MPIDP_ENOMEM, "device communicator");
     /* A rank that cannot load NCCL still takes part in the agreement below,
      * so that no rank waits in NCCL's set-up for it. */
     int local = open_libraries(a, nccl_path, cudart_path);
@@ -205,42 +196,33 @@ int mpidp_devcomm_create_nccl(MPI_Comm comm, mpidp_reqtable_t *reqs, const char 
         local = mpidp__fail(MPIDP_ECUDA, "device communicator: cudaSetDevice(%d) failed", device);
     char local_detail[256] = "";
     if (local != MPIDP_OK) snprintf(local_detail, sizeof local_detail, "%s", mpidp_error_detail());
-    rc = agree(dc, local == MPIDP_OK, timeout_s);
-    if (local != MPIDP_OK) rc = mpidp__fail(local, "%s", local_detail); /* this rank's own cause */
+    int rc = agree(dc, local == MPIDP_OK, timeout_s);
+    if (local != MPIDP_OK) return mpidp__fail(local, "%s", local_detail); /* this rank's own cause */
     nccl_id_t id;
     if (rc == MPIDP_OK) rc = share_id(dc, &id, timeout_s);
+    if (rc != MPIDP_OK) return rc;
     double deadline = mpidp_now() + (timeout_s > 0 ? timeout_s : 1e30);
-    if (rc == MPIDP_OK) {
-        /* Non-blocking, so that a rank that never comes is a timeout here
-         * instead of a hang inside NCCL. */
-        nccl_config_t cfg = {.size = sizeof cfg, .magic = NCCL_CONFIG_MAGIC,
-                             .version = NCCL_CONFIG_VERSION, .blocking = 0,
-                             .cga_cluster_size = NCCL_UNDEF_INT, .min_ctas = NCCL_UNDEF_INT,
-                             .max_ctas = NCCL_UNDEF_INT, .net_name = NULL};
-        int nrc = a->comm_init_rank_config(&dc->nccl_comm, dc->size, id, dc->rank, &cfg);
-        if (nrc == NCCL_INVALID_ARGUMENT || nrc == NCCL_INVALID_USAGE) {
-            /* A library that does not take this config: the blocking set-up
-             * (every rank got here, so all are on their way into it). */
-            dc->nccl_comm = NULL;
-            nrc = a->comm_init_rank(&dc->nccl_comm, dc->size, id, dc->rank);
-            dc->blocking_comm = 1;
-        }
-        if (nrc != NCCL_SUCCESS && nrc != NCCL_IN_PROGRESS) rc = nccl_fail(dc, nrc, "ncclCommInitRank");
-        else rc = settle(dc, deadline, "ncclCommInitRankConfig");
-        int ok = rc == MPIDP_OK;
-        int arc = agree(dc, ok, timeout_s);
-        if (rc == MPIDP_OK) rc = arc;
+    /* Non-blocking, so that a rank that never comes is a timeout here
+     * instead of a hang inside NCCL. */
+    nccl_config_t cfg = {.size = sizeof cfg, .magic = NCCL_CONFIG_MAGIC,
+                         .version = NCCL_CONFIG_VERSION, .blocking = 0,
+                         .cga_cluster_size = NCCL_UNDEF_INT, .min_ctas = NCCL_UNDEF_INT,
+                         .max_ctas = NCCL_UNDEF_INT, .net_name = NULL};
+    int nrc = a->comm_init_rank_config(&dc->nccl_comm, dc->size, id, dc->rank, &cfg);
+    if (nrc == NCCL_INVALID_ARGUMENT || nrc == NCCL_INVALID_USAGE) {
+        /* A library that does not take this config: the blocking set-up
+         * (every rank got here, so all are on their way into it). */
+        dc->nccl_comm = NULL;
+        nrc = a->comm_init_rank(&dc->nccl_comm, dc->size, id, dc->rank);
+        dc->blocking_comm = 1;
     }
-    if (rc == MPIDP_OK) rc = mpidp__devcomm_add_engine(dc);
-    if (rc != MPIDP_OK) {
-        char detail[256];
-        snprintf(detail, sizeof detail, "%s", mpidp_error_detail());
-        mpidp_devcomm_abort(dc);
-        mpidp_devcomm_destroy(dc, 0);
-        return mpidp__fail(rc, "%s", detail);
-    }
-    *out = dc;
-    return MPIDP_OK;
+    if (nrc != NCCL_SUCCESS && nrc != NCCL_IN_PROGRESS) rc = nccl_fail(dc, nrc, "ncclCommInitRank");
+    else rc = settle(dc, deadline, "ncclCommInitRankConfig");
+    char detail[256] = "";
+    if (rc != MPIDP_OK) snprintf(detail, sizeof detail, "%s", mpidp_error_detail());
+    int arc = agree(dc, rc == MPIDP_OK, timeout_s);
+    if (rc != MPIDP_OK) return mpidp__fail(rc, "%s", detail);
+    return arc;
 }
 
 static int cuda_fail(mpidp_devcomm_t *dc, int crc, const char *what)
@@ -282,10 +264,7 @@ int mpidp__nccl_event_passed(mpidp_devcomm_t *dc, void *event)
     int crc = dc->api->event_query(event);
     if (crc == CUDA_SUCCESS) return 1;
     if (crc == CUDA_NOT_READY) return 0;
-    char detail[200];
-    snprintf(detail, sizeof detail, "a device collective failed: CUDA: %s",
-             dc->api->cuda_error_string(crc));
-    mpidp__devcomm_set_failed(dc, MPIDP_ECUDA, detail);
+    mpidp__fail(MPIDP_ECUDA, "a device collective failed: CUDA: %s", dc->api->cuda_error_string(crc));
     return -1;
 }
 
@@ -310,10 +289,8 @@ int mpidp__nccl_async_error(mpidp_devcomm_t *dc)
     int state = NCCL_SUCCESS;
     int nrc = dc->api->comm_get_async_error(dc->nccl_comm, &state);
     if (nrc == NCCL_SUCCESS && (state == NCCL_SUCCESS || state == NCCL_IN_PROGRESS)) return 0;
-    char detail[200];
-    snprintf(detail, sizeof detail, "NCCL reported an error: %s",
-             dc->api->get_error_string(nrc != NCCL_SUCCESS ? nrc : state));
-    mpidp__devcomm_set_failed(dc, MPIDP_ECUDA, detail);
+    mpidp__fail(MPIDP_ECUDA, "NCCL reported an error: %s",
+                dc->api->get_error_string(nrc != NCCL_SUCCESS ? nrc : state));
     return 1;
 }
 

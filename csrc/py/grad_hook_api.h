@@ -28,10 +28,9 @@ typedef struct {
     PyObject *(*param)(PyObject *reducer, size_t i);
     PyObject *(*view)(PyObject *reducer, size_t i);
     /* GIL not needed. Parameter i's .grad is its bucket view: mark it, as
-     * grad_arrived would. 1: done; 2: done, and a full bucket waits for the
-     * reducer's Python method bucket_full() (device-resident buckets: the
-     * caller calls it with the GIL, once per bucket rather than per
-     * parameter); 0: nothing done, the caller must call grad_arrived(i,
+     * grad_arrived would. 1: done; 2: done, and a full bucket waits for its
+     * sum to start (device-resident buckets): call `bucket_full` with the
+     * GIL, once per bucket rather than per parameter; 0: nothing done, the caller must call grad_arrived(i,
      * param) (a backward opens, a forked process); -1: the core failed with
      * *status (call `raise` with the GIL). */
     int (*arrived)(PyObject *reducer, size_t i, int *status);
@@ -42,6 +41,9 @@ typedef struct {
      * Python's attribute; NULL: back to the attribute. The caller keeps ctx
      * alive until it sets NULL. */
     void (*set_observer)(PyObject *reducer, mpidp_grad_hook_observer_t observe, void *ctx);
+    /* GIL held. After `arrived` returned 2: the reducer's owner starts the
+     * full buckets' sums. 0, or -1 with a Python exception. */
+    int (*bucket_full)(PyObject *reducer);
 } mpidp_grad_hook_api_t;
 
 #endif /* MPIDP_PY_GRAD_HOOK_API_H */

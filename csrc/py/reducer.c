@@ -154,7 +154,9 @@ static PyObject *reducer_get_divisor(reducer_t *r, void *c) { (void)c; return Py
  * each bucket tensor against it. staged: the .grad views live in device
  * buckets that Python copies to and from `buckets` (the core then waits for
  * `staged(b)` before posting). device: the caller reduces the .grad buckets
- * where they live and the core sums the flags only (mpidp/reducer.h).
+ * where they live and the core sums the flags only (mpidp/reducer.h);
+ * on_bucket_full(reducer) is then called whenever a hook filled a bucket,
+ * to start its sum.
  * on_backward_opened(reducer, i): called by the
  * gradient hook that opens a backward (the owner's: it completes a pass still
  * open and asks autograd to say when the backward ends). */
@@ -162,19 +164,21 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"comm", "params", "views", "buckets", "param_numel", "param_dtype",
                              "first_cap", "cap", "blocking", "name", "wire_dtype", "staged",
-                             "hier_comms", "on_backward_opened", "device", NULL};
+                             "hier_comms", "on_backward_opened", "device", "on_bucket_full", NULL};
     PyObject *comm = NULL, *params = NULL, *views = NULL, *buckets = NULL, *pn = NULL, *pd = NULL;
-    PyObject *hier = Py_None, *on_backward = Py_None;
+    PyObject *hier = Py_None, *on_backward = Py_None, *on_full = Py_None;
     unsigned long long first_cap = 0, cap = 0;
     int blocking = -1, wire = -1, staged = 0, device = 0;
     const char *name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsipOOp:Reducer", kwlist, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OO!O!O!OOKKpsipOOpO:Reducer", kwlist, &comm,
                                      &PyTuple_Type, &params, &PyTuple_Type, &views, &PyTuple_Type,
                                      &buckets, &pn, &pd, &first_cap, &cap, &blocking, &name,
-                                     &wire, &staged, &hier, &on_backward, &device))
+                                     &wire, &staged, &hier, &on_backward, &device, &on_full))
         return NULL;
     if (on_backward != Py_None && !PyCallable_Check(on_backward))
         return PyErr_Format(PyExc_TypeError, "on_backward_opened: expected a callable or None");
+    if (device && !PyCallable_Check(on_full))
+        return PyErr_Format(PyExc_TypeError, "on_bucket_full: device mode needs a callable");
     /* The format makes every keyword optional; all but the last two are required. */
     const void *given[] = {comm, params, views, buckets, pn, pd, first_cap ? &first_cap : NULL,
                            cap ? &cap : NULL, blocking < 0 ? NULL : &blocking, name};
@@ -213,6 +217,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     r->bucket_tensors = Py_NewRef(buckets);
     r->on_backward = Py_NewRef(on_backward);
     r->device = device;
+    r->on_full = Py_NewRef(on_full);
     r->n_params = (size_t)np;
     r->buckets = calloc(nb ? (size_t)nb : 1, sizeof *r->buckets);
     r->seen = calloc(np ? (size_t)np : 1, 1);
@@ -254,6 +259,7 @@ static int reducer_traverse(reducer_t *r, visitproc visit, void *arg)
     Py_VISIT(r->views);
     Py_VISIT(r->bucket_tensors);
     Py_VISIT(r->on_backward);
+    Py_VISIT(r->on_full);
     return 0;
 }
 
@@ -262,6 +268,7 @@ static int reducer_clear(reducer_t *r)
     Py_CLEAR(r->params);
     Py_CLEAR(r->views);
     Py_CLEAR(r->on_backward);
+    Py_CLEAR(r->on_full);
     return 0;
 }
 

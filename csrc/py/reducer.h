@@ -25,6 +25,7 @@ typedef struct {
     PyObject *on_backward;     /* on_backward_opened(reducer, i), or None */
     mpidp_py_borrowed_t *buckets;
     int device;                /* the core's device mode: full buckets are Python's to post */
+    PyObject *on_full;         /* device mode: on_bucket_full(reducer) starts the full buckets' sums */
     size_t n_buckets;
     size_t n_params;
     uint8_t *seen, *act;       /* scratch: mpidp_grad_seen_t / mpidp_grad_action_t per parameter */

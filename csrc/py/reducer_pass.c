@@ -23,7 +23,7 @@
 
 #include "grad_hook_api.h"
 
-static PyObject *str_grad, *str_copy_, *str_detach, *str_zero_, *str_bucket_full;
+static PyObject *str_grad, *str_copy_, *str_detach, *str_zero_;
 
 int mpidp_py_reducer_pass_init(void)
 {
@@ -32,8 +32,7 @@ int mpidp_py_reducer_pass_init(void)
     str_copy_ = PyUnicode_InternFromString("copy_");
     str_detach = PyUnicode_InternFromString("detach");
     str_zero_ = PyUnicode_InternFromString("zero_");
-    str_bucket_full = PyUnicode_InternFromString("bucket_full");
-    return str_grad && str_copy_ && str_detach && str_zero_ && str_bucket_full ? 0 : -1;
+    return str_grad && str_copy_ && str_detach && str_zero_ ? 0 : -1;
 }
 
 /* The hooks' progress interval: MPIDP_HOOK_PROGRESS=0 turns it off (-1). */
@@ -138,10 +137,10 @@ static int bucket_waits(const mpidp_py_reducer_t *r)
     return r->device && mpidp_reducer_next_to_stage(r->core, 0, NULL);
 }
 
-/* The owner's bucket_full(): starts the sums of the full buckets (GIL held). */
+/* The owner's on_bucket_full(reducer): starts the full buckets' sums (GIL held). */
 static int call_bucket_full(PyObject *self)
 {
-    PyObject *res = PyObject_CallMethodNoArgs(self, str_bucket_full);
+    PyObject *res = PyObject_CallOneArg(((mpidp_py_reducer_t *)self)->on_full, self);
     Py_XDECREF(res);
     return res ? 0 : -1;
 }
@@ -365,6 +364,8 @@ static int hook_arrived(PyObject *self, size_t i, int *status)
     return bucket_waits(r) ? 2 : 1;
 }
 
+static int hook_bucket_full(PyObject *self) { return call_bucket_full(self); }
+
 static void hook_raise(PyObject *self, int status)
 {
     mpidp_py_raise(((mpidp_py_reducer_t *)self)->st, status, "DataParallel backward");
@@ -379,7 +380,7 @@ static void hook_set_observer(PyObject *self, mpidp_grad_hook_observer_t observe
 
 static const mpidp_grad_hook_api_t hook_api = {MPIDP_GRAD_HOOK_API_VERSION, hook_n_params,
                                                hook_param, hook_view, hook_arrived, hook_raise,
-                                               hook_set_observer};
+                                               hook_set_observer, hook_bucket_full};
 
 PyObject *mpidp_py_grad_hook_api_capsule(void)
 {

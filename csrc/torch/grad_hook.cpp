@@ -83,9 +83,7 @@ struct ArrivedHook final : torch::autograd::FunctionPostHook {
             if (done == 1) return outputs;
             if (done == 2) { /* a full device bucket: its sum starts from Python */
                 pybind11::gil_scoped_acquire gil;
-                PyObject *res = PyObject_CallMethod(reducer, "bucket_full", nullptr);
-                if (res == nullptr) throw_python_error();
-                Py_DECREF(res);
+                if (api->bucket_full(reducer) < 0) throw_python_error();
                 return outputs;
             }
             if (done < 0) {

@@ -67,7 +67,8 @@ class GradientReducer(_C.Reducer):
         self = cls(comm=comm, params=params, views=views, buckets=host, param_numel=tuple(numel),
                    param_dtype=tuple(dtypes), first_cap=first_cap, cap=cap, blocking=blocking,
                    name=name, wire_dtype=wire, staged=staged, hier_comms=hier_comms,
-                   on_backward_opened=_backward_opened, device=devcomm is not None)
+                   on_backward_opened=_backward_opened, device=devcomm is not None,
+                   on_bucket_full=_bucket_full)
         self.blocking = blocking
         self.param_bucket = bucket_of
         self.views = views
@@ -96,7 +97,7 @@ class GradientReducer(_C.Reducer):
         mpidp._grad_hook is available (no Python call per parameter); in
         Python otherwise, and always with host staging, which copies buckets
         from Python after each hook (device-resident buckets are started by
-        bucket_full, called from C once per bucket)."""
+        _bucket_full, called from C once per bucket)."""
         cpp = cpp_hook_module()
         if (self._staging is None or self.device_resident) and cpp is not None:
             return [cpp.install(self)]
@@ -105,7 +106,7 @@ class GradientReducer(_C.Reducer):
     def _python_hook(self, i: int, param: torch.Tensor):
         """Parameter i's accumulator post hook, called (grad_inputs, grad_outputs)."""
         if self._staging is None or self.device_resident:
-            # Device-resident buckets: grad_arrived calls bucket_full() itself.
+            # Device-resident buckets: grad_arrived calls _bucket_full itself.
             # A C call per gradient, no Python frame.
             return functools.partial(self.grad_arrived, i, param)
         staging = self._staging
@@ -114,11 +115,6 @@ class GradientReducer(_C.Reducer):
             reducer.grad_arrived(i, param)
             staging.stage_full(reducer, flush=False)
         return staged_hook
-
-    def bucket_full(self) -> None:
-        """Device-resident buckets: the hooks' call (C, once per bucket) when a
-        bucket is full: its sum starts on the device."""
-        self._staging.stage_full(self, flush=False)
 
     # -- backward -------------------------------------------------------------
 
@@ -235,6 +231,12 @@ class GradientReducer(_C.Reducer):
         self.reset()
         if self._staging is not None:
             self._staging.new_pass()
+
+
+def _bucket_full(reducer: GradientReducer) -> None:
+    """The reducer's on_bucket_full callback (device-resident buckets; called
+    from C once per bucket a hook filled): the full buckets' sums start."""
+    reducer._staging.stage_full(reducer, flush=False)
 
 
 def _backward_opened(reducer: GradientReducer, first: int) -> None:
