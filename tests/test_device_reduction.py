@@ -48,6 +48,18 @@ def test_nonblocking(set_to_none):
     nonblocking_tests.run(zero="before", set_to_none=set_to_none)
 
 
+@pytest.mark.parametrize("finish", ["eval", "synchronize", "state_dict", "inner_state_dict",
+                                    "inner_forward"])
+def test_a_pending_update_is_finished_by(finish):
+    nonblocking_tests.run(finish=finish, steps=3)
+
+
+def test_nonblocking_cnn_adam_and_a_scheduler():
+    nonblocking_tests.test_cnn_with_adam()
+    nonblocking_tests.test_scheduler_changes_the_lr_before_the_deferred_update()
+    nonblocking_tests.test_module_zero_grad_bypassing_the_wrapper()
+
+
 def test_nonblocking_accumulation():
     nonblocking_tests.test_gradient_accumulation()
 
@@ -120,3 +132,25 @@ def test_wrapping_again_and_dropping_a_wrapper(blocking, monkeypatch):
     rewrap_tests.test_a_second_wrapper_replaces_the_first(blocking)
     rewrap_tests.test_wrap_drop_wrap_again_keeps_one_set_of_hooks(blocking)
     rewrap_tests.test_a_dropped_wrapper_is_freed_at_once(blocking, False, monkeypatch)
+
+
+def test_a_layer_run_directly_applies_a_pending_update_first():
+    """Device-resident buckets are applied whole at the start of the wrapper's
+    forward, without a hook per layer: a layer run on its own still reads its
+    parameters through the watched dicts, which apply the update first."""
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(DEVICE)
+    reference = copy.deepcopy(model)
+    opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=False)
+    x = torch.randn(3, 4, device=DEVICE)
+    net(x).sum().backward()      # the same batch on every rank: the mean is this gradient
+    opt.step()
+    reference(x).sum().backward()
+    ref_opt.step()
+    probe = torch.ones(1, 8, device=DEVICE)
+    with torch.no_grad():
+        assert torch.allclose(model[2](probe), reference[2](probe), atol=1e-6)
+        assert torch.allclose(model(x), reference(x), atol=1e-6)

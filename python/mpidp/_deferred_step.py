@@ -28,7 +28,7 @@ class DeferredStep:
     dicts that make a read apply the pending update (_pending_reads.py)."""
 
     def __init__(self, reducer, params: Sequence, bucket_params: Sequence[Sequence[int]],
-                 watched: List):
+                 watched: List, device_resident: bool = False):
         self.reducer = reducer
         self.params = params
         self.bucket_params = bucket_params
@@ -38,7 +38,13 @@ class DeferredStep:
         self.applying = False       # this forward applies it
         self.stepping = False       # DataParallel's own delivery and step are running
         self.reads_checked = False  # the first applying forward watched the reads
-        self.apply_all_first = False  # ... and found a parameter read before its layer
+        # Applied whole at the start of each forward: where a parameter is read
+        # before its layer (found by the first applying forward), and where
+        # buckets are summed on the device, whose waits are the GPU's (each
+        # layer's hook would only add host work: the first layers' bucket is
+        # the last one summed, so the forward waits for every sum anyway).
+        self.apply_all_first = device_resident
+        self._together = device_resident  # ... with one optimizer step for all buckets
         self._hyper = None          # the optimizer's hyperparameters when step() was called
         self._subsets: List = []    # per bucket, per group: the group's parameters in it
         self._subset_sig = None     # the optimizer's groups _subsets were built for
@@ -94,7 +100,27 @@ class DeferredStep:
                 set_pending(self.watched, True)
 
     def apply_all(self) -> None:
+        if self._together and self.applying:
+            self._apply_together()
+            return
         self.apply(range(self.reducer.n_buckets))
+
+    def _apply_together(self) -> None:
+        """The whole step at once: every bucket's mean delivered, one
+        optimizer step over every bucket's parameters (per-parameter state
+        ends as bucket by bucket), then every bucket's .grad as the user left
+        them; the last ends the pass."""
+        reducer = self.reducer
+        todo = [b for b in range(reducer.n_buckets) if not reducer.stepped(b)]
+        with self.own_step():
+            for b in todo:
+                reducer.deliver_for_step(b)
+            self._step_buckets(todo)
+            for b in todo:
+                reducer.after_step(b)
+        self.applying = False
+        self.optimizer = None
+        set_pending(self.watched, False)
 
     def apply(self, buckets) -> None:
         """Applies the step to `buckets` (those not applied yet) while this
@@ -117,7 +143,10 @@ class DeferredStep:
             set_pending(self.watched, False)
 
     def _step_bucket(self, b: int) -> None:
-        """Steps the optimizer on bucket b's parameters only, with the
+        self._step_buckets([b])
+
+    def _step_buckets(self, buckets: Sequence[int]) -> None:
+        """Steps the optimizer on `buckets`' parameters only, with the
         hyperparameters it had when step() was called. Per-parameter state
         (momentum, Adam moments, step counts) ends exactly as a full step
         leaves it."""
@@ -132,9 +161,10 @@ class DeferredStep:
             self._subset_sig = sig
         saved = [(g["params"], {k: v for k, v in g.items() if k != "params"}) for g in groups]
         try:
-            for g, subset, hyper in zip(groups, self._subsets[b], self._hyper):
+            for k, (g, hyper) in enumerate(zip(groups, self._hyper)):
                 g.update(hyper)
-                g["params"] = subset
+                g["params"] = [p for b in buckets for p in self._subsets[b][k]] \
+                    if len(buckets) != 1 else self._subsets[buckets[0]][k]
             with self.own_step():
                 opt.step()
         finally:

@@ -239,7 +239,7 @@ class DeviceReduction:
         if not any(modes):
             return
         data, comm = self._data[b], self._comm[b]
-        if all(m == modes[0] for m in modes):
+        if modes.count(modes[0]) == len(modes):
             data.copy_(comm) if modes[0] == _DELIVER_COPY else data.add_(comm)
             return
         for (offset, numel), mode in zip(self._members[b], modes):

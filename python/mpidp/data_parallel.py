@@ -312,7 +312,8 @@ class DataParallel(torch.nn.Module, Driver):
         # The optimizer step (non-blocking: deferred to the next forward) has one owner.
         self._deferred = DeferredStep(self._reducer, self._params,
                                       bucket_members(self._param_bucket, self._reducer.n_buckets),
-                                      self._watched_params)
+                                      self._watched_params,
+                                      device_resident=self._reducer.device_resident)
         if not self.blocking_parameter_updates:
             self._install_layer_hooks()
             self._watch_reads()
@@ -361,8 +362,17 @@ class DataParallel(torch.nn.Module, Driver):
     def _install_layer_hooks(self) -> None:
         """Forward pre-hooks on every module that owns trainable parameters: each
         applies the pending update of the buckets holding that module's
-        parameters before it runs."""
+        parameters before it runs. Device-resident buckets are applied whole
+        at the start of the forward (_deferred_step.py), so only the inner
+        model gets one: run directly, it applies a pending update first (the
+        modules inside it read their parameters through the watched dicts,
+        _pending_reads.py, when run directly themselves)."""
         index = {id(p): i for i, p in enumerate(self._params)}
+        if self._reducer.device_resident:
+            self._hook_handles.append(module_hooks.register(
+                self.module, "register_forward_pre_hook",
+                functools.partial(_apply_pending, weakref.ref(self), tuple(range(self._reducer.n_buckets)))))
+            return
         for module in self.module.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
             if not own:
