@@ -154,3 +154,11 @@ def test_a_layer_run_directly_applies_a_pending_update_first():
     with torch.no_grad():
         assert torch.allclose(model[2](probe), reference[2](probe), atol=1e-6)
         assert torch.allclose(model(x), reference(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_buffers_follow_rank0_summed_on_the_device(blocking):
+    """Buffers are broadcast through the device communicator (bytes summed
+    with zeros), BatchNorm's integer counter too."""
+    ddp_habits.test_buffers_follow_rank0_before_every_training_forward(True, blocking)
+    ddp_habits.test_two_forwards_before_one_backward_with_batchnorm(blocking)

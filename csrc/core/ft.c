@@ -46,6 +46,43 @@ int mpidp_ft_is_peer_failure(int mpi_rc)
 #endif
 }
 
+/* MPIX_Comm_get_failed (Open MPI 5) reads the failures without acknowledging
+ * them, which would change what a later MPIX_Comm_agree reports. */
+#if MPIDP_HAVE_ULFM && defined(OMPI_MAJOR_VERSION) && OMPI_MAJOR_VERSION >= 5
+static int has_failed_rank(MPI_Comm comm)
+{
+    MPI_Group failed;
+    int n = 0;
+    if (MPIX_Comm_get_failed(comm, &failed) != MPI_SUCCESS) return 0;
+    MPI_Group_size(failed, &n);
+    MPI_Group_free(&failed);
+    return n > 0;
+}
+#else
+static int has_failed_rank(MPI_Comm comm)
+{
+    (void)comm;
+    return 0;
+}
+#endif
+
+int mpidp_ft_classify(int mpi_rc, MPI_Comm comm)
+{
+    if (mpi_rc == MPI_SUCCESS || comm == MPI_COMM_NULL || mpidp_ft_is_peer_failure(mpi_rc) ||
+        !mpidp_ft_running())
+        return mpi_rc;
+    for (int k = 0; k < 100; k++) { /* about a second */
+        if (has_failed_rank(comm)) {
+#if MPIDP_HAVE_ULFM
+            return MPIX_ERR_PROC_FAILED;
+#endif
+        }
+        struct timespec ten_ms = {0, 10000000};
+        nanosleep(&ten_ms, NULL);
+    }
+    return mpi_rc;
+}
+
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static MPI_Comm *tracked;
 static size_t n_tracked, cap_tracked;

@@ -1,6 +1,8 @@
 /* The in-flight request table (see mpidp/reqtable.h). */
 #include "mpidp/reqtable.h"
 
+#include "mpidp/ft.h"
+
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -233,6 +235,7 @@ static int test_slot_locked(mpidp_reqtable_t *t, slot_t *s, int *done, char *wha
     MPI_Status st;
     int flag = 0;
     int rc = MPI_Test(&s->req, &flag, &st);
+    if (rc != MPI_SUCCESS) rc = mpidp_ft_classify(rc, s->comm);
     if (rc != MPI_SUCCESS || flag) {
         if (what_out) memcpy(what_out, s->what, MPIDP_REQ_WHAT_LEN);
         if (rc == MPI_SUCCESS && s->source != NULL) *s->source = st.MPI_SOURCE;

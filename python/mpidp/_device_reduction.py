@@ -160,9 +160,10 @@ class DeviceReduction:
     where they live (module docstring)."""
 
     def __init__(self, devcomm: _C.DevComm, dev: Tuple[torch.Tensor, ...], infos,
-                 members: List[Members], separate: bool, name: str):
+                 members: List[Members], separate: bool, name: str, rank: int):
         self._dc = devcomm
         self._standin = devcomm.kind == "standin"
+        self._rank = rank
         self._n = [n for n, _, _ in infos]
         self._data = tuple(d[:n] for d, n in zip(dev, self._n))
         self._dtype = [code_of(d.dtype, "bucket") for d in dev]
@@ -246,6 +247,39 @@ class DeviceReduction:
             if mode:
                 part, mean = data[offset:offset + numel], comm[offset:offset + numel]
                 part.copy_(mean) if mode == _DELIVER_COPY else part.add_(mean)
+
+    def broadcast_(self, tensors) -> None:
+        """`tensors` become rank 0's: their bytes, packed into one buffer
+        (rank 0's values, zeros elsewhere) and summed as bytes -- a sum with
+        zeros is exact -- on the side stream, in order with the gradient sums
+        (one NCCL communicator serves both), then unpacked in stream order."""
+        if not tensors:
+            return
+        device = tensors[0].device
+        chunks = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        offsets, nbytes = [], 0
+        for c in chunks:
+            offsets.append(nbytes)
+            nbytes += (c.numel() + 7) // 8 * 8   # each piece viewable as its dtype again
+        flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8, device=device)
+        rank0 = self._rank == 0
+        if rank0:
+            torch._foreach_copy_([flat[o:o + c.numel()] for o, c in zip(offsets, chunks)], chunks)
+        what = f"{self._name}: broadcast of {len(tensors)} buffers on the device"
+        code = _C.DTYPE_U8
+        if self._standin:
+            self._dc.wait(self._dc.allreduce_(flat.data_ptr(), flat.numel(), code, 0, what))
+        else:
+            current = torch.cuda.current_stream(device)
+            self._side.wait_stream(current)
+            flat.record_stream(self._side)
+            with torch.cuda.stream(self._side):
+                self._dc.allreduce_(flat.data_ptr(), flat.numel(), code, self._side.cuda_stream, what)
+            current.wait_stream(self._side)
+        if not rank0:
+            views = [flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                     for o, t in zip(offsets, tensors)]
+            torch._foreach_copy_(list(tensors), views)
 
     def new_pass(self) -> None:
         """The pass ended: later writes to the buckets come after every sum."""

@@ -81,7 +81,7 @@ class GradientReducer(_C.Reducer):
             for p, b, off in zip(params, bucket_of, offset):
                 members[b].append((off, p.numel()))
             self._staging = DeviceReduction(devcomm, dev, infos, members, separate=not blocking,
-                                            name=name)
+                                            name=name, rank=comm.rank)
         else:
             self._staging = None if not staged else _Staging(host, dev, infos, on_gpu)
         self.device_resident = devcomm is not None
@@ -115,6 +115,11 @@ class GradientReducer(_C.Reducer):
             reducer.grad_arrived(i, param)
             staging.stage_full(reducer, flush=False)
         return staged_hook
+
+    def broadcast_on_device(self, tensors) -> None:
+        """Device-resident buckets: `tensors` (on the gradients' device) become
+        rank 0's, summed where they live."""
+        self._staging.broadcast_(tensors)
 
     # -- backward -------------------------------------------------------------
 

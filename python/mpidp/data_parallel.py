@@ -425,7 +425,13 @@ class DataParallel(torch.nn.Module, Driver):
         if self._joining or self._reducer.paused:
             return
         if self.broadcast_buffers:
-            broadcast_buffers(self.module, self._c_comm)
+            if self._reducer.device_resident and self._c_comm.size > 1:
+                # Where the gradients are summed on the device, so are the
+                # buffers: the host path's copy to the host would wait for
+                # the GPU at every forward.
+                self._reducer.broadcast_on_device([b.data for b in self.module.buffers()])
+            else:
+                broadcast_buffers(self.module, self._c_comm)
         self._loads.check(self._shared_state, "mpidp.broadcast_parameters(model) and "
                           "mpidp.broadcast_optimizer_state(optimizer)")
 

@@ -21,6 +21,14 @@ int mpidp_ft_running(void);
 /* 1 when `mpi_rc` is a ULFM error: a peer failed or the communicator was revoked. */
 int mpidp_ft_is_peer_failure(int mpi_rc);
 
+/* What an MPI error on `comm` is: `mpi_rc` itself, or, with fault tolerance
+ * running, MPIX_ERR_PROC_FAILED where it is another error but a rank of
+ * `comm` has failed (within a second of the error: failure detection can lag
+ * the error that the dead peer caused). Open MPI's non-blocking collectives
+ * report a peer that died mid-operation as MPI_ERR_OTHER ("Error in
+ * NBC_Start_round"), which is the peer's failure all the same. */
+int mpidp_ft_classify(int mpi_rc, MPI_Comm comm);
+
 /* The communicators the core made (its duplicates), revoked together. */
 void mpidp_ft_track(MPI_Comm c);
 void mpidp_ft_untrack(MPI_Comm c);
