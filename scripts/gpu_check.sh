@@ -21,7 +21,8 @@
 #            against the single-process reference: at 1 rank on the device path (buckets
 #            summed by NCCL; tests/test_device_reduction.py insists on it), at 2 ranks on
 #            one GPU through the host staging path (NCCL needs a GPU per rank)
-#   daso     DASO on CUDA tensors (host mirror) at 1 and 2 ranks, nodes of 1 and 2 ranks
+#   daso     DASO on CUDA tensors (packed and merged on the GPU; the engine against the host
+#            one bit for bit) at 1 and 2 ranks, nodes of 1 and 2 ranks
 #            (node-local DDP over gloo: two ranks share the GPU), and scripts/gpu/daso_nccl.py:
 #            whether NCCL accepts two ranks on one GPU, and DASO over it where it does
 #   c10d     the "mpidp" torch.distributed backend: scripts/gpu/c10d_cuda.py at 2 ranks (its
@@ -295,8 +296,8 @@ step_dp() {
 }
 
 step_daso() {
-    pytest_cuda 1 daso.1rank tests/test_daso.py
-    pytest_cuda 2 daso.2ranks tests/test_daso.py
+    pytest_cuda 1 daso.1rank tests/test_daso.py tests/test_device_paramsync.py
+    pytest_cuda 2 daso.2ranks tests/test_daso.py tests/test_device_paramsync.py
     if [ $DRY = 1 ]; then
         run 300 daso.nccl ./scripts/mpirun.sh 2 "$PY" scripts/gpu/daso_nccl.py
     else

@@ -32,12 +32,15 @@ def nodes_of(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[False, True], ids=["direct", "staged"])
+@pytest.fixture(params=["direct", "staged", "device"])
 def staging(request, monkeypatch):
-    """Staged: sync through the host mirror that GPU parameters use (forced on
-    CPU so the mirror's pull/push choreography is tested without a GPU)."""
-    monkeypatch.setenv("MPIDP_DASO_STAGING", "1" if request.param else "0")
-    return request.param
+    """Staged: sync through the host mirror, GPU parameters' fallback (forced
+    on CPU so the mirror's pull/push choreography is tested without a GPU).
+    Device: packed and merged in place as GPU parameters are
+    (_device_paramsync.py), here on CPU tensors."""
+    monkeypatch.setenv("MPIDP_DASO_STAGING", "1" if request.param == "staged" else "0")
+    monkeypatch.setenv("MPIDP_DASO_DEVICE_SYNC", "1" if request.param == "device" else "0")
+    return request.param != "direct"
 
 
 def mlp(seed, frozen=False):

@@ -122,8 +122,11 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "staging (through pinned host buffers and MPI), standin (the device path's logic on "
             "CPU tensors over MPI, for tests)"),
     Setting("MPIDP_DASO_STAGING", False, _flag, "0 or 1",
-            "1: DASO syncs CPU parameters through the host mirror GPU parameters use (tests "
-            "the GPU path's logic on CPUs)"),
+            "1: DASO syncs parameters through a host mirror (GPU parameters' fallback; tests "
+            "its logic on CPUs)"),
+    Setting("MPIDP_DASO_DEVICE_SYNC", False, _flag, "0 or 1",
+            "1: DASO packs and merges CPU parameters in place as it does GPU ones (tests the "
+            "GPU path's logic on CPUs)"),
 )}
 
 # Read elsewhere (setup.py; tests and scripts), listed for the README check.

@@ -29,6 +29,7 @@ from ._consistency import (check_every, check_in_sync, param_group_settings, ran
                            refuse_different_settings)
 from ._driver import Driver, wait_pending
 from ._mpi import MPI, communicator
+from ._device_paramsync import DeviceParamSync
 from ._params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
 from ._step_undo import StepUndo
@@ -262,11 +263,16 @@ class DASO(Driver):
         self._device_params = tuple(p.detach() for p in params)
         self._param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._pointers = tuple(p.data_ptr() for p in params)
-        # Parameters in device memory are synced through a host mirror: pulled
-        # before packing or merging, pushed back after a merge or a node-local
-        # broadcast. MPIDP_DASO_STAGING=1 forces the mirror for CPU parameters
-        # too, which is how the tests exercise it on machines without a GPU.
-        staged = any(p.device.type != "cpu" for p in params) or config.get("MPIDP_DASO_STAGING")
+        # Parameters in device memory are packed and merged where they live
+        # (_device_paramsync.py: only the packed bytes cross to the host);
+        # MPIDP_DASO_DEVICE_SYNC=1 does the same for CPU parameters (tests).
+        # MPIDP_DASO_STAGING=1 instead syncs any parameters through a host
+        # mirror -- pulled before packing or merging, pushed back after a
+        # merge or a node-local broadcast -- the path GPU parameters took
+        # before, kept as the fallback and tested on machines without a GPU.
+        on_device = any(p.device.type != "cpu" for p in params)
+        staged = bool(config.get("MPIDP_DASO_STAGING"))
+        device_sync = not staged and (on_device or config.get("MPIDP_DASO_DEVICE_SYNC"))
         if staged:
             pin = any(p.is_cuda for p in params)
             self._params = tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p)
@@ -276,8 +282,9 @@ class DASO(Driver):
         self._staged = staged
         self.drain()
         wire = CODE_OF[torch.float16 if self.downcast_type == torch.half else self.downcast_type]
-        self._sync = (_C.ParamSync(self._group, self._params, wire, self.sending_chunk_size,
-                                   what="DASO global sync")
+        engine = DeviceParamSync if device_sync else _C.ParamSync
+        self._sync = (engine(self._group, self._params, wire, self.sending_chunk_size,
+                             what="DASO global sync")
                       if self._group is not None else None)
         numel = sum(p.numel() for p in params)
         self._flat = torch.empty(numel, dtype=torch.float32) if self.loc_size > 1 else None
@@ -734,13 +741,15 @@ class DASO(Driver):
                 broadcast_tensors(list(self.module.buffers()), self._world)
 
     def _node_broadcast(self, root: int) -> None:
+        # Through host memory (self._flat): the node's ranks may share a GPU.
         params = self._params
         if self.local_rank == root:
             self._pull()
-            torch.cat([p.reshape(-1) for p in params], out=self._flat)
+            self._flat.copy_(torch.cat([p.reshape(-1) for p in params]))
         self._node.bcast(self._flat, root)
         if self.local_rank != root:
-            for p, part in zip(params, self._flat.split([p.numel() for p in params])):
+            flat = self._flat.to(params[0].device)
+            for p, part in zip(params, flat.split([p.numel() for p in params])):
                 p.copy_(part.view_as(p))
             self._push()
 
