@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "devcomm_internal.h"
 #include "fail.h"
@@ -15,6 +16,9 @@
 
 static void standin_land(mpidp_devcomm_t *dc, mpidp_req_t h);
 static void set_failed(mpidp_devcomm_t *dc, int status, const char *detail);
+static int status_locked(const mpidp_devcomm_t *dc);
+static int nccl_start_locked(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
+                             const char *what, mpidp_req_t *out);
 
 /* --- generalized requests: MPI learns of an NCCL operation's end here ----- */
 
@@ -46,24 +50,74 @@ static void fail_all(mpidp_devcomm_t *dc)
     while (dc->n_ops > 0) complete_op(dc, dc->n_ops - 1);
 }
 
+/* Ends NCCL's work and completes every request; `mu` held. */
+static void abort_locked(mpidp_devcomm_t *dc)
+{
+    dc->aborted = 1;
+    if (dc->kind == MPIDP_DEVCOMM_NCCL) mpidp__nccl_abort(dc);
+    fail_all(dc);
+}
+
 /* The request table's engine: completes the operations whose events have
- * passed, and all of them once NCCL reported an error (after aborting). */
+ * passed, and all of them once NCCL reported an error or the watchdog
+ * aborted (after aborting). */
 static void engine(void *ctx)
 {
     mpidp_devcomm_t *dc = ctx;
+    pthread_mutex_lock(&dc->mu);
+    if (dc->aborted) fail_all(dc);
     for (size_t k = 0; k < dc->n_ops;) {
         int passed = mpidp__nccl_event_passed(dc, dc->ops[k].event);
         if (passed < 0) { /* nothing in flight can be trusted */
             set_failed(dc, MPIDP_ECUDA, mpidp_error_detail());
-            mpidp_devcomm_abort(dc);
-            return;
+            abort_locked(dc);
+            break;
         }
         if (passed) complete_op(dc, k);
         else k++;
     }
     if (dc->n_ops > 0 && mpidp__nccl_async_error(dc)) {
         set_failed(dc, MPIDP_ECUDA, mpidp_error_detail());
-        mpidp_devcomm_abort(dc);
+        abort_locked(dc);
+    }
+    pthread_mutex_unlock(&dc->mu);
+}
+
+/* The watchdog thread (NCCL): every 100 ms, an operation older than the
+ * deadline, or an error NCCL reported, aborts the NCCL communicator so that
+ * the device work queued behind it ends; the failure is raised by the next
+ * call that reads the communicator's state. */
+static void *watchdog(void *arg)
+{
+    mpidp_devcomm_t *dc = arg;
+    for (;;) {
+        struct timespec tick = {0, 100000000};
+        nanosleep(&tick, NULL);
+        pthread_mutex_lock(&dc->mu);
+        if (dc->stop) {
+            pthread_mutex_unlock(&dc->mu);
+            return NULL;
+        }
+        if (!dc->aborted && dc->n_ops > 0) {
+            double now = mpidp_now();
+            for (size_t k = 0; k < dc->n_ops; k++) {
+                if (dc->timeout_s <= 0 || now - dc->ops[k].started <= dc->timeout_s) continue;
+                if (mpidp__nccl_event_passed(dc, dc->ops[k].event) != 0) continue;
+                char detail[200];
+                snprintf(detail, sizeof detail, "a device collective (NCCL) did not finish within "
+                         "%.1f s (MPIDP_TIMEOUT): a rank is stuck or gone; NCCL was aborted",
+                         dc->timeout_s);
+                set_failed(dc, MPIDP_ETIMEDOUT, detail);
+                break;
+            }
+            if (dc->fail_status == MPIDP_OK && mpidp__nccl_async_error(dc))
+                set_failed(dc, MPIDP_ECUDA, mpidp_error_detail());
+            if (dc->fail_status != MPIDP_OK) {
+                dc->aborted = 1;
+                mpidp__nccl_abort(dc); /* the requests are the engine's to complete (MPI) */
+            }
+        }
+        pthread_mutex_unlock(&dc->mu);
     }
 }
 
@@ -75,6 +129,7 @@ static int alloc_devcomm(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_ki
     mpidp_devcomm_t *dc = calloc(1, sizeof *dc);
     if (dc == NULL) return mpidp__fail(MPIDP_ENOMEM, "device communicator");
     dc->kind = kind;
+    pthread_mutex_init(&dc->mu, NULL);
     dc->comm = comm;
     dc->reqs = reqs;
     MPI_Comm_rank(comm, &dc->rank);
@@ -92,9 +147,14 @@ int mpidp_devcomm_create_nccl(MPI_Comm comm, mpidp_reqtable_t *reqs, const char 
     mpidp_devcomm_t *dc = NULL;
     int rc = alloc_devcomm(comm, reqs, MPIDP_DEVCOMM_NCCL, &dc);
     if (rc != MPIDP_OK) return rc;
+    dc->timeout_s = timeout_s;
     rc = mpidp__nccl_open(dc, nccl_path, cudart_path, device, timeout_s);
     if (rc == MPIDP_OK && (rc = mpidp_reqtable_engine_add(reqs, engine, dc)) == MPIDP_OK)
         dc->engine_added = 1;
+    if (rc == MPIDP_OK) {
+        if (pthread_create(&dc->watchdog, NULL, watchdog, dc) == 0) dc->watchdog_running = 1;
+        else rc = mpidp__fail(MPIDP_ENOMEM, "device communicator: no watchdog thread");
+    }
     if (rc != MPIDP_OK) {
         char detail[256];
         snprintf(detail, sizeof detail, "%s", mpidp_error_detail());
@@ -132,13 +192,15 @@ int mpidp_devcomm_wait(mpidp_devcomm_t *dc, mpidp_req_t req, double timeout_s)
     if (rc != MPIDP_OK) {
         /* The detail (what was pending) is the wait's; the device work queued
          * behind the operation must not hang on it. */
+        pthread_mutex_lock(&dc->mu);
         set_failed(dc, rc, "an earlier device collective failed or timed out");
-        mpidp_devcomm_abort(dc);
+        abort_locked(dc);
+        pthread_mutex_unlock(&dc->mu);
         return rc;
     }
-    if (dc->fail_status != MPIDP_OK) return mpidp__fail(dc->fail_status, "%s", dc->fail_detail);
-    if (dc->kind == MPIDP_DEVCOMM_STANDIN) standin_land(dc, req);
-    return MPIDP_OK;
+    rc = mpidp_devcomm_status(dc);
+    if (rc == MPIDP_OK && dc->kind == MPIDP_DEVCOMM_STANDIN) standin_land(dc, req);
+    return rc;
 }
 
 static int standin_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
@@ -183,11 +245,22 @@ int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, 
 {
     if (dc == NULL || out == NULL || (buf == NULL && count > 0))
         return mpidp__fail(MPIDP_EINVAL, "device allreduce: NULL argument");
-    if (dc->aborted)
-        return mpidp__fail(dc->fail_status != MPIDP_OK ? dc->fail_status : MPIDP_ESTATE,
-                           "%s: the device communicator was aborted: %s", what,
-                           dc->fail_detail[0] ? dc->fail_detail : "by its owner");
-    if (dc->kind == MPIDP_DEVCOMM_STANDIN) return standin_start(dc, buf, count, dtype, what, out);
+    if (dc->kind == MPIDP_DEVCOMM_STANDIN) {
+        int rc = mpidp_devcomm_status(dc);
+        return rc != MPIDP_OK ? rc : standin_start(dc, buf, count, dtype, what, out);
+    }
+    pthread_mutex_lock(&dc->mu);
+    int rc = nccl_start_locked(dc, buf, count, dtype, stream, what, out);
+    pthread_mutex_unlock(&dc->mu);
+    return rc;
+}
+
+/* mpidp_devcomm_allreduce_start for NCCL, `mu` held. */
+static int nccl_start_locked(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
+                             const char *what, mpidp_req_t *out)
+{
+    int status = status_locked(dc);
+    if (status != MPIDP_OK) return status;
 
     if (dc->n_ops == dc->cap_ops) {
         size_t cap = dc->cap_ops ? 2 * dc->cap_ops : 16;
@@ -212,7 +285,7 @@ int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, 
         mpidp_reqtable_unclaim(dc->reqs, slot);
         return mpidp__mpi_fail(mrc, "%s: MPI_Grequest_start", what);
     }
-    dc->ops[dc->n_ops++] = (mpidp__devop_t){.greq = greq, .event = event};
+    dc->ops[dc->n_ops++] = (mpidp__devop_t){.greq = greq, .event = event, .started = mpidp_now()};
     /* MPI_COMM_SELF: a generalized request waits for no other rank, so the
      * table's departure checks must not hold it for a departed one. */
     mpidp_reqtable_fill(dc->reqs, slot, greq, MPI_COMM_SELF, what);
@@ -222,15 +295,39 @@ int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, 
 
 void mpidp_devcomm_abort(mpidp_devcomm_t *dc)
 {
-    if (dc == NULL || dc->aborted) return;
-    dc->aborted = 1;
-    if (dc->kind == MPIDP_DEVCOMM_NCCL) mpidp__nccl_abort(dc);
-    fail_all(dc);
+    if (dc == NULL) return;
+    pthread_mutex_lock(&dc->mu);
+    if (!dc->aborted || dc->n_ops > 0) abort_locked(dc);
+    pthread_mutex_unlock(&dc->mu);
+}
+
+/* mpidp_devcomm_status, `mu` held. */
+static int status_locked(const mpidp_devcomm_t *dc)
+{
+    if (!dc->aborted) return MPIDP_OK;
+    return mpidp__fail(dc->fail_status != MPIDP_OK ? dc->fail_status : MPIDP_ESTATE,
+                       "the device communicator was aborted: %s",
+                       dc->fail_detail[0] ? dc->fail_detail : "by its owner");
+}
+
+int mpidp_devcomm_status(mpidp_devcomm_t *dc)
+{
+    if (dc == NULL) return mpidp__fail(MPIDP_EINVAL, "device communicator: NULL");
+    pthread_mutex_lock(&dc->mu);
+    int rc = status_locked(dc);
+    pthread_mutex_unlock(&dc->mu);
+    return rc;
 }
 
 void mpidp_devcomm_destroy(mpidp_devcomm_t *dc, double timeout_s)
 {
     if (dc == NULL) return;
+    if (dc->watchdog_running) {
+        pthread_mutex_lock(&dc->mu);
+        dc->stop = 1;
+        pthread_mutex_unlock(&dc->mu);
+        pthread_join(dc->watchdog, NULL);
+    }
     if (dc->kind == MPIDP_DEVCOMM_NCCL && !dc->aborted && dc->n_ops > 0 && !mpidp_mpi_finalized()) {
         int rc = mpidp_reqtable_wait_all(dc->reqs, timeout_s);
         if (rc != MPIDP_OK || dc->n_ops > 0) mpidp_devcomm_abort(dc);
@@ -245,5 +342,6 @@ void mpidp_devcomm_destroy(mpidp_devcomm_t *dc, double timeout_s)
     if (dc->engine_added) mpidp_reqtable_engine_remove(dc->reqs, dc);
     if (dc->kind == MPIDP_DEVCOMM_NCCL) mpidp__nccl_close(dc);
     free(dc->ops);
+    pthread_mutex_destroy(&dc->mu);
     free(dc);
 }

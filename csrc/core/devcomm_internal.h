@@ -4,11 +4,14 @@
 #ifndef MPIDP_CORE_DEVCOMM_INTERNAL_H
 #define MPIDP_CORE_DEVCOMM_INTERNAL_H
 
+#include <pthread.h>
+
 #include "mpidp/devcomm.h"
 
 typedef struct {
     MPI_Request greq;  /* the generalized request the table tracks */
     void *event;       /* cudaEvent_t recorded after the NCCL call */
+    double started;    /* mpidp_now() at the start: the watchdog's deadline counts from it */
 } mpidp__devop_t;
 
 /* A stand-in sum: MPI reduces a private copy, which lands in the caller's
@@ -29,6 +32,15 @@ struct mpidp_devcomm {
     int rank, size;
     mpidp_reqtable_t *reqs;
     int engine_added;
+    /* NCCL: `mu` guards the operations, the failure and the NCCL
+     * communicator against the watchdog thread, which aborts NCCL when an
+     * operation outlives timeout_s or NCCL reports an error -- also while
+     * the host is blocked in a CUDA synchronisation, where no wait of mpidp
+     * runs. It calls no MPI; the table's engine completes the requests. */
+    pthread_mutex_t mu;
+    pthread_t watchdog;
+    int watchdog_running, stop;
+    double timeout_s;
     int aborted;
     int fail_status;        /* MPIDP_OK, or why the communicator was aborted */
     char fail_detail[256];

@@ -123,6 +123,15 @@ static PyObject *devcomm_test(devcomm_t *d, PyObject *arg)
     return PyBool_FromLong(done);
 }
 
+/* check(): raises why the communicator was aborted (the watchdog's
+ * deadline, NCCL's error, a failed wait), else returns None. */
+static PyObject *devcomm_check(devcomm_t *d, PyObject *unused)
+{
+    (void)unused;
+    if (open_dc(d) == NULL) return NULL;
+    return mpidp_py_none_or_null(MPIDP_PY_CALL(d->st, "device allreduce", mpidp_devcomm_status(d->dc)));
+}
+
 static PyObject *devcomm_abort(devcomm_t *d, PyObject *unused)
 {
     (void)unused;
@@ -183,6 +192,7 @@ static PyMethodDef devcomm_methods[] = {
      "allreduce_(data_ptr, count, dtype, stream, what) -> ticket: start an in-place sum."},
     {"wait", (PyCFunction)devcomm_wait, METH_O, "wait(ticket): until the sum is over; raises its failure."},
     {"test", (PyCFunction)devcomm_test, METH_O, "test(ticket) -> the sum is over."},
+    {"check", (PyCFunction)devcomm_check, METH_NOARGS, "Raise why the communicator was aborted, if it was."},
     {"abort", (PyCFunction)devcomm_abort, METH_NOARGS, "End what is in flight; refuse new sums."},
     {"close", (PyCFunction)devcomm_close, METH_NOARGS, "Wait for what is in flight, then free."},
     {NULL, NULL, 0, NULL},

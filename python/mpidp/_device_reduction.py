@@ -221,6 +221,9 @@ class DeviceReduction:
         for its sum, and non-blocking mode's recorded deliveries are made."""
         if not to_device:
             return
+        # A sum the watchdog aborted (deadline, NCCL's error) must raise, not
+        # hand out what it left in the bucket.
+        self._dc.check()
         self._wait(b)
         if self._comm is not None:
             self._deliver(r, b)

@@ -16,6 +16,11 @@
  *             the callers' ordering logic (what is posted when, what waits
  *             for what) runs on machines without a GPU.
  *
+ * A watchdog thread (NCCL) aborts the communicator when an operation
+ * outlives the deadline or NCCL reports an error, also while the host is
+ * blocked in a CUDA synchronisation; the next call that reads the state
+ * (a start, a wait, mpidp_devcomm_status) reports why.
+ *
  * An allreduce is enqueued on the caller's stream (NCCL) and registered in
  * the request table like any MPI operation (as a generalized request that an
  * engine completes once a CUDA event recorded after the NCCL call has
@@ -71,6 +76,10 @@ int mpidp_devcomm_wait(mpidp_devcomm_t *dc, mpidp_req_t req, double timeout_s);
  * wait: the device work queued behind it can then finish instead of
  * hanging. */
 void mpidp_devcomm_abort(mpidp_devcomm_t *dc);
+
+/* MPIDP_OK, or (with its detail) why the communicator was aborted: the
+ * watchdog's deadline, an error NCCL reported, a failed wait, the owner. */
+int mpidp_devcomm_status(mpidp_devcomm_t *dc);
 
 /* 1 after an abort. */
 int mpidp_devcomm_aborted(const mpidp_devcomm_t *dc);
