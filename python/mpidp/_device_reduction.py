@@ -145,13 +145,20 @@ def _nccl_libraries() -> Optional[Tuple[str, str]]:
     except OSError:
         pass
     if "libnccl.so" not in found:  # loaded lazily by some builds: torch's own copy
-        roots = [os.path.dirname(os.path.dirname(torch.__file__))]
-        hits = [p for r in roots for p in glob.glob(os.path.join(r, "nvidia", "*", "lib", "libnccl.so*"))]
+        site = os.path.dirname(os.path.dirname(torch.__file__))
+        hits = glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnccl.so*"))
         if hits:
             found["libnccl.so"] = hits[0]
     if "libnccl.so" not in found or "libcudart.so" not in found:
         return None
     return found["libnccl.so"], found["libcudart.so"]
+
+
+def _deliver_into(grads: torch.Tensor, mean: torch.Tensor, mode: int) -> None:
+    if mode == _DELIVER_COPY:
+        grads.copy_(mean)
+    else:
+        grads.add_(mean)
 
 
 class DeviceReduction:
@@ -164,15 +171,13 @@ class DeviceReduction:
         self._dc = devcomm
         self._standin = devcomm.kind == "standin"
         self._rank = rank
-        self._n = [n for n, _, _ in infos]
-        self._data = tuple(d[:n] for d, n in zip(dev, self._n))
+        self._data = tuple(d[:n] for d, (n, _, _) in zip(dev, infos))
         self._dtype = [code_of(d.dtype, "bucket") for d in dev]
         # Non-blocking: the mean waits in a buffer of its own until delivered.
         self._comm = tuple(torch.empty_like(d) for d in self._data) if separate else None
         self._members = members
         self._name = name
         self._done: list = [None] * len(dev)      # per bucket: the sum in flight
-        self._posted = [False] * len(dev)
         self._side = None if self._standin or not dev else side_stream(devcomm, dev[0].device)
 
     # -- the hook side -----------------------------------------------------------
@@ -190,7 +195,10 @@ class DeviceReduction:
         data = self._data[b]
         if self._comm is not None:
             target = self._comm[b]
-            torch.mul(data, 1.0 / divisor, out=target) if divisor != 1 else target.copy_(data)
+            if divisor != 1:
+                torch.mul(data, 1.0 / divisor, out=target)
+            else:
+                target.copy_(data)
             data.zero_()   # the .grad views start from zero, as in the host path
         else:
             target = data
@@ -211,7 +219,6 @@ class DeviceReduction:
                 event = torch.cuda.Event()
                 event.record(self._side)
             self._done[b] = event
-        self._posted[b] = True
 
     # -- completion ----------------------------------------------------------------
 
@@ -243,13 +250,12 @@ class DeviceReduction:
         if not any(modes):
             return
         data, comm = self._data[b], self._comm[b]
-        if modes.count(modes[0]) == len(modes):
-            data.copy_(comm) if modes[0] == _DELIVER_COPY else data.add_(comm)
+        if modes.count(modes[0]) == len(modes):   # the usual case: one kernel
+            _deliver_into(data, comm, modes[0])
             return
         for (offset, numel), mode in zip(self._members[b], modes):
             if mode:
-                part, mean = data[offset:offset + numel], comm[offset:offset + numel]
-                part.copy_(mean) if mode == _DELIVER_COPY else part.add_(mean)
+                _deliver_into(data[offset:offset + numel], comm[offset:offset + numel], mode)
 
     def broadcast_(self, tensors) -> None:
         """`tensors` become rank 0's: their bytes, packed into one buffer
@@ -288,4 +294,3 @@ class DeviceReduction:
         """The pass ended: later writes to the buckets come after every sum."""
         for b in range(len(self._done)):
             self._wait(b)
-        self._posted = [False] * len(self._posted)
