@@ -203,21 +203,28 @@ int mpidp_devcomm_wait(mpidp_devcomm_t *dc, mpidp_req_t req, double timeout_s)
     return rc;
 }
 
+/* Room for one more of `n` items of `size` bytes in *items (capacity *cap). */
+static int reserve(void **items, size_t *cap, size_t n, size_t size, const char *what)
+{
+    if (n < *cap) return MPIDP_OK;
+    size_t grown = *cap ? 2 * *cap : 16;
+    void *p = realloc(*items, grown * size);
+    if (p == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: operation list", what);
+    *items = p;
+    *cap = grown;
+    return MPIDP_OK;
+}
+
 static int standin_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
                          const char *what, mpidp_req_t *out)
 {
-    if (dc->n_sops == dc->cap_sops) {
-        size_t cap = dc->cap_sops ? 2 * dc->cap_sops : 16;
-        mpidp__standin_op_t *ops = realloc(dc->sops, cap * sizeof *ops);
-        if (ops == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: stand-in operation list", what);
-        dc->sops = ops;
-        dc->cap_sops = cap;
-    }
+    int rc = reserve((void **)&dc->sops, &dc->cap_sops, dc->n_sops, sizeof *dc->sops, what);
+    if (rc != MPIDP_OK) return rc;
     size_t bytes = count * mpidp_dtype_size(dtype);
     void *shadow = malloc(bytes ? bytes : 1);
     if (shadow == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: stand-in buffer", what);
     memcpy(shadow, buf, bytes);
-    int rc = mpidp__post_iallreduce(dc->comm, dc->reqs, shadow, count, MPIDP_OP_SUM, dtype, what, out);
+    rc = mpidp__post_iallreduce(dc->comm, dc->reqs, shadow, count, MPIDP_OP_SUM, dtype, what, out);
     if (rc != MPIDP_OK) {
         free(shadow);
         return rc;
@@ -259,18 +266,11 @@ int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, 
 static int nccl_start_locked(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
                              const char *what, mpidp_req_t *out)
 {
-    int status = status_locked(dc);
-    if (status != MPIDP_OK) return status;
-
-    if (dc->n_ops == dc->cap_ops) {
-        size_t cap = dc->cap_ops ? 2 * dc->cap_ops : 16;
-        mpidp__devop_t *ops = realloc(dc->ops, cap * sizeof *ops);
-        if (ops == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: device operation list", what);
-        dc->ops = ops;
-        dc->cap_ops = cap;
-    }
+    int rc = status_locked(dc);
+    if (rc == MPIDP_OK) rc = reserve((void **)&dc->ops, &dc->cap_ops, dc->n_ops, sizeof *dc->ops, what);
+    if (rc != MPIDP_OK) return rc;
     mpidp_req_t slot;
-    int rc = mpidp_reqtable_claim(dc->reqs, what, &slot);
+    rc = mpidp_reqtable_claim(dc->reqs, what, &slot);
     if (rc != MPIDP_OK) return rc;
     void *event = NULL;
     rc = mpidp__nccl_allreduce(dc, buf, count, dtype, stream, what, &event);
