@@ -162,3 +162,23 @@ def test_buffers_follow_rank0_summed_on_the_device(blocking):
     with zeros), BatchNorm's integer counter too."""
     ddp_habits.test_buffers_follow_rank0_before_every_training_forward(True, blocking)
     ddp_habits.test_two_forwards_before_one_backward_with_batchnorm(blocking)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_mpi_on_the_buckets_where_they_live(blocking, monkeypatch):
+    """MPIDP_DP_DEVICE_COMM=mpi: MPI sums the buckets in place (a CUDA-aware
+    MPI on a GPU; here host memory), ordered on the host."""
+    if ON_GPU and not mpidp._C.mpi_cuda_aware():
+        monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "mpi")
+        with pytest.raises(ValueError, match="does not take device pointers"):
+            mpidp.DataParallel(torch.nn.Linear(3, 2).to(DEVICE))
+        return
+    monkeypatch.setenv("MPIDP_DP_DEVICE_COMM", "mpi")
+    dp = mpidp.DataParallel(torch.nn.Linear(3, 2).to(DEVICE))
+    assert dp._reducer.device_resident and dp._reducer._staging._dc.kind == "mpi"
+    del dp
+    if blocking:
+        blocking_tests.train_and_compare(blocking_tests.CNN, blocking_tests.adam, x_shape=(1, 12, 12))
+    else:
+        nonblocking_tests.run(zero="before", set_to_none=True)
+    ddp_habits.test_buffers_follow_rank0_before_every_training_forward(True, blocking)

@@ -172,6 +172,12 @@ int mpidp_devcomm_create_standin(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_de
     return alloc_devcomm(comm, reqs, MPIDP_DEVCOMM_STANDIN, out);
 }
 
+int mpidp_devcomm_create_mpi(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_t **out)
+{
+    if (reqs == NULL || out == NULL) return mpidp__fail(MPIDP_EINVAL, "device communicator: NULL");
+    return alloc_devcomm(comm, reqs, MPIDP_DEVCOMM_MPI, out);
+}
+
 mpidp_devcomm_kind_t mpidp_devcomm_kind(const mpidp_devcomm_t *dc) { return dc->kind; }
 
 int mpidp_devcomm_version(const mpidp_devcomm_t *dc) { return dc->nccl_version; }
@@ -255,6 +261,11 @@ int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, 
     if (dc->kind == MPIDP_DEVCOMM_STANDIN) {
         int rc = mpidp_devcomm_status(dc);
         return rc != MPIDP_OK ? rc : standin_start(dc, buf, count, dtype, what, out);
+    }
+    if (dc->kind == MPIDP_DEVCOMM_MPI) {
+        int rc = mpidp_devcomm_status(dc);
+        return rc != MPIDP_OK ? rc : mpidp__post_iallreduce(dc->comm, dc->reqs, buf, count,
+                                                            MPIDP_OP_SUM, dtype, what, out);
     }
     pthread_mutex_lock(&dc->mu);
     int rc = nccl_start_locked(dc, buf, count, dtype, stream, what, out);

@@ -1,6 +1,13 @@
 /* MPI posting and failure reporting (see mpi_util.h). */
 #include "mpi_util.h"
 
+/* Open MPI's extensions (MPIX_Query_cuda_support) where the headers have them. */
+#if defined(__has_include)
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+#endif
+
 #include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -56,6 +63,15 @@ int mpidp__next_op_number(MPI_Comm comm, const char *what, unsigned *out)
     if (rc != MPI_SUCCESS) return mpidp__mpi_fail(rc, "%s: numbering the operation", what);
     *out = (unsigned)n;
     return MPIDP_OK;
+}
+
+int mpidp_mpi_cuda_aware(void)
+{
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+    return MPIX_Query_cuda_support() == 1;
+#else
+    return 0;
+#endif
 }
 
 int mpidp_mpi_finalized(void)

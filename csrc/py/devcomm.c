@@ -1,6 +1,7 @@
 /* mpidp._C.DevComm: a device communicator (mpidp/devcomm.h) over a Comm.
  *
  *   DevComm(comm, "nccl", nccl_path, cudart_path, device)   collective
+ *   DevComm(comm, "mpi")                                     a CUDA-aware MPI
  *   DevComm(comm, "standin")                                 tests, CPU memory
  *
  * allreduce_(data_ptr, count, dtype, stream, what) starts an in-place sum
@@ -62,9 +63,10 @@ static PyObject *devcomm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mpidp_py_state *st = mpidp_py_state_of_type(type);
     mpidp_py_comm_t *c = st ? mpidp_py_as_comm(st, comm, "comm") : NULL;
     if (c == NULL || mpidp_py_check_not_forked("DevComm") < 0) return NULL;
-    int nccl = strcmp(kind, "nccl") == 0;
-    if (!nccl && strcmp(kind, "standin") != 0)
-        return PyErr_Format(PyExc_ValueError, "kind: expected 'nccl' or 'standin', got '%s'", kind);
+    int nccl = strcmp(kind, "nccl") == 0, mpi = strcmp(kind, "mpi") == 0;
+    if (!nccl && !mpi && strcmp(kind, "standin") != 0)
+        return PyErr_Format(PyExc_ValueError, "kind: expected 'nccl', 'mpi' or 'standin', got '%s'",
+                            kind);
     if (nccl && (nccl_path == NULL || cudart_path == NULL))
         return PyErr_Format(PyExc_ValueError, "kind 'nccl' needs nccl_path and cudart_path");
     devcomm_t *d = (devcomm_t *)type->tp_alloc(type, 0);
@@ -76,6 +78,8 @@ static PyObject *devcomm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (nccl) {
         MPIDP_PY_WAIT(st, rc, mpidp_devcomm_create_nccl(c->comm, st->reqs, nccl_path, cudart_path,
                                                          device, mpidp_py_timeout_s, &d->dc));
+    } else if (mpi) {
+        rc = mpidp_devcomm_create_mpi(c->comm, st->reqs, &d->dc);
     } else {
         rc = mpidp_devcomm_create_standin(c->comm, st->reqs, &d->dc);
     }
@@ -158,7 +162,11 @@ static PyObject *devcomm_get_kind(devcomm_t *d, void *c)
 {
     (void)c;
     if (open_dc(d) == NULL) return NULL;
-    return PyUnicode_FromString(mpidp_devcomm_kind(d->dc) == MPIDP_DEVCOMM_NCCL ? "nccl" : "standin");
+    switch (mpidp_devcomm_kind(d->dc)) {
+    case MPIDP_DEVCOMM_NCCL: return PyUnicode_FromString("nccl");
+    case MPIDP_DEVCOMM_MPI: return PyUnicode_FromString("mpi");
+    default: return PyUnicode_FromString("standin");
+    }
 }
 
 static PyObject *devcomm_get_version(devcomm_t *d, void *c)

@@ -7,6 +7,7 @@
 
 #include <stdlib.h>
 
+#include "mpidp/mpi_info.h"
 #include "mpidp/allreduce.h"
 #include "mpidp/checksum.h"
 #include "mpidp/efcomp.h"
@@ -45,6 +46,12 @@ static PyObject *mod_mpi_library_version(PyObject *m, PyObject *unused)
     int len = 0;
     MPI_Get_library_version(version, &len);
     return PyUnicode_FromStringAndSize(version, len);
+}
+
+static PyObject *mod_mpi_cuda_aware(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    return PyBool_FromLong(mpidp_mpi_cuda_aware());
 }
 
 /* The MPI implementation whose headers this extension was compiled with. */
@@ -93,6 +100,8 @@ static PyObject *mod_checksums(PyObject *m, PyObject *seq)
 }
 
 static PyMethodDef module_methods[] = {
+    {"mpi_cuda_aware", mod_mpi_cuda_aware, METH_NOARGS,
+     "mpi_cuda_aware() -> the MPI library takes CUDA device pointers (MPIX_Query_cuda_support)."},
     {"mpi_library_version", mod_mpi_library_version, METH_NOARGS,
      "MPI_Get_library_version() of the MPI library this process runs on."},
     {"mpi_header_version", mod_mpi_header_version, METH_NOARGS,

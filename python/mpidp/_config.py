@@ -114,13 +114,14 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_DP_STAGING", False, _flag, "0 or 1",
             "1: DataParallel reduces CPU gradients through the staging buckets GPU gradients "
             "take (tests the GPU path's logic on CPUs)"),
-    Setting("MPIDP_DP_DEVICE_COMM", "auto", _choice("auto", "nccl", "staging", "standin"),
-            "'auto', 'nccl', 'staging' or 'standin'",
+    Setting("MPIDP_DP_DEVICE_COMM", "auto", _choice("auto", "nccl", "mpi", "staging", "standin"),
+            "'auto', 'nccl', 'mpi', 'staging' or 'standin'",
             "how DataParallel reduces GPU gradients: auto (NCCL on the device where every rank "
-            "has a GPU of its own, else staging), nccl (that, or an error saying why not; "
-            "wire_dtype, hierarchical=True and fault tolerance go through the host either way), "
-            "staging (through pinned host buffers and MPI), standin (the device path's logic on "
-            "CPU tensors over MPI, for tests)"),
+            "has a GPU of its own; where ranks share a GPU, a CUDA-aware MPI on the device "
+            "pointers; else staging), nccl (NCCL, or an error saying why not), mpi (MPI on the "
+            "device pointers, or an error where MPI is not CUDA-aware), staging (through pinned "
+            "host buffers and MPI), standin (the device path's logic on CPU tensors over MPI, "
+            "for tests); wire_dtype, hierarchical=True and fault tolerance go through the host"),
     Setting("MPIDP_DASO_STAGING", False, _flag, "0 or 1",
             "1: DASO syncs parameters through a host mirror (GPU parameters' fallback; tests "
             "its logic on CPUs)"),

@@ -2,10 +2,12 @@
 they live (NCCL on a side stream), never copied to the host.
 
 Chosen by `device_comm_for` when every rank of the communicator has a GPU of
-its own and NCCL is loaded (torch's); otherwise GPU gradients take the host
+its own and NCCL is loaded (torch's); where NCCL cannot serve (ranks sharing
+a GPU) but the MPI library takes device pointers (CUDA-aware), MPI sums the
+buckets where they live instead; otherwise GPU gradients take the host
 staging path (_reducer._Staging). MPIDP_DP_DEVICE_COMM picks by hand:
-'staging', 'nccl', or 'standin' -- the MPI stand-in that runs this module's
-ordering logic on CPU tensors in the tests.
+'staging', 'nccl', 'mpi', or 'standin' -- the MPI stand-in that runs this
+module's ordering logic on CPU tensors in the tests.
 
 The order of one bucket, b:
   hook (bucket full)   on the current stream: scale by 1/divisor (blocking,
@@ -22,7 +24,10 @@ The order of one bucket, b:
                        before the buckets are written again.
 The stand-in runs the same calls with CPU tensors: a "stream" is the calling
 thread, the allreduce an MPI_Iallreduce in place, and waiting for "done"
-waits for that request, so a missing wait reads an unreduced bucket.
+waits for that request, so a missing wait reads an unreduced bucket. MPI on
+device pointers runs the stand-in's order: it knows no streams, so a bucket
+is posted once the current stream has written it (a host wait) and read
+after the request's wait.
 """
 
 from __future__ import annotations
@@ -59,27 +64,38 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
     if asked == "standin" and device.type != "cpu":
         raise ValueError("MPIDP_DP_DEVICE_COMM=standin runs the device path's logic on CPU "
                          f"tensors (tests); the parameters are on {device}")
+    aware = device.type != "cuda" or _C.mpi_cuda_aware()
     # DataParallel's own arguments may choose a path through the host.
     by_arguments = bool(wire or hierarchical or fault_tolerant)
     reason = None
-    if asked != "standin" and device.type != "cuda":
+    if asked not in ("standin", "mpi") and device.type != "cuda":
         reason = f"the parameters are on {device}"
-    gpu_id = _gpu_identity(device) if reason is None and asked != "standin" else None
+    gpu_id = _gpu_identity(device) if reason is None and asked not in ("standin", "mpi") else None
     libs = _nccl_libraries() if gpu_id is not None and not by_arguments else None
     if gpu_id is not None and not by_arguments and libs is None:
         reason = "NCCL is not loaded in this process (torch's libnccl)"
-    views = mpi_comm.allgather((reason, gpu_id, by_arguments))
+    views = mpi_comm.allgather((reason, gpu_id, by_arguments, aware))
     if any(v[2] for v in views):
         return None
     if asked == "standin":
         return _shared(c_comm, "standin", lambda: _C.DevComm(c_comm, "standin"))
+    all_aware = all(v[3] for v in views)
+    if asked == "mpi":
+        if not all_aware:
+            rank = next(r for r, v in enumerate(views) if not v[3])
+            raise ValueError(f"MPIDP_DP_DEVICE_COMM=mpi: rank {rank}'s MPI does not take device "
+                             "pointers (MPIX_Query_cuda_support)")
+        return _shared(c_comm, "mpi", lambda: _C.DevComm(c_comm, "mpi"))
     problem = next((f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0]), None)
     ids = [v[1] for v in views]
-    if problem is None and len(set(ids)) < len(ids):
+    shared_gpu = problem is None and len(set(ids)) < len(ids)
+    if shared_gpu:
         problem = "two ranks share a GPU (NCCL needs one GPU per rank)"
     if problem is not None:
         if asked == "nccl":
             raise ValueError(f"MPIDP_DP_DEVICE_COMM=nccl: {problem}")
+        if shared_gpu and all_aware:  # NCCL cannot serve, a CUDA-aware MPI can
+            return _shared(c_comm, "mpi", lambda: _C.DevComm(c_comm, "mpi"))
         return None
     nccl, cudart = libs
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -154,6 +170,13 @@ def _nccl_libraries() -> Optional[Tuple[str, str]]:
     return found["libnccl.so"], found["libcudart.so"]
 
 
+def _written(t: torch.Tensor) -> None:
+    """MPI reads `t` next, outside any stream: the current stream's writes to
+    it must have happened (a host wait for a GPU tensor)."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
 def _deliver_into(grads: torch.Tensor, mean: torch.Tensor, mode: int) -> None:
     if mode == _DELIVER_COPY:
         grads.copy_(mean)
@@ -169,7 +192,8 @@ class DeviceReduction:
     def __init__(self, devcomm: _C.DevComm, dev: Tuple[torch.Tensor, ...], infos,
                  members: List[Members], separate: bool, name: str, rank: int):
         self._dc = devcomm
-        self._standin = devcomm.kind == "standin"
+        # NCCL orders its sums on a stream; MPI (and its stand-in) on the host.
+        self._host_ordered = devcomm.kind != "nccl"
         self._rank = rank
         self._data = tuple(d[:n] for d, (n, _, _) in zip(dev, infos))
         self._dtype = [code_of(d.dtype, "bucket") for d in dev]
@@ -178,7 +202,7 @@ class DeviceReduction:
         self._members = members
         self._name = name
         self._done: list = [None] * len(dev)      # per bucket: the sum in flight
-        self._side = None if self._standin or not dev else side_stream(devcomm, dev[0].device)
+        self._side = None if self._host_ordered or not dev else side_stream(devcomm, dev[0].device)
 
     # -- the hook side -----------------------------------------------------------
 
@@ -204,13 +228,13 @@ class DeviceReduction:
             target = data
             if divisor != 1:
                 target.mul_(1.0 / divisor)
-        if not self._standin:
-            # The allocator must not hand the memory out again while the sum runs.
-            target.record_stream(self._side)
         what = f"{self._name}: allreduce of gradient bucket {b + 1}/{len(self._data)} on the device"
-        if self._standin:
+        if self._host_ordered:
+            _written(target)
             self._done[b] = self._dc.allreduce_(target.data_ptr(), target.numel(), self._dtype[b], 0, what)
         else:
+            # The allocator must not hand the memory out again while the sum runs.
+            target.record_stream(self._side)
             current = torch.cuda.current_stream(target.device)
             self._side.wait_stream(current)
             with torch.cuda.stream(self._side):
@@ -239,7 +263,7 @@ class DeviceReduction:
         done = self._done[b]
         if done is None:
             return
-        if self._standin:
+        if self._host_ordered:
             self._dc.wait(done)
         else:
             torch.cuda.current_stream(self._data[b].device).wait_event(done)
@@ -276,7 +300,8 @@ class DeviceReduction:
             torch._foreach_copy_([flat[o:o + c.numel()] for o, c in zip(offsets, chunks)], chunks)
         what = f"{self._name}: broadcast of {len(tensors)} buffers on the device"
         code = _C.DTYPE_U8
-        if self._standin:
+        if self._host_ordered:
+            _written(flat)
             self._dc.wait(self._dc.allreduce_(flat.data_ptr(), flat.numel(), code, 0, what))
         else:
             current = torch.cuda.current_stream(device)

@@ -12,6 +12,11 @@
  *             made non-blocking so that its set-up, like every operation,
  *             runs under a deadline and is aborted (ncclCommAbort) when a
  *             peer never comes.
+ *   MPI       an MPI_Iallreduce of the buffer where it lives, for an MPI that
+ *             takes device pointers (mpidp_mpi_cuda_aware) where NCCL cannot
+ *             serve (ranks sharing a GPU). MPI knows no streams: the caller
+ *             posts only once the buffer is written, and reads it only after
+ *             the wait.
  *   stand-in  an MPI_Iallreduce of the same buffer in host memory, for tests:
  *             the callers' ordering logic (what is posted when, what waits
  *             for what) runs on machines without a GPU.
@@ -39,7 +44,7 @@
 
 typedef struct mpidp_devcomm mpidp_devcomm_t;
 
-typedef enum { MPIDP_DEVCOMM_NCCL = 1, MPIDP_DEVCOMM_STANDIN = 2 } mpidp_devcomm_kind_t;
+typedef enum { MPIDP_DEVCOMM_NCCL = 1, MPIDP_DEVCOMM_STANDIN = 2, MPIDP_DEVCOMM_MPI = 3 } mpidp_devcomm_kind_t;
 
 /* NCCL over `comm` (collective: every rank calls it). nccl_path and
  * cudart_path: the shared libraries already loaded in this process;
@@ -50,8 +55,10 @@ int mpidp_devcomm_create_nccl(MPI_Comm comm, mpidp_reqtable_t *reqs, const char 
                               const char *cudart_path, int device, double timeout_s,
                               mpidp_devcomm_t **out);
 
-/* The stand-in over `comm` (not collective). */
+/* The stand-in, or MPI on the buffers where they live, over `comm` (not
+ * collective). */
 int mpidp_devcomm_create_standin(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_t **out);
+int mpidp_devcomm_create_mpi(MPI_Comm comm, mpidp_reqtable_t *reqs, mpidp_devcomm_t **out);
 
 mpidp_devcomm_kind_t mpidp_devcomm_kind(const mpidp_devcomm_t *dc);
 

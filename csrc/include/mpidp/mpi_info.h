@@ -18,4 +18,9 @@ int mpidp_mpi_iallreduce_algorithm(int prefer);
  * and no handle may be freed. */
 int mpidp_mpi_finalized(void);
 
+/* 1 when the MPI library takes device (CUDA) pointers: built with CUDA
+ * support (Open MPI's MPIX_CUDA_AWARE_SUPPORT) and, at run time,
+ * MPIX_Query_cuda_support() says so; 0 otherwise or where MPI cannot tell. */
+int mpidp_mpi_cuda_aware(void);
+
 #endif /* MPIDP_MPI_INFO_H */
