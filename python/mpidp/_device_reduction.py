@@ -99,7 +99,13 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
         return None
     nccl, cudart = libs
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _shared(c_comm, f"nccl:{index}", lambda: _C.DevComm(c_comm, "nccl", nccl, cudart, index))
+    return _shared(c_comm, f"nccl:{index}", lambda: _nccl_comm(c_comm, nccl, cudart, index))
+
+
+def _nccl_comm(c_comm, nccl: str, cudart: str, index: int) -> _C.DevComm:
+    # NCCL's set-up makes the communicator's GPU current; the caller's stays so.
+    with torch.cuda.device(index):
+        return _C.DevComm(c_comm, "nccl", nccl, cudart, index)
 
 
 # One device communicator per (communicator, device), shared by every
