@@ -47,3 +47,30 @@ def test_blocking_clipping_and_grad_scaler(habit):
 def test_no_sync(blocking):
     ddp_habits.test_no_sync_accumulates_locally_then_averages_the_sum(blocking)
     ddp_habits.test_no_sync_keeps_gradients_of_parameters_the_last_backward_misses(blocking)
+
+
+def test_nonblocking_staged_with_a_wire_dtype_equals_the_direct_path(monkeypatch):
+    """Non-blocking staged buckets that travel compressed keep the host path's
+    separate buffers (the others are relayed: _host_relay.py); its results are
+    the direct path's, bit for bit (the same arithmetic on the same bytes)."""
+    import torch
+    import mpidp
+    from dp_reference import build
+    from test_data_parallel import MLP
+    rank = mpidp.rank()
+    results = []
+    for staged in ("1", "0"):
+        monkeypatch.setenv("MPIDP_DP_STAGING", staged)
+        model = build(MLP, 7)
+        opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        net = mpidp.DataParallel(model, optimizer=opt, blocking_parameter_updates=False,
+                                 wire_dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            net(torch.randn(4, 10, generator=g)).sum().backward()
+            opt.step()
+        net.synchronize()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

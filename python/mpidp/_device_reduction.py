@@ -183,6 +183,20 @@ def _written(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
+def deliver(r, b: int, data: torch.Tensor, comm: torch.Tensor, members: Members) -> None:
+    """Non-blocking mode: the deliveries the core recorded for bucket b (r:
+    its reducer), from `comm`, the mean, into `data`, the bucket."""
+    modes = r.device_deliveries(b)
+    if not any(modes):
+        return
+    if modes.count(modes[0]) == len(modes):   # the usual case: one kernel
+        _deliver_into(data, comm, modes[0])
+        return
+    for (offset, numel), mode in zip(members, modes):
+        if mode:
+            _deliver_into(data[offset:offset + numel], comm[offset:offset + numel], mode)
+
+
 def _deliver_into(grads: torch.Tensor, mean: torch.Tensor, mode: int) -> None:
     if mode == _DELIVER_COPY:
         grads.copy_(mean)
@@ -263,7 +277,7 @@ class DeviceReduction:
         self._dc.check()
         self._wait(b)
         if self._comm is not None:
-            self._deliver(r, b)
+            deliver(r, b, self._data[b], self._comm[b], self._members[b])
 
     def _wait(self, b: int) -> None:
         done = self._done[b]
@@ -274,18 +288,6 @@ class DeviceReduction:
         else:
             torch.cuda.current_stream(self._data[b].device).wait_event(done)
         self._done[b] = None
-
-    def _deliver(self, r, b: int) -> None:
-        modes = r.device_deliveries(b)
-        if not any(modes):
-            return
-        data, comm = self._data[b], self._comm[b]
-        if modes.count(modes[0]) == len(modes):   # the usual case: one kernel
-            _deliver_into(data, comm, modes[0])
-            return
-        for (offset, numel), mode in zip(self._members[b], modes):
-            if mode:
-                _deliver_into(data[offset:offset + numel], comm[offset:offset + numel], mode)
 
     def broadcast_(self, tensors) -> None:
         """`tensors` become rank 0's: their bytes, packed into one buffer

@@ -32,6 +32,7 @@ import torch
 from . import _C
 from ._device_reduction import DeviceReduction
 from ._grad_hook_loader import cpp_hook_module
+from ._host_relay import HostRelay
 from ._params import grad_view
 
 # Directions of a staging copy (host <-> where the .grad views live).
@@ -44,21 +45,25 @@ class GradientReducer(_C.Reducer):
     @classmethod
     def build(cls, comm: _C.Comm, params: Tuple[torch.Tensor, ...], dtypes: Sequence[int],
               first_cap: int, cap: int, blocking: bool, wire: int, staged: bool,
-              name: str = "DataParallel", hier_comms=None, devcomm=None) -> "GradientReducer":
+              name: str = "DataParallel", hier_comms=None, devcomm=None,
+              relay: bool = False) -> "GradientReducer":
         """Plans the buckets (core), allocates them, and makes every parameter's
         gradient a view into its bucket. `staged`: the views live in device
         buckets (GPU gradients; forced on CPU by MPIDP_DP_STAGING), copied to
         pinned host buckets for MPI and back. `hier_comms`: None, or the
         hierarchical mode's node, cross-node and second node Comms. `devcomm`:
         a _C.DevComm that sums the device buckets where they live
-        (_device_reduction.py; the host buckets then carry only the flags)."""
-        staged = staged or devcomm is not None
+        (_device_reduction.py; the host buckets then carry only the flags).
+        `relay` (non-blocking, no devcomm): the same, with the sums relayed
+        through pinned host buffers (_host_relay.py)."""
+        device_mode = devcomm is not None or relay
+        staged = staged or device_mode
         numel = [p.numel() for p in params]
         bucket_of, offset, infos = _C.plan_buckets(numel, list(dtypes), first_cap, cap)
         by_code = dict(zip(dtypes, (p.dtype for p in params)))
         device = params[0].device if params else torch.device("cpu")
         on_gpu = device.type == "cuda"
-        host = tuple(torch.zeros(n + k, dtype=by_code[dt], pin_memory=on_gpu and devcomm is None)
+        host = tuple(torch.zeros(n + k, dtype=by_code[dt], pin_memory=on_gpu and not device_mode)
                      for n, k, dt in infos)
         dev = (tuple(torch.zeros(n + k, dtype=by_code[dt], device=device) for n, k, dt in infos)
                if staged else None)
@@ -67,7 +72,7 @@ class GradientReducer(_C.Reducer):
         self = cls(comm=comm, params=params, views=views, buckets=host, param_numel=tuple(numel),
                    param_dtype=tuple(dtypes), first_cap=first_cap, cap=cap, blocking=blocking,
                    name=name, wire_dtype=wire, staged=staged, hier_comms=hier_comms,
-                   on_backward_opened=_backward_opened, device=devcomm is not None,
+                   on_backward_opened=_backward_opened, device=device_mode,
                    on_bucket_full=_bucket_full)
         self.blocking = blocking
         self.param_bucket = bucket_of
@@ -76,15 +81,18 @@ class GradientReducer(_C.Reducer):
         # The tensors the .grad views are views of: their version counters
         # tell in-place changes (the user's zero_grad, clipping) apart.
         self._grad_buckets = grads_in
-        if devcomm is not None:
+        if device_mode:
             members = [[] for _ in infos]
             for p, b, off in zip(params, bucket_of, offset):
                 members[b].append((off, p.numel()))
-            self._staging = DeviceReduction(devcomm, dev, infos, members, separate=not blocking,
-                                            name=name, rank=comm.rank)
+            self._staging = (DeviceReduction(devcomm, dev, infos, members, separate=not blocking,
+                                             name=name, rank=comm.rank) if devcomm is not None
+                             else HostRelay(comm, dev, infos, members, name))
         else:
             self._staging = None if not staged else _Staging(host, dev, infos, on_gpu)
+        # Summed on the device by a device communicator (not relayed through the host).
         self.device_resident = devcomm is not None
+        self._device_mode = device_mode
         return self
 
     def install_hooks(self, params: Tuple[torch.Tensor, ...]) -> list:
@@ -96,17 +104,17 @@ class GradientReducer(_C.Reducer):
         parameter's gradient accumulator node, as torch DDP's. In C++ where
         mpidp._grad_hook is available (no Python call per parameter); in
         Python otherwise, and always with host staging, which copies buckets
-        from Python after each hook (device-resident buckets are started by
-        _bucket_full, called from C once per bucket)."""
+        from Python after each hook (in the core's device mode buckets are
+        started by _bucket_full, called from C once per bucket)."""
         cpp = cpp_hook_module()
-        if (self._staging is None or self.device_resident) and cpp is not None:
+        if (self._staging is None or self._device_mode) and cpp is not None:
             return [cpp.install(self)]
         return [_AccumulatorHook(p, self._python_hook(i, p)) for i, p in enumerate(params)]
 
     def _python_hook(self, i: int, param: torch.Tensor):
         """Parameter i's accumulator post hook, called (grad_inputs, grad_outputs)."""
-        if self._staging is None or self.device_resident:
-            # Device-resident buckets: grad_arrived calls _bucket_full itself.
+        if self._staging is None or self._device_mode:
+            # Device mode: grad_arrived calls _bucket_full itself.
             # A C call per gradient, no Python frame.
             return functools.partial(self.grad_arrived, i, param)
         staging = self._staging
@@ -239,7 +247,7 @@ class GradientReducer(_C.Reducer):
 
 
 def _bucket_full(reducer: GradientReducer) -> None:
-    """The reducer's on_bucket_full callback (device-resident buckets; called
+    """The reducer's on_bucket_full callback (the core's device mode; called
     from C once per bucket a hook filled): the full buckets' sums start."""
     reducer._staging.stage_full(reducer, flush=False)
 

@@ -350,9 +350,15 @@ class DataParallel(torch.nn.Module, Driver):
                     raise ValueError(f"wire_dtype: parameter {name!r} is {p.dtype}; gradients can "
                                      f"be compressed to {self.wire_dtype} from float32 only")
         self._params = params
+        # Non-blocking staged buckets without a device communicator keep their
+        # passes on the device and only relay the sums through the host.
+        relay = (devcomm is None and staged and not self.blocking_parameter_updates
+                 and self._wire == _C.NO_WIRE and self._hier_comms is None
+                 and not fault_tolerance.enabled())
         self._reducer = GradientReducer.build(
             self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
-            wire=self._wire, staged=staged, hier_comms=self._hier_comms, devcomm=devcomm)
+            wire=self._wire, staged=staged, hier_comms=self._hier_comms, devcomm=devcomm,
+            relay=relay)
         self._param_bucket = self._reducer.param_bucket
         self._hook_handles = self._reducer.install_hooks(params)
         # A wrapper the program dropped takes its hooks with it: otherwise the
