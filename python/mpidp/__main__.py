@@ -56,7 +56,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
         ("CUDA kernels", "built, GPU usable" if _C.cuda_available() else "not usable here"),
         ("gradient hook", _grad_hook_loader.describe()),
         ("GPUs visible to torch", str(torch.cuda.device_count() if torch.cuda.is_available() else 0)),
-        ("MPI takes device pointers", "yes (CUDA-aware)" if _C.mpi_cuda_aware() else "no"),
+        ("MPI CUDA-aware", "yes: takes device pointers" if _C.mpi_cuda_aware() else "no"),
     ]
     if ours != theirs:
         problems.append("mpidp and mpi4py run on different MPI libraries")
