@@ -8,7 +8,7 @@ import torch
 
 import mpidp
 from mpidp import _C
-from mpidp._device_paramsync import DeviceParamSync, merge_weights
+from mpidp._device_paramsync import DeviceParamSync
 from mpidp._mpi import resolve_comm
 from dp_reference import DEVICE
 
@@ -66,4 +66,4 @@ def test_zeros_restore_and_misuse():
     for p, b in zip(dev, before):
         assert torch.equal(p, b)
     with pytest.raises(ValueError, match="n_senders >= 1"):
-        merge_weights(0, 0)
+        sync.merge_average(0, 0)

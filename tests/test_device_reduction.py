@@ -88,7 +88,7 @@ def test_the_setting_must_match_across_ranks(monkeypatch):
         mpidp.DataParallel(torch.nn.Linear(3, 2))
 
 
-def test_wire_compression_and_hierarchy_go_through_the_host():
+def test_wire_compression_goes_through_the_host():
     dp = mpidp.DataParallel(torch.nn.Linear(3, 2).to(DEVICE), wire_dtype=torch.bfloat16)
     assert not dp._reducer.device_resident
 

@@ -43,6 +43,11 @@ def test_blocking_clipping_and_grad_scaler(habit):
     blocking_tests.train_with_habits(habit)
 
 
+@pytest.mark.parametrize("habit", ["clip", "amp"])
+def test_nonblocking_clipping_and_grad_scaler_through_the_relay(habit):
+    blocking_tests.test_clipping_and_grad_scaler_between_backward_and_step(habit, False)
+
+
 @pytest.mark.parametrize("blocking", [True, False])
 def test_no_sync(blocking):
     ddp_habits.test_no_sync_accumulates_locally_then_averages_the_sum(blocking)

@@ -100,6 +100,8 @@ static PyObject *mod_checksums(PyObject *m, PyObject *seq)
 }
 
 static PyMethodDef module_methods[] = {
+    {"paramsync_merge_weights", mpidp_py_paramsync_merge_weights, METH_VARARGS,
+     "paramsync_merge_weights(n_senders, batches_waited) -> (a, b, c): Heat's staleness weights."},
     {"mpi_cuda_aware", mod_mpi_cuda_aware, METH_NOARGS,
      "mpi_cuda_aware() -> the MPI library takes CUDA device pointers (MPIX_Query_cuda_support)."},
     {"mpi_library_version", mod_mpi_library_version, METH_NOARGS,

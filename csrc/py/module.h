@@ -177,6 +177,9 @@ PyObject *mpidp_py_comm_recv(PyObject *self, PyObject *const *args, Py_ssize_t n
 PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames);
 
+/* paramsync.c's module function: Heat's staleness weights as the core computes them. */
+PyObject *mpidp_py_paramsync_merge_weights(PyObject *m, PyObject *args);
+
 /* The types, one per file; module.c creates them. */
 extern PyType_Spec mpidp_py_comm_spec, mpidp_py_work_spec, mpidp_py_reducer_spec,
     mpidp_py_paramsync_spec, mpidp_py_schedule_spec, mpidp_py_bgavg_spec, mpidp_py_devcomm_spec;

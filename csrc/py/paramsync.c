@@ -179,6 +179,22 @@ static void paramsync_dealloc(paramsync_t *s)
     Py_DECREF(tp);
 }
 
+/* paramsync_merge_weights(n_senders, batches_waited) -> (a, b, c): Heat's
+ * staleness weights as the core computes them (float32), for engines that
+ * merge elsewhere (python/mpidp/_device_paramsync.py). A module function. */
+PyObject *mpidp_py_paramsync_merge_weights(PyObject *m, PyObject *args)
+{
+    (void)m;
+    int n;
+    long long btw;
+    float a, b, c;
+    if (!PyArg_ParseTuple(args, "iL:paramsync_merge_weights", &n, &btw)) return NULL;
+    mpidp_error_clear();
+    int rc = mpidp_paramsync_merge_weights(n, btw, &a, &b, &c);
+    if (rc != MPIDP_OK) return mpidp_py_raise(mpidp_py_state_of_module(m), rc, "merge weights");
+    return Py_BuildValue("(ddd)", (double)a, (double)b, (double)c);
+}
+
 static PyMethodDef paramsync_methods[] = {
     {"set_reference", (PyCFunction)paramsync_set_reference, METH_NOARGS,
      "ref = the parameters now (every rank must hold the same values)."},

@@ -163,8 +163,7 @@ class DeferredStep:
         try:
             for k, (g, hyper) in enumerate(zip(groups, self._hyper)):
                 g.update(hyper)
-                g["params"] = [p for b in buckets for p in self._subsets[b][k]] \
-                    if len(buckets) != 1 else self._subsets[buckets[0]][k]
+                g["params"] = [p for b in buckets for p in self._subsets[b][k]]
             with self.own_step():
                 opt.step()
         finally:

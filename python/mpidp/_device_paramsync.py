@@ -23,17 +23,6 @@ _WIRE_DTYPES = {_C.DTYPE_F32: torch.float32, _C.DTYPE_BF16: torch.bfloat16,
                 _C.DTYPE_F16: torch.float16}
 
 
-def merge_weights(n_senders: int, batches_waited: int):
-    """Heat's staleness weights (a, b, c) of p = a*p + b*sum + c*ref, as the
-    core computes them (mpidp_paramsync_merge_weights): in double, then
-    rounded to float32 by the kernels' arguments."""
-    if n_senders < 1 or batches_waited < 0:
-        raise ValueError(f"merge weights: need n_senders >= 1 and batches_waited >= 0, got "
-                         f"{n_senders} and {batches_waited}")
-    n, w = float(n_senders), 2.0 * float(batches_waited)
-    return w / (n + w), 1.0 / (n + w), n / (n + w)
-
-
 class DeviceParamSync:
     """ParamSync's interface (send, test, wait, pending, merge_average,
     set_reference, restore, wire_bytes) over `params` in place, on their
@@ -122,7 +111,7 @@ class DeviceParamSync:
     def merge_average(self, n_senders: int, batches_waited: int) -> None:
         """Completes the sync, then p = a*p + b*sum + c*ref with Heat's
         staleness weights, where the parameters live."""
-        a, b, c = merge_weights(n_senders, batches_waited)
+        a, b, c = _C.paramsync_merge_weights(n_senders, batches_waited)
         if self._work is None:
             raise RuntimeError(f"{self._what}: merge without a sync sent")
         self.wait()

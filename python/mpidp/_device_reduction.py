@@ -44,6 +44,7 @@ from . import _C
 from . import _config as config
 from . import _mpi  # noqa: F401 -- its exit handler registers first, so runs after ours
 from ._dtypes import code_of
+from ._params import pack_bytes, unpack_bytes
 
 # Per member parameter of a bucket: its offset and length in the bucket.
 Members = Sequence[Tuple[int, int]]
@@ -221,6 +222,8 @@ class DeviceReduction:
         self._comm = tuple(torch.empty_like(d) for d in self._data) if separate else None
         self._members = members
         self._name = name
+        self._what = [f"{name}: allreduce of gradient bucket {b + 1}/{len(dev)} on the device"
+                      for b in range(len(dev))]
         self._done: list = [None] * len(dev)      # per bucket: the sum in flight
         self._side = None if self._host_ordered or not dev else side_stream(devcomm, dev[0].device)
 
@@ -248,7 +251,7 @@ class DeviceReduction:
             target = data
             if divisor != 1:
                 target.mul_(1.0 / divisor)
-        what = f"{self._name}: allreduce of gradient bucket {b + 1}/{len(self._data)} on the device"
+        what = self._what[b]
         if self._host_ordered:
             _written(target)
             self._done[b] = self._dc.allreduce_(target.data_ptr(), target.numel(), self._dtype[b], 0, what)
@@ -297,15 +300,8 @@ class DeviceReduction:
         if not tensors:
             return
         device = tensors[0].device
-        chunks = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-        offsets, nbytes = [], 0
-        for c in chunks:
-            offsets.append(nbytes)
-            nbytes += (c.numel() + 7) // 8 * 8   # each piece viewable as its dtype again
-        flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8, device=device)
         rank0 = self._rank == 0
-        if rank0:
-            torch._foreach_copy_([flat[o:o + c.numel()] for o, c in zip(offsets, chunks)], chunks)
+        flat, offsets = pack_bytes(tensors, fill=rank0)   # zeros elsewhere
         what = f"{self._name}: broadcast of {len(tensors)} buffers on the device"
         code = _C.DTYPE_U8
         if self._host_ordered:
@@ -319,9 +315,7 @@ class DeviceReduction:
                 self._dc.allreduce_(flat.data_ptr(), flat.numel(), code, self._side.cuda_stream, what)
             current.wait_stream(self._side)
         if not rank0:
-            views = [flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                     for o, t in zip(offsets, tensors)]
-            torch._foreach_copy_(list(tensors), views)
+            unpack_bytes(flat, offsets, tensors)
 
     def new_pass(self) -> None:
         """The pass ended: later writes to the buckets come after every sum."""

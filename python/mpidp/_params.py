@@ -43,14 +43,13 @@ def broadcast_tensors(tensors, comm: "_C.Comm", root: int = 0) -> None:
         by_device.setdefault(t.device, []).append(t)
     with torch.no_grad():
         for group in by_device.values():
-            flat, chunks, offsets = _pack_bytes(group)
+            flat, offsets = pack_bytes(group)
             host = flat.cpu()
             comm.bcast(host, root)
             if comm.rank == root:
                 continue
             flat.copy_(host)
-            for t, c, off in zip(group, chunks, offsets):
-                t.copy_(flat[off:off + c.numel()].view(t.dtype).view(t.shape))
+            unpack_bytes(flat, offsets, group)
 
 
 def broadcast_buffers(module: torch.nn.Module, comm: "_C.Comm") -> None:
@@ -63,19 +62,27 @@ def broadcast_buffers(module: torch.nn.Module, comm: "_C.Comm") -> None:
         broadcast_tensors([b.data for b in module.buffers()], comm)
 
 
-def _pack_bytes(group):
-    """The bytes of `group` in one uint8 tensor on their device, each tensor at
-    a multiple of 8 bytes so that its slice can be viewed as its dtype again;
-    with each tensor's bytes and offset."""
+def pack_bytes(group, fill: bool = True):
+    """The bytes of `group` (tensors on one device) in one uint8 tensor on
+    their device, each tensor at a multiple of 8 bytes so that its slice can
+    be viewed as its dtype again, with each tensor's offset; `fill=False`
+    leaves the buffer zeros (a rank that only receives)."""
     chunks = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in group]
     offsets, nbytes = [], 0
     for c in chunks:
         offsets.append(nbytes)
         nbytes += (c.numel() + 7) // 8 * 8
     flat = torch.zeros(max(nbytes, 8), dtype=torch.uint8, device=group[0].device)
-    for c, off in zip(chunks, offsets):
-        flat[off:off + c.numel()] = c
-    return flat, chunks, offsets
+    if fill:
+        torch._foreach_copy_([flat[o:o + c.numel()] for o, c in zip(offsets, chunks)], chunks)
+    return flat, offsets
+
+
+def unpack_bytes(flat: torch.Tensor, offsets, group) -> None:
+    """pack_bytes' inverse: each tensor of `group` <- its slice of `flat`."""
+    views = [flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+             for o, t in zip(offsets, group)]
+    torch._foreach_copy_(list(group), views)
 
 
 def flatten(tensors, dtype=None) -> torch.Tensor:
