@@ -30,13 +30,51 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _C
-from ._device_reduction import DeviceReduction
+from . import _config as config
+from . import fault_tolerance
+from ._device_reduction import DeviceReduction, device_comm_for
+from ._dtypes import code_of
 from ._grad_hook_loader import cpp_hook_module
 from ._host_relay import HostRelay
 from ._params import grad_view
 
 # Directions of a staging copy (host <-> where the .grad views live).
 _TO_HOST, _TO_HOST_ASYNC, _TO_DEVICE = range(3)
+
+
+def build_reducer(named, c_comm: _C.Comm, mpi_comm, *, blocking: bool, wire: int, wire_dtype,
+                  caps: Tuple[int, int], hier_comms=None, argname: str,
+                  name: str = "DataParallel", cls=None) -> "GradientReducer":
+    """The reducer of the trainable (name, parameter) pairs `named` over
+    `c_comm` (mpi_comm: its mpi4py communicator), on the path their device
+    calls for: host buckets for CPU tensors; on a GPU, summed where they
+    live where every rank has its own (the choice is collective), else
+    staged through the host (non-blocking: relayed). Hooks not installed.
+    cls: a subclass of GradientReducer to build (default GradientReducer)."""
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"{argname}: trainable parameters on several devices "
+                         f"{sorted(map(str, devices))}; {name} needs one device per process")
+    device = next(iter(devices), torch.device("cpu"))
+    # MPIDP_DP_STAGING=1 forces the staged path for CPU tensors too (tests).
+    staged = device.type != "cpu" or config.get("MPIDP_DP_STAGING")
+    devcomm = device_comm_for(mpi_comm, c_comm, device, wire=wire != _C.NO_WIRE,
+                              hierarchical=hier_comms is not None,
+                              fault_tolerant=fault_tolerance.enabled())
+    params = tuple(p for _, p in named)
+    dtypes = [code_of(p.dtype, f"{argname}: parameter {n!r}") for n, p in named]
+    if wire != _C.NO_WIRE:
+        for (pname, p), code in zip(named, dtypes):
+            if code not in (code_of(torch.float32, ""), wire):
+                raise ValueError(f"wire_dtype: parameter {pname!r} is {p.dtype}; gradients "
+                                 f"can be compressed to {wire_dtype} from float32 only")
+    # Non-blocking staged buckets without a device communicator keep their
+    # passes on the device and only relay the sums through the host.
+    relay = (devcomm is None and staged and not blocking and wire == _C.NO_WIRE
+             and hier_comms is None and not fault_tolerance.enabled())
+    return (cls or GradientReducer).build(c_comm, params, dtypes, caps[0], caps[1],
+                                          blocking=blocking, wire=wire, staged=staged, name=name,
+                                          hier_comms=hier_comms, devcomm=devcomm, relay=relay)
 
 
 class GradientReducer(_C.Reducer):

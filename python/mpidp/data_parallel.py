@@ -23,9 +23,8 @@ from ._params import (broadcast_buffers, broadcast_state, check_module,
 from ._loads import LoadWatch
 from . import _module_hooks as module_hooks
 from ._deferred_step import DeferredStep, bucket_members
-from ._device_reduction import device_comm_for
 from ._pending_reads import QuietParameters, unwatch, watch
-from ._reducer import GradientReducer
+from ._reducer import build_reducer
 from ._stale_reads import StaleReadDetector
 from .optimizer import DataParallelOptimizer
 from .wrapper_copy import reduce_wrapper
@@ -326,41 +325,14 @@ class DataParallel(torch.nn.Module, Driver):
 
     def _build_reducer(self, first_cap: int, cap: int) -> None:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        devices = {p.device for _, p in named}
-        if len(devices) > 1:
-            raise ValueError(f"module: trainable parameters on several devices {sorted(map(str, devices))}; "
-                             "DataParallel needs one device per process")
-        device = next(iter(devices), torch.device("cpu"))
-        # Gradients in device memory are reduced through host buckets: copied
-        # over just before a bucket is sent, back once its mean is in.
-        # MPIDP_DP_STAGING=1 forces this for CPU tensors too (tests).
-        staged = device.type != "cpu" or config.get("MPIDP_DP_STAGING")
-        # Where every rank has a GPU of its own, buckets are summed where they
-        # live instead (NCCL: _device_reduction.py); the choice is collective.
-        devcomm = device_comm_for(self._mpi_comm, self._c_comm, device,
-                                  wire=self._wire != _C.NO_WIRE,
-                                  hierarchical=self._hier_comms is not None,
-                                  fault_tolerant=fault_tolerance.enabled())
         self._param_names = [n for n, _ in named]
-        params = tuple(p for _, p in named)
-        dtypes = [code_of(p.dtype, f"module: parameter {n!r}") for n, p in named]
-        if self._wire != _C.NO_WIRE:
-            for (name, p), code in zip(named, dtypes):
-                if code not in (code_of(torch.float32, ""), self._wire):
-                    raise ValueError(f"wire_dtype: parameter {name!r} is {p.dtype}; gradients can "
-                                     f"be compressed to {self.wire_dtype} from float32 only")
-        self._params = params
-        # Non-blocking staged buckets without a device communicator keep their
-        # passes on the device and only relay the sums through the host.
-        relay = (devcomm is None and staged and not self.blocking_parameter_updates
-                 and self._wire == _C.NO_WIRE and self._hier_comms is None
-                 and not fault_tolerance.enabled())
-        self._reducer = GradientReducer.build(
-            self._c_comm, params, dtypes, first_cap, cap, blocking=self.blocking_parameter_updates,
-            wire=self._wire, staged=staged, hier_comms=self._hier_comms, devcomm=devcomm,
-            relay=relay)
+        self._params = tuple(p for _, p in named)
+        self._reducer = build_reducer(
+            named, self._c_comm, self._mpi_comm, blocking=self.blocking_parameter_updates,
+            wire=self._wire, wire_dtype=self.wire_dtype, caps=(first_cap, cap),
+            hier_comms=self._hier_comms, argname="module")
         self._param_bucket = self._reducer.param_bucket
-        self._hook_handles = self._reducer.install_hooks(params)
+        self._hook_handles = self._reducer.install_hooks(self._params)
         # A wrapper the program dropped takes its hooks with it: otherwise the
         # parameters would go on averaging their gradients through it.
         weakref.finalize(self, remove_handles, self._hook_handles)

@@ -1,0 +1,346 @@
+"""mpidp.horovod.torch's collectives against mpi4py, with different data on
+every rank: values, Horovod's argument rules, names matched across ranks in
+any order, and the errors every rank raises when ranks pass different
+tensors or wait for operations others never submit."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpidp.horovod.torch as hvd
+from dp_reference import RANK, SIZE
+
+pytestmark = pytest.mark.ranks3
+COMM = MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    yield
+    hvd.shutdown()
+
+
+def data(rank, shape=(4, 3), dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + rank)
+    t = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+    return t.round().to(dtype) if not dtype.is_floating_point else t.to(dtype)
+
+
+def mpi_reduce(x: torch.Tensor, op) -> torch.Tensor:
+    """mpi4py's reduction of every rank's x (in float64 for floats)."""
+    a = x.double().numpy() if x.dtype.is_floating_point else x.numpy()
+    out = np.empty_like(a)
+    COMM.Allreduce(a, out, op=op)
+    return torch.from_numpy(out)
+
+
+def test_init_queries():
+    assert hvd.is_initialized()
+    assert (hvd.rank(), hvd.size()) == (RANK, SIZE)
+    assert hvd.local_size() * hvd.cross_size() == SIZE
+    assert 0 <= hvd.local_rank() < hvd.local_size()
+    assert hvd.mpi_enabled() and hvd.mpi_built() and not hvd.gloo_enabled()
+    assert isinstance(hvd.nccl_built(), int)
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == tuple(range(6))
+    assert hvd.global_process_set.process_set_id == 0
+    assert hvd.global_process_set.size() == SIZE and hvd.global_process_set.rank() == RANK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int32, torch.int64])
+@pytest.mark.parametrize("op", ["Sum", "Average", "Min", "Max", "Product"])
+def test_allreduce_matches_mpi4py(dtype, op):
+    x = data(RANK, dtype=dtype)
+    if op == "Product":
+        x = (x.abs() % 3 + 1).to(dtype)
+    if op == "Average" and not dtype.is_floating_point:
+        expected = torch.trunc(mpi_reduce(x, MPI.SUM).double() / SIZE)
+    else:
+        mpi_op = {"Sum": MPI.SUM, "Average": MPI.SUM, "Min": MPI.MIN, "Max": MPI.MAX,
+                  "Product": MPI.PROD}[op]
+        expected = mpi_reduce(x, mpi_op).double()
+        if op == "Average":
+            expected /= SIZE
+    out = hvd.allreduce(x, op=getattr(hvd, op))
+    assert out.dtype == dtype and out.shape == x.shape
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-6)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    assert torch.equal(x, data(RANK, dtype=dtype) if op != "Product" else x)  # out of place
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_allreduce_in_place_async_and_scaling():
+    x = data(RANK)
+    expected = mpi_reduce(x, MPI.SUM)
+    y = x.clone()
+    h = hvd.allreduce_async_(y, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    assert isinstance(h, int)
+    assert hvd.synchronize(h) is y
+    close(y, expected * 1.5)
+    h = hvd.allreduce_async(x, name="avg.scaled", postscale_factor=2.0)
+    while not hvd.poll(h):
+        pass
+    close(hvd.synchronize(h), expected * 2 / SIZE)
+    assert torch.equal(x, data(RANK))
+    z = x.clone()
+    assert hvd.allreduce_(z, average=False) is z
+    close(z, expected)
+
+
+def test_argument_rules():
+    x = data(RANK)
+    with pytest.raises(ValueError, match="supersedes average"):
+        hvd.allreduce(x, average=True, op=hvd.Sum)
+    with pytest.raises(NotImplementedError, match="Adasum.*hvd.Average"):
+        hvd.allreduce(x, op=hvd.Adasum)
+    with pytest.raises(TypeError, match="tensor"):
+        hvd.allreduce([1.0, 2.0])
+    with pytest.raises(ValueError, match="handle"):
+        hvd.synchronize(123456789)
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast(x, root_rank=SIZE)
+    with pytest.raises(ValueError, match="splits"):
+        hvd.alltoall(torch.zeros(3), splits=[1] * (SIZE + 1))
+
+
+def test_grouped_allreduce():
+    xs = [data(RANK, (3,)), data(RANK, (2, 2), torch.float64), data(RANK, (5,), torch.int32)]
+    outs = hvd.grouped_allreduce(xs, op=hvd.Sum)
+    assert [o.dtype for o in outs] == [x.dtype for x in xs]
+    for o, x in zip(outs, xs):
+        close(o, mpi_reduce(x, MPI.SUM))
+    ys = [x.clone() for x in xs[:2]]
+    hvd.grouped_allreduce_(ys)
+    for y, x in zip(ys, xs):
+        close(y, mpi_reduce(x, MPI.SUM) / SIZE)
+
+
+def test_allgather_rows_differ_per_rank():
+    x = torch.full((RANK + 1, 2), float(RANK))
+    out = hvd.allgather(x)
+    expected = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(SIZE)])
+    assert torch.equal(out, expected)
+    reference = COMM.allgather(x.numpy())
+    assert torch.equal(out, torch.from_numpy(np.concatenate(reference)))
+    a, b = hvd.grouped_allgather([x, torch.tensor([RANK])])
+    assert torch.equal(a, expected) and b.tolist() == list(range(SIZE))
+
+
+@pytest.mark.parametrize("root", range(3))
+def test_broadcast_from_each_root(root):
+    root = root % SIZE
+    x = data(RANK)
+    out = hvd.broadcast(x, root_rank=root)
+    assert torch.equal(out, data(root))
+    assert torch.equal(x, data(RANK))
+    y = data(RANK, dtype=torch.int64)
+    hvd.broadcast_(y, root)
+    assert torch.equal(y, torch.from_numpy(COMM.bcast(data(RANK, dtype=torch.int64).numpy(),
+                                                       root=root)))
+
+
+def test_alltoall_with_and_without_splits():
+    # rank r sends (d + 1) rows of value 10 r + d to rank d
+    rows = [torch.full((d + 1, 2), float(10 * RANK + d)) for d in range(SIZE)]
+    out, received = hvd.alltoall(torch.cat(rows), splits=torch.tensor([d + 1 for d in range(SIZE)]))
+    reference = COMM.alltoall([r.numpy() for r in rows])
+    assert torch.equal(out, torch.from_numpy(np.concatenate(reference)))
+    assert received.tolist() == [RANK + 1] * SIZE
+    even = hvd.alltoall(torch.arange(2 * SIZE, dtype=torch.float32) + 100 * RANK)
+    assert even.tolist() == [float(100 * s + 2 * RANK + k) for s in range(SIZE) for k in range(2)]
+
+
+@pytest.mark.parametrize("rows", [2 * SIZE + 1, SIZE - 1 if SIZE > 1 else 0, 7])
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_reducescatter_splits_rows_as_horovod(rows, op):
+    x = data(RANK, (rows, 3), torch.float64)
+    out = hvd.reducescatter(x, op=getattr(hvd, op))
+    counts = [rows // SIZE + (1 if r < rows % SIZE else 0) for r in range(SIZE)]
+    first = sum(counts[:RANK])
+    full = mpi_reduce(x, MPI.SUM)
+    expected = full[first:first + counts[RANK]] / (SIZE if op == "Average" else 1)
+    torch.testing.assert_close(out, expected)
+    outs = hvd.grouped_reducescatter([x, x.float()], op=hvd.Sum)
+    torch.testing.assert_close(outs[1].double(), full[first:first + counts[RANK]], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_names_match_across_ranks_in_any_order():
+    """Odd ranks submit the named ops in reverse order and wait for them in
+    another order still: each op meets its namesake."""
+    names = [f"metric.{k}" for k in range(5)]
+    values = {n: data(RANK, (k + 2,)) for k, n in enumerate(names)}
+    expected = {n: mpi_reduce(values[n], MPI.SUM) for n in names}
+    order = names[::-1] if RANK % 2 else names
+    handles = {n: hvd.allreduce_async(values[n], name=n, op=hvd.Sum) for n in order}
+    for n in sorted(names, key=lambda n: hash((n, RANK)) % 7):
+        close(hvd.synchronize(handles[n]), expected[n])
+
+
+def test_mismatched_shapes_raise_on_every_rank():
+    x = torch.zeros(3 + RANK % 2)
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched.*'mismatch'.*rank\(s\) \[0"):
+        hvd.allreduce(x, name="mismatch")
+    with pytest.raises(hvd.HorovodInternalError, match="Mismatched"):
+        hvd.allgather(torch.zeros(2, 1 + RANK % 2, dtype=torch.float32), name="gather.mismatch")
+    with pytest.raises(hvd.HorovodInternalError, match="Mismatched"):
+        hvd.broadcast(torch.zeros(2), root_rank=RANK % 2, name="bcast.root")
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [SIZE, SIZE]  # still usable
+
+
+def test_waiting_for_an_op_no_other_rank_submits_raises_everywhere():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(hvd.HorovodInternalError, match=r"not every rank has submitted.*'only\.0'"):
+        hvd.allreduce(torch.ones(1), name=f"only.{RANK}")
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE
+
+
+def test_a_name_in_flight_cannot_be_reused():
+    h = hvd.allreduce_async(torch.ones(1), name="twice")
+    with pytest.raises(ValueError, match="'twice' is still in flight"):
+        hvd.allreduce_async(torch.ones(1), name="twice")
+    assert hvd.synchronize(h).item() == 1.0
+
+
+def test_join_feeds_zeros_and_returns_the_last_joiner():
+    """Rank r has r + 1 batches; the mean of each allreduce is over the ranks
+    that still had one."""
+    for step in range(RANK + 1):
+        out = hvd.allreduce(torch.tensor([float(RANK + 1)]), name=f"loss.{step}")
+        active = [r for r in range(SIZE) if r >= step]
+        assert out.item() == pytest.approx(sum(r + 1 for r in active) / len(active))
+    assert hvd.join() == SIZE - 1
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE
+
+
+def test_barrier_and_process_sets():
+    hvd.barrier()
+    with pytest.raises(ValueError, match="exists already"):
+        hvd.add_process_set(list(range(SIZE)))
+    if SIZE == 1:
+        return
+    evens = hvd.add_process_set(list(range(0, SIZE, 2)))
+    assert evens.process_set_id > 0
+    x = torch.tensor([float(RANK)])
+    if evens.included():
+        out = hvd.allreduce(x, op=hvd.Sum, process_set=evens)
+        assert out.item() == sum(range(0, SIZE, 2))
+        assert evens.rank() == RANK // 2
+        hvd.barrier(process_set=evens)
+        g = hvd.allgather(x, process_set=evens)
+        assert g.tolist() == [float(r) for r in range(0, SIZE, 2)]
+        assert hvd.broadcast(x, root_rank=0, process_set=evens).item() == 0.0
+    else:
+        with pytest.raises(ValueError, match="not in"):
+            hvd.allreduce(x, process_set=evens)
+    assert hvd.remove_process_set(evens)
+    assert not hvd.remove_process_set(evens)
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(x, process_set=evens)
+
+
+def test_gradients_of_the_collectives():
+    w = data(RANK, (3,)).requires_grad_()
+    (hvd.allreduce(w, op=hvd.Sum) * (RANK + 1)).sum().backward()
+    assert torch.allclose(w.grad, torch.full((3,), float(sum(r + 1 for r in range(SIZE)))))
+    w = torch.ones(RANK + 1, 2, requires_grad=True)
+    g = hvd.allgather(w)
+    (g * torch.arange(g.shape[0], dtype=torch.float32)[:, None]).sum().backward()
+    offset = sum(r + 1 for r in range(RANK))
+    assert torch.allclose(w.grad, torch.arange(offset, offset + RANK + 1,
+                                               dtype=torch.float32)[:, None].expand(-1, 2))
+    w = torch.ones(2, requires_grad=True)
+    (hvd.broadcast(w, root_rank=0) * 2).sum().backward()
+    assert w.grad.tolist() == ([2.0, 2.0] if RANK == 0 else [0.0, 0.0])
+
+
+def test_objects_and_parameters():
+    assert hvd.broadcast_object({"rank": RANK, "f": [1, 2]}, root_rank=0) == {"rank": 0, "f": [1, 2]}
+    assert hvd.allgather_object(("r", RANK)) == [("r", r) for r in range(SIZE)]
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(model.weight, float(RANK))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    assert torch.equal(model.weight, torch.zeros(2, 3))
+    torch.nn.init.constant_(model.bias, float(RANK + 5))
+    hvd.broadcast_parameters(list(model.named_parameters()), root_rank=SIZE - 1)
+    assert torch.equal(model.bias.detach(), torch.full((2,), float(SIZE + 4)))
+    with pytest.raises(ValueError, match="invalid params"):
+        hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
+
+
+def test_broadcast_optimizer_state_is_root_s_and_moves_no_parameter():
+    model = torch.nn.Linear(3, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (RANK + 1))
+    if RANK == 0:
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.01
+    state = opt.state_dict()["state"]
+    reference = COMM.bcast(state if RANK == 0 else None, root=0)
+    for k in reference:
+        for key in reference[k]:
+            assert torch.equal(torch.as_tensor(state[k][key]), torch.as_tensor(reference[k][key]))
+    if RANK != 0:   # no zero-gradient step (Horovod's) moved them
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    if RANK != 0:
+        model(torch.ones(1, 3)).sum().backward()
+        fresh.step()
+    hvd.broadcast_optimizer_state(fresh, root_rank=0)
+    assert len(fresh.state) == 0     # root had none: nobody keeps any
+    with pytest.raises(ValueError, match="LBFGS"):
+        hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+
+
+def test_sync_batch_norm_matches_batch_norm_over_every_rank():
+    torch.manual_seed(0)
+    batches = [torch.randn(3 + r, 4, 5) * (r + 1) + r for r in range(SIZE)]
+    sync = hvd.SyncBatchNorm(4)
+    ref = torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        sync.weight.copy_(torch.arange(4.0) + 1)
+        ref.weight.copy_(torch.arange(4.0) + 1)
+    x = batches[RANK].clone().requires_grad_()
+    out = sync(x)
+    whole = torch.cat(batches).requires_grad_()
+    expected = ref(whole)
+    start = sum(b.shape[0] for b in batches[:RANK])
+    torch.testing.assert_close(out, expected[start:start + x.shape[0]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sync.running_mean, ref.running_mean)
+    torch.testing.assert_close(sync.running_var, ref.running_var)
+    weights = torch.arange(whole.numel(), dtype=torch.float32).view_as(whole).sin()
+    (out * weights[start:start + x.shape[0]]).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(x.grad, whole.grad[start:start + x.shape[0]], rtol=1e-4, atol=1e-5)
+    # Parameter gradients are each rank's share; their sum is the reference's.
+    total = hvd.allreduce(sync.weight.grad, op=hvd.Sum)
+    torch.testing.assert_close(total, ref.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_timeline_is_chrome_trace_json(tmp_path):
+    path = COMM.bcast(str(tmp_path / "timeline.json"), root=0)
+    hvd.start_timeline(path, mark_cycles=True)
+    hvd.allreduce(torch.ones(3), name="traced")
+    hvd.allgather(torch.ones(1))
+    hvd.stop_timeline()
+    if RANK == 0:
+        events = json.load(open(path))
+        names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+        assert "traced" in names
+        phases = {e["name"] for e in events if e["ph"] == "X"}
+        assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "ALLGATHER"} <= phases
+        assert any(e["ph"] == "i" for e in events)

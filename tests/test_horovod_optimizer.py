@@ -1,0 +1,232 @@
+"""hvd.DistributedOptimizer against a single-process simulation of every
+rank: each rank trains on its own batches, the simulation averages the
+ranks' gradients itself. Horovod's habits (gradient accumulation over
+backward_passes_per_step, synchronize() before clipping, GradScaler,
+unused parameters, LR schedulers, process sets) and its errors."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpidp.horovod.torch as hvd
+from dp_reference import RANK, SIZE
+
+pytestmark = pytest.mark.ranks3
+STEPS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    yield
+    hvd.shutdown()
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+        self.side = torch.nn.Linear(6, 3)      # used by rank 0 only (see forward)
+        self.unused = torch.nn.Linear(2, 2)    # never used
+
+    def forward(self, x, rank=None):
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        if rank == 0:
+            out = out + self.side(x)
+        return out
+
+
+def batch(step, rank, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(4 + rank, 6, generator=g), torch.randint(0, 3, (4 + rank,), generator=g)
+
+
+def loss_of(model, step, rank, micro=0):
+    x, y = batch(step, rank, micro)
+    return F.cross_entropy(model(x, rank), y)
+
+
+def simulate(make_opt, steps=STEPS, passes=1, op="avg", ranks=None, clip=None, edit=None):
+    """Every rank's replica: the mean (or sum) over `ranks` of each rank's
+    gradient summed over `passes` micro-batches; then the step."""
+    ranks = list(range(SIZE)) if ranks is None else ranks
+    model = Net()
+    opt = make_opt(model)
+    for step in range(steps):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for r in ranks:
+            for micro in range(passes):
+                model.zero_grad()
+                loss_of(model, step, r, micro).backward()
+                for g, p in zip(grads, model.parameters()):
+                    if p.grad is not None:
+                        g += p.grad
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g / len(ranks) if op == "avg" else g
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if edit:
+            edit(model)
+        opt.step()
+    return model
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def assert_same(model, reference):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def train(opt_kwargs=None, passes=1, clip=None, edit=None, make_opt=sgd):
+    model = Net(seed=RANK)          # different on every rank until the broadcasts
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **(opt_kwargs or {}))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(passes):
+            loss_of(model, step, RANK, micro).backward()
+        if clip:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            if edit:
+                edit(model)
+            opt.step()
+    return model, opt
+
+
+def test_mnist_style_training_matches_the_simulation():
+    model, opt = train()
+    assert isinstance(opt, torch.optim.SGD)
+    assert_same(model, simulate(sgd))
+    # A parameter no rank used got zero gradients (Horovod sends them), so
+    # weight decay moved it in both.
+    assert torch.count_nonzero(model.unused.weight.grad) == 0
+
+
+def test_backward_passes_per_step_accumulates_the_sum():
+    model, _ = train(passes=2)
+    assert_same(model, simulate(sgd, passes=2))
+
+
+def test_a_step_after_fewer_passes_reduces_what_was_accumulated():
+    model = Net()
+    opt = hvd.DistributedOptimizer(sgd(model), backward_passes_per_step=3)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, step, RANK).backward()
+        opt.step()
+    assert_same(model, simulate(sgd))
+
+
+def test_synchronize_then_clip_then_step():
+    model, _ = train(clip=0.05)
+    assert_same(model, simulate(sgd, clip=0.05))
+
+
+def test_gradients_edited_before_step_are_used():
+    def edit(m):
+        for p in m.parameters():
+            if p.grad is not None:
+                p.grad.mul_(3.0)
+    model, _ = train(edit=edit)
+    assert_same(model, simulate(sgd, edit=edit))
+
+
+def test_sum_op_and_adam_and_lr_scheduler():
+    def adam(m):
+        return torch.optim.Adam(m.parameters(), lr=0.01)
+    model, opt = train({"op": hvd.Sum}, make_opt=adam)
+    assert_same(model, simulate(adam, op="sum"))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    loss_of(model, 0, RANK).backward()
+    opt.step()
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.005
+
+
+def test_fp16_and_bf16_compression_stay_close():
+    for compression in (hvd.Compression.fp16, hvd.Compression.bf16):
+        model, _ = train({"compression": compression})
+        reference = simulate(sgd)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+def test_grad_scaler_with_synchronize_and_skip_synchronize():
+    model = Net(seed=RANK)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, step, RANK)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    assert_same(model, simulate(sgd, clip=0.05))
+
+
+def test_process_set_averages_within_the_set_only():
+    evens = hvd.add_process_set(list(range(0, SIZE, 2))) if SIZE > 1 else hvd.global_process_set
+    model = Net()
+    opt = hvd.DistributedOptimizer(sgd(model), process_set=evens)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, step, RANK).backward()
+        opt.step()
+    members = list(range(0, SIZE, 2)) if RANK % 2 == 0 else [RANK]
+    assert_same(model, simulate(sgd, ranks=members))
+    if evens is not hvd.global_process_set:
+        hvd.remove_process_set(evens)
+
+
+def test_horovod_errors():
+    model = Net()
+    opt = hvd.DistributedOptimizer(sgd(model))
+    loss_of(model, 0, RANK).backward()
+    if SIZE > 1:    # one rank reduces nothing, so Horovod has nothing pending to guard
+        with pytest.raises(AssertionError, match="zero_grad.*before"):
+            opt.zero_grad()
+        with pytest.raises(AssertionError, match="backward_passes_per_step"):
+            loss_of(model, 1, RANK).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="already"):
+        hvd.DistributedOptimizer(opt)
+    with pytest.raises(NotImplementedError, match="Adasum.*Average"):
+        hvd.DistributedOptimizer(sgd(Net()), op=hvd.Adasum)
+    named = list(Net().named_parameters())
+    other = Net()
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(sgd(other), named_parameters=named[:2])
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(sgd(other), named_parameters=[("w", p) for p in other.parameters()])
+    with pytest.raises(ValueError, match="sequence of tuples"):
+        hvd.DistributedOptimizer(sgd(other), named_parameters=list(other.parameters()))
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(sgd(other), backward_passes_per_step=0)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="settings can only differ between ranks")
+def test_settings_that_differ_across_ranks_raise_on_every_rank():
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(sgd(Net()), backward_passes_per_step=1 + RANK % 2)
