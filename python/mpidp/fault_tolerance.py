@@ -57,7 +57,7 @@ __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replac
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
            "reset_grad_scaler",
            # for the algorithms:
-           "step_boundary", "agree_all_alive", "commit_step", "participate", "defer",
+           "step_boundary", "agree_all_alive", "world_agreement", "commit_step", "participate", "defer",
            "raise_deferred"]
 
 RanksLost = _C.RanksLost
@@ -145,6 +145,13 @@ def _make_agree_comm() -> None:
 def _agree_comm() -> MPI.Intracomm:
     _mpi.world()
     return _state.agree_comm
+
+
+def world_agreement() -> None:
+    """Make the communicator recover() agrees over now (collective over the
+    world), for callers that may not have used mpidp's world before a loss
+    (hvd.elastic.run)."""
+    _agree_comm()
 
 
 # Seconds a process may spend in MPI_Finalize at exit once ranks were lost.

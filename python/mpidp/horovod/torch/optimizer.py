@@ -93,8 +93,9 @@ class _Sync:
 
     def attach(self) -> None:
         """Build the reducer over the process set's communicator (again after
-        an elastic reset)."""
+        an elastic reset: the pass a lost rank cut short is forgotten)."""
         self.detach()
+        self.reduced, self.passes, self.pass_open, self.synchronized = False, 0, False, False
         mpi = _basics.comm_of(self.process_set)
         if mpi is None or mpi.Get_size() == 1 or not self.params:
             return     # not a member (local steps, as Horovod), or nothing to reduce

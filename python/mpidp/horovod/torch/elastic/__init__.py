@@ -60,6 +60,9 @@ def run(func):
         if not isinstance(state, State):
             raise TypeError(f"state: expected a hvd.elastic.State (TorchState), got "
                             f"{type(state).__name__}")
+        # The survivors' agreement runs over mpidp's world: made now, while
+        # every rank is here (collective).
+        fault_tolerance.world_agreement()
         reset_required = False
         while True:
             if reset_required:
