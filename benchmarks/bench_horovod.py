@@ -80,13 +80,14 @@ def main() -> None:
         device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    base = ResNet18(width=16 if args.quick else 64).to(device)
+    width = 16 if args.quick else (64 if device.type == "cuda" else 32)
+    base = ResNet18(width=width).to(device)
     batch = (8 if args.quick else 32) * (4 if device.type == "cuda" else 1)
-    size = 32 if args.quick else 64
+    size = 32
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     rounds = args.rounds or (2 if args.quick else 5)
-    steps = 2 if args.quick else 10
+    steps = 2 if args.quick else 8
     built = {m: build(m, base, device) for m in METHODS}
     for net, opt in built.values():          # warm-up: buckets, caches, first-touch
         images_per_second(net, opt, x, y, 1, device)
@@ -97,7 +98,7 @@ def main() -> None:
             results[m].append(images_per_second(*built[m], x, y, steps, device))
     median = {m: statistics.median(v) for m, v in results.items()}
     if hvd.rank() == 0:
-        print(f"Horovod synthetic benchmark, ResNet-18 (width {16 if args.quick else 64}), "
+        print(f"Horovod synthetic benchmark, ResNet-18 (width {width}), "
               f"batch {batch} x {size}x{size} per rank, {hvd.size()} rank(s), {device.type}, "
               f"median of {rounds} rounds of {steps} steps")
         print(f"{'method':<10} {'images/s':>10} {'hvd / this':>11}")

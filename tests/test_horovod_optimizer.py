@@ -230,3 +230,12 @@ def test_horovod_errors():
 def test_settings_that_differ_across_ranks_raise_on_every_rank():
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         hvd.DistributedOptimizer(sgd(Net()), backward_passes_per_step=1 + RANK % 2)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank has no reducer to refuse")
+def test_join_with_a_reducing_optimizer_is_refused():
+    model = Net()
+    opt = hvd.DistributedOptimizer(sgd(model))
+    with pytest.raises(NotImplementedError, match="join.*drop_last"):
+        hvd.join()
+    del opt

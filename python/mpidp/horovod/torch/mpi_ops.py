@@ -655,6 +655,8 @@ def join(device=-1) -> int:
     had data). Returns the rank that joined last."""
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"device: expected an int, got {type(device).__name__}")
+    from .optimizer import refuse_join
+    refuse_join()
     return _controller.join(global_process_set)
 
 

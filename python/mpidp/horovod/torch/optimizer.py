@@ -99,6 +99,9 @@ class _Sync:
         mpi = _basics.comm_of(self.process_set)
         if mpi is None or mpi.Get_size() == 1 or not self.params:
             return     # not a member (local steps, as Horovod), or nothing to reduce
+        # A communicator of its own: the buckets' allreduces can never be
+        # matched with the named collectives' traffic.
+        mpi = mpi.Dup()
         c = resolve_comm(mpi)
         holder = torch.nn.Module()
         for i, p in enumerate(self.params):
@@ -116,6 +119,7 @@ class _Sync:
         r.paused = self.k > 1
         self.reducer = r
         self.handles = r.install_hooks(self.params)
+        mpi.Free()     # the reducer runs on mpidp's own duplicate of it (c)
         if self.k > 1:
             # Horovod counts the backward passes per parameter; the paused
             # reducer runs no Python, so a light hook counts them.
@@ -310,7 +314,26 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     return wrapped
 
 
+def refuse_join() -> None:
+    """hvd.join() on a rank whose DistributedOptimizer reduces gradients."""
+    if any(opt._hvd_sync.reducer is not None for opt in list(_live)):
+        raise NotImplementedError(
+            "hvd.join(): this rank trains with a DistributedOptimizer, whose gradient buckets a "
+            "joined rank cannot fill with zeros in mpidp; give every rank the same number of "
+            "batches (DistributedSampler(..., drop_last=True)), or use mpidp.DataParallel's "
+            "join() context")
+
+
 def reattach_all() -> None:
     """Elastic reset: every live DistributedOptimizer reduces over the new world."""
     for opt in list(_live):
         opt._hvd_sync.attach()
+
+
+def _detach_all() -> None:
+    """hvd.shutdown(): the optimizers stop reducing (their steps are local)."""
+    for opt in list(_live):
+        opt._hvd_sync.detach()
+
+
+_basics._world.on_shutdown.append(_detach_all)
