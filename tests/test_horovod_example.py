@@ -2,8 +2,8 @@
 changed -- as real mpirun jobs, against a single-process simulation of every
 rank: the same DistributedSampler shards, each rank's micro-batch losses
 divided by the batches per allreduce, the gradients averaged over the ranks.
-Plain, with gradient accumulation (backward_passes_per_step=2) and with fp16
-compression."""
+Plain, with gradient accumulation (backward_passes_per_step=2), and with
+fp16 compression and a predivide factor."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def simulate(ranks, epochs=3, batch=32, passes=1, lr=0.05, momentum=0.9, seed=42
 @pytest.mark.parametrize("ranks, epochs, extra, tol", [
     (2, 3, [], 1e-5),
     (3, 1, ["--batches-per-allreduce", "2"], 1e-4),
-    (2, 1, ["--fp16-allreduce", "--gradient-predivide-factor", "2"], 2e-3),
+    (2, 1, ["--fp16-allreduce", "--gradient-predivide-factor", "2"], 3e-3),
 ])
 def test_example_matches_the_simulation(tmp_path, ranks, epochs, extra, tol):
     saved = tmp_path / "model.pt"
