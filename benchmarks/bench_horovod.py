@@ -11,7 +11,9 @@ of its images per second over all ranks:
   hvd-fp16     the same with compression=hvd.Compression.fp16
   dp-block     mpidp.DataParallel, blocking
   dp-nb        mpidp.DataParallel, non-blocking (DataParallel's default)
-Prints the table and hvd's ratio to each DataParallel mode."""
+Prints the table and hvd's ratio to each DataParallel mode, then how far
+hvd's parameters are from dp-block's after the same steps on the same data
+(both average the same gradients, so they should agree to rounding)."""
 
 from __future__ import annotations
 
@@ -97,6 +99,12 @@ def main() -> None:
         for m in order:
             results[m].append(images_per_second(*built[m], x, y, steps, device))
     median = {m: statistics.median(v) for m, v in results.items()}
+    for net, opt in built.values():
+        if hasattr(net, "synchronize"):
+            net.synchronize()
+    hvd_model, dp_model = built["hvd"][0], built["dp-block"][0].module
+    drift = max(float((a - b).abs().max()) for a, b in zip(hvd_model.parameters(),
+                                                           dp_model.parameters()))
     if hvd.rank() == 0:
         print(f"Horovod synthetic benchmark, ResNet-18 (width {width}), "
               f"batch {batch} x {size}x{size} per rank, {hvd.size()} rank(s), {device.type}, "
@@ -104,9 +112,10 @@ def main() -> None:
         print(f"{'method':<10} {'images/s':>10} {'hvd / this':>11}")
         for m in METHODS:
             print(f"{m:<10} {median[m]:>10.1f} {median['hvd'] / median[m]:>11.3f}")
+        print(f"hvd vs dp-block parameters after the same steps: max |difference| {drift:.3g}")
         if args.json:
             print(json.dumps({"images_per_s": median, "ranks": hvd.size(),
-                              "device": device.type}))
+                              "device": device.type, "parameter_drift": drift}))
 
 
 if __name__ == "__main__":

@@ -40,3 +40,13 @@ def pytest_runtest_logreport(report):
         sys.stderr.flush()
         sys.stdout.flush()
         MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture(scope="module")
+def horovod_dynamic():
+    """mpidp.horovod started afresh with dynamic process sets, for a module."""
+    import mpidp.horovod as hvd
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    yield
+    hvd.shutdown()

@@ -80,3 +80,14 @@ def test_adasum_is_refused_naming_the_alternative():
     rc, out, _ = run_mpi(2, [SCRIPT, "--use-adasum", "--epochs", "1"], timeout=120,
                          CUDA_VISIBLE_DEVICES="", MPIDP_TIMEOUT="60")
     assert rc != 0 and "Adasum is not implemented by mpidp; use op=hvd.Average" in out, out
+
+
+def test_synthetic_benchmark_runs_and_agrees_with_data_parallel():
+    rc, out, _ = run_mpi(2, [str(ROOT / "benchmarks" / "bench_horovod.py"), "--quick"],
+                         timeout=180, CUDA_VISIBLE_DEVICES="", MPIDP_TIMEOUT="60")
+    assert rc == 0, out
+    rows = re.findall(r"^(hvd|hvd-fp16|dp-block|dp-nb)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["hvd", "hvd-fp16", "dp-block", "dp-nb"], out
+    assert all(float(r[1]) > 0 for r in rows), out
+    drift = float(re.search(r"max \|difference\| (\S+)", out).group(1))
+    assert drift < 1e-5, out

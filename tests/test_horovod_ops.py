@@ -13,16 +13,8 @@ from mpi4py import MPI
 import mpidp.horovod.torch as hvd
 from dp_reference import RANK, SIZE
 
-pytestmark = pytest.mark.ranks3
+pytestmark = [pytest.mark.ranks3, pytest.mark.usefixtures("horovod_dynamic")]
 COMM = MPI.COMM_WORLD
-
-
-@pytest.fixture(scope="module", autouse=True)
-def horovod():
-    hvd.shutdown()
-    hvd.init(process_sets="dynamic")
-    yield
-    hvd.shutdown()
 
 
 def data(rank, shape=(4, 3), dtype=torch.float32):

@@ -13,16 +13,8 @@ import torch.nn.functional as F
 import mpidp.horovod.torch as hvd
 from dp_reference import RANK, SIZE
 
-pytestmark = pytest.mark.ranks3
+pytestmark = [pytest.mark.ranks3, pytest.mark.usefixtures("horovod_dynamic")]
 STEPS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def horovod():
-    hvd.shutdown()
-    hvd.init(process_sets="dynamic")
-    yield
-    hvd.shutdown()
 
 
 class Net(torch.nn.Module):
