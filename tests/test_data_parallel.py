@@ -332,3 +332,20 @@ def test_buffers_are_broadcast(features):
     mpidp.DataParallel(model, blocking_parameter_updates=True)
     assert torch.all(model[1].running_mean == 0.0)
     assert model[1].num_batches_tracked.item() == 10
+
+
+def test_sparse_embedding_gradients_are_averaged_dense():
+    """nn.Embedding(sparse=True) gives sparse gradients; the buckets are
+    dense, so they are averaged as dense tensors (torch DDP's result)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    net = mpidp.DataParallel(emb, blocking_parameter_updates=True)
+    for step in range(2):
+        net(torch.tensor([(RANK + step) % 10, 7])).sum().backward()
+        mean = torch.zeros(10, 3)
+        for r in range(SIZE):
+            mean[(r + step) % 10] += 1.0 / SIZE
+            mean[7] += 1.0 / SIZE
+        torch.testing.assert_close(emb.weight.grad, mean)
+        assert not emb.weight.grad.is_sparse
+        emb.zero_grad()          # step 1: .grad None, so the sparse gradient is adopted

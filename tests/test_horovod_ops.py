@@ -336,3 +336,18 @@ def test_timeline_is_chrome_trace_json(tmp_path):
         phases = {e["name"] for e in events if e["ph"] == "X"}
         assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "ALLGATHER"} <= phases
         assert any(e["ph"] == "i" for e in events)
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_sparse_allreduce_equals_the_dense_one(op):
+    def sparse_of(rank):
+        dense = torch.zeros(6, 2)
+        dense[rank % 6] = rank + 1.0
+        dense[(rank + 2) % 6, 1] = -1.0
+        return dense
+    h = hvd.sparse_allreduce_async(sparse_of(RANK).to_sparse(), name=f"sparse.{op}",
+                                   op=getattr(hvd, op))
+    out = hvd.synchronize(h)
+    assert out.is_sparse
+    expected = sum(sparse_of(r) for r in range(SIZE)) / (SIZE if op == "Average" else 1)
+    close(out.to_dense(), expected)

@@ -231,3 +231,19 @@ def test_join_with_a_reducing_optimizer_is_refused():
     with pytest.raises(NotImplementedError, match="join.*drop_last"):
         hvd.join()
     del opt
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_are_reduced_dense(sparse_as_dense):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    start = emb.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                   sparse_as_dense=sparse_as_dense)
+    emb(torch.tensor([RANK % 10, 7])).sum().backward()
+    opt.step()
+    mean = torch.zeros(10, 3)
+    for r in range(SIZE):
+        mean[r % 10] += 1.0 / SIZE
+        mean[7] += 1.0 / SIZE
+    torch.testing.assert_close(emb.weight.detach(), start - 0.5 * mean)

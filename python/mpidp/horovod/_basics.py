@@ -86,11 +86,8 @@ class ProcessSet:
         if self._source_comm is not None:
             comm = self._source_comm
             members = world.allgather(comm.Get_rank() if comm != MPI.COMM_NULL else -1)
-            group = world.Get_group()
-            ranks = [r for r, m in enumerate(members) if m >= 0]
-            self.ranks = ranks
+            self.ranks = [r for r, m in enumerate(members) if m >= 0]
             self.mpi_comm = comm.Dup() if comm != MPI.COMM_NULL else None
-            group.Free()
         else:
             bad = [r for r in self.ranks if not 0 <= r < world.Get_size()]
             if bad:

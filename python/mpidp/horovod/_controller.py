@@ -51,12 +51,11 @@ class Op:
     returns the core's Works; `finish(op)` returns the result once they
     have completed."""
 
-    __slots__ = ("handle", "name", "kind", "match", "info", "start", "finish", "describe",
-                 "works", "result", "error", "set", "submitted", "started_at")
+    __slots__ = ("handle", "name", "kind", "match", "info", "start", "finish", "works", "result", "error", "set", "submitted", "started_at")
 
-    def __init__(self, name, kind, match, info, start: StartFn, finish, describe: str):
+    def __init__(self, name, kind, match, info, start: StartFn, finish):
         self.name, self.kind, self.match, self.info = name, kind, match, info
-        self.start, self.finish, self.describe = start, finish, describe
+        self.start, self.finish = start, finish
         self.works: Optional[list] = None      # None: not started
         self.result = None
         self.error: Optional[BaseException] = None

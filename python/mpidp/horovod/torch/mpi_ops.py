@@ -97,10 +97,6 @@ def _match(**fields) -> dict:
     return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in fields.items()}
 
 
-def _describe(kind, tensors) -> str:
-    return f"{kind} of " + ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in tensors)
-
-
 # -- allreduce -----------------------------------------------------------------------
 
 def _reduce_plan(t: torch.Tensor, op: int, compression):
@@ -158,7 +154,7 @@ def _allreduce_op(targets: List[torch.Tensor], op: int, prescale: float, postsca
     match = _match(kind="allreduce", op=_OP_NAMES[op], prescale=prescale, postscale=postscale,
                    wire=[w for _, _, w, _ in buffers],
                    tensors=[(str(t.dtype), tuple(t.shape)) for t in targets])
-    return Op(None, kind, match, None, start, finish, _describe(kind, targets))
+    return Op(None, kind, match, None, start, finish)
 
 
 def zeros_allreduce(name: str, match: dict) -> Op:
@@ -325,7 +321,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
 
     o = Op(None, "sparse_allreduce", _match(kind="sparse_allreduce", dtype=t.dtype, shape=shape,
                                             op=_OP_NAMES[op]),
-           int(indices.shape[0]), start, finish, _describe("sparse_allreduce", [t]))
+           int(indices.shape[0]), start, finish)
     return _submit(o, name, process_set)
 
 
@@ -350,8 +346,7 @@ def _allgather_op(tensors: List[torch.Tensor], kind: str, single: bool) -> Op:
         return res[0] if single else res
 
     match = _match(kind=kind, tensors=[(str(b.dtype), tuple(b.shape[1:])) for b in bufs])
-    return Op(None, kind, match, [int(b.shape[0]) for b in bufs], start, finish,
-              _describe(kind, tensors))
+    return Op(None, kind, match, [int(b.shape[0]) for b in bufs], start, finish)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
@@ -417,7 +412,7 @@ def _broadcast_op(target: torch.Tensor, root: int, root_rank: int) -> Op:
 
     match = _match(kind="broadcast", dtype=target.dtype, shape=tuple(target.shape),
                    root_rank=root_rank)
-    return Op(None, "broadcast", match, None, start, finish, _describe("broadcast", [target]))
+    return Op(None, "broadcast", match, None, start, finish)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
@@ -499,7 +494,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         return got["out"].to(tensor.device), torch.tensor(got["splits"], dtype=torch.int32)
 
     match = _match(kind="alltoall", dtype=buf.dtype, shape=tuple(buf.shape[1:]))
-    o = Op(None, "alltoall", match, mine, start, finish, _describe("alltoall", [tensor]))
+    o = Op(None, "alltoall", match, mine, start, finish)
     return _submit(o, name, process_set)
 
 
@@ -569,7 +564,7 @@ def _reducescatter_op(tensors, op, prescale, postscale, kind, single) -> Op:
 
     match = _match(kind=kind, op=_OP_NAMES[op], prescale=prescale, postscale=postscale,
                    tensors=[(str(b.dtype), tuple(b.shape)) for b in bufs])
-    return Op(None, kind, match, None, start, finish, _describe(kind, tensors))
+    return Op(None, kind, match, None, start, finish)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
@@ -665,5 +660,5 @@ def barrier(process_set=global_process_set) -> None:
     def start(o, infos, joined):
         return [o.set.c.barrier(True)]
 
-    o = Op(None, "barrier", _match(kind="barrier"), None, start, lambda o: None, "barrier")
+    o = Op(None, "barrier", _match(kind="barrier"), None, start, lambda o: None)
     synchronize(_submit(o, None, process_set))

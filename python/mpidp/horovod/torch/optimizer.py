@@ -212,7 +212,8 @@ class _DistributedOptimizer:
         return super(self.__class__, self).zero_grad(set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        """Horovod's setter (between steps)."""
+        """Horovod's setter: on every rank, between steps (the ranks compare
+        it again)."""
         sync = self._hvd_sync
         sync.k = _check_passes(passes)
         sync.attach()

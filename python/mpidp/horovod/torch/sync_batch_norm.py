@@ -47,7 +47,7 @@ class SyncBatchNorm(_BatchNorm):
                 self.num_batches_tracked.add_(1)
                 m = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                      else self.momentum)
-                unbiased = var.detach() * (n / (n - 1)).clamp(min=0)
+                unbiased = var.detach() * (n / (n - 1))
                 self.running_mean.mul_(1 - m).add_(mean.detach().to(self.running_mean.dtype), alpha=m)
                 self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype), alpha=m)
         shape = [1, c] + [1] * (input.dim() - 2)

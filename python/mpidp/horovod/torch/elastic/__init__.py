@@ -24,7 +24,7 @@ import functools
 from .... import fault_tolerance
 from ...._C import RanksLost
 from ... import _basics
-from ..._basics import HorovodInternalError, HostsUpdatedInterrupt
+from ..._basics import HorovodInternalError
 from ..optimizer import reattach_all
 from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
@@ -75,7 +75,5 @@ def run(func):
                 if not _rank_lost(error):
                     raise
                 state.restore()
-                reset_required = True
-            except HostsUpdatedInterrupt:
                 reset_required = True
     return wrapper

@@ -7,7 +7,6 @@ import copy
 
 import torch
 
-from ... import _basics
 from ..functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                          broadcast_parameters)
 from .sampler import ElasticSampler
@@ -134,4 +133,3 @@ class TorchState(ObjectState):
             s.load_state_dict({"epoch": epoch,
                                "processed_indices": sorted(set().union(*map(set, everyone)))})
         super().sync()
-        _basics._need_init()
