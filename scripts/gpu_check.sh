@@ -34,6 +34,9 @@
 #   step     benchmarks/bench_step.py --device cuda at 1 rank (DDP over NCCL; mpidp on the
 #            device path and staged) and 2 ranks on one GPU (DDP over gloo; mpidp staged), and
 #            scripts/gpu/profile_step.py (torch.profiler tables of one rank's steps, each path)
+#   horovod  benchmarks/bench_horovod.py --device cuda at 2 ranks on one GPU: Horovod's
+#            synthetic benchmark through mpidp.horovod.torch beside DataParallel (staged
+#            path), and hvd's parameters against DataParallel's after the same steps
 #   cpu      bench_step.py on the CPU at 2 ranks: the hook and step figures with cores to
 #            spare, which the 2-core development machine (2 ranks, nothing else running)
 #            cannot give
@@ -47,7 +50,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-STEPS=(setup build kernels dp daso c10d example pack step cpu)
+STEPS=(setup build kernels dp daso c10d example pack step horovod cpu)
 OUT=gpu-check-out
 WHEELS=.whl
 WHEEL_LIST=scripts/gpu_wheels.txt
@@ -324,6 +327,15 @@ step_example() {
                 --warmup-epochs 1 --cooldown-epochs 0 --workers 2 --amp --no-progress)
     run 300 example.1node ./scripts/mpirun.sh 2 "$PY" "${args[@]}"
     MPIDP_RANKS_PER_NODE=1 run 300 example.2nodes ./scripts/mpirun.sh 2 "$PY" "${args[@]}"
+}
+
+step_horovod() {
+    if [ $DRY = 1 ]; then
+        run 300 horovod.bench ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_horovod.py --device cuda --json
+    else
+        run 300 horovod.bench ./scripts/mpirun.sh 2 "$PY" benchmarks/bench_horovod.py --device cuda \
+            --json | tee "$OUT/bench_horovod_cuda_2ranks.json"
+    fi
 }
 
 step_pack() {

@@ -16,7 +16,7 @@ SCRIPT = str(ROOT / "scripts" / "gpu_check.sh")
 STEPS = ["setup.wheels", "setup.mpi", "build.mpidp", "build.import", "kernels", "dp.1rank",
          "dp.2ranks", "daso.1rank", "daso.2ranks", "daso.nccl", "c10d.cuda", "c10d.bench",
          "c10d.tests.2ranks", "example.1node", "example.2nodes", "pack", "step.1rank",
-         "step.2ranks", "step.profile", "cpu.step"]
+         "step.2ranks", "step.profile", "horovod.bench", "cpu.step"]
 
 
 def gpu_check(*args: str):
