@@ -247,3 +247,20 @@ def test_sparse_gradients_are_reduced_dense(sparse_as_dense):
         mean[r % 10] += 1.0 / SIZE
         mean[7] += 1.0 / SIZE
     torch.testing.assert_close(emb.weight.detach(), start - 0.5 * mean)
+
+
+def test_a_dropped_optimizer_stops_reducing():
+    """A script that builds its optimizer again (each epoch, or after a
+    reload) must not keep the first one's hooks reducing the gradients:
+    after the drop, a plain torch optimizer sees this rank's own gradients."""
+    model = Net()
+    hvd.DistributedOptimizer(sgd(model), op=hvd.Sum)     # dropped at once
+    local = sgd(model)
+    local.zero_grad()
+    loss_of(model, 0, RANK).backward()
+    reference = Net()
+    loss_of(reference, 0, RANK).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad)

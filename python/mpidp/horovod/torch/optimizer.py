@@ -53,6 +53,7 @@ __all__ = ["DistributedOptimizer"]
 
 _MB = 1 << 20
 _WIRE = {torch.float16: _C.DTYPE_F16, torch.bfloat16: _C.DTYPE_BF16}
+_WIRE_DTYPE = {code: dtype for dtype, code in _WIRE.items()}
 _live: "weakref.WeakSet" = weakref.WeakSet()   # rebuilt over a new world (elastic)
 
 
@@ -111,14 +112,15 @@ class _Sync:
                                        "compression": self.wire,
                                        "names (CRC-32)": zlib.crc32("\n".join(self.names).encode())})
         r = build_reducer(list(zip(self.names, self.params)), c, mpi, blocking=True,
-                          wire=self.wire, wire_dtype=None, caps=(1 * _MB, 25 * _MB),
+                          wire=self.wire, wire_dtype=_WIRE_DTYPE.get(self.wire),
+                          caps=(1 * _MB, 25 * _MB),
                           argname="named_parameters", name="DistributedOptimizer",
                           cls=_OptimizerReducer)
         r.owner = weakref.ref(self)
         r.set_divisor(c.size if self.op == Average else 1)
         r.paused = self.k > 1
         self.reducer = r
-        self.handles = r.install_hooks(self.params)
+        self.handles += r.install_hooks(self.params)
         mpi.Free()     # the reducer runs on mpidp's own duplicate of it (c)
         if self.k > 1:
             # Horovod counts the backward passes per parameter; the paused
@@ -128,8 +130,7 @@ class _Sync:
                 lambda _p, ref=ref: _count(ref)) for p in self.params]
 
     def detach(self) -> None:
-        remove_handles(self.handles)
-        self.handles = []
+        remove_handles(self.handles)     # in place: the optimizer's finalizer holds the list
         self.reducer = None
 
     def reducing_backward(self) -> None:
@@ -311,6 +312,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped._patch_step_function()
     wrapped._hvd_sync = _Sync(params, names, k, op, wire, process_set)
     wrapped._hvd_sync.attach()
+    # An optimizer the program dropped takes its hooks with it: otherwise the
+    # parameters would go on reducing their gradients through it.
+    weakref.finalize(wrapped, remove_handles, wrapped._hvd_sync.handles)
     _live.add(wrapped)
     return wrapped
 
