@@ -328,6 +328,10 @@ def test_timeline_is_chrome_trace_json(tmp_path):
     hvd.start_timeline(path, mark_cycles=True)
     hvd.allreduce(torch.ones(3), name="traced")
     hvd.allgather(torch.ones(1))
+    model = torch.nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
     hvd.stop_timeline()
     if RANK == 0:
         events = json.load(open(path))
@@ -335,6 +339,7 @@ def test_timeline_is_chrome_trace_json(tmp_path):
         assert "traced" in names
         phases = {e["name"] for e in events if e["ph"] == "X"}
         assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "ALLGATHER"} <= phases
+        assert ("ALLREDUCE_GRADIENTS" in phases) == (SIZE > 1)   # one rank reduces nothing
         assert any(e["ph"] == "i" for e in events)
 
 
