@@ -5,6 +5,7 @@
 
 #include "fail.h"
 #include "mpi_util.h"
+#include "mpidp/ft.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/status.h"
 
@@ -13,7 +14,10 @@ int mpidp__post_done(mpidp_reqtable_t *reqs, mpidp_req_t slot, int mpi_rc, MPI_R
 {
     if (mpi_rc != MPI_SUCCESS) {
         mpidp_reqtable_unclaim(reqs, slot);
-        return mpidp__mpi_fail(mpi_rc, "%s", what);
+        /* Open MPI's non-blocking collectives can refuse to start, with
+         * MPI_ERR_OTHER, on a communicator whose peer just died: under
+         * fault tolerance that is the peer's failure (as at completion). */
+        return mpidp__mpi_fail(mpidp_ft_classify(mpi_rc, comm), "%s", what);
     }
     mpidp_reqtable_fill(reqs, slot, req, comm, what);
     if (out) *out = slot;

@@ -161,7 +161,7 @@ def synchronize(handle):
                 op.result = op.finish(op)
             except _C.CommError as e:
                 _fail(op, e)
-            except Exception as e:   # a mismatch found while finishing
+            except Exception as e:   # the result could not be written back (a device copy)
                 op.error = e
     finally:
         if op.error is not None or op.works is not None:
