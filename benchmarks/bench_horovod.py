@@ -106,7 +106,7 @@ def main() -> None:
         if hasattr(net, "synchronize"):
             net.synchronize()
     hvd_model, dp_model = built["hvd"][0], built["dp-block"][0].module
-    drift = max(float((a - b).abs().max()) for a, b in zip(hvd_model.parameters(),
+    drift = max(float((a - b).detach().abs().max()) for a, b in zip(hvd_model.parameters(),
                                                            dp_model.parameters()))
     if hvd.rank() == 0:
         print(f"Horovod synthetic benchmark, ResNet-18 (width {width}), "
