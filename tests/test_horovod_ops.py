@@ -356,3 +356,22 @@ def test_sparse_allreduce_equals_the_dense_one(op):
     assert out.is_sparse
     expected = sum(sparse_of(r) for r in range(SIZE)) / (SIZE if op == "Average" else 1)
     close(out.to_dense(), expected)
+
+
+def test_compression_keeps_dtypes_and_values():
+    x = data(RANK)
+    expected = mpi_reduce(x, MPI.SUM) / SIZE
+    for compression in (hvd.Compression.fp16, hvd.Compression.bf16):
+        out = hvd.allreduce(x, compression=compression)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=5e-2)
+        out64 = hvd.allreduce(x.double(), compression=compression)
+        assert out64.dtype == torch.float64
+        torch.testing.assert_close(out64, expected, rtol=2e-2, atol=5e-2)
+    rows = 2 * SIZE + 1
+    y = data(RANK, (rows, 2))
+    part = hvd.reducescatter(y, compression=hvd.Compression.bf16, op=hvd.Sum)
+    counts = [rows // SIZE + (1 if r < rows % SIZE else 0) for r in range(SIZE)]
+    first = sum(counts[:RANK])
+    torch.testing.assert_close(part.double(), mpi_reduce(y, MPI.SUM)[first:first + counts[RANK]],
+                               rtol=2e-2, atol=1e-1)
