@@ -23,7 +23,7 @@
 
 #include "grad_hook_api.h"
 
-static PyObject *str_grad, *str_copy_, *str_detach, *str_zero_, *str_is_sparse, *str_to_dense;
+static PyObject *str_grad, *str_copy_, *str_detach, *str_zero_, *str_to_dense;
 
 int mpidp_py_reducer_pass_init(void)
 {
@@ -32,10 +32,8 @@ int mpidp_py_reducer_pass_init(void)
     str_copy_ = PyUnicode_InternFromString("copy_");
     str_detach = PyUnicode_InternFromString("detach");
     str_zero_ = PyUnicode_InternFromString("zero_");
-    str_is_sparse = PyUnicode_InternFromString("is_sparse");
     str_to_dense = PyUnicode_InternFromString("to_dense");
-    return str_grad && str_copy_ && str_detach && str_zero_ && str_is_sparse && str_to_dense
-               ? 0 : -1;
+    return str_grad && str_copy_ && str_detach && str_zero_ && str_to_dense ? 0 : -1;
 }
 
 /* The hooks' progress interval: MPIDP_HOOK_PROGRESS=0 turns it off (-1). */
@@ -81,32 +79,19 @@ static int observe(mpidp_py_reducer_t *r, const size_t *idx, size_t n, uint8_t *
     return 0;
 }
 
-/* A sparse gradient (nn.Embedding(sparse=True)) as a dense tensor: the
- * buckets are dense, so it is reduced as dense (Horovod's sparse_as_dense). */
-static PyObject *densified(PyObject *plain)
-{
-    PyObject *sparse = PyObject_GetAttr(plain, str_is_sparse);
-    int is_sparse = sparse ? PyObject_IsTrue(sparse) : -1;
-    Py_XDECREF(sparse);
-    if (is_sparse <= 0) {
-        if (is_sparse < 0) Py_CLEAR(plain);
-        return plain;
-    }
-    PyObject *dense = PyObject_CallMethodNoArgs(plain, str_to_dense);
-    Py_DECREF(plain);
-    return dense;
-}
-
 /* Copies parameter i's foreign .grad into its view and makes the view its .grad. */
 static int adopt(mpidp_py_reducer_t *r, size_t i)
 {
     PyObject *param = PyTuple_GET_ITEM(r->params, i), *view = PyTuple_GET_ITEM(r->views, i);
     PyObject *grad = PyObject_GetAttr(param, str_grad);
     /* detach(): with create_graph=True the gradient carries a graph, and
-     * copying it would make the bucket view part of that graph. */
-    PyObject *plain = grad ? PyObject_CallMethodNoArgs(grad, str_detach) : NULL;
+     * copying it would make the bucket view part of that graph. to_dense():
+     * a sparse gradient (nn.Embedding(sparse=True)) is reduced as dense; a
+     * dense one is returned as it is. */
+    PyObject *detached = grad ? PyObject_CallMethodNoArgs(grad, str_detach) : NULL;
     Py_XDECREF(grad);
-    if (plain != NULL) plain = densified(plain);
+    PyObject *plain = detached ? PyObject_CallMethodNoArgs(detached, str_to_dense) : NULL;
+    Py_XDECREF(detached);
     if (plain == NULL) return -1;
     PyObject *res = PyObject_CallMethodOneArg(view, str_copy_, plain);
     Py_DECREF(plain);
