@@ -37,6 +37,11 @@ int mpidp__mpi_fail(int mpi_rc, const char *fmt, ...)
     vsnprintf(context, sizeof context, fmt, ap);
     va_end(ap);
     int status = mpidp_ft_is_peer_failure(mpi_rc) ? MPIDP_EPEERFAILED : MPIDP_EMPI;
+    int suspected = status == MPIDP_EPEERFAILED ? mpidp_ft_take_suspected() : MPI_SUCCESS;
+    if (suspected != MPI_SUCCESS)
+        return mpidp__fail(status, "%s: %s (no failed rank is known yet; taken for a peer's "
+                                   "failure, which the ranks' agreement settles)",
+                           context, mpi_errstr(suspected, msg, sizeof msg));
     return mpidp__fail(status, "%s: %s", context, mpi_errstr(mpi_rc, msg, sizeof msg));
 }
 

@@ -247,6 +247,18 @@ int mpidp_paramsync_grad_into(mpidp_paramsync_t *s, size_t n_grads, float *const
     return MPIDP_OK;
 }
 
+int mpidp_paramsync_abandon(mpidp_paramsync_t *s)
+{
+    if (s == NULL) return mpidp__fail(MPIDP_EINVAL, "paramsync: NULL argument");
+    if (s->state != POSTED) return MPIDP_OK;
+    /* The allreduce refuses to be freed while a chunk is live. */
+    int rc = mpidp_allreduce_free(s->x);
+    if (rc != MPIDP_OK) return rc;
+    s->x = NULL;
+    s->state = IDLE;
+    return MPIDP_OK;
+}
+
 int mpidp_paramsync_restore(mpidp_paramsync_t *s)
 {
     if (s == NULL) return mpidp__fail(MPIDP_EINVAL, "paramsync: NULL argument");

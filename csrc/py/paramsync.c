@@ -80,6 +80,14 @@ static PyObject *paramsync_set_reference(paramsync_t *s, PyObject *unused)
     return mpidp_py_none_or_null(rc);
 }
 
+static PyObject *paramsync_abandon(paramsync_t *s, PyObject *unused)
+{
+    (void)unused;
+    int rc;
+    PASS(s, rc, mpidp_paramsync_abandon(s->core));
+    return mpidp_py_none_or_null(rc);
+}
+
 static PyObject *paramsync_restore(paramsync_t *s, PyObject *unused)
 {
     (void)unused;
@@ -209,6 +217,8 @@ static PyMethodDef paramsync_methods[] = {
     {"grad_into", (PyCFunction)paramsync_grad_into, METH_VARARGS,
      "grad_into(grads, scale): complete, then grads[i] = scale * sum_of_differences."},
     {"restore", (PyCFunction)paramsync_restore, METH_NOARGS, "p = ref."},
+    {"abandon", (PyCFunction)paramsync_abandon, METH_NOARGS,
+     "Forget a sync whose requests have all ended (recovery ended them); refused while one is live."},
     {NULL, NULL, 0, NULL},
 };
 

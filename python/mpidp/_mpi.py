@@ -197,7 +197,8 @@ def world() -> _C.Comm:
     """mpidp's duplicate of world_mpi() (created once per world)."""
     global _world
     if _world is None:
-        check_launch(_world_mpi.Get_size())
+        if _world_mpi is MPI.COMM_WORLD:   # a world that lost ranks is smaller than launched
+            check_launch(_world_mpi.Get_size())
         _world = _C.Comm(_world_mpi)
         if _world.size > 1:
             _refuse_mixed_modes()
@@ -214,8 +215,35 @@ def replace_world(survivors: MPI.Intracomm) -> None:
     """Fault-tolerant mode: the survivors' communicator becomes the world
     that MPI.COMM_WORLD (and None) stand for in every mpidp call."""
     global _world, _world_mpi
-    _world_mpi, _world = survivors, None
+    _world_mpi, _world = revocable(survivors), None
     _duplicates.clear()
+
+
+# Fault-tolerant mode: the mpi4py communicators mpidp made from the world
+# (the world itself, topology's splits, the algorithms' node groups). A rank
+# that goes to recovery revokes them with the core's own duplicates, so that
+# no survivor is left waiting in a call on one of them (mpidp/fault_tolerance.py).
+# (Weakly held: a communicator the program dropped needs no revoking. mpi4py's
+# communicators are not hashable, hence a list.)
+_revocable: "list[weakref.ref]" = []
+
+
+def revocable(comm):
+    """`comm`, revoked with the core's communicators when a rank goes to
+    recovery (fault-tolerant mode; nothing otherwise)."""
+    if fault_tolerant and comm is not None and comm != MPI.COMM_NULL:
+        _revocable[:] = [r for r in _revocable if r() is not None] + [weakref.ref(comm)]
+    return comm
+
+
+def revoke_revocable() -> None:
+    """Revoke every communicator revocable() was given that is still live."""
+    for comm in [r() for r in _revocable]:
+        try:
+            if comm is not None and comm != MPI.COMM_NULL and not comm.Is_revoked():
+                comm.Revoke()
+        except MPI.Exception:
+            pass    # freed or already unusable: nobody can wait on it
 
 
 class Communicator:

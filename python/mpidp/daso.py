@@ -28,7 +28,7 @@ from ._dtypes import CODE_OF
 from ._consistency import (check_every, check_in_sync, param_group_settings, ranks_differing,
                            refuse_different_settings)
 from ._driver import Driver, wait_pending
-from ._mpi import MPI, communicator
+from ._mpi import MPI, communicator, revocable
 from ._device_paramsync import DeviceParamSync
 from ._params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
 from ._progress import install_progress_hooks
@@ -195,8 +195,8 @@ class DASO(Driver):
             group = comm.Get_group().Incl(local)
             sub = comm.Create_group(group)
             group.Free()
-            return sub
-        return comm.Split(color=topo.local_rank, key=key)
+            return revocable(sub)
+        return revocable(comm.Split(color=topo.local_rank, key=key))
 
     # -- Heat's API -----------------------------------------------------------------
 

@@ -226,6 +226,7 @@ class DiLoCo(Driver):
         with torch.no_grad():
             for params, old, new in zip(self._fragments, self._syncs, syncs):
                 local = [p.detach().clone() for p in params]
+                old.abandon()          # a sync in flight: recover() ended its requests
                 old.restore()          # x = θ
                 new.set_reference()    # θ, on the new syncs
                 for p, x in zip(params, local):

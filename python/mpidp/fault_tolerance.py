@@ -37,9 +37,11 @@ write a checkpoint from memory (mpidp.fault_tolerance.save_checkpoint)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Dict, NamedTuple, Optional, Tuple
@@ -88,6 +90,7 @@ class _State:
     committed = 0           # step ends every rank agreed on
     replacement = False     # this process was spawned to replace a lost rank
     deferred: Optional[BaseException] = None   # a loss seen where it could not be raised
+    fruitless = 0           # recoveries in a row that found no rank lost
     times: Dict[str, float] = {}
 
 
@@ -131,6 +134,7 @@ def enable() -> None:
         _state.agree_comm = _mpi.world_mpi().Dup()   # the survivors' recover() makes theirs
     _state.enabled = True
     _mpi.fault_tolerant = True
+    _mpi.revocable(_mpi.world_mpi())
     # Otherwise made with mpidp's world, where every rank is (and a rank not in
     # this mode is found).
     _mpi.on_new_world.append(_make_agree_comm)
@@ -200,6 +204,7 @@ def step_boundary() -> None:
         raise_deferred()
         agree_all_alive("step end", "the step was applied by no rank")
         _state.committed += 1
+        _state.fruitless = 0
 
 
 def defer(error: BaseException) -> None:
@@ -228,7 +233,7 @@ def agree_all_alive(what: str, outcome: str) -> None:
         raise _lost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: {outcome}", error) from None
     if not ok:
         _state.agreed = True
-        _C.ft_revoke_all()
+        _revoke_everything()
         raise RanksLost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: another rank saw a rank "
                         f"fail; {outcome}; call mpidp.recover() to go on with the survivors")
 
@@ -238,6 +243,7 @@ def commit_step() -> None:
     algorithms' local steps; their syncs agree through agree_all_alive)."""
     if _state.enabled:
         _state.committed += 1
+        _state.fruitless = 0
 
 
 def reset_grad_scaler(scaler) -> None:
@@ -268,6 +274,12 @@ def recover(replace: bool = False) -> Membership:
     sync the loss interrupted). Should another rank fail meanwhile, it starts
     over with the survivors of both. Returns the new Membership.
 
+    Every wait in it has a deadline (MPIDP_TIMEOUT): a survivor that never
+    comes to recover() ends the job, with a message, instead of leaving the
+    others waiting. An error taken for a failure that proves not to be one
+    (no rank lost) is settled by going on at the same size; one that keeps
+    recurring with no rank lost raises CommError here.
+
     replace=True: grow back to the size before, as far as the launcher
     allows: as many processes as were lost are spawned (MPI_Comm_spawn, the
     same Python and command line), join at the end of the world and build
@@ -277,56 +289,148 @@ def recover(replace: bool = False) -> Membership:
     if not _state.enabled:
         raise RuntimeError("recover: fault-tolerant mode is off (MPIDP_FAULT_TOLERANCE=1)")
     from ._driver import continue_on_survivors   # the drivers import this module
+    cause = sys.exc_info()[1]       # the RanksLost being handled, if any
     first_world = _mpi.world_mpi()
     while True:
         times = {}
         t0 = time.perf_counter()
-        _C.ft_revoke_all()
+        _revoke_everything()
         old_world = _mpi.world_mpi()
         if not _state.agreed:
-            try:
-                _state.agree_comm.Agree(0)   # this round's agreement: every survivor is in it
-            except MPI.Exception:
-                pass
+            with _deadline("the survivors' agreement that a rank failed"):
+                try:
+                    _state.agree_comm.Agree(0)   # this round's agreement: every survivor is in it
+                except MPI.Exception:
+                    pass
         _state.agreed = False
         _state.deferred = None
         _drain_core()
         times["agreement"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        survivors = _state.agree_comm
-        while True:
-            survivors = survivors.Shrink()
-            try:        # a rank may have died unseen during the shrink: shrink again
-                survivors.Agree(1)
-                break
-            except MPI.Exception:
-                survivors.Ack_failed()
+        with _deadline("shrinking the world to the survivors"):
+            survivors = _shrink(_state.agree_comm)
         times["shrink"] = time.perf_counter() - t1
         joined = ()
         if replace and survivors.Get_size() < old_world.Get_size():
             t_spawn = time.perf_counter()
-            survivors, joined = _spawn_replacements(
-                survivors, old_world.Get_size() - survivors.Get_size())
+            with _deadline("spawning the replacements"):
+                survivors, joined = _spawn_replacements(
+                    survivors, old_world.Get_size() - survivors.Get_size())
             times["spawn"] = time.perf_counter() - t_spawn
         t2 = time.perf_counter()
         old_agree, _state.agree_comm = _state.agree_comm, survivors.Dup()
         _free_quietly(old_agree)
         _mpi.replace_world(survivors)
         forget_splits()
-        try:
-            process_group.continue_on(survivors)
-            continue_on_survivors(old_world)
-            for obj in list(_participants):
-                obj._continue_on(survivors)
-        except RanksLost:
-            continue    # another rank failed during the recovery
+        if not _rebuild(survivors, old_world, continue_on_survivors):
+            continue    # a rank failed during the rebuild: again, with the survivors of both
         times["rebuild"] = time.perf_counter() - t2
         break
     _state.generation += 1
     _state.times = times
-    return Membership(survivors.Get_rank(), survivors.Get_size(),
-                      _lost_ranks(first_world, survivors), first_world.Get_size(),
-                      _state.generation, survivors, joined)
+    lost = _lost_ranks(first_world, survivors)
+    _state.fruitless = 0 if lost or joined else _state.fruitless + 1
+    if _state.fruitless >= _FRUITLESS_LIMIT:
+        raise _C.CommError(
+            f"recover on rank {survivors.Get_rank()}: {_state.fruitless} recoveries in a row "
+            "found no rank lost, so the MPI errors that started them are not failures of ranks"
+            + (f"; the last: {cause}" if cause is not None else ""))
+    return Membership(survivors.Get_rank(), survivors.Get_size(), lost,
+                      first_world.Get_size(), _state.generation, survivors, joined)
+
+
+# Recoveries in a row that found no rank lost (each started by an error taken
+# for a failure) after which recover() takes the error for what it is.
+_FRUITLESS_LIMIT = 3
+
+
+def _shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """The survivors of `comm` (MPIX_Comm_shrink), agreed to be alive."""
+    survivors = comm
+    while True:
+        survivors = survivors.Shrink()
+        try:        # a rank may have died unseen during the shrink: shrink again
+            survivors.Agree(1)
+            return survivors
+        except MPI.Exception:
+            survivors.Ack_failed()
+
+
+def _rebuild(survivors: MPI.Intracomm, old_world: MPI.Intracomm, continue_on_survivors) -> bool:
+    """Every algorithm and group set up again over `survivors`; then every
+    survivor agrees that each of them did. False (on every survivor alike)
+    when a rank failed meanwhile: a survivor that finished its part would
+    otherwise train on while another starts over."""
+    done = True
+    try:
+        with _deadline("rebuilding the algorithms over the survivors"):
+            process_group.continue_on(survivors)
+            continue_on_survivors(old_world)
+            for obj in list(_participants):
+                obj._continue_on(survivors)
+    except BaseException as error:    # noqa: B036 -- sorted by _is_failure, re-raised otherwise
+        if not _is_failure(error):
+            raise
+        _revoke_everything()
+        done = False
+    with _deadline("the survivors' agreement that the rebuild is complete"):
+        try:
+            done = bool(_state.agree_comm.Agree(int(done)))
+        except MPI.Exception:
+            done = False
+    # This round's agreement is behind every survivor: the next round starts
+    # at the shrink.
+    _state.agreed = not done
+    return done
+
+
+def _failure_classes() -> Tuple[int, ...]:
+    """MPI error classes that a rank's failure causes or can cause (see
+    mpidp_ft_classify in csrc/core/ft.c)."""
+    names = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED", "ERR_OTHER",
+             "ERR_INTERN", "ERR_TRUNCATE", "ERR_IN_STATUS", "ERR_PENDING", "ERR_UNKNOWN")
+    return tuple(getattr(MPI, n) for n in names if hasattr(MPI, n))
+
+
+def _is_failure(error: BaseException) -> bool:
+    """Whether `error`, raised while the survivors rebuild, is (or may be) a
+    rank's failure rather than a defect."""
+    if isinstance(error, RanksLost):
+        return True
+    return isinstance(error, MPI.Exception) and error.Get_error_class() in _failure_classes()
+
+
+def _revoke_everything() -> None:
+    """Revoke every communicator mpidp made over the world: the core's and
+    the mpi4py ones (never the agreement's), so that no survivor waits in a
+    call that a rank gone to recovery will not make."""
+    _C.ft_revoke_all()
+    _mpi.revoke_revocable()
+
+
+@contextlib.contextmanager
+def _deadline(what: str):
+    """A wait inside recover() that outlives MPIDP_TIMEOUT ends the job with
+    a message: MPI's agreement, shrink and the rebuild's collectives wait
+    for every survivor, and one that never comes (stuck elsewhere, a bug)
+    would hold the others forever."""
+    seconds = float(config.get("MPIDP_TIMEOUT"))
+    rank = _mpi.world_mpi().Get_rank()
+
+    def expire():
+        sys.stderr.write(f"mpidp: recover() on rank {rank}: {what} took longer than "
+                         f"MPIDP_TIMEOUT ({seconds:g} s); a survivor is not taking part (stuck, "
+                         "or never called mpidp.recover()): aborting the job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(4)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 _RUNTIME_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "PMI_", "HYDRA_", "MPI_LOCAL")
@@ -385,7 +489,7 @@ def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
 def _lost(where: str, error: "MPI.Exception") -> Exception:
     """RanksLost for a ULFM error that mpi4py raised (the other ranks learn
     of it through the revoked communicators)."""
-    _C.ft_revoke_all()
+    _revoke_everything()
     return RanksLost(f"{where}: a rank failed ({error.Get_error_string()}); call "
                      "mpidp.recover() to go on with the survivors")
 

@@ -137,12 +137,19 @@ def continue_on(world: MPI.Intracomm) -> None:
     """Fault-tolerant mode, after mpidp.recover() shrank or grew the world:
     the default group that init_process_group made over the old world (a
     dead rank's store or connections in it) is destroyed and made again over
-    `world`, with the same backend; the node groups made from it go too. A
-    group the program made itself is its to remake."""
+    `world`, with the same backend; the node groups made from it go too. So
+    is an "mpidp" default group, whoever made it (its ranks are MPI's). A
+    gloo or NCCL group the program made itself is its to remake, and so are
+    the subgroups (torch destroys them with the default group)."""
     global _made
-    if _made is None or not dist.is_initialized():
+    if not dist.is_initialized():
         return
-    backend, timeout = _made
+    if _made is not None:
+        backend, timeout = _made
+    elif dist.get_backend() == "mpidp":   # dist.init_process_group("mpidp") made it
+        backend, timeout = "mpidp", None
+    else:
+        return
     _node_groups.clear()
     dist.destroy_process_group()
     _made = None

@@ -43,7 +43,7 @@ from . import _C, fault_tolerance
 from ._args import check_bool, check_int, check_real
 from ._consistency import check_same_step, param_group_settings
 from ._driver import Driver
-from ._mpi import MPI, communicator, world as world_comm
+from ._mpi import MPI, communicator, revocable, world as world_comm
 from ._params import broadcast_buffers, broadcast_tensors, flatten, write_back
 from .averaging import mean_over_ranks
 from .data_parallel import DataParallel
@@ -223,12 +223,12 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         """The node communicator (this rank's node: self._node_id, or itself
         alone once nodes are uneven) and the masters' one over `mpi`."""
         rank = mpi.Get_rank()
-        node = mpi.Split(rank if self._one_rank_nodes else self._node_id, rank)
+        node = revocable(mpi.Split(rank if self._one_rank_nodes else self._node_id, rank))
         self.nprocs_per_node = node.Get_size()
         self.local_rank = node.Get_rank()
         self.logical_world_size = mpi.Get_size() // self.nprocs_per_node
         self._node = communicator(node).c
-        masters = mpi.Split(0 if self.local_rank == 0 else 1, rank)
+        masters = revocable(mpi.Split(0 if self.local_rank == 0 else 1, rank))
         self._masters = communicator(masters).c
         return node
 

@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 
 from . import _config as config
-from ._mpi import MPI, world_mpi
+from ._mpi import MPI, revocable, world_mpi
 
 __all__ = ["Topology", "topology", "node_comm", "cross_node_comm", "forget_splits",
            "nodes_are_even"]
@@ -34,8 +34,8 @@ def _split(comm: MPI.Intracomm):
         if comm.Get_size() % k != 0:
             raise ValueError(f"MPIDP_RANKS_PER_NODE={k} must divide the number of ranks "
                              f"({comm.Get_size()})")
-        return comm.Split(comm.Get_rank() // k, comm.Get_rank())
-    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        return revocable(comm.Split(comm.Get_rank() // k, comm.Get_rank()))
+    return revocable(comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()))
 
 
 def node_comm(comm=None) -> MPI.Intracomm:
@@ -89,7 +89,7 @@ def cross_node_comm(comm=None) -> MPI.Intracomm:
     key = (comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))
     if key not in _cross_cache:
         topo = topology(comm)
-        _cross_cache[key] = comm.Split(color=topo.local_rank, key=topo.node)
+        _cross_cache[key] = revocable(comm.Split(color=topo.local_rank, key=topo.node))
     return _cross_cache[key]
 
 

@@ -20,6 +20,10 @@ TEST(without_ulfm_nothing_claims_fault_tolerance)
     ASSERT_EQ_INT(mpidp_ft_is_peer_failure(MPI_ERR_OTHER), 0);
     ASSERT_EQ_INT(mpidp_ft_is_peer_failure(MPI_ERR_COMM), 0);
     ASSERT_EQ_INT(mpidp_ft_revoke_all(), 0);
+    /* Without fault tolerance every error is what MPI said: the job ends on it. */
+    ASSERT_EQ_INT(mpidp_ft_classify(MPI_ERR_OTHER, MPI_COMM_WORLD), MPI_ERR_OTHER);
+    ASSERT_EQ_INT(mpidp_ft_classify(MPI_ERR_TRUNCATE, MPI_COMM_WORLD), MPI_ERR_TRUNCATE);
+    ASSERT_EQ_INT(mpidp_ft_take_suspected(), MPI_SUCCESS);
 }
 
 TEST(tracking_holds_many_communicators_and_lets_them_go)

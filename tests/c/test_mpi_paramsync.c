@@ -198,6 +198,28 @@ TEST(close_completes_the_sync_in_flight)
     ASSERT_OK(mpidp_reqtable_destroy(f.reqs));
 }
 
+/* Fault-tolerant recovery ends every request of the table (here: they
+ * complete); the sync they carried is then forgotten, never read, and the
+ * engine sends again. */
+TEST(abandon_forgets_a_sync_whose_requests_ended)
+{
+    fixture_t f;
+    ASSERT_OK(make(&f, MPIDP_F32));
+    ASSERT_OK(mpidp_paramsync_abandon(f.s));                               /* idle: a no-op */
+    ASSERT_OK(mpidp_paramsync_send(f.s, 0));
+    ASSERT_OK(mpidp_reqtable_wait_all(f.reqs, 10.0));
+    ASSERT_EQ_INT(mpidp_paramsync_pending(f.s), 1);
+    ASSERT_OK(mpidp_paramsync_abandon(f.s));
+    ASSERT_EQ_INT(mpidp_paramsync_pending(f.s), 0);
+    ASSERT_EQ_INT(mpidp_paramsync_merge(f.s, 1, 1, 1), MPIDP_ESTATE);      /* nothing to read */
+    ASSERT_OK(mpidp_paramsync_restore(f.s));
+    ASSERT_OK(mpidp_paramsync_send(f.s, 0));
+    ASSERT_OK(mpidp_paramsync_wait(f.s, 10.0));
+    ASSERT_OK(mpidp_paramsync_merge(f.s, 1, 0, 0));
+    ASSERT_EQ_INT(mpidp_paramsync_abandon(NULL), MPIDP_EINVAL);
+    ASSERT_OK(done(&f));
+}
+
 TEST(bad_configurations)
 {
     mpidp_reqtable_t *reqs;
@@ -224,4 +246,5 @@ TEST(bad_configurations)
 
 TEST_MAIN_MPI(merge_matches_the_formula_for_every_wire, heat_weights_make_the_staleness_weighted_average,
               grad_into_restore_and_zero_contributions, state_rules,
-              close_completes_the_sync_in_flight, bad_configurations)
+              close_completes_the_sync_in_flight, abandon_forgets_a_sync_whose_requests_ended,
+              bad_configurations)

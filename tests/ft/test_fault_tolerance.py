@@ -28,21 +28,31 @@ from quant_reference import replica_of  # noqa: E402
 pytestmark = pytest.mark.serial
 
 
+def launch(tmp_path, n, kill, steps=8, **env):
+    """Runs tests/ft/train_ft.py on n ranks; returns the finished process."""
+    environ = dict(os.environ, FT_KILL=kill, FT_STEPS=str(steps), MPIDP_TIMEOUT="60")
+    environ.update({k: str(v) for k, v in env.items()})
+    return subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
+                           os.path.join(HERE, "train_ft.py"), str(tmp_path)],
+                          env=environ, capture_output=True, text=True, timeout=240)
+
+
+def stderr_of(proc) -> str:
+    """The job's stderr without Open MPI's per-schedule lines (docs/fault-tolerance.md)."""
+    return "\n".join(line for line in proc.stderr.splitlines() if "NBC_Progress" not in line)
+
+
 def run_job(tmp_path, n, kill, steps=8, expect=None, **env):
     """Runs the job; returns {data stream (launched rank): what it saved}.
     expect: the streams that must finish (default: the survivors')."""
-    environ = dict(os.environ, FT_KILL=kill, FT_STEPS=str(steps), MPIDP_TIMEOUT="60",
-                   **{k: str(v) for k, v in env.items()})
-    proc = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
-                           os.path.join(HERE, "train_ft.py"), str(tmp_path)],
-                          env=environ, capture_output=True, text=True, timeout=240)
+    proc = launch(tmp_path, n, kill, steps, **env)
     saved = {int(f[5:-3]): torch.load(tmp_path / f) for f in os.listdir(tmp_path)
              if f.startswith("rank-")}
     victims = {r for ranks, _, _ in train_ft.kill_plan(kill) for r in ranks}
     expect = set(range(n)) - victims if expect is None else set(expect)
     assert set(saved) == expect, (
         f"survivors that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
-        + "\n".join(line for line in proc.stderr.splitlines() if "NBC_Progress" not in line)[-4000:])
+        + stderr_of(proc)[-4000:])
     return saved
 
 
@@ -112,6 +122,12 @@ CASES = {
         (4, "3:2:step;0:5:backward", {3: 2, 0: 5}),
     "between two steps, then before a forward": (4, "2:2:between;1:5:forward", {2: 3, 1: 5}),
     "two ranks at once in backward": (4, "1,2:4:backward", {1: 4, 2: 4}),
+    # A second failure inside recover(), as the survivors of the first rebuild:
+    # the recovery starts over with the survivors of both.
+    "in backward, then another inside the recovery's rebuild":
+        (4, "3:3:backward;1:3:rebuild", {3: 3, 1: 3}),
+    "in backward, then another inside the rebuild, leaving one rank":
+        (3, "2:3:backward;1:3:rebuild", {2: 3, 1: 3}),
 }
 
 
@@ -119,6 +135,56 @@ CASES = {
 def test_survivors_finish_equal_to_the_simulation(tmp_path, case):
     n, kill, lost_from = CASES[case]
     check_survivors(run_job(tmp_path, n, kill), n, lost_from)
+
+
+def test_a_default_group_made_by_torch_distributed_is_made_again(tmp_path):
+    """DataParallel beside a default group made by dist.init_process_group
+    ("mpidp") rather than mpidp's: recover() makes the group again over the
+    survivors, and an all_reduce over it sees them."""
+    saved = run_job(tmp_path, 4, "3:3:backward", FT_DIST_INIT=1)
+    check_survivors(saved, 4, {3: 3})
+    for got in saved.values():
+        assert got["dist_sum"] == (3.0, 3)
+
+
+def test_an_error_taken_for_a_failure_where_no_rank_failed_costs_one_step(tmp_path):
+    """A rank takes an MPI error for a peer's failure (as the core does with
+    errors that a death can cause) where none failed: recover() finds no rank
+    lost, the world keeps its size and the step is done again; the replicas
+    end as a run without a failure."""
+    saved = run_job(tmp_path, 4, "", FT_SUSPECT="1:2")
+    check_survivors(saved, 4, {})
+    for got in saved.values():
+        assert [(r["lost"], r["size"]) for r in got["recoveries"]] == [((), 4)]
+
+
+def test_an_error_that_keeps_recurring_with_no_rank_lost_ends_the_job(tmp_path):
+    proc = launch(tmp_path, 3, "", FT_SUSPECT="1:2,2,2")
+    assert proc.returncode != 0
+    assert "3 recoveries in a row found no rank lost" in proc.stderr, stderr_of(proc)[-4000:]
+    assert "rank 1 suspects a failure at step 2" in proc.stderr
+
+
+def test_a_survivor_that_never_recovers_ends_the_job_at_the_deadline(tmp_path):
+    """Every wait inside recover() has a deadline (MPIDP_TIMEOUT): the others
+    do not wait forever for a survivor that never calls it."""
+    proc = launch(tmp_path, 3, "2:2:backward", MPIDP_TIMEOUT=5, FT_NO_RECOVER=1)
+    assert proc.returncode != 0
+    assert "took longer than MPIDP_TIMEOUT (5 s); a survivor is not taking part" in proc.stderr, \
+        stderr_of(proc)[-4000:]
+
+
+def test_a_program_on_torch_distributed_alone_recovers():
+    """dist.init_process_group("mpidp") and dist.all_reduce, no mpidp wrapper:
+    RanksLost from the collective, recover() makes the default group again,
+    and the sums after it are the survivors'."""
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "3", sys.executable,
+                          os.path.join(HERE, "dist_only.py")], capture_output=True, text=True,
+                         timeout=120)
+    done = sorted(line for line in out.stdout.splitlines() if line.startswith("done"))
+    # Ranks 0, 1, 2 add rank + 1 (6) before step 3; rank 2 dies at step 3.
+    want = [6.0] * 3 + [3.0] * 3
+    assert done == [f"done {r} {want} 2" for r in (0, 1)], out.stdout + stderr_of(out)[-3000:]
 
 
 def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path):
@@ -205,6 +271,8 @@ REPLICA_CASES = {
     "diloco, a rank lost between syncs, then one at a sync step":
         ("diloco", 4, "1:2:backward;3:5:step", {1: 2, 3: 5}),
     "diloco, two ranks lost at once": ("diloco", 4, "0,2:5:backward", {0: 5, 2: 5}),
+    "diloco, a rank lost with the outer-gradient allreduce posted":
+        ("diloco", 4, "2:5:outer", {2: 5}),
 }
 
 

@@ -15,6 +15,11 @@ slowmo: SlowMoDistributedDataParallel (LocalSGD every PERIOD steps, the
 slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says),
 qadam: Bagua's QAdam through with_bagua (Adam for QADAM_WARMUP steps, then
 the 8-bit averaged first moment; the first moment is the momentum saved).
+FT_DIST_INIT=1: torch.distributed's default group made first by
+dist.init_process_group("mpidp") (recover() makes it again; an all_reduce
+over it at the end is saved). FT_SUSPECT="<rank>:<step>[,<step>...]": that
+rank takes an error for a failure at those steps, though none failed.
+FT_NO_RECOVER=<rank>: that rank, told of a loss, never calls recover().
 FT_HABITS=1: AMP's GradScaler and the gradients unscaled and clipped to
 norm CLIP before the step; with DataParallel and SlowMo the model wrapped
 twice, with DataParallel two optimizers (the first layer's own).
@@ -24,15 +29,20 @@ forward (before the forward), backward (inside backward, gradient buckets in
 flight), step (backward done, before the optimizer's step), sync (after the
 optimizer's step, before SlowMo's perform_slowmo), average (QAdam: inside
 the step, before its momentum average), between (after the step, before the
-next forward), checkpoint (inside a checkpoint write,
-which every rank starts after that step)."""
+next forward), outer (DiLoCo: its outer-gradient allreduce posted, before
+its wait), checkpoint (inside a checkpoint write,
+which every rank starts after that step), rebuild (inside recover() of the
+failure at that step, once the survivors shrank, as the algorithm's set-up
+broadcasts over them)."""
 
 import os
 import signal
 import sys
+import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
 import mpidp
 from mpi4py import MPI
@@ -85,6 +95,21 @@ def main(out_dir: str) -> None:
                 (r, s, p) for ranks, s, p in plan for r in ranks}:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    suspect_rank, _, suspect_steps = os.environ.get("FT_SUSPECT", "").partition(":")
+    suspicions = [int(t) for t in suspect_steps.split(",") if t] \
+        if suspect_rank and int(suspect_rank) == key else []
+
+    def maybe_suspect(step: int) -> None:
+        """FT_SUSPECT: this rank takes an MPI error for a failure, as the
+        core does with an error that a peer's death can cause, where no rank
+        has failed (each listed step once)."""
+        if suspicions and suspicions[0] == step:
+            suspicions.pop(0)
+            mpidp.fault_tolerance._revoke_everything()
+            raise mpidp.RanksLost(f"rank {key} suspects a failure at step {step}")
+
+    if os.environ.get("FT_DIST_INIT"):   # torch.distributed's own call, not mpidp's
+        dist.init_process_group("mpidp")
     model = make_model()
     algorithm = os.environ.get("FT_ALGORITHM", "")
     habits = bool(os.environ.get("FT_HABITS"))
@@ -111,6 +136,9 @@ def main(out_dir: str) -> None:
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
         diloco.__enter__()     # for the whole job (a with-block around the loop does the same)
+        # Phase "outer": the outer-gradient allreduce posted, before its wait.
+        outer_gradient = diloco._outer_gradient
+        diloco._outer_gradient = lambda f: maybe_die(step, "outer") or outer_gradient(f)
         saved_opt = [outer]
     elif algorithm == "daso":
         # One epoch of STEPS batches; FT_DASO_CYCLING=1: DASO's cycling phase
@@ -154,6 +182,12 @@ def main(out_dir: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 net = wrap()
+    if any(p == "rebuild" for _, _, p in plan):
+        # Phase "rebuild": inside recover(), after the survivors agreed and
+        # shrank, as the algorithm broadcasts rank 0's state over them.
+        from mpidp import _driver
+        broadcast = _driver.broadcast_state
+        _driver.broadcast_state = lambda *a, **k: maybe_die(step, "rebuild") or broadcast(*a, **k)
     first_layer = model[0].weight   # its gradient comes last in backward
     first_layer.register_hook(lambda g: maybe_die(step, "backward") or g)
     checkpoint_after = next((s for _, s, p in plan if p == "checkpoint"), -1)
@@ -177,6 +211,7 @@ def main(out_dir: str) -> None:
                 checkpoint_due = False
             x, y = batch(key, step)
             maybe_die(step, "forward")
+            maybe_suspect(step)
             loss = torch.nn.functional.mse_loss(net(x), y)
             if habits and algorithm in ("daso", "slowmo"):   # one optimizer, unscaled and clipped
                 scaler.scale(loss).backward()
@@ -217,6 +252,8 @@ def main(out_dir: str) -> None:
             maybe_die(step - 1, "between")
             checkpoint_due = step - 1 == checkpoint_after
         except mpidp.RanksLost:
+            if os.environ.get("FT_NO_RECOVER") == str(key):   # a survivor that never recovers
+                time.sleep(600)
             m = mpidp.recover(replace=replace)
             if scaler is not None:
                 mpidp.fault_tolerance.reset_grad_scaler(scaler)
@@ -238,7 +275,13 @@ def main(out_dir: str) -> None:
         net.synchronize()   # the last step's update
     if algorithm == "daso":
         daso.epoch_loss_logic(loss)
+    dist_sum = None
+    if os.environ.get("FT_DIST_INIT"):     # the default group, made again over the survivors
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        dist_sum = (total.item(), dist.get_world_size())
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "dist_sum": dist_sum,
                 "momentum": momenta(saved_opt, model), "recoveries": recoveries,
                 "committed": committed,
                 "slowmo": net.slowmo_state_dict() if algorithm == "slowmo" else None},

@@ -21,13 +21,18 @@ int mpidp_ft_running(void);
 /* 1 when `mpi_rc` is a ULFM error: a peer failed or the communicator was revoked. */
 int mpidp_ft_is_peer_failure(int mpi_rc);
 
-/* What an MPI error on `comm` is: `mpi_rc` itself, or, with fault tolerance
- * running, MPIX_ERR_PROC_FAILED where it is another error but a rank of
- * `comm` has failed (within a second of the error: failure detection can lag
- * the error that the dead peer caused). Open MPI's non-blocking collectives
- * report a peer that died mid-operation as MPI_ERR_OTHER ("Error in
- * NBC_Start_round"), which is the peer's failure all the same. */
+/* What an MPI error on `comm` is, with fault tolerance running: a peer's
+ * failure (MPIX_ERR_PROC_FAILED or MPIX_ERR_REVOKED) where it is one, where
+ * `comm` was revoked, or where it is of a class that a peer's death can cause
+ * (MPI_ERR_OTHER: Open MPI's non-blocking collectives report a peer that died
+ * mid-operation as "Error in NBC_Start_round"; a truncated message), whether
+ * or not failure detection has named a failed rank yet: the ranks agree
+ * afterwards whether one failed. Argument errors, and every error without
+ * fault tolerance, are returned as they are. */
 int mpidp_ft_classify(int mpi_rc, MPI_Comm comm);
+/* The MPI error that this thread's last mpidp_ft_classify took for a
+ * suspected failure (no failed rank known yet), once; else MPI_SUCCESS. */
+int mpidp_ft_take_suspected(void);
 
 /* The communicators the core made (its duplicates), revoked together. */
 void mpidp_ft_track(MPI_Comm c);

@@ -82,6 +82,13 @@ int mpidp_paramsync_merge(mpidp_paramsync_t *s, float a, float b, float c);
 int mpidp_paramsync_grad_into(mpidp_paramsync_t *s, size_t n_grads, float *const *grads,
                               const size_t *numel, float scale);
 
+/* Forgets a sync whose requests have all ended without completing it (in
+ * fault-tolerant mode, recovery ends every request on the revoked
+ * communicators): the engine is idle again and its sum is never read.
+ * MPIDP_ESTATE (nothing changed) while a request of it is still live, since
+ * MPI may still write into the wire buffer. Nothing in flight: a no-op. */
+int mpidp_paramsync_abandon(mpidp_paramsync_t *s);
+
 /* p = ref (e.g. before an outer optimizer steps from the shared point).
  * MPIDP_ESTATE while a sync is in flight. */
 int mpidp_paramsync_restore(mpidp_paramsync_t *s);

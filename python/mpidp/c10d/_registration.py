@@ -16,7 +16,8 @@ import zlib
 
 import torch.distributed as dist
 
-from .._mpi import MPI
+from .. import _mpi
+from .._mpi import MPI, revocable
 from ._process_group import ProcessGroupMPIDP
 
 NAME = "mpidp"
@@ -50,19 +51,36 @@ def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
                 f"asked for, but MPI made this process rank {comm.Get_rank()} of "
                 f"{comm.Get_size()}: leave rank and world_size out (MPI knows them), or pass the "
                 "communicator to mpidp.init_process_group(comm=...)")
-        _default_comm = comm.Dup()
+        if _mpi.fault_tolerant:
+            _enter_fault_tolerant_mode(comm)
+        _default_comm = revocable(comm.Dup())
         return ProcessGroupMPIDP(_default_comm, opts.timeout, None)
     parent = _parent_comm()
     group = parent.Get_group().Incl(members)
     # Members only take part; a tag from the group's name keeps two groups
     # made at once with overlapping members apart.
     tag = zlib.crc32(str(opts.group_id).encode()) % 32768
-    comm = parent.Create_group(group, tag)
+    comm = revocable(parent.Create_group(group, tag))
     group.Free()
     if comm.Get_rank() != opts.group_rank:
         raise RuntimeError(f"mpidp backend: group rank {comm.Get_rank()} from MPI, "
                            f"{opts.group_rank} from torch, for ranks {members}")
     return ProcessGroupMPIDP(comm, opts.timeout, members)
+
+
+def _enter_fault_tolerant_mode(comm) -> None:
+    """Fault-tolerant mode: a default group over the job's ranks joins the
+    job's agreement (mpidp's world, made here if the program used nothing
+    else of mpidp, so that recover() finds it); one over fewer ranks is
+    refused, since recover() rebuilds the default group over the job's
+    survivors."""
+    world = _mpi.world_mpi()
+    if MPI.Comm.Compare(comm, world) not in (MPI.IDENT, MPI.CONGRUENT):
+        raise NotImplementedError(
+            "init_process_group('mpidp'): in fault-tolerant mode the default group spans the "
+            f"whole job ({world.Get_size()} ranks), not {comm.Get_size()}; make it over every "
+            "rank and split the ranks with dist.new_group(...)")
+    _mpi.world()
 
 
 def _parent_comm():
