@@ -119,9 +119,13 @@ class DeMoSim:
         out = fr @ t @ fc.T if inverse else fr.T @ t @ fc
         return out.reshape(tiles.shape)
 
-    def step(self, params, grads, lr, weight_decay=0.0):
+    def step(self, params, grads, lr, weight_decay=0.0, frozen=()):
+        """frozen: indices of parameters left as they are (momentum too)."""
         new = []
         for i, p in enumerate(params):
+            if i in frozen:
+                new.append(np.array(p, dtype=np.float64))
+                continue
             p = np.array(p, dtype=np.float64) * (1 - lr * weight_decay)
             sent = []
             for r in range(len(grads)):

@@ -116,6 +116,39 @@ def test_bytes_follow_the_payload_formula():
     assert opt.data_receive == SIZE * sent
 
 
+def test_a_layer_frozen_mid_training_stays_where_it_is():
+    """layer.requires_grad_(False) after two steps: DeMo leaves it (and its
+    momentum) as torch's optimizers leave a parameter without a gradient,
+    the rest follows the simulation; freezing it on one rank only raises on
+    every rank."""
+    model = build()
+    opt = mpidp.DeMo(model.parameters(), lr=0.01, compression_decay=0.9, compression_topk=3,
+                     compression_chunk=8, weight_decay=0.05)
+    params = [p.detach().double().numpy() for p in model.parameters()]
+    sim = DeMoSim(params, SIZE, topk=3, chunk=8, decay=0.9)
+    for step in range(5):
+        if step == 2:
+            model.l1.requires_grad_(False)
+            frozen_at = [p.detach().clone() for p in model.l1.parameters()]
+            momentum = [opt.state[p]["delta"].clone() for p in model.l1.parameters()]
+        frozen = tuple(i for i, p in enumerate(model.parameters()) if not p.requires_grad)
+        opt.zero_grad()
+        backward(model, step)
+        opt.step()
+        params = sim.step(params, sim_grads(model, step), 0.01, 0.05, frozen=frozen)
+        check_against(model, opt, sim, params, f"step {step}")
+    for p, before, m in zip(model.l1.parameters(), frozen_at, momentum):
+        assert torch.equal(p.detach(), before)
+        assert torch.equal(opt.state[p]["delta"], m)
+    if SIZE > 1:
+        if RANK == SIZE - 1:
+            model.l1.requires_grad_(True)
+        opt.zero_grad()
+        backward(model, 5)
+        with pytest.raises(RuntimeError, match="frozen parameters"):
+            opt.step()
+
+
 def test_parameters_without_gradients_decay_and_send():
     model = build()
     opt = mpidp.DeMo(model.parameters(), lr=0.01, compression_decay=0.9, compression_topk=3,

@@ -417,3 +417,41 @@ def test_a_second_diloco_entered_on_a_model_takes_it_over():
     with first:   # entered again, the first takes over again
         inner_step(model, inner, *batches(1)[0], RANK)
     assert second.step == 1 and first.step == 1
+
+
+def test_a_layer_frozen_mid_training_stays_where_it_is():
+    """layer.requires_grad_(False) after a sync: the outer optimizer gets no
+    gradient for it, so neither it nor its outer momentum moves (as torch's
+    optimizers leave a parameter without a gradient), where the outer
+    momentum would otherwise go on moving it; freezing it on one rank only
+    raises on every rank at the next sync."""
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = outer_sgd(model.parameters())
+    gen = torch.Generator().manual_seed(RANK)
+    with mpidp.DiLoCo(model, inner, outer, sync_every=2):
+        def step():
+            inner.zero_grad()
+            torch.nn.functional.mse_loss(model(torch.randn(8, 6, generator=gen)),
+                                         torch.randn(8, 3, generator=gen)).backward()
+            inner.step()
+        for _ in range(4):
+            step()
+        model.l1.requires_grad_(False)
+        frozen = [p.detach().clone() for p in model.l1.parameters()]
+        momenta = [outer.state[p]["momentum_buffer"].clone() for p in model.l1.parameters()]
+        for _ in range(6):
+            step()
+        for p, before, m in zip(model.l1.parameters(), frozen, momenta):
+            assert torch.equal(p.detach(), before)
+            assert torch.equal(outer.state[p]["momentum_buffer"], m)
+        mine = flat(model)
+        theirs = mine.clone()
+        MPI.COMM_WORLD.Bcast(theirs.numpy(), root=0)
+        assert torch.equal(mine, theirs)
+        if SIZE > 1:
+            if RANK == SIZE - 1:
+                model.l1.requires_grad_(True)
+            with pytest.raises(RuntimeError, match="frozen parameters"):
+                step()
+                step()

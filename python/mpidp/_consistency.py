@@ -151,6 +151,14 @@ def settings_hash(values) -> int:
     return zlib.crc32(struct.pack(f"{len(values)}d", *values))
 
 
+def frozen_code(params) -> float:
+    """A number naming which of `params` are frozen now (requires_grad
+    False), compared across ranks as a setting: the replica algorithms leave
+    a frozen parameter where it is, so ranks that froze different ones would
+    drift apart silently. (A crc32 is exact in a float64.)"""
+    return float(zlib.crc32(bytes(not p.requires_grad for p in params)))
+
+
 def refuse_different_settings(c_comm, who: str, settings) -> None:
     """Collective: returns when every rank's (name, number) `settings` (its
     optimizers' param-group settings) equal rank 0's, else raises the same

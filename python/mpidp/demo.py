@@ -21,6 +21,7 @@ import torch
 from . import _C
 from . import fault_tolerance
 from ._args import check_int, check_real
+from ._consistency import frozen_code
 from ._driver import algorithms_over, set_up
 from ._ef_wire import Wire
 
@@ -45,7 +46,9 @@ class DeMo(torch.optim.Optimizer):
     compression_chunk). weight_decay is decoupled (p ← p(1 - lr·wd) before
     the update). Parameters whose gradient is None this step count as zero
     gradients (their momentum still decays), so every rank sends the same
-    layout. After each step, `data_transmit` and `data_receive` hold the
+    layout; a frozen parameter (requires_grad False) is left where it is,
+    momentum included, as torch's optimizers leave it (every rank must
+    freeze the same ones: checked at every step). After each step, `data_transmit` and `data_receive` hold the
     bytes this rank sent and received (every rank's payload, its own
     included, as the reference counts). Every step checks, from the
     gathered bytes, that the ranks are at the same step with the same
@@ -103,11 +106,11 @@ class DeMo(torch.optim.Optimizer):
         self.data_receive = 0
 
     def _settings(self) -> List[float]:
-        return [self.compression_decay, float(self.compression_topk)] + [
+        return [self.compression_decay, float(self.compression_topk), frozen_code(self._params)] + [
             v for g in self.param_groups for v in (float(g["lr"]), float(g["weight_decay"]))]
 
     def _setting_names(self) -> List[str]:
-        return ["compression_decay", "compression_topk"] + [
+        return ["compression_decay", "compression_topk", "frozen parameters"] + [
             f"param group {j}: {k}" for j in range(len(self.param_groups))
             for k in ("lr", "weight_decay")]
 
@@ -161,6 +164,16 @@ class DeMo(torch.optim.Optimizer):
                 if t.bucket != last_bucket:  # the previous bucket is complete: send it
                     wire.post(last_bucket)
                     last_bucket = t.bucket
+                bucket, offset = wire.buckets_of(i)
+                if not p.requires_grad:
+                    # Frozen: left where it is, its momentum untouched (torch's
+                    # optimizers skip it alike); it sends zeros, so that every
+                    # rank's payload keeps one layout.
+                    _C.ef_demo_compress(torch.zeros_like(p), None, t.tiling, self.compression_decay,
+                                        lr, t.k, self._bases[t.tiling[2]],
+                                        self._bases[t.tiling[3]], bucket, offset)
+                    i += 1
+                    continue
                 state = self.state[p]
                 if "delta" not in state:
                     state["delta"] = torch.zeros_like(p)
@@ -171,7 +184,6 @@ class DeMo(torch.optim.Optimizer):
                     grad = grad.to_dense()
                 if grad is not None and (grad.dtype != torch.float32 or not grad.is_contiguous()):
                     grad = grad.to(torch.float32).contiguous()
-                bucket, offset = wire.buckets_of(i)
                 _C.ef_demo_compress(state["delta"], grad, t.tiling, self.compression_decay, lr,
                                     t.k, self._bases[t.tiling[2]], self._bases[t.tiling[3]],
                                     bucket, offset)
@@ -182,6 +194,9 @@ class DeMo(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 t = wire.tensors[i]
+                if not p.requires_grad:
+                    i += 1
+                    continue
                 q = self._scratch[:p.numel()].view_as(p)
                 gathered, offset, stride = wire.gathered_of(i)
                 _C.ef_demo_decode(q, gathered, offset, stride, self._comm.size, t.tiling, t.k,

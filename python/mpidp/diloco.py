@@ -25,7 +25,7 @@ from . import _C
 from . import fault_tolerance
 from ._args import check_bool, check_int, check_real
 from ._dtypes import wire_code
-from ._consistency import check_same_step, param_group_settings
+from ._consistency import check_same_step, frozen_code, param_group_settings
 from ._driver import Driver, set_up, wait_pending
 from ._mpi import communicator, world
 from ._params import remove_handles, write_back
@@ -257,7 +257,8 @@ class DiLoCo(Driver):
         if due.send_fragment >= 0 or due.apply_fragment >= 0:
             # The outer optimizer steps the shared parameters: its settings must match.
             check_same_step(self._comm, self.step, "DiLoCo",
-                            param_group_settings(self.outer_optimizer.param_groups))
+                            param_group_settings(self.outer_optimizer.param_groups)
+                            + [("frozen parameters", frozen_code(self.model.parameters()))])
         if due.send_fragment >= 0:
             self._syncs[due.send_fragment].send()
             self._sent.add(due.send_fragment)
@@ -291,7 +292,9 @@ class DiLoCo(Driver):
         # The outer step sees this fragment's outer gradient only; the
         # gradients the user's backward left are put back afterwards.
         saved = [(p, p.grad) for g in self.outer_optimizer.param_groups for p in g["params"]]
-        mine = {id(p): g for p, g in zip(params, grads)}
+        # A frozen parameter gets no outer gradient, so the outer optimizer
+        # leaves it (and its momentum) where it is, as torch's optimizers do.
+        mine = {id(p): g for p, g in zip(params, grads) if p.requires_grad}
         try:
             for p, _ in saved:
                 p.grad = mine.get(id(p))
@@ -303,7 +306,8 @@ class DiLoCo(Driver):
         if local is not None:
             with torch.no_grad():
                 for p, x in zip(params, local):
-                    p.lerp_(x, alpha)
+                    if p.requires_grad:
+                        p.lerp_(x, alpha)
         if buffer_means is not None:
             write_back(buffer_means, buffers)
 

@@ -21,6 +21,7 @@ import torch
 
 from . import fault_tolerance
 from ._args import check_bool, check_choice, check_int, check_real
+from ._consistency import frozen_code
 from ._driver import Driver, set_up
 from ._ef_wire import Wire
 from ._params import remove_handles, write_back
@@ -144,10 +145,11 @@ class SparseLoCo(Driver):
         """The settings every sync compares (those a user may change in flight)."""
         return [float(self.sync_every), float(self.sync_delay), self.lr, self.error_decay,
                 float(self.top_k), float(self.quantization_bins), self.quantization_range,
-                self.weight_decay]
+                self.weight_decay, frozen_code(self.params)]
 
     _SETTING_NAMES = ("sync_every", "sync_delay", "lr", "error_decay", "top_k",
-                      "quantization_bins", "quantization_range", "weight_decay")
+                      "quantization_bins", "quantization_range", "weight_decay",
+                      "frozen parameters")
 
     @property
     def bytes_sent(self) -> int:
@@ -217,8 +219,15 @@ class SparseLoCo(Driver):
                 wire.post(last_bucket)
                 last_bucket = t.bucket
             d = self._scratch[:p.numel()].view_as(p)
-            torch.sub(theta, p, out=d)
             bucket, offset = wire.buckets_of(i)
+            if not p.requires_grad:
+                # Frozen: it takes no outer step and keeps its error buffer;
+                # zeros keep the payload's layout.
+                d.zero_()
+                _C.ef_compress(torch.zeros_like(e), d, t.tiling, self.error_decay, self.lr, t.k,
+                               bins, self.quantization_range, bucket, offset)
+                continue
+            torch.sub(theta, p, out=d)
             _C.ef_compress(e, d, t.tiling, self.error_decay, self.lr, t.k, bins,
                            self.quantization_range, bucket, offset)
         wire.post(last_bucket)
@@ -250,6 +259,9 @@ class SparseLoCo(Driver):
         means = self._received if self._received is not None else self._decode()
         self._received = None
         for p, theta, g in zip(self.params, self.shared, means):
+            if not p.requires_grad:   # frozen: θ̃ stays, and the replica restarts from it
+                p.copy_(theta)
+                continue
             if self.weight_decay:
                 theta.mul_(1.0 - self.lr * self.weight_decay)
             theta.sub_(g, alpha=self.lr)
