@@ -293,3 +293,37 @@ def test_ddp_starts_every_rank_from_rank_0s_weights():
     assert_same(ddp.module, net, atol=0)
     train(ddp, data)
     assert_same(ddp.module, want)
+
+
+def test_compiled_ddp_trains_like_one_process():
+    """torch.compile(DDP(model)): the group's calls (DDP broadcasts its
+    buffers at every forward) run eagerly between the compiled graphs."""
+    net, data = model(seed=5), batches(3, seed=5)
+    net.register_buffer("seen", torch.arange(3.0) + RANK)   # broadcast from rank 0 per forward
+    want = reference(net, data)
+    ddp = DDP(net)
+    train(torch.compile(ddp, backend="aot_eager"), data)
+    assert_same(ddp.module, want)
+    assert torch.equal(net.seen, torch.arange(3.0))
+
+
+def test_a_gloo_side_group_without_a_store_is_refused_naming_what_works():
+    with pytest.raises(RuntimeError, match=r"dist.new_group\(ranks, backend='mpidp'\) serves them"):
+        dist.new_group(list(range(SIZE)), backend="gloo")
+    side = dist.new_group(list(range(SIZE)), backend="mpidp")
+    t = torch.full((2,), float(RANK))
+    dist.all_reduce(t, group=side)
+    assert t.tolist() == [float(sum(range(SIZE)))] * 2
+
+
+def test_distributed_checkpoint_async_save(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+    from mpidp import MPI
+    path = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("dcp_async")) if RANK == 0 else None)
+    net = model(seed=6)
+    dcp.async_save({"model": net.state_dict()}, checkpoint_id=path).result()
+    other = model(seed=7)
+    loaded = {"model": other.state_dict()}
+    dcp.load(loaded, checkpoint_id=path)
+    other.load_state_dict(loaded["model"])
+    assert_same(other, net, atol=0)

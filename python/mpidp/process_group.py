@@ -94,7 +94,7 @@ def init_process_group(comm=None, backend: str | None = None,
     if backend == "mpidp":   # the group is `group` itself: no store, no ports
         from .c10d import _registration
         _registration.use_for_default_group(group)
-        dist.init_process_group("mpidp", store=_registration.StoreForMPIDPOnly(),
+        dist.init_process_group("mpidp", store=_registration.store_for_mpidp_only(),
                                 rank=group.Get_rank(), world_size=group.Get_size(),
                                 timeout=timeout)
         return

@@ -87,6 +87,12 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     def group_desc(self) -> str:
         return self._desc
 
+    @property
+    def _device_types(self):
+        """The devices the group serves (torch reads it, e.g. async_save
+        checks for the CPU; a Python group registers no backends of its own)."""
+        return [torch.device("cpu"), torch.device("cuda")]
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout_s = min(float(config.get("MPIDP_TIMEOUT")), timeout.total_seconds())
 
@@ -397,3 +403,20 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         pass
+
+
+# torch.compile traces a module's forward into a graph; a group's methods
+# (DDP's buffer broadcast at every forward, a collective in the model) are
+# MPI calls on the C core, which no graph can hold. Dynamo treats a Python
+# ProcessGroup as an opaque object and would otherwise trace into these
+# methods and fail on their attributes: each runs eagerly instead, between
+# the graphs it splits (gloo's calls do the same through C++).
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
+                "reduce_scatter_single", "reduce_scatter_single_coalesced", "broadcast",
+                "allgather", "all_gather_single", "all_gather_single_coalesced",
+                "allgather_coalesced", "gather", "scatter", "all_to_all_single", "alltoall",
+                "barrier", "send", "recv", "recv_anysource")
+for _name in _COLLECTIVES:
+    setattr(ProcessGroupMPIDP, _name, torch._dynamo.disable(getattr(ProcessGroupMPIDP, _name),
+                                                          recursive=True))
+del _name

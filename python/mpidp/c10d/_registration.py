@@ -116,26 +116,47 @@ class StoreForMPIDPOnly(dist.Store):
     def _refuse(self, *args, **kwargs):
         raise RuntimeError(
             "torch.distributed was initialised without MASTER_ADDR/MASTER_PORT, which only the "
-            "'mpidp' backend supports (it needs no store: MPI gives the ranks); for gloo or "
-            "nccl use mpidp.init_process_group(backend='gloo'), which builds the store from MPI, "
-            "or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE")
+            "'mpidp' backend supports (it needs no store: MPI gives the ranks); a gloo or nccl "
+            "group needs one. A side group for CPU tensors: dist.new_group(ranks, "
+            "backend='mpidp') serves them. Else set MASTER_ADDR and MASTER_PORT before "
+            "init_process_group('mpidp') (torch's env:// store then serves gloo and nccl groups "
+            "beside it), or make the default group with mpidp.init_process_group(backend='gloo'), "
+            "which builds the store from MPI")
 
+    # Every method torch's backends may call (the ones left out would fail
+    # inside torch with an internal assertion instead of this message).
     set = get = add = compare_set = wait = check = delete_key = num_keys = _refuse
     multi_get = multi_set = append = queue_push = queue_pop = queue_len = _refuse
+    clone = barrier = list_keys = _refuse
+
+
+# torch keeps only the C++ half of a Python store; the Python object, which
+# holds the methods above, must be kept alive here, or torch's later calls on
+# it (a gloo group's set) fail with an internal assertion.
+_stores: list = []
+
+
+def store_for_mpidp_only() -> StoreForMPIDPOnly:
+    """A StoreForMPIDPOnly that lives as long as the process."""
+    _stores.append(StoreForMPIDPOnly())
+    return _stores[-1]
 
 
 _torch_env_handler = None
 
 
 def _env_rendezvous(url: str, timeout=None, **kwargs):
-    """torch's env:// rendezvous where MASTER_ADDR is set; otherwise the rank
-    and world size come from MPI (mpirun, srun, or one process alone) and
-    the store is one that only the "mpidp" backend can do without."""
+    """torch's env:// rendezvous where MASTER_ADDR is set (with the rank and
+    world size from MPI where RANK and WORLD_SIZE are not); otherwise the
+    rank and world size come from MPI (mpirun, srun, or one process alone)
+    and the store is one that only the "mpidp" backend can do without."""
+    comm = _next_default_comm if _next_default_comm is not None else MPI.COMM_WORLD
     if "MASTER_ADDR" in os.environ:
+        os.environ.setdefault("RANK", str(comm.Get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(comm.Get_size()))
         yield from _torch_env_handler(url, timeout=timeout, **kwargs)
         return
-    comm = _next_default_comm if _next_default_comm is not None else MPI.COMM_WORLD
-    yield (StoreForMPIDPOnly(), comm.Get_rank(), comm.Get_size())
+    yield (store_for_mpidp_only(), comm.Get_rank(), comm.Get_size())
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
 
 
