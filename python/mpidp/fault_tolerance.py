@@ -91,6 +91,9 @@ class _State:
     replacement = False     # this process was spawned to replace a lost rank
     deferred: Optional[BaseException] = None   # a loss seen where it could not be raised
     fruitless = 0           # recoveries in a row that found no rank lost
+    # A replacement joins the survivors' agreement that the rebuild is
+    # complete (recover()'s last) in share_state(), after its own set-up.
+    owes_rebuild_agreement = False
     times: Dict[str, float] = {}
 
 
@@ -132,6 +135,7 @@ def enable() -> None:
         parent.Disconnect()
         _state.replacement = True
         _state.agree_comm = _mpi.world_mpi().Dup()   # the survivors' recover() makes theirs
+        _state.owes_rebuild_agreement = True
     _state.enabled = True
     _mpi.fault_tolerant = True
     _mpi.revocable(_mpi.world_mpi())
@@ -188,8 +192,21 @@ def share_state(state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     `state` (whatever the loop needs to go on: optimizer state_dicts, the
     step, the epoch) for everyone; a replacement passes None. Model
     parameters and buffers need not be in it: the algorithms' set-up made
-    them rank 0's. Also brings a replacement's steps_committed() level."""
+    them rank 0's. Also brings a replacement's steps_committed() level, and
+    a replacement's call completes the recovery: it joins the survivors'
+    agreement that the rebuild is complete (RanksLost where a rank failed
+    meanwhile)."""
     comm = _mpi.world_mpi()
+    if _state.owes_rebuild_agreement:
+        _state.owes_rebuild_agreement = False
+        try:
+            complete = _state.agree_comm.Agree(1)
+        except MPI.Exception:
+            complete = False
+        if not complete:     # a rank failed as this one joined: recover() with the others
+            _state.agreed = True
+            raise RanksLost(f"share_state on rank {comm.Get_rank()}: a rank failed while this "
+                            "replacement joined; call mpidp.recover() to go on with the survivors")
     mine = (state, _state.committed, _state.generation) if comm.Get_rank() == 0 else None
     state, _state.committed, _state.generation = comm.bcast(mine, root=0)
     return state
