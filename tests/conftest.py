@@ -8,7 +8,7 @@ import sys
 import pytest
 
 # mpidp first, as in the README: it initialises MPI (with its settings, see
-# python/mpidp/_mpi.py) and its exit handling.
+# python/mpidp/_runtime/mpi.py) and its exit handling.
 import mpidp  # noqa: F401
 from mpi4py import MPI  # noqa: E402
 

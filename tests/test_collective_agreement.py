@@ -83,7 +83,7 @@ def test_every_rank_raises_naming_both_and_the_communicator_goes_on(case):
 
 
 def test_gossip_mix_refuses_workers_with_other_shapes():
-    comm = mpidp._mpi.world()
+    comm = mpidp._runtime.mpi.world()
     graph = mpidp.gossip.RingGraph(RANK, SIZE)
     with pytest.raises(ValueError, match=rf"mpidp.gossip.mix: .*rank\(s\) \[{SIZE - 1}\]: "
                                          r"gossip.mix of float32 \[3\]"):

@@ -1,4 +1,4 @@
-"""mpidp._config: every MPIDP_* variable is declared once, checked the same way
+"""mpidp._runtime.config: every MPIDP_* variable is declared once, checked the same way
 everywhere, and listed in the README's settings table."""
 
 import re
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mpi_jobs import ROOT, clean_env
-from mpidp import _config as config
+from mpidp._runtime import config as config
 
 pytestmark = pytest.mark.serial
 
@@ -68,7 +68,7 @@ def test_every_variable_the_build_and_scripts_read_is_listed():
         read |= set(re.findall(r"\$\{?(MPIDP_[A-Z0-9_]+)", script.read_text()))
     assert "MPIDP_BUILD_DIR" in read and "MPIDP_TEST_LIMIT" in read   # the patterns still match
     unlisted = read - set(config.SETTINGS) - set(config.BUILD_AND_TEST)
-    assert not unlisted, f"read but not in mpidp._config: {sorted(unlisted)}"
+    assert not unlisted, f"read but not in mpidp._runtime.config: {sorted(unlisted)}"
 
 
 def test_the_package_reads_mpidp_variables_only_through_config():

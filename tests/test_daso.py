@@ -160,8 +160,8 @@ def test_paramsync_merge_matches_the_formula(wire):
         return [torch.randn(7, 5, generator=g), torch.randn(1000, generator=g)]
     ref = [torch.randn(7, 5, generator=seeded(1)), torch.randn(1000, generator=seeded(2))]
     mine = [p + 0.01 * q for p, q in zip(ref, params_of(RANK))]
-    from mpidp._dtypes import CODE_OF
-    sync = mpidp._C.ParamSync(mpidp._mpi.world(), tuple(ref), CODE_OF[wire], 64)
+    from mpidp._runtime.dtypes import CODE_OF
+    sync = mpidp._C.ParamSync(mpidp._runtime.mpi.world(), tuple(ref), CODE_OF[wire], 64)
     for t, v in zip(ref, mine):  # ParamSync took ref as its reference; now train "steps"
         t.copy_(v)
     sync.send()
@@ -182,10 +182,10 @@ def test_paramsync_outer_gradient_and_restore():
     """grad_into gives the averaged outer gradient ref - mean(p) (what SlowMo
     and DiLoCo step with), restore goes back to the shared reference, and the
     sum of one sync is read once."""
-    from mpidp._dtypes import CODE_OF
+    from mpidp._runtime.dtypes import CODE_OF
     ref = [torch.randn(7, 5, generator=seeded(1)), torch.randn(1000, generator=seeded(2))]
     params = [r.clone() for r in ref]
-    sync = mpidp._C.ParamSync(mpidp._mpi.world(), tuple(params), CODE_OF[torch.float32], 64)
+    sync = mpidp._C.ParamSync(mpidp._runtime.mpi.world(), tuple(params), CODE_OF[torch.float32], 64)
     for k, p in enumerate(params):
         p.add_(0.01 * (RANK + 1) * (k + 1))
     sync.send()

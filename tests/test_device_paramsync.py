@@ -8,8 +8,8 @@ import torch
 
 import mpidp
 from mpidp import _C
-from mpidp._device_paramsync import DeviceParamSync
-from mpidp._mpi import resolve_comm
+from mpidp._engines.device_paramsync import DeviceParamSync
+from mpidp._runtime.mpi import resolve_comm
 from dp_reference import DEVICE
 
 RANK, SIZE = mpidp.rank(), mpidp.size()

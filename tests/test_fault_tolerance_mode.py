@@ -59,13 +59,13 @@ def test_reset_grad_scaler_forgets_a_step_cut_short_and_keeps_the_scale():
     lambda ps: __import__("torch").optim.SGD(ps, lr=0.1, momentum=0.9),
     lambda ps: __import__("torch").optim.Adam(ps, lr=0.01)], ids=["sgd-momentum", "adam"])
 def test_a_step_undone_leaves_parameters_state_and_hyperparameters_as_before(make):
-    """DASO's undo of a step a lost rank cut short (mpidp/_step_undo.py),
+    """DASO's undo of a step a lost rank cut short (mpidp/_engines/step_undo.py),
     against copies taken before: the first step (which creates the state),
     later ones (the copy reuses its plan), and one after the state's
     tensors were replaced, with a scheduler that changes the learning rate."""
     import copy
     import torch
-    from mpidp._step_undo import StepUndo
+    from mpidp._engines.step_undo import StepUndo
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     params = list(model.parameters())

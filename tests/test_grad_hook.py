@@ -17,7 +17,8 @@ import torch.utils.checkpoint
 import mpidp
 from dp_reference import (RANK, SIZE, build, on_device, rank_slice, reference_step, seeded,
                           train_like_one_process)
-from mpidp import _grad_hook, _grad_hook_loader
+from mpidp import _grad_hook
+from mpidp._engines import grad_hook_loader as _grad_hook_loader
 from test_data_parallel import MLP, sgd
 
 pytestmark = pytest.mark.ranks3

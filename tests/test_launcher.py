@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mpi_jobs import ROOT, clean_env, run_mpi
-from mpidp._launch import launcher_mismatch
+from mpidp._runtime.launch import launcher_mismatch
 
 LAUNCHERS = [
     ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "torchrun"),

@@ -127,7 +127,7 @@ def test_payloads_in_several_buckets_and_a_second_wrapper(monkeypatch):
     """Buckets of at most 100 bytes (three here, one allgather each), and the habit of wrapping twice: the newer SparseLoCo takes
     the model over (the older one detached, with a warning), so each round
     still runs once."""
-    monkeypatch.setattr(mpidp._ef_wire, "BUCKET_BYTES", 100)
+    monkeypatch.setattr(mpidp._engines.ef_wire, "BUCKET_BYTES", 100)
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     settings = dict(top_k=8, chunk_size=8)

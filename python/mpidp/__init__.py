@@ -7,34 +7,64 @@
 Launch with `mpirun -np N python train.py` or `srun python train.py`.
 """
 
-from ._mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
+from ._runtime.mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
 from . import _C
 from ._C import CommError, CommTimeout, RanksLost
-from . import algorithms, gossip
-from .averaging import HierarchicalModelAverager, PeriodicModelAverager, PostLocalSGDOptimizer
-from .bagua import BaguaModule, with_bagua
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
-from .collectives import (Work, allgather, allreduce, allreduce_scalar, barrier, broadcast,
-                          local_rank, rank, size, reduce_scatter)
-from .daso import DASO
-from .diloco import DiLoCo
-from .demo import DeMo
-from .sparseloco import SparseLoCo
-from .slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
-from .data_parallel import DataParallel
-from .data_parallel_multi import DataParallelMultiGPU
-from .optimizer import DataParallelOptimizer
-from .process_group import init_process_group
-from . import c10d                                         # registers the "mpidp" backend
-from .topology import Topology, cross_node_comm, node_comm, topology
-from .wrapper_copy import WrapperCopy
-from . import nn, optim                                   # Heat's names: ht.nn, ht.optim
+from . import algorithms
+from ._engines import gossip, kernels
+from .algorithms.averaging import (HierarchicalModelAverager, PeriodicModelAverager,
+                                   PostLocalSGDOptimizer)
+from .algorithms.bagua import BaguaModule, with_bagua
+from .collectives.model_state import broadcast_optimizer_state, broadcast_parameters
+from .collectives.tensors import (Work, allgather, allreduce, allreduce_scalar, barrier, broadcast,
+                                  local_rank, rank, size, reduce_scatter)
+from .algorithms.daso import DASO
+from .algorithms.diloco import DiLoCo
+from .algorithms.demo import DeMo
+from .algorithms.sparseloco import SparseLoCo
+from .algorithms.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
+from .algorithms.data_parallel import DataParallel
+from .algorithms.data_parallel_multi import DataParallelMultiGPU
+from .algorithms.optimizer import DataParallelOptimizer
+from .collectives.process_groups import init_process_group
+from . import c10d  # registers the "mpidp" backend
+from ._runtime.topology import Topology, cross_node_comm, node_comm, topology
+from .algorithms.wrapper_copy import WrapperCopy
+from . import nn, optim  # Heat's names: ht.nn, ht.optim
 from . import fault_tolerance
 from .fault_tolerance import Membership, recover
 from .fault_tolerance import enable as enable_fault_tolerance
-from .communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.MPI_WORLD
+from .collectives.communication import MPI_WORLD, MPI_SELF, MPICommunication  # ... and ht.MPI_WORLD
 
 from ._version import __version__
+
+# The modules' former paths (before the package's layers were folders), for
+# programs and pickles that name them: `import mpidp.daso`, a WrapperCopy
+# saved as mpidp.wrapper_copy.WrapperCopy.
+_FORMER_PATHS = {
+    "daso": "algorithms.daso", "data_parallel": "algorithms.data_parallel",
+    "data_parallel_multi": "algorithms.data_parallel_multi", "optimizer": "algorithms.optimizer",
+    "averaging": "algorithms.averaging", "async_average": "algorithms.async_average",
+    "slowmo": "algorithms.slowmo", "diloco": "algorithms.diloco",
+    "sparseloco": "algorithms.sparseloco", "demo": "algorithms.demo", "bagua": "algorithms.bagua",
+    "qadam": "algorithms.qadam", "decentralized": "algorithms.decentralized",
+    "replica_algorithms": "algorithms.replica_algorithms", "wrapper_copy": "algorithms.wrapper_copy",
+    "gossip": "_engines.gossip", "kernels": "_engines.kernels",
+    "broadcast": "collectives.model_state", "communication": "collectives.communication",
+    "process_group": "collectives.process_groups", "topology": "_runtime.topology",
+}
+
+
+def _alias_former_paths() -> None:
+    import importlib
+    import sys
+    for old, new in _FORMER_PATHS.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules.setdefault(f"{__name__}.{old}", module)
+        globals().setdefault(old, module)   # mpidp.daso as before (not over a function's name)
+
+
+_alias_former_paths()
 
 __all__ = [
     "__version__",

@@ -24,10 +24,12 @@ import mpi4py
 import torch
 
 import mpidp
-from mpidp import _C, _config, _grad_hook_loader
-from mpidp._launch import launcher_mismatch
-from mpidp._mpi import MPI
-from mpidp.topology import topology
+from mpidp import _C
+from mpidp._engines import grad_hook_loader as _grad_hook_loader
+from mpidp._runtime import config as _config
+from mpidp._runtime.launch import launcher_mismatch
+from mpidp._runtime.mpi import MPI
+from mpidp._runtime.topology import topology
 
 _THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                   MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}

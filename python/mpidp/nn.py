@@ -1,7 +1,7 @@
 """Heat's `heat.nn` names: `import mpidp as ht` keeps `ht.nn.DataParallel(...)`
 and `ht.nn.DataParallelMultiGPU(...)` working unchanged."""
 
-from .data_parallel import DataParallel
-from .data_parallel_multi import DataParallelMultiGPU
+from .algorithms.data_parallel import DataParallel
+from .algorithms.data_parallel_multi import DataParallelMultiGPU
 
 __all__ = ["DataParallel", "DataParallelMultiGPU"]

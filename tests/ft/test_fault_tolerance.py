@@ -1,4 +1,4 @@
-"""Fault-tolerant mode (mpidp/fault_tolerance.py), tested by killing ranks.
+"""Fault-tolerant mode (mpidp/fault_tolerance/__init__.py), tested by killing ranks.
 
 Each test launches tests/ft/train_ft.py under ULFM (scripts/mpirun_ft.sh) at
 3 or 4 ranks, SIGKILLs some of them at a chosen step and phase, and compares

@@ -105,7 +105,7 @@ def main(out_dir: str) -> None:
         has failed (each listed step once)."""
         if suspicions and suspicions[0] == step:
             suspicions.pop(0)
-            mpidp.fault_tolerance._revoke_everything()
+            mpidp.fault_tolerance.revoke_everything()
             raise mpidp.RanksLost(f"rank {key} suspects a failure at step {step}")
 
     if os.environ.get("FT_DIST_INIT"):   # torch.distributed's own call, not mpidp's
@@ -185,7 +185,7 @@ def main(out_dir: str) -> None:
     if any(p == "rebuild" for _, _, p in plan):
         # Phase "rebuild": inside recover(), after the survivors agreed and
         # shrank, as the algorithm broadcasts rank 0's state over them.
-        from mpidp import _driver
+        from mpidp.algorithms import driver as _driver
         broadcast = _driver.broadcast_state
         _driver.broadcast_state = lambda *a, **k: maybe_die(step, "rebuild") or broadcast(*a, **k)
     first_layer = model[0].weight   # its gradient comes last in backward

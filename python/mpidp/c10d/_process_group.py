@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .. import _config as config
-from .._agreement import agree, crc_of
+from .._runtime import config
+from .._runtime.agreement import agree, crc_of
 from ._tensors import check_dtype, exported, reduction, staged
 from ._work import MPIDPWork
 

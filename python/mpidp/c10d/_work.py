@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .. import _C
-from .._mpi import MPI
+from .._runtime.mpi import MPI
 
 
 def seconds(timeout) -> float | None:

@@ -13,9 +13,9 @@ from typing import List, Optional
 
 import torch
 
-from .. import _mpi
-from .._mpi import MPI
-from ..topology import _split as split_by_node
+from .._runtime import mpi as _mpi
+from .._runtime.mpi import MPI
+from .._runtime.topology import _split as split_by_node
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
@@ -48,6 +48,7 @@ class _World:
     sets: dict = {}                            # id -> registered ProcessSet
     next_id = 1
     on_shutdown: list = []                     # callbacks (controller, timeline)
+    on_init: list = []                         # callbacks (timeline: HOROVOD_TIMELINE)
 
 
 _world = _World()
@@ -181,10 +182,9 @@ def init(comm=None, process_sets=None) -> None:
     _world.next_id = 1
     for ps in (process_sets if isinstance(process_sets, (list, tuple)) else ()):
         _add(ps)
-    timeline = os.environ.get("HOROVOD_TIMELINE")
-    if timeline:
-        from . import _timeline
-        _timeline.start(timeline, os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES") == "1")
+    # Registered by the modules above this one (imports run one way).
+    for callback in list(_world.on_init):
+        callback()
 
 
 def shutdown() -> None:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .. import _C
-from .._mpi import resolve_comm
+from .._runtime.mpi import resolve_comm
 from . import _basics, _timeline
 from ._basics import HorovodInternalError
 
@@ -303,9 +303,16 @@ def _describe_match(match) -> str:
     return repr(match)
 
 
+# Set by horovod.torch.mpi_ops, which builds allreduces (imports run one way):
+# (name, the signature's match) -> a joined rank's Op of zeros.
+zeros_allreduce = None
+# Set by the modules that cannot run beside a joined rank (horovod.torch's
+# DistributedOptimizer): each raises when join() must be refused.
+join_refusals: list = []
+
+
 def _zeros_for(name: str, reference) -> Op:
     """A joined rank's part of an allreduce: zeros of the signature's shape."""
-    from .torch.mpi_ops import zeros_allreduce
     return zeros_allreduce(name, reference[1])
 
 

@@ -11,6 +11,7 @@ valid JSON whenever it is closed: stop_timeline() or shutdown() ends it."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Optional
 
@@ -100,5 +101,13 @@ def _at_shutdown() -> None:
     stop()
 
 
+def _at_init() -> None:
+    """hvd.init() with HOROVOD_TIMELINE set starts the timeline."""
+    timeline = os.environ.get("HOROVOD_TIMELINE")
+    if timeline:
+        start(timeline, os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES") == "1")
+
+
 from . import _basics  # noqa: E402  (after the functions it registers)
 _basics._world.on_shutdown.append(_at_shutdown)
+_basics._world.on_init.append(_at_init)

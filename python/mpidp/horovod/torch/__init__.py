@@ -8,8 +8,8 @@
 Launch with `mpirun -np N python train.py` or `srun python train.py`
 (docs/horovod.md: what differs from Horovod, on purpose)."""
 
-from .._basics import (HorovodInternalError, HostsUpdatedInterrupt, ProcessSet,
-                       add_process_set, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+from .._basics import (HorovodInternalError, HostsUpdatedInterrupt, ProcessSet, add_process_set,
+                       ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
                        global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
                        is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                        mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built,
@@ -18,14 +18,14 @@ from .._timeline import start as start_timeline, stop as stop_timeline
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
-from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather,
-                      allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_,
-                      alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
+                      allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
+                      alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
                       broadcast_async_, grouped_allgather, grouped_allgather_async,
                       grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                      grouped_allreduce_async_, grouped_reducescatter,
-                      grouped_reducescatter_async, join, poll, reducescatter,
-                      reducescatter_async, sparse_allreduce_async, synchronize)
+                      grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
+                      join, poll, reducescatter, reducescatter_async, sparse_allreduce_async,
+                      synchronize)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from . import elastic

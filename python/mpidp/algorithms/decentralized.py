@@ -1,0 +1,287 @@
+"""Bagua's decentralized algorithms on mpidp's engines (mpidp.algorithms):
+DecentralizedAlgorithm and LowPrecisionDecentralizedAlgorithm.
+
+Every rank keeps its own model; instead of averaging gradients, ranks
+average weights with peers (the core's peer graphs and peer exchange, or
+the allreduce for "all"), so the replicas stay close without ever being
+equal. With hierarchical=True (the default, as Bagua's) the workers are the
+nodes: the node's ranks first take their node's mean (a reduce-scatter: each
+local rank holds a slice), each local rank runs the algorithm on its slice
+with its counterparts on the other nodes, and the node gathers the slices
+back -- so a node's ranks hold one replica and each carries 1/L of the
+inter-node bytes. Where that cannot help (one rank per node, one node) it
+warns and every rank is a worker.
+
+DecentralizedAlgorithm (D-PSGD): at the forward pre-hook of every
+communication_interval-th training forward the weights are sent; when that
+backward ends they are replaced by the average -- over all workers
+("all") or with this step's shift_one partner, (x_i + x_p) / 2 -- so the
+optimizer's step applies the gradient taken at the old weights to the
+averaged ones: x_i <- W x - lr grad f_i(x_i).
+
+LowPrecisionDecentralizedAlgorithm (DCD-PSGD on a ring): after every
+communication_interval-th optimizer step, with x^_l, x^_i, x^_r this
+worker's copies of its left neighbour's, its own and its right neighbour's
+weights as the neighbours know them,
+    d = x_i - x^_i + (x^_l + x^_i + x^_r) / 3 - x^_i,
+the 8-bit quantized Q(d) goes to both neighbours, x^_i += Q(d), x_i = x^_i,
+and the neighbours' Q(d_l), Q(d_r) update x^_l, x^_r. Everyone decodes the
+same bytes, so a worker's copy held by its neighbours stays bit for bit its
+own (3x the model's memory).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from .. import _C
+from .._engines import kernels
+from .._engines import module_hooks
+from .algorithm import Algorithm
+from .._runtime.args import check_bool, check_choice, check_int
+from .._runtime.consistency import _ranks_named, check_every, check_in_sync, check_same_step
+from .driver import Driver
+from .._runtime.mpi import communicator, resolve_comm
+from .._runtime.params import flatten, remove_handles, write_back
+from ..collectives.tensors import allgather, allreduce_agreed, reduce_scatter_agreed
+from .._runtime.topology import useful_hierarchy
+
+__all__ = ["DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm"]
+
+
+def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            raise TypeError(f"module: decentralized algorithms average float32 CPU parameters, "
+                            f"got {p.dtype} on {p.device}")
+    return params
+
+
+class _Workers:
+    """Who the workers are: every rank of `comm`, or (hierarchical, where it
+    helps) the nodes, each local rank working on its slice of the node's mean."""
+
+    def __init__(self, comm, hierarchical: bool, who: str):
+        self.world = resolve_comm(comm)     # every rank (the MPIDP_CHECK votes)
+        self.node = None
+        if hierarchical:
+            comms = useful_hierarchy(comm, who, "every rank is a worker", stacklevel=5)
+            if comms is not None:
+                self.node = comms[0]
+                self.comm = resolve_comm(comms[1])
+        if self.node is None:
+            self.comm = resolve_comm(comm)
+        self.size, self.rank = self.comm.size, self.comm.rank
+        # Each worker's rank in `world`, so that MPIDP_CHECK names world ranks.
+        out = torch.empty(self.size, dtype=torch.float64)
+        self.comm.allgather(torch.tensor([float(self.world.rank)], dtype=torch.float64), out)
+        self.world_ranks = [int(v) for v in out]
+
+    def local_part(self, flat: torch.Tensor) -> torch.Tensor:
+        """This worker's share of `flat`: all of it, or this local rank's
+        slice of the node's mean."""
+        return flat if self.node is None else reduce_scatter_agreed(flat, op="avg", comm=self.node)
+
+    def whole(self, part: torch.Tensor) -> torch.Tensor:
+        return part if self.node is None else allgather(part, comm=self.node)
+
+
+class _DecentralizedHandle(Driver):
+    what = "DecentralizedAlgorithm"
+
+    def __init__(self, module, comm, hierarchical: bool, mode: str, interval: int):
+        self.module, self.mode, self.interval = module, mode, interval
+        self.params = _trainable(module)
+        self.workers = _Workers(comm, hierarchical, "DecentralizedAlgorithm")
+        if mode == "shift_one" and self.workers.size > 1 and self.workers.size % 2:
+            raise ValueError(f"peer_selection_mode: 'shift_one' pairs the workers and needs an "
+                             f"even number of them, got {self.workers.size}"
+                             + (" nodes" if self.workers.node is not None else " ranks"))
+        self.step = 0            # training forwards so far (Bagua's train step counter)
+        self.exchanges = 0       # completed exchanges
+        self._check_every = check_every() if mode == "all" else 0  # "all" makes replicas equal
+        self._pending = None     # (work, sent, received) of an exchange in flight
+        self._queued = False
+        self._claim(module, communicator(comm))
+        self._handles = [module_hooks.register(module, "register_forward_pre_hook",
+                                               self._before_forward)]
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _before_forward(self, _module, _inputs) -> None:
+        if not (self.module.training and torch.is_grad_enabled()):
+            return
+        self.drain()                       # a forward without backward in between
+        if self.step % self.interval == 0 and self.workers.size > 1:
+            self._start()
+        self.step += 1
+
+    def _start(self) -> None:
+        check_same_step(self.workers.world, self.step, "DecentralizedAlgorithm")
+        sent = self.workers.local_part(flatten(self.params))
+        if self.mode == "all":
+            work = allreduce_agreed(sent, op="avg", comm=self.workers.comm, async_op=True)
+            received = None
+        else:
+            t = self.step // self.interval     # the exchange's number: a new pairing each time
+            out, inp = _C.graph_peers(_C.GRAPH_SHIFT_ONE, self.workers.size, 1, self.workers.rank, t)
+            received = torch.empty_like(sent)
+            work = self.workers.comm.peer_exchange(sent, out, (received,), inp)
+        self._pending = (work, sent, received)
+        self._queued = False
+
+    def _on_grad(self, _param) -> None:
+        if self._pending is not None and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.drain)
+
+    def drain(self) -> None:
+        """Complete an exchange in flight and take its average as the weights."""
+        if self._pending is None:
+            return
+        work, sent, received = self._pending
+        self._pending = None
+        work.wait()
+        mixed = sent if received is None else (sent + received) * 0.5
+        write_back(self.workers.whole(mixed), self.params)
+        self.exchanges += 1
+        if self._check_every and self.exchanges % self._check_every == 0:
+            check_in_sync(self.workers.world, list(self.module.named_parameters()),
+                          "DecentralizedAlgorithm", f"right after average {self.exchanges}")
+
+    def _remove_hooks(self) -> None:
+        remove_handles(self._handles)
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return {"step": self.step}
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        if set(state) != {"step"}:
+            raise ValueError(f"state: expected the keys ['step'], got {sorted(state)}")
+        self.step = check_int("state['step']", state["step"], 0)
+
+
+class DecentralizedAlgorithm(Algorithm):
+    """Decentralized SGD (see the module's docstring): weights averaged over
+    all workers ("all") or with one partner per exchange ("shift_one"),
+    every communication_interval steps.
+
+    hierarchical: the nodes are the workers (see the module's docstring);
+    peer_selection_mode: "all" or "shift_one" (an even number of workers)."""
+
+    def __init__(self, hierarchical: bool = True, peer_selection_mode: str = "all",
+                 communication_interval: int = 1):
+        check_bool("hierarchical", hierarchical)
+        check_choice("peer_selection_mode", peer_selection_mode, ("all", "shift_one"))
+        check_int("communication_interval", communication_interval, 1)
+        self.hierarchical = hierarchical
+        self.peer_selection_mode = peer_selection_mode
+        self.communication_interval = communication_interval
+
+    def attach(self, module, optimizers, comm):
+        return _DecentralizedHandle(module, comm, self.hierarchical, self.peer_selection_mode,
+                                    self.communication_interval)
+
+
+class _LowPrecisionHandle(Driver):
+    what = "LowPrecisionDecentralizedAlgorithm"
+
+    def __init__(self, module, optimizers, comm, hierarchical: bool, interval: int):
+        self.module, self.interval = module, interval
+        self.params = _trainable(module)
+        self.workers = _Workers(comm, hierarchical, "LowPrecisionDecentralizedAlgorithm")
+        w, r = self.workers.size, self.workers.rank
+        self.left, self.right = (r - 1) % w, (r + 1) % w
+        part = self.workers.local_part(flatten(self.params))
+        # The copies of the left neighbour's, this worker's and the right
+        # neighbour's weights: all equal to the start (with_bagua broadcast it).
+        self.replicas = [part.clone(), part.clone(), part.clone()]
+        self.step = 0
+        self.exchanges = 0
+        self._check_every = check_every()
+        self._claim(module, communicator(comm))
+        self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
+
+    def _after_step(self, _optimizer, _args, _kwargs) -> None:
+        self.step += 1
+        if (self.step - 1) % self.interval == 0 and self.workers.size > 1:
+            self._exchange()
+
+    def _exchange(self) -> None:
+        check_same_step(self.workers.world, self.step, "LowPrecisionDecentralizedAlgorithm")
+        left, own, right = self.replicas
+        x = self.workers.local_part(flatten(self.params))
+        d = x - own + (left + own + right) / 3 - own
+        q = torch.empty(kernels.quant8_bytes(d.numel()), dtype=torch.uint8)
+        kernels.quantize8(q, d)
+        peers = (self.left,) if self.left == self.right else (self.left, self.right)
+        received = tuple(torch.empty_like(q) for _ in peers)
+        self.workers.comm.peer_exchange(q, peers, received, peers).wait()
+        kernels.dequantize8(own, q, accumulate=True)
+        kernels.dequantize8(left, received[0], accumulate=True)
+        kernels.dequantize8(right, received[-1], accumulate=True)
+        write_back(self.workers.whole(own), self.params)
+        self.exchanges += 1
+        if self._check_every and self.exchanges % self._check_every == 0:
+            self._check_copies(peers)
+
+    def _check_copies(self, peers) -> None:
+        """MPIDP_CHECK: each neighbour's copy of this worker's weights is this
+        worker's own, bit for bit (their checksums, exchanged)."""
+        mine = torch.tensor([s - (1 << 64) if s >= (1 << 63) else s
+                             for s in _C.checksums(self.replicas)], dtype=torch.int64)
+        theirs = tuple(torch.empty_like(mine) for _ in peers)
+        self.workers.comm.peer_exchange(mine, peers, theirs, peers).wait()
+        # Name the owner of any copy that differs from the owner's own weights:
+        # the left neighbour's right copy and the right neighbour's left copy
+        # are copies of mine; my left and right copies are copies of theirs.
+        owners = set()
+        if theirs[0][2] != mine[1] or theirs[-1][0] != mine[1]:
+            owners.add(self.workers.rank)
+        if theirs[0][1] != mine[0]:
+            owners.add(self.left)
+        if theirs[-1][1] != mine[2]:
+            owners.add(self.right)
+        flagged = _ranks_named(self.workers.world, [self.workers.world_ranks[r] for r in owners])
+        if flagged:
+            raise RuntimeError("LowPrecisionDecentralizedAlgorithm: the neighbours' copies of the "
+                               f"weights of rank(s) {flagged} differ from their own after "
+                               f"exchange {self.exchanges} (MPIDP_CHECK)")
+
+    def drain(self) -> None:
+        pass                                   # every exchange completes in its step
+
+    def _remove_hooks(self) -> None:
+        remove_handles(self._handles)
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return {"step": self.step, "replicas": [t.clone() for t in self.replicas]}
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        if set(state) != {"step", "replicas"}:
+            raise ValueError(f"state: expected the keys ['replicas', 'step'], got {sorted(state)}")
+        replicas = state["replicas"]
+        if len(replicas) != 3 or any(t.shape != self.replicas[0].shape for t in replicas):
+            raise ValueError("state: its replicas do not match this worker's (another model, "
+                             "world or node layout?)")
+        self.step = check_int("state['step']", state["step"], 0)
+        self.replicas = [t.clone() for t in replicas]
+
+
+class LowPrecisionDecentralizedAlgorithm(Algorithm):
+    """Decentralized SGD on a ring with 8-bit compressed differences (see the
+    module's docstring), every communication_interval optimizer steps.
+
+    hierarchical: the nodes are the workers (see the module's docstring)."""
+
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1):
+        check_bool("hierarchical", hierarchical)
+        check_int("communication_interval", communication_interval, 1)
+        self.hierarchical = hierarchical
+        self.communication_interval = communication_interval
+
+    def attach(self, module, optimizers, comm):
+        return _LowPrecisionHandle(module, optimizers, comm, self.hierarchical,
+                                   self.communication_interval)

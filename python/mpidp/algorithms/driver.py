@@ -1,0 +1,279 @@
+"""The driver interface: what every training algorithm of mpidp is.
+
+A driver runs one algorithm on one module over one communicator, on the
+core's engines (the gradient reducer, parameter syncs, peer exchanges, the
+background averager). The public classes (DataParallel, DASO, SlowMo,
+DiLoCo, the handles of mpidp.algorithms) keep their upstream names and
+arguments and implement this interface; mpidp.with_bagua switches between
+any two of them through it alone.
+
+Every driver:
+- is set up by `set_up` (one path: the communicator argument checked once,
+  the ranks' models and settings compared, the module claimed, rank 0's
+  parameters and buffers broadcast, the trainable parameters recorded);
+- `drain()`s: finishes the communication it has in flight, so that the
+  parameters are what the algorithm's rule says they are now;
+- `detach()`es: drains, removes every hook it installed (the module is a plain
+  module again) and releases its claim;
+- saves and restores its own state (`algorithm_state()` /
+  `load_algorithm_state()`; a module's weights and an optimizer's state are
+  theirs);
+- supports uneven inputs through `join()` or says it does not.
+
+Ownership, one policy for every driver: a module has at most one algorithm
+per communicator. A driver that claims a module already claimed by another
+live driver over the same MPI communicator takes it over: the older one is
+drained and detached, with a warning, and using it afterwards raises
+(two algorithms on one communicator would average every gradient or sync
+twice). Drivers over different communicators compose -- the user split
+the ranks on purpose: DataParallel over mpidp.node_comm() with DiLoCo over
+mpidp.cross_node_comm() on one model, whose groups may even hold the same
+ranks (one rank per node, a one-rank job) -- and the drivers a driver
+builds for itself are its parts, never taken over by it."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import warnings
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .._runtime.consistency import check_same_structure
+from .._runtime.mpi import Communicator, communicator
+from .._runtime.params import TrainableAtSetup, broadcast_state
+
+__all__ = ["Driver", "set_up", "wait_pending", "continue_on_survivors", "algorithms_over"]
+
+# The live drivers that claimed each module (weakly held: a dropped driver
+# gives its claim up with it).
+_CLAIMS: "weakref.WeakKeyDictionary[torch.nn.Module, List[weakref.ref]]" = \
+    weakref.WeakKeyDictionary()
+# (owner, the drivers built as its parts so far), innermost last.
+_BUILDING: List[Tuple["Driver", List["Driver"]]] = []
+
+
+def set_up(module: Optional[torch.nn.Module], comm, who: str, settings: Dict[str, Any],
+           rebuild: str = "", argname: str = "comm", claim_by: Optional["Driver"] = None
+           ) -> Tuple[Communicator, Optional[TrainableAtSetup]]:
+    """The set-up every driver starts with: `comm` checked once (a
+    Communicator: the engines' duplicate and the mpi4py communicator), every
+    rank's model structure and `settings` compared (all ranks raise, naming
+    the first difference: ranks that differ would post different
+    communication and wait until the deadline), the module claimed by
+    `claim_by` (an older driver over the same communicator drained and detached
+    before anything is broadcast), rank 0's parameters and buffers
+    broadcast, and the parameters trainable now recorded (one that starts to
+    require grad later is an error at the next step, not a silently local
+    one; `rebuild` says how to set the driver up again). With module None
+    only the settings are compared."""
+    comm = communicator(comm, argname)
+    check_same_structure(comm.c, comm.mpi, module, who, settings)
+    if module is None:
+        return comm, None
+    if claim_by is not None:
+        claim_by._claim(module, comm)
+    broadcast_state(module, comm.c)
+    return comm, TrainableAtSetup(module, who, rebuild)
+
+
+def wait_pending(syncs: Iterable[Any]) -> None:
+    """Completes every engine operation of `syncs` that is in flight (the
+    core's ParamSync and its kin: `.pending`, `.wait()`); None entries are
+    skipped."""
+    for sync in syncs:
+        if sync is not None and sync.pending:
+            sync.wait()
+
+
+def continue_on_survivors(old_world) -> None:
+    """Fault-tolerant mode, after the world shrank to the survivors
+    (mpidp/fault_tolerance/__init__.py): every live driver over the old world is set
+    up again over the new one (`_continue_on`), or, where its algorithm
+    cannot go on, detached with the reason (using it raises)."""
+    from .._runtime.mpi import world_mpi
+    key = old_world.py2f()
+    drivers = {}
+    for refs in list(_CLAIMS.values()):
+        for driver in (r() for r in refs):
+            if driver is None or driver._released is not None or driver._claimed_key != key:
+                continue
+            # A part goes on through the driver it is a part of.
+            while driver._owner is not None and driver._owner() is not None:
+                driver = driver._owner()
+            drivers[id(driver)] = driver
+    for driver in drivers.values():
+        try:
+            driver._continue_on(world_mpi())
+        except NotImplementedError as why:
+            driver._released = (f"a rank was lost and {driver.what} cannot continue on the "
+                                f"survivors ({why}); build it again over the survivors")
+            driver._remove_hooks()
+
+
+def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
+    """The names of the live drivers whose module holds any of `params`
+    (an optimizer that does its own communication refuses to run under
+    them)."""
+    ids = {id(p) for p in params}
+    names = []
+    for module, refs in list(_CLAIMS.items()):
+        drivers = [r() for r in refs]
+        live = [d for d in drivers if d is not None and d._released is None]
+        if live and any(id(p) in ids for p in module.parameters()):
+            names += [d.what for d in live if d.what not in names]
+    return names
+
+
+def _refuse_without_fault_tolerance(driver: "Driver") -> None:
+    """In fault-tolerant mode, an algorithm that cannot go on after a rank is
+    lost is refused when it is set up, not found out at the first failure."""
+    from .._runtime import membership
+    while driver._owner is not None and driver._owner() is not None:
+        driver = driver._owner()
+    if membership.enabled() and type(driver)._continue_on is Driver._continue_on:
+        raise NotImplementedError(
+            f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
+            "with_bagua's GradientAllReduce, ByteGrad and QAdam, PeriodicModelAverager with "
+            "PostLocalSGDOptimizer, DiLoCo, DASO and SlowMo (LOCALSGD) so far; "
+            f"{driver.what} is not among them yet")
+
+
+class Driver(abc.ABC):
+    """One algorithm on one module over one communicator (see the module's
+    docstring). Subclasses set `what` and `module`, implement _remove_hooks
+    and, where they hold engines or state of their own, drain,
+    algorithm_state and load_algorithm_state; they are set up by _set_up
+    (or set_up, then _claim where they attach later, as DiLoCo's context)
+    before they install hooks, and build the drivers they run inside
+    _building_parts."""
+
+    #: The algorithm's name in messages (the public class's name).
+    what = "algorithm"
+    # Why this driver no longer works (taken over, detached), else None.
+    _released: Optional[str] = None
+    _parts: Tuple["Driver", ...] = ()
+    _owner: Optional[weakref.ref] = None     # the driver this one is a part of
+
+    # -- the interface -----------------------------------------------------------
+
+    def drain(self) -> None:
+        """Finish the communication in flight; the parameters are then what
+        the algorithm's rule makes them at this step. (By default: drain the
+        parts still attached; a driver with engines of its own overrides it.)"""
+        for part in self._live_parts():
+            part.drain()
+
+    @abc.abstractmethod
+    def _remove_hooks(self) -> None:
+        """Remove every hook this driver installed (called once, by detach)."""
+
+    def detach(self, reason: str = "detach() detached it from its module") -> None:
+        """Drain, remove every hook (the module is a plain module again) and
+        give the module up; later use raises, naming `reason`."""
+        if self._released is not None:
+            return
+        self.drain()
+        self._remove_hooks()
+        for part in self._parts:
+            part.detach(reason)
+        self._released = reason
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        """The algorithm's own state (nothing by default)."""
+        return {}
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"state: {self.what} keeps no state of its own, got keys "
+                             f"{sorted(state)}")
+
+    def join(self, *args, **kwargs):
+        """Uneven inputs: algorithms that support them override this."""
+        raise NotImplementedError(
+            f"join: {self.what} does not support uneven inputs; give every rank the same "
+            "number of batches (e.g. DistributedSampler(..., drop_last=True))")
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode: go on over `comm`, the survivors of the
+        communicator this driver ran on, after the step in flight was
+        discarded everywhere. Algorithms that support it override this."""
+        raise NotImplementedError(f"{self.what} does not support fault-tolerant mode yet")
+
+    def train_forward(self, *inputs, **kwargs):
+        """The module's forward under this algorithm (with_bagua calls it):
+        through the first attached part that is a module wrapper (a warm-up's
+        DataParallel, SlowMo's wrapper), else the module's own."""
+        self._check_attached()
+        for part in self._live_parts():
+            if isinstance(part, torch.nn.Module):
+                return part.train_forward(*inputs, **kwargs)
+        return self.module(*inputs, **kwargs)
+
+    # -- for the subclasses --------------------------------------------------------
+
+    def _set_up(self, module: torch.nn.Module, comm, settings: Dict[str, Any], rebuild: str,
+                argname: str = "comm") -> Communicator:
+        """set_up for this driver: claims `module` and keeps the trainable
+        parameters' record as self._trainable_at_setup."""
+        comm, self._trainable_at_setup = set_up(module, comm, self.what, settings, rebuild,
+                                                argname, claim_by=self)
+        return comm
+
+    @contextlib.contextmanager
+    def _building_parts(self):
+        """Drivers created inside (this driver's own engines, e.g. SlowMo's
+        node-local DataParallel) are its parts: their claims do not take the
+        module over from it, and detaching it detaches them."""
+        _BUILDING.append((self, []))
+        try:
+            yield
+        finally:
+            _, built = _BUILDING.pop()
+            self._parts += tuple(built)
+
+    def _live_parts(self) -> List["Driver"]:
+        return [part for part in self._parts if part._released is None]
+
+    def _check_attached(self) -> None:
+        if self._released is not None:
+            raise RuntimeError(f"{self.what}: this {self.what} is detached: {self._released}")
+
+    def _claim(self, module: torch.nn.Module, comm: Communicator) -> None:
+        """Make this driver `module`'s algorithm over `comm`, taking the
+        module over from a live driver over the same communicator (not its owner,
+        when it is built as one's part, nor one of its own parts)."""
+        self._released = None
+        owner = _BUILDING[-1][0] if _BUILDING else None
+        _refuse_without_fault_tolerance(owner or self)
+        if owner is not None:
+            _BUILDING[-1][1].append(self)
+            self._owner = weakref.ref(owner)
+        key = comm.key
+        self._claimed_key = key
+        kept = []
+        for ref in _CLAIMS.get(module, ()):
+            other = ref()
+            if other is None or other._released is not None or other is self:
+                continue
+            if other is owner or other in self._parts or key is None \
+                    or other._claimed_key != key:
+                kept.append(ref)
+                continue
+            # A part taken over takes its whole driver with it.
+            while other._owner is not None and other._owner() is not None:
+                other = other._owner()
+            other.detach(f"a newer {self.what} of the same module over the same communicator "
+                         "replaced it; use that one")
+            warnings.warn(f"{self.what}: this module was already wrapped by another {other.what} "
+                          "over the same communicator; that one is detached (its hooks removed, "
+                          "using it raises), so that the module has one algorithm per "
+                          "communicator",
+                          UserWarning, stacklevel=3)
+        _CLAIMS[module] = kept + [weakref.ref(self)]
+
+    def _unclaim(self, module: torch.nn.Module) -> None:
+        """Give `module` up without being detached (a context left: DiLoCo)."""
+        _CLAIMS[module] = [r for r in _CLAIMS.get(module, ()) if r() is not self and r() is not None]

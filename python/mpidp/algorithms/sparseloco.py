@@ -1,0 +1,308 @@
+"""SparseLoCo over MPI: DiLoCo whose outer momentum is an error-feedback
+buffer, and whose ranks send only the top few entries of each tile of it,
+quantized to a few bits (docs/error-feedback.md gives the rule).
+
+Every rank trains its replica with its own inner optimizer. Every
+`sync_every` inner steps each rank takes its outer gradient Δ = θ̃ - x (θ̃
+the shared weights, x its replica), folds it into its error-feedback buffer
+e ← βe + αΔ, sends the top k entries of each tile of e as 2-bit codes (by
+default) and keeps what it did not send in e. The ranks' payloads are
+gathered and decoded in rank order into their sparse mean G, and every
+replica restarts from θ̃ ← θ̃ - αG: the same bits on every rank.
+
+The kernels are the core's (mpidp/efcomp.h); the payloads travel through
+mpidp/_engines/ef_wire.py."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .._runtime import membership
+from .._runtime.args import check_bool, check_choice, check_int, check_real
+from .._runtime.consistency import frozen_code
+from .driver import Driver, set_up
+from .._engines.ef_wire import Wire
+from .._runtime.params import remove_handles, write_back
+from .averaging import mean_over_ranks
+from .. import _C
+
+__all__ = ["SparseLoCo"]
+
+_MEANS = ("chosen", "all")
+
+
+class SparseLoCo(Driver):
+    """with SparseLoCo(model, inner_optimizer, sync_every) as sparseloco:
+    train as usual, stepping `inner_optimizer`; the syncs happen after its steps.
+
+    The defaults are the paper's 512M run (the reference constructor's own
+    defaults differ; docs/error-feedback.md lists both): lr (α, the outer
+    learning rate) 1.0, error_decay (β) 0.95, top_k 128 entries per
+    chunk_size x chunk_size (64 x 64) tile -- a tile of another size keeps
+    the same share, max(1, round(len * top_k / chunk_size²)) -- and the
+    statistical quantizer with quantization_bins 4 (2-bit codes) over
+    quantization_range 6 standard deviations. use_quantization=False sends
+    the kept values as float32. weight_decay: decoupled outer weight decay
+    (θ̃ ← θ̃(1 - α·weight_decay) at each sync; 0 in the paper, whose weight
+    decay lives in the inner AdamW). mean: "chosen" (the reference's: each
+    entry is divided by the number of ranks that sent it) or "all" (by
+    every rank). α is applied twice, as in the reference code: in e's update
+    and in θ̃'s.
+
+    comm: an mpi4py communicator (None: every rank). sync_buffers: the
+    floating-point buffers (BatchNorm statistics) become their mean at each
+    sync. sync_delay (0 .. sync_every - 1): inner steps between a sync's
+    send and its turn; the allgather runs under the inner steps in between,
+    whose local progress the replica drops at the turn (Streaming DiLoCo's
+    rule). The model's trainable parameters must be contiguous float32 CPU
+    tensors. Replicas start from rank 0's parameters. state_dict() /
+    load_state_dict() hold θ̃, this rank's replica and error-feedback
+    buffer, the step count and a sync in flight, so a resumed job continues
+    exactly (each
+    rank saves its own; save the inner optimizer beside it).
+
+    Every sync checks, from the gathered bytes and without another
+    message, that the ranks are at the same step with the same settings
+    and the same θ̃; each rank's `bytes_sent` says what one sync sends."""
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 sync_every: int, comm=None, *, lr: float = 1.0, error_decay: float = 0.95,
+                 top_k: int = 128, chunk_size: int = 64, use_quantization: bool = True,
+                 quantization_bins: int = 4, quantization_range: float = 6.0,
+                 weight_decay: float = 0.0, mean: str = "chosen", sync_buffers: bool = True,
+                 sync_delay: int = 0):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError("inner_optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(inner_optimizer).__name__}")
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.lr = check_real("lr", lr, 0.0, None)
+        self.error_decay = check_real("error_decay", error_decay, 0.0, 1.0)
+        self.top_k = check_int("top_k", top_k, 1)
+        self.chunk_size = check_int("chunk_size", chunk_size, 1)
+        if chunk_size > _C.EF_MAX_CHUNK:
+            raise ValueError(f"chunk_size: expected 1 .. {_C.EF_MAX_CHUNK} (slots travel as 16 "
+                             f"bits), got {chunk_size!r}")
+        self.use_quantization = check_bool("use_quantization", use_quantization)
+        self.quantization_bins = check_int("quantization_bins", quantization_bins, 2)
+        if quantization_bins > _C.EF_MAX_BINS:
+            raise ValueError(f"quantization_bins: expected 2 .. {_C.EF_MAX_BINS}, got "
+                             f"{quantization_bins!r}")
+        self.quantization_range = check_real("quantization_range", quantization_range, 0.0, None)
+        if not self.quantization_range > 0:
+            raise ValueError("quantization_range: expected a positive number of standard "
+                             f"deviations, got {quantization_range!r}")
+        self.weight_decay = check_real("weight_decay", weight_decay, 0.0, None)
+        self.mean = check_choice("mean", mean, _MEANS)
+        self.sync_buffers = check_bool("sync_buffers", sync_buffers)
+        if check_int("sync_delay", sync_delay, 0) >= self.sync_every:
+            raise ValueError(f"sync_delay: expected 0 .. {self.sync_every - 1} (the send must "
+                             f"come before its sync, every {self.sync_every} steps), got "
+                             f"{sync_delay!r}")
+        self.sync_delay = sync_delay
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for p in self.params:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                raise TypeError(f"model: SparseLoCo syncs contiguous float32 CPU parameters, got "
+                                f"{p.dtype} on {p.device}")
+        self._communicator, self._trainable_at_setup = set_up(
+            model, comm, "SparseLoCo", settings=self._settings_dict(),
+            rebuild="Build a new SparseLoCo after such a change")
+        self._comm = self._communicator.c
+        if membership.enabled():
+            raise NotImplementedError("SparseLoCo: fault-tolerant mode is not supported yet")
+        self._buffers = ([b for b in model.buffers() if b.is_floating_point()]
+                         if sync_buffers else [])
+        self.step = 0  # inner steps taken under this SparseLoCo
+        bins = self.quantization_bins if self.use_quantization else 0
+        # k of a tile of `length` entries: the share top_k / chunk² of it
+        top_k, square = self.top_k, self.chunk_size ** 2
+        self._wire = Wire(self._comm, [p.shape for p in self.params], self.chunk_size,
+                          lambda length: round(length * top_k / square), bins, "SparseLoCo")
+        with torch.no_grad():
+            self.shared = [p.detach().clone() for p in self.params]       # θ̃
+        self.error = [torch.zeros_like(p) for p in self.params]          # e
+        # Δ of one tensor at a time, then its G
+        self._scratch = torch.empty(max((p.numel() for p in self.params), default=0))
+        self._received: Optional[List[torch.Tensor]] = None   # G of a sync in flight, drained
+        self._handles: List = []
+
+    def _settings_dict(self) -> Dict[str, Any]:
+        return {"sync_every": self.sync_every, "lr": self.lr, "error_decay": self.error_decay,
+                "top_k": self.top_k, "chunk_size": self.chunk_size,
+                "use_quantization": self.use_quantization,
+                "quantization_bins": self.quantization_bins,
+                "quantization_range": self.quantization_range,
+                "weight_decay": self.weight_decay, "mean": self.mean,
+                "sync_buffers": self.sync_buffers, "sync_delay": self.sync_delay}
+
+    def _settings(self) -> List[float]:
+        """The settings every sync compares (those a user may change in flight)."""
+        return [float(self.sync_every), float(self.sync_delay), self.lr, self.error_decay,
+                float(self.top_k), float(self.quantization_bins), self.quantization_range,
+                self.weight_decay, frozen_code(self.params)]
+
+    _SETTING_NAMES = ("sync_every", "sync_delay", "lr", "error_decay", "top_k",
+                      "quantization_bins", "quantization_range", "weight_decay",
+                      "frozen parameters")
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sends at each sync (what each other rank receives from it)."""
+        return self._wire.bytes_sent
+
+    # -- the context -------------------------------------------------------------
+
+    def __enter__(self) -> "SparseLoCo":
+        if self._handles:
+            raise RuntimeError("SparseLoCo: already entered")
+        self._claim(self.model, self._communicator)
+        self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        remove_handles(self._handles)
+        self._unclaim(self.model)
+
+    # -- the driver interface (mpidp/algorithms/driver.py) ----------------------------------
+
+    what = "SparseLoCo"
+
+    def drain(self) -> None:
+        """Completes a sync in flight (sync_delay > 0): its mean G is kept
+        for its turn."""
+        if self._wire.in_flight:
+            self._received = self._decode()
+
+    def _remove_hooks(self) -> None:
+        self.__exit__(None, None, None)
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return self.state_dict()
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        self.load_state_dict(state)
+
+    # -- the syncs ---------------------------------------------------------------
+
+    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        self._trainable_at_setup.check()
+        self.step += 1
+        phase = self.step % self.sync_every
+        if phase == (self.sync_every - self.sync_delay) % self.sync_every:
+            self._send()
+        if phase == 0:
+            self._apply()
+
+    def sync(self) -> None:
+        """One outer round now (collective; the inner steps call it every
+        sync_every steps, in two halves when sync_delay > 0)."""
+        self._send()
+        self._apply()
+
+    @torch.no_grad()
+    def _send(self) -> None:
+        """Steps 1-5 of the round: each tensor's Δ folded into e, compressed
+        into its bucket, each bucket's allgather posted once it is full."""
+        wire, bins = self._wire, self._bins()
+        self._received = None
+        wire.write_header(self.step, self._settings(), self.shared)
+        last_bucket = 0
+        for i, (p, theta, e) in enumerate(zip(self.params, self.shared, self.error)):
+            t = wire.tensors[i]
+            if t.bucket != last_bucket:  # the previous bucket is complete: send it
+                wire.post(last_bucket)
+                last_bucket = t.bucket
+            d = self._scratch[:p.numel()].view_as(p)
+            bucket, offset = wire.buckets_of(i)
+            if not p.requires_grad:
+                # Frozen: it takes no outer step and keeps its error buffer;
+                # zeros keep the payload's layout.
+                d.zero_()
+                _C.ef_compress(torch.zeros_like(e), d, t.tiling, self.error_decay, self.lr, t.k,
+                               bins, self.quantization_range, bucket, offset)
+                continue
+            torch.sub(theta, p, out=d)
+            _C.ef_compress(e, d, t.tiling, self.error_decay, self.lr, t.k, bins,
+                           self.quantization_range, bucket, offset)
+        wire.post(last_bucket)
+
+    def _bins(self) -> int:
+        return self.quantization_bins if self.use_quantization else 0
+
+    @torch.no_grad()
+    def _decode(self) -> List[torch.Tensor]:
+        """Waits for the gathers and returns each tensor's sparse mean G."""
+        wire = self._wire
+        wire.wait(self._SETTING_NAMES)
+        out = []
+        for i, p in enumerate(self.params):
+            t = wire.tensors[i]
+            g = torch.empty_like(p)
+            gathered, offset, stride = wire.gathered_of(i)
+            _C.ef_sparse_mean(g, gathered, offset, stride, self._comm.size, t.tiling, t.k,
+                              self._bins(), self.mean == "all")
+            out.append(g)
+        return out
+
+    @torch.no_grad()
+    def _apply(self) -> None:
+        """Steps 6-7: θ̃ ← θ̃(1 - α·wd) - αG, and the replica restarts from θ̃
+        (the local steps since the send, with sync_delay, are dropped, as in
+        Streaming DiLoCo)."""
+        buffer_means = mean_over_ranks(self._buffers, self._comm) if self._buffers else None
+        means = self._received if self._received is not None else self._decode()
+        self._received = None
+        for p, theta, g in zip(self.params, self.shared, means):
+            if not p.requires_grad:   # frozen: θ̃ stays, and the replica restarts from it
+                p.copy_(theta)
+                continue
+            if self.weight_decay:
+                theta.mul_(1.0 - self.lr * self.weight_decay)
+            theta.sub_(g, alpha=self.lr)
+            p.copy_(theta)
+        if buffer_means is not None:
+            write_back(buffer_means, self._buffers)
+
+    # -- checkpoints ---------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """θ̃, this rank's replica and error-feedback buffer, the step, and
+        the mean G of a sync in flight (completed here)."""
+        self.drain()
+        return {"step": self.step, "shared": [t.clone() for t in self.shared],
+                "local": [p.detach().clone() for p in self.params],
+                "error": [e.clone() for e in self.error],
+                "in_flight": (None if self._received is None
+                              else [g.clone() for g in self._received])}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores what state_dict saved (construction made the replicas
+        rank 0's)."""
+        keys = {"step", "shared", "local", "error", "in_flight"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"state: expected a SparseLoCo state_dict (keys {sorted(keys)})")
+        for key in ("shared", "local", "error", "in_flight"):
+            values = state[key]
+            if key == "in_flight" and values is None:
+                continue
+            if len(values) != len(self.params) or any(
+                    tuple(v.shape) != tuple(p.shape) for v, p in zip(values, self.params)):
+                raise ValueError(f"state: its {key!r} tensors do not match this model's trainable "
+                                 "parameters")
+        with torch.no_grad():
+            for p, theta, e, s, x, err in zip(self.params, self.shared, self.error,
+                                              state["shared"], state["local"], state["error"]):
+                theta.copy_(s)
+                p.copy_(x)
+                e.copy_(err)
+        self.step = check_int("state['step']", state["step"], 0)
+        if self._wire.in_flight:      # this instance's own sync in flight is replaced
+            self._decode()
+        self._received = (None if state["in_flight"] is None
+                          else [g.clone() for g in state["in_flight"]])

@@ -1,0 +1,12 @@
+"""Collectives over MPI for tensors and models, below the algorithms: the
+tensor operations (`mpidp.allreduce`, `allgather`, `broadcast`, ...; the
+names of the former module mpidp.collectives), broadcasts of a model's
+parameters and an optimizer's state (model_state), Heat's communicator
+(communication) and torch.distributed process groups built from MPI
+(process_groups)."""
+
+from .tensors import (Work, allgather, allreduce, allreduce_scalar, barrier, broadcast,
+                      check_root, local_rank, rank, reduce_scatter, size)
+
+__all__ = ["allreduce", "allreduce_scalar", "allgather", "broadcast", "barrier", "rank", "size",
+           "local_rank", "Work", "reduce_scatter", "check_root"]
