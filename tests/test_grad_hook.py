@@ -216,7 +216,7 @@ def test_a_hook_built_for_another_torch_is_refused_with_the_reason():
     """libtorch's C++ ABI changes between releases: the module compares the
     torch it was built for with the running one before anything else."""
     code = ("import torch; torch.__version__ = '2.0.0'; "
-            "from mpidp import _grad_hook_loader as l; print(l.describe())")
+            "from mpidp._engines import grad_hook_loader as l; print(l.describe())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "python (C++ hook unavailable: mpidp._grad_hook was built for torch" in out.stdout
     assert "this is torch 2.0.0" in out.stdout
