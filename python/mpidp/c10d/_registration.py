@@ -26,6 +26,7 @@ NAME = "mpidp"
 # The module, not the function torch.distributed exports under the same name.
 _rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
+
 def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
     members = list(opts.global_ranks_in_group)
     if not members or not dist.is_initialized():   # the default group

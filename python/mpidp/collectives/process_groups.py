@@ -32,9 +32,10 @@ groups = _MPIGroups()
 
 
 class StoreForMPIDPOnly(dist.Store):
-    """The store the rendezvous below hands torch when the job has no
-    MASTER_ADDR: the "mpidp" backend never reads it, and any other backend
-    that does learns why it cannot work instead of waiting."""
+    """The store an "mpidp" default group is made with when the job has no
+    MASTER_ADDR (init_process_group below, and the env:// rendezvous in
+    mpidp/c10d/_registration.py): the "mpidp" backend never reads it, and any
+    other backend that does learns why it cannot work instead of waiting."""
 
     def _refuse(self, *args, **kwargs):
         raise RuntimeError(
