@@ -33,6 +33,8 @@ PUBLIC_NAMES = [
     "gossip.DynamicDirectedExponentialGraph", "gossip.UniformMixing", "kernels.quantize8",
     "kernels.pack", "nn.DataParallel", "nn.DataParallelMultiGPU", "optim.DASO",
     "optim.DataParallelOptimizer", "collectives.allreduce", "collectives.Work",
+    "collectives.allreduce_agreed", "collectives.reduce_scatter_agreed", "collectives.check_root",
+    "collectives.reduce_scatter",
 ]
 
 # The public modules' former paths (one flat folder) -> where they are now.
