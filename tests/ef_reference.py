@@ -80,9 +80,14 @@ class SparseLoCoSim:
     def k_of(self, length: int) -> int:
         return min(max(1, round(length * self.top_k / self.chunk ** 2)), length)
 
-    def round(self, replicas):
+    def round(self, replicas, frozen=()):
+        """frozen: indices of parameters that take no outer step (θ̃ and their
+        error buffers stay; the replicas restart from θ̃)."""
         new = []
         for i, theta in enumerate(self.shared):
+            if i in frozen:
+                new.append(theta)
+                continue
             sent = []
             for r, replica in enumerate(replicas):
                 e = self.beta * self.error[r][i] + self.lr * (theta - replica[i])

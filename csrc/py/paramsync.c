@@ -218,7 +218,8 @@ static PyMethodDef paramsync_methods[] = {
      "grad_into(grads, scale): complete, then grads[i] = scale * sum_of_differences."},
     {"restore", (PyCFunction)paramsync_restore, METH_NOARGS, "p = ref."},
     {"abandon", (PyCFunction)paramsync_abandon, METH_NOARGS,
-     "Forget a sync whose requests have all ended (recovery ended them); refused while one is live."},
+     "Forget a sync whose requests have all ended (recovery ended them); refused while one is "
+     "live."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,7 +7,8 @@
 Launch with `mpirun -np N python train.py` or `srun python train.py`.
 """
 
-from ._runtime.mpi import MPI, mpi_library_version  # imports mpi4py.MPI first, checks the MPI library
+# Imports mpi4py.MPI first and checks the MPI library.
+from ._runtime.mpi import MPI, mpi_library_version
 from . import _C
 from ._C import CommError, CommTimeout, RanksLost
 from . import algorithms
@@ -48,7 +49,8 @@ _FORMER_PATHS = {
     "slowmo": "algorithms.slowmo", "diloco": "algorithms.diloco",
     "sparseloco": "algorithms.sparseloco", "demo": "algorithms.demo", "bagua": "algorithms.bagua",
     "qadam": "algorithms.qadam", "decentralized": "algorithms.decentralized",
-    "replica_algorithms": "algorithms.replica_algorithms", "wrapper_copy": "algorithms.wrapper_copy",
+    "replica_algorithms": "algorithms.replica_algorithms",
+    "wrapper_copy": "algorithms.wrapper_copy",
     "gossip": "_engines.gossip", "kernels": "_engines.kernels",
     "broadcast": "collectives.model_state", "communication": "collectives.communication",
     "process_group": "collectives.process_groups", "topology": "_runtime.topology",

@@ -392,7 +392,7 @@ class DASO(Driver):
                               f"({self.phase}: warm-up syncs globally every batch) -- call "
                               "daso.epoch_loss_logic(epoch_loss) after every epoch", stacklevel=2)
 
-    # -- the driver interface (mpidp/algorithms/driver.py) ----------------------------------------
+    # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
     what = "DASO"
 

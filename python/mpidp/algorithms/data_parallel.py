@@ -306,7 +306,8 @@ class DataParallel(torch.nn.Module, Driver):
         self._join_steps = 0     # training steps this rank took inside join()
         # optimizer -> (its groups' layout, the tensors it holds that no bucket holds)
         self._outside_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        # Non-blocking: the modules whose _parameters are watched, and those dicts (_engines/pending_reads.py).
+        # Non-blocking: the modules whose _parameters are watched, and those dicts
+        # (_engines/pending_reads.py).
         self._watched_modules, self._watched_params = [], []
         # The optimizer step (non-blocking: deferred to the next forward) has one owner.
         self._deferred = DeferredStep(self._reducer, self._params,
@@ -730,7 +731,7 @@ class DataParallel(torch.nn.Module, Driver):
         as a plain, local torch module; this wrapper cannot be used again)."""
         self.detach("remove_hooks() detached it from its module")
 
-    # -- the driver interface (mpidp/algorithms/driver.py) ---------------------------------
+    # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
     what = "DataParallel"
 

@@ -48,9 +48,10 @@ class DeMo(torch.optim.Optimizer):
     gradients (their momentum still decays), so every rank sends the same
     layout; a frozen parameter (requires_grad False) is left where it is,
     momentum included, as torch's optimizers leave it (every rank must
-    freeze the same ones: checked at every step). After each step, `data_transmit` and `data_receive` hold the
-    bytes this rank sent and received (every rank's payload, its own
-    included, as the reference counts). Every step checks, from the
+    freeze the same ones: checked at every step). After each step,
+    `data_transmit` and `data_receive` hold the bytes this rank sent and
+    received (every rank's payload, its own included, as the reference
+    counts). Every step checks, from the
     gathered bytes, that the ranks are at the same step with the same
     settings and parameters.
 
@@ -168,10 +169,12 @@ class DeMo(torch.optim.Optimizer):
                 if not p.requires_grad:
                     # Frozen: left where it is, its momentum untouched (torch's
                     # optimizers skip it alike); it sends zeros, so that every
-                    # rank's payload keeps one layout.
-                    _C.ef_demo_compress(torch.zeros_like(p), None, t.tiling, self.compression_decay,
-                                        lr, t.k, self._bases[t.tiling[2]],
-                                        self._bases[t.tiling[3]], bucket, offset)
+                    # rank's payload keeps one layout (the scratch, zeroed, as
+                    # its momentum: the decode below reuses it afterwards).
+                    zeros = self._scratch[:p.numel()].view_as(p).zero_()
+                    _C.ef_demo_compress(zeros, None, t.tiling, self.compression_decay, lr, t.k,
+                                        self._bases[t.tiling[2]], self._bases[t.tiling[3]],
+                                        bucket, offset)
                     i += 1
                     continue
                 state = self.state[p]

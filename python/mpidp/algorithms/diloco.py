@@ -199,7 +199,7 @@ class DiLoCo(Driver):
         remove_handles(self._handles)
         self._unclaim(self.model)
 
-    # -- the driver interface (mpidp/algorithms/driver.py) ----------------------------------
+    # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
     what = "DiLoCo"
 

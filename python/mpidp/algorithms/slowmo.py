@@ -260,7 +260,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self.ps_weight = 1.0
         return True
 
-    # -- the driver interface (mpidp/algorithms/driver.py) ----------------------------------
+    # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
     what = "SlowMoDistributedDataParallel"
 

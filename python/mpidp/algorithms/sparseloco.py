@@ -169,7 +169,7 @@ class SparseLoCo(Driver):
         remove_handles(self._handles)
         self._unclaim(self.model)
 
-    # -- the driver interface (mpidp/algorithms/driver.py) ----------------------------------
+    # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
     what = "SparseLoCo"
 

@@ -6,8 +6,8 @@ parameters and an optimizer's state (model_state), Heat's communicator
 (process_groups)."""
 
 from .tensors import (Work, allgather, allreduce, allreduce_agreed, allreduce_scalar, barrier,
-                      broadcast, check_root, local_rank, rank, reduce_scatter, reduce_scatter_agreed,
-                      size)
+                      broadcast, check_root, local_rank, rank, reduce_scatter,
+                      reduce_scatter_agreed, size)
 
 __all__ = ["allreduce", "allreduce_scalar", "allgather", "broadcast", "barrier", "rank", "size",
            "local_rank", "Work", "reduce_scatter", "check_root", "allreduce_agreed",
