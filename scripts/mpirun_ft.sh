@@ -16,6 +16,28 @@ export MPIDP_FAULT_TOLERANCE=${MPIDP_FAULT_TOLERANCE:-1} PYTHONPATH="$DIR/lib${P
 exports=(-x PYTHONPATH)
 for v in $(compgen -e | grep -E '^(MPIDP_|FT_)' || true); do exports+=(-x "$v"); done
 ft=(--with-ft ulfm)
+# Open MPI 5's launcher with ULFM can deadlock when several ranks call
+# MPI_Abort at the same moment: every rank gone, prterun waiting forever (4 of
+# 60 such jobs under load). mpidp staggers its own aborts (mpidp_abort_job in
+# csrc/include/mpidp/ft.h); this watchdog covers the rest: once every rank
+# has ended, prterun gets LAUNCHER_GRACE_S to follow them, then is killed.
+# exec below keeps this shell's PID, so $launcher is prterun's.
+LAUNCHER_GRACE_S=15
+launcher=$BASHPID
+(
+    me=$BASHPID seen=0 idle=0
+    while kill -0 "$launcher" 2>/dev/null; do
+        sleep 1
+        ranks=$(ps --ppid "$launcher" -o pid=,stat= | awk -v me="$me" '$1 != me && $2 !~ /^Z/' | wc -l)
+        if [ "$ranks" -gt 0 ]; then seen=1 idle=0; elif [ $seen = 1 ]; then idle=$((idle + 1)); fi
+        if [ $idle -ge $LAUNCHER_GRACE_S ]; then
+            echo "mpirun_ft.sh: every rank ended ${LAUNCHER_GRACE_S} s ago but prterun did not" \
+                 "(Open MPI's launcher hangs when ranks abort at once): killing it" >&2
+            kill -9 "$launcher"
+            exit
+        fi
+    done
+) </dev/null >/dev/null &
 [ -n "${FT_LAUNCH_WITHOUT_ULFM:-}" ] && ft=()
 exec "$DIR/bin/mpirun" "${ft[@]}" -np "$n" --oversubscribe --mca mpi_yield_when_idle 1 \
     --bind-to none "${exports[@]}" "$@"

@@ -12,6 +12,7 @@
 
 #include "mpi_util.h"
 #include "post.h"
+#include "mpidp/ft.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/reqtable.h"
 #include "mpidp/status.h"
@@ -157,7 +158,7 @@ static void *thread_main(void *arg)
                         "to raise mpidp.CommTimeout in training instead)\n",
                 x->rank, mpidp_error_detail());
         fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 3);
+        mpidp_abort_job(3);
     }
     pthread_mutex_lock(&x->mu);
     x->status = rc;

@@ -218,3 +218,19 @@ int mpidp_ft_exit_watchdog(double seconds)
     }
     return 0;
 }
+
+/* Seconds a rank other than 0 waits before its MPI_Abort in fault-tolerant
+ * mode (see mpidp_abort_job in mpidp/ft.h). */
+#define ABORT_BEHIND_RANK0_S 1
+
+void mpidp_abort_job(int code)
+{
+    int rank = 0;
+    if (mpidp_ft_running() && MPI_Comm_rank(MPI_COMM_WORLD, &rank) == MPI_SUCCESS && rank != 0) {
+        struct timespec left = {ABORT_BEHIND_RANK0_S, 0};
+        while (nanosleep(&left, &left) != 0) {
+        }
+    }
+    MPI_Abort(MPI_COMM_WORLD, code);
+    _exit(code);     /* MPI_Abort does not return; should it, the job still ends here */
+}

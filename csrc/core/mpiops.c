@@ -2,6 +2,7 @@
 #include "mpidp/mpiops.h"
 
 #include "mpi_util.h"
+#include "mpidp/ft.h"
 #include "mpidp/pack.h"
 #include "mpidp/tensor.h"
 #include "mpidp/status.h"
@@ -32,7 +33,7 @@ static void half_sum(void *in, void *inout, int *len, MPI_Datatype *datatype)
     } else {
         fprintf(stderr, "mpidp: the half-precision sum op was applied to a datatype "
                         "other than mpidp's bf16 and fp16 types; aborting\n");
-        MPI_Abort(MPI_COMM_WORLD, 1);
+        mpidp_abort_job(1);
     }
 }
 

@@ -60,7 +60,7 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
         fprintf(stderr, "mpidp: %s\nmpidp: aborting the job (set MPIDP_ON_TIMEOUT=raise to raise "
                         "mpidp.CommError instead)\n", PyUnicode_AsUTF8(msg));
         fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 4);
+        mpidp_abort_job(4);
     }
     if (status == MPIDP_ETIMEDOUT) mpidp_py_timed_out = 1;
     if (status == MPIDP_ETIMEDOUT && mpidp_py_abort_on_timeout) {
@@ -74,7 +74,7 @@ PyObject *mpidp_py_raise(mpidp_py_state *st, int status, const char *what)
                         "MPIDP_ON_TIMEOUT=raise to raise mpidp.CommTimeout instead)\n",
                 PyUnicode_AsUTF8(msg));
         fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 3);
+        mpidp_abort_job(3);
     }
     PyObject *exc = PyObject_CallOneArg(type, msg);
     if (exc != NULL && comm_failure) {

@@ -173,6 +173,18 @@ static PyObject *mod_ft_exit_watchdog(PyObject *m, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* abort_job(code): end the job (MPI_Abort; staggered in fault-tolerant mode). */
+static PyObject *mod_abort_job(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    long code = PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mpidp_abort_job((int)code);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyMethodDef mpidp_py_process_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))mod_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, timeout, abort_on_timeout, hook_progress, forked, wait_spin): process-wide\n"
@@ -197,6 +209,9 @@ PyMethodDef mpidp_py_process_methods[] = {
     {"ft_exit_watchdog", mod_ft_exit_watchdog, METH_O,
      "ft_exit_watchdog(seconds): end the process with status 0 that much later (at exit, after "
      "ranks were lost: MPI_Finalize may wait for them forever)."},
+    {"abort_job", mod_abort_job, METH_O,
+     "abort_job(code): end the whole job with MPI_Abort(MPI_COMM_WORLD, code); in fault-tolerant\n"
+     "mode ranks other than 0 call it a second behind rank 0 (mpidp/ft.h: mpidp_abort_job)."},
     {"ft_revoke_all", mod_ft_revoke_all, METH_NOARGS,
      "Revoke every communicator mpidp made (ULFM); returns how many were revoked now."},
     {NULL, NULL, 0, NULL},

@@ -47,4 +47,14 @@ int mpidp_ft_revoke_all(void);
  * the program is done. Returns 0, or -1 where no thread could start. */
 int mpidp_ft_exit_watchdog(double seconds);
 
+/* Ends the job: MPI_Abort(MPI_COMM_WORLD, code), never returns. With ULFM
+ * running, Open MPI 5's launcher (prterun --with-ft ulfm) can deadlock when
+ * several ranks call MPI_Abort at the same moment -- every rank gone, the
+ * launcher waiting forever (measured: 4 of 60 jobs whose 3 ranks all
+ * aborted, under load; 0 of 60 with the others a second behind rank 0). A
+ * job-wide error reaches every rank at once, so there rank 0 aborts at once
+ * and every other rank a second later, by when rank 0's abort has usually
+ * ended it. Without ULFM, at once. */
+void mpidp_abort_job(int code);
+
 #endif /* MPIDP_FT_H */

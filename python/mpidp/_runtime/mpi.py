@@ -96,7 +96,7 @@ def _abort_at_exit(why: str) -> None:
     sys.stderr.write(f"mpidp: rank {MPI.COMM_WORLD.Get_rank()} is exiting {why}; another rank "
                      "is stuck or gone, so MPI_Finalize would wait forever: aborting the job\n")
     sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(3)
+    _C.abort_job(3)
 
 
 def _at_exit() -> None:
@@ -154,7 +154,7 @@ def _install_abort_on_uncaught_exception() -> None:
                              f"{MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()}: "
                              "aborting the job so that no rank is left waiting\n")
         sys.__stderr__.flush()
-        MPI.COMM_WORLD.Abort(1)
+        _C.abort_job(1)
 
     sys.excepthook = abort_job
 

@@ -268,7 +268,7 @@ def _deadline(what: str):
                          f"MPIDP_TIMEOUT ({seconds:g} s); a survivor is not taking part (stuck, "
                          "or never called mpidp.recover()): aborting the job\n")
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(4)
+        _C.abort_job(4)
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
