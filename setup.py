@@ -7,8 +7,9 @@ Environment:
                    0 (never), 1 (always; fail without nvcc).
   MPIDP_CUDA_ARCH  semicolon-separated compute capabilities (default "80;90").
   NVCC             the CUDA compiler (default: `nvcc` on PATH).
-  MPIDP_TORCH_HOOK auto (default: build the C++ gradient hook, mpidp._grad_hook,
-                   when torch is importable here), 0 (never), 1 (always; fail
+  MPIDP_TORCH_HOOK auto (default: build the C++ modules -- the gradient hook,
+                   mpidp._grad_hook, and the c10d backend, mpidp._c10d -- when
+                   torch is importable here), 0 (never), 1 (always; fail
                    without torch). It is compiled against this torch and loads
                    only with the same torch version; CXX picks the compiler.
   MPIDP_BUILD_DIR  where setuptools' build/ and egg-info go (default: a directory
@@ -100,14 +101,15 @@ def _cuda_home(nvcc):
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
 
 
-def _torch_hook_extension():
-    """mpidp._grad_hook (csrc/torch/grad_hook.cpp), built against the torch
-    importable here, or None when not wanted or not possible."""
+def _torch_extensions():
+    """The C++ modules built against the torch importable here -- mpidp._grad_hook
+    (csrc/torch/grad_hook.cpp) and mpidp._c10d (csrc/torch/c10d_backend.cpp) --
+    or none when not wanted or not possible."""
     mode = os.environ.get("MPIDP_TORCH_HOOK", "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
         raise RuntimeError(f"MPIDP_TORCH_HOOK must be auto, 0 or 1, not {mode!r}")
     if mode == "0":
-        return None
+        return []
     try:
         import torch
         from torch.utils import cpp_extension
@@ -116,21 +118,30 @@ def _torch_hook_extension():
             raise RuntimeError("MPIDP_TORCH_HOOK=1 but torch is not importable in the build "
                                "environment (pip install --no-build-isolation)") from exc
         print("mpidp: torch is not importable here: building without the C++ gradient hook "
-              "(DataParallel then hooks gradients from Python)")
-        return None
+              "and backend (DataParallel then hooks gradients from Python; the 'mpidp' "
+              "backend is the Python group)")
+        return []
     abi = int(torch.compiled_with_cxx11_abi())
-    return Extension(
-        "mpidp._grad_hook",
-        sources=["csrc/torch/grad_hook.cpp"],
-        depends=["csrc/py/grad_hook_api.h"],
-        language="c++",
-        # -isystem: torch's headers are not ours to keep free of warnings.
-        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra",
-                            "-Werror", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-        + [f"-isystem{d}" for d in cpp_extension.include_paths()],
-        library_dirs=cpp_extension.library_paths(),
-        libraries=["c10", "torch", "torch_cpu", "torch_python"],
-    )
+
+    def extension(name, source, depends):
+        return Extension(
+            name,
+            sources=[source],
+            depends=depends,
+            include_dirs=["csrc/include"],
+            language="c++",
+            # -isystem: torch's headers are not ours to keep free of warnings.
+            extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra",
+                                "-Werror", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+            + [f"-isystem{d}" for d in cpp_extension.include_paths()],
+            library_dirs=cpp_extension.library_paths(),
+            libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        )
+    return [extension("mpidp._grad_hook", "csrc/torch/grad_hook.cpp",
+                      ["csrc/py/grad_hook_api.h"]),
+            extension("mpidp._c10d", "csrc/torch/c10d_backend.cpp",
+                      ["csrc/py/c10d_api.h", "csrc/torch/c10d_work.hpp",
+                       "csrc/include/mpidp/tensor.h"])]
 
 
 class MpiBuildExt(build_ext):
@@ -231,10 +242,9 @@ ext = Extension(
     extra_link_args=["-lm"],
 )
 
-torch_hook = _torch_hook_extension()
 BUILD_DIR = _build_dir()
 os.makedirs(BUILD_DIR, exist_ok=True)   # egg_info wants its base to exist
-setup(ext_modules=[ext] + ([torch_hook] if torch_hook else []), cmdclass={"build_ext": MpiBuildExt},
+setup(ext_modules=[ext] + _torch_extensions(), cmdclass={"build_ext": MpiBuildExt},
       # Defaults only: a command line's --build-base or --egg-base wins.
       options={"build": {"build_base": os.path.join(BUILD_DIR, "build")},
                "egg_info": {"egg_base": BUILD_DIR}})

@@ -178,15 +178,18 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--only", choices=("ddp", "fsdp", "bandwidth"), action="append")
+    parser.add_argument("--impl", choices=("python", "cpp"), default="python",
+                        help="the 'mpidp' group's implementation (MPIDP_C10D_IMPL)")
     args = parser.parse_args()
     if SIZE < 2:
         sys.exit("run it on 2 or more ranks: mpirun -np 2 python benchmarks/bench_c10d.py")
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)
     mpidp.init_process_group(backend="gloo")
+    os.environ["MPIDP_C10D_IMPL"] = args.impl
     group = dist.new_group(backend="mpidp")
     only = set(args.only or ("ddp", "fsdp", "bandwidth"))
-    result = {"ranks": SIZE}
+    result = {"ranks": SIZE, "impl": args.impl}
     if "ddp" in only:
         result["ddp"] = ddp_table(group, args.quick, args.rounds, args.steps)
     if "fsdp" in only:
@@ -198,7 +201,7 @@ def main():
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{SIZE} ranks; times in ms (the slowest rank's median of {args.rounds} rounds)")
+    print(f"{SIZE} ranks, the 'mpidp' group in {args.impl}; times in ms (the slowest rank's median of {args.rounds} rounds)")
     for r in result.get("ddp", []):
         print(f"DDP {r['model']:9s} local {r['local']:8.2f}  gloo {r['ddp-gloo']:8.2f}  "
               f"mpidp {r['ddp-mpidp']:8.2f}  DataParallel {r['dataparallel']:8.2f}  "

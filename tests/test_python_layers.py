@@ -16,7 +16,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Each layer may import the layers below it and, within itself, modules of
 # its own subpackage (without cycles).
 LAYERS = [
-    ("the C extension", ("_C", "_grad_hook", "_version")),
+    ("the C and C++ extensions", ("_C", "_grad_hook", "_c10d", "_version")),
     ("runtime", ("_runtime",)),
     ("engines", ("_engines",)),
     ("collectives", ("collectives",)),

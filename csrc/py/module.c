@@ -195,6 +195,10 @@ static int module_exec(PyObject *m)
     int added = api ? PyModule_AddObjectRef(m, "_grad_hook_api", api) : -1;
     Py_XDECREF(api);
     if (added < 0) return -1;
+    api = mpidp_py_c10d_api_capsule(st);
+    added = api ? PyModule_AddObjectRef(m, "_c10d_api", api) : -1;
+    Py_XDECREF(api);
+    if (added < 0) return -1;
     /* The types; the module state keeps those the glue creates objects of. */
     PyTypeObject **kept[] = {&st->comm_type, &st->work_type, &st->reducer_type, NULL, NULL, NULL,
                              NULL};

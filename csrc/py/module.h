@@ -190,6 +190,8 @@ int mpidp_py_import_mpi4py(void);
 int mpidp_py_reducer_pass_init(void);
 /* The capsule of the C++ gradient hook's API (grad_hook_api.h; reducer_pass.c). */
 PyObject *mpidp_py_grad_hook_api_capsule(void);
+/* The capsule of the C++ "mpidp" backend's API (c10d_api.h; c10d_api.c). */
+PyObject *mpidp_py_c10d_api_capsule(mpidp_py_state *st);
 
 /* Creates a Work that owns the operation `x` (driven by `ops`, one of the
  * core's tables in mpidp/operation.h) and keeps the `n` borrowed tensors

@@ -3,8 +3,9 @@
 A Python subclass of dist.ProcessGroup (torch's Python-backend route): the
 DDP reducer, FSDP2, DTensor and the dist.* functions call its methods, each
 of which posts one core operation on the group's MPI communicator and
-returns an MPIDPWork. Python over C++ (a c10d::Backend) was chosen by
-measured overhead: see docs/torch-distributed.md."""
+returns an MPIDPWork. With MPIDP_C10D_IMPL=cpp a C++ c10d::Backend
+(mpidp._c10d) stands in front of it, runs the common calls on host tensors
+itself and hands it the rest (docs/torch-distributed.md)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,27 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout_s = min(float(config.get("MPIDP_TIMEOUT")), timeout.total_seconds())
+
+    @property
+    def core_comm(self) -> "_C.Comm":
+        """The core's duplicate of the group's communicator."""
+        return self._comm
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    @property
+    def checks(self) -> bool:
+        """Whether calls check that every rank passed the same (MPIDP_C10D_CHECK)."""
+        return self._check
+
+    def _explain_mismatch(self, call: str, tensor: torch.Tensor, op: int, root: int) -> None:
+        """The C++ backend's agreement found that the ranks passed different
+        calls or tensors (every rank comes here): this group's check, which
+        raises on every rank naming what each group of ranks passed."""
+        settings = {k: v for k, v in (("op", op), ("root", root)) if v >= 0}
+        self._agree(call, tensor, **settings)
 
     @property
     def mpi_comm(self):

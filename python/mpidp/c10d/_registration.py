@@ -16,6 +16,7 @@ import zlib
 
 import torch.distributed as dist
 
+from .._runtime import config
 from .._runtime import mpi as _mpi
 from .._runtime.mpi import MPI, revocable
 from ..collectives.process_groups import groups, store_for_mpidp_only
@@ -41,7 +42,7 @@ def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
         if _mpi.fault_tolerant:
             _enter_fault_tolerant_mode(comm)
         groups.default = revocable(comm.Dup())
-        return ProcessGroupMPIDP(groups.default, opts.timeout, None)
+        return _group(groups.default, opts.timeout, None)
     parent = _parent_comm()
     group = parent.Get_group().Incl(members)
     # Members only take part; a tag from the group's name keeps two groups
@@ -52,7 +53,23 @@ def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
     if comm.Get_rank() != opts.group_rank:
         raise RuntimeError(f"mpidp backend: group rank {comm.Get_rank()} from MPI, "
                            f"{opts.group_rank} from torch, for ranks {members}")
-    return ProcessGroupMPIDP(comm, opts.timeout, members)
+    return _group(comm, opts.timeout, members)
+
+
+def _group(comm, timeout, members):
+    """The group over `comm`: the Python ProcessGroupMPIDP, or with
+    MPIDP_C10D_IMPL=cpp the C++ backend in front of it (mpidp._c10d), which
+    runs the common calls itself and hands it the rest."""
+    group = ProcessGroupMPIDP(comm, timeout, members)
+    if config.get("MPIDP_C10D_IMPL") != "cpp":
+        return group
+    try:
+        from .. import _c10d
+    except ImportError as error:
+        raise RuntimeError("MPIDP_C10D_IMPL=cpp: mpidp was built without its C++ backend "
+                           f"(mpidp._c10d: {error}); rebuild it with torch importable") from None
+    return _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
+                              comm.Get_rank(), comm.Get_size())
 
 
 def _enter_fault_tolerant_mode(comm) -> None:

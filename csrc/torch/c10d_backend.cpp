@@ -1,0 +1,356 @@
+/* mpidp._c10d: the "mpidp" torch.distributed backend as a c10d::Backend,
+ * built against libtorch when torch is importable at build time (setup.py,
+ * beside the gradient hook).
+ *
+ * Why C++: a Python ProcessGroup costs ~10 us of interpreter per call
+ * before any byte moves, and torch hands it back to the program as it is,
+ * outside the c10d dispatcher, so functional collectives (what torch.compile
+ * traces DDP, FSDP2 and DTensor into) never reach it. A c10d::Backend is
+ * registered in the dispatcher like gloo and NCCL.
+ *
+ * Data path: the common calls -- all_reduce, all_gather_into_tensor,
+ * reduce_scatter_tensor, broadcast, barrier on contiguous host tensors of a
+ * dtype and op the core reduces as they are -- run on the caller's thread
+ * through mpidp._C's core operations (csrc/py/c10d_api.h): posted and waited
+ * for inline, the GIL released, no handoff to a worker thread (which costs
+ * gloo ~8 us a call). Every other call, and every call the fast path does
+ * not take (CUDA, complex, strided, 16-bit min/max, a mismatch's message),
+ * goes to the Python group (mpidp/c10d/_process_group.py), so each rule
+ * lives in one place. The fast path's rank agreement is the core's (one
+ * small allreduce of the call's signature); on a disagreement the Python
+ * group's check runs on every rank and raises its message. */
+#include <Python.h>
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../py/c10d_api.h"
+#include "c10d_work.hpp"
+
+namespace {
+
+namespace py = pybind11;
+using c10::intrusive_ptr;
+using c10d::OpType;
+using c10d::Work;
+
+const mpidp_c10d_api_t *api = nullptr;
+
+using mpidp_c10d::core_tensor;
+using mpidp_c10d::DoneWork;
+using mpidp_c10d::fnv;
+using mpidp_c10d::plain_host;
+
+class BackendMPIDP : public c10d::Backend {
+  public:
+    /* comm: the group's mpidp._C.Comm; fallback: its Python group, which
+     * takes every call the fast path does not. */
+    BackendMPIDP(py::object comm, py::object fallback, double timeout_s, bool check, int rank,
+                 int size)
+        : Backend(rank, size), comm_obj_(std::move(comm)), fallback_(std::move(fallback)),
+          timeout_s_(timeout_s), check_(check && size > 1)
+    {
+        int r = 0, s = 0;
+        comm_ = api->comm_of(comm_obj_.ptr(), &r, &s);
+        if (comm_ == nullptr) throw python_error();
+        if (r != rank || s != size)
+            throw std::invalid_argument("mpidp backend: the communicator's rank and size are not "
+                                        "the group's");
+    }
+
+    ~BackendMPIDP() override
+    {
+        py::gil_scoped_acquire gil;
+        comm_obj_ = py::object();
+        fallback_ = py::object();
+    }
+
+    const std::string getBackendName() const override { return "mpidp"; }
+
+    void setTimeout(std::chrono::milliseconds timeout) override
+    {
+        timeout_s_ = static_cast<double>(timeout.count()) / 1000.0;
+    }
+
+    intrusive_ptr<Work> allreduce(std::vector<at::Tensor> &tensors,
+                                  const c10d::AllreduceOptions &opts) override
+    {
+        if (tensors.size() == 1 && plain_host(tensors[0])) {
+            int op = reduce_op(opts.reduceOp, tensors[0].scalar_type());
+            if (op >= 0) {
+                const at::Tensor &t = tensors[0];
+                agree("all_reduce", t, op, -1);
+                mpidp_tensor_t c = core_tensor(t);
+                run("all_reduce", [&](int *ended) {
+                    return api->allreduce(comm_, &c, op, timeout_s_, ended);
+                }, {t});
+                return done(OpType::ALLREDUCE, "mpidp:all_reduce", tensors);
+            }
+        }
+        return fallback("allreduce", tensors, opts);
+    }
+
+    intrusive_ptr<Work> broadcast(std::vector<at::Tensor> &tensors,
+                                  const c10d::BroadcastOptions &opts) override
+    {
+        if (tensors.size() == 1 && opts.rootTensor == 0 && plain_host(tensors[0])) {
+            const at::Tensor &t = tensors[0];
+            int root = static_cast<int>(opts.rootRank);
+            agree("broadcast", t, -1, root);
+            mpidp_tensor_t c = core_tensor(t);
+            run("broadcast", [&](int *ended) {
+                return api->bcast(comm_, &c, root, timeout_s_, ended);
+            }, {t});
+            return done(OpType::BROADCAST, "mpidp:broadcast", tensors);
+        }
+        return fallback("broadcast", tensors, opts);
+    }
+
+    intrusive_ptr<Work> _allgather_base(at::Tensor &output, at::Tensor &input,
+                                        const c10d::AllgatherOptions &opts) override
+    {
+        if (plain_host(input) && plain_host(output) &&
+            output.scalar_type() == input.scalar_type() &&
+            output.numel() == input.numel() * size_ && !output.is_same(input)) {
+            agree("all_gather_into_tensor", input, -1, -1);
+            mpidp_tensor_t s = core_tensor(input), r = core_tensor(output);
+            run("all_gather_into_tensor", [&](int *ended) {
+                return api->allgather(comm_, &s, &r, timeout_s_, ended);
+            }, {input, output});
+            return done(OpType::_ALLGATHER_BASE, "mpidp:all_gather_into_tensor", {output});
+        }
+        return fallback("_allgather_base", output, input, opts);
+    }
+
+    intrusive_ptr<Work> _reduce_scatter_base(at::Tensor &output, at::Tensor &input,
+                                             const c10d::ReduceScatterOptions &opts) override
+    {
+        int op = -1;
+        if (plain_host(input) && plain_host(output) &&
+            output.scalar_type() == input.scalar_type() &&
+            input.numel() == output.numel() * size_ &&
+            (op = reduce_op(opts.reduceOp, input.scalar_type(), true)) >= 0) {
+            agree("reduce_scatter_tensor", input, op, -1);
+            mpidp_tensor_t s = core_tensor(input), r = core_tensor(output);
+            run("reduce_scatter_tensor", [&](int *ended) {
+                return api->reduce_scatter(comm_, &s, &r, op, timeout_s_, ended);
+            }, {input, output});
+            return done(OpType::_REDUCE_SCATTER_BASE, "mpidp:reduce_scatter_tensor", {output});
+        }
+        return fallback("_reduce_scatter_base", output, input, opts);
+    }
+
+    intrusive_ptr<Work> barrier(const c10d::BarrierOptions &) override
+    {
+        run("barrier", [&](int *ended) { return api->barrier(comm_, timeout_s_, ended); }, {});
+        return done(OpType::BARRIER, "mpidp:barrier", {});
+    }
+
+    /* Everything else: the Python group's method of the name torch's own
+     * Python-group route calls. */
+    intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor> &t,
+                                            const c10d::AllreduceCoalescedOptions &o) override
+    {
+        return fallback("allreduce_coalesced", t, o);
+    }
+    intrusive_ptr<Work> reduce(std::vector<at::Tensor> &t, const c10d::ReduceOptions &o) override
+    {
+        return fallback("reduce", t, o);
+    }
+    intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>> &out,
+                                  std::vector<at::Tensor> &in,
+                                  const c10d::AllgatherOptions &o) override
+    {
+        return fallback("allgather", out, in, o);
+    }
+    intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>> &out,
+                                            std::vector<at::Tensor> &in,
+                                            const c10d::AllgatherOptions &o) override
+    {
+        return fallback("allgather_coalesced", out, in, o);
+    }
+    intrusive_ptr<Work> allgather_into_tensor_coalesced(std::vector<at::Tensor> &out,
+                                                        std::vector<at::Tensor> &in,
+                                                        const c10d::AllgatherOptions &o) override
+    {
+        return fallback("all_gather_single_coalesced", out, in, o);
+    }
+    intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>> &out,
+                               std::vector<at::Tensor> &in, const c10d::GatherOptions &o) override
+    {
+        return fallback("gather", out, in, o);
+    }
+    intrusive_ptr<Work> scatter(std::vector<at::Tensor> &out,
+                                std::vector<std::vector<at::Tensor>> &in,
+                                const c10d::ScatterOptions &o) override
+    {
+        return fallback("scatter", out, in, o);
+    }
+    intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor> &out,
+                                       std::vector<std::vector<at::Tensor>> &in,
+                                       const c10d::ReduceScatterOptions &o) override
+    {
+        return fallback("reduce_scatter", out, in, o);
+    }
+    intrusive_ptr<Work> reduce_scatter_tensor_coalesced(
+        std::vector<at::Tensor> &out, std::vector<at::Tensor> &in,
+        const c10d::ReduceScatterOptions &o) override
+    {
+        return fallback("reduce_scatter_tensor_coalesced", out, in, o);
+    }
+    intrusive_ptr<Work> alltoall_base(at::Tensor &out, at::Tensor &in,
+                                      std::vector<int64_t> &out_splits,
+                                      std::vector<int64_t> &in_splits,
+                                      const c10d::AllToAllOptions &o) override
+    {
+        return fallback("all_to_all_single", out, in, out_splits, in_splits, o);
+    }
+    intrusive_ptr<Work> alltoall(std::vector<at::Tensor> &out, std::vector<at::Tensor> &in,
+                                 const c10d::AllToAllOptions &o) override
+    {
+        return fallback("alltoall", out, in, o);
+    }
+    intrusive_ptr<Work> send(std::vector<at::Tensor> &t, int dst, int tag) override
+    {
+        return fallback("send", t, dst, tag);
+    }
+    intrusive_ptr<Work> recv(std::vector<at::Tensor> &t, int src, int tag) override
+    {
+        return fallback("recv", t, src, tag);
+    }
+    intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor> &t, int tag) override
+    {
+        return fallback("recv_anysource", t, tag);
+    }
+
+    /* The Python group behind this backend. */
+    py::object python_group() const { return fallback_; }
+
+  private:
+    /* The core's op for torch's `op` on `dtype` where the core reduces it as
+     * it is; -1 where the Python group stages it (16-bit min/max/product in
+     * float32, bool, premul_sum, averages of other dtypes); sums_only
+     * (reduce_scatter_tensor): sums and averages only. */
+    static int reduce_op(const c10d::ReduceOp &op, at::ScalarType dtype, bool sums_only = false)
+    {
+        bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+        bool avg_ok = dtype == at::kFloat || dtype == at::kDouble;
+        if (dtype == at::kBool) return -1;
+        switch (op.op_) {
+        case c10d::ReduceOp::SUM: return api->op_sum;
+        case c10d::ReduceOp::AVG: return avg_ok ? api->op_avg : -1;
+        case c10d::ReduceOp::MIN: return sums_only || half ? -1 : api->op_min;
+        case c10d::ReduceOp::MAX: return sums_only || half ? -1 : api->op_max;
+        case c10d::ReduceOp::PRODUCT: return sums_only || half ? -1 : api->op_prod;
+        default: return -1;
+        }
+    }
+
+    /* Raises on every rank unless every rank passed the same call, dtype,
+     * shape, op and root: the core's agreement (one small allreduce); on a
+     * disagreement, the Python group's check runs on every rank (each saw
+     * it) to raise its message naming each group of ranks. */
+    void agree(const char *call, const at::Tensor &t, int op, int root)
+    {
+        if (!check_) return;
+        std::array<int64_t, 14> sig{};
+        sig[0] = fnv(call, std::char_traits<char>::length(call));
+        sig[1] = static_cast<int64_t>(t.scalar_type());
+        sig[2] = t.dim();
+        for (int64_t d = 0; d < 6; d++) sig[3 + d] = d < t.dim() ? t.size(d) : -2;
+        auto sizes = t.sizes();
+        sig[9] = fnv(sizes.data(), sizes.size() * sizeof(int64_t));
+        sig[10] = op;
+        sig[11] = root;
+        sig[12] = t.numel();
+        sig[13] = size_;
+        int agreed = 0;
+        run("the ranks' agreement", [&](int *ended) {
+            *ended = 1;
+            return api->agree(comm_, sig.data(), sig.size(), timeout_s_, &agreed);
+        }, {});
+        if (agreed) return;
+        py::gil_scoped_acquire gil;
+        try {
+            fallback_.attr("_explain_mismatch")(call, t, op, root);
+        } catch (py::error_already_set &e) {
+            e.restore();
+            throw python_error();
+        }
+        throw std::runtime_error(std::string("mpidp backend: ") + call +
+                                 ": the ranks passed different calls or tensors");
+    }
+
+    /* Runs one core collective on this thread, the GIL released where it was
+     * held and MPI allows; raises mpidp's exception on failure. The tensors
+     * are leaked if MPI may still write them (a deadline passed). */
+    template <typename F> void run(const char *what, F &&call, std::vector<at::Tensor> keep)
+    {
+        if (api->forked()) {
+            py::gil_scoped_acquire gil;
+            api->check_not_forked(what);
+            throw python_error();
+        }
+        int ended = 1;
+        int rc = call(&ended);
+        if (rc == 0) return;
+        if (!ended)
+            for (auto &t : keep) new at::Tensor(t);   /* MPI may still write them */
+        py::gil_scoped_acquire gil;
+        api->raise(rc, (std::string("mpidp backend: ") + what).c_str());
+        throw python_error();
+    }
+
+    intrusive_ptr<Work> done(OpType type, const char *title, std::vector<at::Tensor> result)
+    {
+        return c10::make_intrusive<DoneWork>(rank_, type, title, std::move(result));
+    }
+
+    template <typename... Args> intrusive_ptr<Work> fallback(const char *method, Args &&...args)
+    {
+        py::gil_scoped_acquire gil;
+        try {
+            py::object w = fallback_.attr(method)(std::forward<Args>(args)...);
+            return c10::make_intrusive<c10d::PyProcessGroup::PyWorkHolder>(w);
+        } catch (py::error_already_set &e) {
+            e.restore();
+            throw python_error();
+        }
+    }
+
+    py::object comm_obj_;
+    py::object fallback_;
+    const void *comm_ = nullptr;
+    double timeout_s_;
+    bool check_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_c10d, m)
+{
+    m.doc() = "The 'mpidp' torch.distributed backend as a c10d::Backend (csrc/torch/c10d_backend.cpp).";
+    py::module_ core = py::module_::import("mpidp._C");
+    py::object capsule = core.attr("_c10d_api");
+    api = static_cast<const mpidp_c10d_api_t *>(
+        PyCapsule_GetPointer(capsule.ptr(), MPIDP_C10D_API_CAPSULE));
+    if (api == nullptr) throw py::error_already_set();
+    if (api->version != MPIDP_C10D_API_VERSION)
+        throw std::runtime_error("mpidp._c10d was built against another mpidp._C: rebuild mpidp");
+    py::module_::import("torch.distributed");
+    py::class_<BackendMPIDP, c10d::Backend, intrusive_ptr<BackendMPIDP>>(m, "BackendMPIDP")
+        .def(py::init<py::object, py::object, double, bool, int, int>(), py::arg("comm"),
+             py::arg("python_group"), py::arg("timeout_s"), py::arg("check"), py::arg("rank"),
+             py::arg("size"))
+        .def_property_readonly("python_group", &BackendMPIDP::python_group);
+}

@@ -1,0 +1,89 @@
+/* The C++ "mpidp" backend's pieces around the core (csrc/torch/c10d_backend.cpp):
+ * torch tensors as the core's tensors, the agreement's hash, and the Work of
+ * a collective that ran to its end on the caller's thread. */
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "mpidp/tensor.h"
+
+namespace mpidp_c10d {
+
+using c10::intrusive_ptr;
+using c10d::OpType;
+using c10d::Work;
+
+/* The core's dtype codes (mpidp/tensor.h) of the torch dtypes it takes; -1: none. */
+inline int core_dtype(at::ScalarType t)
+{
+    switch (t) {
+    case at::kFloat: return MPIDP_F32;
+    case at::kDouble: return MPIDP_F64;
+    case at::kBFloat16: return MPIDP_BF16;
+    case at::kHalf: return MPIDP_F16;
+    case at::kChar: return MPIDP_I8;
+    case at::kByte: return MPIDP_U8;
+    case at::kShort: return MPIDP_I16;
+    case at::kInt: return MPIDP_I32;
+    case at::kLong: return MPIDP_I64;
+    case at::kBool: return MPIDP_BOOL;
+    default: return -1;
+    }
+}
+
+/* A host tensor the fast path can hand the core as it is. */
+inline bool plain_host(const at::Tensor &t)
+{
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
+           core_dtype(t.scalar_type()) >= 0 && t.numel() > 0;
+}
+
+inline mpidp_tensor_t core_tensor(const at::Tensor &t)
+{
+    mpidp_tensor_t c{};
+    c.data = t.data_ptr();
+    c.numel = static_cast<size_t>(t.numel());
+    c.dtype = static_cast<mpidp_dtype_t>(core_dtype(t.scalar_type()));
+    c.device = MPIDP_DEV_CPU;
+    c.device_id = 0;
+    c.read_only = 0;
+    return c;
+}
+
+/* FNV-1a, for the signature's names and shapes (the same on every rank). */
+inline int64_t fnv(const void *data, size_t n, uint64_t h = 1469598103934665603ull)
+{
+    const unsigned char *p = static_cast<const unsigned char *>(data);
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return static_cast<int64_t>(h >> 2);     /* within (-2^63, 2^63): every negation exists */
+}
+
+/* A collective the fast path ran to its end: complete when made. Its
+ * profiling title puts "mpidp:<call>" in torch.profiler's trace. */
+class DoneWork : public Work {
+  public:
+    DoneWork(int rank, OpType type, const char *title, std::vector<at::Tensor> result)
+        : Work(rank, type, title), result_(std::move(result))
+    {
+        finish();
+    }
+    bool isCompleted() override { return true; }
+    bool wait(std::chrono::milliseconds) override { return true; }
+    std::vector<at::Tensor> result() override { return result_; }
+    intrusive_ptr<c10::ivalue::Future> getFuture() override
+    {
+        auto f = c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()));
+        f->markCompleted(c10::IValue(result_));
+        return f;
+    }
+
+  private:
+    std::vector<at::Tensor> result_;
+};
+
+}  // namespace mpidp_c10d

@@ -1,0 +1,184 @@
+"""The "mpidp" backend's C++ groups (MPIDP_C10D_IMPL=cpp, mpidp._c10d): the
+calls it runs itself (all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, broadcast, barrier on host tensors) and those it hands
+the Python group, against the reduction of every rank's data computed here;
+the ranks' agreement and its message; torch's functional collectives, which
+reach only a backend registered in the dispatcher; DDP over it against a
+single-process reference; the profiler's record of each call."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from dp_reference import RANK, SIZE
+
+pytestmark = pytest.mark.ranks3
+OP = dist.ReduceOp
+_c10d = pytest.importorskip("mpidp._c10d", reason="mpidp was built without torch importable "
+                                                  "(no C++ backend)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpp_world():
+    """A default "mpidp" group made with MPIDP_C10D_IMPL=cpp (another module
+    may have left a default group of its own: replaced here, and destroyed
+    after these tests)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MPIDP_C10D_IMPL", "cpp")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("mpidp")
+    mp.undo()
+    assert isinstance(dist.group.WORLD._get_backend(torch.device("cpu")), _c10d.BackendMPIDP)
+    yield
+    dist.destroy_process_group()
+
+
+def data(rank, dtype=torch.float32, n=6):
+    base = torch.arange(n, dtype=torch.float64) % 3 + 1 + rank
+    if dtype.is_complex:
+        return torch.complex(base, -base).to(dtype)
+    return base.to(dtype)
+
+
+def everyone(n=6):
+    return torch.stack([data(r, torch.float64, n) for r in range(SIZE)])
+
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["SUM", "PRODUCT", "MIN", "MAX"])
+def test_all_reduce_every_dtype_and_op(dtype, op):
+    """Fast path where the core reduces the dtype as it is; the Python
+    group's staging for 16-bit min/max/product."""
+    t = data(RANK, dtype)
+    dist.all_reduce(t, op=getattr(OP, op))
+    all_ = everyone()
+    want = {"SUM": all_.sum(0), "PRODUCT": all_.prod(0), "MIN": all_.min(0).values,
+            "MAX": all_.max(0).values}[op]
+    assert t.dtype is dtype
+    assert torch.equal(t, want.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.complex64])
+def test_all_reduce_avg(dtype):
+    t = data(RANK, dtype)
+    dist.all_reduce(t, op=OP.AVG)
+    mean = everyone().mean(0)
+    want = torch.complex(mean, -mean) if dtype.is_complex else mean
+    torch.testing.assert_close(t, want.to(dtype))
+
+
+def test_non_contiguous_and_async_all_reduce():
+    t = data(RANK, n=12).reshape(3, 4).t()          # handed to the Python group
+    w = dist.all_reduce(t, async_op=True)
+    w.wait()
+    assert torch.equal(t, everyone(12).sum(0).reshape(3, 4).t().float())
+    c = data(RANK)
+    fut = dist.all_reduce(c, async_op=True).get_future()
+    assert torch.equal(fut.wait()[0], everyone().sum(0).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64])
+def test_all_gather_into_tensor(dtype):
+    mine = data(RANK, torch.float64 if dtype is torch.bool else dtype, 4)
+    mine = mine > 2 if dtype is torch.bool else mine
+    out = torch.empty(SIZE * 4, dtype=dtype)
+    dist.all_gather_single(out, mine)
+    rows = [data(r, torch.float64 if dtype is torch.bool else dtype, 4) for r in range(SIZE)]
+    want = torch.cat([r > 2 for r in rows] if dtype is torch.bool else rows)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("op", ["SUM", "AVG", "MAX"])
+def test_reduce_scatter_tensor(op):
+    n = 3
+    out = torch.empty(n)
+    dist.reduce_scatter_single(out, data(RANK, n=n * SIZE), op=getattr(OP, op))
+    all_ = everyone(n * SIZE)
+    red = {"SUM": all_.sum(0), "AVG": all_.mean(0), "MAX": all_.max(0).values}[op]
+    torch.testing.assert_close(out, red[RANK * n:(RANK + 1) * n].float())
+
+
+@pytest.mark.parametrize("root", range(SIZE))
+def test_broadcast_from_every_root(root):
+    t = data(RANK, torch.int32)
+    dist.broadcast(t, root)
+    assert torch.equal(t, data(root, torch.int32))
+
+
+def test_barrier_and_a_subgroup():
+    dist.barrier()
+    members = list(range(0, SIZE, 2))
+    group = dist.new_group(members)
+    if RANK in members:
+        t = data(RANK)
+        dist.all_reduce(t, group=group)
+        assert torch.equal(t, everyone()[members].sum(0).float())
+
+
+def test_ranks_that_pass_different_shapes_raise_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("one rank cannot disagree")
+    t = torch.ones(3 + (RANK == SIZE - 1))
+    with pytest.raises(ValueError, match="ranks passed tensors or settings that differ"):
+        dist.all_reduce(t)
+    t = torch.ones(3)
+    with pytest.raises(ValueError, match="differ"):
+        dist.broadcast(t, 0 if RANK else SIZE - 1)
+    dist.all_reduce(t)          # the group goes on
+    assert torch.equal(t, torch.full((3,), float(SIZE)))
+
+
+def test_functional_collectives():
+    """What torch.compile traces DDP, FSDP2 and DTensor into: the dispatcher's
+    ops, which reach only a registered c10d::Backend."""
+    group = dist.group.WORLD
+    x = data(RANK)
+    assert torch.equal(funcol.all_reduce(x, "sum", group), everyone().sum(0).float())
+    gathered = funcol.all_gather_single(data(RANK, n=2), 0, group)
+    assert torch.equal(gathered, torch.cat([data(r, n=2) for r in range(SIZE)]))
+    scattered = funcol.reduce_scatter_single(data(RANK, n=2 * SIZE), "sum", 0, group)
+    assert torch.equal(scattered, everyone(2 * SIZE).sum(0)[RANK * 2:RANK * 2 + 2].float())
+
+
+def test_functional_all_reduce_under_compile():
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(x):
+        return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+    assert torch.equal(step(data(RANK)), everyone().sum(0).float() * 2 + 1)
+
+
+def test_ddp_matches_a_single_process_reference():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    reference.load_state_dict(model.state_dict())
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        batches = [torch.randn(5, 4, generator=torch.Generator().manual_seed(100 * step + r))
+                   for r in range(SIZE)]
+        opt.zero_grad()
+        ddp(batches[RANK]).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        # DDP averages the ranks' gradients: the mean of the per-rank losses.
+        torch.stack([reference(b).pow(2).mean() for b in batches]).mean().backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_the_profiler_records_each_call():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(4))
+        dist.broadcast(torch.ones(4), 0)
+    names = {e.name for e in prof.events()}
+    assert {"mpidp:all_reduce", "mpidp:broadcast"} <= names, sorted(names)
