@@ -62,7 +62,7 @@ fi
 # 4. mpidp: rebuild when any C, CUDA or Python source is newer than the stamp.
 STAMP=$VENV/.mpidp-built
 if [ ! -f "$STAMP" ] || [ -n "$(find csrc python setup.py pyproject.toml -newer "$STAMP" -type f \
-        \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -print -quit)" ]; then
+        \( -name '*.c' -o -name '*.h' -o -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.py' -o -name '*.toml' \) -print -quit)" ]; then
     say "building mpidp (mpicc: $(command -v "${MPICC:-mpicc}"))"
     pip_q install -q --no-build-isolation --no-deps -e .
     touch "$STAMP"

@@ -37,17 +37,18 @@ then
 fi
 
 # mpidp against this Open MPI, rebuilt when a C or Python source is newer than
-# the stamp. The C++ gradient hook uses no MPI: the main build's is copied
-# (the same source and torch) instead of being compiled a second time.
+# the stamp. The C++ modules (the gradient hook, the c10d backend) use no MPI:
+# the main build's are copied (the same source and torch) instead of being
+# compiled a second time.
 STAMP=$DIR/.mpidp-built
-HOOK=$(ls python/mpidp/_grad_hook*.so 2>/dev/null | head -n 1 || true)
+CXX_MODULES=$(ls python/mpidp/_grad_hook*.so python/mpidp/_c10d*.so 2>/dev/null || true)
 if [ ! -f "$STAMP" ] || [ -n "$(find csrc python setup.py -newer "$STAMP" -type f \
         \( -name '*.c' -o -name '*.h' -o -name '*.py' -o -name '*.so' \) -print -quit)" ]; then
     say "building mpidp with $DIR/bin/mpicc"
     PATH="$DIR/bin:$PATH" MPICC="$DIR/bin/mpicc" MPIDP_CUDA=0 MPIDP_TORCH_HOOK=0 "$PY" setup.py -q \
         build --build-base "$DIR/build" --build-lib "$DIR/lib" >"$DIR/build.log" 2>&1 \
         || { cat "$DIR/build.log"; exit 1; }
-    [ -n "$HOOK" ] && cp "$HOOK" "$DIR/lib/mpidp/"
+    for m in $CXX_MODULES; do cp "$m" "$DIR/lib/mpidp/"; done
     touch "$STAMP"
 fi
 PYTHONPATH="$DIR/lib" "$PY" -c "import mpidp, mpi4py; print('[ft-env] mpidp', mpidp.__file__, 'on', mpidp.mpi_library_version().splitlines()[0])"

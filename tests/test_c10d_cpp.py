@@ -3,7 +3,8 @@ calls it runs itself (all_reduce, all_gather_into_tensor,
 reduce_scatter_tensor, broadcast, barrier on host tensors) and those it hands
 the Python group, against the reduction of every rank's data computed here;
 the ranks' agreement and its message; torch's functional collectives, which
-reach only a backend registered in the dispatcher; DDP over it against a
+reach only a backend registered in the dispatcher (also compiled: DDP with
+Dynamo's DDP optimizer, a DTensor's redistribute); DDP over it against a
 single-process reference; the profiler's record of each call."""
 
 import pytest
@@ -154,13 +155,15 @@ def test_functional_all_reduce_under_compile():
     assert torch.equal(step(data(RANK)), everyone().sum(0).float() * 2 + 1)
 
 
-def test_ddp_matches_a_single_process_reference():
+def ddp_against_reference(wrap):
+    """Three SGD steps of DDP (as `wrap` makes it) on each rank's own batches,
+    against one process training on the mean of every rank's loss."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     reference.load_state_dict(model.state_dict())
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp = wrap(torch.nn.parallel.DistributedDataParallel(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
         batches = [torch.randn(5, 4, generator=torch.Generator().manual_seed(100 * step + r))
@@ -169,11 +172,38 @@ def test_ddp_matches_a_single_process_reference():
         ddp(batches[RANK]).pow(2).mean().backward()
         opt.step()
         ref_opt.zero_grad()
-        # DDP averages the ranks' gradients: the mean of the per-rank losses.
         torch.stack([reference(b).pow(2).mean() for b in batches]).mean().backward()
         ref_opt.step()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_ddp_matches_a_single_process_reference():
+    ddp_against_reference(lambda ddp: ddp)
+
+
+def test_compiled_ddp_with_dynamos_ddp_optimizer():
+    """torch.compile(DDP) with optimize_ddp: the graph split at the buckets."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(optimize_ddp=True):
+        ddp_against_reference(lambda ddp: torch.compile(ddp, backend="eager"))
+
+
+def test_dtensor_redistribute_under_compile():
+    """A DTensor sharded by rows, made whole again inside a compiled function:
+    the all_gather reaches the backend as a functional collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (SIZE,))
+    full = everyone(4).float()
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    assert torch.equal(sharded.to_local(), full[RANK:RANK + 1])
+
+    @torch.compile(backend="eager")
+    def whole_and_doubled(x):
+        return x.redistribute(mesh, [Replicate()]).to_local() * 2
+
+    assert torch.equal(whole_and_doubled(sharded), full * 2)
 
 
 def test_the_profiler_records_each_call():
@@ -182,3 +212,25 @@ def test_the_profiler_records_each_call():
         dist.broadcast(torch.ones(4), 0)
     names = {e.name for e in prof.events()}
     assert {"mpidp:all_reduce", "mpidp:broadcast"} <= names, sorted(names)
+
+
+def test_the_python_group_alone(monkeypatch):
+    """MPIDP_C10D_IMPL=python (and a build without torch): the Python group
+    runs every call the C++ backend would have run itself."""
+    from mpidp.c10d._process_group import ProcessGroupMPIDP
+    monkeypatch.setenv("MPIDP_C10D_IMPL", "python")
+    group = dist.new_group(backend="mpidp")
+    assert isinstance(group, ProcessGroupMPIDP)
+    t = data(RANK)
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, everyone().sum(0).float())
+    out = torch.empty(SIZE * 2)
+    dist.all_gather_single(out, data(RANK, n=2), group=group)
+    assert torch.equal(out, torch.cat([data(r, n=2) for r in range(SIZE)]))
+    part = torch.empty(2)
+    dist.reduce_scatter_single(part, data(RANK, n=2 * SIZE), group=group)
+    assert torch.equal(part, everyone(2 * SIZE).sum(0)[RANK * 2:RANK * 2 + 2].float())
+    b = data(RANK)
+    dist.broadcast(b, SIZE - 1, group=group)
+    assert torch.equal(b, data(SIZE - 1))
+    dist.destroy_process_group(group)

@@ -23,7 +23,7 @@
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -321,7 +321,7 @@ class BackendMPIDP : public c10d::Backend {
         py::gil_scoped_acquire gil;
         try {
             py::object w = fallback_.attr(method)(std::forward<Args>(args)...);
-            return c10::make_intrusive<c10d::PyProcessGroup::PyWorkHolder>(w);
+            return c10::make_intrusive<mpidp_c10d::PythonWork>(w);
         } catch (py::error_already_set &e) {
             e.restore();
             throw python_error();
@@ -333,6 +333,22 @@ class BackendMPIDP : public c10d::Backend {
     const void *comm_ = nullptr;
     double timeout_s_;
     bool check_;
+};
+
+/* The group torch hands the program: torch's own ProcessGroup (whose
+ * collectives go through the dispatcher to the backend registered for the
+ * tensor's device), named "mpidp" -- a custom C++ backend in a group torch
+ * makes is named "custom" (DDP's logging, pg.name()). */
+class GroupMPIDP : public c10d::ProcessGroup {
+  public:
+    explicit GroupMPIDP(const intrusive_ptr<BackendMPIDP> &backend)
+        : ProcessGroup(backend->getRank(), backend->getSize())
+    {
+        for (auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA})
+            setBackend(device, BackendType::CUSTOM, backend);
+        setDefaultBackend(BackendType::CUSTOM);
+    }
+    const std::string getBackendName() const override { return "mpidp"; }
 };
 
 }  // namespace
@@ -353,4 +369,6 @@ PYBIND11_MODULE(_c10d, m)
              py::arg("python_group"), py::arg("timeout_s"), py::arg("check"), py::arg("rank"),
              py::arg("size"))
         .def_property_readonly("python_group", &BackendMPIDP::python_group);
+    py::class_<GroupMPIDP, c10d::ProcessGroup, intrusive_ptr<GroupMPIDP>>(m, "GroupMPIDP")
+        .def(py::init<const intrusive_ptr<BackendMPIDP> &>(), py::arg("backend"));
 }

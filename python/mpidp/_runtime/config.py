@@ -92,10 +92,11 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_C10D_CHECK", True, _flag, "0 or 1",
             "the torch.distributed backend 'mpidp' checks that every rank passed the same "
             "shape, dtype and settings before each collective (one small allreduce)"),
-    Setting("MPIDP_C10D_IMPL", "python", _choice("python", "cpp"), "'python' or 'cpp'",
-            "the 'mpidp' backend's groups: 'cpp' runs the common collectives on host tensors "
-            "inline in C++ (mpidp._c10d, a c10d::Backend that torch's functional collectives "
-            "reach), the rest through the Python group; in development, so 'python' by default"),
+    Setting("MPIDP_C10D_IMPL", "cpp", _choice("python", "cpp"), "'cpp' or 'python'",
+            "the 'mpidp' backend's groups: 'cpp' (where mpidp was built with torch) runs the "
+            "common collectives on host tensors inline in C++ (mpidp._c10d, a c10d::Backend "
+            "that torch's functional collectives reach) and the rest through the Python group; "
+            "'python': the Python group alone"),
     Setting("MPIDP_STORE_ADDR", None, _text, "a host name or address",
             "address of the TCP store init_process_group opens on the group's first rank"),
     Setting("MPIDP_HOOK_PROGRESS", True, _flag, "0 or 1",

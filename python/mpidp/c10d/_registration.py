@@ -27,8 +27,13 @@ NAME = "mpidp"
 # The module, not the function torch.distributed exports under the same name.
 _rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
+try:     # built beside the gradient hook wherever torch was importable at build time
+    from .. import _c10d
+except ImportError:
+    _c10d = None
 
-def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
+
+def _create(opts, pg_options=None) -> dist.ProcessGroup:
     members = list(opts.global_ranks_in_group)
     if not members or not dist.is_initialized():   # the default group
         comm = groups.next_default if groups.next_default is not None else MPI.COMM_WORLD
@@ -57,19 +62,16 @@ def _create(opts, pg_options=None) -> ProcessGroupMPIDP:
 
 
 def _group(comm, timeout, members):
-    """The group over `comm`: the Python ProcessGroupMPIDP, or with
-    MPIDP_C10D_IMPL=cpp the C++ backend in front of it (mpidp._c10d), which
-    runs the common calls itself and hands it the rest."""
+    """The group over `comm`: the C++ backend (mpidp._c10d) in front of the
+    Python ProcessGroupMPIDP, which runs the common calls itself and hands it
+    the rest; the Python group alone with MPIDP_C10D_IMPL=python or where
+    mpidp was built without torch."""
     group = ProcessGroupMPIDP(comm, timeout, members)
-    if config.get("MPIDP_C10D_IMPL") != "cpp":
+    if config.get("MPIDP_C10D_IMPL") != "cpp" or _c10d is None:
         return group
-    try:
-        from .. import _c10d
-    except ImportError as error:
-        raise RuntimeError("MPIDP_C10D_IMPL=cpp: mpidp was built without its C++ backend "
-                           f"(mpidp._c10d: {error}); rebuild it with torch importable") from None
-    return _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
-                              comm.Get_rank(), comm.Get_size())
+    backend = _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
+                                 comm.Get_rank(), comm.Get_size())
+    return _c10d.GroupMPIDP(backend)
 
 
 def _enter_fault_tolerant_mode(comm) -> None:
