@@ -12,8 +12,8 @@
  * reduce_scatter_tensor, broadcast, barrier on contiguous host tensors of a
  * dtype and op the core reduces as they are -- run on the caller's thread
  * through mpidp._C's core operations (csrc/py/c10d_api.h): posted and waited
- * for inline, the GIL released, no handoff to a worker thread (which costs
- * gloo ~8 us a call). Every other call, and every call the fast path does
+ * for inline, with no handoff to a worker thread (which costs gloo ~8 us a
+ * call), and without the GIL where torch's bindings released it. Every other call, and every call the fast path does
  * not take (CUDA, complex, strided, 16-bit min/max, a mismatch's message),
  * goes to the Python group (mpidp/c10d/_process_group.py), so each rule
  * lives in one place. The fast path's rank agreement is the core's (one
@@ -47,7 +47,7 @@ using c10d::Work;
 const mpidp_c10d_api_t *api = nullptr;
 
 using mpidp_c10d::core_tensor;
-using mpidp_c10d::DoneWork;
+using mpidp_c10d::InlineWork;
 using mpidp_c10d::fnv;
 using mpidp_c10d::plain_host;
 
@@ -89,12 +89,13 @@ class BackendMPIDP : public c10d::Backend {
             int op = reduce_op(opts.reduceOp, tensors[0].scalar_type());
             if (op >= 0) {
                 const at::Tensor &t = tensors[0];
+                auto work = begin(OpType::ALLREDUCE, "mpidp:all_reduce", tensors);
                 agree("all_reduce", t, op, -1);
                 mpidp_tensor_t c = core_tensor(t);
                 run("all_reduce", [&](int *ended) {
                     return api->allreduce(comm_, &c, op, timeout_s_, ended);
                 }, {t});
-                return done(OpType::ALLREDUCE, "mpidp:all_reduce", tensors);
+                return work->complete();
             }
         }
         return fallback("allreduce", tensors, opts);
@@ -106,12 +107,13 @@ class BackendMPIDP : public c10d::Backend {
         if (tensors.size() == 1 && opts.rootTensor == 0 && plain_host(tensors[0])) {
             const at::Tensor &t = tensors[0];
             int root = static_cast<int>(opts.rootRank);
+            auto work = begin(OpType::BROADCAST, "mpidp:broadcast", tensors);
             agree("broadcast", t, -1, root);
             mpidp_tensor_t c = core_tensor(t);
             run("broadcast", [&](int *ended) {
                 return api->bcast(comm_, &c, root, timeout_s_, ended);
             }, {t});
-            return done(OpType::BROADCAST, "mpidp:broadcast", tensors);
+            return work->complete();
         }
         return fallback("broadcast", tensors, opts);
     }
@@ -122,12 +124,13 @@ class BackendMPIDP : public c10d::Backend {
         if (plain_host(input) && plain_host(output) &&
             output.scalar_type() == input.scalar_type() &&
             output.numel() == input.numel() * size_ && !output.is_same(input)) {
+            auto work = begin(OpType::_ALLGATHER_BASE, "mpidp:all_gather_into_tensor", {output});
             agree("all_gather_into_tensor", input, -1, -1);
             mpidp_tensor_t s = core_tensor(input), r = core_tensor(output);
             run("all_gather_into_tensor", [&](int *ended) {
                 return api->allgather(comm_, &s, &r, timeout_s_, ended);
             }, {input, output});
-            return done(OpType::_ALLGATHER_BASE, "mpidp:all_gather_into_tensor", {output});
+            return work->complete();
         }
         return fallback("_allgather_base", output, input, opts);
     }
@@ -140,20 +143,23 @@ class BackendMPIDP : public c10d::Backend {
             output.scalar_type() == input.scalar_type() &&
             input.numel() == output.numel() * size_ &&
             (op = reduce_op(opts.reduceOp, input.scalar_type(), true)) >= 0) {
+            auto work =
+                begin(OpType::_REDUCE_SCATTER_BASE, "mpidp:reduce_scatter_tensor", {output});
             agree("reduce_scatter_tensor", input, op, -1);
             mpidp_tensor_t s = core_tensor(input), r = core_tensor(output);
             run("reduce_scatter_tensor", [&](int *ended) {
                 return api->reduce_scatter(comm_, &s, &r, op, timeout_s_, ended);
             }, {input, output});
-            return done(OpType::_REDUCE_SCATTER_BASE, "mpidp:reduce_scatter_tensor", {output});
+            return work->complete();
         }
         return fallback("_reduce_scatter_base", output, input, opts);
     }
 
     intrusive_ptr<Work> barrier(const c10d::BarrierOptions &) override
     {
+        auto work = begin(OpType::BARRIER, "mpidp:barrier", {});
         run("barrier", [&](int *ended) { return api->barrier(comm_, timeout_s_, ended); }, {});
-        return done(OpType::BARRIER, "mpidp:barrier", {});
+        return work->complete();
     }
 
     /* Everything else: the Python group's method of the name torch's own
@@ -311,9 +317,10 @@ class BackendMPIDP : public c10d::Backend {
         throw python_error();
     }
 
-    intrusive_ptr<Work> done(OpType type, const char *title, std::vector<at::Tensor> result)
+    intrusive_ptr<InlineWork> begin(OpType type, const char *title,
+                                    std::vector<at::Tensor> result)
     {
-        return c10::make_intrusive<DoneWork>(rank_, type, title, std::move(result));
+        return c10::make_intrusive<InlineWork>(rank_, type, title, std::move(result));
     }
 
     template <typename... Args> intrusive_ptr<Work> fallback(const char *method, Args &&...args)

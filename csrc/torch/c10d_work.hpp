@@ -64,14 +64,19 @@ inline int64_t fnv(const void *data, size_t n, uint64_t h = 1469598103934665603u
     return static_cast<int64_t>(h >> 2);     /* within (-2^63, 2^63): every negation exists */
 }
 
-/* A collective the fast path ran to its end: complete when made. Its
- * profiling title puts "mpidp:<call>" in torch.profiler's trace. */
-class DoneWork : public Work {
+/* A collective the fast path runs to its end on the caller's thread: made
+ * before it starts, so that its profiling title ("mpidp:<call>") spans the
+ * call in torch.profiler's trace, and complete() once it ended. */
+class InlineWork : public Work {
   public:
-    DoneWork(int rank, OpType type, const char *title, std::vector<at::Tensor> result)
+    InlineWork(int rank, OpType type, const char *title, std::vector<at::Tensor> result)
         : Work(rank, type, title), result_(std::move(result))
     {
+    }
+    intrusive_ptr<Work> complete()
+    {
         finish();
+        return intrusive_ptr<Work>::reclaim_copy(this);
     }
     bool isCompleted() override { return true; }
     bool wait(std::chrono::milliseconds) override { return true; }
