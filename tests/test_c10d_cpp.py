@@ -234,3 +234,17 @@ def test_the_python_group_alone(monkeypatch):
     dist.broadcast(b, SIZE - 1, group=group)
     assert torch.equal(b, data(SIZE - 1))
     dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("setting, values", [("MPIDP_C10D_IMPL", ("cpp", "python")),
+                                             ("MPIDP_C10D_CHECK", ("1", "0"))])
+def test_a_setting_that_differs_across_ranks_is_refused(monkeypatch, setting, values):
+    """A rank that checks, or runs the other implementation, would pair its
+    agreement with another rank's data collective: refused on every rank
+    when the group is made."""
+    if SIZE == 1:
+        pytest.skip("one rank cannot differ")
+    monkeypatch.setenv(setting, values[RANK == SIZE - 1])
+    with pytest.raises(ValueError, match=rf"{setting}.* differs across the group's ranks: "
+                                         rf"rank\(s\) \[{SIZE - 1}\]"):
+        dist.new_group(backend="mpidp")

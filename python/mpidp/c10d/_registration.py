@@ -14,8 +14,10 @@ import importlib
 import os
 import zlib
 
+import torch
 import torch.distributed as dist
 
+from .. import _C
 from .._runtime import config
 from .._runtime import mpi as _mpi
 from .._runtime.mpi import MPI, revocable
@@ -67,11 +69,37 @@ def _group(comm, timeout, members):
     the rest; the Python group alone with MPIDP_C10D_IMPL=python or where
     mpidp was built without torch."""
     group = ProcessGroupMPIDP(comm, timeout, members)
-    if config.get("MPIDP_C10D_IMPL") != "cpp" or _c10d is None:
+    cpp = config.get("MPIDP_C10D_IMPL") == "cpp" and _c10d is not None
+    _refuse_different_settings(group, cpp)
+    if not cpp:
         return group
     backend = _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
                                  comm.Get_rank(), comm.Get_size())
     return _c10d.GroupMPIDP(backend)
+
+
+_SETTINGS = ("MPIDP_C10D_IMPL (cpp, or python: set so, or a build without torch)",
+             "MPIDP_C10D_CHECK")
+
+
+def _refuse_different_settings(group: ProcessGroupMPIDP, cpp: bool) -> None:
+    """Collective, once per group: the ranks run the same implementation
+    with the same check. A rank that checks would otherwise pair its
+    agreement with another rank's data collective (MPI matches collectives
+    by order alone): wrong bytes or a hang instead of an error."""
+    c = group.core_comm
+    if c.size == 1:
+        return
+    table = torch.zeros(c.size, len(_SETTINGS), dtype=torch.float64)
+    table[c.rank] = torch.tensor([float(cpp), float(group.checks)], dtype=torch.float64)
+    c.allreduce(table, _C.OP_SUM, _C.NO_WIRE, False)
+    for col, name in enumerate(_SETTINGS):
+        differ = [r for r in range(c.size) if table[r, col] != table[0, col]]
+        if differ:
+            raise ValueError(
+                f"mpidp backend: {name} differs across the group's ranks: rank(s) {differ} "
+                f"of the group do not match its rank 0, so their collectives would pair up "
+                "wrongly; set it the same on every rank")
 
 
 def _enter_fault_tolerant_mode(comm) -> None:
