@@ -1,7 +1,7 @@
 """torch.distributed over the "mpidp" backend against gloo, and against
 mpidp.DataParallel and mpi4py, at the ranks it is started on.
 
-    mpirun -np 2 python benchmarks/bench_c10d.py [--quick] [--json]
+    mpirun -np 2 python benchmarks/bench_c10d.py [--quick] [--json] [--impl cpp|python]
 
 One process tree: the default group is gloo (made from MPI by
 mpidp.init_process_group) and an "mpidp" group of the same ranks sits
@@ -19,7 +19,10 @@ slowest rank counts). Three tables:
   3. all_reduce, all_gather_into_tensor and reduce_scatter_tensor through
      dist on the "mpidp" group against mpi4py's blocking Allreduce,
      Allgather and Reduce_scatter_block on the same buffers, 1 KB to 64 MB
-     (goal: >= 0.9x mpi4py's bandwidth)."""
+     (goal: >= 0.95x mpi4py's bandwidth from 256 KB), and the same calls on
+     torch's "fake" backend, which does nothing: torch's dispatch floor
+     (goal: the time above mpi4py's at most that floor + 3 us).
+--impl picks the "mpidp" group's implementation (MPIDP_C10D_IMPL)."""
 
 from __future__ import annotations
 
@@ -142,8 +145,17 @@ def fsdp_table(mpidp_group, rounds, steps):
              "mpidp_vs_gloo": times["fsdp2-mpidp"] / times["fsdp2-gloo"]}]
 
 
+def fake_group():
+    """A group on torch's "fake" backend, which returns at once: what
+    dist.* costs in torch's wrapper and dispatch alone, the floor under any
+    backend's per-call time."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    return dist.new_group(backend="fake")
+
+
 def bandwidth_table(mpidp_group, quick, repeats):
     sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 22] + ([] if quick else [1 << 26])
+    floor_group = fake_group()
     rows = []
     for nbytes in sizes:
         n = nbytes // 4
@@ -163,10 +175,16 @@ def bandwidth_table(mpidp_group, quick, repeats):
                 lambda: dist.reduce_scatter_tensor(part_t, t, group=mpidp_group),
                 lambda: COMM.Reduce_scatter_block(a, part_a, op=MPI.SUM)),
         }
+        fake = {"all_reduce": lambda: dist.all_reduce(t, group=floor_group),
+                "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out_t, t,
+                                                                              group=floor_group),
+                "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(part_t, t,
+                                                                            group=floor_group)}
         for op, (ours, theirs) in cases.items():
-            got = rounds_of({"mpidp": ours, "mpi4py": theirs}, 3, reps)
+            got = rounds_of({"mpidp": ours, "mpi4py": theirs, "fake": fake[op]}, 3, reps)
             rows.append({"op": op, "bytes": n * 4, "mpidp_us": got["mpidp"] * 1e6,
-                         "mpi4py_us": got["mpi4py"] * 1e6,
+                         "mpi4py_us": got["mpi4py"] * 1e6, "dispatch_floor_us": got["fake"] * 1e6,
+                         "above_mpi4py_us": (got["mpidp"] - got["mpi4py"]) * 1e6,
                          "bandwidth_vs_mpi4py": got["mpi4py"] / got["mpidp"]})
     return rows
 
@@ -178,7 +196,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--only", choices=("ddp", "fsdp", "bandwidth"), action="append")
-    parser.add_argument("--impl", choices=("python", "cpp"), default="python",
+    parser.add_argument("--impl", choices=("cpp", "python"), default="cpp",
                         help="the 'mpidp' group's implementation (MPIDP_C10D_IMPL)")
     args = parser.parse_args()
     if SIZE < 2:
@@ -214,7 +232,9 @@ def main():
               f"  = {r['mpidp_vs_gloo']:.2f}x")
     for r in result.get("bandwidth", []):
         print(f"{r['op']:24s} {r['bytes']:>10d} B  mpidp {r['mpidp_us']:10.1f} us  mpi4py "
-              f"{r['mpi4py_us']:10.1f} us  bandwidth {r['bandwidth_vs_mpi4py']:.2f}x mpi4py's")
+              f"{r['mpi4py_us']:10.1f} us  bandwidth {r['bandwidth_vs_mpi4py']:.2f}x mpi4py's;  "
+              f"{r['above_mpi4py_us']:.1f} us above mpi4py, torch's dispatch floor "
+              f"{r['dispatch_floor_us']:.1f} us (goal: at most floor + 3 us)")
 
 
 if __name__ == "__main__":
