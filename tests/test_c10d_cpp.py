@@ -126,13 +126,85 @@ def test_ranks_that_pass_different_shapes_raise_on_every_rank():
     if SIZE == 1:
         pytest.skip("one rank cannot disagree")
     t = torch.ones(3 + (RANK == SIZE - 1))
-    with pytest.raises(ValueError, match="ranks passed tensors or settings that differ"):
+    with pytest.raises(ValueError, match="the ranks' calls differ"):
         dist.all_reduce(t)
     t = torch.ones(3)
     with pytest.raises(ValueError, match="differ"):
         dist.broadcast(t, 0 if RANK else SIZE - 1)
     dist.all_reduce(t)          # the group goes on
     assert torch.equal(t, torch.full((3,), float(SIZE)))
+
+
+def _repeat_then(calls, steps=4):
+    """A training loop's repeated calls (learnt after the first steps, then
+    checked at no cost), with the sums checked."""
+    for _ in range(steps):
+        for n in calls:
+            t = data(RANK, n=n)
+            dist.all_reduce(t)
+            assert torch.equal(t.double(), everyone(n).sum(0))
+
+
+ODD = SIZE - 1
+ODD_CALLS = {"shape": "all_reduce of float32 [7] on cpu, op sum",
+             "dtype": "all_reduce of float64 [6] on cpu, op sum",
+             "op": "all_reduce of float32 [6] on cpu, op max",
+             "all_gather_into_tensor": "all_gather_into_tensor of float32 [6] on cpu",
+             "barrier": "barrier",
+             "gather": "gather (with tensors or settings the backend hands to its Python group)",
+             "python_group_all_reduce": "all_reduce (with tensors or settings the backend hands "
+                                        "to its Python group)"}
+
+
+@pytest.mark.parametrize("odd_call", ["shape", "dtype", "op", "all_gather_into_tensor", "barrier",
+                                      "gather", "python_group_all_reduce"])
+def test_a_rank_that_leaves_a_repeated_sequence_raises_on_every_rank(odd_call):
+    """After steps of the same calls the ranks check at no cost; one rank that
+    then passes something else -- another shape, dtype or op, another
+    collective, one the Python group takes, a tensor elsewhere -- is named on
+    every rank, and the group goes on with right sums."""
+    if SIZE == 1:
+        pytest.skip("one rank cannot disagree")
+    _repeat_then([6, 4])
+    t = data(RANK, n=6)
+    with pytest.raises(ValueError) as raised:
+        if RANK != ODD:
+            dist.all_reduce(t)
+        elif odd_call == "shape":
+            dist.all_reduce(data(RANK, n=7))
+        elif odd_call == "dtype":
+            dist.all_reduce(data(RANK, torch.float64))
+        elif odd_call == "op":
+            dist.all_reduce(t, op=OP.MAX)
+        elif odd_call == "all_gather_into_tensor":
+            dist.all_gather_into_tensor(torch.empty(6 * SIZE), t)
+        elif odd_call == "barrier":
+            dist.barrier()
+        elif odd_call == "gather":
+            dist.gather(t, [torch.empty(6) for _ in range(SIZE)] if RANK == 0 else None, dst=0)
+        elif odd_call == "python_group_all_reduce":
+            dist.all_reduce(data(RANK, torch.bfloat16), op=OP.MIN)   # staged in float32
+    message = str(raised.value)
+    assert "the ranks' calls differ" in message
+    others = list(range(SIZE - 1))
+    assert f"rank(s) {others}: all_reduce of float32 [6] on cpu, op sum" in message
+    assert f"rank(s) [{ODD}]: {ODD_CALLS[odd_call]}" in message
+    _repeat_then([6, 4], steps=2)
+
+
+def test_a_strided_tensor_on_one_rank_only_takes_the_same_path():
+    """Whether a tensor is contiguous is not part of the check: a strided one
+    goes through a contiguous copy, and its values come back."""
+    for _ in range(3):
+        base = data(RANK, n=12)
+        t = base[::2] if RANK == 0 else base[::2].clone()
+        dist.all_reduce(t)
+        assert torch.equal(t.double(), everyone(12)[:, ::2].sum(0))
+        if RANK == 0:
+            assert torch.equal(base[1::2], data(RANK, n=12)[1::2])   # the rest untouched
+        out = torch.empty(SIZE, 2 * 6)[:, ::2] if RANK == 0 else torch.empty(SIZE, 6)
+        dist.all_gather_into_tensor(out, data(RANK))
+        assert torch.equal(out.double(), everyone())
 
 
 def test_functional_collectives():

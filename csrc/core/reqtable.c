@@ -358,6 +358,24 @@ int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s)
     }
 }
 
+int mpidp_reqtable_wait_until(mpidp_reqtable_t *t, mpidp_reqtable_poll_fn poll, void *arg,
+                              double timeout_s)
+{
+    if (t == NULL || poll == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "request table: NULL argument");
+    double start = mpidp_now(), spin = mpidp_reqtable_spin(t);
+    for (unsigned long it = 0;; it++) {
+        int done = 0;
+        int rc = poll(arg, &done);
+        if (rc != MPIDP_OK || done) return rc;
+        run_engines(t);
+        double waited = mpidp_now() - start;
+        if (timeout_s > 0 && waited > timeout_s) return timed_out(t, timeout_s);
+        if ((it & 63) == 63 && (rc = departed(t, MPIDP_REQ_NONE, start)) != MPIDP_OK) return rc;
+        backoff(it, waited, spin);
+    }
+}
+
 int mpidp_reqtable_progress(mpidp_reqtable_t *t, size_t *n_done)
 {
     if (t == NULL) return mpidp__fail(MPIDP_EINVAL, "request table: NULL argument");

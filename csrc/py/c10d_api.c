@@ -1,14 +1,19 @@
 /* The C API of the C++ "mpidp" backend (c10d_api.h): the core's collectives
- * run to their end on the caller's thread, over the module's request table. */
+ * run to their end on the caller's thread, over the module's request table,
+ * each after the ranks' check of its signature (mpidp/callcheck.h). */
 #include "module.h"
 
 #include <stdlib.h>
 
 #include "c10d_api.h"
-#include "mpidp/agree.h"
 #include "mpidp/allreduce.h"
+#include "mpidp/callcheck.h"
 #include "mpidp/collectives.h"
 #include "mpidp/mpiops.h"
+
+_Static_assert(MPIDP_C10D_ROW == MPIDP_CALLCHECK_ROW(MPIDP_C10D_SIG_FIELDS),
+               "c10d_api.h's row is callcheck.h's");
+_Static_assert(MPIDP_C10D_SIG_FIELDS <= MPIDP_CALLCHECK_MAX_FIELDS, "a signature fits the check");
 
 /* The module's state, set when the capsule is made (one _C per process). */
 static mpidp_py_state *state;
@@ -22,73 +27,211 @@ static const void *api_comm_of(PyObject *obj, int *rank, int *size)
     return c;
 }
 
-static MPI_Comm comm_of(const void *comm) { return ((const mpidp_py_comm_t *)comm)->comm; }
+static const mpidp_py_comm_t *py_comm(const void *comm) { return comm; }
 
-/* Posted with status rc: run to the end, or (nothing posted) the status. */
-static int finish(int rc, const mpidp_operation_t *ops, void *x, double timeout_s, int *ended)
-{
-    *ended = 1;
-    if (rc != MPIDP_OK) return rc;
-    *ended = 0;
-    return mpidp_operation_finish(ops, x, timeout_s, ended);
-}
+/* One collective's arguments, for its post function. */
+typedef struct {
+    const mpidp_tensor_t *send, *recv; /* recv: the in-place calls' tensor */
+    int op, root;
+    double timeout_s; /* the allreduce's, should posting a chunk find the table full */
+} call_t;
 
-static int api_allreduce(const void *comm, const mpidp_tensor_t *t, int op, double timeout_s,
-                         int *ended)
+typedef int (*post_fn)(const mpidp_py_comm_t *c, const call_t *a, const mpidp_operation_t **ops,
+                       void **op);
+
+static int post_allreduce(const mpidp_py_comm_t *c, const call_t *a,
+                          const mpidp_operation_t **ops, void **op)
 {
-    mpidp_error_clear();
-    mpidp_allreduce_opts_t opts = mpidp_allreduce_default_opts(t->dtype, op, -1, timeout_s,
+    mpidp_allreduce_opts_t opts = mpidp_allreduce_default_opts(a->recv->dtype, a->op, -1, a->timeout_s,
                                                                 "mpidp backend all_reduce");
-    mpidp_allreduce_t *x = NULL;
-    int rc = mpidp_allreduce_start(comm_of(comm), t, &opts, state->reqs, &x);
-    return finish(rc, &mpidp_allreduce_operation, x, timeout_s, ended);
+    *ops = &mpidp_allreduce_operation;
+    return mpidp_allreduce_start(c->comm, a->recv, &opts, state->reqs,
+                                 (mpidp_allreduce_t **)op);
 }
 
-static int api_bcast(const void *comm, const mpidp_tensor_t *t, int root, double timeout_s,
-                     int *ended)
+static int post_bcast(const mpidp_py_comm_t *c, const call_t *a, const mpidp_operation_t **ops,
+                      void **op)
 {
-    mpidp_error_clear();
-    mpidp_coll_t *x = NULL;
-    int rc = mpidp_bcast_start(comm_of(comm), t, root, state->reqs, &x);
-    return finish(rc, &mpidp_coll_operation, x, timeout_s, ended);
+    *ops = &mpidp_coll_operation;
+    return mpidp_bcast_start(c->comm, a->recv, a->root, state->reqs, (mpidp_coll_t **)op);
 }
 
-static int api_allgather(const void *comm, const mpidp_tensor_t *send, const mpidp_tensor_t *recv,
-                         double timeout_s, int *ended)
+static int post_allgather(const mpidp_py_comm_t *c, const call_t *a,
+                          const mpidp_operation_t **ops, void **op)
 {
-    mpidp_error_clear();
-    mpidp_coll_t *x = NULL;
-    int rc = mpidp_allgather_start(comm_of(comm), send, recv, state->reqs, &x);
-    return finish(rc, &mpidp_coll_operation, x, timeout_s, ended);
+    *ops = &mpidp_coll_operation;
+    return mpidp_allgather_start(c->comm, a->send, a->recv, state->reqs, (mpidp_coll_t **)op);
 }
 
-static int api_reduce_scatter(const void *comm, const mpidp_tensor_t *send,
-                              const mpidp_tensor_t *recv, int op, double timeout_s, int *ended)
+static int post_reduce_scatter(const mpidp_py_comm_t *c, const call_t *a,
+                               const mpidp_operation_t **ops, void **op)
 {
-    mpidp_error_clear();
-    int size = ((const mpidp_py_comm_t *)comm)->size;
-    size_t *counts = malloc((size_t)(size > 0 ? size : 1) * sizeof *counts);
-    *ended = 1;
+    size_t *counts = malloc((size_t)(c->size > 0 ? c->size : 1) * sizeof *counts);
     if (counts == NULL) return MPIDP_ENOMEM;
-    for (int r = 0; r < size; r++) counts[r] = recv->numel;
-    mpidp_coll_t *x = NULL;
-    int rc = mpidp_reduce_scatter_start(comm_of(comm), send, recv, counts, op, state->reqs, &x);
-    free(counts);     /* the core keeps its own copy */
-    return finish(rc, &mpidp_coll_operation, x, timeout_s, ended);
+    for (int r = 0; r < c->size; r++) counts[r] = a->recv->numel;
+    *ops = &mpidp_coll_operation;
+    int rc = mpidp_reduce_scatter_start(c->comm, a->send, a->recv, counts, a->op, state->reqs,
+                                        (mpidp_coll_t **)op);
+    free(counts); /* the core keeps its own copy */
+    return rc;
 }
 
-static int api_barrier(const void *comm, double timeout_s, int *ended)
+static int post_barrier(const mpidp_py_comm_t *c, const call_t *a, const mpidp_operation_t **ops,
+                        void **op)
 {
-    mpidp_error_clear();
-    mpidp_coll_t *x = NULL;
-    int rc = mpidp_barrier_start(comm_of(comm), state->reqs, &x);
-    return finish(rc, &mpidp_coll_operation, x, timeout_s, ended);
+    (void)a;
+    *ops = &mpidp_coll_operation;
+    return mpidp_barrier_start(c->comm, state->reqs, (mpidp_coll_t **)op);
 }
 
-static int api_agree(const void *comm, const int64_t *sig, size_t n, double timeout_s, int *agreed)
+static post_fn post_of(int64_t call)
+{
+    switch (call) {
+    case MPIDP_C10D_CALL_ALLREDUCE: return post_allreduce;
+    case MPIDP_C10D_CALL_BCAST: return post_bcast;
+    case MPIDP_C10D_CALL_ALLGATHER: return post_allgather;
+    case MPIDP_C10D_CALL_REDUCE_SCATTER: return post_reduce_scatter;
+    case MPIDP_C10D_CALL_BARRIER: return post_barrier;
+    default: return NULL;
+    }
+}
+
+/* Posts `a` and runs it to its end: *ended = 0 when it is left in flight. */
+static int post_and_finish(const mpidp_py_comm_t *c, post_fn post, const call_t *a,
+                           double timeout_s, int *ended)
+{
+    const mpidp_operation_t *ops = NULL;
+    void *op = NULL;
+    *ended = 1;
+    int rc = post(c, a, &ops, &op);
+    if (rc != MPIDP_OK) return rc;
+    return mpidp_operation_finish(ops, op, timeout_s, ended);
+}
+
+/* The ranks differ, and some posted the predicted call (a row's flag says
+ * so): a rank that did not posts its match on scratch buffers, so that
+ * their call completes and nothing stays in flight. */
+static int complete_the_prediction(const mpidp_py_comm_t *c, mpidp_callcheck_t *check,
+                                   double timeout_s)
+{
+    const int64_t *rows = mpidp_callcheck_rows(check);
+    const int64_t *mine = rows + (size_t)c->rank * MPIDP_C10D_ROW, *posted = NULL;
+    for (int r = 0; r < c->size && posted == NULL; r++)
+        if (rows[(size_t)r * MPIDP_C10D_ROW + MPIDP_CALLCHECK_POSTED(MPIDP_C10D_SIG_FIELDS)])
+            posted = rows + (size_t)r * MPIDP_C10D_ROW;
+    if (posted == NULL || mine[MPIDP_CALLCHECK_POSTED(MPIDP_C10D_SIG_FIELDS)]) return MPIDP_OK;
+    post_fn post = post_of(posted[MPIDP_C10D_SIG_CALL]);
+    int dtype = (int)posted[MPIDP_C10D_SIG_DTYPE];
+    size_t numel = (size_t)posted[MPIDP_C10D_SIG_NUMEL], esize = mpidp_dtype_size(dtype);
+    if (post == NULL || (esize == 0 && posted[MPIDP_C10D_SIG_CALL] != MPIDP_C10D_CALL_BARRIER))
+        return MPIDP_ESTATE; /* only the fast calls are predicted */
+    /* The input, and the allgather's output (size blocks) or the
+     * reduce-scatter's (one block) after it. */
+    size_t out = posted[MPIDP_C10D_SIG_CALL] == MPIDP_C10D_CALL_ALLGATHER ? numel * c->size
+                 : posted[MPIDP_C10D_SIG_CALL] == MPIDP_C10D_CALL_REDUCE_SCATTER
+                     ? numel / (size_t)c->size
+                     : 0;
+    char *scratch = calloc(numel + out + 1, esize ? esize : 1);
+    if (scratch == NULL) return MPIDP_ENOMEM;
+    mpidp_tensor_t in = {scratch, numel, dtype, MPIDP_DEV_CPU, 0, 0};
+    mpidp_tensor_t res = {scratch + numel * esize, out, dtype, MPIDP_DEV_CPU, 0, 0};
+    call_t a = {&in, out ? &res : &in, (int)posted[MPIDP_C10D_SIG_OP],
+                (int)posted[MPIDP_C10D_SIG_ROOT], timeout_s};
+    int ended = 1;
+    int rc = post_and_finish(c, post, &a, timeout_s, &ended);
+    if (ended) free(scratch); /* else MPI may still write it: leaked */
+    return rc;
+}
+
+/* The ranks' check of `sig` (none without a check), then the call: posted,
+ * watched for a rank that differs where it was predicted, run to its end. */
+static int checked_call(const void *comm, void *check, const int64_t *sig, post_fn post,
+                        const call_t *a, double timeout_s, int *ended, int *differ)
+{
+    const mpidp_py_comm_t *c = py_comm(comm);
+    mpidp_error_clear();
+    *ended = 1;
+    *differ = 0;
+    int outcome = MPIDP_CALL_AGREED, rc;
+    if (check != NULL) {
+        /* A broadcast's root can complete alone: it always exchanges. */
+        int exchange = post == NULL || sig[MPIDP_C10D_SIG_CALL] == MPIDP_C10D_CALL_BCAST;
+        rc = mpidp_callcheck_begin(check, sig, exchange, state->reqs, timeout_s, &outcome);
+        if (rc != MPIDP_OK) return rc;
+        if (outcome == MPIDP_CALL_DIFFER) {
+            *differ = 1;
+            return complete_the_prediction(c, check, timeout_s);
+        }
+    }
+    if (post == NULL) return MPIDP_OK; /* the check alone */
+    const mpidp_operation_t *ops = NULL;
+    void *op = NULL;
+    if ((rc = post(c, a, &ops, &op)) != MPIDP_OK) return rc;
+    if (outcome == MPIDP_CALL_PREDICTED) {
+        rc = mpidp_callcheck_wait(check, ops, op, state->reqs, timeout_s, &outcome);
+        if (rc != MPIDP_OK) {
+            *ended = 0; /* in flight: its buffers stay */
+            return rc;
+        }
+        *differ = outcome == MPIDP_CALL_DIFFER; /* the others complete it */
+    }
+    return mpidp_operation_finish(ops, op, timeout_s, ended);
+}
+
+static int api_check_new(const void *comm, double timeout_s, void **check)
 {
     mpidp_error_clear();
-    return mpidp_agree(comm_of(comm), sig, n, state->reqs, timeout_s, agreed);
+    return mpidp_callcheck_create(py_comm(comm)->comm, MPIDP_C10D_SIG_FIELDS, state->reqs,
+                                  timeout_s, (mpidp_callcheck_t **)check);
+}
+
+static void api_check_free(void *check) { mpidp_callcheck_destroy(check); }
+
+static const int64_t *api_check_rows(const void *check) { return mpidp_callcheck_rows(check); }
+
+static int api_allreduce(const void *comm, void *check, const int64_t *sig,
+                         const mpidp_tensor_t *t, int op, double timeout_s, int *ended,
+                         int *differ)
+{
+    call_t a = {t, t, op, -1, timeout_s};
+    return checked_call(comm, check, sig, post_allreduce, &a, timeout_s, ended, differ);
+}
+
+static int api_bcast(const void *comm, void *check, const int64_t *sig, const mpidp_tensor_t *t,
+                     int root, double timeout_s, int *ended, int *differ)
+{
+    call_t a = {t, t, -1, root, timeout_s};
+    return checked_call(comm, check, sig, post_bcast, &a, timeout_s, ended, differ);
+}
+
+static int api_allgather(const void *comm, void *check, const int64_t *sig,
+                         const mpidp_tensor_t *send, const mpidp_tensor_t *recv, double timeout_s,
+                         int *ended, int *differ)
+{
+    call_t a = {send, recv, -1, -1, timeout_s};
+    return checked_call(comm, check, sig, post_allgather, &a, timeout_s, ended, differ);
+}
+
+static int api_reduce_scatter(const void *comm, void *check, const int64_t *sig,
+                              const mpidp_tensor_t *send, const mpidp_tensor_t *recv, int op,
+                              double timeout_s, int *ended, int *differ)
+{
+    call_t a = {send, recv, op, -1, timeout_s};
+    return checked_call(comm, check, sig, post_reduce_scatter, &a, timeout_s, ended, differ);
+}
+
+static int api_barrier(const void *comm, void *check, const int64_t *sig, double timeout_s,
+                       int *ended, int *differ)
+{
+    call_t a = {NULL, NULL, -1, -1, timeout_s};
+    return checked_call(comm, check, sig, post_barrier, &a, timeout_s, ended, differ);
+}
+
+static int api_check_call(const void *comm, void *check, const int64_t *sig, double timeout_s,
+                          int *differ)
+{
+    int ended = 1;
+    return checked_call(comm, check, sig, NULL, NULL, timeout_s, &ended, differ);
 }
 
 static void api_raise(int status, const char *what) { mpidp_py_raise(state, status, what); }
@@ -96,9 +239,10 @@ static void api_raise(int status, const char *what) { mpidp_py_raise(state, stat
 static int api_forked(void) { return mpidp_py_forked; }
 
 static const mpidp_c10d_api_t api = {
-    MPIDP_C10D_API_VERSION, api_comm_of, api_allreduce, api_bcast, api_allgather,
-    api_reduce_scatter, api_barrier, api_agree, api_raise, api_forked, mpidp_py_check_not_forked,
-    MPIDP_OP_SUM, MPIDP_OP_AVG, MPIDP_OP_MIN, MPIDP_OP_MAX, MPIDP_OP_PROD};
+    MPIDP_C10D_API_VERSION, api_comm_of, api_check_new, api_check_free, api_allreduce, api_bcast,
+    api_allgather, api_reduce_scatter, api_barrier, api_check_call, api_check_rows, api_raise,
+    api_forked, mpidp_py_check_not_forked, MPIDP_OP_SUM, MPIDP_OP_AVG, MPIDP_OP_MIN, MPIDP_OP_MAX,
+    MPIDP_OP_PROD};
 
 PyObject *mpidp_py_c10d_api_capsule(mpidp_py_state *st)
 {

@@ -13,8 +13,10 @@
  * dtype and op the core reduces as they are -- run on the caller's thread
  * through mpidp._C's core operations (csrc/py/c10d_api.h): posted and waited
  * for inline, with no handoff to a worker thread (which costs gloo ~8 us a
- * call), and without the GIL where torch's bindings released it. Every other call, and every call the fast path does
- * not take (CUDA, complex, strided, 16-bit min/max, a mismatch's message),
+ * call), and without the GIL where torch's bindings released it (a
+ * strided tensor goes through a contiguous copy). Every other call, and
+ * every call the fast path does not take (CUDA, complex, empty, 16-bit
+ * min/max),
  * goes to the Python group (mpidp/c10d/_process_group.py), so each rule
  * lives in one place. The fast path's rank agreement is the core's (one
  * small allreduce of the call's signature); on a disagreement the Python
@@ -27,14 +29,15 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
-#include <array>
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "../py/c10d_api.h"
+#include "c10d_signature.hpp"
 #include "c10d_work.hpp"
 
 namespace {
@@ -48,8 +51,34 @@ const mpidp_c10d_api_t *api = nullptr;
 
 using mpidp_c10d::core_tensor;
 using mpidp_c10d::InlineWork;
-using mpidp_c10d::fnv;
-using mpidp_c10d::plain_host;
+using mpidp_c10d::host_tensor;
+using mpidp_c10d::Signature;
+using mpidp_c10d::signature;
+
+/* Sets a Python exception of `type` and throws it to torch's bindings. */
+[[noreturn]] void raise_python(PyObject *type, const std::string &message)
+{
+    py::gil_scoped_acquire gil;
+    PyErr_SetString(type, message.c_str());
+    throw python_error();
+}
+
+/* A tensor the core reads or writes: contiguous as it is, or a contiguous
+ * copy whose values go back to it afterwards (copy_back, outputs only). */
+class Contiguous {
+  public:
+    explicit Contiguous(const at::Tensor &t) : t_(t), c_(t.is_contiguous() ? t : t.contiguous())
+    {
+    }
+    const at::Tensor &get() const { return c_; }
+    void copy_back()
+    {
+        if (!c_.is_same(t_)) t_.copy_(c_);
+    }
+
+  private:
+    at::Tensor t_, c_;
+};
 
 class BackendMPIDP : public c10d::Backend {
   public:
@@ -58,7 +87,7 @@ class BackendMPIDP : public c10d::Backend {
     BackendMPIDP(py::object comm, py::object fallback, double timeout_s, bool check, int rank,
                  int size)
         : Backend(rank, size), comm_obj_(std::move(comm)), fallback_(std::move(fallback)),
-          timeout_s_(timeout_s), check_(check && size > 1)
+          timeout_s_(timeout_s)
     {
         int r = 0, s = 0;
         comm_ = api->comm_of(comm_obj_.ptr(), &r, &s);
@@ -66,10 +95,22 @@ class BackendMPIDP : public c10d::Backend {
         if (r != rank || s != size)
             throw std::invalid_argument("mpidp backend: the communicator's rank and size are not "
                                         "the group's");
+        if (check && size > 1) {
+            int rc;
+            {
+                py::gil_scoped_release nogil;
+                rc = api->check_new(comm_, timeout_s_, &check_);
+            }
+            if (rc != 0) {
+                api->raise(rc, "mpidp backend: the ranks' check of each call");
+                throw python_error();
+            }
+        }
     }
 
     ~BackendMPIDP() override
     {
+        if (check_ != nullptr && !api->forked()) api->check_free(check_);
         py::gil_scoped_acquire gil;
         comm_obj_ = py::object();
         fallback_ = py::object();
@@ -85,16 +126,18 @@ class BackendMPIDP : public c10d::Backend {
     intrusive_ptr<Work> allreduce(std::vector<at::Tensor> &tensors,
                                   const c10d::AllreduceOptions &opts) override
     {
-        if (tensors.size() == 1 && plain_host(tensors[0])) {
-            int op = reduce_op(opts.reduceOp, tensors[0].scalar_type());
-            if (op >= 0) {
-                const at::Tensor &t = tensors[0];
-                mpidp_tensor_t c = core_tensor(t);
-                return inline_call(OpType::ALLREDUCE, "mpidp:all_reduce", tensors, &t, op, -1,
-                                   {t}, [&](int *ended) {
-                                       return api->allreduce(comm_, &c, op, timeout_s_, ended);
-                                   });
-            }
+        int op = -1;
+        if (tensors.size() == 1 && host_tensor(tensors[0]) &&
+            (op = reduce_op(opts.reduceOp, tensors[0].scalar_type())) >= 0) {
+            Contiguous t(tensors[0]);
+            mpidp_tensor_t c = core_tensor(t.get());
+            Signature sig = signature(MPIDP_C10D_CALL_ALLREDUCE, &tensors[0], op, -1);
+            return inline_call(OpType::ALLREDUCE, "mpidp:all_reduce", tensors, {t.get()},
+                               [&](int *ended, int *differ) {
+                                   return api->allreduce(comm_, check_, sig.data(), &c, op,
+                                                         timeout_s_, ended, differ);
+                               },
+                               [&] { t.copy_back(); });
         }
         return fallback("allreduce", tensors, opts);
     }
@@ -102,14 +145,17 @@ class BackendMPIDP : public c10d::Backend {
     intrusive_ptr<Work> broadcast(std::vector<at::Tensor> &tensors,
                                   const c10d::BroadcastOptions &opts) override
     {
-        if (tensors.size() == 1 && opts.rootTensor == 0 && plain_host(tensors[0])) {
-            const at::Tensor &t = tensors[0];
+        if (tensors.size() == 1 && opts.rootTensor == 0 && host_tensor(tensors[0])) {
+            Contiguous t(tensors[0]);
             int root = static_cast<int>(opts.rootRank);
-            mpidp_tensor_t c = core_tensor(t);
-            return inline_call(OpType::BROADCAST, "mpidp:broadcast", tensors, &t, -1, root, {t},
-                               [&](int *ended) {
-                                   return api->bcast(comm_, &c, root, timeout_s_, ended);
-                               });
+            mpidp_tensor_t c = core_tensor(t.get());
+            Signature sig = signature(MPIDP_C10D_CALL_BCAST, &tensors[0], -1, root);
+            return inline_call(OpType::BROADCAST, "mpidp:broadcast", tensors, {t.get()},
+                               [&](int *ended, int *differ) {
+                                   return api->bcast(comm_, check_, sig.data(), &c, root,
+                                                     timeout_s_, ended, differ);
+                               },
+                               [&] { t.copy_back(); });
         }
         return fallback("broadcast", tensors, opts);
     }
@@ -117,14 +163,19 @@ class BackendMPIDP : public c10d::Backend {
     intrusive_ptr<Work> _allgather_base(at::Tensor &output, at::Tensor &input,
                                         const c10d::AllgatherOptions &opts) override
     {
-        if (plain_host(input) && plain_host(output) &&
+        if (host_tensor(input) && host_tensor(output) &&
             output.scalar_type() == input.scalar_type() &&
             output.numel() == input.numel() * size_ && !output.is_same(input)) {
-            mpidp_tensor_t s = core_tensor(input), r = core_tensor(output);
+            Contiguous in(input), out(output);
+            mpidp_tensor_t s = core_tensor(in.get()), r = core_tensor(out.get());
+            Signature sig = signature(MPIDP_C10D_CALL_ALLGATHER, &input, -1, -1);
             return inline_call(OpType::_ALLGATHER_BASE, "mpidp:all_gather_into_tensor", {output},
-                               &input, -1, -1, {input, output}, [&](int *ended) {
-                                   return api->allgather(comm_, &s, &r, timeout_s_, ended);
-                               });
+                               {in.get(), out.get()},
+                               [&](int *ended, int *differ) {
+                                   return api->allgather(comm_, check_, sig.data(), &s, &r,
+                                                         timeout_s_, ended, differ);
+                               },
+                               [&] { out.copy_back(); });
         }
         return fallback("_allgather_base", output, input, opts);
     }
@@ -133,24 +184,33 @@ class BackendMPIDP : public c10d::Backend {
                                              const c10d::ReduceScatterOptions &opts) override
     {
         int op = -1;
-        if (plain_host(input) && plain_host(output) &&
+        if (host_tensor(input) && host_tensor(output) &&
             output.scalar_type() == input.scalar_type() &&
             input.numel() == output.numel() * size_ &&
             (op = reduce_op(opts.reduceOp, input.scalar_type(), true)) >= 0) {
-            mpidp_tensor_t s = core_tensor(input), r = core_tensor(output);
+            Contiguous in(input), out(output);
+            mpidp_tensor_t s = core_tensor(in.get()), r = core_tensor(out.get());
+            Signature sig = signature(MPIDP_C10D_CALL_REDUCE_SCATTER, &input, op, -1);
             return inline_call(OpType::_REDUCE_SCATTER_BASE, "mpidp:reduce_scatter_tensor",
-                               {output}, &input, op, -1, {input, output}, [&](int *ended) {
-                                   return api->reduce_scatter(comm_, &s, &r, op, timeout_s_,
-                                                              ended);
-                               });
+                               {output}, {in.get(), out.get()},
+                               [&](int *ended, int *differ) {
+                                   return api->reduce_scatter(comm_, check_, sig.data(), &s, &r,
+                                                              op, timeout_s_, ended, differ);
+                               },
+                               [&] { out.copy_back(); });
         }
         return fallback("_reduce_scatter_base", output, input, opts);
     }
 
     intrusive_ptr<Work> barrier(const c10d::BarrierOptions &) override
     {
-        return inline_call(OpType::BARRIER, "mpidp:barrier", {}, nullptr, -1, -1, {},
-                           [&](int *ended) { return api->barrier(comm_, timeout_s_, ended); });
+        Signature sig = signature(MPIDP_C10D_CALL_BARRIER, nullptr, -1, -1);
+        return inline_call(OpType::BARRIER, "mpidp:barrier", {}, {},
+                           [&](int *ended, int *differ) {
+                               return api->barrier(comm_, check_, sig.data(), timeout_s_, ended,
+                                                   differ);
+                           },
+                           [] {});
     }
 
     /* Everything else: the Python group's method of the name torch's own
@@ -253,39 +313,32 @@ class BackendMPIDP : public c10d::Backend {
         }
     }
 
-    /* Raises on every rank unless every rank passed the same call, dtype,
-     * shape, op and root: the core's agreement (one small allreduce); on a
-     * disagreement, the Python group's check runs on every rank (each saw
-     * it) to raise its message naming each group of ranks. */
-    void agree(const char *call, const at::Tensor &t, int op, int root)
+    /* Every rank raises the same ValueError: the ranks passed different
+     * calls, tensors or settings to this call (`call`, torch's name). */
+    [[noreturn]] void raise_differences(const std::string &call)
     {
-        if (!check_) return;
-        std::array<int64_t, 14> sig{};
-        sig[0] = fnv(call, std::char_traits<char>::length(call));
-        sig[1] = static_cast<int64_t>(t.scalar_type());
-        sig[2] = t.dim();
-        for (int64_t d = 0; d < 6; d++) sig[3 + d] = d < t.dim() ? t.size(d) : -2;
-        auto sizes = t.sizes();
-        sig[9] = fnv(sizes.data(), sizes.size() * sizeof(int64_t));
-        sig[10] = op;
-        sig[11] = root;
-        sig[12] = t.numel();
-        sig[13] = size_;
-        int agreed = 0;
-        run("the ranks' agreement", [&](int *ended) {
-            *ended = 1;
-            return api->agree(comm_, sig.data(), sig.size(), timeout_s_, &agreed);
-        }, {});
-        if (agreed) return;
-        py::gil_scoped_acquire gil;
-        try {
-            fallback_.attr("_explain_mismatch")(call, t, op, root);
-        } catch (py::error_already_set &e) {
-            e.restore();
-            throw python_error();
-        }
-        throw std::runtime_error(std::string("mpidp backend: ") + call +
-                                 ": the ranks passed different calls or tensors");
+        std::string ranks = mpidp_c10d::describe_ranks(
+            api->check_rows(check_), size_, [](const int64_t *sig) {
+                return mpidp_c10d::describe(sig, api->op_sum, api->op_avg, api->op_min,
+                                            api->op_max, api->op_prod);
+            });
+        raise_python(PyExc_ValueError,
+                     "mpidp backend: " + call + ": the ranks' calls differ, and every rank "
+                     "must make the same call with tensors of the same shape, dtype and device "
+                     "and the same settings: " + ranks);
+    }
+
+    /* The ranks' check is state of the group's sequence of calls: one call
+     * at a time (torch makes a group's calls from one thread at a time). */
+    std::unique_lock<std::mutex> one_at_a_time(const char *call)
+    {
+        std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+        if (!lock.owns_lock())
+            raise_python(PyExc_RuntimeError,
+                         std::string("mpidp backend: ") + call + " was called on a group while "
+                         "another thread's call on it was running: a group's collectives must "
+                         "be called in the same order on every rank, from one thread at a time");
+        return lock;
     }
 
     /* Runs one core collective on this thread, the GIL released where it was
@@ -309,24 +362,44 @@ class BackendMPIDP : public c10d::Backend {
     }
 
     /* One fast-path collective: its Work, made first so that the profiler's
-     * `title` ("mpidp:<call>", a literal) spans the call; the ranks'
-     * agreement on `agreed_on` (none: nothing to agree on) with `op` and
-     * `root`; then `post` run to its end. `keep`: the tensors MPI reads and
-     * writes, leaked should it still hold them after a failure. */
-    template <typename F>
+     * `title` ("mpidp:<call>", a literal) spans the call; then `post` (the
+     * ranks' check and the call, run to its end), and `after` (copies back)
+     * unless the ranks differ, which raises on every rank. `keep`: the
+     * tensors MPI reads and writes, leaked should it still hold them after
+     * a failure. */
+    template <typename Post, typename After>
     intrusive_ptr<Work> inline_call(OpType type, const char *title, std::vector<at::Tensor> result,
-                                    const at::Tensor *agreed_on, int op, int root,
-                                    std::vector<at::Tensor> keep, F &&post)
+                                    std::vector<at::Tensor> keep, Post &&post, After &&after)
     {
         const char *call = title + sizeof("mpidp:") - 1;
         auto work = c10::make_intrusive<InlineWork>(rank_, type, title, std::move(result));
-        if (agreed_on != nullptr) agree(call, *agreed_on, op, root);
-        run(call, std::forward<F>(post), std::move(keep));
+        int differ = 0;
+        {
+            auto lock = one_at_a_time(call);
+            run(call, [&](int *ended) { return post(ended, &differ); }, std::move(keep));
+        }
+        if (differ) raise_differences(call);
+        after();
         return work->complete();
     }
 
+    /* A call for the Python group: checked first (point-to-point calls, which
+     * involve two ranks, are not), then the group's method `method`. */
     template <typename... Args> intrusive_ptr<Work> fallback(const char *method, Args &&...args)
     {
+        int index = mpidp_c10d::python_call_index(method);
+        if (check_ != nullptr && index >= 0) {
+            Signature sig = mpidp_c10d::python_signature(index);
+            int differ = 0;
+            {
+                auto lock = one_at_a_time(method);
+                run(method, [&](int *ended) {
+                    *ended = 1;
+                    return api->check_call(comm_, check_, sig.data(), timeout_s_, &differ);
+                }, {});
+            }
+            if (differ) raise_differences(mpidp_c10d::python_calls()[index].second);
+        }
         py::gil_scoped_acquire gil;
         try {
             py::object w = fallback_.attr(method)(std::forward<Args>(args)...);
@@ -340,8 +413,9 @@ class BackendMPIDP : public c10d::Backend {
     py::object comm_obj_;
     py::object fallback_;
     const void *comm_ = nullptr;
+    void *check_ = nullptr; /* the ranks' check of each call; none at 1 rank or unchecked */
+    std::mutex busy_;
     double timeout_s_;
-    bool check_;
 };
 
 /* The group torch hands the program: torch's own ProcessGroup (whose

@@ -1,5 +1,5 @@
 /* The C++ "mpidp" backend's pieces around the core (csrc/torch/c10d_backend.cpp):
- * torch tensors as the core's tensors, the agreement's hash, and the Work of
+ * torch tensors as the core's tensors, the signature's hash, and the Work of
  * a collective that ran to its end on the caller's thread. */
 #pragma once
 
@@ -37,10 +37,13 @@ inline int core_dtype(at::ScalarType t)
     }
 }
 
-/* A host tensor the fast path can hand the core as it is. */
-inline bool plain_host(const at::Tensor &t)
+/* A host tensor the fast path can hand the core (through a contiguous copy
+ * where it is strided): decided by what the ranks' check compares (dtype,
+ * shape, device, layout), so that ranks that passed the same take the
+ * same path. */
+inline bool host_tensor(const at::Tensor &t)
 {
-    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
            core_dtype(t.scalar_type()) >= 0 && t.numel() > 0;
 }
 

@@ -69,6 +69,14 @@ int mpidp_reqtable_test(mpidp_reqtable_t *t, mpidp_req_t h, int *done);
  * start of the wait. */
 int mpidp_reqtable_wait(mpidp_reqtable_t *t, mpidp_req_t h, double timeout_s);
 
+/* Waits until poll(arg, &done) sets done (or fails: its status), with the
+ * deadline, the departures' check (over every pending request) and the
+ * backoff of mpidp_reqtable_wait: a wait on something besides one request --
+ * an engine's operation together with a message that would interrupt it. */
+typedef int (*mpidp_reqtable_poll_fn)(void *arg, int *done);
+int mpidp_reqtable_wait_until(mpidp_reqtable_t *t, mpidp_reqtable_poll_fn poll, void *arg,
+                              double timeout_s);
+
 /* Waits for every pending request, as mpidp_reqtable_wait does for one. */
 int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s);
 

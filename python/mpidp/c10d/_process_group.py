@@ -111,13 +111,6 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         """Whether calls check that every rank passed the same (MPIDP_C10D_CHECK)."""
         return self._check
 
-    def _explain_mismatch(self, call: str, tensor: torch.Tensor, op: int, root: int) -> None:
-        """The C++ backend's agreement found that the ranks passed different
-        calls or tensors (every rank comes here): this group's check, which
-        raises on every rank naming what each group of ranks passed."""
-        settings = {k: v for k, v in (("op", op), ("root", root)) if v >= 0}
-        self._agree(call, tensor, **settings)
-
     @property
     def mpi_comm(self):
         """The mpi4py communicator this group was made from."""

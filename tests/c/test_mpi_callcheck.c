@@ -1,0 +1,212 @@
+/* mpidp_callcheck across real ranks (mpirun -np 2, also 3 and 4): a
+ * repeated sequence of calls is exchanged once, then predicted on every
+ * rank with its data right; a rank that leaves the sequence at any point
+ * makes every rank see DIFFER (those that posted the prediction see it
+ * while they wait, and their call completes on the others' scratch
+ * buffers), after which the ranks go on in step; ranks that all leave it
+ * differently, and a forced exchange, are told apart; bad arguments are
+ * refused. The data call is an allgather of each rank's own values. */
+#include <mpi.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "mpidp/callcheck.h"
+#include "mpidp/collectives.h"
+#include "mpidp/status.h"
+#include "mpi_world.h"
+#include "test.h"
+
+#define N 3 /* fields: call id, element count, a spare */
+#define T 20.0
+
+/* One call of signature {id, count, extra}: checked, then (unless the ranks
+ * differ) an allgather of `count` int64 that each rank fills with its rank
+ * and id. Where this rank did not post the prediction that others posted,
+ * it completes their allgather on scratch buffers, as the backend does.
+ * Returns the outcome (-1 when a step failed; *bad counts wrong values). */
+static int call(mpidp_callcheck_t *c, mpidp_reqtable_t *reqs, int64_t id, int64_t count,
+                int64_t extra, int *bad)
+{
+    int64_t sig[N] = {id, count, extra};
+    int outcome = -1, ended = 0, posted = 0;
+    if (mpidp_callcheck_begin(c, sig, 0, reqs, T, &outcome) != MPIDP_OK) return -1;
+    int64_t *send = calloc((size_t)count, sizeof *send);
+    int64_t *recv = calloc((size_t)count * (size_t)size_, sizeof *recv);
+    for (int64_t i = 0; i < count; i++) send[i] = rank_ * 1000 + id;
+    mpidp_tensor_t s = {send, (size_t)count, MPIDP_I64, MPIDP_DEV_CPU, 0, 1};
+    mpidp_tensor_t r = {recv, (size_t)count * (size_t)size_, MPIDP_I64, MPIDP_DEV_CPU, 0, 0};
+    mpidp_coll_t *x = NULL;
+    if (outcome != MPIDP_CALL_DIFFER) {
+        if (mpidp_allgather_start(MPI_COMM_WORLD, &s, &r, reqs, &x) != MPIDP_OK) return -1;
+        posted = outcome == MPIDP_CALL_PREDICTED;
+        if (posted && mpidp_callcheck_wait(c, &mpidp_coll_operation, x, reqs, T, &outcome) !=
+                          MPIDP_OK)
+            return -1;
+        if (mpidp_operation_finish(&mpidp_coll_operation, x, T, &ended) != MPIDP_OK) return -1;
+    }
+    if (outcome == MPIDP_CALL_DIFFER && !posted) {
+        /* Complete the prediction that other ranks posted, if any did. */
+        const int64_t *rows = mpidp_callcheck_rows(c);
+        for (int q = 0; q < size_; q++) {
+            const int64_t *row = rows + (size_t)q * MPIDP_CALLCHECK_ROW(N);
+            if (!row[MPIDP_CALLCHECK_POSTED(N)]) continue;
+            size_t n = (size_t)row[1];
+            int64_t *ss = calloc(n, sizeof *ss), *rr = calloc(n * (size_t)size_, sizeof *rr);
+            mpidp_tensor_t s2 = {ss, n, MPIDP_I64, MPIDP_DEV_CPU, 0, 1};
+            mpidp_tensor_t r2 = {rr, n * (size_t)size_, MPIDP_I64, MPIDP_DEV_CPU, 0, 0};
+            if (mpidp_allgather_start(MPI_COMM_WORLD, &s2, &r2, reqs, &x) != MPIDP_OK ||
+                mpidp_operation_finish(&mpidp_coll_operation, x, T, &ended) != MPIDP_OK)
+                return -1;
+            free(ss);
+            free(rr);
+            break;
+        }
+    }
+    if (outcome != MPIDP_CALL_DIFFER)
+        for (int q = 0; q < size_; q++)
+            for (int64_t i = 0; i < count; i++)
+                *bad += recv[(size_t)q * (size_t)count + (size_t)i] != q * 1000 + id;
+    free(send);
+    free(recv);
+    return outcome;
+}
+
+static mpidp_callcheck_t *check(mpidp_reqtable_t *reqs)
+{
+    mpidp_callcheck_t *c = NULL;
+    mpidp_callcheck_create(MPI_COMM_WORLD, N, reqs, T, &c);
+    return c;
+}
+
+TEST(a_repeated_sequence_is_predicted_with_its_data_right)
+{
+    mpidp_reqtable_t *reqs = table(64);
+    mpidp_callcheck_t *c = check(reqs);
+    ASSERT_TRUE(c != NULL);
+    static const int64_t ids[] = {1, 2, 1, 3}; /* 1 is followed by 2 or 3: two calls of context */
+    int bad = 0;
+    for (int step = 0; step < 6; step++)
+        for (int k = 0; k < 4; k++) {
+            int outcome = call(c, reqs, ids[k], 4 + ids[k], 0, &bad);
+            /* Learnt: the first pass's contexts, then (1, 3) and (3, 1). */
+            int learnt = step > 1 || (step == 1 && k > 1);
+            ASSERT_EQ_INT(outcome, (learnt ? MPIDP_CALL_PREDICTED : MPIDP_CALL_AGREED));
+        }
+    ASSERT_EQ_INT(bad, 0);
+    ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
+    mpidp_callcheck_destroy(c);
+    mpidp_reqtable_destroy(reqs);
+}
+
+TEST(a_long_cycle_of_distinct_calls_is_predicted_whole)
+{
+    mpidp_reqtable_t *reqs = table(64);
+    mpidp_callcheck_t *c = check(reqs);
+    ASSERT_TRUE(c != NULL);
+    int bad = 0, predicted = 0;
+    for (int pass = 0; pass < 3; pass++)
+        for (int64_t k = 0; k < 60; k++) /* a bucket each, as DDP's */
+            predicted += call(c, reqs, 10 + k, 1 + k % 7, 0, &bad) == MPIDP_CALL_PREDICTED;
+    ASSERT_EQ_INT(predicted, 58 + 60); /* the second pass's first two contexts are new */
+    ASSERT_EQ_INT(bad, 0);
+    mpidp_callcheck_destroy(c);
+    mpidp_reqtable_destroy(reqs);
+}
+
+TEST(a_rank_that_leaves_the_sequence_is_seen_by_every_rank)
+{
+    mpidp_reqtable_t *reqs = table(64);
+    mpidp_callcheck_t *c = check(reqs);
+    ASSERT_TRUE(c != NULL);
+    int bad = 0;
+    for (int odd = 0; odd < size_; odd++)
+        for (int field = 0; field < N; field++) {
+            for (int step = 0; step < 3; step++) {
+                call(c, reqs, 1, 5, 0, &bad);
+                call(c, reqs, 2, 3, 0, &bad);
+            }
+            int64_t sig[N] = {1, 5, 0};
+            if (rank_ == odd) sig[field] += 1;
+            int outcome = call(c, reqs, sig[0], sig[1], sig[2], &bad);
+            ASSERT_EQ_INT(outcome, size_ == 1 ? MPIDP_CALL_PREDICTED : MPIDP_CALL_DIFFER);
+            if (size_ > 1) {
+                const int64_t *rows = mpidp_callcheck_rows(c);
+                for (int q = 0; q < size_; q++) {
+                    const int64_t *row = rows + (size_t)q * MPIDP_CALLCHECK_ROW(N);
+                    ASSERT_EQ_INT((int)row[field], (int)(field == 0 ? 1 : field == 1 ? 5 : 0) +
+                                                       (q == odd));
+                    /* The others posted the prediction, unless the odd rank's
+                     * notification came before they began. */
+                    if (q == odd) ASSERT_EQ_INT((int)row[MPIDP_CALLCHECK_POSTED(N)], 0);
+                    ASSERT_EQ_INT((int)row[MPIDP_CALLCHECK_TOLD(N)], (q == odd));
+                }
+            }
+            /* In step again, from the context of a fresh start. */
+            outcome = call(c, reqs, 2, 3, 0, &bad);
+            ASSERT_TRUE(outcome == MPIDP_CALL_AGREED || outcome == MPIDP_CALL_PREDICTED);
+        }
+    ASSERT_EQ_INT(bad, 0);
+    ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
+    mpidp_callcheck_destroy(c);
+    mpidp_reqtable_destroy(reqs);
+}
+
+TEST(ranks_that_all_leave_it_differently_differ_and_nothing_was_posted)
+{
+    mpidp_reqtable_t *reqs = table(64);
+    mpidp_callcheck_t *c = check(reqs);
+    ASSERT_TRUE(c != NULL);
+    int bad = 0;
+    for (int step = 0; step < 3; step++) call(c, reqs, 1, 2, 0, &bad);
+    int outcome = call(c, reqs, 9, 2, rank_, &bad);
+    ASSERT_EQ_INT(outcome, size_ == 1 ? MPIDP_CALL_AGREED : MPIDP_CALL_DIFFER);
+    const int64_t *rows = mpidp_callcheck_rows(c);
+    for (int q = 0; q < size_; q++) {
+        ASSERT_EQ_INT((int)rows[(size_t)q * MPIDP_CALLCHECK_ROW(N) + 2], q);
+        ASSERT_EQ_INT((int)rows[(size_t)q * MPIDP_CALLCHECK_ROW(N) + MPIDP_CALLCHECK_POSTED(N)],
+                      0);
+    }
+    /* From a fresh start's context, which predicts the first call ever made. */
+    ASSERT_EQ_INT(call(c, reqs, 1, 2, 0, &bad), MPIDP_CALL_PREDICTED);
+    ASSERT_EQ_INT(bad, 0);
+    mpidp_callcheck_destroy(c);
+    mpidp_reqtable_destroy(reqs);
+}
+
+TEST(a_forced_exchange_agrees_on_a_predicted_call)
+{
+    mpidp_reqtable_t *reqs = table(64);
+    mpidp_callcheck_t *c = check(reqs);
+    ASSERT_TRUE(c != NULL);
+    int bad = 0;
+    for (int step = 0; step < 3; step++) call(c, reqs, 4, 1, 0, &bad);
+    int64_t sig[N] = {4, 1, 0};
+    int outcome = -1;
+    ASSERT_OK(mpidp_callcheck_begin(c, sig, 1, reqs, T, &outcome));
+    ASSERT_EQ_INT(outcome, MPIDP_CALL_AGREED);
+    ASSERT_EQ_INT(call(c, reqs, 4, 1, 0, &bad), MPIDP_CALL_PREDICTED);
+    ASSERT_EQ_INT(bad, 0);
+    mpidp_callcheck_destroy(c);
+    mpidp_reqtable_destroy(reqs);
+}
+
+TEST(bad_arguments_are_refused)
+{
+    mpidp_reqtable_t *reqs = table(8);
+    mpidp_callcheck_t *c = NULL;
+    ASSERT_EQ_INT(mpidp_callcheck_create(MPI_COMM_WORLD, 0, reqs, T, &c), MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_callcheck_create(MPI_COMM_WORLD, MPIDP_CALLCHECK_MAX_FIELDS + 1, reqs, T,
+                                         &c),
+                  MPIDP_EINVAL);
+    ASSERT_TRUE(c == NULL);
+    int outcome = -1;
+    ASSERT_EQ_INT(mpidp_callcheck_begin(NULL, NULL, 0, reqs, T, &outcome), MPIDP_EINVAL);
+    ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
+    mpidp_reqtable_destroy(reqs);
+}
+
+TEST_MAIN_MPI(a_repeated_sequence_is_predicted_with_its_data_right,
+              a_long_cycle_of_distinct_calls_is_predicted_whole,
+              a_rank_that_leaves_the_sequence_is_seen_by_every_rank,
+              ranks_that_all_leave_it_differently_differ_and_nothing_was_posted,
+              a_forced_exchange_agrees_on_a_predicted_call, bad_arguments_are_refused)
