@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch._C._distributed_c10d as c10d
 
 from dp_reference import RANK, SIZE
 
@@ -205,6 +206,54 @@ def test_a_strided_tensor_on_one_rank_only_takes_the_same_path():
         out = torch.empty(SIZE, 2 * 6)[:, ::2] if RANK == 0 else torch.empty(SIZE, 6)
         dist.all_gather_into_tensor(out, data(RANK))
         assert torch.equal(out.double(), everyone())
+
+
+def test_a_destroyed_group_refuses_every_call():
+    """destroy_process_group shuts the group's backend down (its check's
+    communicator is freed): a call through a kept handle raises instead of
+    reaching MPI."""
+    group = dist.new_group(list(range(SIZE)))
+    t = data(RANK)
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t.double(), everyone().sum(0))
+    dist.destroy_process_group(group)
+    with pytest.raises(RuntimeError, match="all_reduce on a group that was shut down"):
+        group.allreduce([data(RANK)]).wait()
+    with pytest.raises(RuntimeError, match="gather on a group that was shut down"):
+        group.gather([[torch.empty(6) for _ in range(SIZE)]] if RANK == 0 else [],
+                     [data(RANK)], dist.GatherOptions()).wait()
+    dist.all_reduce(t)          # the default group is untouched
+    assert torch.equal(t.double(), SIZE * everyone().sum(0))
+
+
+def _backend():
+    return dist.group.WORLD._get_backend(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("meta", ["output", "input"])
+def test_tensors_on_two_devices_are_refused_naming_both(meta):
+    """A call's tensors on two devices raise naming both, before anything is
+    sent; the group goes on. (The meta device stands in for a GPU: torch's
+    dispatcher would send a meta tensor to its own no-op kernel, so the
+    backend is called as the dispatcher calls it.)"""
+    output = torch.empty(6 * SIZE, device="meta" if meta == "output" else "cpu")
+    data_in = data(RANK).to("meta" if meta == "input" else "cpu")
+    with pytest.raises(ValueError, match=r"all_gather_into_tensor: the tensors are on "
+                                         r"(cpu and meta|meta and cpu): a collective's tensors "
+                                         r"must all be on one device"):
+        _backend()._allgather_base(output, data_in, c10d.AllgatherOptions())
+    with pytest.raises(ValueError, match="all_gather: the tensors are on"):
+        _backend().allgather([[torch.empty(6, device="meta") for _ in range(SIZE)]],
+                             [data(RANK)], c10d.AllgatherOptions())
+    t = data(RANK)
+    dist.all_reduce(t)
+    assert torch.equal(t.double(), everyone().sum(0))
+
+
+def test_a_meta_tensor_alone_is_refused():
+    opts = c10d.AllreduceOptions()
+    with pytest.raises(ValueError, match="meta device, which holds no values"):
+        _backend().allreduce([torch.ones(3, device="meta")], opts)
 
 
 def test_functional_collectives():

@@ -126,6 +126,7 @@ class BackendMPIDP : public c10d::Backend {
     intrusive_ptr<Work> allreduce(std::vector<at::Tensor> &tensors,
                                   const c10d::AllreduceOptions &opts) override
     {
+        one_device("all_reduce", tensors);
         int op = -1;
         if (tensors.size() == 1 && host_tensor(tensors[0]) &&
             (op = reduce_op(opts.reduceOp, tensors[0].scalar_type())) >= 0) {
@@ -145,6 +146,7 @@ class BackendMPIDP : public c10d::Backend {
     intrusive_ptr<Work> broadcast(std::vector<at::Tensor> &tensors,
                                   const c10d::BroadcastOptions &opts) override
     {
+        one_device("broadcast", tensors);
         if (tensors.size() == 1 && opts.rootTensor == 0 && host_tensor(tensors[0])) {
             Contiguous t(tensors[0]);
             int root = static_cast<int>(opts.rootRank);
@@ -163,6 +165,7 @@ class BackendMPIDP : public c10d::Backend {
     intrusive_ptr<Work> _allgather_base(at::Tensor &output, at::Tensor &input,
                                         const c10d::AllgatherOptions &opts) override
     {
+        one_device("all_gather_into_tensor", input, output);
         if (host_tensor(input) && host_tensor(output) &&
             output.scalar_type() == input.scalar_type() &&
             output.numel() == input.numel() * size_ && !output.is_same(input)) {
@@ -183,6 +186,7 @@ class BackendMPIDP : public c10d::Backend {
     intrusive_ptr<Work> _reduce_scatter_base(at::Tensor &output, at::Tensor &input,
                                              const c10d::ReduceScatterOptions &opts) override
     {
+        one_device("reduce_scatter_tensor", input, output);
         int op = -1;
         if (host_tensor(input) && host_tensor(output) &&
             output.scalar_type() == input.scalar_type() &&
@@ -293,6 +297,15 @@ class BackendMPIDP : public c10d::Backend {
     /* The Python group behind this backend. */
     py::object python_group() const { return fallback_; }
 
+    /* destroy_process_group: the group's own MPI state goes (the check's
+     * side communicator), and every later call raises. Nothing of the fast
+     * path is in flight (each call ran to its end); a call running on
+     * another thread keeps the check, which then lives until the backend
+     * goes. */
+    void shutdown() override { close("shut down (destroy_process_group)"); }
+    /* The same: the Python group's calls in flight end at their deadlines. */
+    void abort() override { close("aborted"); }
+
   private:
     /* The core's op for torch's `op` on `dtype` where the core reduces it as
      * it is; -1 where the Python group stages it (16-bit min/max/product in
@@ -328,10 +341,38 @@ class BackendMPIDP : public c10d::Backend {
                      "and the same settings: " + ranks);
     }
 
+    /* Raises a ValueError naming the devices where a call's tensors are on
+     * more than one: a collective runs on one device's communicator. */
+    template <typename... Tensors> void one_device(const char *call, const Tensors &...tensors)
+    {
+        std::vector<c10::Device> seen;
+        (mpidp_c10d::add_devices(seen, tensors), ...);
+        if (seen.size() < 2) return;
+        std::string names;
+        for (const auto &d : seen) names += (names.empty() ? "" : " and ") + d.str();
+        raise_python(PyExc_ValueError, std::string("mpidp backend: ") + call +
+                                           ": the tensors are on " + names +
+                                           ": a collective's tensors must all be on one device");
+    }
+
+    void close(const char *how)
+    {
+        std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+        closed_ = how;
+        if (lock.owns_lock() && check_ != nullptr && !api->forked()) {
+            api->check_free(check_);
+            check_ = nullptr;
+        }
+    }
+
     /* The ranks' check is state of the group's sequence of calls: one call
-     * at a time (torch makes a group's calls from one thread at a time). */
+     * at a time (torch makes a group's calls from one thread at a time);
+     * none once the group was shut down. */
     std::unique_lock<std::mutex> one_at_a_time(const char *call)
     {
+        if (closed_ != nullptr)
+            raise_python(PyExc_RuntimeError, std::string("mpidp backend: ") + call +
+                                                 " on a group that was " + closed_);
         std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
         if (!lock.owns_lock())
             raise_python(PyExc_RuntimeError,
@@ -388,11 +429,12 @@ class BackendMPIDP : public c10d::Backend {
     template <typename... Args> intrusive_ptr<Work> fallback(const char *method, Args &&...args)
     {
         int index = mpidp_c10d::python_call_index(method);
+        one_device(index >= 0 ? mpidp_c10d::python_calls()[index].second : method, args...);
+        auto lock = one_at_a_time(method);
         if (check_ != nullptr && index >= 0) {
             Signature sig = mpidp_c10d::python_signature(index);
             int differ = 0;
             {
-                auto lock = one_at_a_time(method);
                 run(method, [&](int *ended) {
                     *ended = 1;
                     return api->check_call(comm_, check_, sig.data(), timeout_s_, &differ);
@@ -400,6 +442,7 @@ class BackendMPIDP : public c10d::Backend {
             }
             if (differ) raise_differences(mpidp_c10d::python_calls()[index].second);
         }
+        lock.unlock();
         py::gil_scoped_acquire gil;
         try {
             py::object w = fallback_.attr(method)(std::forward<Args>(args)...);
@@ -415,6 +458,7 @@ class BackendMPIDP : public c10d::Backend {
     const void *comm_ = nullptr;
     void *check_ = nullptr; /* the ranks' check of each call; none at 1 rank or unchecked */
     std::mutex busy_;
+    const char *closed_ = nullptr; /* how the group ended (shutdown, abort) */
     double timeout_s_;
 };
 

@@ -47,6 +47,26 @@ inline bool host_tensor(const at::Tensor &t)
            core_dtype(t.scalar_type()) >= 0 && t.numel() > 0;
 }
 
+/* The devices of a call's tensors, gathered from tensors, lists and lists
+ * of lists: more than one is an error the backend raises. */
+inline void add_devices(std::vector<c10::Device> &seen, const at::Tensor &t)
+{
+    if (!t.defined()) return;
+    for (const auto &d : seen)
+        if (d == t.device()) return;
+    seen.push_back(t.device());
+}
+inline void add_devices(std::vector<c10::Device> &seen, const std::vector<at::Tensor> &ts)
+{
+    for (const auto &t : ts) add_devices(seen, t);
+}
+inline void add_devices(std::vector<c10::Device> &seen,
+                        const std::vector<std::vector<at::Tensor>> &tss)
+{
+    for (const auto &ts : tss) add_devices(seen, ts);
+}
+template <typename T> inline void add_devices(std::vector<c10::Device> &, const T &) {}
+
 inline mpidp_tensor_t core_tensor(const at::Tensor &t)
 {
     mpidp_tensor_t c{};

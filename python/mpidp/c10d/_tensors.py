@@ -11,6 +11,8 @@ copied back when the operation completes."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -78,6 +80,21 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
                           "and complex64/128")
 
 
+_STAGING_WARNED = set()
+
+
+def _warn_staging_once(device: torch.device) -> None:
+    """One warning per process and device type: a device tensor goes
+    through host memory, and why."""
+    if device.type in _STAGING_WARNED:
+        return
+    _STAGING_WARNED.add(device.type)
+    warnings.warn(f"mpidp backend: {device.type} tensors are copied to host memory and back for "
+                  "each collective: this version of the 'mpidp' backend does not yet hand them "
+                  f"to a device communicator (NCCL); expect {device.type} collectives to be "
+                  "slower than NCCL's", RuntimeWarning, stacklevel=3)
+
+
 def staged(t: torch.Tensor, writes: bool, what: str):
     """(a contiguous host tensor of a core dtype holding t's values, and a
     function that copies it back into t -- None when it is t's own memory,
@@ -86,6 +103,11 @@ def staged(t: torch.Tensor, writes: bool, what: str):
     view = (torch.view_as_real(t) if t.is_complex() else t).detach()
     if view.is_cpu and view.is_contiguous():
         return view, None
+    if view.is_meta:
+        raise ValueError(f"mpidp backend: {what} of a tensor on the meta device, which holds no "
+                         "values to communicate")
+    if not view.is_cpu:
+        _warn_staging_once(view.device)
     work = torch.empty(view.shape, dtype=view.dtype, device="cpu")
     work.copy_(view)
     return work, ((lambda: view.copy_(work)) if writes else None)
