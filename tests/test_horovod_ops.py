@@ -206,14 +206,51 @@ def test_a_name_in_flight_cannot_be_reused():
 
 
 def test_join_feeds_zeros_and_returns_the_last_joiner():
-    """Rank r has r + 1 batches; the mean of each allreduce is over the ranks
-    that still had one."""
+    """Rank r has r + 1 batches; a joined rank's part of each allreduce is
+    zeros, and an Average divides by the whole size (Horovod's)."""
     for step in range(RANK + 1):
         out = hvd.allreduce(torch.tensor([float(RANK + 1)]), name=f"loss.{step}")
         active = [r for r in range(SIZE) if r >= step]
-        assert out.item() == pytest.approx(sum(r + 1 for r in active) / len(active))
+        assert out.item() == pytest.approx(sum(r + 1 for r in active) / SIZE)
     assert hvd.join() == SIZE - 1
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE
+
+
+@pytest.mark.parametrize("call", ["allgather", "broadcast"])
+def test_a_collective_beside_a_joined_rank_fails_there_and_join_goes_on(call):
+    """As Horovod's: while a rank has joined, an allgather or broadcast
+    raises a RuntimeError on the ranks that called it; the joined rank goes
+    on waiting, and join() returns the last rank to join on every rank.
+    (Every rank joins first once, so that each made the same number of
+    automatically named calls, as in Horovod's own test.)"""
+    if SIZE == 1:
+        pytest.skip("one rank cannot join beside another")
+    for first in range(SIZE):
+        if RANK == first:
+            last = hvd.join()
+        else:
+            with pytest.raises(RuntimeError, match="had called join"):
+                if call == "allgather":
+                    hvd.allgather(torch.ones(2, 3))
+                else:
+                    hvd.broadcast(torch.ones(2), root_rank=0)
+            last = hvd.join()
+        assert last != first
+        assert hvd.allgather_object(last) == [last] * SIZE
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE
+
+
+def test_a_completed_operation_frees_its_name_unsynchronized():
+    """Horovod frees a name once its operation completed, whether or not
+    anyone synchronized the handle (its duplicate-name tests leave such
+    handles behind)."""
+    h = hvd.allreduce_async(torch.ones(1), name="left")
+    hvd.barrier()
+    while not hvd.poll(h):
+        pass
+    h2 = hvd.allreduce_async(torch.full((1,), 2.0), name="left", op=hvd.Sum)
+    assert hvd.synchronize(h2).item() == 2.0 * SIZE
+    assert hvd.synchronize(h).item() == 1.0
 
 
 def test_barrier_and_process_sets():
@@ -255,6 +292,68 @@ def test_gradients_of_the_collectives():
     w = torch.ones(2, requires_grad=True)
     (hvd.broadcast(w, root_rank=0) * 2).sum().backward()
     assert w.grad.tolist() == ([2.0, 2.0] if RANK == 0 else [0.0, 0.0])
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_reducescatter_gradient_is_horovods(op, grouped):
+    """Horovod's gradient of a reducescatter: every rank's output gradient
+    gathered, times the set's size for a Sum (as it is for an Average),
+    times the scale factors; each rank's upstream gradient differs here."""
+    rows = 2 * SIZE + 1                       # uneven: the first ranks get a row more
+    counts = [rows // SIZE + (r < rows % SIZE) for r in range(SIZE)]
+    w = [data(RANK, (rows, 3)).requires_grad_() for _ in range(2 if grouped else 1)]
+    kind = getattr(hvd, op)
+    if grouped:
+        outs = hvd.grouped_reducescatter(w, op=kind, prescale_factor=2.0)
+    else:
+        outs = [hvd.reducescatter(w[0], op=kind, prescale_factor=2.0)]
+    for k, out in enumerate(outs):
+        assert out.shape == (counts[RANK], 3)
+        (out * (RANK + 1 + k)).sum().backward(retain_graph=True)
+    scale = 2.0 * (SIZE if op == "Sum" else 1)
+    for k, t in enumerate(w):
+        upstream = torch.cat([torch.full((counts[r], 3), float(r + 1 + k)) for r in range(SIZE)])
+        assert torch.allclose(t.grad, upstream * scale), (op, k)
+
+
+def test_grouped_collectives_have_gradients():
+    """grouped_allreduce, grouped_allgather: each output's gradient as its
+    single collective's (Horovod's grouped autograd functions), backward
+    called on each output in turn as Horovod's users do."""
+    w = [data(RANK, (3,)).requires_grad_() for _ in range(3)]
+    summed = hvd.grouped_allreduce(w, op=hvd.Sum)
+    for k, s in enumerate(summed):
+        assert torch.allclose(s.double(), mpi_reduce(w[k].detach(), MPI.SUM))
+        (s * (RANK + 1 + k)).sum().backward()
+    for k, t in enumerate(w):
+        assert torch.allclose(t.grad, torch.full((3,), float(sum(r + 1 + k
+                                                                for r in range(SIZE)))))
+    w = [torch.ones(RANK + 1, 2, requires_grad=True) for _ in range(2)]
+    gathered = hvd.grouped_allgather(w)
+    offset = sum(r + 1 for r in range(RANK))
+    total = sum(r + 1 for r in range(SIZE))
+    for k, g in enumerate(gathered):
+        assert g.shape == (total, 2)
+        # Each rank weighs the rows differently: the gradient is their average.
+        weights = torch.arange(total, dtype=torch.float32)[:, None] * (RANK + 1 + k)
+        (g * weights).sum().backward()
+    for k, t in enumerate(w):
+        mean_factor = sum(r + 1 + k for r in range(SIZE)) / SIZE
+        rows = torch.arange(offset, offset + RANK + 1, dtype=torch.float32)[:, None]
+        assert torch.allclose(t.grad, (rows * mean_factor).expand(-1, 2)), k
+
+
+def test_horovods_error_types_for_bad_arguments():
+    """The exceptions Horovod raises (its users catch them), on every rank,
+    with nothing sent."""
+    with pytest.raises(ValueError, match="0-d tensor has none"):
+        hvd.reducescatter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"tensors\[1\]: grouped_reducescatter .* 0-d"):
+        hvd.grouped_reducescatter([torch.ones(SIZE), torch.tensor(1.0)])
+    with pytest.raises(ValueError, match="splits: expected a 1-D integer tensor"):
+        hvd.alltoall(torch.ones(SIZE), torch.ones(SIZE))
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.errors").item() == SIZE
 
 
 def test_objects_and_parameters():
@@ -321,6 +420,24 @@ def test_sync_batch_norm_matches_batch_norm_over_every_rank():
     # Parameter gradients are each rank's share; their sum is the reference's.
     total = hvd.allreduce(sync.weight.grad, op=hvd.Sum)
     torch.testing.assert_close(total, ref.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_horovod_timeline_dynamic_starts_nothing_at_init(tmp_path, monkeypatch):
+    """HOROVOD_TIMELINE=DYNAMIC (what Horovod's own tests set): init writes
+    no timeline (no file named DYNAMIC); start_timeline starts one later."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    hvd.allreduce(torch.ones(1), name="dynamic.timeline")
+    assert not (tmp_path / "DYNAMIC").exists()
+    path = COMM.bcast(str(tmp_path / "later.json"), root=0)
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(1), name="dynamic.timeline.2")
+    hvd.stop_timeline()
+    if RANK == 0:
+        assert any(e.get("args", {}).get("name") == "dynamic.timeline.2"
+                   for e in json.loads(open(path).read()))
 
 
 def test_timeline_is_chrome_trace_json(tmp_path):

@@ -19,8 +19,10 @@ so the ops wait here, in a queue per process set, until a *round*:
   nothing can ever start: instead of Horovod's stall warnings, every rank
   raises at once, naming what each rank is waiting for.
 - Ranks that called join() take part in rounds with empty lists; the others'
-  allreduces run with zeros from them (the mean is over the ranks that did
-  not join); any other op while a rank has joined fails on every rank.
+  allreduces run with zeros from them (an Average still divides by the
+  set's size, as Horovod's); any other op while a rank has joined fails with an error on
+  the ranks that called it, and the joined ranks go on waiting in join(),
+  as Horovod's.
 
 The data of started ops moves through mpidp's core (_C.Comm, non-blocking,
 with MPIDP_TIMEOUT deadlines); what each kind of op posts and returns is
@@ -112,7 +114,7 @@ def submit(process_set, op: Op, name: Optional[str]) -> int:
         q.unnamed += 1
     elif not isinstance(name, str):
         raise TypeError(f"name: expected a str or None, got {type(name).__name__}")
-    if name in q.queue or name in q.in_flight:
+    if name in q.queue or _still_in_flight(q, name):
         raise ValueError(f"name: an operation named {name!r} is still in flight; give each "
                          "pending operation its own name (synchronize the first one before "
                          "reusing the name)")
@@ -122,6 +124,23 @@ def submit(process_set, op: Op, name: Optional[str]) -> int:
     q.queue[name] = op
     _handles[op.handle] = op
     return op.handle
+
+
+def _still_in_flight(q: "_SetQueue", name: str) -> bool:
+    """Whether the started op named `name` has yet to complete. As in
+    Horovod, a name is free again once its op completed, synchronized or
+    not (a handle nobody waits for must not hold its name forever)."""
+    op = q.in_flight.get(name)
+    if op is None:
+        return False
+    try:
+        done = all(w.is_completed() for w in op.works)
+    except _C.CommError as e:
+        _fail(op, e)          # synchronize() reports it
+        done = True
+    if done:
+        del q.in_flight[name]
+    return not done
 
 
 def _op_of(handle) -> Op:
@@ -166,14 +185,25 @@ def synchronize(handle):
     finally:
         if op.error is not None or op.works is not None:
             _handles.pop(op.handle, None)
-            op.set.in_flight.pop(op.name, None)
-            op.set.queue.pop(op.name, None)
+            # Only this op's entries: its name may name a newer op by now.
+            for table in (op.set.in_flight, op.set.queue):
+                if table.get(op.name) is op:
+                    del table[op.name]
     _timeline.op_done(op)
     if op.error is not None:
         if isinstance(op.error, HorovodInternalError):
             raise op.error
         raise HorovodInternalError(str(op.error)) from op.error
     return op.result
+
+
+def _skip_automatic_name(q: "_SetQueue", name: str) -> None:
+    """An op that ran or failed beside joined ranks took an automatic name
+    ("<kind>.noname.<k>") that the joined ranks never counted: they count
+    it now, so that every rank names its next unnamed op alike."""
+    _, sep, number = name.rpartition(".noname.")
+    if sep and number.isdigit():
+        q.unnamed = max(q.unnamed, int(number) + 1)
 
 
 def _fail(op: Op, error: BaseException) -> None:
@@ -239,21 +269,20 @@ def _round(q: _SetQueue, blocking: bool) -> None:
     ready = [name for name, *_ in lists[first][2]
              if all(name in tables[r] for r in active)]
     started = 0
-    refused = None     # a joined rank without the op still raises with the others
     for name in ready:
         kinds = [tables[r][name][:2] if name in tables[r] else None for r in range(len(lists))]
         reference = kinds[first]
         differing = [r for r in active if kinds[r] != reference]
         op = q.queue.pop(name, None)
         started += 1
+        if joined:
+            _skip_automatic_name(q, name)
         if differing or (joined and reference[0] != "allreduce"):
             message = (_mismatch(name, kinds, active) if differing else
                        f"{reference[0]} {name!r} while rank(s) {joined} had called join(): only "
                        "allreduce can run with joined ranks (they contribute zeros)")
-            if op is not None:
+            if op is not None:   # a joined rank, which lacks it, goes on joining (Horovod's)
                 op.error = HorovodInternalError(message)
-            else:
-                refused = message
             continue
         infos = [tables[r][name][2] if name in tables[r] else None for r in range(len(lists))]
         if op is None:
@@ -266,9 +295,6 @@ def _round(q: _SetQueue, blocking: bool) -> None:
         else:   # a joined rank's zeros: every rank started it, so it completes
             for w in op.works:
                 w.wait()
-    if refused is not None:
-        q.joined_at = None
-        raise HorovodInternalError(refused)
     if started:
         return
     if all(lists[r][0] for r in range(len(lists))):

@@ -102,9 +102,11 @@ def _at_shutdown() -> None:
 
 
 def _at_init() -> None:
-    """hvd.init() with HOROVOD_TIMELINE set starts the timeline."""
+    """hvd.init() with HOROVOD_TIMELINE set to a path starts the timeline;
+    HOROVOD_TIMELINE=DYNAMIC (Horovod's word) starts nothing: the program
+    calls hvd.start_timeline(path) when it wants one."""
     timeline = os.environ.get("HOROVOD_TIMELINE")
-    if timeline:
+    if timeline and timeline != "DYNAMIC":
         start(timeline, os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES") == "1")
 
 

@@ -87,7 +87,9 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
     Unlike Horovod, no zero-gradient step first creates the state of an
     optimizer that has none (that step moves parameters by weight decay and
     leaves momentum behind): a root without state gives every rank none.
-    `model` is accepted for Horovod's signature. LBFGS is refused."""
+    What that step leaves that programs read is kept: every parameter that
+    requires a gradient and has none gets a zero one, as Horovod's. `model`
+    is accepted for Horovod's signature. LBFGS is refused."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -97,3 +99,8 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
                              process_set=process_set)
     if _basics.rank() != root_rank:
         optimizer.load_state_dict(state)
+    if not state["state"]:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)

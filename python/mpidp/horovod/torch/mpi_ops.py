@@ -131,7 +131,9 @@ def _allreduce_op(targets: List[torch.Tensor], op: int, prescale: float, postsca
     active = [0]
 
     def start(o, infos, joined):
-        active[0] = len(infos) - len(joined)
+        # Horovod's Average divides by the set's size, joined ranks (whose
+        # part is zeros) included.
+        active[0] = len(infos)
         works = []
         for buf, code, wire, _ in buffers:
             _scale_(buf, prescale)
@@ -276,15 +278,35 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                                 postscale_factor, process_set))
 
 
+class _GroupedAllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale, postscale, process_set, compression, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        outs = [t.detach().clone() for t in tensors]
+        return tuple(synchronize(_allreduce_async(outs, name, op, prescale, postscale,
+                                                  process_set, compression, "grouped_allreduce",
+                                                  single=False)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # As one allreduce's: the same reduction of the gradients, grouped.
+        op, prescale, postscale, process_set = ctx.args
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=op,
+                                    prescale_factor=prescale, postscale_factor=postscale,
+                                    process_set=process_set)
+        return (None,) * 6 + tuple(reduced)
+
+
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """The reductions of `tensors` (a list), as new tensors, in one operation."""
+    """The reductions of `tensors` (a list), as new tensors, in one operation
+    (differentiable: each gradient is the same reduction of its gradient)."""
     tensors = _check_list(tensors)
     op = handle_average_backwards_compatibility(op, average)
-    outs = [t.detach().clone() for t in tensors]
-    return synchronize(_allreduce_async(outs, name, op, prescale_factor, postscale_factor,
-                                        process_set, compression, "grouped_allreduce",
-                                        single=False))
+    _check_factor("prescale_factor", prescale_factor)
+    _check_factor("postscale_factor", postscale_factor)
+    return list(_GroupedAllreduceFn.apply(name, op, prescale_factor, postscale_factor,
+                                          process_set, compression, *tensors))
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> int:
@@ -322,7 +344,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
     o = Op(None, "sparse_allreduce", _match(kind="sparse_allreduce", dtype=t.dtype, shape=shape,
                                             op=_OP_NAMES[op]),
            int(indices.shape[0]), start, finish)
-    return _submit(o, name, process_set)
+    return _SparseHandle(_submit(o, name, process_set))
+
+
+class _SparseHandle(int):
+    """sparse_allreduce_async's handle: Horovod's is a function that waits
+    and returns the result (its DistributedOptimizer calls it); this one is
+    also an ordinary handle for poll() and synchronize()."""
+
+    def __call__(self):
+        return synchronize(self)
 
 
 # -- allgather ------------------------------------------------------------------------
@@ -363,10 +394,17 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
-        rows = synchronize(allgather_async(torch.tensor([ctx.rows]), None, ctx.process_set))
-        offset = int(rows[:_controller.set_rank(ctx.process_set)].sum())
-        return reduced.narrow(0, offset, ctx.rows), None, None
+        return _allgather_grads([grad], [ctx.rows], ctx.process_set)[0], None, None
+
+
+def _allgather_grads(grads, rows: List[int], process_set) -> list:
+    """Horovod's gradient of an allgather (its autograd function defines it):
+    the rows this rank gave, of the gradients averaged over the set."""
+    reduced = grouped_allreduce([g.contiguous() for g in grads], op=Average,
+                                process_set=process_set)
+    everyone = synchronize(allgather_async(torch.tensor([rows]), None, process_set))
+    offsets = everyone[:_controller.set_rank(process_set)].sum(0)
+    return [r.narrow(0, int(o), n) for r, o, n in zip(reduced, offsets, rows)]
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -382,9 +420,25 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
     return _submit(_allgather_op(tensors, "grouped_allgather", False), name, process_set)
 
 
+class _GroupedAllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mine = _allgather_grads(grads, ctx.rows, ctx.process_set)
+        return (None, None) + tuple(g.reshape(shape) for g, shape in zip(mine, ctx.shapes))
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """allgather of each tensor of the list, as one operation."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """allgather of each tensor of the list, as one operation (differentiable
+    as allgather)."""
+    tensors = _check_list(tensors)
+    return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
 
 
 # -- broadcast ------------------------------------------------------------------------
@@ -463,7 +517,9 @@ def _splits_of(tensor: torch.Tensor, splits, n: int) -> List[int]:
         return [rows // n] * n
     if isinstance(splits, torch.Tensor):
         if splits.dtype.is_floating_point or splits.dim() != 1:
-            raise TypeError("splits: expected a 1-D integer tensor")
+            # ValueError, as Horovod raises for splits of another dtype.
+            raise ValueError(f"splits: expected a 1-D integer tensor, got a {splits.dim()}-D "
+                             f"{splits.dtype} tensor")
         splits = splits.tolist()
     splits = [int(s) for s in splits]
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
@@ -528,8 +584,12 @@ def _reducescatter_op(tensors, op, prescale, postscale, kind, single) -> Op:
     if op not in (Average, Sum):
         raise ValueError(f"op: reducescatter supports hvd.Average and hvd.Sum, got "
                          f"{_OP_NAMES[op]}")
+    for i, t in enumerate(tensors):
+        if t.dim() == 0:   # no dimension to scatter (Horovod refuses it too)
+            raise ValueError(f"tensor{'' if single else f's[{i}]'}: {kind} scatters dimension 0, "
+                             "and a 0-d tensor has none")
     # The core scatters float32/float64 sums; other dtypes reduce in full and keep their rows.
-    bufs = [_host(t.reshape(1) if t.dim() == 0 else t) for t in tensors]
+    bufs = [_host(t) for t in tensors]
     outs: list = []
     active = [0]
 
@@ -591,9 +651,14 @@ class _ReducescatterFn(torch.autograd.Function):
     def backward(ctx, grad):
         op, process_set, scale = ctx.args
         full = synchronize(allgather_async(grad.contiguous(), None, process_set))
-        if op == Average:
-            scale /= _controller.set_size(process_set)
-        return full * scale, None, None, None, None, None
+        return full * _reducescatter_grad_scale(op, process_set, scale), None, None, None, None, None
+
+
+def _reducescatter_grad_scale(op: int, process_set, scale: float) -> float:
+    """Horovod's gradient of a reducescatter (its autograd function defines
+    it): every rank's output gradient gathered, times the set's size for a
+    Sum and as it is for an Average, times the forward's scale factors."""
+    return scale * _controller.set_size(process_set) if op == Sum else scale
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -619,15 +684,32 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     return _submit(o, name, process_set)
 
 
+class _GroupedReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale, postscale, *tensors):
+        ctx.args = (op, process_set, prescale * postscale)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op,
+                                                             process_set, prescale, postscale)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, process_set, scale = ctx.args
+        fulls = synchronize(grouped_allgather_async([g.contiguous() for g in grads], None,
+                                                    process_set))
+        factor = _reducescatter_grad_scale(op, process_set, scale)
+        return (None,) * 5 + tuple(f * factor for f in fulls)
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    """reducescatter of each tensor of the list, as one operation."""
+    """reducescatter of each tensor of the list, as one operation
+    (differentiable as reducescatter)."""
     tensors = _check_list(tensors)
+    op = handle_average_backwards_compatibility(op, None)
     packed = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_reducescatter_async([p for p, _ in packed], name, op,
-                                                   process_set, prescale_factor,
-                                                   postscale_factor))
+    outs = _GroupedReducescatterFn.apply(name, op, process_set, prescale_factor,
+                                         postscale_factor, *[p for p, _ in packed])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, packed)]
 
 
@@ -646,8 +728,8 @@ def synchronize(handle):
 
 def join(device=-1) -> int:
     """This rank has no more batches: until every rank has joined, its part
-    of the others' allreduces is zeros (their mean is over the ranks that
-    had data). Returns the rank that joined last."""
+    of the others' allreduces is zeros (an Average still divides by the
+    whole size, as Horovod's). Returns the rank that joined last."""
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"device: expected an int, got {type(device).__name__}")
     for refuse in _controller.join_refusals:

@@ -310,6 +310,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._patch_step_function()
+    # Horovod's attribute: each trainable parameter's name (scripts read it).
+    wrapped._parameter_names = dict(zip(params, names))
     wrapped._hvd_sync = _Sync(params, names, k, op, wire, process_set)
     wrapped._hvd_sync.attach()
     # An optimizer the program dropped takes its hooks with it: otherwise the
