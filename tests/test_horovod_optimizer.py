@@ -264,3 +264,40 @@ def test_a_dropped_optimizer_stops_reducing():
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_embedding_gradients_stay_sparse(sparse_as_dense):
+    """An Embedding(sparse=True) under SparseAdam (which takes only sparse
+    gradients): the reduced gradient is sparse, its values the mean of every
+    rank's, and SparseAdam steps as on one process with the mean."""
+    inputs = [torch.tensor([[r % 10, (3 * r + 1) % 10, 4]]) for r in range(SIZE)]
+
+    def model():
+        torch.manual_seed(5)
+        return torch.nn.Embedding(10, 3, sparse=True)
+
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(m.parameters()), lr=0.1),
+                                   sparse_as_dense=sparse_as_dense)
+    (m(inputs[RANK]) * (RANK + 1)).sum().backward()
+    opt.step()
+    assert m.weight.grad.is_sparse
+    ref = model()
+    ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
+    sum(((ref(inputs[r]) * (r + 1)).sum() for r in range(SIZE))).backward()
+    ref.weight.grad = ref.weight.grad.coalesce() / SIZE
+    assert torch.allclose(m.weight.grad.to_dense(), ref.weight.grad.to_dense())
+    ref_opt.step()
+    assert torch.allclose(m.weight.detach(), ref.weight.detach(), atol=1e-6)
+
+
+def test_sparse_allreduce_async_returns_a_callable_handle():
+    """Horovod's handle is a function that waits for the result."""
+    t = torch.zeros(6, 2)
+    t[RANK % 6] = RANK + 1.0
+    handle = hvd.sparse_allreduce_async(t.to_sparse(), name="sparse.handle", op=hvd.Sum)
+    dense = torch.zeros(6, 2)
+    for r in range(SIZE):
+        dense[r % 6] += r + 1.0
+    assert torch.equal(handle().to_dense(), dense)

@@ -93,6 +93,18 @@ def _scale_(t: torch.Tensor, factor: float) -> None:
         t.copy_(torch.trunc(t.double() * factor).to(t.dtype))
 
 
+def _average_(t: torch.Tensor, size: int, postscale: float) -> None:
+    """An Average's division by the set's size, then the postscale factor.
+    Divided, not multiplied by 1/size: the quotient is then the correctly
+    rounded one that a program computes itself (x * (1/3) is not x / 3 in
+    float32, and truncates 6 to 1 for integers)."""
+    if t.dtype.is_floating_point:
+        t.div_(size)
+    else:
+        t.copy_(torch.div(t, size, rounding_mode="trunc"))
+    _scale_(t, postscale)
+
+
 def _match(**fields) -> dict:
     return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in fields.items()}
 
@@ -141,9 +153,11 @@ def _allreduce_op(targets: List[torch.Tensor], op: int, prescale: float, postsca
         return works
 
     def finish(o):
-        factor = postscale / active[0] if op == Average else postscale
         for buf, _, _, members in buffers:
-            _scale_(buf, factor)
+            if op == Average:
+                _average_(buf, active[0], postscale)
+            else:
+                _scale_(buf, postscale)
             at = 0
             for i in members:
                 t = targets[i]
@@ -336,7 +350,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
         return works
 
     def finish(o):
-        out = torch.sparse_coo_tensor(gathered["i"].t(), gathered["v"], shape).coalesce()
+        # Checked: the indices came from other ranks, and a bad one would corrupt memory.
+        out = torch.sparse_coo_tensor(gathered["i"].t(), gathered["v"], shape,
+                                      check_invariants=True).coalesce()
         if op == Average:
             out = out / gathered["n"]
         return out.to(device)
@@ -614,11 +630,13 @@ def _reducescatter_op(tensors, op, prescale, postscale, kind, single) -> Op:
 
     def finish(o):
         res = []
-        factor = postscale / active[0] if op == Average else postscale
         for (out, rows), t in zip(outs, tensors):
             if rows is not None:
                 out = out.narrow(0, rows[0], rows[1]).clone()
-            _scale_(out, factor)
+            if op == Average:
+                _average_(out, active[0], postscale)
+            else:
+                _scale_(out, postscale)
             res.append(out.to(t.device))
         return res[0] if single else res
 

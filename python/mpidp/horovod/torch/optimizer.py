@@ -47,7 +47,8 @@ from ..._engines.reducer import GradientReducer, build_reducer
 from .. import _basics, _controller, _timeline
 from .._basics import global_process_set
 from .compression import Compression, NoneCompressor
-from .mpi_ops import Adasum, Average, Sum, handle_average_backwards_compatibility
+from .mpi_ops import (Adasum, Average, Sum, handle_average_backwards_compatibility,
+                      sparse_allreduce_async, synchronize as _synchronize)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -80,9 +81,15 @@ class _OptimizerReducer(GradientReducer):
 class _Sync:
     """The optimizer's link to the reducer: its passes and Horovod's flags."""
 
-    def __init__(self, params, names, k: int, op: int, wire: int, process_set):
+    def __init__(self, params, names, k: int, op: int, wire: int, process_set,
+                 sparse_as_dense: bool = False):
         self.params, self.names, self.k, self.op, self.wire = params, names, k, op, wire
         self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
+        # Sparse gradients (an Embedding(sparse=True)) as they arrived since the
+        # last synchronize(): the reducer sums their dense form; these give the
+        # result its sparse form back (see _sparse_results).
+        self.sparse: dict = {}
         self.reducer: Optional[_OptimizerReducer] = None
         self.handles: list = []
         self.reduced = False        # a backward reduced since the last synchronize()
@@ -121,6 +128,9 @@ class _Sync:
         r.paused = self.k > 1
         self.reducer = r
         self.handles += r.install_hooks(self.params)
+        ref = weakref.ref(self)
+        self.handles += [p.register_hook(lambda g, p=p, ref=ref: _note_sparse(ref, p, g))
+                         for p in self.params]
         mpi.Free()     # the reducer runs on mpidp's own duplicate of it (c)
         if self.k > 1:
             # Horovod counts the backward passes per parameter; the paused
@@ -159,6 +169,7 @@ class _Sync:
                 raise RuntimeError("DistributedOptimizer: the last backward pass did not finish "
                                    "(it raised); its gradients cannot be reduced")
             r.paused = self.k > 1
+        self._sparse_results()
         with torch.no_grad():
             for p in self.params:
                 if p.grad is None:
@@ -166,6 +177,31 @@ class _Sync:
         self.reduced = False
         self.passes = 0
         self.synchronized = True
+
+
+    def _sparse_results(self) -> None:
+        """Sparse gradients stay sparse, as Horovod's: sparse_as_dense=False
+        reduces every rank's indices and values (their union, Average
+        dividing by the size), sparse_as_dense=True takes the reducer's dense
+        mean back to the sparse layout. In parameter order on every rank."""
+        local, self.sparse = self.sparse, {}
+        for name, p in zip(self.names, self.params):
+            grad = local.get(p)
+            if grad is None:
+                continue
+            with torch.no_grad():
+                if self.sparse_as_dense:
+                    p.grad = p.grad.to_sparse(grad.sparse_dim())
+                else:
+                    p.grad = _synchronize(sparse_allreduce_async(
+                        grad, f"DistributedOptimizer.sparse.{name}", self.op, self.process_set))
+
+
+def _note_sparse(ref, p, grad) -> None:
+    sync = ref()
+    if sync is not None and grad.is_sparse:
+        before = sync.sparse.get(p)
+        sync.sparse[p] = grad if before is None else before + grad
 
 
 def _count(ref) -> None:
@@ -312,7 +348,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped._patch_step_function()
     # Horovod's attribute: each trainable parameter's name (scripts read it).
     wrapped._parameter_names = dict(zip(params, names))
-    wrapped._hvd_sync = _Sync(params, names, k, op, wire, process_set)
+    wrapped._hvd_sync = _Sync(params, names, k, op, wire, process_set, sparse_as_dense)
     wrapped._hvd_sync.attach()
     # An optimizer the program dropped takes its hooks with it: otherwise the
     # parameters would go on reducing their gradients through it.
