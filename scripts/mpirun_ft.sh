@@ -39,5 +39,12 @@ launcher=$BASHPID
     done
 ) </dev/null >/dev/null &
 [ -n "${FT_LAUNCH_WITHOUT_ULFM:-}" ] && ft=()
+# prterun keeps its session in ${TMPDIR:-/tmp}/ompi.<its PID>, PMIx's
+# listening sockets included; a prterun killed above (or by a timeout)
+# leaves it behind, and a later prterun that gets the same PID back then
+# fails to start ("The PMIx server's listener thread failed to start"). The
+# PID prterun is about to have is this shell's, so a directory of that name
+# is a dead one's.
+rm -rf "${TMPDIR:-/tmp}/ompi.$BASHPID"
 exec "$DIR/bin/mpirun" "${ft[@]}" -np "$n" --oversubscribe --mca mpi_yield_when_idle 1 \
     --bind-to none "${exports[@]}" "$@"

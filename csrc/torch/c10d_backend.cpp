@@ -9,18 +9,23 @@
  * registered in the dispatcher like gloo and NCCL.
  *
  * Data path: the common calls -- all_reduce, all_gather_into_tensor,
- * reduce_scatter_tensor, broadcast, barrier on contiguous host tensors of a
- * dtype and op the core reduces as they are -- run on the caller's thread
- * through mpidp._C's core operations (csrc/py/c10d_api.h): posted and waited
- * for inline, with no handoff to a worker thread (which costs gloo ~8 us a
- * call), and without the GIL where torch's bindings released it (a
- * strided tensor goes through a contiguous copy). Every other call, and
- * every call the fast path does not take (CUDA, complex, empty, 16-bit
- * min/max),
- * goes to the Python group (mpidp/c10d/_process_group.py), so each rule
- * lives in one place. The fast path's rank agreement is the core's (one
- * small allreduce of the call's signature); on a disagreement the Python
- * group's check runs on every rank and raises its message. */
+ * reduce_scatter_tensor, broadcast, barrier on host tensors of a dtype and
+ * op the core reduces as they are -- run on the caller's thread through
+ * mpidp._C's core operations (csrc/py/c10d_api.h): posted and waited for
+ * inline, with no handoff to a worker thread (which costs gloo ~8 us a
+ * call), and without the GIL where torch's bindings released it (a strided
+ * tensor goes through a contiguous copy). Every other call, and every call
+ * the fast path does not take (CUDA, complex, empty, 16-bit min/max), goes
+ * to the Python group (mpidp/c10d/_process_group.py), so each rule lives in
+ * one place.
+ *
+ * Every collective call, fast or not, is first checked across the ranks by
+ * the core's mpidp/callcheck.h: free while the ranks repeat calls they
+ * agreed on, an exchange of signatures (c10d_signature.hpp) otherwise;
+ * where the ranks differ, every rank raises one ValueError naming what each
+ * group of ranks passed. Whether a call takes the fast path depends on what
+ * the signature holds (and on outputs of the wrong size, which the Python
+ * group refuses), so ranks that passed the same take the same path. */
 #include <Python.h>
 
 #include <torch/csrc/Exceptions.h>

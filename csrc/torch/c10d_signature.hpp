@@ -80,8 +80,7 @@ inline Signature signature(int call, const at::Tensor *t, int op, int root)
 /* The signature of a call the Python group makes (it checks the tensors). */
 inline Signature python_signature(int index)
 {
-    Signature s = signature(MPIDP_C10D_CALL_OTHER + index, nullptr, -1, -1);
-    return s;
+    return signature(MPIDP_C10D_CALL_OTHER + index, nullptr, -1, -1);
 }
 
 inline std::string call_name(int64_t call)
