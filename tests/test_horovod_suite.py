@@ -48,8 +48,11 @@ def run_suite(n: int, tmp_path) -> dict:
         for row in rows:
             if "started" in row:
                 started[rank] = row["started"]
-            elif row["test"] not in results or results[row["test"]].get(rank, ("passed",))[0] \
-                    == "passed":
+                continue
+            # A test reports its call, and its set-up or teardown where they
+            # fail: the first report that is not a pass stands.
+            earlier = results[row["test"]].get(rank)
+            if earlier is None or earlier[0] == "passed":
                 results[row["test"]][rank] = (row["outcome"], row.get("reason", ""))
     LOGS.mkdir(exist_ok=True)
     (LOGS / f"horovod-suite-{n}-ranks.json").write_text(json.dumps(
