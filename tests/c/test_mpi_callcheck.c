@@ -19,6 +19,29 @@
 #define N 3 /* fields: call id, element count, a spare */
 #define T 20.0
 
+/* An allgather of n int64 per rank, each `value`: its buffers (recv:
+ * size x n) and the core tensors over them. */
+typedef struct {
+    int64_t *send, *recv;
+    mpidp_tensor_t s, r;
+} gather_t;
+
+static gather_t gather_of(size_t n, int64_t value)
+{
+    gather_t g = {calloc(n, sizeof(int64_t)), calloc(n * (size_t)size_, sizeof(int64_t)),
+                  {0}, {0}};
+    for (size_t i = 0; i < n; i++) g.send[i] = value;
+    g.s = (mpidp_tensor_t){g.send, n, MPIDP_I64, MPIDP_DEV_CPU, 0, 1};
+    g.r = (mpidp_tensor_t){g.recv, n * (size_t)size_, MPIDP_I64, MPIDP_DEV_CPU, 0, 0};
+    return g;
+}
+
+static void gather_free(gather_t *g)
+{
+    free(g->send);
+    free(g->recv);
+}
+
 /* One call of signature {id, count, extra}: checked, then (unless the ranks
  * differ) an allgather of `count` int64 that each rank fills with its rank
  * and id. Where this rank did not post the prediction that others posted,
@@ -30,14 +53,10 @@ static int call(mpidp_callcheck_t *c, mpidp_reqtable_t *reqs, int64_t id, int64_
     int64_t sig[N] = {id, count, extra};
     int outcome = -1, ended = 0, posted = 0;
     if (mpidp_callcheck_begin(c, sig, 0, reqs, T, &outcome) != MPIDP_OK) return -1;
-    int64_t *send = calloc((size_t)count, sizeof *send);
-    int64_t *recv = calloc((size_t)count * (size_t)size_, sizeof *recv);
-    for (int64_t i = 0; i < count; i++) send[i] = rank_ * 1000 + id;
-    mpidp_tensor_t s = {send, (size_t)count, MPIDP_I64, MPIDP_DEV_CPU, 0, 1};
-    mpidp_tensor_t r = {recv, (size_t)count * (size_t)size_, MPIDP_I64, MPIDP_DEV_CPU, 0, 0};
+    gather_t g = gather_of((size_t)count, rank_ * 1000 + id);
     mpidp_coll_t *x = NULL;
     if (outcome != MPIDP_CALL_DIFFER) {
-        if (mpidp_allgather_start(MPI_COMM_WORLD, &s, &r, reqs, &x) != MPIDP_OK) return -1;
+        if (mpidp_allgather_start(MPI_COMM_WORLD, &g.s, &g.r, reqs, &x) != MPIDP_OK) return -1;
         posted = outcome == MPIDP_CALL_PREDICTED;
         if (posted && mpidp_callcheck_wait(c, &mpidp_coll_operation, x, reqs, T, &outcome) !=
                           MPIDP_OK)
@@ -50,24 +69,20 @@ static int call(mpidp_callcheck_t *c, mpidp_reqtable_t *reqs, int64_t id, int64_
         for (int q = 0; q < size_; q++) {
             const int64_t *row = rows + (size_t)q * MPIDP_CALLCHECK_ROW(N);
             if (!row[MPIDP_CALLCHECK_POSTED(N)]) continue;
-            size_t n = (size_t)row[1];
-            int64_t *ss = calloc(n, sizeof *ss), *rr = calloc(n * (size_t)size_, sizeof *rr);
-            mpidp_tensor_t s2 = {ss, n, MPIDP_I64, MPIDP_DEV_CPU, 0, 1};
-            mpidp_tensor_t r2 = {rr, n * (size_t)size_, MPIDP_I64, MPIDP_DEV_CPU, 0, 0};
-            if (mpidp_allgather_start(MPI_COMM_WORLD, &s2, &r2, reqs, &x) != MPIDP_OK ||
+            gather_t scratch = gather_of((size_t)row[1], 0);
+            if (mpidp_allgather_start(MPI_COMM_WORLD, &scratch.s, &scratch.r, reqs, &x) !=
+                    MPIDP_OK ||
                 mpidp_operation_finish(&mpidp_coll_operation, x, T, &ended) != MPIDP_OK)
                 return -1;
-            free(ss);
-            free(rr);
+            gather_free(&scratch);
             break;
         }
     }
     if (outcome != MPIDP_CALL_DIFFER)
         for (int q = 0; q < size_; q++)
             for (int64_t i = 0; i < count; i++)
-                *bad += recv[(size_t)q * (size_t)count + (size_t)i] != q * 1000 + id;
-    free(send);
-    free(recv);
+                *bad += g.recv[(size_t)q * (size_t)count + (size_t)i] != q * 1000 + id;
+    gather_free(&g);
     return outcome;
 }
 
@@ -76,6 +91,16 @@ static mpidp_callcheck_t *check(mpidp_reqtable_t *reqs)
     mpidp_callcheck_t *c = NULL;
     mpidp_callcheck_create(MPI_COMM_WORLD, N, reqs, T, &c);
     return c;
+}
+
+/* A test's end: frees both; returns how many requests were still pending
+ * (a call that left one in flight). */
+static int teardown(mpidp_callcheck_t *c, mpidp_reqtable_t *reqs)
+{
+    int pending = (int)mpidp_reqtable_pending(reqs);
+    mpidp_callcheck_destroy(c);
+    mpidp_reqtable_destroy(reqs);
+    return pending;
 }
 
 TEST(a_repeated_sequence_is_predicted_with_its_data_right)
@@ -93,9 +118,7 @@ TEST(a_repeated_sequence_is_predicted_with_its_data_right)
             ASSERT_EQ_INT(outcome, (learnt ? MPIDP_CALL_PREDICTED : MPIDP_CALL_AGREED));
         }
     ASSERT_EQ_INT(bad, 0);
-    ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
-    mpidp_callcheck_destroy(c);
-    mpidp_reqtable_destroy(reqs);
+    ASSERT_EQ_INT(teardown(c, reqs), 0);
 }
 
 TEST(a_long_cycle_of_distinct_calls_is_predicted_whole)
@@ -109,8 +132,7 @@ TEST(a_long_cycle_of_distinct_calls_is_predicted_whole)
             predicted += call(c, reqs, 10 + k, 1 + k % 7, 0, &bad) == MPIDP_CALL_PREDICTED;
     ASSERT_EQ_INT(predicted, 58 + 60); /* the second pass's first two contexts are new */
     ASSERT_EQ_INT(bad, 0);
-    mpidp_callcheck_destroy(c);
-    mpidp_reqtable_destroy(reqs);
+    ASSERT_EQ_INT(teardown(c, reqs), 0);
 }
 
 TEST(a_rank_that_leaves_the_sequence_is_seen_by_every_rank)
@@ -146,9 +168,7 @@ TEST(a_rank_that_leaves_the_sequence_is_seen_by_every_rank)
             ASSERT_TRUE(outcome == MPIDP_CALL_AGREED || outcome == MPIDP_CALL_PREDICTED);
         }
     ASSERT_EQ_INT(bad, 0);
-    ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
-    mpidp_callcheck_destroy(c);
-    mpidp_reqtable_destroy(reqs);
+    ASSERT_EQ_INT(teardown(c, reqs), 0);
 }
 
 TEST(ranks_that_all_leave_it_differently_differ_and_nothing_was_posted)
@@ -169,8 +189,7 @@ TEST(ranks_that_all_leave_it_differently_differ_and_nothing_was_posted)
     /* From a fresh start's context, which predicts the first call ever made. */
     ASSERT_EQ_INT(call(c, reqs, 1, 2, 0, &bad), MPIDP_CALL_PREDICTED);
     ASSERT_EQ_INT(bad, 0);
-    mpidp_callcheck_destroy(c);
-    mpidp_reqtable_destroy(reqs);
+    ASSERT_EQ_INT(teardown(c, reqs), 0);
 }
 
 TEST(a_forced_exchange_agrees_on_a_predicted_call)
@@ -186,8 +205,7 @@ TEST(a_forced_exchange_agrees_on_a_predicted_call)
     ASSERT_EQ_INT(outcome, MPIDP_CALL_AGREED);
     ASSERT_EQ_INT(call(c, reqs, 4, 1, 0, &bad), MPIDP_CALL_PREDICTED);
     ASSERT_EQ_INT(bad, 0);
-    mpidp_callcheck_destroy(c);
-    mpidp_reqtable_destroy(reqs);
+    ASSERT_EQ_INT(teardown(c, reqs), 0);
 }
 
 TEST(bad_arguments_are_refused)
