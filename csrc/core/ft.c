@@ -3,6 +3,7 @@
 #include "mpidp/ft.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
@@ -12,6 +13,10 @@
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>
 #endif
+#endif
+
+#if defined(__linux__)
+#include <sys/prctl.h>
 #endif
 
 #if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI && defined(MPIX_ERR_PROC_FAILED)
@@ -217,6 +222,23 @@ int mpidp_ft_exit_watchdog(double seconds)
         return -1;
     }
     return 0;
+}
+
+int mpidp_ft_end_with_launcher(void)
+{
+#if defined(__linux__)
+    pid_t launcher = getppid();
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return 1;
+    /* The launcher may have ended before the request: then the parent is no
+     * longer the one read above, and nothing will send the signal. */
+    if (getppid() != launcher) {
+        kill(getpid(), SIGKILL);
+        return -1;
+    }
+    return 0;
+#else
+    return 1;
+#endif
 }
 
 /* Seconds a rank other than 0 waits before its MPI_Abort in fault-tolerant

@@ -173,6 +173,14 @@ static PyObject *mod_ft_exit_watchdog(PyObject *m, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* ft_end_with_launcher() -> 0, 1 (unsupported here) or -1 (already gone). */
+static PyObject *mod_ft_end_with_launcher(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return PyLong_FromLong(mpidp_ft_end_with_launcher());
+}
+
 /* abort_job(code): end the job (MPI_Abort; staggered in fault-tolerant mode). */
 static PyObject *mod_abort_job(PyObject *m, PyObject *arg)
 {
@@ -206,6 +214,8 @@ PyMethodDef mpidp_py_process_methods[] = {
      "force (coll_libnbc_iallreduce_algorithm), a 0 made `prefer` first; -1: no such setting."},
     {"ft_support", mod_ft_support, METH_NOARGS,
      "ft_support() -> (compiled, running): the MPI has ULFM; the job runs with it on."},
+    {"ft_end_with_launcher", mod_ft_end_with_launcher, METH_NOARGS,
+     "ft_end_with_launcher(): the kernel kills this process when its launcher ends (Linux)"},
     {"ft_exit_watchdog", mod_ft_exit_watchdog, METH_O,
      "ft_exit_watchdog(seconds): end the process with status 0 that much later (at exit, after "
      "ranks were lost: MPI_Finalize may wait for them forever)."},

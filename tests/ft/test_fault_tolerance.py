@@ -12,8 +12,10 @@ main passes, whose Open MPI 4.1 has no ULFM."""
 
 import copy
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -29,12 +31,43 @@ pytestmark = pytest.mark.serial
 
 
 def launch(tmp_path, n, kill, steps=8, **env):
-    """Runs tests/ft/train_ft.py on n ranks; returns the finished process."""
+    """Runs tests/ft/train_ft.py on n ranks; returns the finished process,
+    once no rank of it outlives the job."""
     environ = dict(os.environ, FT_KILL=kill, FT_STEPS=str(steps), MPIDP_TIMEOUT="60")
     environ.update({k: str(v) for k, v in env.items()})
-    return subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
+    proc = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
                            os.path.join(HERE, "train_ft.py"), str(tmp_path)],
                           env=environ, capture_output=True, text=True, timeout=240)
+    assert_no_rank_outlives(str(tmp_path), proc)
+    return proc
+
+
+def ranks_of(job_arg: str) -> list:
+    """PIDs of the processes whose command line has job_arg (a test's own
+    directory, so only that job's ranks)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if job_arg.encode() in args and int(pid) != os.getpid():
+            pids.append(int(pid))
+    return pids
+
+
+def assert_no_rank_outlives(job_arg: str, proc, grace_s=5.0) -> None:
+    """The launcher has exited: every rank must be gone (within grace_s, a
+    dying process's last moments). One that is not is killed, and fails the test."""
+    deadline = time.monotonic() + grace_s
+    while ranks_of(job_arg) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = ranks_of(job_arg)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, (f"ranks {left} outlived the job (mpirun exit {proc.returncode})\n"
+                      + stderr_of(proc)[-3000:])
 
 
 def stderr_of(proc) -> str:
@@ -167,7 +200,9 @@ def test_an_error_that_keeps_recurring_with_no_rank_lost_ends_the_job(tmp_path):
 
 def test_a_survivor_that_never_recovers_ends_the_job_at_the_deadline(tmp_path):
     """Every wait inside recover() has a deadline (MPIDP_TIMEOUT): the others
-    do not wait forever for a survivor that never calls it."""
+    do not wait forever for a survivor that never calls it, and that survivor
+    (asleep outside MPI) ends with the job instead of living on (launch
+    checks that no rank outlives mpirun)."""
     proc = launch(tmp_path, 3, "2:2:backward", MPIDP_TIMEOUT=5, FT_NO_RECOVER=1)
     assert proc.returncode != 0
     assert "took longer than MPIDP_TIMEOUT (5 s); a survivor is not taking part" in proc.stderr, \

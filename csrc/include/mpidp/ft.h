@@ -47,6 +47,16 @@ int mpidp_ft_revoke_all(void);
  * the program is done. Returns 0, or -1 where no thread could start. */
 int mpidp_ft_exit_watchdog(double seconds);
 
+/* Makes the kernel end this process (SIGKILL) when the process that
+ * launched it ends, where the system allows (Linux: PR_SET_PDEATHSIG; else a
+ * no-op returning 1). Open MPI 5's launcher with ULFM does not kill a rank
+ * that is busy outside MPI when another rank aborts the job: prterun exits
+ * and that rank lives on, an orphan (reproduced: a survivor that never calls
+ * recover(), the others aborting at the deadline). A rank must not outlive
+ * its job. Returns 0, 1 where unsupported, or -1 where the launcher had
+ * already gone (the process is then being killed). */
+int mpidp_ft_end_with_launcher(void);
+
 /* Ends the job: MPI_Abort(MPI_COMM_WORLD, code), never returns. With ULFM
  * running, Open MPI 5's launcher (prterun --with-ft ulfm) can deadlock when
  * several ranks call MPI_Abort at the same moment -- every rank gone, the

@@ -77,6 +77,9 @@ def enable() -> None:
         _state.replacement = True
         _state.agree_comm = _mpi.world_mpi().Dup()   # the survivors' recover() makes theirs
         _state.owes_rebuild_agreement = True
+    # Open MPI 5's launcher with ULFM leaves a rank that is busy outside MPI
+    # alive when another aborts the job; the kernel then ends it with prterun.
+    _C.ft_end_with_launcher()
     _state.enabled = True
     _mpi.fault_tolerant = True
     _mpi.revocable(_mpi.world_mpi())
