@@ -1,6 +1,7 @@
-/* Device collectives (mpidp/devcomm.h): the communicator, the stand-in, and
+/* Device collectives (mpidp/devcomm.h): the communicator, MPI and the stand-in, and
  * the generalized requests that put NCCL's operations in the request table.
  * The NCCL and CUDA runtime entry points are devcomm_nccl.c's. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +18,7 @@
 static void standin_land(mpidp_devcomm_t *dc, mpidp_req_t h);
 static void set_failed(mpidp_devcomm_t *dc, int status, const char *detail);
 static int status_locked(const mpidp_devcomm_t *dc);
-static int nccl_start_locked(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
+static int nccl_start_locked(mpidp_devcomm_t *dc, const mpidp_devop_t *op, void *stream,
                              const char *what, mpidp_req_t *out);
 
 /* --- generalized requests: MPI learns of an NCCL operation's end here ----- */
@@ -221,22 +222,103 @@ static int reserve(void **items, size_t *cap, size_t n, size_t size, const char 
     return MPIDP_OK;
 }
 
-static int standin_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
-                         const char *what, mpidp_req_t *out)
+/* The MPI operation of `op` on host or device buffers, posted into the
+ * table; send == recv (or NULL) runs it in place: ALLGATHER then finds this
+ * rank's block in recv, REDUCE_SCATTER its input in recv, the result at its
+ * start. */
+static int post_mpi(mpidp_devcomm_t *dc, const mpidp_devop_t *op, const char *what,
+                    mpidp_req_t *out)
+{
+    if (op->kind == MPIDP_DEVOP_ALLREDUCE && op->send == op->recv)
+        return mpidp__post_iallreduce(dc->comm, dc->reqs, op->recv, op->count, op->op, op->dtype,
+                                      what, out);
+    mpidp_req_t slot;
+    int rc = mpidp_reqtable_claim(dc->reqs, what, &slot);
+    if (rc != MPIDP_OK) return rc;
+    const void *send = op->send == NULL || op->send == op->recv ? MPI_IN_PLACE : op->send;
+    MPI_Datatype type = mpidp_mpi_datatype(op->dtype);
+    int n = (int)op->count;
+    MPI_Request req;
+    int mrc = MPI_ERR_ARG;
+    switch (op->kind) {
+    case MPIDP_DEVOP_ALLREDUCE:
+        mrc = MPI_Iallreduce(send, op->recv, n, type, mpidp_mpi_op(op->op, op->dtype), dc->comm,
+                             &req);
+        break;
+    case MPIDP_DEVOP_BCAST: mrc = MPI_Ibcast(op->recv, n, type, op->root, dc->comm, &req); break;
+    case MPIDP_DEVOP_ALLGATHER:
+        mrc = MPI_Iallgather(send, send == MPI_IN_PLACE ? 0 : n, type, op->recv, n, type,
+                             dc->comm, &req);
+        break;
+    case MPIDP_DEVOP_REDUCE_SCATTER:
+        mrc = MPI_Ireduce_scatter_block(send, op->recv, n, type, mpidp_mpi_op(op->op, op->dtype),
+                                        dc->comm, &req);
+        break;
+    }
+    return mpidp__post_done(dc->reqs, slot, mrc, req, dc->comm, what, out);
+}
+
+/* Elements of `op`'s input and output (mpidp_devop_t's table). */
+static size_t input_count(const mpidp_devcomm_t *dc, const mpidp_devop_t *op)
+{
+    return op->kind == MPIDP_DEVOP_REDUCE_SCATTER ? op->count * (size_t)dc->size : op->count;
+}
+
+static size_t output_count(const mpidp_devcomm_t *dc, const mpidp_devop_t *op)
+{
+    return op->kind == MPIDP_DEVOP_ALLGATHER ? op->count * (size_t)dc->size : op->count;
+}
+
+/* The stand-in: MPI runs `op` in place on a private copy (the shadow, as
+ * large as the bigger side), which lands in recv only at the wait. */
+static int standin_start(mpidp_devcomm_t *dc, const mpidp_devop_t *op, const char *what,
+                         mpidp_req_t *out)
 {
     int rc = reserve((void **)&dc->sops, &dc->cap_sops, dc->n_sops, sizeof *dc->sops, what);
     if (rc != MPIDP_OK) return rc;
-    size_t bytes = count * mpidp_dtype_size(dtype);
-    void *shadow = malloc(bytes ? bytes : 1);
+    size_t elem = mpidp_dtype_size(op->dtype);
+    size_t in = input_count(dc, op), outn = output_count(dc, op);
+    size_t bytes = (in > outn ? in : outn) * elem;
+    char *shadow = malloc(bytes ? bytes : 1);
     if (shadow == NULL) return mpidp__fail(MPIDP_ENOMEM, "%s: stand-in buffer", what);
-    memcpy(shadow, buf, bytes);
-    rc = mpidp__post_iallreduce(dc->comm, dc->reqs, shadow, count, MPIDP_OP_SUM, dtype, what, out);
+    if (op->kind == MPIDP_DEVOP_ALLGATHER)
+        memcpy(shadow + (size_t)dc->rank * op->count * elem, op->send, op->count * elem);
+    else if (op->kind == MPIDP_DEVOP_BCAST)
+        memcpy(shadow, op->recv, op->count * elem);
+    else
+        memcpy(shadow, op->send, in * elem);
+    mpidp_devop_t in_place = *op;
+    in_place.send = in_place.recv = shadow;
+    rc = post_mpi(dc, &in_place, what, out);
     if (rc != MPIDP_OK) {
         free(shadow);
         return rc;
     }
-    dc->sops[dc->n_sops++] = (mpidp__standin_op_t){.h = *out, .buf = buf, .shadow = shadow,
-                                                   .bytes = bytes};
+    dc->sops[dc->n_sops++] = (mpidp__standin_op_t){.h = *out, .buf = op->recv, .shadow = shadow,
+                                                   .bytes = outn * elem};
+    return MPIDP_OK;
+}
+
+/* Refuses what no transport can run, before anything is posted. */
+static int check_op(const mpidp_devcomm_t *dc, const mpidp_devop_t *op, const char *what)
+{
+    int reduces = op->kind == MPIDP_DEVOP_ALLREDUCE || op->kind == MPIDP_DEVOP_REDUCE_SCATTER;
+    if (op->kind < MPIDP_DEVOP_ALLREDUCE || op->kind > MPIDP_DEVOP_REDUCE_SCATTER)
+        return mpidp__fail(MPIDP_EINVAL, "%s: no device collective of kind %d", what, (int)op->kind);
+    if ((op->recv == NULL || (op->send == NULL && op->kind != MPIDP_DEVOP_BCAST)) && op->count > 0)
+        return mpidp__fail(MPIDP_EINVAL, "%s: NULL buffer", what);
+    if (op->kind == MPIDP_DEVOP_BCAST && (op->root < 0 || op->root >= dc->size))
+        return mpidp__fail(MPIDP_EINVAL, "%s: root %d of a group of %d", what, op->root, dc->size);
+    if (reduces && op->op != MPIDP_OP_SUM && op->op != MPIDP_OP_PROD && op->op != MPIDP_OP_MIN &&
+        op->op != MPIDP_OP_MAX)
+        return mpidp__fail(MPIDP_EINVAL, "%s: a device reduction takes sum, product, min or max "
+                           "(op %d)", what, op->op);
+    if (dc->kind != MPIDP_DEVCOMM_NCCL && reduces && mpidp_mpi_op(op->op, op->dtype) == MPI_OP_NULL)
+        return mpidp__fail(MPIDP_EDTYPE, "%s: MPI has no op %d of %s (NCCL has)", what, op->op,
+                           mpidp_dtype_name(op->dtype));
+    if (dc->kind != MPIDP_DEVCOMM_NCCL && input_count(dc, op) > (size_t)INT_MAX / 2 + 1)
+        return mpidp__fail(MPIDP_EINVAL, "%s: %zu elements exceed one MPI call's count", what,
+                           input_count(dc, op));
     return MPIDP_OK;
 }
 
@@ -253,28 +335,34 @@ static void standin_land(mpidp_devcomm_t *dc, mpidp_req_t h)
     }
 }
 
-int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
-                                  void *stream, const char *what, mpidp_req_t *out)
+int mpidp_devcomm_start(mpidp_devcomm_t *dc, const mpidp_devop_t *op, void *stream,
+                        const char *what, mpidp_req_t *out)
 {
-    if (dc == NULL || out == NULL || (buf == NULL && count > 0))
-        return mpidp__fail(MPIDP_EINVAL, "device allreduce: NULL argument");
-    if (dc->kind == MPIDP_DEVCOMM_STANDIN) {
-        int rc = mpidp_devcomm_status(dc);
-        return rc != MPIDP_OK ? rc : standin_start(dc, buf, count, dtype, what, out);
-    }
-    if (dc->kind == MPIDP_DEVCOMM_MPI) {
-        int rc = mpidp_devcomm_status(dc);
-        return rc != MPIDP_OK ? rc : mpidp__post_iallreduce(dc->comm, dc->reqs, buf, count,
-                                                            MPIDP_OP_SUM, dtype, what, out);
+    if (dc == NULL || op == NULL || out == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "device collective: NULL argument");
+    int rc = check_op(dc, op, what);
+    if (rc != MPIDP_OK) return rc;
+    if (dc->kind != MPIDP_DEVCOMM_NCCL) {
+        if ((rc = mpidp_devcomm_status(dc)) != MPIDP_OK) return rc;
+        return dc->kind == MPIDP_DEVCOMM_STANDIN ? standin_start(dc, op, what, out)
+                                                 : post_mpi(dc, op, what, out);
     }
     pthread_mutex_lock(&dc->mu);
-    int rc = nccl_start_locked(dc, buf, count, dtype, stream, what, out);
+    rc = nccl_start_locked(dc, op, stream, what, out);
     pthread_mutex_unlock(&dc->mu);
     return rc;
 }
 
-/* mpidp_devcomm_allreduce_start for NCCL, `mu` held. */
-static int nccl_start_locked(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
+int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
+                                  void *stream, const char *what, mpidp_req_t *out)
+{
+    mpidp_devop_t op = {.kind = MPIDP_DEVOP_ALLREDUCE, .send = buf, .recv = buf, .count = count,
+                        .dtype = dtype, .op = MPIDP_OP_SUM};
+    return mpidp_devcomm_start(dc, &op, stream, what, out);
+}
+
+/* mpidp_devcomm_start for NCCL, `mu` held. */
+static int nccl_start_locked(mpidp_devcomm_t *dc, const mpidp_devop_t *op, void *stream,
                              const char *what, mpidp_req_t *out)
 {
     int rc = status_locked(dc);
@@ -284,7 +372,7 @@ static int nccl_start_locked(mpidp_devcomm_t *dc, void *buf, size_t count, int d
     rc = mpidp_reqtable_claim(dc->reqs, what, &slot);
     if (rc != MPIDP_OK) return rc;
     void *event = NULL;
-    rc = mpidp__nccl_allreduce(dc, buf, count, dtype, stream, what, &event);
+    rc = mpidp__nccl_collective(dc, op, stream, what, &event);
     if (rc != MPIDP_OK) {
         mpidp_reqtable_unclaim(dc->reqs, slot);
         return rc;

@@ -14,10 +14,10 @@ typedef struct {
     double started;    /* mpidp_now() at the start: the watchdog's deadline counts from it */
 } mpidp__devop_t;
 
-/* A stand-in sum: MPI reduces a private copy, which lands in the caller's
- * buffer only when the sum is waited for -- as a device sum is visible only
- * to work ordered after it -- so a caller that forgets to wait reads its
- * own unreduced bucket. */
+/* A stand-in collective: MPI runs it on a private copy, which lands in the
+ * caller's output only when it is waited for -- as a device result is
+ * visible only to work ordered after it -- so a caller that forgets to wait
+ * reads its own unreduced bucket. */
 typedef struct {
     mpidp_req_t h;
     void *buf, *shadow;
@@ -60,14 +60,14 @@ struct mpidp_devcomm {
 /* devcomm_nccl.c, below devcomm.c (it calls nothing there). open: loads
  * the libraries, agrees with every rank that all could, shares rank 0's
  * unique id and makes the NCCL communicator under the deadline (collective;
- * on failure the caller aborts and destroys dc). The allreduce enqueues
- * ncclAllReduce on `stream` and records an event after it (*event);
+ * on failure the caller aborts and destroys dc). The collective enqueues
+ * NCCL's call on `stream` and records an event after it (*event);
  * event_passed: 1 passed, 0 not yet, -1 a CUDA error; async_error: 1 when
  * NCCL reported an error for the communicator (both record the detail). */
 int mpidp__nccl_open(mpidp_devcomm_t *dc, const char *nccl_path, const char *cudart_path,
                      int device, double timeout_s);
-int mpidp__nccl_allreduce(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
-                          const char *what, void **event);
+int mpidp__nccl_collective(mpidp_devcomm_t *dc, const mpidp_devop_t *op, void *stream,
+                           const char *what, void **event);
 int mpidp__nccl_event_passed(mpidp_devcomm_t *dc, void *event);
 void mpidp__nccl_event_release(mpidp_devcomm_t *dc, void *event);
 int mpidp__nccl_async_error(mpidp_devcomm_t *dc);

@@ -19,7 +19,7 @@
 #include "mpidp/tensor.h"
 
 enum { NCCL_SUCCESS = 0, NCCL_INVALID_ARGUMENT = 4, NCCL_INVALID_USAGE = 5, NCCL_IN_PROGRESS = 7 };
-enum { NCCL_SUM = 0 };
+enum { NCCL_SUM = 0, NCCL_PROD = 1, NCCL_MAX = 2, NCCL_MIN = 3 };
 enum { CUDA_SUCCESS = 0, CUDA_NOT_READY = 600, CUDA_EVENT_DISABLE_TIMING = 0x02 };
 #define NCCL_ID_BYTES 128
 #define NCCL_CONFIG_MAGIC 0xcafebeefu
@@ -48,6 +48,9 @@ struct mpidp_nccl_api {
     int (*comm_init_rank_config)(void **, int, nccl_id_t, int, nccl_config_t *);
     int (*comm_init_rank)(void **, int, nccl_id_t, int);
     int (*all_reduce)(const void *, void *, size_t, int, int, void *, void *);
+    int (*broadcast)(const void *, void *, size_t, int, int, void *, void *);
+    int (*all_gather)(const void *, void *, size_t, int, void *, void *);
+    int (*reduce_scatter)(const void *, void *, size_t, int, int, void *, void *);
     int (*comm_get_async_error)(void *, int *);
     int (*comm_abort)(void *);
     int (*comm_destroy)(void *);
@@ -84,6 +87,9 @@ static int open_libraries(struct mpidp_nccl_api *a, const char *nccl_path, const
         {(void **)&a->comm_init_rank_config, a->lib, "ncclCommInitRankConfig", nccl_path},
         {(void **)&a->comm_init_rank, a->lib, "ncclCommInitRank", nccl_path},
         {(void **)&a->all_reduce, a->lib, "ncclAllReduce", nccl_path},
+        {(void **)&a->broadcast, a->lib, "ncclBroadcast", nccl_path},
+        {(void **)&a->all_gather, a->lib, "ncclAllGather", nccl_path},
+        {(void **)&a->reduce_scatter, a->lib, "ncclReduceScatter", nccl_path},
         {(void **)&a->comm_get_async_error, a->lib, "ncclCommGetAsyncError", nccl_path},
         {(void **)&a->comm_abort, a->lib, "ncclCommAbort", nccl_path},
         {(void **)&a->comm_destroy, a->lib, "ncclCommDestroy", nccl_path},
@@ -230,12 +236,44 @@ static int cuda_fail(mpidp_devcomm_t *dc, int crc, const char *what)
     return mpidp__fail(MPIDP_ECUDA, "%s: CUDA: %s", what, dc->api->cuda_error_string(crc));
 }
 
-int mpidp__nccl_allreduce(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype, void *stream,
-                          const char *what, void **event)
+static int nccl_op(int op)
+{
+    switch (op) {
+    case MPIDP_OP_SUM: return NCCL_SUM;
+    case MPIDP_OP_PROD: return NCCL_PROD;
+    case MPIDP_OP_MAX: return NCCL_MAX;
+    case MPIDP_OP_MIN: return NCCL_MIN;
+    }
+    return -1;
+}
+
+/* Enqueues `op` (checked by devcomm.c) on `stream`. */
+static int enqueue(mpidp_devcomm_t *dc, const mpidp_devop_t *op, int type, void *stream)
 {
     struct mpidp_nccl_api *a = dc->api;
-    int type = nccl_type(dtype);
-    if (type < 0) return mpidp__fail(MPIDP_EDTYPE, "%s: NCCL cannot sum %s", what, mpidp_dtype_name(dtype));
+    const void *send = op->send != NULL ? op->send : op->recv;
+    switch (op->kind) {
+    case MPIDP_DEVOP_ALLREDUCE:
+        return a->all_reduce(send, op->recv, op->count, type, nccl_op(op->op), dc->nccl_comm,
+                             stream);
+    case MPIDP_DEVOP_BCAST:
+        return a->broadcast(op->recv, op->recv, op->count, type, op->root, dc->nccl_comm, stream);
+    case MPIDP_DEVOP_ALLGATHER:
+        return a->all_gather(send, op->recv, op->count, type, dc->nccl_comm, stream);
+    case MPIDP_DEVOP_REDUCE_SCATTER:
+        return a->reduce_scatter(send, op->recv, op->count, type, nccl_op(op->op), dc->nccl_comm,
+                                 stream);
+    }
+    return NCCL_INVALID_ARGUMENT;
+}
+
+int mpidp__nccl_collective(mpidp_devcomm_t *dc, const mpidp_devop_t *op, void *stream,
+                           const char *what, void **event)
+{
+    struct mpidp_nccl_api *a = dc->api;
+    int type = nccl_type(op->dtype);
+    if (type < 0)
+        return mpidp__fail(MPIDP_EDTYPE, "%s: NCCL takes no %s", what, mpidp_dtype_name(op->dtype));
     void *ev = NULL;
     if (dc->n_free_events > 0) {
         ev = dc->free_events[--dc->n_free_events];
@@ -243,7 +281,7 @@ int mpidp__nccl_allreduce(mpidp_devcomm_t *dc, void *buf, size_t count, int dtyp
         int crc = a->event_create(&ev, CUDA_EVENT_DISABLE_TIMING);
         if (crc != CUDA_SUCCESS) return cuda_fail(dc, crc, what);
     }
-    int nrc = a->all_reduce(buf, buf, count, type, NCCL_SUM, dc->nccl_comm, stream);
+    int nrc = enqueue(dc, op, type, stream);
     int rc = MPIDP_OK;
     if (nrc == NCCL_IN_PROGRESS) rc = settle(dc, mpidp_now() + 600.0, what);
     else if (nrc != NCCL_SUCCESS) rc = nccl_fail(dc, nrc, what);

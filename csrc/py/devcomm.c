@@ -4,11 +4,14 @@
  *   DevComm(comm, "mpi")                                     a CUDA-aware MPI
  *   DevComm(comm, "standin")                                 tests, CPU memory
  *
- * allreduce_(data_ptr, count, dtype, stream, what) starts an in-place sum
- * and returns a ticket; wait(ticket) waits for it under the process
- * deadline (GIL released) and raises what failed; test(ticket) -> done. The
- * Python side (python/mpidp/_device_reduction.py) holds the tensors and
- * orders the streams: pointers are taken as ints here. */
+ * allreduce_(data_ptr, count, dtype, stream, what) starts an in-place sum,
+ * collective_(kind, send_ptr, recv_ptr, count, dtype, op, root, stream,
+ * what) any of mpidp/devcomm.h's collectives ('allreduce', 'bcast',
+ * 'allgather', 'reduce_scatter'); both return a ticket. wait(ticket) waits
+ * for it under the process deadline (GIL released) and raises what failed;
+ * test(ticket) -> done. The Python side (mpidp/_engines/device_reduction.py,
+ * mpidp/c10d/_device.py) holds the tensors and orders the streams: pointers
+ * are taken as ints here. */
 #include "module.h"
 
 #include <stdint.h>
@@ -107,6 +110,31 @@ static PyObject *devcomm_allreduce_(devcomm_t *d, PyObject *args)
     return ticket_of(h);
 }
 
+/* collective_(kind, send_ptr, recv_ptr, count, dtype, op, root, stream, what) -> ticket */
+static PyObject *devcomm_collective_(devcomm_t *d, PyObject *args)
+{
+    static const char *kinds[] = {"allreduce", "bcast", "allgather", "reduce_scatter"};
+    const char *kind, *what;
+    unsigned long long send, recv, count, stream;
+    int dtype, op, root;
+    if (!PyArg_ParseTuple(args, "sKKKiiiKs:collective_", &kind, &send, &recv, &count, &dtype, &op,
+                          &root, &stream, &what))
+        return NULL;
+    mpidp_devop_t o = {.send = (const void *)(uintptr_t)send, .recv = (void *)(uintptr_t)recv,
+                       .count = (size_t)count, .dtype = dtype, .op = op, .root = root};
+    for (int k = 0; k < 4; k++)
+        if (strcmp(kind, kinds[k]) == 0) o.kind = (mpidp_devop_kind_t)(MPIDP_DEVOP_ALLREDUCE + k);
+    if (o.kind == 0)
+        return PyErr_Format(PyExc_ValueError, "kind: expected 'allreduce', 'bcast', 'allgather' "
+                            "or 'reduce_scatter', got '%s'", kind);
+    if (mpidp_py_check_not_forked(what) < 0 || open_dc(d) == NULL) return NULL;
+    mpidp_req_t h;
+    if (MPIDP_PY_CALL(d->st, what, mpidp_devcomm_start(d->dc, &o, (void *)(uintptr_t)stream,
+                                                      what, &h)) < 0)
+        return NULL;
+    return ticket_of(h);
+}
+
 static PyObject *devcomm_wait(devcomm_t *d, PyObject *arg)
 {
     mpidp_req_t h;
@@ -198,6 +226,8 @@ static void devcomm_dealloc(devcomm_t *d)
 static PyMethodDef devcomm_methods[] = {
     {"allreduce_", (PyCFunction)devcomm_allreduce_, METH_VARARGS,
      "allreduce_(data_ptr, count, dtype, stream, what) -> ticket: start an in-place sum."},
+    {"collective_", (PyCFunction)devcomm_collective_, METH_VARARGS,
+     "collective_(kind, send_ptr, recv_ptr, count, dtype, op, root, stream, what) -> ticket."},
     {"wait", (PyCFunction)devcomm_wait, METH_O, "wait(ticket): until the sum is over; raises its failure."},
     {"test", (PyCFunction)devcomm_test, METH_O, "test(ticket) -> the sum is over."},
     {"check", (PyCFunction)devcomm_check, METH_NOARGS, "Raise why the communicator was aborted, if it was."},

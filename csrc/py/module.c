@@ -148,7 +148,8 @@ static int module_exec(PyObject *m)
     /* The codes Python passes to the core, exported so that Python keeps no copies. */
     static const struct { const char *name; int value; } constants[] = {
         {"DTYPE_F32", MPIDP_F32}, {"DTYPE_F64", MPIDP_F64}, {"DTYPE_BF16", MPIDP_BF16},
-        {"DTYPE_F16", MPIDP_F16}, {"DTYPE_U8", MPIDP_U8}, {"EF_MAX_CHUNK", MPIDP_EF_MAX_CHUNK},
+        {"DTYPE_F16", MPIDP_F16}, {"DTYPE_U8", MPIDP_U8}, {"DTYPE_I8", MPIDP_I8},
+        {"DTYPE_I32", MPIDP_I32}, {"DTYPE_I64", MPIDP_I64}, {"EF_MAX_CHUNK", MPIDP_EF_MAX_CHUNK},
         {"EF_MAX_BINS", MPIDP_EF_MAX_BINS}, {"OP_SUM", MPIDP_OP_SUM}, {"OP_AVG", MPIDP_OP_AVG},
         {"OP_MIN", MPIDP_OP_MIN}, {"OP_MAX", MPIDP_OP_MAX}, {"OP_PROD", MPIDP_OP_PROD},
         {"OP_BAND", MPIDP_OP_BAND}, {"OP_BOR", MPIDP_OP_BOR}, {"OP_BXOR", MPIDP_OP_BXOR},

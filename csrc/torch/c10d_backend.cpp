@@ -17,7 +17,9 @@
  * tensor goes through a contiguous copy). Every other call, and every call
  * the fast path does not take (CUDA, complex, empty, 16-bit min/max), goes
  * to the Python group (mpidp/c10d/_process_group.py), so each rule lives in
- * one place.
+ * one place; CUDA tensors of the common calls go from there to the core's
+ * device communicator (NCCL: mpidp/c10d/_device.py), whose cost per call
+ * is NCCL's own launch, tens of microseconds.
  *
  * Every collective call, fast or not, is first checked across the ranks by
  * the core's mpidp/callcheck.h: free while the ranks repeat calls they
@@ -88,11 +90,13 @@ class Contiguous {
 class BackendMPIDP : public c10d::Backend {
   public:
     /* comm: the group's mpidp._C.Comm; fallback: its Python group, which
-     * takes every call the fast path does not. */
+     * takes every call the fast path does not; host_fast_path false hands
+     * it host tensors too (MPIDP_C10D_DEVICE_COMM=standin: the device
+     * path's logic on CPU tensors). */
     BackendMPIDP(py::object comm, py::object fallback, double timeout_s, bool check, int rank,
-                 int size)
+                 int size, bool host_fast_path)
         : Backend(rank, size), comm_obj_(std::move(comm)), fallback_(std::move(fallback)),
-          timeout_s_(timeout_s)
+          timeout_s_(timeout_s), host_fast_path_(host_fast_path)
     {
         int r = 0, s = 0;
         comm_ = api->comm_of(comm_obj_.ptr(), &r, &s);
@@ -133,7 +137,7 @@ class BackendMPIDP : public c10d::Backend {
     {
         one_device("all_reduce", tensors);
         int op = -1;
-        if (tensors.size() == 1 && host_tensor(tensors[0]) &&
+        if (tensors.size() == 1 && fast(tensors[0]) &&
             (op = reduce_op(opts.reduceOp, tensors[0].scalar_type())) >= 0) {
             Contiguous t(tensors[0]);
             mpidp_tensor_t c = core_tensor(t.get());
@@ -152,7 +156,7 @@ class BackendMPIDP : public c10d::Backend {
                                   const c10d::BroadcastOptions &opts) override
     {
         one_device("broadcast", tensors);
-        if (tensors.size() == 1 && opts.rootTensor == 0 && host_tensor(tensors[0])) {
+        if (tensors.size() == 1 && opts.rootTensor == 0 && fast(tensors[0])) {
             Contiguous t(tensors[0]);
             int root = static_cast<int>(opts.rootRank);
             mpidp_tensor_t c = core_tensor(t.get());
@@ -171,7 +175,7 @@ class BackendMPIDP : public c10d::Backend {
                                         const c10d::AllgatherOptions &opts) override
     {
         one_device("all_gather_into_tensor", input, output);
-        if (host_tensor(input) && host_tensor(output) &&
+        if (fast(input) && fast(output) &&
             output.scalar_type() == input.scalar_type() &&
             output.numel() == input.numel() * size_ && !output.is_same(input)) {
             Contiguous in(input), out(output);
@@ -193,7 +197,7 @@ class BackendMPIDP : public c10d::Backend {
     {
         one_device("reduce_scatter_tensor", input, output);
         int op = -1;
-        if (host_tensor(input) && host_tensor(output) &&
+        if (fast(input) && fast(output) &&
             output.scalar_type() == input.scalar_type() &&
             input.numel() == output.numel() * size_ &&
             (op = reduce_op(opts.reduceOp, input.scalar_type(), true)) >= 0) {
@@ -360,6 +364,9 @@ class BackendMPIDP : public c10d::Backend {
                                            ": a collective's tensors must all be on one device");
     }
 
+    /* A tensor the fast path takes: on the host, contiguous or not. */
+    bool fast(const at::Tensor &t) const { return host_fast_path_ && host_tensor(t); }
+
     void close(const char *how)
     {
         std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
@@ -465,6 +472,7 @@ class BackendMPIDP : public c10d::Backend {
     std::mutex busy_;
     const char *closed_ = nullptr; /* how the group ended (shutdown, abort) */
     double timeout_s_;
+    bool host_fast_path_;
 };
 
 /* The group torch hands the program: torch's own ProcessGroup (whose
@@ -497,9 +505,9 @@ PYBIND11_MODULE(_c10d, m)
         throw std::runtime_error("mpidp._c10d was built against another mpidp._C: rebuild mpidp");
     py::module_::import("torch.distributed");
     py::class_<BackendMPIDP, c10d::Backend, intrusive_ptr<BackendMPIDP>>(m, "BackendMPIDP")
-        .def(py::init<py::object, py::object, double, bool, int, int>(), py::arg("comm"),
+        .def(py::init<py::object, py::object, double, bool, int, int, bool>(), py::arg("comm"),
              py::arg("python_group"), py::arg("timeout_s"), py::arg("check"), py::arg("rank"),
-             py::arg("size"))
+             py::arg("size"), py::arg("host_fast_path") = true)
         .def_property_readonly("python_group", &BackendMPIDP::python_group);
     py::class_<GroupMPIDP, c10d::ProcessGroup, intrusive_ptr<GroupMPIDP>>(m, "GroupMPIDP")
         .def(py::init<const intrusive_ptr<BackendMPIDP> &>(), py::arg("backend"));

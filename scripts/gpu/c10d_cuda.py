@@ -1,5 +1,7 @@
-"""The "mpidp" torch.distributed backend on CUDA tensors (host staging),
-checked against values computed here, and DDP on a CUDA model over
+"""The "mpidp" torch.distributed backend on CUDA tensors (its device path:
+NCCL where every rank has a GPU of its own, MPI on device pointers where
+ranks share one and MPI is CUDA-aware, else host staging; the JSON's
+"device_path" says which ran), checked against values computed here, and DDP on a CUDA model over
 "mpidp" and over gloo, timed. Run at 2 or more ranks on a GPU machine:
 
     mpirun -np 2 python scripts/gpu/c10d_cuda.py
@@ -226,6 +228,10 @@ def main():
     mpidp.init_process_group(backend="gloo")
     group = dist.new_group(backend="mpidp")
     collectives(group)
+    backend = group._get_backend(DEV)
+    device = getattr(getattr(backend, "python_group", group), "_device", None)
+    results["device_path"] = {str(d): (dc.kind if dc is not None else "host staging")
+                              for d, dc in (device._comms.items() if device else ())}
     training(group)
     timing(group)
     passed = all(c["passed"] for c in results["checks"].values())

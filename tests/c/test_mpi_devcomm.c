@@ -43,6 +43,83 @@ TEST(standin_sum_lands_only_when_waited_for)
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
+/* Every kind of device collective, on the stand-in and on MPI with host
+ * pointers (the transport for a CUDA-aware MPI), against the values every
+ * rank's data gives. Each rank's input: (rank + 1) * (k + 1). */
+static void run_every_kind(int *mpidp__test_failed, mpidp_devcomm_t *dc, mpidp_reqtable_t *reqs)
+{
+    enum { C = 5 };
+    double send[C * 8], recv[C * 8];
+    float ranks = (float)size_ * (float)(size_ + 1) / 2.0f;
+    mpidp_req_t h;
+    /* allreduce, out of place: max */
+    for (int k = 0; k < C; k++) send[k] = (rank_ + 1) * (k + 1.0), recv[k] = -1;
+    mpidp_devop_t op = {.kind = MPIDP_DEVOP_ALLREDUCE, .send = send, .recv = recv, .count = C,
+                        .dtype = MPIDP_F64, .op = MPIDP_OP_MAX};
+    ASSERT_OK(mpidp_devcomm_start(dc, &op, NULL, "max", &h));
+    ASSERT_OK(mpidp_devcomm_wait(dc, h, 30.0));
+    for (int k = 0; k < C; k++) ASSERT_NEAR(recv[k], size_ * (k + 1.0), 0);
+    ASSERT_NEAR(send[2], (rank_ + 1) * 3.0, 0); /* the input is only read */
+    /* broadcast from the last rank, in place */
+    for (int k = 0; k < C; k++) recv[k] = (rank_ + 1) * (k + 1.0);
+    op = (mpidp_devop_t){.kind = MPIDP_DEVOP_BCAST, .recv = recv, .count = C,
+                         .dtype = MPIDP_F64, .root = size_ - 1};
+    ASSERT_OK(mpidp_devcomm_start(dc, &op, NULL, "bcast", &h));
+    ASSERT_OK(mpidp_devcomm_wait(dc, h, 30.0));
+    for (int k = 0; k < C; k++) ASSERT_NEAR(recv[k], size_ * (k + 1.0), 0);
+    /* allgather: rank r's block at r * C */
+    for (int k = 0; k < C; k++) send[k] = (rank_ + 1) * (k + 1.0);
+    for (int k = 0; k < C * size_; k++) recv[k] = -1;
+    op = (mpidp_devop_t){.kind = MPIDP_DEVOP_ALLGATHER, .send = send, .recv = recv, .count = C,
+                         .dtype = MPIDP_F64};
+    ASSERT_OK(mpidp_devcomm_start(dc, &op, NULL, "allgather", &h));
+    ASSERT_OK(mpidp_devcomm_wait(dc, h, 30.0));
+    for (int r = 0; r < size_; r++)
+        for (int k = 0; k < C; k++) ASSERT_NEAR(recv[r * C + k], (r + 1) * (k + 1.0), 0);
+    /* reduce-scatter of sums: this rank gets block `rank` summed */
+    for (int k = 0; k < C * 8; k++) send[k] = (rank_ + 1) * (k + 1.0), recv[k] = -1;
+    op = (mpidp_devop_t){.kind = MPIDP_DEVOP_REDUCE_SCATTER, .send = send, .recv = recv,
+                         .count = C, .dtype = MPIDP_F64, .op = MPIDP_OP_SUM};
+    ASSERT_OK(mpidp_devcomm_start(dc, &op, NULL, "reduce_scatter", &h));
+    ASSERT_OK(mpidp_devcomm_wait(dc, h, 30.0));
+    for (int k = 0; k < C; k++) ASSERT_NEAR(recv[k], ranks * (rank_ * C + k + 1.0), 0);
+    ASSERT_NEAR(recv[C], -1, 0); /* nothing beyond the block */
+    /* what no transport runs, refused before anything is posted */
+    op = (mpidp_devop_t){.kind = MPIDP_DEVOP_BCAST, .recv = recv, .count = C,
+                         .dtype = MPIDP_F64, .root = size_};
+    ASSERT_EQ_INT(mpidp_devcomm_start(dc, &op, NULL, "bad root", &h), MPIDP_EINVAL);
+    ASSERT_TRUE(strstr(mpidp_error_detail(), "root") != NULL);
+    op = (mpidp_devop_t){.kind = MPIDP_DEVOP_ALLREDUCE, .send = send, .recv = recv, .count = C,
+                         .dtype = MPIDP_F64, .op = MPIDP_OP_BXOR};
+    ASSERT_EQ_INT(mpidp_devcomm_start(dc, &op, NULL, "bad op", &h), MPIDP_EINVAL);
+    op.kind = (mpidp_devop_kind_t)9;
+    ASSERT_EQ_INT(mpidp_devcomm_start(dc, &op, NULL, "bad kind", &h), MPIDP_EINVAL);
+    ASSERT_EQ_INT(mpidp_reqtable_pending(reqs), 0);
+}
+
+TEST(every_kind_of_collective_on_the_standin)
+{
+    if (size_ > 8) return;
+    mpidp_reqtable_t *reqs = table(8);
+    mpidp_devcomm_t *dc;
+    ASSERT_OK(mpidp_devcomm_create_standin(MPI_COMM_WORLD, reqs, &dc));
+    run_every_kind(mpidp__test_failed, dc, reqs);
+    mpidp_devcomm_destroy(dc, 30.0);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
+TEST(every_kind_of_collective_on_mpi)
+{
+    if (size_ > 8) return;
+    mpidp_reqtable_t *reqs = table(8);
+    mpidp_devcomm_t *dc;
+    ASSERT_OK(mpidp_devcomm_create_mpi(MPI_COMM_WORLD, reqs, &dc));
+    ASSERT_EQ_INT(mpidp_devcomm_kind(dc), MPIDP_DEVCOMM_MPI);
+    run_every_kind(mpidp__test_failed, dc, reqs);
+    mpidp_devcomm_destroy(dc, 30.0);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
 TEST(an_aborted_communicator_refuses_new_sums)
 {
     mpidp_reqtable_t *reqs = table(8);
@@ -167,7 +244,8 @@ TEST(device_mode_refuses_a_wire_dtype)
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
-TEST_MAIN_MPI(standin_sum_lands_only_when_waited_for, an_aborted_communicator_refuses_new_sums,
+TEST_MAIN_MPI(standin_sum_lands_only_when_waited_for, every_kind_of_collective_on_the_standin,
+              every_kind_of_collective_on_mpi, an_aborted_communicator_refuses_new_sums,
               a_sum_nobody_waited_for_is_finished_by_destroy,
               nccl_that_cannot_load_fails_on_every_rank_naming_the_library,
               device_mode_sums_flags_and_records_deliveries, device_mode_refuses_a_wire_dtype)

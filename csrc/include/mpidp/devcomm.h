@@ -1,5 +1,5 @@
-/* Device collectives: sums over a communicator of buffers that live in
- * device memory, reduced where they live.
+/* Device collectives: reductions, broadcasts and gathers over a
+ * communicator of buffers that live in device memory, done where they live.
  *
  * A device communicator is made from an MPI communicator, one per process
  * group, and has one of two transports:
@@ -12,12 +12,13 @@
  *             made non-blocking so that its set-up, like every operation,
  *             runs under a deadline and is aborted (ncclCommAbort) when a
  *             peer never comes.
- *   MPI       an MPI_Iallreduce of the buffer where it lives, for an MPI that
- *             takes device pointers (mpidp_mpi_cuda_aware) where NCCL cannot
- *             serve (ranks sharing a GPU). MPI knows no streams: the caller
+ *   MPI       the MPI operation (MPI_Iallreduce, ...) on the buffers where
+ *             they live, for an MPI that takes device pointers
+ *             (mpidp_mpi_cuda_aware) where NCCL cannot serve (ranks sharing
+ *             a GPU). MPI knows no streams: the caller
  *             posts only once the buffer is written, and reads it only after
  *             the wait.
- *   stand-in  an MPI_Iallreduce of the same buffer in host memory, for tests:
+ *   stand-in  the same MPI operation on buffers in host memory, for tests:
  *             the callers' ordering logic (what is posted when, what waits
  *             for what) runs on machines without a GPU.
  *
@@ -26,7 +27,7 @@
  * blocked in a CUDA synchronisation; the next call that reads the state
  * (a start, a wait, mpidp_devcomm_status) reports why.
  *
- * An allreduce is enqueued on the caller's stream (NCCL) and registered in
+ * A collective is enqueued on the caller's stream (NCCL) and registered in
  * the request table like any MPI operation (as a generalized request that an
  * engine completes once a CUDA event recorded after the NCCL call has
  * passed): so each has a description and a deadline, and a wait that times
@@ -65,11 +66,43 @@ mpidp_devcomm_kind_t mpidp_devcomm_kind(const mpidp_devcomm_t *dc);
 /* The library's version as NCCL codes it (2.28.9 -> 22809); 0 for the stand-in. */
 int mpidp_devcomm_version(const mpidp_devcomm_t *dc);
 
-/* Starts the in-place sum of `count` elements of core dtype `dtype` at `buf`
- * (device memory; host memory for the stand-in) on `stream` (a cudaStream_t;
- * ignored by the stand-in), registered in the table as `what`; *out names
- * it for mpidp_reqtable_test/_wait. Every rank starts the same sums in the
- * same order. After an abort every start fails with MPIDP_ESTATE. */
+/* One device collective. `count` counts elements of core dtype `dtype`:
+ *   ALLREDUCE       send and recv hold count (send == recv: in place); op is
+ *                   MPIDP_OP_SUM, _PROD, _MIN or _MAX
+ *   BCAST           recv holds count, root's is sent (send unused)
+ *   ALLGATHER       send holds count, recv count x size (rank r's at r x count)
+ *   REDUCE_SCATTER  send holds count x size, recv count (the sum of every
+ *                   rank's block `rank`); op as ALLREDUCE
+ * send is read and recv written in stream order (NCCL), or between the start
+ * and the wait (MPI, the stand-in). */
+typedef enum {
+    MPIDP_DEVOP_ALLREDUCE = 1,
+    MPIDP_DEVOP_BCAST = 2,
+    MPIDP_DEVOP_ALLGATHER = 3,
+    MPIDP_DEVOP_REDUCE_SCATTER = 4,
+} mpidp_devop_kind_t;
+
+typedef struct {
+    mpidp_devop_kind_t kind;
+    const void *send;
+    void *recv;
+    size_t count;
+    int dtype;
+    int op;
+    int root;
+} mpidp_devop_t;
+
+/* Starts `op` on `stream` (a cudaStream_t; ignored by MPI and the
+ * stand-in), registered in the table as `what`; *out names it for
+ * mpidp_devcomm_wait. Every rank starts the same operations in the same
+ * order. After an abort every start fails with MPIDP_ESTATE; an op, dtype
+ * or root the transport cannot take fails with MPIDP_EINVAL or
+ * MPIDP_EDTYPE, naming it, before anything is posted. */
+int mpidp_devcomm_start(mpidp_devcomm_t *dc, const mpidp_devop_t *op, void *stream,
+                        const char *what, mpidp_req_t *out);
+
+/* mpidp_devcomm_start of the in-place sum of `count` elements at `buf`
+ * (DataParallel's gradient buckets). */
 int mpidp_devcomm_allreduce_start(mpidp_devcomm_t *dc, void *buf, size_t count, int dtype,
                                   void *stream, const char *what, mpidp_req_t *out);
 

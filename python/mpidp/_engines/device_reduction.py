@@ -53,40 +53,50 @@ _DELIVER_COPY, _DELIVER_ADD = 1, 2   # as Reducer.device_deliveries reports them
 
 
 def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hierarchical: bool,
-                    fault_tolerant: bool) -> Optional[_C.DevComm]:
+                    fault_tolerant: bool,
+                    setting: str = "MPIDP_DP_DEVICE_COMM") -> Optional[_C.DevComm]:
     """The device communicator DataParallel reduces `device`'s gradients with,
     or None for the host path (staging on a GPU). Collective (the setting
     itself is compared across ranks with DataParallel's others): every rank
     learns every rank's view, so all take the same path, also where some
     ranks train on CPUs."""
-    asked = config.get("MPIDP_DP_DEVICE_COMM")
+    return choose_device_comm(mpi_comm, c_comm, device, by_arguments=bool(
+        wire or hierarchical or fault_tolerant), setting=setting)[0]
+
+
+def choose_device_comm(mpi_comm, c_comm, device: torch.device, *, by_arguments: bool,
+                       setting: str) -> Tuple[Optional[_C.DevComm], Optional[str]]:
+    """device_comm_for's choice and, where it is the host path for a GPU
+    tensor, why (the "mpidp" backend warns with it). `setting` names the
+    variable that picks by hand (MPIDP_DP_DEVICE_COMM, MPIDP_C10D_DEVICE_COMM);
+    by_arguments: the caller's own arguments take the host path."""
+    asked = config.get(setting)
+    held = "parameters" if setting == "MPIDP_DP_DEVICE_COMM" else "tensors"
     if asked == "staging":
-        return None
+        return None, f"{setting}=staging"
     if asked == "standin" and device.type != "cpu":
-        raise ValueError("MPIDP_DP_DEVICE_COMM=standin runs the device path's logic on CPU "
-                         f"tensors (tests); the parameters are on {device}")
+        raise ValueError(f"{setting}=standin runs the device path's logic on CPU "
+                         f"tensors (tests); the {held} are on {device}")
     aware = device.type != "cuda" or _C.mpi_cuda_aware()
-    # DataParallel's own arguments may choose a path through the host.
-    by_arguments = bool(wire or hierarchical or fault_tolerant)
     reason = None
     if asked not in ("standin", "mpi") and device.type != "cuda":
-        reason = f"the parameters are on {device}"
+        reason = f"the {held} are on {device}"
     gpu_id = _gpu_identity(device) if reason is None and asked not in ("standin", "mpi") else None
     libs = _nccl_libraries() if gpu_id is not None and not by_arguments else None
     if gpu_id is not None and not by_arguments and libs is None:
         reason = "NCCL is not loaded in this process (torch's libnccl)"
     views = mpi_comm.allgather((reason, gpu_id, by_arguments, aware))
     if any(v[2] for v in views):
-        return None
+        return None, "fault-tolerant mode (or the caller's settings) goes through the host"
     if asked == "standin":
-        return _shared(c_comm, "standin", lambda: _C.DevComm(c_comm, "standin"))
+        return _shared(c_comm, "standin", lambda: _C.DevComm(c_comm, "standin")), None
     all_aware = all(v[3] for v in views)
     if asked == "mpi":
         if not all_aware:
             rank = next(r for r, v in enumerate(views) if not v[3])
-            raise ValueError(f"MPIDP_DP_DEVICE_COMM=mpi: rank {rank}'s MPI does not take device "
+            raise ValueError(f"{setting}=mpi: rank {rank}'s MPI does not take device "
                              "pointers (MPIX_Query_cuda_support)")
-        return _shared(c_comm, "mpi", lambda: _C.DevComm(c_comm, "mpi"))
+        return _shared(c_comm, "mpi", lambda: _C.DevComm(c_comm, "mpi")), None
     problem = next((f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0]), None)
     ids = [v[1] for v in views]
     shared_gpu = problem is None and len(set(ids)) < len(ids)
@@ -94,13 +104,13 @@ def device_comm_for(mpi_comm, c_comm, device: torch.device, *, wire: bool, hiera
         problem = "two ranks share a GPU (NCCL needs one GPU per rank)"
     if problem is not None:
         if asked == "nccl":
-            raise ValueError(f"MPIDP_DP_DEVICE_COMM=nccl: {problem}")
+            raise ValueError(f"{setting}=nccl: {problem}")
         if shared_gpu and all_aware:  # NCCL cannot serve, a CUDA-aware MPI can
-            return _shared(c_comm, "mpi", lambda: _C.DevComm(c_comm, "mpi"))
-        return None
+            return _shared(c_comm, "mpi", lambda: _C.DevComm(c_comm, "mpi")), None
+        return None, problem + (" and MPI does not take device pointers" if shared_gpu else "")
     nccl, cudart = libs
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _shared(c_comm, f"nccl:{index}", lambda: _nccl_comm(c_comm, nccl, cudart, index))
+    return _shared(c_comm, f"nccl:{index}", lambda: _nccl_comm(c_comm, nccl, cudart, index)), None
 
 
 def _nccl_comm(c_comm, nccl: str, cudart: str, index: int) -> _C.DevComm:

@@ -92,6 +92,12 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("MPIDP_C10D_CHECK", True, _flag, "0 or 1",
             "the torch.distributed backend 'mpidp' checks that every rank passed the same "
             "shape, dtype and settings before each collective (one small allreduce)"),
+    Setting("MPIDP_C10D_DEVICE_COMM", "auto", _choice("auto", "nccl", "mpi", "staging", "standin"),
+            "'auto', 'nccl', 'mpi', 'staging' or 'standin'",
+            "how the \"mpidp\" torch.distributed backend moves CUDA tensors (all_reduce, "
+            "broadcast, all_gather_into_tensor, reduce_scatter_tensor): as MPIDP_DP_DEVICE_COMM "
+            "chooses for DataParallel; staging copies through the host, standin runs the device "
+            "path's logic on CPU tensors over MPI (tests)"),
     Setting("MPIDP_C10D_IMPL", "cpp", _choice("python", "cpp"), "'cpp' or 'python'",
             "the 'mpidp' backend's groups: 'cpp' (where mpidp was built with torch) runs the "
             "common collectives on host tensors inline in C++ (mpidp._c10d, a c10d::Backend "

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from .. import _C
 from .._runtime import config
 from .._runtime.agreement import agree, crc_of
+from ._device import DevicePath
 from ._tensors import check_dtype, exported, reduction, staged
 from ._work import MPIDPWork
+
 
 def _root(opts) -> int:
     return int(opts.rootRank)
@@ -52,6 +54,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         if timeout is not None and timeout.total_seconds() > 0:
             self._timeout_s = min(self._timeout_s, timeout.total_seconds())
         self._check = bool(config.get("MPIDP_C10D_CHECK"))
+        self._device = DevicePath(self)
         self._name = ""
         self._desc = ""
 
@@ -146,6 +149,10 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
         t = _one(tensors, "all_reduce")
+        if self._device.takes(t):
+            w = self._device.allreduce(t, opts.reduceOp)
+            if w is not None:
+                return w
         op, work, prepare, finish = reduction(t, opts.reduceOp, self._comm.size, "all_reduce")
         self._agree("all_reduce", work, op=op)
         if prepare is not None:
@@ -191,6 +198,11 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
             raise ValueError(f"mpidp backend: reduce_scatter_tensor: the input must hold "
                              f"{size} x the output's {output.numel()} elements, got "
                              f"{input.numel()}")
+        if self._device.takes(input) and output.device == input.device and \
+                output.dtype == input.dtype:
+            w = self._device.reduce_scatter(output, input, opts.reduceOp)
+            if w is not None:
+                return w
         send, _ = staged(input, False, "reduce_scatter_tensor")
         counts = (output.numel(),) * size
         return self._reduce_scatter(output, send.reshape(-1), counts, opts.reduceOp,
@@ -225,6 +237,11 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         opts = opts if opts is not None else dist.BroadcastOptions()
         t = _one(tensors, "broadcast")
         root = _root(opts)
+        if self._device.takes(t):
+            check_dtype(t, "broadcast")
+            w = self._device.broadcast(t, root)
+            if w is not None:
+                return w
         work, finish = staged(t, self._comm.rank != root, "broadcast")
         self._agree("broadcast", work, root=root)
         c = self._comm.bcast(exported(work.reshape(-1)), root, True)
@@ -263,6 +280,11 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         if output.dtype != input.dtype:
             raise TypeError(f"mpidp backend: all_gather_into_tensor: an output of "
                             f"{output.dtype} for an input of {input.dtype}")
+        if self._device.takes(input) and output.device == input.device:
+            check_dtype(input, "all_gather_into_tensor")
+            w = self._device.all_gather(output, input)
+            if w is not None:
+                return w
         send, _ = staged(input, False, "all_gather_into_tensor")
         recv, finish = staged(output, True, "all_gather_into_tensor")
         self._agree("all_gather_into_tensor", send)

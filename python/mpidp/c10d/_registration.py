@@ -74,12 +74,14 @@ def _group(comm, timeout, members):
     if not cpp:
         return group
     backend = _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
-                                 comm.Get_rank(), comm.Get_size())
+                                 comm.Get_rank(), comm.Get_size(),
+                                 host_fast_path=config.get("MPIDP_C10D_DEVICE_COMM") != "standin")
     return _c10d.GroupMPIDP(backend)
 
 
 _SETTINGS = ("MPIDP_C10D_IMPL (cpp, or python: set so, or a build without torch)",
-             "MPIDP_C10D_CHECK")
+             "MPIDP_C10D_CHECK", "MPIDP_C10D_DEVICE_COMM")
+_DEVICE_COMMS = ("auto", "nccl", "mpi", "staging", "standin")
 
 
 def _refuse_different_settings(group: ProcessGroupMPIDP, cpp: bool) -> None:
@@ -91,7 +93,9 @@ def _refuse_different_settings(group: ProcessGroupMPIDP, cpp: bool) -> None:
     if c.size == 1:
         return
     table = torch.zeros(c.size, len(_SETTINGS), dtype=torch.float64)
-    table[c.rank] = torch.tensor([float(cpp), float(group.checks)], dtype=torch.float64)
+    device_comm = _DEVICE_COMMS.index(config.get("MPIDP_C10D_DEVICE_COMM"))
+    table[c.rank] = torch.tensor([float(cpp), float(group.checks), float(device_comm)],
+                                 dtype=torch.float64)
     c.allreduce(table, _C.OP_SUM, _C.NO_WIRE, False)
     for col, name in enumerate(_SETTINGS):
         differ = [r for r in range(c.size) if table[r, col] != table[0, col]]

@@ -4,7 +4,8 @@ back into the caller's tensors.
 
 The C core takes contiguous host tensors of float32/64, bfloat16, float16,
 int8/16/32/64, uint8 and bool. Everything else a torch user passes is
-staged here: CUDA tensors through host copies (until device paths come),
+staged here: CUDA tensors through host copies (where the device path,
+_device.py, does not take the call),
 non-contiguous ones through contiguous copies, complex ones as their real
 view (sums only), 16-bit floats' min/max/product in float32; the result is
 copied back when the operation completes."""
@@ -80,7 +81,7 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
                           "and complex64/128")
 
 
-_STAGING_WARNED = set()
+_STAGING_WARNED = set()   # device types warned of (also by _device.py)
 
 
 def _warn_staging_once(device: torch.device) -> None:
@@ -90,9 +91,9 @@ def _warn_staging_once(device: torch.device) -> None:
         return
     _STAGING_WARNED.add(device.type)
     warnings.warn(f"mpidp backend: {device.type} tensors are copied to host memory and back for "
-                  "each collective: this version of the 'mpidp' backend does not yet hand them "
-                  f"to a device communicator (NCCL); expect {device.type} collectives to be "
-                  "slower than NCCL's", RuntimeWarning, stacklevel=3)
+                  "collectives the device communicator does not take (it takes all_reduce, "
+                  "broadcast, all_gather_into_tensor and reduce_scatter_tensor of the dtypes "
+                  "NCCL reduces)", RuntimeWarning, stacklevel=3)
 
 
 def staged(t: torch.Tensor, writes: bool, what: str):
