@@ -226,6 +226,24 @@ def test_a_destroyed_group_refuses_every_call():
     assert torch.equal(t.double(), SIZE * everyone().sum(0))
 
 
+@pytest.mark.skipif(SIZE < 2, reason="excludes a rank")
+def test_shrink_group_goes_on_without_the_excluded_rank():
+    """torch's shrink_group: the remaining ranks (only they call it) get a
+    group of themselves, whose sums are theirs; the old group is destroyed;
+    every rank passed the same ranks_to_exclude (a check over the new group)."""
+    group = dist.new_group(list(range(SIZE)))
+    gone = SIZE - 1
+    if RANK != gone:
+        shrunk = dist.shrink_group([gone], group=group)
+        assert shrunk.size() == SIZE - 1 and shrunk.rank() == RANK
+        assert dist.get_process_group_ranks(shrunk) == list(range(SIZE - 1))
+        t = data(RANK)
+        dist.all_reduce(t, group=shrunk)
+        assert torch.equal(t.double(), everyone()[:gone].sum(0))
+        dist.destroy_process_group(shrunk)
+    dist.barrier()
+
+
 def _backend():
     return dist.group.WORLD._get_backend(torch.device("cpu"))
 

@@ -306,6 +306,28 @@ class BackendMPIDP : public c10d::Backend {
     /* The Python group behind this backend. */
     py::object python_group() const { return fallback_; }
 
+    /* torch.distributed.shrink_group: a backend over this group's ranks
+     * less `ranks_to_exclude`, made by mpidp/c10d/_shrink.py (MPI's
+     * communicator of the remaining ranks; in fault-tolerant mode ULFM's
+     * shrink of the survivors, under the deadline). Called on the remaining
+     * ranks only. */
+    bool supportsShrinking() const override { return true; }
+    intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t> &ranks_to_exclude,
+                                        int shrink_flags,
+                                        const intrusive_ptr<Options> &) override
+    {
+        py::gil_scoped_acquire gil;
+        try {
+            py::object made = py::module_::import("mpidp.c10d._shrink")
+                                  .attr("shrunk_backend")(fallback_, ranks_to_exclude,
+                                                          shrink_flags);
+            return made.cast<intrusive_ptr<BackendMPIDP>>();
+        } catch (py::error_already_set &e) {
+            e.restore();
+            throw python_error();
+        }
+    }
+
     /* destroy_process_group: the group's own MPI state goes (the check's
      * side communicator), and every later call raises. Nothing of the fast
      * path is in flight (each call ran to its end); a call running on

@@ -222,6 +222,28 @@ def test_a_program_on_torch_distributed_alone_recovers():
     assert done == [f"done {r} {want} 2" for r in (0, 1)], out.stdout + stderr_of(out)[-3000:]
 
 
+def test_torch_shrink_group_goes_on_with_the_survivors():
+    """dist.shrink_group on a subgroup and on the default group, excluding
+    the failed rank (ULFM's shrink of the revoked communicators): the sums
+    on each after it are the survivors'."""
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "3", sys.executable,
+                          os.path.join(HERE, "shrink_group.py")], capture_output=True, text=True,
+                         timeout=120)
+    done = sorted(line for line in out.stdout.splitlines() if line.startswith("done"))
+    assert done == [f"done {r} [6.0, 6.0, 3.0, 3.0] 2" for r in (0, 1)], \
+        out.stdout + stderr_of(out)[-3000:]
+
+
+def test_torch_shrink_group_that_leaves_out_a_live_rank_ends_the_job_at_the_deadline():
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "2", sys.executable,
+                          os.path.join(HERE, "shrink_group.py")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, FT_SHRINK_LIVE="1"))
+    assert out.returncode != 0
+    assert ("shrink_group on rank 0: the live ranks' shrink took longer than the group's "
+            "timeout (3 s); in fault-tolerant mode every live rank") in out.stderr, \
+        out.stdout + stderr_of(out)[-3000:]
+
+
 def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path):
     """Non-blocking DataParallel: a step's end is the next forward, which
     applies it; a rank lost between step() and that forward discards that

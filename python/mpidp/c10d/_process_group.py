@@ -115,6 +115,11 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         return self._check
 
     @property
+    def global_ranks(self) -> list:
+        """The group's ranks in the default group (the job's, for messages)."""
+        return list(self._global_ranks)
+
+    @property
     def mpi_comm(self):
         """The mpi4py communicator this group was made from."""
         return self._mpi_comm

@@ -64,19 +64,25 @@ def _create(opts, pg_options=None) -> dist.ProcessGroup:
 
 
 def _group(comm, timeout, members):
-    """The group over `comm`: the C++ backend (mpidp._c10d) in front of the
-    Python ProcessGroupMPIDP, which runs the common calls itself and hands it
-    the rest; the Python group alone with MPIDP_C10D_IMPL=python or where
-    mpidp was built without torch."""
+    """The group over `comm`: torch's ProcessGroup over the C++ backend
+    (below), or the Python group alone."""
+    backend = backend_over(comm, timeout, members)
+    return backend if isinstance(backend, ProcessGroupMPIDP) else _c10d.GroupMPIDP(backend)
+
+
+def backend_over(comm, timeout, members):
+    """The backend over `comm` (collective over it): the C++ backend
+    (mpidp._c10d) in front of the Python ProcessGroupMPIDP, which runs the
+    common calls itself and hands it the rest; the Python group alone with
+    MPIDP_C10D_IMPL=python or where mpidp was built without torch."""
     group = ProcessGroupMPIDP(comm, timeout, members)
     cpp = config.get("MPIDP_C10D_IMPL") == "cpp" and _c10d is not None
     _refuse_different_settings(group, cpp)
     if not cpp:
         return group
-    backend = _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
-                                 comm.Get_rank(), comm.Get_size(),
-                                 host_fast_path=config.get("MPIDP_C10D_DEVICE_COMM") != "standin")
-    return _c10d.GroupMPIDP(backend)
+    return _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
+                              comm.Get_rank(), comm.Get_size(),
+                              host_fast_path=config.get("MPIDP_C10D_DEVICE_COMM") != "standin")
 
 
 _SETTINGS = ("MPIDP_C10D_IMPL (cpp, or python: set so, or a build without torch)",

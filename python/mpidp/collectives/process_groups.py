@@ -51,7 +51,12 @@ class StoreForMPIDPOnly(dist.Store):
     # inside torch with an internal assertion instead of this message).
     set = get = add = compare_set = wait = check = delete_key = num_keys = _refuse
     multi_get = multi_set = append = queue_push = queue_pop = queue_len = _refuse
-    clone = barrier = list_keys = _refuse
+    barrier = list_keys = _refuse
+
+    def clone(self) -> "StoreForMPIDPOnly":
+        """Itself: a copy would refuse the same (torch's shrink_group clones
+        the group's store for the new group, which does not use it)."""
+        return self
 
 
 # torch keeps only the C++ half of a Python store; the Python object, which

@@ -151,7 +151,7 @@ def recover(replace: bool = False) -> Membership:
         revoke_everything()
         old_world = _mpi.world_mpi()
         if not _state.agreed:
-            with _deadline("the survivors' agreement that a rank failed"):
+            with deadline("the survivors' agreement that a rank failed"):
                 try:
                     _state.agree_comm.Agree(0)   # this round's agreement: every survivor is in it
                 except MPI.Exception:
@@ -161,13 +161,13 @@ def recover(replace: bool = False) -> Membership:
         _drain_core()
         times["agreement"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        with _deadline("shrinking the world to the survivors"):
+        with deadline("shrinking the world to the survivors"):
             survivors = _shrink(_state.agree_comm)
         times["shrink"] = time.perf_counter() - t1
         joined = ()
         if replace and survivors.Get_size() < old_world.Get_size():
             t_spawn = time.perf_counter()
-            with _deadline("spawning the replacements"):
+            with deadline("spawning the replacements"):
                 survivors, joined = _spawn_replacements(
                     survivors, old_world.Get_size() - survivors.Get_size())
             times["spawn"] = time.perf_counter() - t_spawn
@@ -217,7 +217,7 @@ def _rebuild(survivors: MPI.Intracomm, old_world: MPI.Intracomm) -> bool:
     otherwise train on while another starts over."""
     done = True
     try:
-        with _deadline("rebuilding the algorithms over the survivors"):
+        with deadline("rebuilding the algorithms over the survivors"):
             process_group.continue_on(survivors)
             continue_on_survivors(old_world)
             for obj in membership.participants():
@@ -227,7 +227,7 @@ def _rebuild(survivors: MPI.Intracomm, old_world: MPI.Intracomm) -> bool:
             raise
         revoke_everything()
         done = False
-    with _deadline("the survivors' agreement that the rebuild is complete"):
+    with deadline("the survivors' agreement that the rebuild is complete"):
         try:
             done = bool(_state.agree_comm.Agree(int(done)))
         except MPI.Exception:
@@ -255,22 +255,25 @@ def _is_failure(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _deadline(what: str):
-    """A wait inside recover() that outlives MPIDP_TIMEOUT ends the job with
-    a message: MPI's agreement, shrink and the rebuild's collectives wait
-    for every survivor, and one that never comes (stuck elsewhere, a bug)
-    would hold the others forever."""
-    seconds = float(config.get("MPIDP_TIMEOUT"))
+def deadline(what: str, seconds: float | None = None, caller: str = "recover()",
+             hint: str = "a survivor is not taking part (stuck, or never called "
+                         "mpidp.recover())"):
+    """A wait of fault-tolerant mode that outlives `seconds` (MPIDP_TIMEOUT)
+    ends the job with a message naming `caller`, `what` and `hint`: MPI's
+    agreement, shrink and the rebuild's collectives wait for every survivor,
+    cannot be interrupted, and one survivor that never comes (stuck
+    elsewhere, a bug) would hold the others forever."""
+    limit = float(config.get("MPIDP_TIMEOUT")) if seconds is None else float(seconds)
+    source = "MPIDP_TIMEOUT" if seconds is None else "the group's timeout"
     rank = _mpi.world_mpi().Get_rank()
 
     def expire():
-        sys.stderr.write(f"mpidp: recover() on rank {rank}: {what} took longer than "
-                         f"MPIDP_TIMEOUT ({seconds:g} s); a survivor is not taking part (stuck, "
-                         "or never called mpidp.recover()): aborting the job\n")
+        sys.stderr.write(f"mpidp: {caller} on rank {rank}: {what} took longer than "
+                         f"{source} ({limit:g} s); {hint}: aborting the job\n")
         sys.stderr.flush()
         _C.abort_job(4)
 
-    timer = threading.Timer(seconds, expire)
+    timer = threading.Timer(limit, expire)
     timer.daemon = True
     timer.start()
     try:
