@@ -22,7 +22,7 @@ LAYERS = [
     ("collectives", ("collectives",)),
     ("algorithms", ("algorithms",)),
     ("fault tolerance", ("fault_tolerance",)),
-    ("front ends", ("c10d", "horovod", "__init__", "__main__", "nn", "optim")),
+    ("front ends", ("c10d", "horovod", "planning", "__init__", "__main__", "nn", "optim")),
 ]
 TOP_LEVEL = {"__init__", "__main__", "_version", "nn", "optim"}
 

@@ -3,6 +3,9 @@
     python -m mpidp                  # this process
     mpirun -np 4 python -m mpidp     # plus one line per rank: where it runs
 
+`python -m mpidp calibrate` and `python -m mpidp plan` measure a cluster and
+say which algorithm fits it (mpidp/planning, docs/planning.md).
+
 Prints the versions of mpidp, torch, mpi4py and the MPI library, whether
 mpi4py and mpidp run on the same MPI, MPI's thread level, the SIMD path of the
 bf16/fp16 kernels, whether mpidp's CUDA kernels are built and a GPU is
@@ -116,4 +119,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["calibrate"]:
+        from mpidp.planning.calibrate import main as calibrate_main
+        sys.exit(calibrate_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["plan"]:
+        from mpidp.planning.plan import main as plan_main
+        sys.exit(plan_main(sys.argv[2:]))
     sys.exit(main())

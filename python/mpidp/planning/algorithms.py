@@ -1,0 +1,221 @@
+"""What each of mpidp's training algorithms communicates per step, and
+what that costs on a cluster (costs.py): the planner's model.
+
+An algorithm is a list of communication components. Each has a cost (a
+collective on the cluster), a period (every `every` steps), the compute it
+runs under (`hidden_s`: DataParallel's allreduce under the backward,
+Streaming DiLoCo's fragment under its delay's steps), and the bytes each
+rank sends for it. Per step, a component costs max(0, cost - hidden) /
+every; the step is the compute plus what is not hidden.
+
+Settings are mpidp's defaults (named in each algorithm's label), DASO in
+its cycling phase. Payload sizes of SparseLoCo and DeMo come from the
+core's own payload layout (mpidp/efcomp.h), so the planner and the wire
+cannot disagree."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .. import _C
+from . import costs
+from .costs import Cluster, Level
+
+FP32, BF16 = 4, 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    """params: the model's trainable parameters; step_s: one training step's
+    compute without communication; overlap: the share of the backward
+    (backward_share of the step) that DataParallel's allreduce runs under."""
+    params: int
+    step_s: float
+    overlap: float = 1.0
+    backward_share: float = 2.0 / 3.0
+
+    @property
+    def backward_s(self) -> float:
+        return self.step_s * self.backward_share
+
+
+@dataclass(frozen=True)
+class Component:
+    what: str
+    seconds: Callable[[Cluster], float]
+    every: float
+    hidden_s: float
+    bytes_sent: float
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    settings: str
+    components: Callable[[Cluster, Workload], List[Component]]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    algorithm: str
+    settings: str
+    step_s: float
+    comm_s: float           # communication per step, hidden or not
+    exposed_s: float        # per step, not hidden under compute
+    bytes_per_step: float   # each rank sends, per step on average
+    utilisation: float      # compute / step
+    dominant: str           # compute, latency, bandwidth or reduction
+
+
+def _ring_sent(p: int, n: float) -> float:
+    """Bytes a rank sends in a ring (or Rabenseifner) allreduce of n."""
+    return 2 * (p - 1) / p * n if p > 1 else 0.0
+
+
+def _gather_sent(p: int, payload: float) -> float:
+    """Bytes a rank sends in an allgather of payload each (ring: p-1 pieces)."""
+    return (p - 1) * payload if p > 1 else 0.0
+
+
+def _data_parallel(wire: int, hierarchical: bool = False):
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        n = w.params * wire
+        cost = costs.hierarchical_allreduce if hierarchical else costs.flat_allreduce
+        return [Component("allreduce of the gradients", lambda cl: cost(cl, n), 1,
+                          w.overlap * w.backward_s, _ring_sent(c.size, n))]
+    return parts
+
+
+def _daso(global_skip: int, batches_to_wait: int):
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        n = w.params * FP32
+        node = Component("node-local allreduce", lambda cl: costs.node_allreduce(cl, n), 1,
+                         w.overlap * w.backward_s, _ring_sent(c.ranks_per_node, n))
+        glob = Component("global sync (bf16) across nodes",
+                         lambda cl: costs.across_nodes_allreduce(cl, w.params * BF16),
+                         global_skip, batches_to_wait * w.step_s,
+                         _ring_sent(c.nodes, w.params * BF16) / c.ranks_per_node)
+        return [node, glob]
+    return parts
+
+
+def _periodic(every: int, node_local_each_step: bool, extra_every: Optional[int] = None):
+    """LocalSGD (every H steps an average over every rank) and SlowMo (its
+    node-local DataParallel each step, LocalSGD across nodes every
+    localsgd_frequency steps, and the slow momentum's average)."""
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        n = w.params * FP32
+        out = []
+        if node_local_each_step and c.ranks_per_node > 1:
+            out.append(Component("node-local allreduce", lambda cl: costs.node_allreduce(cl, n),
+                                 1, w.overlap * w.backward_s, _ring_sent(c.ranks_per_node, n)))
+        across = costs.across_nodes_allreduce if node_local_each_step else costs.flat_allreduce
+        p = c.nodes if node_local_each_step else c.size
+        share = c.ranks_per_node if node_local_each_step else 1
+        out.append(Component("parameter average", lambda cl: across(cl, n), every, 0.0,
+                             _ring_sent(p, n) / share))
+        if extra_every:
+            out.append(Component("slow momentum's average", lambda cl: across(cl, n),
+                                 extra_every, 0.0, _ring_sent(p, n) / share))
+        return out
+    return parts
+
+
+def _diloco(every: int, wire: int, fragments: int = 1, delay: int = 0):
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        n = w.params * wire / fragments
+        return [Component("outer-gradient allreduce" + (" (one fragment)" if fragments > 1
+                                                         else ""),
+                          lambda cl: costs.flat_allreduce(cl, n), every / fragments,
+                          delay * w.step_s, _ring_sent(c.size, n))]
+    return parts
+
+
+def sparseloco_payload(params: int, top_k: int = 128, chunk: int = 64, bins: int = 4) -> int:
+    """Bytes one rank sends per sync: the core's payload for params
+    float32 values in chunk x chunk tiles (the last tile's share kept)."""
+    tile = chunk * chunk
+    ntiles = max(1, math.ceil(params / tile))
+    return int(_C.ef_payload_bytes(ntiles, min(top_k, tile), bins))
+
+
+def _sparseloco(every: int, top_k: int, chunk: int, bins: int, delay: int = 0):
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        payload = sparseloco_payload(w.params, top_k, chunk, bins)
+        return [Component("allgather of the compressed outer gradients",
+                          lambda cl: costs.flat_allgather(cl, payload * cl.size), every,
+                          delay * w.step_s, _gather_sent(c.size, payload))]
+    return parts
+
+
+def _demo(top_k: int, chunk: int):
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        payload = sparseloco_payload(w.params, top_k, chunk, 0)
+        return [Component("allgather of the DCT coefficients",
+                          lambda cl: costs.flat_allgather(cl, payload * cl.size), 1, 0.0,
+                          _gather_sent(c.size, payload))]
+    return parts
+
+
+ALGORITHMS: Tuple[Algorithm, ...] = (
+    Algorithm("DataParallel", "fp32 wire", _data_parallel(FP32)),
+    Algorithm("DataParallel", "bf16 wire", _data_parallel(BF16)),
+    Algorithm("DataParallel", "hierarchical", _data_parallel(FP32, hierarchical=True)),
+    Algorithm("DASO", "cycling: global sync every 8 steps, 2 to wait", _daso(8, 2)),
+    Algorithm("LocalSGD", "H=8", _periodic(8, False)),
+    Algorithm("SlowMo", "localsgd_frequency=3, slowmo_frequency=48", _periodic(3, True, 48)),
+    Algorithm("DiLoCo", "H=100, fp32", _diloco(100, FP32)),
+    Algorithm("Streaming DiLoCo", "H=100, 4 fragments, delay 5, bf16", _diloco(100, BF16, 4, 5)),
+    Algorithm("SparseLoCo", "H=50, top 128 of 64x64, 2-bit", _sparseloco(50, 128, 64, 4)),
+    Algorithm("DeMo", "top 32 of 64x64 DCT", _demo(32, 64)),
+)
+
+
+def _only(level: Level, keep: str) -> Level:
+    return Level(level.alpha if keep == "latency" else 0.0,
+                 level.beta if keep == "bandwidth" else 0.0,
+                 level.gamma if keep == "reduction" else 0.0)
+
+
+def predict(algorithm: Algorithm, cluster: Cluster, work: Workload) -> Prediction:
+    parts = algorithm.components(cluster, work)
+    comm = sum(p.seconds(cluster) / p.every for p in parts)
+    exposed = sum(max(0.0, p.seconds(cluster) - p.hidden_s) / p.every for p in parts)
+    sent = sum(p.bytes_sent / p.every for p in parts)
+    terms = {"compute": work.step_s}
+    for keep in ("latency", "bandwidth", "reduction"):
+        alone = Cluster(cluster.nodes, cluster.ranks_per_node, _only(cluster.intra, keep),
+                        _only(cluster.inter, keep))
+        terms[keep] = sum(p.seconds(alone) / p.every for p in parts)
+    step = work.step_s + exposed
+    return Prediction(algorithm.name, algorithm.settings, step, comm, exposed, sent,
+                      work.step_s / step, max(terms, key=terms.get))
+
+
+def bandwidth_for(algorithm: Algorithm, cluster: Cluster, work: Workload,
+                  utilisation: float) -> Optional[float]:
+    """The network bandwidth (bytes/s, the inter-node level's) at which the
+    algorithm reaches `utilisation`, or None where even 10^14 B/s does not
+    (latency-bound). Bisection: the step time falls as bandwidth grows."""
+    def util(bw: float) -> float:
+        return predict(algorithm, cluster.with_network(bandwidth=bw), work).utilisation
+
+    lo, hi = 1e3, 1e14
+    if util(hi) < utilisation:
+        return None
+    if util(lo) >= utilisation:
+        return lo
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        if util(mid) >= utilisation:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def predict_all(cluster: Cluster, work: Workload,
+                algorithms: Sequence[Algorithm] = ALGORITHMS) -> List[Prediction]:
+    return [predict(a, cluster, work) for a in algorithms]

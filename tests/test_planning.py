@@ -1,0 +1,196 @@
+"""The planner's cost model (mpidp/planning): the collectives' closed forms
+against their formulas, the algorithms' predictions against properties
+that must hold whatever the numbers (monotone in bandwidth and size, free
+communication costs nothing, the bandwidth found for a utilisation reaches
+it and no less does), the fit recovering the costs that made synthetic
+measurements, the profile's refusals, the CLI, and a calibration at the
+suite's ranks."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpidp import __version__
+from mpidp.planning import algorithms as alg
+from mpidp.planning import costs
+from mpidp.planning.costs import Cluster, Level
+from mpidp.planning.profile import Profile, fit_level, load
+
+from dp_reference import RANK, SIZE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LV = Level(alpha=3e-6, beta=1 / 5e9, gamma=1 / 10e9)
+NET = Level(alpha=40e-6, beta=1 / 1.25e9, gamma=1 / 10e9)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+def test_closed_forms(p):
+    n, a, b, g = 1e6, LV.alpha, LV.beta, LV.gamma
+    assert costs.ring_allreduce(p, n, LV) == pytest.approx(
+        2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g)
+    steps = math.ceil(math.log2(p)) + (p & (p - 1) != 0)
+    assert costs.recursive_doubling_allreduce(p, n, LV) == pytest.approx(steps * (a + n * b + n * g))
+    rab = 2 * math.ceil(math.log2(p)) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
+    if p & (p - 1):
+        rab += 2 * (a + n / 2 * b) + n / 2 * g
+    assert costs.rabenseifner_allreduce(p, n, LV) == pytest.approx(rab)
+    assert costs.ring_allgather(p, n, LV) == pytest.approx((p - 1) * a + (p - 1) / p * n * b)
+    assert costs.allreduce(p, n, LV) == min(costs.ring_allreduce(p, n, LV),
+                                            costs.recursive_doubling_allreduce(p, n, LV),
+                                            costs.rabenseifner_allreduce(p, n, LV))
+    assert costs.allreduce(1, n, LV) == costs.allgather(1, n, LV) == 0.0
+
+
+def test_bus_bandwidth_of_a_pure_bandwidth_ring_is_the_link_rate():
+    lv = Level(0.0, 1 / 3e9, 0.0)
+    for p in (2, 4, 16):
+        t = costs.ring_allreduce(p, 1e8, lv)
+        assert costs.bus_bandwidth("allreduce", p, 1e8, t) == pytest.approx(3e9)
+        t = costs.ring_allgather(p, 1e8, lv)
+        assert costs.bus_bandwidth("allgather", p, 1e8, t) == pytest.approx(3e9)
+
+
+def test_hierarchical_allreduce_with_free_nodes_is_the_nodes_allreduce():
+    free = Level(0.0, 0.0, 0.0)
+    c = Cluster(8, 4, free, NET)
+    assert costs.hierarchical_allreduce(c, 1e7) == pytest.approx(costs.allreduce(8, 1e7, NET))
+    assert costs.flat_allreduce(Cluster(1, 4, LV, NET), 1e7) == costs.allreduce(4, 1e7, LV)
+
+
+CLUSTER = Cluster(4, 2, LV, NET)
+WORK = alg.Workload(params=5_000_000, step_s=0.1, overlap=0.8)
+
+
+@pytest.mark.parametrize("a", alg.ALGORITHMS, ids=lambda a: f"{a.name} {a.settings}")
+def test_each_algorithm_is_monotone_and_free_communication_costs_nothing(a):
+    steps = [alg.predict(a, CLUSTER.with_network(bandwidth=bw), WORK).step_s
+             for bw in (1e6, 1e7, 1e8, 1e9, 1e10)]
+    assert all(x >= y - 1e-15 for x, y in zip(steps, steps[1:])), steps
+    sizes = [alg.predict(a, CLUSTER, alg.Workload(n, 0.1, 0.8)).step_s
+             for n in (1e5, 1e6, 1e7, 1e8)]
+    assert all(x <= y + 1e-15 for x, y in zip(sizes, sizes[1:])), sizes
+    free = Cluster(4, 2, Level(0, 0, 0), Level(0, 0, 0))
+    p = alg.predict(a, free, WORK)
+    assert p.step_s == WORK.step_s and p.utilisation == 1.0 and p.dominant == "compute"
+    one = alg.predict(a, Cluster(1, 1, LV, NET), WORK)
+    assert one.comm_s == 0.0 and one.bytes_per_step == 0.0
+
+
+@pytest.mark.parametrize("a", alg.ALGORITHMS, ids=lambda a: f"{a.name} {a.settings}")
+def test_the_bandwidth_for_a_utilisation_reaches_it_and_no_less_does(a):
+    for u in (0.8, 0.95):
+        bw = alg.bandwidth_for(a, CLUSTER, WORK, u)
+        if bw is None:        # latency-bound: not even an infinite rate reaches it
+            assert alg.predict(a, CLUSTER.with_network(bandwidth=1e14), WORK).utilisation < u
+            continue
+        assert alg.predict(a, CLUSTER.with_network(bandwidth=bw), WORK).utilisation >= u
+        if bw > 1e3:
+            below = CLUSTER.with_network(bandwidth=bw * 0.99)
+            assert alg.predict(a, below, WORK).utilisation < u
+
+
+def test_the_dense_limits():
+    """SparseLoCo at full density, values unquantized, sends every value and
+    its slot: more than DiLoCo's dense allreduce, so sparsity is what pays;
+    DataParallel's bf16 wire sends half the fp32 wire's bytes."""
+    n = 4096 * 100
+    assert alg.sparseloco_payload(n, top_k=4096, chunk=64, bins=0) == n * (4 + 2)
+    full = alg.Algorithm("SparseLoCo", "full", alg._sparseloco(50, 4096, 64, 0))
+    dense = alg.Algorithm("DiLoCo", "fp32", alg._diloco(50, alg.FP32))
+    w = alg.Workload(n, 0.1)
+    assert alg.predict(full, CLUSTER, w).bytes_per_step > alg.predict(dense, CLUSTER, w).bytes_per_step
+    fp32, bf16 = (alg.predict(a, CLUSTER, w) for a in alg.ALGORITHMS[:2])
+    assert bf16.bytes_per_step == pytest.approx(fp32.bytes_per_step / 2)
+
+
+def _synthetic(p, lv, sizes=(1024, 65536, 1 << 20, 1 << 24)):
+    return {"allreduce": [(float(n), costs.ring_allreduce(p, n, lv)) for n in sizes],
+            "allgather": [(float(n), costs.ring_allgather(p, n, lv)) for n in sizes]}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_the_fit_recovers_the_costs_that_made_the_measurements(p):
+    fit = fit_level(p, _synthetic(p, LV))
+    assert fit.alpha == pytest.approx(LV.alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(LV.beta, rel=1e-6)
+    assert fit.gamma == pytest.approx(LV.gamma, rel=1e-6)
+
+
+def _profile(nodes=2, rpn=2, inter=True) -> Profile:
+    levels = {"intra": fit_level(rpn, _synthetic(rpn, LV)),
+              "inter": fit_level(nodes, _synthetic(nodes, NET)) if inter else None}
+    return Profile(__version__, nodes * rpn, nodes, rpn, levels, "synthetic", 1_000_000, 0.05,
+                   0.9)
+
+
+def test_a_profile_is_refused_naming_the_difference(tmp_path):
+    path = str(tmp_path / "p.json")
+    _profile().save(path)
+    assert load(path).levels["inter"].alpha == pytest.approx(NET.alpha)
+    with pytest.raises(ValueError, match="calibrated at 4 ranks, this job has 8"):
+        load(path, world_size=8)
+    raw = json.load(open(path))
+    raw["mpidp_version"] = "0.0.1"
+    json.dump(raw, open(path, "w"))
+    with pytest.raises(ValueError, match=f"made by mpidp 0.0.1, this is mpidp {__version__}"):
+        load(path)
+    one_node = _profile(nodes=1, rpn=4, inter=False)
+    with pytest.raises(ValueError, match="needs the network's costs, which this profile did "
+                                         "not measure"):
+        one_node.cluster(8, 4)
+    assert one_node.cluster(8, 4, bandwidth=1e9, latency=1e-4).inter.alpha == 1e-4
+
+
+def _plan(args, tmp_path):
+    return subprocess.run([sys.executable, "-m", "mpidp", "plan", *args], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+
+
+@pytest.mark.skipif(SIZE > 1, reason="runs the CLI once, in the one-rank pass")
+def test_plan_cli_table_json_picture_and_bad_input(tmp_path):
+    path = str(tmp_path / "p.json")
+    _profile().save(path)
+    out = _plan(["--profile", path, "--nodes", "2,8", "--bandwidth", "100mbit,10gbit",
+                 "--json", "--plot", str(tmp_path / "map.png")], tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert len(rows) == 2 * 2 * len(alg.ALGORITHMS)
+    for n in (2, 8):
+        for bw in (100e6 / 8, 10e9 / 8):
+            cell = [r for r in rows if r["nodes"] == n and r["bandwidth"] == pytest.approx(bw)]
+            assert sum(r["recommended"] for r in cell) == 1
+            best = min(cell, key=lambda r: r["step_s"])
+            assert best["recommended"]
+            assert all(r["label"] and r["label"].startswith("extrapolated") for r in cell)
+    assert os.path.getsize(tmp_path / "map.png") > 10_000
+    text = _plan(["--profile", path, "--nodes", "2"], tmp_path)
+    assert text.returncode == 0 and "by step time alone" in text.stdout
+    bad = _plan(["--profile", path, "--bandwidth", "fast"], tmp_path)
+    assert bad.returncode == 2 and "--bandwidth: expected a rate like 1gbit" in bad.stderr
+    one = str(tmp_path / "one.json")
+    _profile(nodes=1, rpn=4, inter=False).save(one)
+    missing = _plan(["--profile", one, "--nodes", "4"], tmp_path)
+    assert missing.returncode == 2 and "calibrate across 2 or more nodes" in missing.stderr
+
+
+def test_calibrate_at_the_suites_ranks():
+    """A short calibration (collective): the fit's costs are positive and
+    finite, the step was timed, the overlap is a share."""
+    from mpidp.planning.calibrate import calibrate
+    prof = calibrate(max_bytes=1 << 20, steps=2, min_s=0.01, quick=True)
+    if RANK != 0:
+        assert prof is None
+        return
+    assert prof.world_size == SIZE and prof.params > 0 and prof.step_s > 0
+    assert 0.0 <= prof.overlap <= 1.0
+    for name, fit in prof.levels.items():
+        if fit is None:
+            continue
+        assert fit.alpha >= 0 and 0 < fit.beta < 1e-6, (name, fit)
+        assert len(fit.measured["allreduce"]) == len(fit.measured["allgather"]) >= 2
+    if SIZE > 1:
+        assert any(f is not None for f in prof.levels.values())
