@@ -84,7 +84,7 @@ def test_each_algorithm_is_monotone_and_free_communication_costs_nothing(a):
 def test_the_bandwidth_for_a_utilisation_reaches_it_and_no_less_does(a):
     for u in (0.8, 0.95):
         bw = alg.bandwidth_for(a, CLUSTER, WORK, u)
-        if bw is None:        # latency-bound: not even an infinite rate reaches it
+        if bw is None:        # unreachable: not even an infinite rate reaches it
             assert alg.predict(a, CLUSTER.with_network(bandwidth=1e14), WORK).utilisation < u
             continue
         assert alg.predict(a, CLUSTER.with_network(bandwidth=bw), WORK).utilisation >= u
@@ -99,12 +99,27 @@ def test_the_dense_limits():
     DataParallel's bf16 wire sends half the fp32 wire's bytes."""
     n = 4096 * 100
     assert alg.sparseloco_payload(n, top_k=4096, chunk=64, bins=0) == n * (4 + 2)
-    full = alg.Algorithm("SparseLoCo", "full", alg._sparseloco(50, 4096, 64, 0))
-    dense = alg.Algorithm("DiLoCo", "fp32", alg._diloco(50, alg.FP32))
+    full = alg.Algorithm("SparseLoCo", "full", alg.sparseloco(50, 4096, 64, 0))
+    dense = alg.Algorithm("DiLoCo", "fp32", alg.diloco(50, alg.FP32))
     w = alg.Workload(n, 0.1)
     assert alg.predict(full, CLUSTER, w).bytes_per_step > alg.predict(dense, CLUSTER, w).bytes_per_step
     fp32, bf16 = (alg.predict(a, CLUSTER, w) for a in alg.ALGORITHMS[:2])
     assert bf16.bytes_per_step == pytest.approx(fp32.bytes_per_step / 2)
+
+
+def test_compression_compute_is_added_and_never_hidden():
+    demo, sparse = alg.ALGORITHMS[-1], alg.ALGORITHMS[-2]
+    plain = alg.Workload(1_000_000, 0.1)
+    heavy = alg.Workload(1_000_000, 0.1, overheads={"DeMo": 2e-9, "SparseLoCo": 5e-9})
+    assert (alg.predict(demo, CLUSTER, heavy).step_s - alg.predict(demo, CLUSTER, plain).step_s
+            == pytest.approx(2e-9 * 1e6))
+    every = 50     # SparseLoCo's H in ALGORITHMS
+    assert (alg.predict(sparse, CLUSTER, heavy).step_s
+            - alg.predict(sparse, CLUSTER, plain).step_s == pytest.approx(5e-9 * 1e6 / every))
+    free = Cluster(4, 2, Level(0, 0, 0), Level(0, 0, 0))
+    assert alg.predict(demo, free, heavy).dominant == "compute"
+    assert alg.predict(demo, free, alg.Workload(1_000_000, 1e-4, overheads={"DeMo": 2e-9})
+                       ).dominant == "compression"
 
 
 def _synthetic(p, lv, sizes=(1024, 65536, 1 << 20, 1 << 24)):
@@ -121,7 +136,7 @@ def test_the_fit_recovers_the_costs_that_made_the_measurements(p):
 
 
 def _profile(nodes=2, rpn=2, inter=True) -> Profile:
-    levels = {"intra": fit_level(rpn, _synthetic(rpn, LV)),
+    levels = {"intra": fit_level(rpn, _synthetic(rpn, LV)) if rpn > 1 else None,
               "inter": fit_level(nodes, _synthetic(nodes, NET)) if inter else None}
     return Profile(__version__, nodes * rpn, nodes, rpn, levels, "synthetic", 1_000_000, 0.05,
                    0.9)
@@ -143,6 +158,11 @@ def test_a_profile_is_refused_naming_the_difference(tmp_path):
                                          "not measure"):
         one_node.cluster(8, 4)
     assert one_node.cluster(8, 4, bandwidth=1e9, latency=1e-4).inter.alpha == 1e-4
+    across_only = _profile(nodes=2, rpn=1)
+    with pytest.raises(ValueError, match="needs the costs within a node, which this profile did "
+                                         "not measure"):
+        across_only.cluster(2, 4)
+    assert across_only.cluster(8, 1).inter.alpha == pytest.approx(NET.alpha)
 
 
 def _plan(args, tmp_path):
@@ -187,6 +207,8 @@ def test_calibrate_at_the_suites_ranks():
         return
     assert prof.world_size == SIZE and prof.params > 0 and prof.step_s > 0
     assert 0.0 <= prof.overlap <= 1.0
+    assert set(prof.overheads) == {"DeMo", "SparseLoCo"}
+    assert all(v >= 0 for v in prof.overheads.values())
     for name, fit in prof.levels.items():
         if fit is None:
             continue

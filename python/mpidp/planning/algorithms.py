@@ -5,8 +5,10 @@ An algorithm is a list of communication components. Each has a cost (a
 collective on the cluster), a period (every `every` steps), the compute it
 runs under (`hidden_s`: DataParallel's allreduce under the backward,
 Streaming DiLoCo's fragment under its delay's steps), and the bytes each
-rank sends for it. Per step, a component costs max(0, cost - hidden) /
-every; the step is the compute plus what is not hidden.
+rank sends for it, and the compute the algorithm adds each time (SparseLoCo's
+and DeMo's compression, which no communication hides). Per step, a
+component costs (max(0, cost - hidden) + compute) / every; the step is the
+training compute plus that.
 
 Settings are mpidp's defaults (named in each algorithm's label), DASO in
 its cycling phase. Payload sizes of SparseLoCo and DeMo come from the
@@ -16,8 +18,8 @@ cannot disagree."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from .. import _C
 from . import costs
@@ -30,11 +32,15 @@ FP32, BF16 = 4, 2
 class Workload:
     """params: the model's trainable parameters; step_s: one training step's
     compute without communication; overlap: the share of the backward
-    (backward_share of the step) that DataParallel's allreduce runs under."""
+    (backward_share of the step) that DataParallel's allreduce runs under;
+    overheads: the compute an algorithm adds where it compresses, seconds
+    per parameter per occurrence ({"DeMo": per step, "SparseLoCo": per
+    sync}, measured by calibrate)."""
     params: int
     step_s: float
     overlap: float = 1.0
     backward_share: float = 2.0 / 3.0
+    overheads: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def backward_s(self) -> float:
@@ -48,6 +54,7 @@ class Component:
     every: float
     hidden_s: float
     bytes_sent: float
+    compute_s: float = 0.0   # the algorithm's own compute each time (compression), never hidden
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ class Prediction:
     exposed_s: float        # per step, not hidden under compute
     bytes_per_step: float   # each rank sends, per step on average
     utilisation: float      # compute / step
-    dominant: str           # compute, latency, bandwidth or reduction
+    dominant: str           # compute, compression, latency, bandwidth or reduction
 
 
 def _ring_sent(p: int, n: float) -> float:
@@ -79,7 +86,7 @@ def _gather_sent(p: int, payload: float) -> float:
     return (p - 1) * payload if p > 1 else 0.0
 
 
-def _data_parallel(wire: int, hierarchical: bool = False):
+def data_parallel(wire: int, hierarchical: bool = False):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         n = w.params * wire
         cost = costs.hierarchical_allreduce if hierarchical else costs.flat_allreduce
@@ -88,7 +95,7 @@ def _data_parallel(wire: int, hierarchical: bool = False):
     return parts
 
 
-def _daso(global_skip: int, batches_to_wait: int):
+def daso(global_skip: int, batches_to_wait: int):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         n = w.params * FP32
         node = Component("node-local allreduce", lambda cl: costs.node_allreduce(cl, n), 1,
@@ -101,7 +108,7 @@ def _daso(global_skip: int, batches_to_wait: int):
     return parts
 
 
-def _periodic(every: int, node_local_each_step: bool, extra_every: Optional[int] = None):
+def periodic(every: int, node_local_each_step: bool, extra_every: Optional[int] = None):
     """LocalSGD (every H steps an average over every rank) and SlowMo (its
     node-local DataParallel each step, LocalSGD across nodes every
     localsgd_frequency steps, and the slow momentum's average)."""
@@ -123,7 +130,7 @@ def _periodic(every: int, node_local_each_step: bool, extra_every: Optional[int]
     return parts
 
 
-def _diloco(every: int, wire: int, fragments: int = 1, delay: int = 0):
+def diloco(every: int, wire: int, fragments: int = 1, delay: int = 0):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         n = w.params * wire / fragments
         return [Component("outer-gradient allreduce" + (" (one fragment)" if fragments > 1
@@ -141,35 +148,36 @@ def sparseloco_payload(params: int, top_k: int = 128, chunk: int = 64, bins: int
     return int(_C.ef_payload_bytes(ntiles, min(top_k, tile), bins))
 
 
-def _sparseloco(every: int, top_k: int, chunk: int, bins: int, delay: int = 0):
+def sparseloco(every: int, top_k: int, chunk: int, bins: int, delay: int = 0):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         payload = sparseloco_payload(w.params, top_k, chunk, bins)
         return [Component("allgather of the compressed outer gradients",
                           lambda cl: costs.flat_allgather(cl, payload * cl.size), every,
-                          delay * w.step_s, _gather_sent(c.size, payload))]
+                          delay * w.step_s, _gather_sent(c.size, payload),
+                          w.overheads.get("SparseLoCo", 0.0) * w.params)]
     return parts
 
 
-def _demo(top_k: int, chunk: int):
+def demo(top_k: int, chunk: int):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         payload = sparseloco_payload(w.params, top_k, chunk, 0)
         return [Component("allgather of the DCT coefficients",
                           lambda cl: costs.flat_allgather(cl, payload * cl.size), 1, 0.0,
-                          _gather_sent(c.size, payload))]
+                          _gather_sent(c.size, payload), w.overheads.get("DeMo", 0.0) * w.params)]
     return parts
 
 
 ALGORITHMS: Tuple[Algorithm, ...] = (
-    Algorithm("DataParallel", "fp32 wire", _data_parallel(FP32)),
-    Algorithm("DataParallel", "bf16 wire", _data_parallel(BF16)),
-    Algorithm("DataParallel", "hierarchical", _data_parallel(FP32, hierarchical=True)),
-    Algorithm("DASO", "cycling: global sync every 8 steps, 2 to wait", _daso(8, 2)),
-    Algorithm("LocalSGD", "H=8", _periodic(8, False)),
-    Algorithm("SlowMo", "localsgd_frequency=3, slowmo_frequency=48", _periodic(3, True, 48)),
-    Algorithm("DiLoCo", "H=100, fp32", _diloco(100, FP32)),
-    Algorithm("Streaming DiLoCo", "H=100, 4 fragments, delay 5, bf16", _diloco(100, BF16, 4, 5)),
-    Algorithm("SparseLoCo", "H=50, top 128 of 64x64, 2-bit", _sparseloco(50, 128, 64, 4)),
-    Algorithm("DeMo", "top 32 of 64x64 DCT", _demo(32, 64)),
+    Algorithm("DataParallel", "fp32 wire", data_parallel(FP32)),
+    Algorithm("DataParallel", "bf16 wire", data_parallel(BF16)),
+    Algorithm("DataParallel", "hierarchical", data_parallel(FP32, hierarchical=True)),
+    Algorithm("DASO", "cycling: global sync every 8 steps, 2 to wait", daso(8, 2)),
+    Algorithm("LocalSGD", "H=8", periodic(8, False)),
+    Algorithm("SlowMo", "localsgd_frequency=3, slowmo_frequency=48", periodic(3, True, 48)),
+    Algorithm("DiLoCo", "H=100, fp32", diloco(100, FP32)),
+    Algorithm("Streaming DiLoCo", "H=100, 4 fragments, delay 5, bf16", diloco(100, BF16, 4, 5)),
+    Algorithm("SparseLoCo", "H=50, top 128 of 64x64, 2-bit", sparseloco(50, 128, 64, 4)),
+    Algorithm("DeMo", "top 32 of 64x64 DCT", demo(32, 64)),
 )
 
 
@@ -182,9 +190,10 @@ def _only(level: Level, keep: str) -> Level:
 def predict(algorithm: Algorithm, cluster: Cluster, work: Workload) -> Prediction:
     parts = algorithm.components(cluster, work)
     comm = sum(p.seconds(cluster) / p.every for p in parts)
-    exposed = sum(max(0.0, p.seconds(cluster) - p.hidden_s) / p.every for p in parts)
+    exposed = sum((max(0.0, p.seconds(cluster) - p.hidden_s) + p.compute_s) / p.every
+                  for p in parts)
     sent = sum(p.bytes_sent / p.every for p in parts)
-    terms = {"compute": work.step_s}
+    terms = {"compute": work.step_s, "compression": sum(p.compute_s / p.every for p in parts)}
     for keep in ("latency", "bandwidth", "reduction"):
         alone = Cluster(cluster.nodes, cluster.ranks_per_node, _only(cluster.intra, keep),
                         _only(cluster.inter, keep))
@@ -198,7 +207,8 @@ def bandwidth_for(algorithm: Algorithm, cluster: Cluster, work: Workload,
                   utilisation: float) -> Optional[float]:
     """The network bandwidth (bytes/s, the inter-node level's) at which the
     algorithm reaches `utilisation`, or None where even 10^14 B/s does not
-    (latency-bound). Bisection: the step time falls as bandwidth grows."""
+    (its latency or its own compression keeps it below). Bisection: the
+    step time falls as bandwidth grows."""
     def util(bw: float) -> float:
         return predict(algorithm, cluster.with_network(bandwidth=bw), work).utilisation
 

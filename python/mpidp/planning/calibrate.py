@@ -10,13 +10,15 @@ allreduce and allgather from 1 KB to --max-bytes: within a node (the
 node's ranks together, every node at once) and across nodes (one rank per
 node, the others idle); then the step of a model without communication
 (--model module:function returning (model, inputs, targets); a 4-layer MLP
-otherwise), and DataParallel's step on it over every rank, from which the
-share of the allreduce hidden under the backward follows. Rank 0 writes
+otherwise), DataParallel's step on it over every rank, from which the
+share of the allreduce hidden under the backward follows, and the compute
+SparseLoCo's and DeMo's compression adds (each on one rank alone). Rank 0 writes
 the profile and prints the fit and its residuals."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import math
 import statistics
@@ -29,6 +31,8 @@ import torch
 
 from .._version import __version__
 from ..algorithms.data_parallel import DataParallel
+from ..algorithms.demo import DeMo
+from ..algorithms.sparseloco import SparseLoCo
 from .._runtime.mpi import MPI
 from .._runtime.topology import cross_node_comm, node_comm, topology
 from . import costs
@@ -108,11 +112,12 @@ def _loss(out, targets):
     return torch.nn.functional.mse_loss(out, targets)
 
 
-def time_steps(model, inputs, targets, comm, steps: int, wrap=None) -> float:
-    """Seconds per training step (forward, backward, SGD step): the median
-    over `steps`, the slowest rank's."""
+def time_steps(model, inputs, targets, comm, steps: int, wrap=None, make_opt=None) -> float:
+    """Seconds per training step (forward, backward, the optimizer's step:
+    SGD unless make_opt gives another): the median over `steps`, the
+    slowest rank's of `comm`."""
     net = wrap(model) if wrap is not None else model
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt = make_opt(model) if make_opt is not None else torch.optim.SGD(model.parameters(), lr=1e-3)
     samples = []
     for i in range(steps + 2):
         comm.Barrier()
@@ -154,13 +159,14 @@ def calibrate(max_bytes: int = 64 << 20, model_spec: Optional[str] = None, steps
                       wrap=lambda m: DataParallel(m, world))
     if bar is not None:
         bar(1)
+    overheads = compression_overheads(model, inputs, targets, steps, step_s)
     if rank != 0:
         return None
     levels = {k: fit_level(len_of(k, topo), v) for k, v in measured.items()}
     levels.setdefault("intra", None)
     levels.setdefault("inter", None)
     prof = Profile(__version__, world.Get_size(), topo.n_nodes, topo.local_size, levels, name,
-                   params, step_s, 1.0)
+                   params, step_s, 1.0, overheads=overheads)
     notes = []
     if world.Get_size() > 1:
         comm_s = costs.flat_allreduce(prof.cluster(topo.n_nodes, topo.local_size), params * 4)
@@ -173,6 +179,26 @@ def calibrate(max_bytes: int = 64 << 20, model_spec: Optional[str] = None, steps
         notes.append("one rank: no communication measured; overlap taken as 1")
     prof.notes = notes
     return prof
+
+
+def compression_overheads(model, inputs, targets, steps: int, step_s: float) -> dict:
+    """Seconds per parameter that DeMo adds to a step and SparseLoCo to a
+    sync, by compressing: each run alone (MPI.COMM_SELF, nothing to send),
+    the step's time less step_s (the plain SGD step's)."""
+    self_comm = MPI.COMM_SELF
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    out = {}
+    demo = copy.deepcopy(model)
+    out["DeMo"] = time_steps(demo, inputs, targets, self_comm, steps,
+                             make_opt=lambda m: DeMo(m.parameters(), lr=1e-3, comm=self_comm))
+    sparse = copy.deepcopy(model)
+    inner = torch.optim.SGD(sparse.parameters(), lr=1e-3)
+    with SparseLoCo(sparse, inner, sync_every=1, comm=self_comm):
+        out["SparseLoCo"] = time_steps(sparse, inputs, targets, self_comm, steps,
+                                       make_opt=lambda m: inner)
+    world = MPI.COMM_WORLD
+    return {k: world.allreduce(max(0.0, v - step_s), op=MPI.MAX) / params
+            for k, v in out.items()}
 
 
 def len_of(level: str, topo) -> int:
@@ -217,6 +243,9 @@ def main(argv=None) -> int:
     print(f"  step: {prof.model}, {prof.params / 1e6:.2f} M parameters, "
           f"{prof.step_s * 1e3:.2f} ms without communication; DataParallel hides "
           f"{prof.overlap:.0%} of its allreduce")
+    for name, per_param in prof.overheads.items():
+        print(f"  {name}'s compression: {per_param * prof.params * 1e3:.2f} ms "
+              f"({'a step' if name == 'DeMo' else 'a sync'}, this model)")
     for note in prof.notes:
         print(f"  ({note})")
     return 0

@@ -8,9 +8,10 @@ calibration profile (calibrate.py) with the cost model (algorithms.py).
 For every (nodes, bandwidth) cell and algorithm: the predicted step time,
 communication per step, bytes each rank sends per step, compute
 utilisation, and the network bandwidth each algorithm needs for 80, 90 and
-95% utilisation. A prediction outside what was calibrated (more nodes, or
-larger messages, than measured; a network given on the command line) is
-labelled "extrapolated", with the term that dominates its step. Without
+95% utilisation ("unreachable": no bandwidth gets there, the latency or
+the algorithm's own compression keeping it below). A prediction outside
+what was calibrated (more nodes, or larger messages, than measured; a
+network given on the command line) is labelled "extrapolated", with the term that dominates its step. Without
 --steps-to-target (JSON {algorithm: steps}, e.g. from bench_daso's output)
 the ranking is by step time alone, which assumes every algorithm needs the
 same number of steps to reach the target: it says so."""
@@ -69,7 +70,7 @@ def plan(prof: Profile, nodes: Sequence[int], rpn: int, bandwidths: Sequence[Opt
          latency: Optional[float], params: int, step_s: float,
          steps_to_target: Optional[Dict[str, float]] = None) -> List[dict]:
     """One row per (nodes, bandwidth, algorithm)."""
-    work = alg.Workload(params, step_s, prof.overlap)
+    work = alg.Workload(params, step_s, prof.overlap, overheads=prof.overheads)
     rows = []
     for n in nodes:
         for bw in bandwidths:
@@ -101,7 +102,7 @@ def plan(prof: Profile, nodes: Sequence[int], rpn: int, bandwidths: Sequence[Opt
 
 def _rate(bytes_per_s: Optional[float]) -> str:
     if bytes_per_s is None:
-        return "latency-bound"
+        return "unreachable"
     bits = bytes_per_s * 8
     for unit, scale in (("Tbit", 1e12), ("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
         if bits >= scale:
@@ -131,6 +132,12 @@ def table(rows: List[dict], ranking_note: str) -> str:
     return "\n".join(out)
 
 
+def _short(name: str) -> str:
+    """A label for the pictures: the algorithm, with DataParallel's wire or mode."""
+    algorithm, _, settings = name.partition(" (")
+    return f"{algorithm} {settings.split()[0]}" if algorithm == "DataParallel" else algorithm
+
+
 def plot(rows: List[dict], path: str) -> None:
     """Two panels: the fastest algorithm over nodes x bandwidth, and each
     algorithm's step time over bandwidth (the largest node count)."""
@@ -150,7 +157,7 @@ def plot(rows: List[dict], path: str) -> None:
         left.set_yticks(range(len(nodes)), [str(n) for n in nodes])
         for i, row in enumerate(grid):
             for j, k in enumerate(row):
-                left.text(j, i, names[k].split(" (")[0], ha="center", va="center", fontsize=7)
+                left.text(j, i, _short(names[k]), ha="center", va="center", fontsize=7)
         left.set_xlabel("network bandwidth per node")
         left.set_ylabel("nodes")
         left.set_title("fastest algorithm (predicted)")
@@ -160,7 +167,7 @@ def plot(rows: List[dict], path: str) -> None:
                          and r["bandwidth"] is not None
                          and f"{r['algorithm']} ({r['settings']})" == name)
             right.plot([p[0] * 8 for p in pts], [p[1] * 1e3 for p in pts], marker="o",
-                       label=name.split(" (")[0])
+                       label=_short(name))
         right.set_xscale("log")
         right.set_yscale("log")
         right.set_xlabel("bandwidth (bit/s)")

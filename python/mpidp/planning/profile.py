@@ -9,7 +9,8 @@ from the smallest message, the slopes from the two largest, where
 training's traffic is.
 The fit's residuals say how far the closed forms are from the
 measurements. Plus the step: the model's parameters, its compute time
-without communication, and the overlap DataParallel achieved."""
+without communication, the overlap DataParallel achieved, and the compute
+that SparseLoCo's and DeMo's compression adds (per parameter)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Profile:
     overlap: float
     format: int = FORMAT
     notes: List[str] = field(default_factory=list)
+    overheads: Dict[str, float] = field(default_factory=dict)   # algorithms.Workload's
 
     def cluster(self, nodes: int, ranks_per_node: int, bandwidth: Optional[float] = None,
                 latency: Optional[float] = None) -> Cluster:
@@ -64,15 +66,16 @@ class Profile:
         intra = self.levels.get("intra")
         inter = self.levels.get("inter")
         if intra is None and ranks_per_node > 1:
-            if inter is None:
-                raise ValueError("the profile has no level measured within a node (calibrate "
-                                 "with 2 or more ranks per node)")
+            raise ValueError(
+                f"a plan for {ranks_per_node} ranks per node needs the costs within a node, which "
+                f"this profile did not measure ({self.ranks_per_node} rank(s) per node "
+                "calibrated): calibrate with 2 or more ranks per node")
         if nodes > 1 and inter is None and (bandwidth is None or latency is None):
             raise ValueError(
                 f"a plan for {nodes} nodes needs the network's costs, which this profile did not "
                 f"measure ({self.nodes} node(s) calibrated): calibrate across 2 or more nodes, or "
                 "give both --bandwidth and --latency")
-        base_intra = intra.level if intra is not None else inter.level
+        base_intra = intra.level if intra is not None else inter.level   # unused at 1 rank a node
         gamma = base_intra.gamma
         base_inter = inter.level if inter is not None else Level(0.0, 1.0, gamma)
         cl = Cluster(nodes, ranks_per_node, base_intra, base_inter)
@@ -103,7 +106,7 @@ def load(path: str, world_size: Optional[int] = None) -> Profile:
         for k, v in raw["levels"].items()}
     return Profile(raw["mpidp_version"], raw["world_size"], raw["nodes"], raw["ranks_per_node"],
                    levels, raw["model"], raw["params"], raw["step_s"], raw["overlap"],
-                   raw["format"], raw.get("notes", []))
+                   raw["format"], raw.get("notes", []), raw.get("overheads", {}))
 
 
 def _fit_line(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
@@ -131,6 +134,8 @@ def fit_level(p: int, measured: Dict[str, List[Tuple[float, float]]]) -> LevelFi
     its output), gamma from the allreduce's slope (2(p-1)/p beta + (p-1)/p
     gamma), and the residuals of costs.allreduce / allgather against every
     measurement."""
+    if p < 2:
+        raise ValueError(f"fit_level: a level of {p} rank has no communication to fit")
     a_g, b_g = _fit_line(measured["allgather"])
     alpha = a_g / (p - 1)
     beta = b_g * p / (p - 1)
