@@ -18,7 +18,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dp_reference import RANK, SIZE
+from mpidp.c10d._process_group import ProcessGroupMPIDP
 import test_c10d_training as training
+from test_c10d_collectives import data, everyone
 
 pytestmark = pytest.mark.ranks3
 OP = dist.ReduceOp
@@ -43,22 +45,12 @@ def standin_world():
 
 
 def python_group():
+    """The default group's Python group (behind the C++ backend, or the group
+    itself where mpidp was built without torch's headers)."""
     pg = dist.group.WORLD
-    backend = pg._get_backend(torch.device("cpu"))
-    return getattr(backend, "python_group", pg)
-
-
-def data(rank, dtype=torch.float32, n=6):
-    base = torch.arange(n, dtype=torch.float64) % 3 + 1 + rank
-    if dtype is torch.bool:
-        return (torch.arange(n) + rank) % 2 == 0
-    if dtype.is_complex:
-        return torch.complex(base, -base).to(dtype)
-    return base.to(dtype)
-
-
-def everyone(dtype=torch.float64, n=6):
-    return torch.stack([data(r, dtype, n) for r in range(SIZE)])
+    if isinstance(pg, ProcessGroupMPIDP):
+        return pg
+    return pg._get_backend(torch.device("cpu")).python_group
 
 
 REDUCED = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
@@ -72,7 +64,7 @@ def test_all_reduce_on_the_device_path(dtype, op):
         pytest.skip("AVG is defined for floating-point tensors (refused, as on the host path)")
     t = data(RANK, dtype)
     dist.all_reduce(t, op=getattr(OP, op))
-    all_ = everyone()
+    all_ = everyone(torch.float64)
     want = {"SUM": all_.sum(0), "PRODUCT": all_.prod(0), "MIN": all_.min(0).values,
             "MAX": all_.max(0).values, "AVG": all_.mean(0)}[op]
     torch.testing.assert_close(t, want.to(dtype), rtol=1e-2 if dtype in (
@@ -88,14 +80,15 @@ def test_a_result_lands_only_at_the_wait():
     work = dist.all_reduce(t, async_op=True)
     assert torch.equal(t, data(RANK))
     work.wait()
-    torch.testing.assert_close(t, everyone().sum(0).float())
+    torch.testing.assert_close(t, everyone(torch.float64).sum(0).float())
 
 
 def test_a_strided_tensor_goes_through_a_contiguous_copy():
-    base = torch.stack([data(RANK), data(RANK) * 10])      # 2 x 6
-    t = base.t()                                           # 6 x 2, not contiguous
+    base = torch.stack([data(RANK), data(RANK) * 10])      # 2 x 5
+    t = base.t()                                           # 5 x 2, not contiguous
     dist.all_reduce(t)
-    want = torch.stack([everyone().sum(0), everyone().sum(0) * 10]).t().float()
+    total = everyone(torch.float64).sum(0)
+    want = torch.stack([total, total * 10]).t().float()
     torch.testing.assert_close(base.t(), want)
 
 
@@ -108,10 +101,10 @@ def test_broadcast_from_every_root(dtype):
 
 
 def test_all_gather_into_tensor_and_reduce_scatter_tensor():
-    out = torch.full((SIZE * 6,), -1.0)
+    out = torch.full((SIZE * 5,), -1.0)
     dist.all_gather_into_tensor(out, data(RANK))
-    assert torch.equal(out, everyone().reshape(-1).float())
-    flags = torch.empty(SIZE * 6, dtype=torch.bool)
+    assert torch.equal(out, everyone(torch.float64).reshape(-1).float())
+    flags = torch.empty(SIZE * 5, dtype=torch.bool)
     dist.all_gather_into_tensor(flags, data(RANK, torch.bool))
     assert torch.equal(flags, everyone(torch.bool).reshape(-1))
     for op, reduce in (("SUM", lambda a: a.sum(0)), ("AVG", lambda a: a.mean(0)),
@@ -128,10 +121,10 @@ def test_functional_collectives_reach_the_device_path():
     t = data(RANK)
     summed = funcol.all_reduce(t, "sum", dist.group.WORLD)
     torch.testing.assert_close(summed.wait() if hasattr(summed, "wait") else summed,
-                               everyone().sum(0).float())
+                               everyone(torch.float64).sum(0).float())
     gathered = funcol.all_gather_tensor(t, 0, dist.group.WORLD)
     torch.testing.assert_close(torch.as_tensor(gathered).reshape(-1),
-                               everyone().reshape(-1).float())
+                               everyone(torch.float64).reshape(-1).float())
 
 
 @pytest.mark.skipif(SIZE == 1, reason="ranks that differ need two ranks")
@@ -141,7 +134,7 @@ def test_a_rank_whose_tensor_differs_raises_on_every_rank():
         dist.all_reduce(t)
     t = data(RANK)                       # the group goes on
     dist.all_reduce(t)
-    torch.testing.assert_close(t, everyone().sum(0).float())
+    torch.testing.assert_close(t, everyone(torch.float64).sum(0).float())
 
 
 def test_ddp_trains_like_one_process():

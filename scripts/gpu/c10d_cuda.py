@@ -228,8 +228,8 @@ def main():
     mpidp.init_process_group(backend="gloo")
     group = dist.new_group(backend="mpidp")
     collectives(group)
-    backend = group._get_backend(DEV)
-    device = getattr(getattr(backend, "python_group", group), "_device", None)
+    python_group = group if hasattr(group, "_device") else group._get_backend(DEV).python_group
+    device = python_group._device
     results["device_path"] = {str(d): (dc.kind if dc is not None else "host staging")
                               for d, dc in (device._comms.items() if device else ())}
     training(group)

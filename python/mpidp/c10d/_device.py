@@ -84,16 +84,14 @@ class DevicePath:
 
     # -- the calls (each returns the group's Work, or None: the host path) ----
     def allreduce(self, t: torch.Tensor, reduce_op):
-        kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
-        op = _OPS.get(kind.value)
-        if t.dtype not in _REDUCED or op is None or (kind.value == _AVG and
-                                                     not t.dtype.is_floating_point):
+        op, average = _reduction(reduce_op, t.dtype)
+        if op is None:
             return None
         dc = self._comm(t, "all_reduce", op=op)
         if dc is None:
             return None
         c = _contiguous(t, _work_dtype(dc, t.dtype, op))
-        scale = self._group.size() if kind.value == _AVG else None
+        scale = self._group.size() if average else None
         post = self._post(dc, "allreduce", c, c, t.numel(), _REDUCED[c.dtype], op, 0,
                           "all_reduce")
         return self._work(post, [t], _landing(c, t, scale), "all_reduce")
@@ -119,17 +117,15 @@ class DevicePath:
         return self._work(post, [output], _landing(cout, output, None), "all_gather_into_tensor")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, reduce_op):
-        kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
-        op = _OPS.get(kind.value)
-        if input.dtype not in _REDUCED or op is None or (kind.value == _AVG and
-                                                         not input.dtype.is_floating_point):
+        op, average = _reduction(reduce_op, input.dtype)
+        if op is None:
             return None
         dc = self._comm(input, "reduce_scatter_tensor", op=op)
         if dc is None:
             return None
         work = _work_dtype(dc, input.dtype, op)
         cin, cout = _contiguous(input, work), _contiguous(output, work)
-        scale = self._group.size() if kind.value == _AVG else None
+        scale = self._group.size() if average else None
         post = self._post(dc, "reduce_scatter", cin, cout, output.numel(), _REDUCED[work],
                           op, 0, "reduce_scatter_tensor", keep=[cin])
         return self._work(post, [output], _landing(cout, output, scale), "reduce_scatter_tensor")
@@ -167,6 +163,19 @@ class DevicePath:
 
     def _work(self, ticket: _Ticket, outputs, finish, what: str):
         return self._group._work([ticket], outputs, finish, what)
+
+
+def _reduction(reduce_op, dtype: torch.dtype):
+    """(the core's op for torch's reduce_op on dtype, whether it is an
+    average: a sum divided afterwards), or (None, False) where the device
+    path does not take it (the host path then reduces it, or refuses it
+    naming op and dtype)."""
+    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    op = _OPS.get(kind.value)
+    average = kind.value == _AVG
+    if dtype not in _REDUCED or op is None or (average and not dtype.is_floating_point):
+        return None, False
+    return op, average
 
 
 def _work_dtype(dc, dtype: torch.dtype, op: int) -> torch.dtype:

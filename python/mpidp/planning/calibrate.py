@@ -12,8 +12,8 @@ node, the others idle); then the step of a model without communication
 (--model module:function returning (model, inputs, targets); a 4-layer MLP
 otherwise), DataParallel's step on it over every rank, from which the
 share of the allreduce hidden under the backward follows, and the compute
-SparseLoCo's and DeMo's compression adds (each on one rank alone). Rank 0 writes
-the profile and prints the fit and its residuals."""
+SparseLoCo's and DeMo's compression adds (each on one rank alone). Rank 0
+writes the profile and prints the fit and its residuals."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def calibrate(max_bytes: int = 64 << 20, model_spec: Optional[str] = None, steps
     overheads = compression_overheads(model, inputs, targets, steps, step_s)
     if rank != 0:
         return None
-    levels = {k: fit_level(len_of(k, topo), v) for k, v in measured.items()}
+    levels = {k: fit_level(_ranks_of(k, topo), v) for k, v in measured.items()}
     levels.setdefault("intra", None)
     levels.setdefault("inter", None)
     prof = Profile(__version__, world.Get_size(), topo.n_nodes, topo.local_size, levels, name,
@@ -201,7 +201,7 @@ def compression_overheads(model, inputs, targets, steps: int, step_s: float) -> 
             for k, v in out.items()}
 
 
-def len_of(level: str, topo) -> int:
+def _ranks_of(level: str, topo) -> int:
     return topo.local_size if level == "intra" else topo.n_nodes
 
 
