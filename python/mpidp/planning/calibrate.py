@@ -153,13 +153,14 @@ def calibrate(max_bytes: int = 64 << 20, model_spec: Optional[str] = None, steps
     model, inputs, targets, name = load_model(model_spec)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     step_s = time_steps(model, inputs, targets, world, steps)
+    # Before DataParallel puts its hooks on the model: the copies must train alone.
+    overheads = compression_overheads(model, inputs, targets, steps, step_s)
     if bar is not None:
         bar(1)
     dp_s = time_steps(model, inputs, targets, world, steps,
                       wrap=lambda m: DataParallel(m, world))
     if bar is not None:
         bar(1)
-    overheads = compression_overheads(model, inputs, targets, steps, step_s)
     if rank != 0:
         return None
     levels = {k: fit_level(_ranks_of(k, topo), v) for k, v in measured.items()}
