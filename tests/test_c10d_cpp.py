@@ -376,11 +376,12 @@ def test_the_python_group_alone(monkeypatch):
 
 
 @pytest.mark.parametrize("setting, values", [("MPIDP_C10D_IMPL", ("cpp", "python")),
-                                             ("MPIDP_C10D_CHECK", ("1", "0"))])
+                                             ("MPIDP_C10D_CHECK", ("1", "0")),
+                                             ("MPIDP_C10D_DEVICE_COMM", ("auto", "standin"))])
 def test_a_setting_that_differs_across_ranks_is_refused(monkeypatch, setting, values):
-    """A rank that checks, or runs the other implementation, would pair its
-    agreement with another rank's data collective: refused on every rank
-    when the group is made."""
+    """A rank that checks, runs the other implementation, or moves tensors
+    by another path would pair its collective with another rank's other
+    one: refused on every rank when the group is made."""
     if SIZE == 1:
         pytest.skip("one rank cannot differ")
     monkeypatch.setenv(setting, values[RANK == SIZE - 1])
