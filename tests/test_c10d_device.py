@@ -164,3 +164,19 @@ def test_fsdp2_trains_like_one_process():
     full = {k: v.full_tensor() for k, v in net.state_dict().items()}
     for k, v in want.state_dict().items():
         torch.testing.assert_close(full[k], v, atol=1e-6, rtol=1e-4, msg=k)
+
+
+# Users' habits with DDP, as tests/test_c10d_training.py checks them on the
+# host path, here on the device path (this module's default group): bf16
+# autocast, bucket sizes that differ across ranks, a rank that loaded other
+# weights. Each compares with one process training on every rank's data.
+test_ddp_under_cpu_autocast_trains_like_one_process = \
+    training.test_ddp_under_cpu_autocast_trains_like_one_process
+test_ddp_with_bucket_sizes_that_differ_across_ranks_trains_like_one_process = \
+    training.test_ddp_with_bucket_sizes_that_differ_across_ranks_trains_like_one_process
+test_ddp_starts_every_rank_from_rank_0s_weights = \
+    training.test_ddp_starts_every_rank_from_rank_0s_weights
+
+
+def test_the_habits_above_ran_on_the_device_path():
+    assert python_group()._device._comms[torch.device("cpu")].kind == "standin"

@@ -84,14 +84,11 @@ class DevicePath:
 
     # -- the calls (each returns the group's Work, or None: the host path) ----
     def allreduce(self, t: torch.Tensor, reduce_op):
-        op, average = _reduction(reduce_op, t.dtype)
-        if op is None:
+        chosen = self._reduction_comm(t, "all_reduce", reduce_op)
+        if chosen is None:
             return None
-        dc = self._comm(t, "all_reduce", op=op)
-        if dc is None:
-            return None
+        dc, op, scale = chosen
         c = _contiguous(t, _work_dtype(dc, t.dtype, op))
-        scale = self._group.size() if average else None
         post = self._post(dc, "allreduce", c, c, t.numel(), _REDUCED[c.dtype], op, 0,
                           "all_reduce")
         return self._work(post, [t], _landing(c, t, scale), "all_reduce")
@@ -117,20 +114,28 @@ class DevicePath:
         return self._work(post, [output], _landing(cout, output, None), "all_gather_into_tensor")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, reduce_op):
-        op, average = _reduction(reduce_op, input.dtype)
-        if op is None:
+        chosen = self._reduction_comm(input, "reduce_scatter_tensor", reduce_op)
+        if chosen is None:
             return None
-        dc = self._comm(input, "reduce_scatter_tensor", op=op)
-        if dc is None:
-            return None
+        dc, op, scale = chosen
         work = _work_dtype(dc, input.dtype, op)
         cin, cout = _contiguous(input, work), _contiguous(output, work)
-        scale = self._group.size() if average else None
         post = self._post(dc, "reduce_scatter", cin, cout, output.numel(), _REDUCED[work],
                           op, 0, "reduce_scatter_tensor", keep=[cin])
         return self._work(post, [output], _landing(cout, output, scale), "reduce_scatter_tensor")
 
     # -- helpers ---------------------------------------------------------------
+    def _reduction_comm(self, t: torch.Tensor, call: str, reduce_op):
+        """(the communicator, the core's op, the divisor of an average or
+        None) for a reduction of t the device path takes; None otherwise."""
+        op, average = _reduction(reduce_op, t.dtype)
+        if op is None:
+            return None
+        dc = self._comm(t, call, op=op)
+        if dc is None:
+            return None
+        return dc, op, (self._group.size() if average else None)
+
     def _comm(self, t: torch.Tensor, call: str, **settings):
         """The ranks' check of the call (named for the device path, so that
         a rank that stages it differs), then the device's communicator,
