@@ -267,6 +267,35 @@ def test_send_recv_tags_any_source_and_batch():
     assert torch.equal(recv, data(left))
 
 
+@pytest.mark.skipif(SIZE == 1, reason="point to point needs a peer")
+def test_messages_and_collectives_in_flight_together_on_one_group():
+    """On up to 8 ranks the core sends all-gather and reduce-scatter blocks
+    as point-to-point messages on the group's own communicator: a user's
+    messages in flight beside them (the same tag 0 every pair uses) still
+    meet their own receives, and MPI's largest tag, the core's, is refused."""
+    from mpidp import MPI
+
+    right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    n = 40000  # blocks past the eager limit: rendezvous
+    mine = torch.arange(n, dtype=torch.float32) + RANK * n
+    gathered = torch.empty(SIZE * n)
+    scatter_in = torch.stack([data(r, n=n) * (RANK + 1) for r in range(SIZE)]).reshape(-1)
+    scattered = torch.empty(n)
+    note, heard = torch.full((7,), float(RANK)), torch.empty(7)
+    works = [dist.irecv(heard, left), dist.all_gather_into_tensor(gathered, mine, async_op=True),
+             dist.isend(note, right),
+             dist.reduce_scatter_tensor(scattered, scatter_in, async_op=True)]
+    for w in reversed(works):
+        w.wait()
+    assert torch.equal(heard, torch.full((7,), float(left)))
+    assert torch.equal(gathered, torch.arange(SIZE * n, dtype=torch.float32))
+    assert torch.equal(scattered, data(RANK, n=n) * (SIZE * (SIZE + 1) // 2))
+    reserved = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    with pytest.raises(Exception, match=f"tag {reserved} is not in 0..{reserved - 1}"):
+        dist.send(note, right, tag=reserved)
+    dist.barrier()
+
+
 def test_async_work_future_and_timeout_argument():
     t = data(RANK)
     work = dist.all_reduce(t, async_op=True)

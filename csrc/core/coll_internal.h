@@ -8,12 +8,14 @@
 #include <stdint.h>
 
 #include "mpidp/collectives.h"
+#include "linear.h"
 
 /* A posted collective: its request, what MPI reads while it runs (the
  * counts of a vector collective) and how its result is finished. */
 struct mpidp_coll {
     mpidp_reqtable_t *reqs;
     mpidp_req_t req;       /* MPIDP_REQ_NONE: nothing was posted (done at once) */
+    mpidp__linear_t *linear; /* instead of req: point-to-point messages (linear.h) */
     int *counts, *displs;  /* in elements (reduce-scatter) or bytes (the others) */
     int *recv_counts, *recv_displs; /* all-to-all: the receiving side's, in bytes */
     mpidp_tensor_t recv;
@@ -40,6 +42,9 @@ int mpidp__coll_finished_at_once(mpidp_coll_t *x, mpidp_coll_t **out);
  * that each and their sum fit an MPI count. *total = the sum of counts. */
 int mpidp__vcoll_new(mpidp_reqtable_t *reqs, const size_t *counts, int size, size_t unit,
                      const char *what, mpidp_coll_t **out, size_t *total);
+/* Finishes the start of a linear operation into x->linear (rc is its
+ * status): on success hands x to the caller in *out; on failure frees x. */
+int mpidp__coll_linear_done(mpidp_coll_t *x, int rc, mpidp_coll_t **out);
 /* Claims a request slot for x's operation; on failure x is freed. */
 int mpidp__coll_claim(mpidp_coll_t *x, const char *what, mpidp_req_t *slot);
 /* Finishes the post mpidp__coll_claim began: on success hands x to the

@@ -126,6 +126,17 @@ int mpidp__coll_post_done(mpidp_coll_t *x, mpidp_req_t slot, int mpi_rc, MPI_Req
     return MPIDP_OK;
 }
 
+int mpidp__coll_linear_done(mpidp_coll_t *x, int rc, mpidp_coll_t **out)
+{
+    if (rc != MPIDP_OK) {
+        mpidp_coll_free(x); /* the linear operation never reached x */
+        return rc;
+    }
+    x->req = MPIDP_REQ_NONE;
+    *out = x;
+    return MPIDP_OK;
+}
+
 int mpidp_bcast_start(MPI_Comm comm, const mpidp_tensor_t *t, int root, mpidp_reqtable_t *reqs,
                       mpidp_coll_t **out)
 {
@@ -178,6 +189,14 @@ int mpidp_allgather_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp
     if ((rc = mpidp__coll_new(reqs, "allgather", &x)) != MPIDP_OK) return rc;
     if (bytes == 0) return mpidp__coll_finished_at_once(x, out);
     char what[MPIDP_REQ_WHAT_LEN];
+    if (mpidp__linear_fits(size)) {
+        snprintf(what, sizeof what, "allgather of %zu %s per rank", send->numel,
+                 mpidp_dtype_name(send->dtype));
+        return mpidp__coll_linear_done(
+            x, mpidp__linear_allgather_start(comm, rank, size, s, recv->data, bytes, reqs, what,
+                                             &x->linear),
+            out);
+    }
     snprintf(what, sizeof what, "MPI_Iallgather of %zu %s per rank", send->numel,
              mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
@@ -226,6 +245,19 @@ int mpidp_reduce_scatter_start(MPI_Comm comm, const mpidp_tensor_t *send,
     x->recv = *recv;
     if (op == MPIDP_OP_AVG) x->scale = 1.0 / (double)size;
     char what[MPIDP_REQ_WHAT_LEN];
+    size_t esize = mpidp_dtype_size(send->dtype);
+    const char *in = send->data, *res = recv->data;
+    int overlap = recv->numel && in < res + recv->numel * esize && res < in + total * esize;
+    if (mpidp__linear_fits(size) && total > 0 && !overlap) {
+        snprintf(what, sizeof what, "reduce_scatter of %zu %s", total,
+                 mpidp_dtype_name(send->dtype));
+        return mpidp__coll_linear_done(
+            x, mpidp__linear_reduce_scatter_start(
+                   comm, rank, size, send->data, recv->data, x->counts,
+                   mpidp_mpi_datatype(send->dtype), esize, mpidp_mpi_op(op, send->dtype), reqs,
+                   what, &x->linear),
+            out);
+    }
     snprintf(what, sizeof what, "MPI_Ireduce_scatter of %zu %s", total, mpidp_dtype_name(send->dtype));
     mpidp_req_t slot;
     if ((rc = mpidp__coll_claim(x, what, &slot)) != MPIDP_OK) return rc;
@@ -283,10 +315,14 @@ static void coll_finished(mpidp_coll_t *x)
     }
 }
 
+static int linear_poll(void *arg, int *done) { return mpidp__linear_test(arg, done); }
+
 int mpidp_coll_wait(mpidp_coll_t *x, double timeout_s)
 {
     if (x == NULL) return mpidp__fail(MPIDP_EINVAL, "collective: NULL argument");
-    int rc = mpidp_reqtable_wait(x->reqs, x->req, timeout_s);
+    int rc = x->linear != NULL
+                 ? mpidp_reqtable_wait_until(x->reqs, linear_poll, x->linear, timeout_s)
+                 : mpidp_reqtable_wait(x->reqs, x->req, timeout_s);
     if (rc == MPIDP_OK) coll_finished(x);
     return rc;
 }
@@ -294,7 +330,8 @@ int mpidp_coll_wait(mpidp_coll_t *x, double timeout_s)
 int mpidp_coll_test(mpidp_coll_t *x, int *done)
 {
     if (x == NULL || done == NULL) return mpidp__fail(MPIDP_EINVAL, "collective: NULL argument");
-    int rc = mpidp_reqtable_test(x->reqs, x->req, done);
+    int rc = x->linear != NULL ? mpidp__linear_test(x->linear, done)
+                               : mpidp_reqtable_test(x->reqs, x->req, done);
     if (rc == MPIDP_OK && *done) coll_finished(x);
     return rc;
 }
@@ -305,6 +342,8 @@ int mpidp_coll_free(mpidp_coll_t *x)
     int done = 1;
     if (x->req.gen != 0) mpidp_reqtable_test(x->reqs, x->req, &done);
     if (!done) return mpidp__fail(MPIDP_ESTATE, "collective: still in flight");
+    int rc = mpidp__linear_free(x->linear);
+    if (rc != MPIDP_OK) return rc;
     free(x->counts);
     free(x->displs);
     free(x->recv_counts);

@@ -72,12 +72,11 @@ static int p2p_check(MPI_Comm comm, const mpidp_tensor_t *t, int peer, int any_o
                            what, peer, size);
     if (peer == rank)
         return mpidp__fail(MPIDP_EINVAL, "%s: peer %d is this rank", what, peer);
-    void *ub = NULL;
-    int flag = 0;
-    MPI_Comm_get_attr(comm, MPI_TAG_UB, &ub, &flag);
-    int tag_ub = flag && ub ? *(int *)ub : 32767;
-    if (tag < 0 || tag > tag_ub)
-        return mpidp__fail(MPIDP_EINVAL, "%s: tag %d is not in 0..%d", what, tag, tag_ub);
+    /* The largest tag is the core's own (linear.h). */
+    int reserved = mpidp__linear_tag(comm);
+    if (tag < 0 || tag >= reserved)
+        return mpidp__fail(MPIDP_EINVAL, "%s: tag %d is not in 0..%d (%d is mpidp's own)", what,
+                           tag, reserved - 1, reserved);
     return MPIDP_OK;
 }
 
