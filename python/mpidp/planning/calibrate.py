@@ -5,10 +5,9 @@ of the allocation.
     srun python -m mpidp calibrate --out cluster.json
     mpirun -np 8 python -m mpidp calibrate --model mypkg.models:build
 
-It times, with MPI's non-blocking collectives as mpidp's engines post them,
-allreduce and allgather from 1 KB to --max-bytes: within a node (the
-node's ranks together, every node at once) and across nodes (one rank per
-node, the others idle); then the step of a model without communication
+It times allreduce and allgather as mpidp's engines run them, from 1 KB to
+--max-bytes: within a node (the node's ranks together, every node at once)
+and across nodes (one rank per node, the others idle); then the step of a model without communication
 (--model module:function returning (model, inputs, targets); a 4-layer MLP
 otherwise), DataParallel's step on it over every rank, from which the
 share of the allreduce hidden under the backward follows, and the compute
@@ -29,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .. import _C
 from .._version import __version__
 from ..algorithms.data_parallel import DataParallel
 from ..algorithms.demo import DeMo
@@ -68,8 +68,13 @@ def _time(comm, run: Callable[[], None], min_s: float, reps_max: int) -> float:
 
 def measure_level(comm, sizes: List[int], min_s: float,
                   progress=None) -> Dict[str, List[Tuple[float, float]]]:
-    """Allreduce (n bytes each) and allgather (n bytes out, n/p in) over `comm`."""
+    """Allreduce (n bytes each) and allgather (n bytes out, n/p in) over
+    `comm`, each as mpidp's engines run it: MPI's non-blocking allreduce
+    (with the algorithm importing mpidp chose), and the core's allgather
+    (point-to-point messages on up to 8 ranks, SparseLoCo's and DeMo's
+    payload exchange)."""
     p = comm.Get_size()
+    core = _C.Comm(comm)
     out: Dict[str, List[Tuple[float, float]]] = {"allreduce": [], "allgather": []}
     for n in sizes:
         count = n // 4
@@ -77,10 +82,9 @@ def measure_level(comm, sizes: List[int], min_s: float,
         out["allreduce"].append((float(count * 4), _time(
             comm, lambda: comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait(), min_s, 200)))
         piece = max(1, count // p)
-        send = np.ones(piece, dtype=np.float32)
-        recv = np.empty(piece * p, dtype=np.float32)
+        send, recv = torch.ones(piece), torch.empty(piece * p)
         out["allgather"].append((float(piece * p * 4), _time(
-            comm, lambda: comm.Iallgather(send, recv).Wait(), min_s, 200)))
+            comm, lambda: core.allgather(send, recv), min_s, 200)))
         if progress is not None:
             progress(1)
     return out
