@@ -224,13 +224,15 @@ def test_a_program_on_torch_distributed_alone_recovers():
 
 def test_torch_shrink_group_goes_on_with_the_survivors():
     """dist.shrink_group on a subgroup and on the default group, excluding
-    the failed rank (ULFM's shrink of the revoked communicators): the sums
-    on each after it are the survivors'."""
+    the failed rank (ULFM's shrink of the revoked communicators), after the
+    failure surfaced in a point-to-point all-gather: the sums, gathers and
+    reduce-scatters after it are the survivors'."""
     out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "3", sys.executable,
                           os.path.join(HERE, "shrink_group.py")], capture_output=True, text=True,
                          timeout=120)
     done = sorted(line for line in out.stdout.splitlines() if line.startswith("done"))
-    assert done == [f"done {r} [6.0, 6.0, 3.0, 3.0] 2" for r in (0, 1)], \
+    assert done == ["done 0 [6.0, 6.0, 3.0, 3.0] 2 [1.0, 2.0] 1.0",
+                    "done 1 [6.0, 6.0, 3.0, 3.0] 2 [1.0, 2.0] 3.0"], \
         out.stdout + stderr_of(out)[-3000:]
 
 
