@@ -132,8 +132,7 @@ int mpidp__coll_linear_done(mpidp_coll_t *x, int rc, mpidp_coll_t **out)
         mpidp_coll_free(x); /* the linear operation never reached x */
         return rc;
     }
-    x->req = MPIDP_REQ_NONE;
-    *out = x;
+    *out = x; /* x->req stays MPIDP_REQ_NONE: x->linear holds the messages */
     return MPIDP_OK;
 }
 

@@ -7,12 +7,13 @@ of the allocation.
 
 It times allreduce and allgather as mpidp's engines run them, from 1 KB to
 --max-bytes: within a node (the node's ranks together, every node at once)
-and across nodes (one rank per node, the others idle); then the step of a model without communication
-(--model module:function returning (model, inputs, targets); a 4-layer MLP
-otherwise), DataParallel's step on it over every rank, from which the
-share of the allreduce hidden under the backward follows, and the compute
-SparseLoCo's and DeMo's compression adds (each on one rank alone). Rank 0
-writes the profile and prints the fit and its residuals."""
+and across nodes (one rank per node, the others idle); then the step of a
+model without communication (--model module:function returning (model,
+inputs, targets); a 4-layer MLP otherwise), DataParallel's step on it over
+every rank, from which the share of the allreduce hidden under the backward
+follows, and the compute SparseLoCo's and DeMo's compression adds (each on
+one rank alone). Rank 0 writes the profile and prints the fit and its
+residuals."""
 
 from __future__ import annotations
 
