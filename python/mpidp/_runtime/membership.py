@@ -110,11 +110,26 @@ def world_agreement() -> None:
 _FINALIZE_GRACE_S = 10.0
 
 
+def _ranks_were_lost() -> bool:
+    """Whether this process knows of a failed rank of the job: after
+    recover(), or after a loss another way took care of (torch's
+    shrink_group, the program's own ULFM calls). MPIX_Comm_get_failed reads
+    the failures without acknowledging them."""
+    if _state.generation or _state.replacement:
+        return True
+    try:
+        return _mpi.world_mpi().Get_failed().Get_size() > 0
+    except MPI.Exception:
+        return True   # the world itself is broken: Finalize may wait too
+
+
 def _at_exit() -> None:
     """Once ranks were lost, Open MPI's MPI_Finalize (which runs after this,
     when the program is done) can wait forever for them (ompi#11404): the
-    process then ends itself, with status 0, after a grace period."""
-    if _state.generation or _state.replacement:
+    process then ends itself, with status 0, after a grace period. Seen
+    after torch's shrink_group too: both survivors printed their results,
+    then sat in MPI_Finalize (1 run in 12 with every core busy)."""
+    if _ranks_were_lost():
         _C.ft_exit_watchdog(_FINALIZE_GRACE_S)
 
 
