@@ -141,6 +141,7 @@ def _torch_extensions():
                       ["csrc/py/grad_hook_api.h"]),
             extension("mpidp._c10d", "csrc/torch/c10d_backend.cpp",
                       ["csrc/py/c10d_api.h", "csrc/torch/c10d_work.hpp",
+                       "csrc/torch/c10d_call.hpp", "csrc/torch/c10d_signature.hpp",
                        "csrc/include/mpidp/tensor.h"])]
 
 

@@ -310,6 +310,20 @@ static int watch_poll(void *arg, int *done)
     return rc;
 }
 
+/* The watch ended: the call completed (the prediction held) or a rank
+ * said it exchanges (join the exchange, which says how the ranks differ). */
+static int settle(mpidp_callcheck_t *c, const watch_t *w, mpidp_reqtable_t *reqs,
+                  double timeout_s, int *outcome)
+{
+    if (w->completed) {
+        *outcome = MPIDP_CALL_PREDICTED;
+        remember(c);
+        next_call(c);
+        return MPIDP_OK;
+    }
+    return exchange(c, 1, 0, reqs, timeout_s, outcome);
+}
+
 int mpidp_callcheck_wait(mpidp_callcheck_t *c, const mpidp_operation_t *ops, void *op,
                          mpidp_reqtable_t *reqs, double timeout_s, int *outcome)
 {
@@ -318,11 +332,20 @@ int mpidp_callcheck_wait(mpidp_callcheck_t *c, const mpidp_operation_t *ops, voi
     watch_t w = {c, ops, op, 0, 0};
     int rc = mpidp_reqtable_wait_until(reqs, watch_poll, &w, timeout_s);
     if (rc != MPIDP_OK) return rc;
-    if (w.completed) {
-        *outcome = MPIDP_CALL_PREDICTED;
-        remember(c);
-        next_call(c);
-        return MPIDP_OK;
-    }
-    return exchange(c, 1, 0, reqs, timeout_s, outcome);
+    return settle(c, &w, reqs, timeout_s, outcome);
+}
+
+int mpidp_callcheck_poll(mpidp_callcheck_t *c, const mpidp_operation_t *ops, void *op,
+                         mpidp_reqtable_t *reqs, double timeout_s, int *resolved, int *outcome)
+{
+    if (c == NULL || ops == NULL || op == NULL || reqs == NULL || resolved == NULL ||
+        outcome == NULL)
+        return mpidp__fail(MPIDP_EINVAL, "call check: NULL argument");
+    *resolved = 0;
+    watch_t w = {c, ops, op, 0, 7}; /* round 7: this poll also looks for the notification */
+    int done = 0;
+    int rc = watch_poll(&w, &done);
+    if (rc != MPIDP_OK || !done) return rc;
+    *resolved = 1;
+    return settle(c, &w, reqs, timeout_s, outcome);
 }

@@ -1,6 +1,7 @@
 /* The C API of the C++ "mpidp" backend (c10d_api.h): the core's collectives
- * run to their end on the caller's thread, over the module's request table,
- * each after the ranks' check of its signature (mpidp/callcheck.h). */
+ * posted on the caller's thread over the module's request table, each after
+ * the ranks' check of its signature (mpidp/callcheck.h), and finished by
+ * whichever thread waits for them. */
 #include "module.h"
 
 #include <stdlib.h>
@@ -143,39 +144,92 @@ static int complete_the_prediction(const mpidp_py_comm_t *c, mpidp_callcheck_t *
     return rc;
 }
 
-/* The ranks' check of `sig` (none without a check), then the call: posted,
- * watched for a rank that differs where it was predicted, run to its end. */
-static int checked_call(const void *comm, void *check, const int64_t *sig, post_fn post,
-                        const call_t *a, double timeout_s, int *ended, int *differ)
+struct mpidp_c10d_pending {
+    /* The check while the call is the prediction not yet resolved: the
+     * call's wait watches for a rank that says otherwise. */
+    mpidp_callcheck_t *check;
+    mpidp_handle_t call;
+    int differ;
+};
+
+static int api_start(const void *comm, void *check_ptr, const int64_t *sig,
+                     const mpidp_tensor_t *send, const mpidp_tensor_t *recv, int op, int root,
+                     double timeout_s, mpidp_c10d_pending_t **pending, int *differ)
 {
     const mpidp_py_comm_t *c = py_comm(comm);
+    mpidp_callcheck_t *check = check_ptr;
     mpidp_error_clear();
-    *ended = 1;
+    *pending = NULL;
     *differ = 0;
-    int outcome = MPIDP_CALL_AGREED, rc;
+    post_fn post = post_of(sig[MPIDP_C10D_SIG_CALL]);
+    /* Made first: once the check said "predicted", the others have posted
+     * their part, and a failure here would leave them waiting. */
+    mpidp_c10d_pending_t *p = post != NULL ? calloc(1, sizeof *p) : NULL;
+    if (post != NULL && p == NULL) return MPIDP_ENOMEM;
+    int outcome = MPIDP_CALL_AGREED, rc = MPIDP_OK;
     if (check != NULL) {
         /* A broadcast's root can complete alone: it always exchanges. */
         int exchange = post == NULL || sig[MPIDP_C10D_SIG_CALL] == MPIDP_C10D_CALL_BCAST;
         rc = mpidp_callcheck_begin(check, sig, exchange, state->reqs, timeout_s, &outcome);
-        if (rc != MPIDP_OK) return rc;
-        if (outcome == MPIDP_CALL_DIFFER) {
+        if (rc == MPIDP_OK && outcome == MPIDP_CALL_DIFFER) {
             *differ = 1;
-            return complete_the_prediction(c, check, timeout_s);
+            rc = complete_the_prediction(c, check, timeout_s);
         }
     }
-    if (post == NULL) return MPIDP_OK; /* the check alone */
+    if (rc != MPIDP_OK || *differ || post == NULL) {
+        free(p);
+        return rc;
+    }
     const mpidp_operation_t *ops = NULL;
-    void *op = NULL;
-    if ((rc = post(c, a, &ops, &op)) != MPIDP_OK) return rc;
-    if (outcome == MPIDP_CALL_PREDICTED) {
-        rc = mpidp_callcheck_wait(check, ops, op, state->reqs, timeout_s, &outcome);
+    void *posted = NULL;
+    call_t a = {send, recv, op, root, timeout_s};
+    if ((rc = post(c, &a, &ops, &posted)) != MPIDP_OK) {
+        free(p);
+        return rc;
+    }
+    mpidp_handle_init(&p->call, ops, posted);
+    p->check = outcome == MPIDP_CALL_PREDICTED ? check : NULL;
+    *pending = p;
+    return MPIDP_OK;
+}
+
+static int api_finish(mpidp_c10d_pending_t *p, int block, double timeout_s, int *done,
+                      int *ended, int *differ)
+{
+    mpidp_error_clear();
+    *done = 0;
+    *ended = 1;
+    *differ = 0;
+    int rc = MPIDP_OK;
+    if (p->check != NULL) {
+        int outcome = MPIDP_CALL_PREDICTED, resolved = 1;
+        rc = block ? mpidp_callcheck_wait(p->check, p->call.ops, p->call.op, state->reqs,
+                                          timeout_s, &outcome)
+                   : mpidp_callcheck_poll(p->check, p->call.ops, p->call.op, state->reqs,
+                                          timeout_s, &resolved, &outcome);
         if (rc != MPIDP_OK) {
-            *ended = 0; /* in flight: its buffers stay */
+            /* In flight for good: its buffers and its handle stay. */
+            *done = 1;
+            *ended = 0;
+            free(p);
             return rc;
         }
-        *differ = outcome == MPIDP_CALL_DIFFER; /* the others complete it */
+        if (!resolved) return MPIDP_OK;
+        p->check = NULL;
+        p->differ = outcome == MPIDP_CALL_DIFFER; /* the others complete it */
     }
-    return mpidp_operation_finish(ops, op, timeout_s, ended);
+    if (block) {
+        rc = mpidp_handle_wait(&p->call, timeout_s);
+    } else {
+        int complete = 0;
+        rc = mpidp_handle_test(&p->call, &complete);
+        if (!complete) return rc;
+    }
+    *done = 1;
+    *ended = p->call.op == NULL;
+    *differ = p->differ;
+    free(p);
+    return rc;
 }
 
 static int api_check_new(const void *comm, double timeout_s, void **check)
@@ -189,59 +243,13 @@ static void api_check_free(void *check) { mpidp_callcheck_destroy(check); }
 
 static const int64_t *api_check_rows(const void *check) { return mpidp_callcheck_rows(check); }
 
-static int api_allreduce(const void *comm, void *check, const int64_t *sig,
-                         const mpidp_tensor_t *t, int op, double timeout_s, int *ended,
-                         int *differ)
-{
-    call_t a = {t, t, op, -1, timeout_s};
-    return checked_call(comm, check, sig, post_allreduce, &a, timeout_s, ended, differ);
-}
-
-static int api_bcast(const void *comm, void *check, const int64_t *sig, const mpidp_tensor_t *t,
-                     int root, double timeout_s, int *ended, int *differ)
-{
-    call_t a = {t, t, -1, root, timeout_s};
-    return checked_call(comm, check, sig, post_bcast, &a, timeout_s, ended, differ);
-}
-
-static int api_allgather(const void *comm, void *check, const int64_t *sig,
-                         const mpidp_tensor_t *send, const mpidp_tensor_t *recv, double timeout_s,
-                         int *ended, int *differ)
-{
-    call_t a = {send, recv, -1, -1, timeout_s};
-    return checked_call(comm, check, sig, post_allgather, &a, timeout_s, ended, differ);
-}
-
-static int api_reduce_scatter(const void *comm, void *check, const int64_t *sig,
-                              const mpidp_tensor_t *send, const mpidp_tensor_t *recv, int op,
-                              double timeout_s, int *ended, int *differ)
-{
-    call_t a = {send, recv, op, -1, timeout_s};
-    return checked_call(comm, check, sig, post_reduce_scatter, &a, timeout_s, ended, differ);
-}
-
-static int api_barrier(const void *comm, void *check, const int64_t *sig, double timeout_s,
-                       int *ended, int *differ)
-{
-    call_t a = {NULL, NULL, -1, -1, timeout_s};
-    return checked_call(comm, check, sig, post_barrier, &a, timeout_s, ended, differ);
-}
-
-static int api_check_call(const void *comm, void *check, const int64_t *sig, double timeout_s,
-                          int *differ)
-{
-    int ended = 1;
-    return checked_call(comm, check, sig, NULL, NULL, timeout_s, &ended, differ);
-}
-
 static void api_raise(int status, const char *what) { mpidp_py_raise(state, status, what); }
 
 static int api_forked(void) { return mpidp_py_forked; }
 
 static const mpidp_c10d_api_t api = {
-    MPIDP_C10D_API_VERSION, api_comm_of, api_check_new, api_check_free, api_allreduce, api_bcast,
-    api_allgather, api_reduce_scatter, api_barrier, api_check_call, api_check_rows, api_raise,
-    api_forked, mpidp_py_check_not_forked, MPIDP_OP_SUM, MPIDP_OP_AVG, MPIDP_OP_MIN, MPIDP_OP_MAX,
+    MPIDP_C10D_API_VERSION, api_comm_of, api_check_new, api_check_free, api_start, api_finish,
+    api_check_rows, api_raise, api_forked, mpidp_py_check_not_forked, MPIDP_OP_SUM, MPIDP_OP_AVG, MPIDP_OP_MIN, MPIDP_OP_MAX,
     MPIDP_OP_PROD};
 
 PyObject *mpidp_py_c10d_api_capsule(mpidp_py_state *st)

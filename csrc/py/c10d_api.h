@@ -1,8 +1,8 @@
 /* What mpidp._C offers the C++ "mpidp" backend (csrc/torch/c10d_backend.cpp,
  * the module mpidp._c10d, built against libtorch): a table of functions in
- * the capsule MPIDP_C10D_API_CAPSULE. The backend runs each collective on
- * the caller's thread -- posted and waited for inline, with no handoff to a
- * worker thread -- through the same core operations as _C.Comm's methods,
+ * the capsule MPIDP_C10D_API_CAPSULE. The backend posts each collective on
+ * the caller's thread -- and, for a blocking call, waits for it there, with
+ * no handoff to a worker thread -- through the same core operations as _C.Comm's methods,
  * so the request table, the deadlines and fault-tolerant mode's
  * classification of errors are the core's, and a failure is raised as
  * mpidp's own exception (CommError, CommTimeout, RanksLost). The ranks'
@@ -19,7 +19,7 @@
 
 #define MPIDP_C10D_API_CAPSULE "mpidp._C._c10d_api"
 /* Raised whenever the table or the meaning of an entry changes. */
-#define MPIDP_C10D_API_VERSION 2
+#define MPIDP_C10D_API_VERSION 3
 
 /* A call's signature, which the ranks' check compares (mpidp/callcheck.h):
  * int64 fields at these places. The fast calls' codes are below; a call the
@@ -50,6 +50,9 @@ enum {
     MPIDP_C10D_CALL_OTHER = 100
 };
 
+/* A fast call in flight (start, then finish). */
+typedef struct mpidp_c10d_pending mpidp_c10d_pending_t;
+
 typedef struct {
     int version;
     /* GIL held. The communicator of a _C.Comm (an opaque pointer, valid while
@@ -61,32 +64,35 @@ typedef struct {
      * finalized). */
     int (*check_new)(const void *comm, double timeout_s, void **check);
     void (*check_free)(void *check);
-    /* No GIL needed. Each runs one collective on `comm` to its end on the
-     * caller's thread (deadline: timeout_s) and returns the core's status
-     * (mpidp/status.h). With a `check`, the ranks first check that they all
-     * passed signature `sig` (MPIDP_C10D_SIG_FIELDS int64): where they did
-     * not, *differ = 1, nothing of this rank's call is left in flight, and
-     * check_rows says what each rank passed. *ended = 0 after a failure that
-     * left the operation in flight: MPI may still write the tensors, so the
-     * caller must keep them alive for good. Ops are mpidp/mpiops.h's;
-     * tensors as mpidp/collectives.h and mpidp/allreduce.h require. */
-    int (*allreduce)(const void *comm, void *check, const int64_t *sig, const mpidp_tensor_t *t,
-                     int op, double timeout_s, int *ended, int *differ);
-    int (*bcast)(const void *comm, void *check, const int64_t *sig, const mpidp_tensor_t *t,
-                 int root, double timeout_s, int *ended, int *differ);
-    /* Equal blocks: recv holds size * send->numel elements. */
-    int (*allgather)(const void *comm, void *check, const int64_t *sig,
-                     const mpidp_tensor_t *send, const mpidp_tensor_t *recv, double timeout_s,
-                     int *ended, int *differ);
-    /* Equal blocks: send holds size * recv->numel elements. */
-    int (*reduce_scatter)(const void *comm, void *check, const int64_t *sig,
-                          const mpidp_tensor_t *send, const mpidp_tensor_t *recv, int op,
-                          double timeout_s, int *ended, int *differ);
-    int (*barrier)(const void *comm, void *check, const int64_t *sig, double timeout_s,
-                   int *ended, int *differ);
-    /* No GIL needed. The check alone, for a call the Python group then makes. */
-    int (*check_call)(const void *comm, void *check, const int64_t *sig, double timeout_s,
-                      int *differ);
+    /* No GIL needed. The ranks' check of the call whose signature is `sig`
+     * (MPIDP_C10D_SIG_FIELDS int64; with a `check`, else none), then, for
+     * a fast call (sig's call one of MPIDP_C10D_CALL_ALLREDUCE .. _BARRIER),
+     * that collective posted on `comm`: *pending is the call in flight, for
+     * `finish`. *pending is NULL where nothing was posted: for the check
+     * alone (a call the Python group then makes), where the ranks differ
+     * (*differ = 1; check_rows says how, and nothing of this rank's call is
+     * in flight), and on failure (the core's status, mpidp/status.h;
+     * nothing of the caller's tensors is in flight). `send`: the input of
+     * an allgather or reduce-scatter; `recv`: their output, and the other
+     * calls' one tensor. Ops are mpidp/mpiops.h's; tensors as
+     * mpidp/collectives.h and mpidp/allreduce.h require (equal blocks: an
+     * allgather's recv holds size x send's elements, a reduce-scatter's
+     * send size x recv's). Calls on a group are one at a time, and a
+     * started call must be finished before the group's next start (the
+     * check resolves each call before the next). */
+    int (*start)(const void *comm, void *check, const int64_t *sig, const mpidp_tensor_t *send,
+                 const mpidp_tensor_t *recv, int op, int root, double timeout_s,
+                 mpidp_c10d_pending_t **pending, int *differ);
+    /* No GIL needed; one thread at a time per group. Progress on a started
+     * call: block = 1 waits for its end (deadline timeout_s), block = 0
+     * tests it once. *done = 1 once it ended, and `pending` is then gone:
+     * the status is the call's; *differ = 1 where the ranks turned out to
+     * differ (check_rows says how; the call completed on the others'
+     * scratch buffers); *ended = 0 where a failure left it in flight: MPI
+     * may still write its tensors, so the caller keeps them alive for good.
+     * *done = 0 (only with block = 0): still in flight. */
+    int (*finish)(mpidp_c10d_pending_t *pending, int block, double timeout_s, int *done,
+                  int *ended, int *differ);
     /* After *differ: every rank's row, by group rank (MPIDP_C10D_ROW fields
      * each, the signature first), valid until the group's next call. */
     const int64_t *(*check_rows)(const void *check);

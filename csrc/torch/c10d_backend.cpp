@@ -10,11 +10,13 @@
  *
  * Data path: the common calls -- all_reduce, all_gather_into_tensor,
  * reduce_scatter_tensor, broadcast, barrier on host tensors of a dtype and
- * op the core reduces as they are -- run on the caller's thread through
- * mpidp._C's core operations (csrc/py/c10d_api.h): posted and waited for
- * inline, with no handoff to a worker thread (which costs gloo ~8 us a
- * call), and without the GIL where torch's bindings released it (a strided
- * tensor goes through a contiguous copy). Every other call, and every call
+ * op the core reduces as they are -- are posted on the caller's thread
+ * through mpidp._C's core operations (csrc/py/c10d_api.h), with no handoff
+ * to a worker thread (which costs gloo ~8 us a call); a blocking call is
+ * waited for there, without the GIL where torch's bindings released it,
+ * and a non-blocking one ends as c10d_call.hpp says (its wait, the group's
+ * next call, or the progress thread that completes futures). A strided
+ * tensor goes through a contiguous copy. Every other call, and every call
  * the fast path does not take (CUDA, complex, empty, 16-bit min/max), goes
  * to the Python group (mpidp/c10d/_process_group.py), so each rule lives in
  * one place; CUDA tensors of the common calls go from there to the core's
@@ -44,6 +46,7 @@
 #include <vector>
 
 #include "../py/c10d_api.h"
+#include "c10d_call.hpp"
 #include "c10d_signature.hpp"
 #include "c10d_work.hpp"
 
@@ -54,10 +57,11 @@ using c10::intrusive_ptr;
 using c10d::OpType;
 using c10d::Work;
 
-const mpidp_c10d_api_t *api = nullptr;
-
+using mpidp_c10d::api;
+using mpidp_c10d::CallWork;
+using mpidp_c10d::Contiguous;
 using mpidp_c10d::core_tensor;
-using mpidp_c10d::InlineWork;
+using mpidp_c10d::GroupState;
 using mpidp_c10d::host_tensor;
 using mpidp_c10d::Signature;
 using mpidp_c10d::signature;
@@ -70,21 +74,66 @@ using mpidp_c10d::signature;
     throw python_error();
 }
 
-/* A tensor the core reads or writes: contiguous as it is, or a contiguous
- * copy whose values go back to it afterwards (copy_back, outputs only). */
-class Contiguous {
+/* Raises mpidp's exception for the core's failed `status` of `call`. */
+[[noreturn]] void raise_status(int status, const std::string &call)
+{
+    py::gil_scoped_acquire gil;
+    api->raise(status, ("mpidp backend: " + call).c_str());
+    throw python_error();
+}
+
+/* A program's call on a group, from its start to its return: one at a time
+ * (a second thread's raises), after the group's call in flight has ended
+ * where `after_in_flight` (its failure is raised here: this rank cannot go
+ * on), and then with the group's lock held until release(). */
+class Entered {
   public:
-    explicit Contiguous(const at::Tensor &t) : t_(t), c_(t.is_contiguous() ? t : t.contiguous())
+    Entered(GroupState &group, const char *call, bool after_in_flight) : group_(group)
     {
+        if (api->forked()) {
+            py::gil_scoped_acquire gil;
+            api->check_not_forked((std::string("mpidp backend: ") + call).c_str());
+            throw python_error();
+        }
+        if (const char *closed = group.closed.load())
+            raise_python(PyExc_RuntimeError,
+                         std::string("mpidp backend: ") + call + " on a group that was " + closed);
+        if (group.calling.exchange(true))
+            raise_python(PyExc_RuntimeError,
+                         std::string("mpidp backend: ") + call + " was called on a group while "
+                         "another thread's call on it was running: a group's collectives must be "
+                         "called in the same order on every rank, from one thread at a time");
+        c10::intrusive_ptr<CallWork> previous;
+        if (after_in_flight) {
+            mpidp_c10d::without_gil([&] {
+                std::lock_guard<std::mutex> lock(group.mu);
+                previous = group.in_flight;
+            });
+        }
+        if (previous) {
+            previous->end();
+            if (std::exception_ptr error = previous->error()) {
+                release();
+                std::rethrow_exception(error);
+            }
+        }
+        mpidp_c10d::without_gil([&] { lock_ = std::unique_lock<std::mutex>(group.mu); });
     }
-    const at::Tensor &get() const { return c_; }
-    void copy_back()
+    ~Entered() { release(); }
+    Entered(const Entered &) = delete;
+    Entered &operator=(const Entered &) = delete;
+
+    void release()
     {
-        if (!c_.is_same(t_)) t_.copy_(c_);
+        if (lock_.owns_lock()) lock_.unlock();
+        if (!released_) group_.calling = false;
+        released_ = true;
     }
 
   private:
-    at::Tensor t_, c_;
+    GroupState &group_;
+    std::unique_lock<std::mutex> lock_;
+    bool released_ = false;
 };
 
 class BackendMPIDP : public c10d::Backend {
@@ -96,7 +145,8 @@ class BackendMPIDP : public c10d::Backend {
     BackendMPIDP(py::object comm, py::object fallback, double timeout_s, bool check, int rank,
                  int size, bool host_fast_path)
         : Backend(rank, size), comm_obj_(std::move(comm)), fallback_(std::move(fallback)),
-          timeout_s_(timeout_s), host_fast_path_(host_fast_path)
+          state_(std::make_shared<GroupState>(size)), timeout_s_(timeout_s),
+          host_fast_path_(host_fast_path)
     {
         int r = 0, s = 0;
         comm_ = api->comm_of(comm_obj_.ptr(), &r, &s);
@@ -108,7 +158,7 @@ class BackendMPIDP : public c10d::Backend {
             int rc;
             {
                 py::gil_scoped_release nogil;
-                rc = api->check_new(comm_, timeout_s_, &check_);
+                rc = api->check_new(comm_, timeout_s_, &state_->check);
             }
             if (rc != 0) {
                 api->raise(rc, "mpidp backend: the ranks' check of each call");
@@ -117,9 +167,11 @@ class BackendMPIDP : public c10d::Backend {
         }
     }
 
+    /* A call still in flight ends first (its deadline holds); the check
+     * goes with the group's state, once no call of it is left. */
     ~BackendMPIDP() override
     {
-        if (check_ != nullptr && !api->forked()) api->check_free(check_);
+        end_in_flight();
         py::gil_scoped_acquire gil;
         comm_obj_ = py::object();
         fallback_ = py::object();
@@ -141,13 +193,9 @@ class BackendMPIDP : public c10d::Backend {
             (op = reduce_op(opts.reduceOp, tensors[0].scalar_type())) >= 0) {
             Contiguous t(tensors[0]);
             mpidp_tensor_t c = core_tensor(t.get());
-            Signature sig = signature(MPIDP_C10D_CALL_ALLREDUCE, &tensors[0], op, -1);
-            return inline_call(OpType::ALLREDUCE, "mpidp:all_reduce", tensors, {t.get()},
-                               [&](int *ended, int *differ) {
-                                   return api->allreduce(comm_, check_, sig.data(), &c, op,
-                                                         timeout_s_, ended, differ);
-                               },
-                               [&] { t.copy_back(); });
+            return fast_call(OpType::ALLREDUCE, "mpidp:all_reduce", opts.asyncOp, tensors, {t},
+                             signature(MPIDP_C10D_CALL_ALLREDUCE, &tensors[0], op, -1), nullptr,
+                             &c, op, -1);
         }
         return fallback("allreduce", tensors, opts);
     }
@@ -160,13 +208,9 @@ class BackendMPIDP : public c10d::Backend {
             Contiguous t(tensors[0]);
             int root = static_cast<int>(opts.rootRank);
             mpidp_tensor_t c = core_tensor(t.get());
-            Signature sig = signature(MPIDP_C10D_CALL_BCAST, &tensors[0], -1, root);
-            return inline_call(OpType::BROADCAST, "mpidp:broadcast", tensors, {t.get()},
-                               [&](int *ended, int *differ) {
-                                   return api->bcast(comm_, check_, sig.data(), &c, root,
-                                                     timeout_s_, ended, differ);
-                               },
-                               [&] { t.copy_back(); });
+            return fast_call(OpType::BROADCAST, "mpidp:broadcast", opts.asyncOp, tensors, {t},
+                             signature(MPIDP_C10D_CALL_BCAST, &tensors[0], -1, root), nullptr,
+                             &c, -1, root);
         }
         return fallback("broadcast", tensors, opts);
     }
@@ -180,14 +224,10 @@ class BackendMPIDP : public c10d::Backend {
             output.numel() == input.numel() * size_ && !output.is_same(input)) {
             Contiguous in(input), out(output);
             mpidp_tensor_t s = core_tensor(in.get()), r = core_tensor(out.get());
-            Signature sig = signature(MPIDP_C10D_CALL_ALLGATHER, &input, -1, -1);
-            return inline_call(OpType::_ALLGATHER_BASE, "mpidp:all_gather_into_tensor", {output},
-                               {in.get(), out.get()},
-                               [&](int *ended, int *differ) {
-                                   return api->allgather(comm_, check_, sig.data(), &s, &r,
-                                                         timeout_s_, ended, differ);
-                               },
-                               [&] { out.copy_back(); });
+            return fast_call(OpType::_ALLGATHER_BASE, "mpidp:all_gather_into_tensor",
+                             opts.asyncOp, {output}, {in, out},
+                             signature(MPIDP_C10D_CALL_ALLGATHER, &input, -1, -1), &s, &r, -1,
+                             -1);
         }
         return fallback("_allgather_base", output, input, opts);
     }
@@ -203,27 +243,20 @@ class BackendMPIDP : public c10d::Backend {
             (op = reduce_op(opts.reduceOp, input.scalar_type(), true)) >= 0) {
             Contiguous in(input), out(output);
             mpidp_tensor_t s = core_tensor(in.get()), r = core_tensor(out.get());
-            Signature sig = signature(MPIDP_C10D_CALL_REDUCE_SCATTER, &input, op, -1);
-            return inline_call(OpType::_REDUCE_SCATTER_BASE, "mpidp:reduce_scatter_tensor",
-                               {output}, {in.get(), out.get()},
-                               [&](int *ended, int *differ) {
-                                   return api->reduce_scatter(comm_, check_, sig.data(), &s, &r,
-                                                              op, timeout_s_, ended, differ);
-                               },
-                               [&] { out.copy_back(); });
+            return fast_call(OpType::_REDUCE_SCATTER_BASE, "mpidp:reduce_scatter_tensor",
+                             opts.asyncOp, {output}, {in, out},
+                             signature(MPIDP_C10D_CALL_REDUCE_SCATTER, &input, op, -1), &s, &r,
+                             op, -1);
         }
         return fallback("_reduce_scatter_base", output, input, opts);
     }
 
+    /* Blocking whatever asyncOp says: torch's barrier waits at once. */
     intrusive_ptr<Work> barrier(const c10d::BarrierOptions &) override
     {
-        Signature sig = signature(MPIDP_C10D_CALL_BARRIER, nullptr, -1, -1);
-        return inline_call(OpType::BARRIER, "mpidp:barrier", {}, {},
-                           [&](int *ended, int *differ) {
-                               return api->barrier(comm_, check_, sig.data(), timeout_s_, ended,
-                                                   differ);
-                           },
-                           [] {});
+        return fast_call(OpType::BARRIER, "mpidp:barrier", false, {}, {},
+                         signature(MPIDP_C10D_CALL_BARRIER, nullptr, -1, -1), nullptr, nullptr,
+                         -1, -1);
     }
 
     /* Everything else: the Python group's method of the name torch's own
@@ -328,13 +361,16 @@ class BackendMPIDP : public c10d::Backend {
         }
     }
 
-    /* destroy_process_group: the group's own MPI state goes (the check's
-     * side communicator), and every later call raises. Nothing of the fast
-     * path is in flight (each call ran to its end); a call running on
-     * another thread keeps the check, which then lives until the backend
-     * goes. */
-    void shutdown() override { close("shut down (destroy_process_group)"); }
-    /* The same: the Python group's calls in flight end at their deadlines. */
+    /* destroy_process_group: the call in flight ends, the group's own MPI
+     * state goes (the check's side communicator), and every later call
+     * raises. A call running on another thread keeps the check, which then
+     * lives until the group's state goes. */
+    void shutdown() override
+    {
+        end_in_flight();
+        close("shut down (destroy_process_group)");
+    }
+    /* The same without waiting: calls in flight end at their deadlines. */
     void abort() override { close("aborted"); }
 
   private:
@@ -357,21 +393,6 @@ class BackendMPIDP : public c10d::Backend {
         }
     }
 
-    /* Every rank raises the same ValueError: the ranks passed different
-     * calls, tensors or settings to this call (`call`, torch's name). */
-    [[noreturn]] void raise_differences(const std::string &call)
-    {
-        std::string ranks = mpidp_c10d::describe_ranks(
-            api->check_rows(check_), size_, [](const int64_t *sig) {
-                return mpidp_c10d::describe(sig, api->op_sum, api->op_avg, api->op_min,
-                                            api->op_max, api->op_prod);
-            });
-        raise_python(PyExc_ValueError,
-                     "mpidp backend: " + call + ": the ranks' calls differ, and every rank "
-                     "must make the same call with tensors of the same shape, dtype and device "
-                     "and the same settings: " + ranks);
-    }
-
     /* Raises a ValueError naming the devices where a call's tensors are on
      * more than one: a collective runs on one device's communicator. */
     template <typename... Tensors> void one_device(const char *call, const Tensors &...tensors)
@@ -391,92 +412,99 @@ class BackendMPIDP : public c10d::Backend {
 
     void close(const char *how)
     {
-        std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-        closed_ = how;
-        if (lock.owns_lock() && check_ != nullptr && !api->forked()) {
-            api->check_free(check_);
-            check_ = nullptr;
+        state_->closed = how;
+        std::unique_lock<std::mutex> lock(state_->mu, std::try_to_lock);
+        if (lock.owns_lock() && !state_->in_flight && state_->check != nullptr &&
+            !api->forked()) {
+            api->check_free(state_->check);
+            state_->check = nullptr;
         }
     }
 
-    /* The ranks' check is state of the group's sequence of calls: one call
-     * at a time (torch makes a group's calls from one thread at a time);
-     * none once the group was shut down. */
-    std::unique_lock<std::mutex> one_at_a_time(const char *call)
+    /* The group's call in flight, if any, ends here (its failure, if any,
+     * goes to its Work and future). */
+    void end_in_flight()
     {
-        if (closed_ != nullptr)
-            raise_python(PyExc_RuntimeError, std::string("mpidp backend: ") + call +
-                                                 " on a group that was " + closed_);
-        std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-        if (!lock.owns_lock())
-            raise_python(PyExc_RuntimeError,
-                         std::string("mpidp backend: ") + call + " was called on a group while "
-                         "another thread's call on it was running: a group's collectives must "
-                         "be called in the same order on every rank, from one thread at a time");
-        return lock;
+        if (api->forked()) return;
+        c10::intrusive_ptr<CallWork> previous;
+        mpidp_c10d::without_gil([&] {
+            std::lock_guard<std::mutex> lock(state_->mu);
+            previous = state_->in_flight;
+        });
+        if (previous) previous->end();
     }
 
-    /* Runs one core collective on this thread, the GIL released where it was
-     * held and MPI allows; raises mpidp's exception on failure. The tensors
-     * are leaked if MPI may still write them (a deadline passed). */
-    template <typename F> void run(const char *what, F &&call, std::vector<at::Tensor> keep)
-    {
-        if (api->forked()) {
-            py::gil_scoped_acquire gil;
-            api->check_not_forked(what);
-            throw python_error();
-        }
-        int ended = 1;
-        int rc = call(&ended);
-        if (rc == 0) return;
-        if (!ended)
-            for (auto &t : keep) new at::Tensor(t);   /* MPI may still write them */
-        py::gil_scoped_acquire gil;
-        api->raise(rc, (std::string("mpidp backend: ") + what).c_str());
-        throw python_error();
-    }
-
-    /* One fast-path collective: its Work, made first so that the profiler's
-     * `title` ("mpidp:<call>", a literal) spans the call; then `post` (the
-     * ranks' check and the call, run to its end), and `after` (copies back)
-     * unless the ranks differ, which raises on every rank. `keep`: the
-     * tensors MPI reads and writes, leaked should it still hold them after
-     * a failure. */
-    template <typename Post, typename After>
-    intrusive_ptr<Work> inline_call(OpType type, const char *title, std::vector<at::Tensor> result,
-                                    std::vector<at::Tensor> keep, Post &&post, After &&after)
+    /* One fast-path call: its Work, made first so that the profiler's
+     * `title` ("mpidp:<call>", a literal) spans the call; the ranks' check
+     * and the call posted; then, unless `async`, its end on this thread.
+     * Where the ranks differ, every rank raises the same ValueError.
+     * `tensors`: what MPI reads and writes (send, recv: their core views). */
+    intrusive_ptr<Work> fast_call(OpType type, const char *title, bool async,
+                                  std::vector<at::Tensor> result, std::vector<Contiguous> tensors,
+                                  const Signature &sig, const mpidp_tensor_t *send,
+                                  const mpidp_tensor_t *recv, int op, int root)
     {
         const char *call = title + sizeof("mpidp:") - 1;
-        auto work = c10::make_intrusive<InlineWork>(rank_, type, title, std::move(result));
-        int differ = 0;
-        {
-            auto lock = one_at_a_time(call);
-            run(call, [&](int *ended) { return post(ended, &differ); }, std::move(keep));
+        Entered entered(*state_, call, true);
+        auto work = c10::make_intrusive<CallWork>(state_, rank_, type, title, std::move(result),
+                                                  std::move(tensors), timeout_s_);
+        mpidp_c10d_pending_t *pending = nullptr;
+        int differ = 0, rc = 0;
+        mpidp_c10d::without_gil([&] {
+            rc = api->start(comm_, state_->check, sig.data(), send, recv, op, root, timeout_s_,
+                            &pending, &differ);
+        });
+        if (rc != 0) {
+            entered.release();
+            raise_status(rc, call);
         }
-        if (differ) raise_differences(call);
-        after();
-        return work->complete();
+        if (differ) {
+            std::string message = state_->differences(call);
+            entered.release();
+            raise_python(PyExc_ValueError, message);
+        }
+        work->posted(pending);
+        if (async) {
+            state_->in_flight = work;
+            return work;
+        }
+        bool mine = false;
+        mpidp_c10d::without_gil([&] { mine = work->settle(true); });
+        entered.release();
+        if (mine) work->conclude();
+        if (std::exception_ptr error = work->error()) std::rethrow_exception(error);
+        return work;
     }
 
-    /* A call for the Python group: checked first (point-to-point calls, which
-     * involve two ranks, are not), then the group's method `method`. */
+    /* A call for the Python group: checked first (point-to-point calls,
+     * which involve two ranks, are not, and do not wait for the group's
+     * call in flight), then the group's method `method`. */
     template <typename... Args> intrusive_ptr<Work> fallback(const char *method, Args &&...args)
     {
         int index = mpidp_c10d::python_call_index(method);
-        one_device(index >= 0 ? mpidp_c10d::python_calls()[index].second : method, args...);
-        auto lock = one_at_a_time(method);
-        if (check_ != nullptr && index >= 0) {
-            Signature sig = mpidp_c10d::python_signature(index);
-            int differ = 0;
-            {
-                run(method, [&](int *ended) {
-                    *ended = 1;
-                    return api->check_call(comm_, check_, sig.data(), timeout_s_, &differ);
-                }, {});
+        const char *call = index >= 0 ? mpidp_c10d::python_calls()[index].second : method;
+        one_device(call, args...);
+        {
+            Entered entered(*state_, call, index >= 0);
+            if (state_->check != nullptr && index >= 0) {
+                Signature sig = mpidp_c10d::python_signature(index);
+                mpidp_c10d_pending_t *none = nullptr;
+                int differ = 0, rc = 0;
+                mpidp_c10d::without_gil([&] {
+                    rc = api->start(comm_, state_->check, sig.data(), nullptr, nullptr, -1, -1,
+                                    timeout_s_, &none, &differ);
+                });
+                if (rc != 0) {
+                    entered.release();
+                    raise_status(rc, call);
+                }
+                if (differ) {
+                    std::string message = state_->differences(call);
+                    entered.release();
+                    raise_python(PyExc_ValueError, message);
+                }
             }
-            if (differ) raise_differences(mpidp_c10d::python_calls()[index].second);
         }
-        lock.unlock();
         py::gil_scoped_acquire gil;
         try {
             py::object w = fallback_.attr(method)(std::forward<Args>(args)...);
@@ -490,13 +518,10 @@ class BackendMPIDP : public c10d::Backend {
     py::object comm_obj_;
     py::object fallback_;
     const void *comm_ = nullptr;
-    void *check_ = nullptr; /* the ranks' check of each call; none at 1 rank or unchecked */
-    std::mutex busy_;
-    const char *closed_ = nullptr; /* how the group ended (shutdown, abort) */
+    std::shared_ptr<GroupState> state_;
     double timeout_s_;
     bool host_fast_path_;
 };
-
 /* The group torch hands the program: torch's own ProcessGroup (whose
  * collectives go through the dispatcher to the backend registered for the
  * tensor's device), named "mpidp" -- a custom C++ backend in a group torch
@@ -520,7 +545,7 @@ PYBIND11_MODULE(_c10d, m)
     m.doc() = "The 'mpidp' torch.distributed backend as a c10d::Backend (csrc/torch/c10d_backend.cpp).";
     py::module_ core = py::module_::import("mpidp._C");
     py::object capsule = core.attr("_c10d_api");
-    api = static_cast<const mpidp_c10d_api_t *>(
+    mpidp_c10d::api = static_cast<const mpidp_c10d_api_t *>(
         PyCapsule_GetPointer(capsule.ptr(), MPIDP_C10D_API_CAPSULE));
     if (api == nullptr) throw py::error_already_set();
     if (api->version != MPIDP_C10D_API_VERSION)
@@ -531,6 +556,13 @@ PYBIND11_MODULE(_c10d, m)
              py::arg("python_group"), py::arg("timeout_s"), py::arg("check"), py::arg("rank"),
              py::arg("size"), py::arg("host_fast_path") = true)
         .def_property_readonly("python_group", &BackendMPIDP::python_group);
+    /* The progress thread stops at exit, before MPI is finalized (atexit's
+     * functions run in reverse order, and mpi4py's was registered first). */
+    m.def("_stop_progress", [] {
+        py::gil_scoped_release nogil;
+        mpidp_c10d::Progress::get().stop();
+    });
+    py::module_::import("atexit").attr("register")(m.attr("_stop_progress"));
     py::class_<GroupMPIDP, c10d::ProcessGroup, intrusive_ptr<GroupMPIDP>>(m, "GroupMPIDP")
         .def(py::init<const intrusive_ptr<BackendMPIDP> &>(), py::arg("backend"));
 }

@@ -1,6 +1,6 @@
 /* The C++ "mpidp" backend's pieces around the core (csrc/torch/c10d_backend.cpp):
  * torch tensors as the core's tensors, the signature's hash, and the Work of
- * a collective that ran to its end on the caller's thread. */
+ * a call its Python group made. */
 #pragma once
 
 #include <torch/csrc/Exceptions.h>
@@ -86,35 +86,6 @@ inline int64_t fnv(const void *data, size_t n, uint64_t h = 1469598103934665603u
     for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
     return static_cast<int64_t>(h >> 2);     /* within (-2^63, 2^63): every negation exists */
 }
-
-/* A collective the fast path runs to its end on the caller's thread: made
- * before it starts, so that its profiling title ("mpidp:<call>") spans the
- * call in torch.profiler's trace, and complete() once it ended. */
-class InlineWork : public Work {
-  public:
-    InlineWork(int rank, OpType type, const char *title, std::vector<at::Tensor> result)
-        : Work(rank, type, title), result_(std::move(result))
-    {
-    }
-    intrusive_ptr<Work> complete()
-    {
-        finish();
-        return intrusive_ptr<Work>::reclaim_copy(this);
-    }
-    bool isCompleted() override { return true; }
-    bool wait(std::chrono::milliseconds) override { return true; }
-    std::vector<at::Tensor> result() override { return result_; }
-    intrusive_ptr<c10::ivalue::Future> getFuture() override
-    {
-        auto f = c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()));
-        f->markCompleted(c10::IValue(result_));
-        return f;
-    }
-
-  private:
-    std::vector<at::Tensor> result_;
-};
 
 /* The Work of a call the Python group ran: its Python MPIDPWork behind
  * torch's C++ Work interface, every question forwarded to it (torch's own

@@ -20,8 +20,10 @@
  * raises the same error.
  *
  * A call of a communicator's collectives through this check is one call
- * of begin, and for a predicted call one of wait; calls must not overlap
- * (one thread at a time: the caller's lock). */
+ * of begin, and for a predicted call one of wait (or polls until one
+ * resolves it); calls must not overlap (one thread at a time: the caller's
+ * lock), and a predicted call must be resolved before the next begins: a
+ * rank is then at most one call ahead of another. */
 #ifndef MPIDP_CALLCHECK_H
 #define MPIDP_CALLCHECK_H
 
@@ -76,6 +78,13 @@ int mpidp_callcheck_begin(mpidp_callcheck_t *c, const int64_t *sig, int exchange
  * raise. */
 int mpidp_callcheck_wait(mpidp_callcheck_t *c, const mpidp_operation_t *ops, void *op,
                          mpidp_reqtable_t *reqs, double timeout_s, int *outcome);
+
+/* The same as wait, without blocking while nothing has happened: one test
+ * of the operation and of the notifications. *resolved = 0: neither
+ * happened, poll again (or wait); *resolved = 1: *outcome as wait's (a
+ * notification's exchange blocks, under the deadline timeout_s). */
+int mpidp_callcheck_poll(mpidp_callcheck_t *c, const mpidp_operation_t *ops, void *op,
+                         mpidp_reqtable_t *reqs, double timeout_s, int *resolved, int *outcome);
 
 /* After DIFFER: every rank's row (size rows of MPIDP_CALLCHECK_ROW(n)
  * int64, by rank), valid until the next call. */
