@@ -26,6 +26,7 @@ several syncs. Without netem in the kernel the links have no added latency
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -192,8 +193,11 @@ def driver(args) -> None:
     cal_rates = args.calibrate_at.split(",")
     profiles = {r: calibrate(args, r) for r in cal_rates}
     latency, eta, beta0 = network_fit(profiles, parse_bandwidth)
+    # CPU work, the same at every rate: the calibrations' mean.
+    wire_bf16 = statistics.mean(p.levels["inter"].wire_bf16 for p in profiles.values())
     log(f"network fit: latency {latency * 1e6:.0f} us, TCP gets {eta:.0%} of the shaped rate, "
-        f"hosts add {beta0 * 1e9:.3f} ns/byte")
+        f"hosts add {beta0 * 1e9:.3f} ns/byte; a bf16 wire adds {wire_bf16 * 1e9:.3f} ns "
+        "per float32 byte")
     prof = profiles[cal_rates[0]]
     algos = planner_algorithms(args.period)
     rows = []
@@ -201,10 +205,13 @@ def driver(args) -> None:
         for rate in args.rates.split(","):
             floor = measure(args, nodes, rate, "local")
             beta = beta0 + 1 / (eta * parse_bandwidth(rate))
-            cluster = prof.cluster(nodes, 1, bandwidth=1 / beta, latency=latency)
             # The emulated nodes share this machine's cores: the algorithms'
-            # own compute slows as the training's does.
+            # own compute (the compression, the bf16 wire's conversions and
+            # sums) slows as the training's does.
             slower = floor / prof.step_s
+            cluster = prof.cluster(nodes, 1, bandwidth=1 / beta, latency=latency)
+            cluster = dataclasses.replace(cluster, inter=dataclasses.replace(
+                cluster.inter, wire_bf16=wire_bf16 * slower))
             work = alg.Workload(prof.params, floor, prof.overlap,
                                 overheads={k: v * slower for k, v in prof.overheads.items()})
             cell = []
@@ -227,7 +234,8 @@ def driver(args) -> None:
     cells = {(r["nodes"], r["rate"]): r["recommendation_ok"] for r in rows}
     summary = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
                "recommendation_ok": sum(cells.values()), "cells": len(cells),
-               "network": {"latency_s": latency, "eta": eta, "beta0": beta0},
+               "network": {"latency_s": latency, "eta": eta, "beta0": beta0,
+                           "wire_bf16_s_per_byte": wire_bf16},
                "calibrated_at": cal_rates, "params": prof.params}
     (Path(args.out) / "bench_plan.json").write_text(json.dumps({"summary": summary, "rows": rows}))
     if args.plot:

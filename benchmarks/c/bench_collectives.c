@@ -152,7 +152,7 @@ int main(int argc, char **argv)
     mpidp_mpiops_init();
     check(mpidp_reqtable_create(256, &b.reqs), "request table");
     b.counts = malloc((size_t)b.size * sizeof *b.counts);
-    static const size_t sizes[] = {1 << 18, 1 << 22, 1 << 26};
+    static const size_t sizes[] = {1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 22, 1 << 26};
     static const struct {
         const char *name;
         void (*op)(bench_t *, int);
@@ -170,6 +170,7 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < b.n; i++) b.in[i] = b.out[i] = 1.0f;
         for (size_t i = 0; i < b.n * (size_t)b.size; i++) b.all[i] = 1.0f;
         int reps = (int)((20u << 20) / sizes[si]);
+        if (reps > 4000) reps = 4000; /* 1 KB: per-call cost, not bandwidth */
         if (reps < 3) reps = 3;
         for (size_t k = 0; k < sizeof ops / sizeof *ops; k++) {
             double t[METHODS];

@@ -1,5 +1,5 @@
-/* Allgather and reduce-scatter of a few ranks as point-to-point messages
- * (see linear.h). */
+/* Allgather, reduce-scatter and small allreduce of a few ranks as
+ * point-to-point messages (see linear.h). */
 #include "linear.h"
 
 #include <stdio.h>
@@ -16,8 +16,9 @@ struct mpidp__linear {
     int rank, size;
     mpidp_req_t *recvs, *sends; /* by peer; MPIDP_REQ_NONE at this rank */
     int completed;
-    /* Reduce-scatter only: peers' blocks land in `scratch` (one block per
-     * rank, this rank's unused) and fold into `recv` in rank order. */
+    /* Reduce-scatter and allreduce: peers' blocks land in `scratch` (one
+     * block per rank; this rank's holds its own input for an allreduce) and
+     * fold into `recv` in rank order. */
     int reducing;
     char *scratch;
     const char *own; /* this rank's block of the input */
@@ -189,6 +190,41 @@ int mpidp__linear_reduce_scatter_start(MPI_Comm comm, int rank, int size, const 
     return post_exchange(x, comm, what, type, recv_at, counts[rank], send_at, counts, out);
 }
 
+int mpidp__linear_allreduce_start(MPI_Comm comm, int rank, int size, void *data, int count,
+                                  MPI_Datatype type, size_t esize, MPI_Op op,
+                                  mpidp_reqtable_t *reqs, const char *what,
+                                  mpidp__linear_t **out)
+{
+    size_t bytes = (size_t)count * esize;
+    mpidp__linear_t *x = NULL;
+    int rc = linear_new(reqs, rank, size, what, &x);
+    if (rc != MPIDP_OK) return rc;
+    x->reducing = 1;
+    x->scratch = malloc((size_t)size * bytes + 1);
+    if (x->scratch == NULL) {
+        mpidp__linear_free(x);
+        return mpidp__fail(MPIDP_ENOMEM, "%s: out of memory for %d blocks of %zu bytes", what,
+                           size, bytes);
+    }
+    /* The own tensor is copied first: the folds write `data` while the
+     * sends still read this rank's values. */
+    char *recv_at[MPIDP_LINEAR_MAX_RANKS], *send_at[MPIDP_LINEAR_MAX_RANKS];
+    int counts[MPIDP_LINEAR_MAX_RANKS];
+    x->own = x->scratch + (size_t)rank * bytes;
+    memcpy(x->scratch + (size_t)rank * bytes, data, bytes);
+    for (int r = 0; r < size; r++) {
+        recv_at[r] = x->scratch + (size_t)r * bytes;
+        send_at[r] = x->scratch + (size_t)rank * bytes;
+        counts[r] = count;
+    }
+    x->recv = data;
+    x->count = count;
+    x->block_bytes = bytes;
+    x->type = type;
+    x->op = op;
+    return post_exchange(x, comm, what, type, recv_at, count, send_at, counts, out);
+}
+
 /* Folds in the blocks that have arrived, in rank order: the first is
  * copied, each next one reduced into it, so the result does not depend on
  * which message came first. */
@@ -208,7 +244,7 @@ static int fold_arrived(mpidp__linear_t *x)
             memcpy(x->recv, block, x->block_bytes);
         } else {
             int mrc = MPI_Reduce_local(block, x->recv, x->count, x->type, x->op);
-            if (mrc != MPI_SUCCESS) return mpidp__mpi_fail(mrc, "reduce_scatter: MPI_Reduce_local");
+            if (mrc != MPI_SUCCESS) return mpidp__mpi_fail(mrc, "linear fold: MPI_Reduce_local");
         }
         x->next_fold++;
     }

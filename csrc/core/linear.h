@@ -1,10 +1,12 @@
-/* Core-private: allgather and reduce-scatter of a few ranks as point-to-point
- * messages, each rank exchanging its blocks with every other at once.
+/* Core-private: allgather, reduce-scatter and (small) allreduce of a few
+ * ranks as point-to-point messages, each rank exchanging its blocks with
+ * every other at once.
  *
  * Why: Open MPI's non-blocking collectives (libnbc) run a generic schedule
  * that costs up to 1.8x the blocking call's time at 256 KB per rank in
- * shared memory, while one Isend/Irecv per pair of ranks matches the
- * blocking call (both measured at 2 ranks; see docs/design-notes.md). With
+ * shared memory (and its allreduce 2.2x at 1 KB), while one Isend/Irecv per
+ * pair of ranks matches the blocking call (both measured at 2 ranks; see
+ * docs/design-notes.md). With
  * up to MPIDP_LINEAR_MAX_RANKS ranks each rank's sends are few, so the
  * burst is bounded; larger communicators keep MPI's own algorithms.
  *
@@ -53,6 +55,15 @@ int mpidp__linear_reduce_scatter_start(MPI_Comm comm, int rank, int size, const 
                                        void *recv, const int *counts, MPI_Datatype type,
                                        size_t esize, MPI_Op op, mpidp_reqtable_t *reqs,
                                        const char *what, mpidp__linear_t **out);
+
+/* Posts the in-place allreduce of `data` (count elements) under `op`: every
+ * rank sends its whole tensor to every other, and each folds them in rank
+ * order (the same bits on every rank). For small tensors only: each rank
+ * sends (size - 1) x its bytes. */
+int mpidp__linear_allreduce_start(MPI_Comm comm, int rank, int size, void *data, int count,
+                                  MPI_Datatype type, size_t esize, MPI_Op op,
+                                  mpidp_reqtable_t *reqs, const char *what,
+                                  mpidp__linear_t **out);
 
 /* Advances the operation; *done = 1 once its result is in place. */
 int mpidp__linear_test(mpidp__linear_t *x, int *done);

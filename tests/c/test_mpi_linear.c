@@ -1,16 +1,19 @@
-/* The allgather and reduce-scatter the core runs as point-to-point messages
+/* The allgather, reduce-scatter and small allreduce the core runs as point-to-point messages
  * on communicators of up to MPIDP_LINEAR_MAX_RANKS ranks (linear.h), run at
  * 2, 3, 4 and 9 ranks (9: MPI's own collectives, which must give the same
  * values): the largest tag is refused to the core's send and receive; two
  * allgathers and a reduce-scatter of blocks past the eager limit in flight
  * together with a user's messages on the same communicator, waited for in
  * reverse order; a reduce-scatter's float32 sum folded in rank order, the
- * same bits as that fold done here; bfloat16, int64 max and average. */
+ * same bits as that fold done here; bfloat16, int64 max and average; a
+ * small in-place allreduce (mpidp/allreduce.h's engine) folded in rank
+ * order the same way, on every rank, and its other dtypes and ops. */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "mpidp/allreduce.h"
 #include "mpidp/collectives.h"
 #include "mpidp/convert.h"
 #include "mpidp/status.h"
@@ -186,5 +189,70 @@ TEST(reduce_scatter_of_bfloat16_int64_max_and_average)
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
+static int allreduce(void *data, size_t n, int dtype, int op, mpidp_reqtable_t *reqs)
+{
+    mpidp_tensor_t t = T(data, n, dtype);
+    mpidp_allreduce_opts_t o = mpidp_allreduce_default_opts(dtype, op, -1, 10.0, "allreduce");
+    mpidp_allreduce_t *x = NULL;
+    int rc = mpidp_allreduce_start(MPI_COMM_WORLD, &t, &o, reqs, &x);
+    if (rc == MPIDP_OK) rc = mpidp_allreduce_wait(x, 10.0);
+    if (rc == MPIDP_OK) rc = mpidp_allreduce_free(x);
+    return rc;
+}
+
+TEST(a_small_allreduce_folds_in_rank_order_in_place)
+{
+    mpidp_reqtable_t *reqs = table(64);
+    enum { M = 257 };
+    float f[M];
+    for (size_t i = 0; i < M; i++) f[i] = mixed(rank_, i);
+    ASSERT_OK(allreduce(f, M, MPIDP_F32, MPIDP_OP_SUM, reqs));
+    for (size_t i = 0; i < M; i++) {
+        float fold = mixed(0, i);
+        double magnitude = 0;
+        for (int r = 1; r < size_; r++) fold = mixed(r, i) + fold;
+        for (int r = 0; r < size_; r++) magnitude += mixed(r, i) < 0 ? -mixed(r, i) : mixed(r, i);
+        if (mpidp__linear_fits(size_)) {
+            ASSERT_TRUE(memcmp(&fold, &f[i], sizeof fold) == 0);
+        } else {
+            double d = (double)f[i] - (double)fold;
+            ASSERT_TRUE((d < 0 ? -d : d) <= 1e-6 * magnitude);
+        }
+    }
+    /* Every rank ends with the same bits. */
+    float first[M];
+    memcpy(first, f, sizeof f);
+    MPI_Bcast(first, M, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    ASSERT_TRUE(memcmp(first, f, sizeof f) == 0);
+    uint16_t h[M];
+    int64_t iv[M];
+    double d[M];
+    for (size_t i = 0; i < M; i++) {
+        h[i] = mpidp_bf16_from_f32((float)(i % 7) + (float)rank_);
+        iv[i] = (int64_t)((i * 31 + (size_t)rank_ * 17) % 23) - 11;
+        d[i] = (double)rank_ * 0.25 + (double)i;
+    }
+    ASSERT_OK(allreduce(h, M, MPIDP_BF16, MPIDP_OP_SUM, reqs));
+    ASSERT_OK(allreduce(iv, M, MPIDP_I64, MPIDP_OP_MIN, reqs));
+    ASSERT_OK(allreduce(d, M, MPIDP_F64, MPIDP_OP_AVG, reqs));
+    for (size_t i = 0; i < M; i++) {
+        float sum = 0;
+        int64_t min = INT64_MAX;
+        double mean = 0;
+        for (int r = 0; r < size_; r++) {
+            sum += (float)(i % 7) + (float)r;
+            int64_t v = (int64_t)((i * 31 + (size_t)r * 17) % 23) - 11;
+            min = v < min ? v : min;
+            mean += (double)r * 0.25 + (double)i;
+        }
+        ASSERT_TRUE(mpidp_f32_from_bf16(h[i]) == sum);
+        ASSERT_TRUE(iv[i] == min);
+        ASSERT_TRUE(d[i] - mean / size_ < 1e-12 && mean / size_ - d[i] < 1e-12);
+    }
+    ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
+    ASSERT_OK(mpidp_reqtable_destroy(reqs));
+}
+
 TEST_MAIN_MPI(the_largest_tag_is_the_cores_own, collectives_and_user_messages_in_flight_together,
-              reduce_scatter_folds_blocks_in_rank_order, reduce_scatter_of_bfloat16_int64_max_and_average)
+              reduce_scatter_folds_blocks_in_rank_order, reduce_scatter_of_bfloat16_int64_max_and_average,
+              a_small_allreduce_folds_in_rank_order_in_place)

@@ -25,7 +25,7 @@ from .. import _C
 from . import costs
 from .costs import Cluster, Level
 
-FP32, BF16 = 4, 2
+FP32, BF16 = costs.FP32_WIRE, costs.BF16_WIRE
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,10 @@ def _gather_sent(p: int, payload: float) -> float:
 
 def data_parallel(wire: int, hierarchical: bool = False):
     def parts(c: Cluster, w: Workload) -> List[Component]:
-        n = w.params * wire
+        n = w.params * FP32
         cost = costs.hierarchical_allreduce if hierarchical else costs.flat_allreduce
-        return [Component("allreduce of the gradients", lambda cl: cost(cl, n), 1,
-                          w.overlap * w.backward_s, _ring_sent(c.size, n))]
+        return [Component("allreduce of the gradients", lambda cl: cost(cl, n, wire), 1,
+                          w.overlap * w.backward_s, _ring_sent(c.size, w.params * wire))]
     return parts
 
 
@@ -101,7 +101,7 @@ def daso(global_skip: int, batches_to_wait: int):
         node = Component("node-local allreduce", lambda cl: costs.node_allreduce(cl, n), 1,
                          w.overlap * w.backward_s, _ring_sent(c.ranks_per_node, n))
         glob = Component("global sync (bf16) across nodes",
-                         lambda cl: costs.across_nodes_allreduce(cl, w.params * BF16),
+                         lambda cl: costs.across_nodes_allreduce(cl, w.params * FP32, BF16),
                          global_skip, batches_to_wait * w.step_s,
                          _ring_sent(c.nodes, w.params * BF16) / c.ranks_per_node)
         return [node, glob]
@@ -132,11 +132,11 @@ def periodic(every: int, node_local_each_step: bool, extra_every: Optional[int] 
 
 def diloco(every: int, wire: int, fragments: int = 1, delay: int = 0):
     def parts(c: Cluster, w: Workload) -> List[Component]:
-        n = w.params * wire / fragments
+        n = w.params * FP32 / fragments
         return [Component("outer-gradient allreduce" + (" (one fragment)" if fragments > 1
                                                          else ""),
-                          lambda cl: costs.flat_allreduce(cl, n), every / fragments,
-                          delay * w.step_s, _ring_sent(c.size, n))]
+                          lambda cl: costs.flat_allreduce(cl, n, wire), every / fragments,
+                          delay * w.step_s, _ring_sent(c.size, n * wire / FP32))]
     return parts
 
 
@@ -182,9 +182,12 @@ ALGORITHMS: Tuple[Algorithm, ...] = (
 
 
 def _only(level: Level, keep: str) -> Level:
+    """The level with one term kept; a bf16 wire's conversions and sums
+    count as reduction."""
     return Level(level.alpha if keep == "latency" else 0.0,
                  level.beta if keep == "bandwidth" else 0.0,
-                 level.gamma if keep == "reduction" else 0.0)
+                 level.gamma if keep == "reduction" else 0.0,
+                 level.wire_bf16 if keep == "reduction" else 0.0)
 
 
 def predict(algorithm: Algorithm, cluster: Cluster, work: Workload) -> Prediction:

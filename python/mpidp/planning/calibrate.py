@@ -71,17 +71,23 @@ def measure_level(comm, sizes: List[int], min_s: float,
                   progress=None) -> Dict[str, List[Tuple[float, float]]]:
     """Allreduce (n bytes each) and allgather (n bytes out, n/p in) over
     `comm`, each as mpidp's engines run it: MPI's non-blocking allreduce
-    (with the algorithm importing mpidp chose), and the core's allgather
+    (with the algorithm importing mpidp chose), the core's allreduce of
+    float32 values over a bf16 wire (DataParallel's wire_dtype, Streaming
+    DiLoCo's, DASO's global sync), and the core's allgather
     (point-to-point messages on up to 8 ranks, SparseLoCo's and DeMo's
     payload exchange)."""
     p = comm.Get_size()
     core = _C.Comm(comm)
-    out: Dict[str, List[Tuple[float, float]]] = {"allreduce": [], "allgather": []}
+    out: Dict[str, List[Tuple[float, float]]] = {"allreduce": [], "allreduce_bf16": [],
+                                                 "allgather": []}
     for n in sizes:
         count = n // 4
         buf = np.ones(count, dtype=np.float32)
         out["allreduce"].append((float(count * 4), _time(
             comm, lambda: comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM).Wait(), min_s, 200)))
+        values = torch.ones(count)
+        out["allreduce_bf16"].append((float(count * 4), _time(
+            comm, lambda: core.allreduce(values, _C.OP_SUM, _C.DTYPE_BF16, False), min_s, 200)))
         piece = max(1, count // p)
         send, recv = torch.ones(piece), torch.empty(piece * p)
         out["allgather"].append((float(piece * p * 4), _time(

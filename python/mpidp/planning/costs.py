@@ -17,22 +17,29 @@ node's link carries the whole message), and an allgather in the node."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+
+FP32_WIRE, BF16_WIRE = 4, 2   # bytes a float32 value takes on the wire
 
 
 @dataclass(frozen=True)
 class Level:
     """One level of a network: seconds per message (alpha), per byte moved
-    (beta) and per byte reduced (gamma)."""
+    (beta) and per byte reduced (gamma); and what a bf16 wire adds to an
+    allreduce of float32 values beyond moving and reducing half the bytes
+    (wire_bf16, seconds per float32 byte): the conversions each way and
+    mpidp's own bf16 sum, CPU work that a fast link leaves exposed."""
     alpha: float
     beta: float
     gamma: float = 0.0
+    wire_bf16: float = 0.0
 
     def with_bandwidth(self, bytes_per_s: float) -> "Level":
-        return Level(self.alpha, 1.0 / bytes_per_s, self.gamma)
+        return replace(self, beta=1.0 / bytes_per_s)
 
     def with_latency(self, seconds: float) -> "Level":
-        return Level(seconds, self.beta, self.gamma)
+        return replace(self, alpha=seconds)
 
 
 # -- one level: p ranks ------------------------------------------------------------
@@ -69,6 +76,15 @@ def allreduce(p: int, n: float, lv: Level) -> float:
     """The best of the three, as MPI's tuned selection aims to be."""
     return min(ring_allreduce(p, n, lv), recursive_doubling_allreduce(p, n, lv),
                rabenseifner_allreduce(p, n, lv))
+
+
+def wire_allreduce(p: int, n: float, lv: Level, wire: int = FP32_WIRE) -> float:
+    """An allreduce of n bytes of float32 values sent `wire` bytes a value:
+    a bf16 wire moves and reduces half the bytes and adds its conversions
+    and sums (lv.wire_bf16 per float32 byte)."""
+    if wire == FP32_WIRE or p <= 1:
+        return allreduce(p, n, lv)
+    return allreduce(p, n * wire / FP32_WIRE, lv) + n * lv.wire_bf16
 
 
 def ring_allgather(p: int, n: float, lv: Level) -> float:
@@ -127,10 +143,11 @@ class Cluster:
         return Cluster(self.nodes, self.ranks_per_node, self.intra, inter)
 
 
-def flat_allreduce(c: Cluster, n: float) -> float:
-    """An allreduce over every rank: within a node at the node's costs, else
-    at the network's (its steps cross it)."""
-    return allreduce(c.size, n, c.intra if c.nodes == 1 else c.inter)
+def flat_allreduce(c: Cluster, n: float, wire: int = FP32_WIRE) -> float:
+    """An allreduce over every rank (n bytes of float32 values, sent `wire`
+    bytes a value): within a node at the node's costs, else at the
+    network's (its steps cross it)."""
+    return wire_allreduce(c.size, n, c.intra if c.nodes == 1 else c.inter, wire)
 
 
 def flat_allgather(c: Cluster, n: float) -> float:
@@ -142,16 +159,21 @@ def node_allreduce(c: Cluster, n: float) -> float:
     return allreduce(c.ranks_per_node, n, c.intra)
 
 
-def hierarchical_allreduce(c: Cluster, n: float) -> float:
+def hierarchical_allreduce(c: Cluster, n: float, wire: int = FP32_WIRE) -> float:
     """Reduce-scatter in the node, the nodes' allreduce of each rank's 1/r
     share (r at once through the node's link: the link carries n), and an
-    allgather in the node."""
+    allgather in the node; n bytes of float32 values sent `wire` bytes a
+    value at every stage, a bf16 wire's conversions and sums costed at the
+    node's rate (the network's at one rank a node)."""
     r = c.ranks_per_node
-    across = allreduce(c.nodes, n, c.inter) if c.nodes > 1 else 0.0
-    return reduce_scatter(r, n, c.intra) + across + allgather(r, n, c.intra)
+    sent = n * wire / FP32_WIRE
+    across = allreduce(c.nodes, sent, c.inter) if c.nodes > 1 else 0.0
+    extra = 0.0 if wire == FP32_WIRE else n * (c.intra if r > 1 else c.inter).wire_bf16
+    return reduce_scatter(r, sent, c.intra) + across + allgather(r, sent, c.intra) + extra
 
 
-def across_nodes_allreduce(c: Cluster, n: float) -> float:
-    """The nodes' allreduce of n bytes through each node's link (one rank per
-    node, or the node's ranks sharing the link with n in all)."""
-    return allreduce(c.nodes, n, c.inter) if c.nodes > 1 else 0.0
+def across_nodes_allreduce(c: Cluster, n: float, wire: int = FP32_WIRE) -> float:
+    """The nodes' allreduce of n bytes of float32 values (sent `wire` bytes a
+    value) through each node's link (one rank per node, or the node's ranks
+    sharing the link with n in all)."""
+    return wire_allreduce(c.nodes, n, c.inter, wire) if c.nodes > 1 else 0.0

@@ -6,7 +6,9 @@ the measured times of allreduce and allgather over a range of sizes, and
 alpha, beta, gamma fitted to them with the ring forms of costs.py (the
 allgather gives alpha and beta, the allreduce's slope then gamma): alpha
 from the smallest message, the slopes from the two largest, where
-training's traffic is.
+training's traffic is. The allreduce with a bf16 wire, as DataParallel
+runs it, gives what that wire adds beyond moving half the bytes
+(wire_bf16: its conversions and bf16 sums).
 The fit's residuals say how far the closed forms are from the
 measurements. Plus the step: the model's parameters, its compute time
 without communication, the overlap DataParallel achieved, and the compute
@@ -37,10 +39,11 @@ class LevelFit:
     sizes: Tuple[float, float]                      # smallest and largest message measured
     measured: Dict[str, List[Tuple[float, float]]]  # kind -> [(bytes, seconds)]
     residuals: Dict[str, Dict[str, float]]          # kind -> median/max relative error
+    wire_bf16: float = 0.0                          # seconds per float32 byte (costs.Level)
 
     @property
     def level(self) -> Level:
-        return Level(self.alpha, self.beta, self.gamma)
+        return Level(self.alpha, self.beta, self.gamma, self.wire_bf16)
 
 
 @dataclass
@@ -102,7 +105,8 @@ def load(path: str, world_size: Optional[int] = None) -> Profile:
                          f"{world_size}: calibrate at this size")
     levels = {k: (None if v is None else LevelFit(
         v["ranks"], v["alpha"], v["beta"], v["gamma"], tuple(v["sizes"]),
-        {kk: [tuple(x) for x in vv] for kk, vv in v["measured"].items()}, v["residuals"]))
+        {kk: [tuple(x) for x in vv] for kk, vv in v["measured"].items()}, v["residuals"],
+        v.get("wire_bf16", 0.0)))
         for k, v in raw["levels"].items()}
     return Profile(raw["mpidp_version"], raw["world_size"], raw["nodes"], raw["ranks_per_node"],
                    levels, raw["model"], raw["params"], raw["step_s"], raw["overlap"],
@@ -114,7 +118,10 @@ def _fit_line(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
     messages (the bandwidth regime, where training's buckets are; a CPU's
     caches make smaller ones faster per byte), the intercept from the
     smallest (the latency regime). Both kept >= 0; with a slope the noise
-    made negative, least squares on relative error over every point."""
+    made negative, least squares on relative error over every point, and
+    where that is not positive either (a loaded machine where every size
+    took the same scheduling delay), the largest message's time over its
+    size: a slow link, never an infinitely fast one."""
     pts = sorted(points)
     (n0, t0), (n1, t1), (n2, t2) = pts[0], pts[-2], pts[-1]
     if n2 > n1 and t2 > t1:
@@ -125,7 +132,8 @@ def _fit_line(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
         w = 1.0 / t
         b = float(np.linalg.lstsq(np.stack([w, n * w], axis=1), np.ones_like(t),
                                   rcond=None)[0][1])
-    b = max(0.0, b)
+    if b <= 0:
+        b = t2 / n2
     return max(0.0, t0 - b * n0), b
 
 
@@ -141,13 +149,26 @@ def fit_level(p: int, measured: Dict[str, List[Tuple[float, float]]]) -> LevelFi
     beta = b_g * p / (p - 1)
     _, b_r = _fit_line(measured["allreduce"])
     gamma = max(0.0, (b_r - 2 * (p - 1) / p * beta) * p / (p - 1))
-    level = Level(alpha, beta, gamma)
+    wire_bf16 = _wire_bf16(p, Level(alpha, beta, gamma), measured.get("allreduce_bf16", []))
+    level = Level(alpha, beta, gamma, wire_bf16)
+    forms = {"allreduce": costs.allreduce, "allgather": costs.allgather,
+             "allreduce_bf16": lambda p, n, lv: costs.wire_allreduce(p, n, lv, costs.BF16_WIRE)}
     residuals = {}
-    for kind, fn in (("allreduce", costs.allreduce), ("allgather", costs.allgather)):
-        errors = [abs(fn(p, n, level) - t) / t for n, t in measured[kind]]
+    for kind, points in measured.items():
+        errors = [abs(forms[kind](p, n, level) - t) / t for n, t in points]
         residuals[kind] = {"median": float(np.median(errors)), "max": float(max(errors))}
     sizes = [n for pts in measured.values() for n, _ in pts]
-    return LevelFit(p, alpha, beta, gamma, (min(sizes), max(sizes)), measured, residuals)
+    return LevelFit(p, alpha, beta, gamma, (min(sizes), max(sizes)), measured, residuals,
+                    wire_bf16)
+
+
+def _wire_bf16(p: int, level: Level, points: Sequence[Tuple[float, float]]) -> float:
+    """Seconds per float32 byte that the bf16 wire's allreduce took beyond
+    the level's allreduce of half the bytes: the mean over the two largest
+    messages (where its conversions show); 0 where not measured."""
+    largest = sorted(points)[-2:]
+    extra = [(t - costs.allreduce(p, n / 2, level)) / n for n, t in largest]
+    return max(0.0, float(np.mean(extra))) if extra else 0.0
 
 
 def describe(fit: LevelFit) -> str:
@@ -156,4 +177,5 @@ def describe(fit: LevelFit) -> str:
     res = ", ".join(f"{k} median {v['median']:.0%} max {v['max']:.0%}"
                     for k, v in fit.residuals.items())
     return (f"{fit.ranks} ranks: latency {fit.alpha * 1e6:.1f} us, bandwidth "
-            f"{bw / 1e9:.3g} GB/s, reduction {red / 1e9:.3g} GB/s; fit's error: {res}")
+            f"{bw / 1e9:.3g} GB/s, reduction {red / 1e9:.3g} GB/s, a bf16 wire adds "
+            f"{fit.wire_bf16 * 1e9:.3g} ns per float32 byte; fit's error: {res}")
