@@ -176,18 +176,28 @@ static int start_quantized(MPI_Comm comm, const mpidp_tensor_t *t,
     return MPIDP_OK;
 }
 
-static int start_linear(MPI_Comm comm, int rank, int size, const mpidp_tensor_t *t,
-                        const mpidp_allreduce_opts_t *opts, mpidp_reqtable_t *reqs,
-                        mpidp_allreduce_t **out)
+/* The engine's object with what every path keeps; NULL when out of memory. */
+static mpidp_allreduce_t *allreduce_new(MPI_Comm comm, int size, const mpidp_tensor_t *t,
+                                        const mpidp_allreduce_opts_t *opts,
+                                        mpidp_reqtable_t *reqs)
 {
     mpidp_allreduce_t *x = calloc(1, sizeof *x);
-    if (x == NULL) return mpidp__fail(MPIDP_ENOMEM, "allreduce");
+    if (x == NULL) return NULL;
     x->comm = comm;
     x->size = size;
     x->reqs = reqs;
     x->t = *t;
     x->o = *opts;
     snprintf(x->what, sizeof x->what, "%s", opts->what ? opts->what : "allreduce");
+    return x;
+}
+
+static int start_linear(MPI_Comm comm, int rank, int size, const mpidp_tensor_t *t,
+                        const mpidp_allreduce_opts_t *opts, mpidp_reqtable_t *reqs,
+                        mpidp_allreduce_t **out)
+{
+    mpidp_allreduce_t *x = allreduce_new(comm, size, t, opts, reqs);
+    if (x == NULL) return mpidp__fail(MPIDP_ENOMEM, "allreduce");
     if (opts->op == MPIDP_OP_AVG) scale_for_average(x, t->data, (int)t->dtype, t->numel);
     char what[MPIDP_REQ_WHAT_LEN];
     snprintf(what, sizeof what, "%s of %zu %s", x->what, t->numel, mpidp_dtype_name(t->dtype));
@@ -246,15 +256,9 @@ int mpidp_allreduce_start(MPI_Comm comm, const mpidp_tensor_t *t,
         t->numel <= opts->chunk_elems && t->numel * esize <= LINEAR_MAX_BYTES)
         return start_linear(comm, rank, size, t, opts, reqs, out);
 
-    mpidp_allreduce_t *x = calloc(1, sizeof *x);
+    mpidp_allreduce_t *x = allreduce_new(comm, size, t, opts, reqs);
     if (x == NULL) return mpidp__fail(MPIDP_ENOMEM, "allreduce");
-    x->comm = comm;
-    x->size = size;
-    x->reqs = reqs;
-    x->t = *t;
-    x->o = *opts;
     x->compressed = compressed;
-    snprintf(x->what, sizeof x->what, "%s", opts->what ? opts->what : "allreduce");
     x->n_chunks = (t->numel + opts->chunk_elems - 1) / opts->chunk_elems;
     x->slots = opts->max_in_flight == 0 || opts->max_in_flight > x->n_chunks ? x->n_chunks
                                                                             : opts->max_in_flight;

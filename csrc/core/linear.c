@@ -156,44 +156,11 @@ int mpidp__linear_allgather_start(MPI_Comm comm, int rank, int size, const void 
     return MPIDP_OK;
 }
 
-int mpidp__linear_reduce_scatter_start(MPI_Comm comm, int rank, int size, const void *send,
-                                       void *recv, const int *counts, MPI_Datatype type,
-                                       size_t esize, MPI_Op op, mpidp_reqtable_t *reqs,
-                                       const char *what, mpidp__linear_t **out)
-{
-    size_t bytes = (size_t)counts[rank] * esize;
-    mpidp__linear_t *x = NULL;
-    int rc = linear_new(reqs, rank, size, what, &x);
-    if (rc != MPIDP_OK) return rc;
-    x->reducing = 1;
-    x->scratch = malloc((size_t)size * bytes + 1);
-    if (x->scratch == NULL) {
-        mpidp__linear_free(x);
-        return mpidp__fail(MPIDP_ENOMEM, "%s: out of memory for %d blocks of %zu bytes", what,
-                           size, bytes);
-    }
-    /* Each peer gets its block of the input, at the displacement of the
-     * counts before it; its block lands in this rank's scratch. */
-    char *recv_at[MPIDP_LINEAR_MAX_RANKS], *send_at[MPIDP_LINEAR_MAX_RANKS];
-    size_t at = 0;
-    for (int r = 0; r < size; r++) {
-        recv_at[r] = x->scratch + (size_t)r * bytes;
-        send_at[r] = (char *)send + at * esize;
-        at += (size_t)counts[r];
-    }
-    x->own = send_at[rank];
-    x->recv = recv;
-    x->count = counts[rank];
-    x->block_bytes = bytes;
-    x->type = type;
-    x->op = op;
-    return post_exchange(x, comm, what, type, recv_at, counts[rank], send_at, counts, out);
-}
-
-int mpidp__linear_allreduce_start(MPI_Comm comm, int rank, int size, void *data, int count,
-                                  MPI_Datatype type, size_t esize, MPI_Op op,
-                                  mpidp_reqtable_t *reqs, const char *what,
-                                  mpidp__linear_t **out)
+/* A reducing operation (reduce-scatter, allreduce): blocks of `count`
+ * elements land in a scratch of one block per rank and fold into `recv`. */
+static int reducing_new(mpidp_reqtable_t *reqs, int rank, int size, void *recv, int count,
+                        MPI_Datatype type, size_t esize, MPI_Op op, const char *what,
+                        mpidp__linear_t **out)
 {
     size_t bytes = (size_t)count * esize;
     mpidp__linear_t *x = NULL;
@@ -206,22 +173,56 @@ int mpidp__linear_allreduce_start(MPI_Comm comm, int rank, int size, void *data,
         return mpidp__fail(MPIDP_ENOMEM, "%s: out of memory for %d blocks of %zu bytes", what,
                            size, bytes);
     }
-    /* The own tensor is copied first: the folds write `data` while the
-     * sends still read this rank's values. */
-    char *recv_at[MPIDP_LINEAR_MAX_RANKS], *send_at[MPIDP_LINEAR_MAX_RANKS];
-    int counts[MPIDP_LINEAR_MAX_RANKS];
-    x->own = x->scratch + (size_t)rank * bytes;
-    memcpy(x->scratch + (size_t)rank * bytes, data, bytes);
-    for (int r = 0; r < size; r++) {
-        recv_at[r] = x->scratch + (size_t)r * bytes;
-        send_at[r] = x->scratch + (size_t)rank * bytes;
-        counts[r] = count;
-    }
-    x->recv = data;
+    x->recv = recv;
     x->count = count;
     x->block_bytes = bytes;
     x->type = type;
     x->op = op;
+    *out = x;
+    return MPIDP_OK;
+}
+
+int mpidp__linear_reduce_scatter_start(MPI_Comm comm, int rank, int size, const void *send,
+                                       void *recv, const int *counts, MPI_Datatype type,
+                                       size_t esize, MPI_Op op, mpidp_reqtable_t *reqs,
+                                       const char *what, mpidp__linear_t **out)
+{
+    mpidp__linear_t *x = NULL;
+    int rc = reducing_new(reqs, rank, size, recv, counts[rank], type, esize, op, what, &x);
+    if (rc != MPIDP_OK) return rc;
+    /* Each peer gets its block of the input, at the displacement of the
+     * counts before it; its block lands in this rank's scratch. */
+    char *recv_at[MPIDP_LINEAR_MAX_RANKS], *send_at[MPIDP_LINEAR_MAX_RANKS];
+    size_t at = 0;
+    for (int r = 0; r < size; r++) {
+        recv_at[r] = x->scratch + (size_t)r * x->block_bytes;
+        send_at[r] = (char *)send + at * esize;
+        at += (size_t)counts[r];
+    }
+    x->own = send_at[rank];
+    return post_exchange(x, comm, what, type, recv_at, counts[rank], send_at, counts, out);
+}
+
+int mpidp__linear_allreduce_start(MPI_Comm comm, int rank, int size, void *data, int count,
+                                  MPI_Datatype type, size_t esize, MPI_Op op,
+                                  mpidp_reqtable_t *reqs, const char *what,
+                                  mpidp__linear_t **out)
+{
+    mpidp__linear_t *x = NULL;
+    int rc = reducing_new(reqs, rank, size, data, count, type, esize, op, what, &x);
+    if (rc != MPIDP_OK) return rc;
+    /* The own tensor is copied first: the folds write `data` while the
+     * sends still read this rank's values. */
+    char *own = x->scratch + (size_t)rank * x->block_bytes;
+    memcpy(own, data, x->block_bytes);
+    x->own = own;
+    char *recv_at[MPIDP_LINEAR_MAX_RANKS], *send_at[MPIDP_LINEAR_MAX_RANKS];
+    int counts[MPIDP_LINEAR_MAX_RANKS];
+    for (int r = 0; r < size; r++) {
+        recv_at[r] = x->scratch + (size_t)r * x->block_bytes;
+        send_at[r] = own;
+        counts[r] = count;
+    }
     return post_exchange(x, comm, what, type, recv_at, count, send_at, counts, out);
 }
 

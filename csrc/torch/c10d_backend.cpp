@@ -434,20 +434,14 @@ class BackendMPIDP : public c10d::Backend {
         if (previous) previous->end();
     }
 
-    /* One fast-path call: its Work, made first so that the profiler's
-     * `title` ("mpidp:<call>", a literal) spans the call; the ranks' check
-     * and the call posted; then, unless `async`, its end on this thread.
-     * Where the ranks differ, every rank raises the same ValueError.
-     * `tensors`: what MPI reads and writes (send, recv: their core views). */
-    intrusive_ptr<Work> fast_call(OpType type, const char *title, bool async,
-                                  std::vector<at::Tensor> result, std::vector<Contiguous> tensors,
-                                  const Signature &sig, const mpidp_tensor_t *send,
-                                  const mpidp_tensor_t *recv, int op, int root)
+    /* The ranks' check of `sig` and, for a fast call, the call posted (its
+     * pending end; none for the check alone). Where it failed, or the ranks
+     * differ (every rank raises the same ValueError), raises after leaving
+     * the group. */
+    mpidp_c10d_pending_t *start(Entered &entered, const char *call, const Signature &sig,
+                                const mpidp_tensor_t *send, const mpidp_tensor_t *recv, int op,
+                                int root)
     {
-        const char *call = title + sizeof("mpidp:") - 1;
-        Entered entered(*state_, call, true);
-        auto work = c10::make_intrusive<CallWork>(state_, rank_, type, title, std::move(result),
-                                                  std::move(tensors), timeout_s_);
         mpidp_c10d_pending_t *pending = nullptr;
         int differ = 0, rc = 0;
         mpidp_c10d::without_gil([&] {
@@ -463,7 +457,24 @@ class BackendMPIDP : public c10d::Backend {
             entered.release();
             raise_python(PyExc_ValueError, message);
         }
-        work->posted(pending);
+        return pending;
+    }
+
+    /* One fast-path call: its Work, made first so that the profiler's
+     * `title` ("mpidp:<call>", a literal) spans the call; the ranks' check
+     * and the call posted; then, unless `async`, its end on this thread.
+     * Where the ranks differ, every rank raises the same ValueError.
+     * `tensors`: what MPI reads and writes (send, recv: their core views). */
+    intrusive_ptr<Work> fast_call(OpType type, const char *title, bool async,
+                                  std::vector<at::Tensor> result, std::vector<Contiguous> tensors,
+                                  const Signature &sig, const mpidp_tensor_t *send,
+                                  const mpidp_tensor_t *recv, int op, int root)
+    {
+        const char *call = title + sizeof("mpidp:") - 1;
+        Entered entered(*state_, call, true);
+        auto work = c10::make_intrusive<CallWork>(state_, rank_, type, title, std::move(result),
+                                                  std::move(tensors), timeout_s_);
+        work->posted(start(entered, call, sig, send, recv, op, root));
         if (async) {
             state_->in_flight = work;
             return work;
@@ -486,24 +497,9 @@ class BackendMPIDP : public c10d::Backend {
         one_device(call, args...);
         {
             Entered entered(*state_, call, index >= 0);
-            if (state_->check != nullptr && index >= 0) {
-                Signature sig = mpidp_c10d::python_signature(index);
-                mpidp_c10d_pending_t *none = nullptr;
-                int differ = 0, rc = 0;
-                mpidp_c10d::without_gil([&] {
-                    rc = api->start(comm_, state_->check, sig.data(), nullptr, nullptr, -1, -1,
-                                    timeout_s_, &none, &differ);
-                });
-                if (rc != 0) {
-                    entered.release();
-                    raise_status(rc, call);
-                }
-                if (differ) {
-                    std::string message = state_->differences(call);
-                    entered.release();
-                    raise_python(PyExc_ValueError, message);
-                }
-            }
+            if (state_->check != nullptr && index >= 0)
+                start(entered, call, mpidp_c10d::python_signature(index), nullptr, nullptr, -1,
+                      -1);
         }
         py::gil_scoped_acquire gil;
         try {

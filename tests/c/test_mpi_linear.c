@@ -123,6 +123,20 @@ static float mixed(int r, size_t i)
     return big * (float)(r + 1) + 0.37f * (float)(i + 1) / (float)(r + 3);
 }
 
+/* Whether `got` is every rank's mixed(r, at) summed in rank order: the
+ * same bits where the core folds (linear.h), within float32's rounding of
+ * the terms in MPI's own order past its ranks. */
+static int folded_in_rank_order(float got, size_t at)
+{
+    float fold = mixed(0, at);
+    double magnitude = 0;
+    for (int r = 1; r < size_; r++) fold = mixed(r, at) + fold;
+    for (int r = 0; r < size_; r++) magnitude += mixed(r, at) < 0 ? -mixed(r, at) : mixed(r, at);
+    if (mpidp__linear_fits(size_)) return memcmp(&fold, &got, sizeof fold) == 0;
+    double d = (double)got - (double)fold;
+    return (d < 0 ? -d : d) <= 1e-6 * magnitude;
+}
+
 TEST(reduce_scatter_folds_blocks_in_rank_order)
 {
     mpidp_reqtable_t *reqs = table(64);
@@ -134,19 +148,7 @@ TEST(reduce_scatter_folds_blocks_in_rank_order)
     mpidp_tensor_t ti = T(in, (size_t)size_ * M, MPIDP_F32), to = T(out, M, MPIDP_F32);
     mpidp_coll_t *x = NULL;
     ASSERT_OK(finish(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &ti, &to, counts, MPIDP_OP_SUM, reqs, &x), &x));
-    for (size_t i = 0; i < M; i++) {
-        size_t at = (size_t)rank_ * M + i;
-        float fold = mixed(0, at);
-        double magnitude = 0;
-        for (int r = 1; r < size_; r++) fold = mixed(r, at) + fold;
-        for (int r = 0; r < size_; r++) magnitude += mixed(r, at) < 0 ? -mixed(r, at) : mixed(r, at);
-        if (mpidp__linear_fits(size_)) {
-            ASSERT_TRUE(memcmp(&fold, &out[i], sizeof fold) == 0);
-        } else { /* MPI's own order: within float32's rounding of the terms */
-            double d = (double)out[i] - (double)fold;
-            ASSERT_TRUE((d < 0 ? -d : d) <= 1e-6 * magnitude);
-        }
-    }
+    for (size_t i = 0; i < M; i++) ASSERT_TRUE(folded_in_rank_order(out[i], (size_t)rank_ * M + i));
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
@@ -207,18 +209,7 @@ TEST(a_small_allreduce_folds_in_rank_order_in_place)
     float f[M];
     for (size_t i = 0; i < M; i++) f[i] = mixed(rank_, i);
     ASSERT_OK(allreduce(f, M, MPIDP_F32, MPIDP_OP_SUM, reqs));
-    for (size_t i = 0; i < M; i++) {
-        float fold = mixed(0, i);
-        double magnitude = 0;
-        for (int r = 1; r < size_; r++) fold = mixed(r, i) + fold;
-        for (int r = 0; r < size_; r++) magnitude += mixed(r, i) < 0 ? -mixed(r, i) : mixed(r, i);
-        if (mpidp__linear_fits(size_)) {
-            ASSERT_TRUE(memcmp(&fold, &f[i], sizeof fold) == 0);
-        } else {
-            double d = (double)f[i] - (double)fold;
-            ASSERT_TRUE((d < 0 ? -d : d) <= 1e-6 * magnitude);
-        }
-    }
+    for (size_t i = 0; i < M; i++) ASSERT_TRUE(folded_in_rank_order(f[i], i));
     /* Every rank ends with the same bits. */
     float first[M];
     memcpy(first, f, sizeof f);
