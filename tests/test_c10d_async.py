@@ -173,3 +173,44 @@ def test_a_rank_that_differs_from_a_call_in_flight_is_named_on_every_rank(found_
         work, right = post("all_reduce", step + 1)
         work.wait()
         assert right()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs another rank to hold the call open")
+def test_a_second_thread_calling_while_one_call_runs_is_refused():
+    """On rank 0 two threads call all_reduce on the default group at once,
+    while the other ranks hold back: the thread that comes second raises
+    (a group's calls are one at a time), the first completes once the
+    others make their one call."""
+    import threading
+    t = data(RANK)
+    if RANK == 0:
+        outcomes = []
+
+        def call():
+            mine = data(RANK)
+            try:
+                dist.all_reduce(mine)
+                outcomes.append(("done", mine))
+            except RuntimeError as e:
+                outcomes.append(("refused", str(e)))
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for th in threads:
+            th.start()
+        end = time.monotonic() + 30
+        while not any(kind == "refused" for kind, _ in list(outcomes)):
+            assert time.monotonic() < end, "neither thread was refused"
+            time.sleep(0.001)
+        for r in range(1, SIZE):
+            WORDS.Send(np.ones(1, dtype=np.int64), dest=r, tag=1)
+        for th in threads:
+            th.join(60)
+        kinds = sorted(kind for kind, _ in outcomes)
+        assert kinds == ["done", "refused"], outcomes
+        refused = next(v for k, v in outcomes if k == "refused")
+        assert "another thread's call on it was running" in refused
+        assert torch.equal(next(v for k, v in outcomes if k == "done"), everyone().sum(0))
+    else:
+        assert told_by(0), "rank 0's second thread was not refused"
+        dist.all_reduce(t)
+        assert torch.equal(t, everyone().sum(0))
