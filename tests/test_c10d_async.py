@@ -214,3 +214,21 @@ def test_a_second_thread_calling_while_one_call_runs_is_refused():
         assert told_by(0), "rank 0's second thread was not refused"
         dist.all_reduce(t)
         assert torch.equal(t, everyone().sum(0))
+
+
+def test_ranks_that_differ_in_async_op_agree_on_the_values():
+    """async_op is a rank's own choice, not part of the call: ranks that
+    wait at once and ranks that wait later meet in the same collective."""
+    for step in range(3):
+        t = data(RANK, scale=step + 1)
+        out = torch.empty(SIZE * 6)
+        if RANK % 2 == 0:
+            works = [dist.all_reduce(t, async_op=True),
+                     dist.all_gather_into_tensor(out, data(RANK), async_op=True)]
+            for w in reversed(works):
+                w.wait()
+        else:
+            dist.all_reduce(t)
+            dist.all_gather_into_tensor(out, data(RANK))
+        assert torch.equal(t, everyone(scale=step + 1).sum(0))
+        assert torch.equal(out, everyone().flatten())
