@@ -25,6 +25,11 @@ slowest rank counts). Three tables:
      which does nothing: torch's dispatch floor (goal: the time above
      mpi4py's at most that floor + 3 us). mpi4py works on the tensors' own
      memory.
+  4. Overlap: a step of 4 MB all_reduce beside compute (matmuls), on gloo
+     and on "mpidp": compute alone (the floor), blocking (all_reduce then
+     compute), non-blocking (post, compute, wait) and non-blocking with its
+     future asked for (as DDP does: "mpidp" then drives it on its progress
+     thread). What overlap hides shows only where a core is free for it.
 --impl picks the "mpidp" group's implementation (MPIDP_C10D_IMPL)."""
 
 from __future__ import annotations
@@ -214,13 +219,47 @@ def bandwidth_table(mpidp_group, quick, repeats):
     return rows
 
 
+def overlap_table(mpidp_group, rounds):
+    """Step time of a 4 MB all_reduce beside ~10 ms of compute, per group
+    and way of calling (see the module's docstring, table 4)."""
+    t = torch.ones(1 << 20)
+    a = torch.randn(400, 400)
+
+    def compute():
+        for _ in range(10):
+            a @ a
+
+    def step(group, how):
+        def run():
+            if how == "compute":
+                compute()
+            elif how == "blocking":
+                dist.all_reduce(t, group=group)
+                compute()
+            else:
+                work = dist.all_reduce(t, group=group, async_op=True)
+                if how == "future":
+                    work.get_future()
+                compute()
+                work.wait()
+        return run
+
+    methods = {"compute": step(None, "compute")}
+    for name, group in (("gloo", None), ("mpidp", mpidp_group)):
+        for how in ("blocking", "async", "future"):
+            methods[f"{name}-{how}"] = step(group, how)
+    times = rounds_of(methods, rounds, 10)
+    return [{k: v * 1e3 for k, v in times.items()}]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and buffers")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--only", choices=("ddp", "fsdp", "bandwidth"), action="append")
+    parser.add_argument("--only", choices=("ddp", "fsdp", "bandwidth", "overlap"),
+                        action="append")
     parser.add_argument("--impl", choices=("cpp", "python"), default="cpp",
                         help="the 'mpidp' group's implementation (MPIDP_C10D_IMPL)")
     args = parser.parse_args()
@@ -231,7 +270,7 @@ def main():
     mpidp.init_process_group(backend="gloo")
     os.environ["MPIDP_C10D_IMPL"] = args.impl
     group = dist.new_group(backend="mpidp")
-    only = set(args.only or ("ddp", "fsdp", "bandwidth"))
+    only = set(args.only or ("ddp", "fsdp", "bandwidth", "overlap"))
     result = {"ranks": SIZE, "impl": args.impl}
     if "ddp" in only:
         result["ddp"] = ddp_table(group, args.quick, args.rounds, args.steps)
@@ -239,6 +278,8 @@ def main():
         result["fsdp"] = fsdp_table(group, args.rounds, args.steps)
     if "bandwidth" in only:
         result["bandwidth"] = bandwidth_table(group, args.quick, 20)
+    if "overlap" in only:
+        result["overlap"] = overlap_table(group, args.rounds)
     if RANK != 0:
         return
     if args.json:
@@ -256,6 +297,10 @@ def main():
     for r in result.get("fsdp", []):
         print(f"FSDP2 8 x Linear(256)  gloo {r['fsdp2-gloo']:8.2f}  mpidp {r['fsdp2-mpidp']:8.2f}"
               f"  = {r['mpidp_vs_gloo']:.2f}x")
+    for r in result.get("overlap", []):
+        print(f"overlap, 4 MB all_reduce beside compute ({r['compute']:.2f} ms alone): " + ", ".join(
+            f"{name} blocking {r[name + '-blocking']:.2f} / non-blocking {r[name + '-async']:.2f}"
+            f" / with its future {r[name + '-future']:.2f}" for name in ("gloo", "mpidp")))
     for r in result.get("bandwidth", []):
         print(f"{r['op']:24s} {r['bytes']:>10d} B  mpidp {r['mpidp_us']:10.1f} us  mpi4py "
               f"{r['mpi4py_us']:10.1f} us  ", end="")
