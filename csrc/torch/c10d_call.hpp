@@ -4,7 +4,9 @@
  * whose futures nobody waits for.
  *
  * A call is posted on the caller's thread. A blocking one (asyncOp false)
- * is then waited for there; a non-blocking one returns at once, and ends in
+ * is then waited for there; a non-blocking one returns once posted (after
+ * the ranks' check, an exchange with every rank for a call it does not
+ * predict), and ends in
  * whichever comes first: its Work's wait, a test of it (isCompleted), the
  * group's next call, or the progress thread, once somebody asked for its
  * future (DDP and torch.futures wait on futures, never on the Work).

@@ -152,6 +152,29 @@ TEST(reduce_scatter_folds_blocks_in_rank_order)
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
+/* Rank r's values at i for the other dtypes: small integers (exact in
+ * bfloat16), integers around zero, and doubles. */
+static float small_of(int r, size_t i) { return (float)(i % 7) + (float)r; }
+static int64_t int_of(int r, size_t i) { return (int64_t)((i * 31 + (size_t)r * 17) % 23) - 11; }
+static double double_of(int r, size_t i) { return (double)r * 0.25 + (double)i; }
+
+/* Whether h, v and d are, at index `at`, every rank's small_of summed, its
+ * int_of's max (want_max) or min, and its double_of's mean. */
+static int reduced_right(uint16_t h, int64_t v, double d, size_t at, int want_max)
+{
+    float sum = 0;
+    int64_t extreme = want_max ? INT64_MIN : INT64_MAX;
+    double mean = 0;
+    for (int r = 0; r < size_; r++) {
+        sum += small_of(r, at);
+        int64_t x = int_of(r, at);
+        extreme = (want_max ? x > extreme : x < extreme) ? x : extreme;
+        mean += double_of(r, at) / size_;
+    }
+    double off = d - mean;
+    return mpidp_f32_from_bf16(h) == sum && v == extreme && (off < 0 ? -off : off) < 1e-12;
+}
+
 TEST(reduce_scatter_of_bfloat16_int64_max_and_average)
 {
     mpidp_reqtable_t *reqs = table(64);
@@ -162,9 +185,9 @@ TEST(reduce_scatter_of_bfloat16_int64_max_and_average)
     size_t counts[16];
     for (int r = 0; r < size_; r++) counts[r] = M;
     for (size_t i = 0; i < (size_t)size_ * M; i++) {
-        h_in[i] = mpidp_bf16_from_f32((float)(i % 7) + (float)rank_);
-        i_in[i] = (int64_t)((i * 31 + (size_t)rank_ * 17) % 23) - 11;
-        d_in[i] = (double)rank_ * 0.25 + (double)i;
+        h_in[i] = mpidp_bf16_from_f32(small_of(rank_, i));
+        i_in[i] = int_of(rank_, i);
+        d_in[i] = double_of(rank_, i);
     }
     mpidp_tensor_t th = T(h_in, (size_t)size_ * M, MPIDP_BF16), toh = T(h_out, M, MPIDP_BF16);
     mpidp_tensor_t ti = T(i_in, (size_t)size_ * M, MPIDP_I64), toi = T(i_out, M, MPIDP_I64);
@@ -173,21 +196,8 @@ TEST(reduce_scatter_of_bfloat16_int64_max_and_average)
     ASSERT_OK(finish(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &th, &toh, counts, MPIDP_OP_SUM, reqs, &x), &x));
     ASSERT_OK(finish(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &ti, &toi, counts, MPIDP_OP_MAX, reqs, &x), &x));
     ASSERT_OK(finish(mpidp_reduce_scatter_start(MPI_COMM_WORLD, &td, &tod, counts, MPIDP_OP_AVG, reqs, &x), &x));
-    for (size_t i = 0; i < M; i++) {
-        size_t at = (size_t)rank_ * M + i;
-        float sum = 0;
-        int64_t max = INT64_MIN;
-        double mean = 0;
-        for (int r = 0; r < size_; r++) {
-            sum += (float)(at % 7) + (float)r;
-            int64_t v = (int64_t)((at * 31 + (size_t)r * 17) % 23) - 11;
-            max = v > max ? v : max;
-            mean += (double)r * 0.25 + (double)at;
-        }
-        ASSERT_TRUE(mpidp_f32_from_bf16(h_out[i]) == sum); /* small integers: exact */
-        ASSERT_TRUE(i_out[i] == max);
-        ASSERT_TRUE(d_out[i] - mean / size_ < 1e-12 && mean / size_ - d_out[i] < 1e-12);
-    }
+    for (size_t i = 0; i < M; i++)
+        ASSERT_TRUE(reduced_right(h_out[i], i_out[i], d_out[i], (size_t)rank_ * M + i, 1));
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
 
@@ -219,27 +229,14 @@ TEST(a_small_allreduce_folds_in_rank_order_in_place)
     int64_t iv[M];
     double d[M];
     for (size_t i = 0; i < M; i++) {
-        h[i] = mpidp_bf16_from_f32((float)(i % 7) + (float)rank_);
-        iv[i] = (int64_t)((i * 31 + (size_t)rank_ * 17) % 23) - 11;
-        d[i] = (double)rank_ * 0.25 + (double)i;
+        h[i] = mpidp_bf16_from_f32(small_of(rank_, i));
+        iv[i] = int_of(rank_, i);
+        d[i] = double_of(rank_, i);
     }
     ASSERT_OK(allreduce(h, M, MPIDP_BF16, MPIDP_OP_SUM, reqs));
     ASSERT_OK(allreduce(iv, M, MPIDP_I64, MPIDP_OP_MIN, reqs));
     ASSERT_OK(allreduce(d, M, MPIDP_F64, MPIDP_OP_AVG, reqs));
-    for (size_t i = 0; i < M; i++) {
-        float sum = 0;
-        int64_t min = INT64_MAX;
-        double mean = 0;
-        for (int r = 0; r < size_; r++) {
-            sum += (float)(i % 7) + (float)r;
-            int64_t v = (int64_t)((i * 31 + (size_t)r * 17) % 23) - 11;
-            min = v < min ? v : min;
-            mean += (double)r * 0.25 + (double)i;
-        }
-        ASSERT_TRUE(mpidp_f32_from_bf16(h[i]) == sum);
-        ASSERT_TRUE(iv[i] == min);
-        ASSERT_TRUE(d[i] - mean / size_ < 1e-12 && mean / size_ - d[i] < 1e-12);
-    }
+    for (size_t i = 0; i < M; i++) ASSERT_TRUE(reduced_right(h[i], iv[i], d[i], i, 0));
     ASSERT_EQ_INT((int)mpidp_reqtable_pending(reqs), 0);
     ASSERT_OK(mpidp_reqtable_destroy(reqs));
 }
