@@ -7,6 +7,7 @@ import torch
 
 import mpidp
 from dp_reference import RANK, SIZE
+from int_reference import INTEGERS, SIZES, overflowing, reduced
 from mpi4py import MPI
 
 
@@ -142,9 +143,6 @@ def test_bad_input(call, exc, words):
         call()
 
 
-INTEGERS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
-
-
 def everyone(t):
     """Every rank's copy of `t`, in rank order (mpi4py, independent of mpidp)."""
     return [torch.as_tensor(x) for x in MPI.COMM_WORLD.allgather(t.numpy())]
@@ -170,6 +168,16 @@ def test_every_op_of_integers_and_floats(dtype, op):
     t = mine.clone()
     mpidp.allreduce(t, op)
     assert t.dtype == dtype and torch.equal(t, want), (t, want)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", INTEGERS)
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+def test_integers_wrap_as_torch_at_every_size(op, dtype, n):
+    t = overflowing(RANK, dtype, n)
+    mpidp.allreduce(t, op)
+    want = reduced(op, [overflowing(r, dtype, n) for r in range(SIZE)])
+    assert torch.equal(t, want), (t[:8], want[:8], int((t != want).sum()))
 
 
 def test_bool_min_is_all_and_max_is_any():

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from c10d_world import mpidp_world  # noqa: F401  (the "mpidp" default group)
 from dp_reference import RANK, SIZE
+from int_reference import INTEGERS, SIZES, overflowing, reduced
 
 pytestmark = pytest.mark.ranks3
 OP = dist.ReduceOp
@@ -73,6 +74,20 @@ def test_all_reduce_bitwise(dtype, op):
         other = everyone(dtype)[r]
         want = {"BAND": want & other, "BOR": want | other, "BXOR": want ^ other}[op]
     assert torch.equal(t, want)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", INTEGERS)
+@pytest.mark.parametrize("op", ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"])
+def test_integer_all_reduce_wraps_as_torch(op, dtype, n):
+    """Sums and products that leave the dtype's range wrap as in torch, on
+    the small fold path and MPI's alike (Open MPI's AVX op saturates 8- and
+    16-bit sums)."""
+    t = overflowing(RANK, dtype, n)
+    dist.all_reduce(t, op=getattr(OP, op))
+    want = reduced({"PRODUCT": "prod"}.get(op, op.lower()),
+                   [overflowing(r, dtype, n) for r in range(SIZE)])
+    assert torch.equal(t, want), (t[:8], want[:8], int((t != want).sum()))
 
 
 def test_all_reduce_bool_sum_is_or_as_nccl():

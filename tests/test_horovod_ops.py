@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import mpidp.horovod.torch as hvd
 from dp_reference import RANK, SIZE
+from int_reference import INTEGERS, SIZES, overflowing, reduced
 
 pytestmark = [pytest.mark.ranks3, pytest.mark.usefixtures("horovod_dynamic")]
 COMM = MPI.COMM_WORLD
@@ -63,6 +64,17 @@ def test_allreduce_matches_mpi4py(dtype, op):
     tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-6)
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
     assert torch.equal(x, data(RANK, dtype=dtype) if op != "Product" else x)  # out of place
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", INTEGERS)
+@pytest.mark.parametrize("op", ["Sum", "Min", "Max", "Product"])
+def test_integer_allreduce_wraps_as_torch(op, dtype, n):
+    x = overflowing(RANK, dtype, n)
+    out = hvd.allreduce(x, op=getattr(hvd, op))
+    want = reduced({"Product": "prod"}.get(op, op.lower()),
+                   [overflowing(r, dtype, n) for r in range(SIZE)])
+    assert torch.equal(out, want), (out[:8], want[:8], int((out != want).sum()))
 
 
 def close(actual, expected):

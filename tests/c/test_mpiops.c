@@ -14,6 +14,7 @@
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
 #include "mpidp/status.h"
+#include "mpidp/tensor.h"
 #include "pack_oracle.h"
 #include "test.h"
 #include "pack_internal.h"
@@ -228,6 +229,95 @@ TEST(allreduce_random_data_matches_the_reference)
     ASSERT_TRUE(all_ok(ok));
 }
 
+/* 8- and 16-bit integer sums wrap modulo 2^bits as in torch, at every
+ * length: Open MPI's AVX op component saturates MPI_SUM of these types in
+ * the vectorised part of a buffer (lengths of 64 and more), so lengths on
+ * both sides of its vector widths are checked, with values whose sums leave
+ * the types' ranges in both directions. */
+static uint16_t narrow_value(int r, size_t i, int bits)
+{
+    uint64_t st = 0x51ed2701ull + (uint64_t)r * 0x9e3779b97f4a7c15ull + i * 0x2545f491ull;
+    uint16_t v = (uint16_t)oracle_rnd(&st);
+    return bits == 8 ? (uint16_t)(v & 0xff) : v;
+}
+
+static const struct {
+    int dtype, bits;
+} narrow_types[] = {{MPIDP_I8, 8}, {MPIDP_U8, 8}, {MPIDP_I16, 16}};
+
+/* A buffer of `bits`-wide elements from 16-bit values. */
+static void narrow_store(void *buf, size_t i, int bits, uint16_t v)
+{
+    if (bits == 8)
+        ((uint8_t *)buf)[i] = (uint8_t)v;
+    else
+        ((uint16_t *)buf)[i] = v;
+}
+
+static uint16_t narrow_load(const void *buf, size_t i, int bits)
+{
+    return bits == 8 ? ((const uint8_t *)buf)[i] : ((const uint16_t *)buf)[i];
+}
+
+TEST(narrow_int_sums_wrap_at_every_length)
+{
+    ensure_mpi();
+    ASSERT_OK(mpidp_mpiops_init());
+    enum { N = 100003 };
+    static uint16_t a[N], b[N];
+    static const int lengths[] = {0, 1, 3, 31, 32, 63, 64, 65, 127, 1000, N};
+    for (size_t d = 0; d < sizeof narrow_types / sizeof narrow_types[0]; d++) {
+        int bits = narrow_types[d].bits;
+        MPI_Op op = mpidp_mpi_op(MPIDP_OP_SUM, narrow_types[d].dtype);
+        ASSERT_TRUE(op == mpidp_mpi_narrow_int_sum_op() && op != MPI_OP_NULL);
+        MPI_Datatype t = mpidp_mpi_datatype(narrow_types[d].dtype);
+        for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
+            size_t n = (size_t)lengths[li];
+            for (size_t i = 0; i < n; i++) {
+                narrow_store(a, i, bits, narrow_value(0, i, bits));
+                narrow_store(b, i, bits, narrow_value(1, i, bits));
+            }
+            ASSERT_EQ_INT(MPI_Reduce_local(a, b, (int)n, t, op), MPI_SUCCESS);
+            uint16_t mask = bits == 8 ? 0xff : 0xffff;
+            for (size_t i = 0; i < n; i++)
+                ASSERT_EQ_U64(narrow_load(b, i, bits),
+                              (uint16_t)(narrow_value(0, i, bits) + narrow_value(1, i, bits)) & mask);
+        }
+    }
+    /* The other ops of these types stay MPI's own, which are exact. */
+    ASSERT_TRUE(mpidp_mpi_op(MPIDP_OP_MAX, MPIDP_I8) == MPI_MAX);
+    ASSERT_TRUE(mpidp_mpi_op(MPIDP_OP_SUM, MPIDP_I32) == MPI_SUM);
+}
+
+TEST(narrow_int_allreduce_wraps_across_ranks)
+{
+    ensure_mpi();
+    ASSERT_OK(mpidp_mpiops_init());
+    int r = rank(), s = size(), ok = 1;
+    size_t n = (1u << 19) + 5; /* segmented by MPI's algorithms */
+    uint16_t *buf = malloc(n * sizeof *buf);
+    ASSERT_TRUE(buf != NULL);
+    for (size_t d = 0; d < sizeof narrow_types / sizeof narrow_types[0]; d++) {
+        int bits = narrow_types[d].bits;
+        for (size_t i = 0; i < n; i++) narrow_store(buf, i, bits, narrow_value(r, i, bits));
+        int rc = MPI_Allreduce(MPI_IN_PLACE, buf, (int)n, mpidp_mpi_datatype(narrow_types[d].dtype),
+                               mpidp_mpi_op(MPIDP_OP_SUM, narrow_types[d].dtype), MPI_COMM_WORLD);
+        ok = ok && rc == MPI_SUCCESS;
+        uint16_t mask = bits == 8 ? 0xff : 0xffff;
+        for (size_t i = 0; i < n && ok; i++) {
+            uint16_t want = 0;
+            for (int q = 0; q < s; q++) want = (uint16_t)(want + narrow_value(q, i, bits));
+            if (narrow_load(buf, i, bits) != (want & mask)) {
+                fprintf(stderr, "  rank %d dtype %d element %zu: %u != %u\n", r,
+                        narrow_types[d].dtype, i, narrow_load(buf, i, bits), want & mask);
+                ok = 0;
+            }
+        }
+    }
+    free(buf);
+    ASSERT_TRUE(all_ok(ok));
+}
+
 /* Runs last: frees the handles and creates them again. */
 TEST(free_and_init_again)
 {
@@ -235,6 +325,7 @@ TEST(free_and_init_again)
     ASSERT_OK(mpidp_mpiops_init());
     ASSERT_OK(mpidp_mpiops_free());
     ASSERT_TRUE(mpidp_mpi_half_sum_op() == MPI_OP_NULL);
+    ASSERT_TRUE(mpidp_mpi_narrow_int_sum_op() == MPI_OP_NULL);
     ASSERT_TRUE(mpidp_mpi_fp16_type() == MPI_DATATYPE_NULL);
     ASSERT_OK(mpidp_mpiops_free()); /* a second free is harmless */
     ASSERT_OK(mpidp_mpiops_init());
@@ -246,4 +337,5 @@ TEST(free_and_init_again)
 
 TEST_MAIN(init_needs_mpi, init_is_idempotent_and_types_are_distinct,
           reduce_local_matches_the_kernels, allreduce_sums_exactly_across_ranks,
-          allreduce_random_data_matches_the_reference, free_and_init_again)
+          allreduce_random_data_matches_the_reference, narrow_int_sums_wrap_at_every_length,
+          narrow_int_allreduce_wraps_across_ranks, free_and_init_again)

@@ -1,4 +1,5 @@
-/* MPI datatypes and the reduction op for 16-bit floats.
+/* MPI datatypes and the reduction op for 16-bit floats, and a sum of 8- and
+ * 16-bit integers that wraps.
  *
  * MPI has no bf16 or fp16 datatype, so mpidp makes two of its own: committed
  * 2-byte types (MPI_Type_contiguous(2, MPI_BYTE)), distinct handles so that
@@ -8,6 +9,12 @@
  * bit-identical on every rank whichever kernel path each one runs. Use the op
  * only with these two types, with MPI_Allreduce, MPI_Iallreduce,
  * MPI_Reduce and friends.
+ *
+ * MPI_SUM of 8- and 16-bit integers is not used at all: Open MPI 4.1's AVX op
+ * component saturates them (int8 100 + 100 is 127 there, -56 in torch, numpy
+ * and gloo), and only for the vectorised part of a buffer. The narrow-int
+ * sum op wraps modulo 2^bits on every MPI, for MPI_INT8_T, MPI_UINT8_T,
+ * MPI_INT16_T and MPI_UINT16_T only.
  *
  * Lifetime: the handles are created once per process, after MPI_Init, and are
  * never freed implicitly: freeing them after MPI_Finalize is erroneous, and
@@ -19,7 +26,7 @@
 
 #include <mpi.h>
 
-/* Creates and commits the bf16 and fp16 datatypes and the sum op. Idempotent:
+/* Creates and commits the bf16 and fp16 datatypes and both ops. Idempotent:
  * later calls return MPIDP_OK and change nothing. Thread-safe.
  *
  * Fails with MPIDP_ESTATE when MPI is not initialized or already finalized,
@@ -32,6 +39,7 @@ int mpidp_mpiops_init(void);
 MPI_Datatype mpidp_mpi_bf16_type(void);
 MPI_Datatype mpidp_mpi_fp16_type(void);
 MPI_Op mpidp_mpi_half_sum_op(void);
+MPI_Op mpidp_mpi_narrow_int_sum_op(void);
 
 /* Reductions. AVG is a SUM of values scaled by 1/size first (floats only);
  * the bitwise ones take the integer dtypes and bool (and, or, xor). */
@@ -51,8 +59,8 @@ typedef enum {
  * unknown or not defined for that dtype (avg of integers; min, max or prod
  * of bfloat16/float16; sum or avg of bool -- bool takes min = all, max = any,
  * prod = all, and the bitwise ops as logical ones; the bitwise ops of
- * floats), and for the 16-bit types before a successful
- * mpidp_mpiops_init. The one place the core maps its dtypes and ops to MPI. */
+ * floats), and for the 16-bit floats and the sum of 8- and 16-bit integers
+ * before a successful mpidp_mpiops_init. The one place the core maps its dtypes and ops to MPI. */
 MPI_Datatype mpidp_mpi_datatype(int dtype);
 MPI_Op mpidp_mpi_op(int op, int dtype);
 /* "sum", "avg", "min", "max", "prod", "band", "bor", "bxor", or "unknown". */
