@@ -53,18 +53,20 @@ def told_by(source, deadline_s=30.0):
     return False
 
 
-def post(call, scale=1.0):
+def post(call, scale=1.0, group=None):
     """One non-blocking call of `call`: its work, and a check of its values."""
     if call == "all_reduce":
         t = data(RANK, scale=scale)
-        work = dist.all_reduce(t, async_op=True)
+        work = dist.all_reduce(t, async_op=True, group=group)
         return work, lambda: torch.equal(t, everyone(scale=scale).sum(0))
     if call == "all_gather_into_tensor":
         out = torch.empty(SIZE * 6)
-        work = dist.all_gather_into_tensor(out, data(RANK, scale=scale), async_op=True)
+        work = dist.all_gather_into_tensor(out, data(RANK, scale=scale), async_op=True,
+                                           group=group)
         return work, lambda: torch.equal(out, everyone(scale=scale).flatten())
     out = torch.empty(2)
-    work = dist.reduce_scatter_tensor(out, data(RANK, 2 * SIZE, scale), async_op=True)
+    work = dist.reduce_scatter_tensor(out, data(RANK, 2 * SIZE, scale), async_op=True,
+                                      group=group)
     return work, lambda: torch.equal(
         out, everyone(2 * SIZE, scale).sum(0)[2 * RANK:2 * RANK + 2])
 
@@ -144,35 +146,91 @@ ODD = SIZE - 1
 
 
 @pytest.mark.skipif(SIZE < 2, reason="one rank cannot disagree")
-@pytest.mark.parametrize("found_at", ["wait", "future", "next_call"])
+@pytest.mark.parametrize("found_at", ["wait", "future"])
 def test_a_rank_that_differs_from_a_call_in_flight_is_named_on_every_rank(found_at):
     """The others posted the predicted call without waiting; the odd rank's
-    call differs. Each finds out where it next touches the group: the wait,
-    the future (on the progress thread), or its next call, which raises the
-    call in flight's error before doing anything."""
+    call differs. Each finds out at that call -- its wait, or its future (on
+    the progress thread) --, with its tensor as it was, and the group goes
+    on in step."""
+    group = dist.new_group(list(range(SIZE)))
     for _ in range(3):
-        work, right = post("all_reduce")
+        work, right = post("all_reduce", group=group)
         work.wait()
         assert right()
+    mine = data(RANK)
     with pytest.raises(ValueError) as raised:
         if RANK == ODD:
-            dist.all_reduce(data(RANK, n=7), async_op=True)
+            dist.all_reduce(data(RANK, n=7), async_op=True, group=group)
         else:
-            work, _ = post("all_reduce")
+            work = dist.all_reduce(mine, async_op=True, group=group)
             if found_at == "wait":
                 work.wait()
-            elif found_at == "future":
-                work.get_future().wait()
             else:
-                dist.all_reduce(data(RANK, n=4))
+                work.get_future().wait()
     message = str(raised.value)
-    assert "the ranks' calls differ" in message
-    assert f"rank(s) {list(range(SIZE - 1))}: all_reduce of float32 [6] on cpu, op sum" in message
-    assert f"rank(s) [{ODD}]: all_reduce of float32 [7] on cpu, op sum" in message
+    assert "the ranks' calls differ" in message and "out of step" not in message
+    assert (f"global rank(s) {list(range(SIZE - 1))} (group rank(s) {list(range(SIZE - 1))}): "
+            "all_reduce of float32 [6] on cpu, op sum") in message
+    assert f"rank(s) [{ODD}] (group rank(s) [{ODD}]): all_reduce of float32 [7] on cpu, op sum" \
+        in message
+    assert torch.equal(mine, data(RANK))       # put back: the call raised
     for step in range(2):          # the group goes on
-        work, right = post("all_reduce", step + 1)
+        work, right = post("all_reduce", step + 1, group=group)
         work.wait()
         assert right()
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="one rank cannot disagree")
+@pytest.mark.parametrize("n", [6, 5000])
+def test_ranks_that_learn_of_a_difference_a_call_late_put_the_group_out_of_step(n):
+    """The others post 50 predicted calls, the last without waiting, and
+    learn that the odd rank's call differed only when their next call ends
+    it: they raise there and do not make it, while the odd rank raised at
+    once and would make its own next call -- from then on each rank's call
+    k would pair with another's k+1 and return wrong sums. Every rank
+    instead refuses every later call on the group; a new group works."""
+    group = dist.new_group(list(range(SIZE)))
+    for _ in range(50):
+        dist.all_reduce(data(RANK, n), async_op=True, group=group)
+    mine = data(RANK, n)
+    raised = []
+    if RANK == ODD:
+        # Once the others posted theirs, so that they learn of it late.
+        assert all(told_by(r) for r in range(SIZE - 1))
+        with pytest.raises(ValueError, match="the ranks' calls differ"):
+            dist.all_reduce(data(RANK, n + 1), async_op=True, group=group)
+    else:
+        dist.all_reduce(mine, async_op=True, group=group)       # posted; nobody waits
+        WORDS.Send(np.ones(1, dtype=np.int64), dest=ODD, tag=1)
+    for step in range(3):
+        t = data(RANK, n, scale=step + 2)
+        try:
+            dist.all_reduce(t, group=group)
+            raised.append(("returned", t))
+        except (ValueError, RuntimeError) as e:
+            raised.append((type(e).__name__, str(e)))
+            assert torch.equal(t, data(RANK, n, scale=step + 2))
+    kinds = [kind for kind, _ in raised]
+    assert kinds == (["RuntimeError"] * 3 if RANK == ODD else ["ValueError"] + ["RuntimeError"] * 2)
+    if RANK != ODD:
+        assert "the ranks' calls differ" in raised[0][1]
+        assert f"[{ODD}]): all_reduce of float32 [{n + 1}]" in raised[0][1]
+    for _, message in raised:
+        assert f"{list(range(SIZE - 1))} (group rank(s) {list(range(SIZE - 1))}) had posted " \
+               "the call without waiting" in message
+    assert all("went out of step" in m for k, m in raised if k == "RuntimeError")
+    if RANK != ODD:
+        if n * 4 <= 16 << 10:
+            assert torch.equal(mine, data(RANK, n))        # put back
+        else:
+            assert "holds its result over the ranks that made it" in raised[0][1]
+    dist.destroy_process_group(group)
+    group = dist.new_group(list(range(SIZE)))
+    t = data(RANK, n)
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, everyone(n).sum(0))
+    dist.destroy_process_group(group)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs another rank to hold the call open")

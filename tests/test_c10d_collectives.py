@@ -133,6 +133,23 @@ def test_tensors_of_different_sizes_are_refused_on_every_rank():
     assert torch.equal(t, everyone().sum(0))
 
 
+@pytest.mark.skipif(SIZE < 3, reason="needs a subgroup that leaves a rank out")
+def test_a_difference_in_a_subgroup_names_global_ranks():
+    """A group of ranks 1.. numbers them from 0; its messages name the
+    ranks as the job does, and the group's own numbers beside them."""
+    members = list(range(1, SIZE))
+    group = dist.new_group(members)
+    if RANK in members:
+        odd = RANK == SIZE - 1
+        with pytest.raises(ValueError) as raised:
+            dist.all_reduce(torch.ones(4 if odd else 3), group=group)
+        assert (f"global rank(s) [{SIZE - 1}] (group rank(s) [{SIZE - 2}])"
+                in str(raised.value)), raised.value
+        assert (f"global rank(s) {members[:-1]} (group rank(s) {list(range(SIZE - 2))})"
+                in str(raised.value)), raised.value
+    dist.destroy_process_group(group)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool,
                                    torch.complex64])
 def test_broadcast_from_every_root(dtype):

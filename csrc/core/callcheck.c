@@ -212,7 +212,7 @@ static int drain(mpidp_callcheck_t *c, mpidp_reqtable_t *reqs, double timeout_s)
 
 /* Every rank's signature, with whether it posted the prediction and whether
  * it told the others; then the verdict, the same on every rank. */
-static int exchange(mpidp_callcheck_t *c, int posted, int tell, mpidp_reqtable_t *reqs,
+static int exchange(mpidp_callcheck_t *c, int64_t posted, int tell, mpidp_reqtable_t *reqs,
                     double timeout_s, int *outcome)
 {
     size_t row = MPIDP_CALLCHECK_ROW(c->n);
@@ -313,7 +313,7 @@ static int watch_poll(void *arg, int *done)
 /* The watch ended: the call completed (the prediction held) or a rank
  * said it exchanges (join the exchange, which says how the ranks differ). */
 static int settle(mpidp_callcheck_t *c, const watch_t *w, mpidp_reqtable_t *reqs,
-                  double timeout_s, int *outcome)
+                  double timeout_s, int late, int *outcome)
 {
     if (w->completed) {
         *outcome = MPIDP_CALL_PREDICTED;
@@ -321,18 +321,19 @@ static int settle(mpidp_callcheck_t *c, const watch_t *w, mpidp_reqtable_t *reqs
         next_call(c);
         return MPIDP_OK;
     }
-    return exchange(c, 1, 0, reqs, timeout_s, outcome);
+    return exchange(c, late ? MPIDP_CALLCHECK_POSTED_LATE : MPIDP_CALLCHECK_POSTED_WAITING, 0,
+                    reqs, timeout_s, outcome);
 }
 
 int mpidp_callcheck_wait(mpidp_callcheck_t *c, const mpidp_operation_t *ops, void *op,
-                         mpidp_reqtable_t *reqs, double timeout_s, int *outcome)
+                         mpidp_reqtable_t *reqs, double timeout_s, int late, int *outcome)
 {
     if (c == NULL || ops == NULL || op == NULL || reqs == NULL || outcome == NULL)
         return mpidp__fail(MPIDP_EINVAL, "call check: NULL argument");
     watch_t w = {c, ops, op, 0, 0};
     int rc = mpidp_reqtable_wait_until(reqs, watch_poll, &w, timeout_s);
     if (rc != MPIDP_OK) return rc;
-    return settle(c, &w, reqs, timeout_s, outcome);
+    return settle(c, &w, reqs, timeout_s, late, outcome);
 }
 
 int mpidp_callcheck_poll(mpidp_callcheck_t *c, const mpidp_operation_t *ops, void *op,
@@ -347,5 +348,5 @@ int mpidp_callcheck_poll(mpidp_callcheck_t *c, const mpidp_operation_t *ops, voi
     int rc = watch_poll(&w, &done);
     if (rc != MPIDP_OK || !done) return rc;
     *resolved = 1;
-    return settle(c, &w, reqs, timeout_s, outcome);
+    return settle(c, &w, reqs, timeout_s, 0, outcome);
 }

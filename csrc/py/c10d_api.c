@@ -5,6 +5,7 @@
 #include "module.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "c10d_api.h"
 #include "mpidp/allreduce.h"
@@ -15,6 +16,9 @@
 _Static_assert(MPIDP_C10D_ROW == MPIDP_CALLCHECK_ROW(MPIDP_C10D_SIG_FIELDS),
                "c10d_api.h's row is callcheck.h's");
 _Static_assert(MPIDP_C10D_SIG_FIELDS <= MPIDP_CALLCHECK_MAX_FIELDS, "a signature fits the check");
+_Static_assert(MPIDP_C10D_POSTED == MPIDP_CALLCHECK_POSTED(MPIDP_C10D_SIG_FIELDS) &&
+                   MPIDP_C10D_LATE == MPIDP_CALLCHECK_POSTED_LATE,
+               "c10d_api.h's late rank is callcheck.h's");
 
 /* The module's state, set when the capsule is made (one _C per process). */
 static mpidp_py_state *state;
@@ -150,7 +154,25 @@ struct mpidp_c10d_pending {
     mpidp_callcheck_t *check;
     mpidp_handle_t call;
     int differ;
+    /* A predicted call's written tensor as it was before the post, put
+     * back where the ranks turn out to differ (NULL: none, or too large to
+     * copy on every call). */
+    void *saved, *target;
+    size_t saved_bytes;
 };
+
+/* A predicted call writes its tensor before the ranks know whether they
+ * all made it; where they did not, the call still completes (on the
+ * others' scratch buffers) and leaves a partial result. Tensors up to this
+ * size are copied before the post and put back then; a larger copy on
+ * every call would cost a share of the call itself. */
+#define RESTORE_MAX_BYTES ((size_t)16 << 10)
+
+static void pending_free(mpidp_c10d_pending_t *p)
+{
+    free(p->saved);
+    free(p);
+}
 
 static int api_start(const void *comm, void *check_ptr, const int64_t *sig,
                      const mpidp_tensor_t *send, const mpidp_tensor_t *recv, int op, int root,
@@ -183,8 +205,15 @@ static int api_start(const void *comm, void *check_ptr, const int64_t *sig,
     const mpidp_operation_t *ops = NULL;
     void *posted = NULL;
     call_t a = {send, recv, op, root, timeout_s};
+    size_t bytes = recv != NULL ? recv->numel * mpidp_dtype_size(recv->dtype) : 0;
+    if (outcome == MPIDP_CALL_PREDICTED && bytes > 0 && bytes <= RESTORE_MAX_BYTES &&
+        (p->saved = malloc(bytes)) != NULL) {
+        memcpy(p->saved, recv->data, bytes);
+        p->target = recv->data;
+        p->saved_bytes = bytes;
+    }
     if ((rc = post(c, &a, &ops, &posted)) != MPIDP_OK) {
-        free(p);
+        pending_free(p);
         return rc;
     }
     mpidp_handle_init(&p->call, ops, posted);
@@ -193,7 +222,7 @@ static int api_start(const void *comm, void *check_ptr, const int64_t *sig,
     return MPIDP_OK;
 }
 
-static int api_finish(mpidp_c10d_pending_t *p, int block, double timeout_s, int *done,
+static int api_finish(mpidp_c10d_pending_t *p, int block, int late, double timeout_s, int *done,
                       int *ended, int *differ)
 {
     mpidp_error_clear();
@@ -204,14 +233,14 @@ static int api_finish(mpidp_c10d_pending_t *p, int block, double timeout_s, int 
     if (p->check != NULL) {
         int outcome = MPIDP_CALL_PREDICTED, resolved = 1;
         rc = block ? mpidp_callcheck_wait(p->check, p->call.ops, p->call.op, state->reqs,
-                                          timeout_s, &outcome)
+                                          timeout_s, late, &outcome)
                    : mpidp_callcheck_poll(p->check, p->call.ops, p->call.op, state->reqs,
                                           timeout_s, &resolved, &outcome);
         if (rc != MPIDP_OK) {
             /* In flight for good: its buffers and its handle stay. */
             *done = 1;
             *ended = 0;
-            free(p);
+            pending_free(p);
             return rc;
         }
         if (!resolved) return MPIDP_OK;
@@ -227,8 +256,14 @@ static int api_finish(mpidp_c10d_pending_t *p, int block, double timeout_s, int 
     }
     *done = 1;
     *ended = p->call.op == NULL;
-    *differ = p->differ;
-    free(p);
+    if (p->differ) {
+        *differ = MPIDP_C10D_DIFFER_WRITTEN;
+        if (*ended && p->saved != NULL) {
+            memcpy(p->target, p->saved, p->saved_bytes);
+            *differ = MPIDP_C10D_DIFFER;
+        }
+    }
+    pending_free(p);
     return rc;
 }
 

@@ -19,7 +19,7 @@
 
 #define MPIDP_C10D_API_CAPSULE "mpidp._C._c10d_api"
 /* Raised whenever the table or the meaning of an entry changes. */
-#define MPIDP_C10D_API_VERSION 3
+#define MPIDP_C10D_API_VERSION 4
 
 /* A call's signature, which the ranks' check compares (mpidp/callcheck.h):
  * int64 fields at these places. The fast calls' codes are below; a call the
@@ -39,8 +39,14 @@ enum {
     MPIDP_C10D_SIG_FIELDS
 };
 #define MPIDP_C10D_SIG_NDIMS 6
-/* A row of check_rows: the signature and two flags (mpidp/callcheck.h). */
+/* A row of check_rows: the signature and two flags (mpidp/callcheck.h):
+ * POSTED (0, or how the rank that posted the predicted call joined the
+ * exchange; MPIDP_C10D_LATE: as part of its next call), then TOLD. */
 #define MPIDP_C10D_ROW (MPIDP_C10D_SIG_FIELDS + 2)
+#define MPIDP_C10D_POSTED MPIDP_C10D_SIG_FIELDS
+#define MPIDP_C10D_LATE 2
+/* finish's *differ. */
+enum { MPIDP_C10D_DIFFER = 1, MPIDP_C10D_DIFFER_WRITTEN = 2 };
 enum {
     MPIDP_C10D_CALL_ALLREDUCE = 1,
     MPIDP_C10D_CALL_BCAST,
@@ -85,14 +91,19 @@ typedef struct {
                  mpidp_c10d_pending_t **pending, int *differ);
     /* No GIL needed; one thread at a time per group. Progress on a started
      * call: block = 1 waits for its end (deadline timeout_s), block = 0
-     * tests it once. *done = 1 once it ended, and `pending` is then gone:
-     * the status is the call's; *differ = 1 where the ranks turned out to
+     * tests it once; late = 1 (with block): the caller ends it as part of
+     * the group's next call (every rank's row then says so, see
+     * MPIDP_C10D_LATE). *done = 1 once it ended, and `pending` is then gone:
+     * the status is the call's; *differ where the ranks turned out to
      * differ (check_rows says how; the call completed on the others'
-     * scratch buffers); *ended = 0 where a failure left it in flight: MPI
-     * may still write its tensors, so the caller keeps them alive for good.
-     * *done = 0 (only with block = 0): still in flight. */
-    int (*finish)(mpidp_c10d_pending_t *pending, int block, double timeout_s, int *done,
-                  int *ended, int *differ);
+     * scratch buffers): MPIDP_C10D_DIFFER with the written tensor put back
+     * as it was, MPIDP_C10D_DIFFER_WRITTEN where it was too large to copy
+     * and holds the reduction over the ranks that made the call; *ended = 0
+     * where a failure left it in flight: MPI may still write its tensors,
+     * so the caller keeps them alive for good. *done = 0 (only with
+     * block = 0): still in flight. */
+    int (*finish)(mpidp_c10d_pending_t *pending, int block, int late, double timeout_s,
+                  int *done, int *ended, int *differ);
     /* After *differ: every rank's row, by group rank (MPIDP_C10D_ROW fields
      * each, the signature first), valid until the group's next call. */
     const int64_t *(*check_rows)(const void *check);

@@ -98,6 +98,7 @@ class Entered {
         if (const char *closed = group.closed.load())
             raise_python(PyExc_RuntimeError,
                          std::string("mpidp backend: ") + call + " on a group that was " + closed);
+        refuse_out_of_step(group, call);
         if (group.calling.exchange(true))
             raise_python(PyExc_RuntimeError,
                          std::string("mpidp backend: ") + call + " was called on a group while "
@@ -111,13 +112,18 @@ class Entered {
             });
         }
         if (previous) {
-            previous->end();
+            previous->end(-1, true);
             if (std::exception_ptr error = previous->error()) {
                 release();
                 std::rethrow_exception(error);
             }
         }
         mpidp_c10d::without_gil([&] { lock_ = std::unique_lock<std::mutex>(group.mu); });
+        /* The call in flight, ended above, may have put the group out of step. */
+        if (group.out_of_step.load()) {
+            release();
+            refuse_out_of_step(group, call);
+        }
     }
     ~Entered() { release(); }
     Entered(const Entered &) = delete;
@@ -131,6 +137,15 @@ class Entered {
     }
 
   private:
+    static void refuse_out_of_step(const GroupState &group, const char *call)
+    {
+        if (group.out_of_step.load())
+            raise_python(PyExc_RuntimeError,
+                         std::string("mpidp backend: ") + call + " on a group whose ranks' calls "
+                         "went out of step at an earlier call, which raised: " +
+                         group.out_of_step_why);
+    }
+
     GroupState &group_;
     std::unique_lock<std::mutex> lock_;
     bool released_ = false;
@@ -143,9 +158,10 @@ class BackendMPIDP : public c10d::Backend {
      * it host tensors too (MPIDP_C10D_DEVICE_COMM=standin: the device
      * path's logic on CPU tensors). */
     BackendMPIDP(py::object comm, py::object fallback, double timeout_s, bool check, int rank,
-                 int size, bool host_fast_path)
+                 int size, bool host_fast_path, std::vector<int> global_ranks)
         : Backend(rank, size), comm_obj_(std::move(comm)), fallback_(std::move(fallback)),
-          state_(std::make_shared<GroupState>(size)), timeout_s_(timeout_s),
+          state_(std::make_shared<GroupState>(size, std::move(global_ranks))),
+          timeout_s_(timeout_s),
           host_fast_path_(host_fast_path)
     {
         int r = 0, s = 0;
@@ -548,9 +564,10 @@ PYBIND11_MODULE(_c10d, m)
         throw std::runtime_error("mpidp._c10d was built against another mpidp._C: rebuild mpidp");
     py::module_::import("torch.distributed");
     py::class_<BackendMPIDP, c10d::Backend, intrusive_ptr<BackendMPIDP>>(m, "BackendMPIDP")
-        .def(py::init<py::object, py::object, double, bool, int, int, bool>(), py::arg("comm"),
-             py::arg("python_group"), py::arg("timeout_s"), py::arg("check"), py::arg("rank"),
-             py::arg("size"), py::arg("host_fast_path") = true)
+        .def(py::init<py::object, py::object, double, bool, int, int, bool, std::vector<int>>(),
+             py::arg("comm"), py::arg("python_group"), py::arg("timeout_s"), py::arg("check"),
+             py::arg("rank"), py::arg("size"), py::arg("host_fast_path") = true,
+             py::arg("global_ranks") = std::vector<int>{})
         .def_property_readonly("python_group", &BackendMPIDP::python_group);
     /* The progress thread stops at exit, before MPI is finalized (atexit's
      * functions run in reverse order, and mpi4py's was registered first). */

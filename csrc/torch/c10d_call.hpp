@@ -79,7 +79,7 @@ class CallWork;
 /* A group's sequence of calls, shared by its backend and its calls in
  * flight (which may outlive the backend). */
 struct GroupState {
-    explicit GroupState(int size) : size(size) {}
+    GroupState(int size, std::vector<int> global) : size(size), global(std::move(global)) {}
     ~GroupState()
     {
         if (check != nullptr && !api->forked()) api->check_free(check);
@@ -95,19 +95,48 @@ struct GroupState {
      * broken when it ends). */
     c10::intrusive_ptr<CallWork> in_flight;
     std::atomic<const char *> closed{nullptr}; /* how the group ended (shutdown, abort) */
+    /* Set once the ranks' sequences of calls can no longer be matched (see
+     * differences); out_of_step_why is written before, never after. */
+    std::atomic<bool> out_of_step{false};
+    std::string out_of_step_why;
     const int size;
+    const std::vector<int> global; /* the ranks in the default group; empty: it is that group */
 
     /* After the ranks were found to differ (mu held: the rows last until
-     * the next call): the message every rank raises. */
-    std::string differences(const std::string &call) const
+     * the next call): the message every rank raises.
+     *
+     * A rank that had posted the call without waiting and learnt of the
+     * difference only when its next call ended it (its row says LATE) does
+     * not make that next call, while the ranks that found out at once make
+     * theirs: from then on each rank's call k would pair with another's call
+     * k+1 and reduce the wrong tensors without an error. So every rank, on
+     * the same rows, marks the group out of step, and every later call on
+     * it raises. */
+    std::string differences(const std::string &call)
     {
-        std::string ranks = describe_ranks(api->check_rows(check), size, [](const int64_t *sig) {
-            return describe(sig, api->op_sum, api->op_avg, api->op_min, api->op_max,
-                            api->op_prod);
-        });
-        return "mpidp backend: " + call + ": the ranks' calls differ, and every rank must make "
-               "the same call with tensors of the same shape, dtype and device and the same "
-               "settings: " + ranks;
+        const int64_t *rows = api->check_rows(check);
+        std::string message =
+            "mpidp backend: " + call + ": the ranks' calls differ, and every rank must make the "
+            "same call with tensors of the same shape, dtype and device and the same settings: " +
+            describe_ranks(rows, size, global, [](const int64_t *sig) {
+                return describe(sig, api->op_sum, api->op_avg, api->op_min, api->op_max,
+                                api->op_prod);
+            });
+        std::vector<int> late;
+        for (int r = 0; r < size; r++)
+            if (rows[static_cast<size_t>(r) * MPIDP_C10D_ROW + MPIDP_C10D_POSTED] ==
+                MPIDP_C10D_LATE)
+                late.push_back(r);
+        if (late.empty()) return message;
+        message += ". " + name_ranks(late, global) + " had posted the call without waiting for "
+                   "it and learnt of this only at their next call on the group, which they did "
+                   "not make: the ranks' calls can no longer be paired, so every later call on "
+                   "this group raises; make a new group (dist.new_group)";
+        if (!out_of_step.load()) {
+            out_of_step_why = message;
+            out_of_step.store(true);
+        }
+        return message;
     }
 };
 
@@ -143,17 +172,23 @@ class CallWork : public c10d::Work {
      * ends). True when this ended it: conclude() next, on this thread (the
      * failure's detail is this thread's), after unlocking. The caller holds
      * a reference: the group's own goes here. */
-    bool settle(bool block, double timeout_s = -1)
+    bool settle(bool block, double timeout_s = -1, bool late = false)
     {
         if (pending_ == nullptr) return false;
         int done = 0, ended = 1, differ = 0;
-        status_ = api->finish(pending_, block, timeout_s > 0 ? timeout_s : timeout_s_, &done,
-                              &ended, &differ);
+        status_ = api->finish(pending_, block, late, timeout_s > 0 ? timeout_s : timeout_s_,
+                              &done, &ended, &differ);
         if (!done) return false;
         pending_ = nullptr;
         if (!ended)
             for (const auto &t : tensors_) t.leak();
-        if (status_ == 0 && differ) differences_ = group_->differences(call());
+        if (status_ == 0 && differ) {
+            differences_ = group_->differences(call());
+            if (differ == MPIDP_C10D_DIFFER_WRITTEN)
+                differences_ += ". On this rank the call's output holds its result over the "
+                                "ranks that made it: only outputs up to 16 KB are copied "
+                                "before a call, to be put back";
+        }
         if (group_->in_flight.get() == this) group_->in_flight.reset();
         return true;
     }
@@ -183,15 +218,15 @@ class CallWork : public c10d::Work {
     }
 
     /* Ends the call on this thread, or waits until the thread ending it
-     * has concluded. */
-    void end(double timeout_s = -1)
+     * has concluded. late: as part of the group's next call. */
+    void end(double timeout_s = -1, bool late = false)
     {
         if (concluded()) return;
         c10::intrusive_ptr<CallWork> self = c10::intrusive_ptr<CallWork>::reclaim_copy(this);
         bool mine = false;
         without_gil([&] {
             std::lock_guard<std::mutex> lock(group_->mu);
-            mine = settle(true, timeout_s);
+            mine = settle(true, timeout_s, late);
         });
         if (mine) {
             conclude();

@@ -146,10 +146,28 @@ inline std::string describe(const int64_t *sig, int op_sum, int op_avg, int op_m
     return s;
 }
 
+/* Ranks of a group as a message names them: "rank(s) [0, 2]" on the
+ * default group, "global rank(s) [3, 5] (group rank(s) [0, 2])" on another
+ * (`global`: the group's ranks in the default group, empty for it). */
+inline std::string name_ranks(const std::vector<int> &ranks, const std::vector<int> &global)
+{
+    auto list = [](const std::vector<int> &rs, auto &&name) {
+        std::string text = "[";
+        for (size_t i = 0; i < rs.size(); i++) text += (i ? ", " : "") + std::to_string(name(rs[i]));
+        return text + "]";
+    };
+    std::string group = list(ranks, [](int r) { return r; });
+    if (global.empty()) return "rank(s) " + group;
+    return "global rank(s) " +
+           list(ranks, [&](int r) { return r < static_cast<int>(global.size()) ? global[r] : -1; }) +
+           " (group rank(s) " + group + ")";
+}
+
 /* Every group of ranks that passed the same, and what it passed:
  * "rank(s) [0, 2]: all_reduce of float32 [4, 8] on cpu, op sum; rank(s) [1]: ...". */
 template <typename Describe>
-std::string describe_ranks(const int64_t *rows, int size, Describe &&describe_one)
+std::string describe_ranks(const int64_t *rows, int size, const std::vector<int> &global,
+                           Describe &&describe_one)
 {
     std::vector<std::pair<const int64_t *, std::vector<int>>> groups;
     for (int r = 0; r < size; r++) {
@@ -164,12 +182,9 @@ std::string describe_ranks(const int64_t *rows, int size, Describe &&describe_on
         if (!found) groups.push_back({row, {r}});
     }
     std::string text;
-    for (const auto &g : groups) {
-        text += text.empty() ? "rank(s) [" : "; rank(s) [";
-        for (size_t i = 0; i < g.second.size(); i++)
-            text += (i ? ", " : "") + std::to_string(g.second[i]);
-        text += "]: " + describe_one(g.first);
-    }
+    for (const auto &g : groups)
+        text += (text.empty() ? "" : "; ") + name_ranks(g.second, global) + ": " +
+                describe_one(g.first);
     return text;
 }
 

@@ -5,8 +5,9 @@
  * while they wait, and their call completes on the others' scratch
  * buffers), after which the ranks go on in step; ranks that all leave it
  * differently, and a forced exchange, are told apart; polling a predicted
- * call (mpidp_callcheck_poll) resolves it as waiting does; bad arguments
- * are refused. The data call is an allgather of each rank's own values. */
+ * call (mpidp_callcheck_poll) resolves it as waiting does; a rank that
+ * waits late (as part of its next call) is marked so in every rank's rows;
+ * bad arguments are refused. The data call is an allgather of each rank's own values. */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,8 +44,10 @@ static void gather_free(gather_t *g)
     free(g->recv);
 }
 
-/* Whether call() resolves a predicted call by polling instead of waiting. */
-static int polling = 0;
+/* How call() resolves a predicted call: waiting, polling, or waiting late
+ * (as the backend does when the group's next call ends the call). */
+enum { WAITING, POLLING, WAITING_LATE };
+static int resolving = WAITING;
 
 /* Polls until the predicted call `x` is resolved (deadline T). */
 static int poll_until_resolved(mpidp_callcheck_t *c, mpidp_reqtable_t *reqs, mpidp_coll_t *x,
@@ -75,9 +78,10 @@ static int call(mpidp_callcheck_t *c, mpidp_reqtable_t *reqs, int64_t id, int64_
     if (outcome != MPIDP_CALL_DIFFER) {
         if (mpidp_allgather_start(MPI_COMM_WORLD, &g.s, &g.r, reqs, &x) != MPIDP_OK) return -1;
         posted = outcome == MPIDP_CALL_PREDICTED;
-        if (posted && (polling ? poll_until_resolved(c, reqs, x, &outcome)
-                               : mpidp_callcheck_wait(c, &mpidp_coll_operation, x, reqs, T,
-                                                      &outcome)) != MPIDP_OK)
+        if (posted && (resolving == POLLING
+                           ? poll_until_resolved(c, reqs, x, &outcome)
+                           : mpidp_callcheck_wait(c, &mpidp_coll_operation, x, reqs, T,
+                                                  resolving == WAITING_LATE, &outcome)) != MPIDP_OK)
             return -1;
         if (mpidp_operation_finish(&mpidp_coll_operation, x, T, &ended) != MPIDP_OK) return -1;
     }
@@ -180,6 +184,11 @@ static void leave_the_sequence(int *mpidp__test_failed)
                     /* The others posted the prediction, unless the odd rank's
                      * notification came before they began. */
                     if (q == odd) ASSERT_EQ_INT((int)row[MPIDP_CALLCHECK_POSTED(N)], 0);
+                    /* How those that posted it joined, on every rank. */
+                    else if (row[MPIDP_CALLCHECK_POSTED(N)])
+                        ASSERT_EQ_INT((int)row[MPIDP_CALLCHECK_POSTED(N)],
+                                      resolving == WAITING_LATE ? MPIDP_CALLCHECK_POSTED_LATE
+                                                                : MPIDP_CALLCHECK_POSTED_WAITING);
                     ASSERT_EQ_INT((int)row[MPIDP_CALLCHECK_TOLD(N)], (q == odd));
                 }
             }
@@ -193,15 +202,22 @@ static void leave_the_sequence(int *mpidp__test_failed)
 
 TEST(a_rank_that_leaves_the_sequence_is_seen_by_every_rank)
 {
-    polling = 0;
+    resolving = WAITING;
     leave_the_sequence(mpidp__test_failed);
+}
+
+TEST(a_rank_that_waits_late_is_marked_late_on_every_rank)
+{
+    resolving = WAITING_LATE;
+    leave_the_sequence(mpidp__test_failed);
+    resolving = WAITING;
 }
 
 TEST(polling_a_predicted_call_resolves_it_as_waiting_does)
 {
-    polling = 1;
+    resolving = POLLING;
     leave_the_sequence(mpidp__test_failed);
-    polling = 0;
+    resolving = WAITING;
     mpidp_reqtable_t *reqs = table(8);
     int resolved = 0, outcome = -1;
     ASSERT_EQ_INT(mpidp_callcheck_poll(NULL, &mpidp_coll_operation, NULL, reqs, T, &resolved,
@@ -265,6 +281,7 @@ TEST(bad_arguments_are_refused)
 TEST_MAIN_MPI(a_repeated_sequence_is_predicted_with_its_data_right,
               a_long_cycle_of_distinct_calls_is_predicted_whole,
               a_rank_that_leaves_the_sequence_is_seen_by_every_rank,
+              a_rank_that_waits_late_is_marked_late_on_every_rank,
               polling_a_predicted_call_resolves_it_as_waiting_does,
               ranks_that_all_leave_it_differently_differ_and_nothing_was_posted,
               a_forced_exchange_agrees_on_a_predicted_call, bad_arguments_are_refused)

@@ -37,11 +37,18 @@
 #define MPIDP_CALLCHECK_MAX_FIELDS 16
 
 /* A row of the exchange (mpidp_callcheck_rows): the rank's n fields, then
- * whether it had posted the predicted call, then whether it told the
- * others that it would exchange. */
+ * whether it had posted the predicted call (0, or how it joined: below),
+ * then whether it told the others that it would exchange. */
 #define MPIDP_CALLCHECK_POSTED(n) (n)
 #define MPIDP_CALLCHECK_TOLD(n) ((n) + 1)
 #define MPIDP_CALLCHECK_ROW(n) ((n) + 2)
+
+/* A row's POSTED field where the rank posted the prediction: it joined the
+ * exchange while waiting for that call (its program learns of the
+ * difference at that call), or `late`, as part of its next call (the
+ * caller says so: its program learns of it only there, a call later than
+ * the ranks that exchanged at once). */
+enum { MPIDP_CALLCHECK_POSTED_WAITING = 1, MPIDP_CALLCHECK_POSTED_LATE = 2 };
 
 /* What a call's check found. */
 enum {
@@ -75,9 +82,10 @@ int mpidp_callcheck_begin(mpidp_callcheck_t *c, const int64_t *sig, int exchange
  * *outcome = PREDICTED: finish it as usual -- or until another rank says
  * it exchanges -- *outcome = DIFFER, the operation still in flight: the
  * others complete it on scratch buffers, so finish it as usual, then
- * raise. */
+ * raise. late: the caller waits as part of its next call (this rank's row
+ * says MPIDP_CALLCHECK_POSTED_LATE). */
 int mpidp_callcheck_wait(mpidp_callcheck_t *c, const mpidp_operation_t *ops, void *op,
-                         mpidp_reqtable_t *reqs, double timeout_s, int *outcome);
+                         mpidp_reqtable_t *reqs, double timeout_s, int late, int *outcome);
 
 /* The same as wait, without blocking while nothing has happened: one test
  * of the operation and of the notifications. *resolved = 0: neither

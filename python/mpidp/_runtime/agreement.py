@@ -72,12 +72,13 @@ def _describe(sig: list, names: dict) -> str:
 
 
 def agree(c: "_C.Comm", call: str, tensor: torch.Tensor, *, rows_free: bool = False,
-          names: dict | None = None, **settings) -> None:
+          names: dict | None = None, global_ranks: list | None = None, **settings) -> None:
     """Raises ValueError on every rank of `c` unless every rank passed a
     tensor of the same dtype and shape (the first dimension aside with
     `rows_free`) and the same `settings` (ints: root, op, wire, and layout:
     crc_of a list) to the collective `call`. names: {setting: {int: name}}
-    for the message."""
+    for the message; global_ranks: c's ranks in the job's numbering, which
+    the message then names (with c's own), for a communicator of a subset."""
     if c.size == 1:
         return
     key = (call, tensor.dtype, tensor.shape, rows_free, tuple(settings.items()))
@@ -88,7 +89,7 @@ def agree(c: "_C.Comm", call: str, tensor: torch.Tensor, *, rows_free: bool = Fa
             _SIGNATURES.clear()
         _SIGNATURES[key] = sig
     if not c.agree(sig):
-        refuse(c, call, list(sig), names or {})
+        refuse(c, call, list(sig), names or {}, global_ranks)
 
 
 # The signatures of recent calls: a training loop repeats a few shapes, and
@@ -97,7 +98,16 @@ _SIGNATURES: dict = {}
 _SIGNATURES_KEPT = 4096
 
 
-def refuse(c: "_C.Comm", call: str, sig: list, names: dict) -> None:
+def name_ranks(ranks: list, global_ranks: list | None = None) -> str:
+    """"rank(s) [0, 2]", or with `global_ranks` (a subset's ranks in the
+    job's numbering) "global rank(s) [3, 5] (group rank(s) [0, 2])"."""
+    if not global_ranks:
+        return f"rank(s) {ranks}"
+    return f"global rank(s) {[global_ranks[r] for r in ranks]} (group rank(s) {ranks})"
+
+
+def refuse(c: "_C.Comm", call: str, sig: list, names: dict,
+           global_ranks: list | None = None) -> None:
     """The ValueError of a collective whose ranks disagree, naming every
     group of ranks and its signature (one allgather; every rank raises)."""
     everyone = torch.empty(c.size * _FIELDS, dtype=torch.int64)
@@ -105,7 +115,7 @@ def refuse(c: "_C.Comm", call: str, sig: list, names: dict) -> None:
     groups: dict = {}
     for r, row in enumerate(everyone.view(c.size, _FIELDS).tolist()):
         groups.setdefault(tuple(row), []).append(r)
-    described = "; ".join(f"rank(s) {ranks}: {_describe(list(row), names)}"
+    described = "; ".join(f"{name_ranks(ranks, global_ranks)}: {_describe(list(row), names)}"
                           for row, ranks in groups.items())
     raise ValueError(f"mpidp.{call}: the ranks passed tensors or settings that differ, and every "
                      f"rank must pass the same (shape, dtype and settings): {described}")

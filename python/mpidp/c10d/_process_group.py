@@ -50,6 +50,8 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         self._mpi_comm = mpi_comm
         self._comm = _C.Comm(mpi_comm)
         self._global_ranks = list(global_ranks) if global_ranks else list(range(self._comm.size))
+        # A group other than the default one names global ranks in its messages.
+        self._named_ranks = list(global_ranks) if global_ranks else None
         self._timeout_s = float(config.get("MPIDP_TIMEOUT"))
         if timeout is not None and timeout.total_seconds() > 0:
             self._timeout_s = min(self._timeout_s, timeout.total_seconds())
@@ -137,7 +139,8 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         """Every rank passed the same shape, dtype and settings (one small
         allreduce, skipped with MPIDP_C10D_CHECK=0)."""
         if self._check and self._comm.size > 1:
-            agree(self._comm, call, tensor, rows_free=rows_free, **settings)
+            agree(self._comm, call, tensor, rows_free=rows_free, global_ranks=self._named_ranks,
+                  **settings)
 
     @staticmethod
     def _then(*fns):

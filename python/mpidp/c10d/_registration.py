@@ -82,7 +82,8 @@ def backend_over(comm, timeout, members):
         return group
     return _c10d.BackendMPIDP(group.core_comm, group, group.timeout_s, group.checks,
                               comm.Get_rank(), comm.Get_size(),
-                              host_fast_path=config.get("MPIDP_C10D_DEVICE_COMM") != "standin")
+                              host_fast_path=config.get("MPIDP_C10D_DEVICE_COMM") != "standin",
+                              global_ranks=list(members) if members else [])
 
 
 _SETTINGS = ("MPIDP_C10D_IMPL (cpp, or python: set so, or a build without torch)",
