@@ -31,6 +31,8 @@ const char *mpidp_error_detail(void) { return error_detail; }
 
 void mpidp_error_clear(void) { error_detail[0] = '\0'; }
 
+void mpidp_error_set(const char *detail) { snprintf(error_detail, sizeof error_detail, "%s", detail); }
+
 int mpidp__fail(int status, const char *fmt, ...)
 {
     va_list ap;

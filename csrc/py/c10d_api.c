@@ -284,7 +284,7 @@ static int api_forked(void) { return mpidp_py_forked; }
 
 static const mpidp_c10d_api_t api = {
     MPIDP_C10D_API_VERSION, api_comm_of, api_check_new, api_check_free, api_start, api_finish,
-    api_check_rows, api_raise, api_forked, mpidp_py_check_not_forked, MPIDP_OP_SUM, MPIDP_OP_AVG, MPIDP_OP_MIN, MPIDP_OP_MAX,
+    api_check_rows, api_raise, mpidp_error_set, api_forked, mpidp_py_check_not_forked, MPIDP_OP_SUM, MPIDP_OP_AVG, MPIDP_OP_MIN, MPIDP_OP_MAX,
     MPIDP_OP_PROD};
 
 PyObject *mpidp_py_c10d_api_capsule(mpidp_py_state *st)

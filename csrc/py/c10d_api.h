@@ -111,6 +111,9 @@ typedef struct {
      * (and, as every wait of mpidp, aborts the job on a deadline unless
      * MPIDP_ON_TIMEOUT=raise). */
     void (*raise)(int status, const char *what);
+    /* No GIL needed. Records `detail` as this thread's failure detail, for
+     * a failure the backend found itself, before `raise`. */
+    void (*set_detail)(const char *detail);
     /* No GIL needed. 1 in a process forked from an MPI rank: it must not communicate. */
     int (*forked)(void);
     /* GIL held: 0, or -1 with a RuntimeError naming `what`, in a fork. */

@@ -99,7 +99,20 @@ static PyObject *mod_checksums(PyObject *m, PyObject *seq)
     return out;
 }
 
+/* A wait of the Python layer's own past its deadline: raised, or the job
+ * aborted, as MPIDP_ON_TIMEOUT says for every wait of the core. */
+static PyObject *mod_timed_out(PyObject *m, PyObject *args)
+{
+    const char *what, *detail;
+    if (!PyArg_ParseTuple(args, "ss:timed_out", &what, &detail)) return NULL;
+    mpidp_error_set(detail);
+    return mpidp_py_raise(mpidp_py_state_of_module(m), MPIDP_ETIMEDOUT, what);
+}
+
 static PyMethodDef module_methods[] = {
+    {"timed_out", mod_timed_out, METH_VARARGS,
+     "timed_out(what, detail): raises CommTimeout (or aborts the job, as MPIDP_ON_TIMEOUT says)\n"
+     "for a wait of mpidp's Python layer that passed its deadline."},
     {"paramsync_merge_weights", mpidp_py_paramsync_merge_weights, METH_VARARGS,
      "paramsync_merge_weights(n_senders, batches_waited) -> (a, b, c): Heat's staleness weights."},
     {"mpi_cuda_aware", mod_mpi_cuda_aware, METH_NOARGS,

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "../py/c10d_api.h"
+#include "mpidp/status.h"
 #include "c10d_call.hpp"
 #include "c10d_signature.hpp"
 #include "c10d_work.hpp"
@@ -85,10 +86,20 @@ using mpidp_c10d::signature;
 /* A program's call on a group, from its start to its return: one at a time
  * (a second thread's raises), after the group's call in flight has ended
  * where `after_in_flight` (its failure is raised here: this rank cannot go
- * on), and then with the group's lock held until release(). */
+ * on), and then with the group's lock held until release().
+ *
+ * The call in flight ends first, and so do the callbacks of its future,
+ * wherever they run: a callback may make calls on the group (torch's
+ * PowerSGD hook makes two per bucket), and those must come before this
+ * one on every rank, or one rank's call would pair with another's
+ * callback's. So a group's calls are in the same order on every rank: the
+ * program's, each followed by those of its future's callbacks. A call
+ * made from a callback on this thread ends what it left in flight too,
+ * and so on until none is. */
 class Entered {
   public:
-    Entered(GroupState &group, const char *call, bool after_in_flight) : group_(group)
+    Entered(GroupState &group, const char *call, bool after_in_flight, double timeout_s)
+        : group_(group)
     {
         if (api->forked()) {
             py::gil_scoped_acquire gil;
@@ -99,30 +110,43 @@ class Entered {
             raise_python(PyExc_RuntimeError,
                          std::string("mpidp backend: ") + call + " on a group that was " + closed);
         refuse_out_of_step(group, call);
-        if (group.calling.exchange(true))
-            raise_python(PyExc_RuntimeError,
-                         std::string("mpidp backend: ") + call + " was called on a group while "
-                         "another thread's call on it was running: a group's collectives must be "
-                         "called in the same order on every rank, from one thread at a time");
-        c10::intrusive_ptr<CallWork> previous;
-        if (after_in_flight) {
-            mpidp_c10d::without_gil([&] {
-                std::lock_guard<std::mutex> lock(group.mu);
-                previous = group.in_flight;
-            });
-        }
-        if (previous) {
-            previous->end(-1, true);
-            if (std::exception_ptr error = previous->error()) {
-                release();
-                std::rethrow_exception(error);
+        if (group.calling.load()) refuse_second_thread(call); /* before waiting for its lock */
+        for (;;) {
+            while (after_in_flight) {
+                c10::intrusive_ptr<CallWork> previous;
+                mpidp_c10d::without_gil([&] {
+                    std::lock_guard<std::mutex> lock(group.mu);
+                    previous = group.in_flight;
+                });
+                if (previous) {
+                    if (!previous->end(-1, true)) callbacks_too_long(call, timeout_s);
+                    if (std::exception_ptr error = previous->error())
+                        std::rethrow_exception(error);
+                    refuse_out_of_step(group, call);
+                    continue;
+                }
+                /* Ended by another thread, whose callbacks may not have run yet. */
+                c10::intrusive_ptr<CallWork> last = group.last_call();
+                if (last && !last->called_back()) {
+                    if (!last->end(-1, true)) callbacks_too_long(call, timeout_s);
+                    continue;
+                }
+                bool none = true;
+                mpidp_c10d::without_gil([&] {
+                    none = mpidp_c10d::CallbackThreads::get().wait_for_others(timeout_s);
+                });
+                if (!none) callbacks_too_long(call, timeout_s);
+                break;
             }
-        }
-        mpidp_c10d::without_gil([&] { lock_ = std::unique_lock<std::mutex>(group.mu); });
-        /* The call in flight, ended above, may have put the group out of step. */
-        if (group.out_of_step.load()) {
-            release();
-            refuse_out_of_step(group, call);
+            if (group.calling.exchange(true)) refuse_second_thread(call);
+            mpidp_c10d::without_gil([&] { lock_ = std::unique_lock<std::mutex>(group.mu); });
+            /* A callback's call posted on another thread since: it goes first. */
+            if (!after_in_flight ||
+                (!group.in_flight && group.callbacks_ran() &&
+                 mpidp_c10d::CallbackThreads::get().none_elsewhere()))
+                break;
+            lock_.unlock();
+            group.calling = false;
         }
     }
     ~Entered() { release(); }
@@ -137,6 +161,24 @@ class Entered {
     }
 
   private:
+    [[noreturn]] static void callbacks_too_long(const char *call, double timeout_s)
+    {
+        std::string detail = "the callbacks of an earlier call's future (which may make calls "
+                             "on the group that must come first) were still running on another "
+                             "thread after the group's timeout of " +
+                             std::to_string(timeout_s) + " s";
+        api->set_detail(detail.c_str());
+        raise_status(MPIDP_ETIMEDOUT, call);
+    }
+
+    [[noreturn]] static void refuse_second_thread(const char *call)
+    {
+        raise_python(PyExc_RuntimeError,
+                     std::string("mpidp backend: ") + call + " was called on a group while "
+                     "another thread's call on it was running: a group's collectives must be "
+                     "called in the same order on every rank, from one thread at a time");
+    }
+
     static void refuse_out_of_step(const GroupState &group, const char *call)
     {
         if (group.out_of_step.load())
@@ -487,10 +529,11 @@ class BackendMPIDP : public c10d::Backend {
                                   const mpidp_tensor_t *recv, int op, int root)
     {
         const char *call = title + sizeof("mpidp:") - 1;
-        Entered entered(*state_, call, true);
+        Entered entered(*state_, call, true, timeout_s_);
         auto work = c10::make_intrusive<CallWork>(state_, rank_, type, title, std::move(result),
                                                   std::move(tensors), timeout_s_);
         work->posted(start(entered, call, sig, send, recv, op, root));
+        state_->set_last(work);
         if (async) {
             state_->in_flight = work;
             return work;
@@ -512,7 +555,7 @@ class BackendMPIDP : public c10d::Backend {
         const char *call = index >= 0 ? mpidp_c10d::python_calls()[index].second : method;
         one_device(call, args...);
         {
-            Entered entered(*state_, call, index >= 0);
+            Entered entered(*state_, call, index >= 0, timeout_s_);
             if (state_->check != nullptr && index >= 0)
                 start(entered, call, mpidp_c10d::python_signature(index), nullptr, nullptr, -1,
                       -1);

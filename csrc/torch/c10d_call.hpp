@@ -28,6 +28,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -94,6 +95,13 @@ struct GroupState {
     /* The last non-blocking call, until it ended (a cycle with its group,
      * broken when it ends). */
     c10::intrusive_ptr<CallWork> in_flight;
+    /* The last fast call, until its future's callbacks have run (they may
+     * make calls on the group, which come before the program's next). */
+    std::mutex last_mu;
+    c10::intrusive_ptr<CallWork> last;
+    void set_last(const c10::intrusive_ptr<CallWork> &work);
+    c10::intrusive_ptr<CallWork> last_call();
+    bool callbacks_ran(); /* those of last's future, or they run on this thread */
     std::atomic<const char *> closed{nullptr}; /* how the group ended (shutdown, abort) */
     /* Set once the ranks' sequences of calls can no longer be matched (see
      * differences); out_of_step_why is written before, never after. */
@@ -142,6 +150,12 @@ struct GroupState {
 
 /* Waits without the GIL, where this thread holds it: the thread that ends a
  * call may need it to raise the call's failure. */
+/* A deadline in seconds as a duration (<= 0: a year, a program's lifetime). */
+inline std::chrono::duration<double> seconds(double timeout_s)
+{
+    return std::chrono::duration<double>(timeout_s > 0 ? timeout_s : 365.0 * 86400.0);
+}
+
 template <typename Wait> void without_gil(Wait &&wait)
 {
     if (PyGILState_Check()) {
@@ -153,6 +167,51 @@ template <typename Wait> void without_gil(Wait &&wait)
 }
 
 void end_in_background(c10::intrusive_ptr<CallWork> work);
+
+/* The threads now running the callbacks of a fast call's future, of any
+ * group: a program's next call waits until none is (its calls come after
+ * theirs: see Entered), except on such a thread itself -- callbacks that
+ * run side by side are ordered by the program that made them, as on gloo. */
+class CallbackThreads {
+  public:
+    static CallbackThreads &get()
+    {
+        static CallbackThreads *t = new CallbackThreads; /* never destroyed */
+        return *t;
+    }
+    void enter()
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        running_[std::this_thread::get_id()]++;
+    }
+    void leave()
+    {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = running_.find(std::this_thread::get_id());
+            if (it != running_.end() && --it->second == 0) running_.erase(it);
+        }
+        cv_.notify_all();
+    }
+    /* Until no other thread runs callbacks (at once on one that does);
+     * false where the deadline passed first. */
+    bool wait_for_others(double timeout_s)
+    {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (running_.count(std::this_thread::get_id())) return true;
+        return cv_.wait_for(lock, seconds(timeout_s), [&] { return running_.empty(); });
+    }
+    bool none_elsewhere()
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        return running_.empty() || running_.count(std::this_thread::get_id());
+    }
+
+  private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::map<std::thread::id, int> running_;
+};
 
 /* One posted fast-path call. Made before it is posted, so that its
  * profiling title ("mpidp:<call>", a literal) spans the call in
@@ -194,7 +253,7 @@ class CallWork : public c10d::Work {
     }
 
     /* After settle ended it, without the group's lock: its outcome, for its
-     * Work and its future. */
+     * Work and its future, whose callbacks run here, on this thread. */
     void conclude()
     {
         std::exception_ptr error;
@@ -211,31 +270,71 @@ class CallWork : public c10d::Work {
             std::lock_guard<std::mutex> lock(mutex_);
             error_ = error;
             concluded_ = true;
+            concluding_ = std::this_thread::get_id();
             future = future_;
         }
         finish(error);
-        if (future) complete(future);
+        if (future) {
+            CallbackThreads::get().enter();
+            complete(future);
+            CallbackThreads::get().leave();
+        }
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            called_back_ = true;
+        }
+        cv_.notify_all();
+        std::lock_guard<std::mutex> lock(group_->last_mu);
+        if (group_->last.get() == this) group_->last.reset();
+    }
+
+    /* Whether the callbacks of its future have run, run on this thread, or
+     * cannot be (nobody asked for its future). */
+    bool called_back() const
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return !future_ || called_back_ || concluding_ == std::this_thread::get_id();
     }
 
     /* Ends the call on this thread, or waits until the thread ending it
-     * has concluded. late: as part of the group's next call. */
-    void end(double timeout_s = -1, bool late = false)
+     * has concluded. late: as part of the group's next call, which also
+     * waits for the callbacks of the call's future to have run (they may
+     * make calls on the group, which come first: see Entered); false where
+     * they were still running at the deadline. */
+    bool end(double timeout_s = -1, bool late = false)
     {
-        if (concluded()) return;
+        c10::intrusive_ptr<CallWork> self = c10::intrusive_ptr<CallWork>::reclaim_copy(this);
+        if (settle_here(timeout_s, late)) {
+            conclude();
+            return true;
+        }
+        bool ended = true;
+        without_gil([&] {
+            std::unique_lock<std::mutex> lock(mutex_);
+            if (!late) {
+                cv_.wait(lock, [&] { return completed_; }); /* concluded: at once */
+                return;
+            }
+            /* The thread running the callbacks never waits for itself. */
+            ended = cv_.wait_for(lock, seconds(timeout_s > 0 ? timeout_s : timeout_s_), [&] {
+                return called_back_ || concluding_ == std::this_thread::get_id();
+            });
+        });
+        return ended;
+    }
+
+    /* The part of end() that waits in MPI: true where this thread ended
+     * the call and must conclude() it. */
+    bool settle_here(double timeout_s = -1, bool late = false)
+    {
+        if (concluded()) return false;
         c10::intrusive_ptr<CallWork> self = c10::intrusive_ptr<CallWork>::reclaim_copy(this);
         bool mine = false;
         without_gil([&] {
             std::lock_guard<std::mutex> lock(group_->mu);
             mine = settle(true, timeout_s, late);
         });
-        if (mine) {
-            conclude();
-            return;
-        }
-        without_gil([&] {
-            std::unique_lock<std::mutex> lock(mutex_);
-            cv_.wait(lock, [&] { return completed_; });
-        });
+        return mine;
     }
 
     bool wait(std::chrono::milliseconds timeout) override
@@ -316,19 +415,49 @@ class CallWork : public c10d::Work {
     std::string differences_;
     /* Work::mutex_ guards these. */
     bool concluded_ = false;
+    bool called_back_ = false;   /* its future's callbacks have run (or it has none) */
+    std::thread::id concluding_; /* the thread that concluded it */
     std::exception_ptr error_;
     c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-/* The thread that ends, in the order they were posted, the calls whose
- * futures were asked for: started with the first of them, and stopped at
- * the interpreter's exit (before MPI is finalized), after the call it is
- * ending. Its waits are the calls' own, with their deadlines. */
+inline void GroupState::set_last(const c10::intrusive_ptr<CallWork> &work)
+{
+    std::lock_guard<std::mutex> lock(last_mu);
+    last = work;
+}
+
+inline c10::intrusive_ptr<CallWork> GroupState::last_call()
+{
+    std::lock_guard<std::mutex> lock(last_mu);
+    return last;
+}
+
+inline bool GroupState::callbacks_ran()
+{
+    c10::intrusive_ptr<CallWork> work = last_call();
+    return !work || work->called_back();
+}
+
+/* The threads that end the calls whose futures were asked for (DDP's
+ * reducer and torch.futures wait on the future, never on the Work), each
+ * with the call's own wait and deadline.
+ *
+ * Ending a call completes its future, which runs the future's callbacks
+ * on the ending thread, and a callback may make a collective and wait for
+ * its future (torch's PowerSGD hook does, twice per bucket): a thread
+ * inside a callback cannot end the call it waits for. So any number of
+ * threads take calls from the queue: one is started whenever a call is
+ * queued and none is free, so there is always a thread to end the calls
+ * that callbacks wait for, at any depth. A thread back from its call waits
+ * for the next; beyond MAX_IDLE free ones it ends. They stop at the
+ * interpreter's exit (before MPI is finalized), after the calls they are
+ * ending. */
 class Progress {
   public:
     static Progress &get()
     {
-        static Progress *p = new Progress; /* never destroyed: its thread is detached */
+        static Progress *p = new Progress; /* never destroyed: its threads are detached */
         return *p;
     }
 
@@ -337,47 +466,72 @@ class Progress {
         std::lock_guard<std::mutex> lock(mu_);
         if (stopping_) return; /* exiting: the program's own waits end it */
         queue_.push_back(std::move(work));
-        if (!running_) {
-            running_ = true;
+        if (idle_ < queue_.size()) {
+            threads_++;
+            idle_++;
             std::thread([this] { run(); }).detach();
         }
-        cv_.notify_all();
+        cv_.notify_one();
     }
 
-    /* At exit: stops the thread once the call it is ending has ended. */
+    /* At exit: stops the threads once the calls they are ending have
+     * ended (each by its deadline). A thread inside a future's callback is
+     * the program's and is not waited for. */
     void stop()
     {
         std::unique_lock<std::mutex> lock(mu_);
         stopping_ = true;
+        queue_.clear();
         cv_.notify_all();
-        cv_.wait(lock, [&] { return !running_; });
+        cv_.wait(lock, [&] { return ending_ == 0; });
+    }
+
+    /* Threads that end calls, and how many of them are free (tests). */
+    std::pair<size_t, size_t> threads()
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        return {threads_, idle_};
     }
 
   private:
+    static constexpr size_t MAX_IDLE = 2;
+
     void run()
     {
+        std::unique_lock<std::mutex> lock(mu_);
         for (;;) {
-            c10::intrusive_ptr<CallWork> work;
-            {
-                std::unique_lock<std::mutex> lock(mu_);
-                cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-                if (stopping_) {
-                    queue_.clear();
-                    running_ = false;
-                    cv_.notify_all();
-                    return;
-                }
-                work = std::move(queue_.front());
-                queue_.pop_front();
-            }
-            work->end(); /* its failure goes to its future */
+            cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+            if (stopping_) break;
+            c10::intrusive_ptr<CallWork> work = std::move(queue_.front());
+            queue_.pop_front();
+            idle_--;
+            ending_++;
+            lock.unlock();
+            bool mine = work->settle_here(); /* its failure goes to its future */
+            lock.lock();
+            ending_--;
+            cv_.notify_all();
+            lock.unlock();
+            if (mine)
+                work->conclude(); /* the future's callbacks run here */
+            else
+                work->end();      /* another thread ended it: at once */
+            work.reset();
+            lock.lock();
+            idle_++;
+            if (idle_ > MAX_IDLE && queue_.empty()) break;
         }
+        idle_--;
+        threads_--;
+        cv_.notify_all();
     }
 
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<c10::intrusive_ptr<CallWork>> queue_;
-    bool running_ = false, stopping_ = false;
+    size_t threads_ = 0, idle_ = 0; /* idle_: waiting for a call (or about to) */
+    size_t ending_ = 0;             /* waiting in MPI for a call's end */
+    bool stopping_ = false;
 };
 
 inline void end_in_background(c10::intrusive_ptr<CallWork> work)

@@ -52,5 +52,8 @@ const char *mpidp_status_name(int status);
 const char *mpidp_error_detail(void);
 /* Forget any recorded detail (called at the start of each glue entry point). */
 void mpidp_error_clear(void);
+/* Record `detail` as this thread's failure detail, for a failure that the
+ * glue found itself (a wait of its own past its deadline). */
+void mpidp_error_set(const char *detail);
 
 #endif /* MPIDP_STATUS_H */

@@ -19,7 +19,7 @@ from .._runtime import config
 from .._runtime.agreement import agree, crc_of
 from ._device import DevicePath
 from ._tensors import check_dtype, exported, reduction, staged
-from ._work import MPIDPWork
+from ._work import MPIDPWork, after_callbacks
 
 
 def _root(opts) -> int:
@@ -137,7 +137,9 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     def _agree(self, call: str, tensor: torch.Tensor, rows_free: bool = False, **settings):
         """Every rank passed the same shape, dtype and settings (one small
-        allreduce, skipped with MPIDP_C10D_CHECK=0)."""
+        allreduce, skipped with MPIDP_C10D_CHECK=0), after the callbacks of
+        the futures asked for before (_work.after_callbacks)."""
+        after_callbacks(f"mpidp backend: {call}", self._timeout_s)
         if self._check and self._comm.size > 1:
             agree(self._comm, call, tensor, rows_free=rows_free, global_ranks=self._named_ranks,
                   **settings)
@@ -421,6 +423,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     # -- synchronisation and point to point -------------------------------------
     def barrier(self, opts=None):
+        after_callbacks("mpidp backend: barrier", self._timeout_s)
         c = self._comm.barrier(True)
         return self._work([c], [], None, "barrier")
 

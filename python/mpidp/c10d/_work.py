@@ -153,15 +153,25 @@ def _settle(work: MPIDPWork) -> None:
 
 class _ProgressThread:
     """Completes the futures of Works handed to it, in the order given
-    (the order their operations were posted)."""
+    (the order their operations were posted), running their callbacks."""
 
     def __init__(self):
         self._queue: "queue.SimpleQueue[MPIDPWork]" = queue.SimpleQueue()
+        self._unsettled = 0        # submitted, callbacks not yet run
+        self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="mpidp-c10d-progress", daemon=True)
         self._thread.start()
 
     def submit(self, work: MPIDPWork) -> None:
+        with self._idle:
+            self._unsettled += 1
         self._queue.put(work)
+
+    def wait_until_settled(self, timeout_s: float) -> bool:
+        """Until every future handed over has been completed and its
+        callbacks have run; False at the deadline."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._unsettled == 0, timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -170,7 +180,29 @@ class _ProgressThread:
                 work._complete(None)
             except BaseException:
                 pass   # kept in work._error
-            _settle(work)
+            try:
+                _settle(work)
+            finally:
+                with self._idle:
+                    self._unsettled -= 1
+                    self._idle.notify_all()
+
+
+def after_callbacks(what: str, timeout_s: float) -> None:
+    """Before a collective of the program's: the futures it asked for have
+    been completed and their callbacks have run. A callback may make
+    collectives (torch's PowerSGD hook does), and they must come before the
+    program's next one on every rank -- whether the callback ran at once on
+    the program's thread (its future was complete when `then` was called)
+    or later on the progress thread -- or one rank's call would pair with
+    another's callback's. A callback's own calls (on the progress thread)
+    go at once."""
+    if _thread is None or on_progress_thread():
+        return
+    if not _thread.wait_until_settled(timeout_s):
+        _C.timed_out(what, "the callbacks of an earlier call's future (which may make calls "
+                           "that must come first) were still running on the progress thread "
+                           f"after the group's timeout of {timeout_s:g} s")
 
 
 def on_progress_thread() -> bool:
