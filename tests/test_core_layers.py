@@ -91,6 +91,21 @@ def test_no_header_includes_itself_round_a_loop():
     assert cycles(graph) == []
 
 
+def test_the_public_headers_name_no_internal_function():
+    """csrc/include/mpidp/ is the core's interface: a core-internal name
+    (mpidp__*) appears there in no declaration and no comment, and every
+    such function the core defines is declared in a private header under
+    csrc/core/, as libuv keeps uv__ out of uv.h."""
+    leaked = {p.name: sorted(set(re.findall(r"\bmpidp__\w+", p.read_text())))
+              for p in (INCLUDE / "mpidp").glob("*.h")}
+    assert {name: names for name, names in leaked.items() if names} == {}
+    sources = "".join(p.read_text() for p in CORE.glob("*.c"))
+    defined = set(re.findall(r"^(?!static\b)[\w \*]*?\b(mpidp__\w+)\s*\(", sources, re.M))
+    assert len(defined) > 10                     # the definitions were read
+    private = "".join(p.read_text() for p in CORE.glob("*.h"))
+    assert sorted(n for n in defined if not re.search(rf"\b{n}\s*\(", private)) == []
+
+
 def test_the_glue_posts_no_mpi_operation():
     """csrc/py asks MPI only what mpidp/mpi_info.h and the start-up need
     (versions, thread level, the rank for a message, Abort); every

@@ -7,7 +7,7 @@
  * Every rank of the communicator starts the exchanges on it in the same
  * order (a rank with no peers at some iteration still calls start, which
  * then posts nothing): their messages are tagged with the operation's number
- * on the communicator (mpidp__next_op_number, shared with the quantized
+ * on the communicator (one count per communicator, shared with the quantized
  * allreduce), so two exchanges in flight at once, or one beside a quantized
  * allreduce, never take each other's messages. A message longer than
  * `piece_bytes` goes in pieces (MPI counts are ints).

@@ -22,7 +22,7 @@
  *   - A block holding a NaN or an infinity gets lo = hi = NaN (canonical,
  *     0x7FC00000), all codes 0, and decodes to NaN: a GradScaler that
  *     checks the reduced gradients still sees the overflow and skips the step.
- *   - From the header only, once per block (mpidp__q8_block_params):
+ *   - From the header only, once per block (the same function on every path):
  *     range = (double)hi - (double)lo (exact, and no fp32 overflow for
  *     +-FLT_MAX); a power of two p that keeps every intermediate a normal
  *     fp32 number: 2^100 for 0 < range < 2^-60 (a block of tiny numbers,

@@ -94,7 +94,7 @@ int mpidp_reqtable_wait_all(mpidp_reqtable_t *t, double timeout_s);
  * ~17,000, and its blocking warm-up and cool-down epochs took 5-10% less
  * time; on 2 ranks with a core each, 64 MB allreduces were 5-10% slower
  * with the short spin, hence two values). A new table takes the value from
- * MPI's own word on sharing (core/mpi_util.h: mpidp__mpi_yields_when_idle) when MPI is
+ * MPI's own word on sharing (its mpi_yield_when_idle setting) when MPI is
  * initialized; the glue sets MPIDP_WAIT_SPIN_MS over it. Values < 0 read
  * as 0. */
 #define MPIDP_SPIN_SECONDS 0.02
