@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mpidp
+
 from c10d_world import mpidp_world  # noqa: F401  (the "mpidp" default group)
 from dp_reference import RANK, SIZE
 from int_reference import INTEGERS, SIZES, overflowing, reduced
@@ -326,6 +328,14 @@ def test_messages_and_collectives_in_flight_together_on_one_group():
     with pytest.raises(Exception, match=f"tag {reserved} is not in 0..{reserved - 1}"):
         dist.send(note, right, tag=reserved)
     dist.barrier()
+
+
+def test_mpidps_failures_are_torchs_backend_errors():
+    """What the docs promise a torch.distributed program (as gloo and NCCL
+    raise): a timeout with MPIDP_ON_TIMEOUT=raise is a DistBackendError."""
+    assert issubclass(mpidp.CommTimeout, dist.DistBackendError)
+    assert issubclass(mpidp.CommTimeout, TimeoutError)
+    assert issubclass(mpidp.RanksLost, dist.DistBackendError)
 
 
 def test_async_work_future_and_timeout_argument():

@@ -234,6 +234,32 @@ def test_plan_cli_table_json_picture_and_bad_input(tmp_path):
     _profile(nodes=1, rpn=4, inter=False).save(one)
     missing = _plan(["--profile", one, "--nodes", "4"], tmp_path)
     assert missing.returncode == 2 and "calibrate across 2 or more nodes" in missing.stderr
+    # Every bad value names its flag, and none is silently replaced by the profile's.
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("not a profile\n")
+    for args, words in [(["--ranks-per-node", "0"], "--ranks-per-node: expected a count >= 1"),
+                        (["--nodes", "abc"], "--nodes: expected counts >= 1"),
+                        (["--nodes", "2,0"], "--nodes: expected counts >= 1"),
+                        (["--params", "0"], "--params: expected a positive count"),
+                        (["--step-ms", "0"], "--step-ms: expected a positive time"),
+                        (["--steps-to-target", str(not_json)],
+                         "--steps-to-target " + str(not_json) + ": expected a JSON object")]:
+        bad = _plan(["--profile", path, *args], tmp_path)
+        assert bad.returncode == 2 and words in bad.stderr, (args, bad.stderr)
+    bad = _plan(["--profile", str(not_json)], tmp_path)
+    assert bad.returncode == 2 and "not a profile from python -m mpidp calibrate" in bad.stderr
+    assert "Expecting value" in bad.stderr      # the parser's own words, after ours
+
+
+@pytest.mark.skipif(SIZE > 1, reason="runs the CLI once, in the one-rank pass")
+@pytest.mark.parametrize("word", ["foo", "plna", "--nodes"])
+def test_an_unknown_command_is_refused_with_the_usage(tmp_path, word):
+    """A typo of plan or calibrate must not print the report and exit 0."""
+    out = subprocess.run([sys.executable, "-m", "mpidp", word], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out
+    assert "usage: python -m mpidp [calibrate | plan]" in out.stderr
+    assert f"unknown command {word!r}" in out.stderr and out.stdout == ""
 
 
 def test_calibrate_at_the_suites_ranks():

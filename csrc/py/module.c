@@ -180,10 +180,25 @@ static int module_exec(PyObject *m)
         PyErr_NoMemory();
         return -1;
     }
+    /* A failure of the "mpidp" torch.distributed backend is a failure of a
+     * distributed backend to torch's programs too (what gloo and NCCL raise,
+     * and what its docs promise): torch.distributed.DistBackendError, a
+     * RuntimeError, is CommError's base wherever torch has it. */
+    PyObject *base = NULL, *td = PyImport_ImportModule("torch.distributed");
+    if (td != NULL) {
+        base = PyObject_GetAttrString(td, "DistBackendError");
+        Py_DECREF(td);
+    }
+    if (base == NULL) {
+        PyErr_Clear();
+        base = Py_NewRef(PyExc_RuntimeError);
+    }
     st->comm_error = PyErr_NewExceptionWithDoc(
         "mpidp.CommError",
-        "An MPI operation of mpidp failed. Attributes: rank (world rank), operation.",
-        PyExc_RuntimeError, NULL);
+        "An MPI operation of mpidp failed (a torch.distributed.DistBackendError). Attributes: "
+        "rank (world rank), operation.",
+        base, NULL);
+    Py_DECREF(base);
     if (st->comm_error == NULL || PyModule_AddObjectRef(m, "CommError", st->comm_error) < 0)
         return -1;
     PyObject *bases = PyTuple_Pack(2, st->comm_error, PyExc_TimeoutError);

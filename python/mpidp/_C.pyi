@@ -5,6 +5,7 @@ the built extension and that the extension has no name missing here."""
 from typing import Any, Callable, NoReturn, Optional, Sequence, Tuple, TypedDict
 
 import torch
+import torch.distributed
 
 # Codes the core understands (mpidp/tensor.h, mpidp/allreduce.h).
 DTYPE_F32: int
@@ -44,11 +45,11 @@ GRAPH_RING: int
 GRAPH_SHIFT_ONE: int
 GRAPH_RING_LR: int
 
-class CommError(RuntimeError):
+class CommError(torch.distributed.DistBackendError):
     rank: int
     operation: str
 
-class CommTimeout(CommError): ...
+class CommTimeout(CommError, TimeoutError): ...
 class RanksLost(CommError): ...
 
 class Comm:

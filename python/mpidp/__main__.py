@@ -118,11 +118,32 @@ def main() -> int:
     return 1 if found else 0
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["calibrate"]:
+USAGE = """usage: python -m mpidp [calibrate | plan] [options]
+
+  python -m mpidp             the environment report (under mpirun: every rank's place)
+  python -m mpidp calibrate   measure this allocation's costs (python -m mpidp calibrate -h)
+  python -m mpidp plan        predict each algorithm's step time (python -m mpidp plan -h)"""
+
+
+def dispatch(argv: List[str]) -> int:
+    """The command `argv` names; an unknown word or option is refused with
+    the usage and status 2, as argparse does (a typo must not look like a
+    report that passed)."""
+    if argv[:1] == ["calibrate"]:
         from mpidp.planning.calibrate import main as calibrate_main
-        sys.exit(calibrate_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["plan"]:
+        return calibrate_main(argv[1:])
+    if argv[:1] == ["plan"]:
         from mpidp.planning.plan import main as plan_main
-        sys.exit(plan_main(sys.argv[2:]))
-    sys.exit(main())
+        return plan_main(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if argv:
+        print(f"{USAGE}\npython -m mpidp: error: unknown command {argv[0]!r} (choose calibrate "
+              "or plan, or nothing for the report)", file=sys.stderr)
+        return 2
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(dispatch(sys.argv[1:]))

@@ -69,8 +69,12 @@ class MPIDPWork(dist.Work):
                     if self._finish is not None:
                         self._finish()
                         self._finish = None
-                except (_C.CommTimeout, _C.CommError) as exc:
-                    self._error = dist.DistBackendError(f"{self._describe()}: {exc}")
+                except _C.CommError as exc:
+                    # Its own type (a DistBackendError), naming the group too.
+                    self._error = type(exc)(f"{self._describe()}: {exc}")
+                    for name in ("rank", "operation"):
+                        if hasattr(exc, name):
+                            setattr(self._error, name, getattr(exc, name))
                 except Exception as exc:   # a staging copy's failure
                     self._error = exc
                 self._done = True

@@ -178,6 +178,29 @@ def plot(rows: List[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _counts(flag: str, text: str) -> list:
+    """Comma-separated counts >= 1 ("1,2,8"), or a ValueError naming `flag`."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"{flag}: expected counts >= 1, comma-separated (e.g. 1,2,8), got "
+                         f"{text!r}")
+    return counts
+
+
+def _steps_to_target(path: str) -> dict:
+    """--steps-to-target's JSON {algorithm: steps}, or a ValueError naming the flag."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return {str(k): float(v) for k, v in raw.items()}
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"--steps-to-target {path}: expected a JSON object {{algorithm: "
+                         f"steps}} ({exc})") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mpidp plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,23 +224,21 @@ def main(argv=None) -> int:
         from .._runtime.mpi import MPI
         size = MPI.COMM_WORLD.Get_size()
         prof = load(args.profile, world_size=size if size > 1 else None)
-        nodes = ([int(x) for x in args.nodes.split(",")] if args.nodes else [prof.nodes])
-        if any(n < 1 for n in nodes):
-            raise ValueError(f"--nodes: expected counts >= 1, got {args.nodes}")
-        rpn = args.ranks_per_node or prof.ranks_per_node
+        nodes = _counts("--nodes", args.nodes) if args.nodes is not None else [prof.nodes]
+        rpn = (args.ranks_per_node if args.ranks_per_node is not None
+               else prof.ranks_per_node)
         if rpn < 1:
-            raise ValueError(f"--ranks-per-node: expected >= 1, got {rpn}")
+            raise ValueError(f"--ranks-per-node: expected a count >= 1, got {rpn}")
         bws = ([parse_bandwidth(b) for b in args.bandwidth.split(",")] if args.bandwidth
                else [None])
         latency = parse_latency(args.latency) if args.latency else None
-        params = int(args.params) if args.params else prof.params
-        step_s = args.step_ms / 1e3 if args.step_ms else prof.step_s
-        if params < 1 or step_s <= 0:
-            raise ValueError("--params and --step-ms must be positive")
-        targets = None
-        if args.steps_to_target:
-            with open(args.steps_to_target) as f:
-                targets = {str(k): float(v) for k, v in json.load(f).items()}
+        params = int(args.params) if args.params is not None else prof.params
+        if params < 1:
+            raise ValueError(f"--params: expected a positive count, got {args.params:g}")
+        step_s = args.step_ms / 1e3 if args.step_ms is not None else prof.step_s
+        if step_s <= 0:
+            raise ValueError(f"--step-ms: expected a positive time, got {args.step_ms:g}")
+        targets = _steps_to_target(args.steps_to_target) if args.steps_to_target else None
         rows = plan(prof, nodes, rpn, bws, latency, params, step_s, targets)
     except (ValueError, OSError) as exc:
         print(f"python -m mpidp plan: {exc}", file=sys.stderr)

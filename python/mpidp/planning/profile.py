@@ -93,7 +93,14 @@ def load(path: str, world_size: Optional[int] = None) -> Profile:
     """The profile at `path`; refuses one of another format or mpidp version,
     or (world_size given) of another world size, naming the difference."""
     with open(path) as f:
-        raw = json.load(f)
+        try:
+            raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"profile {path}: not a profile from python -m mpidp calibrate "
+                             f"(not JSON: {exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"profile {path}: not a profile from python -m mpidp calibrate (a JSON "
+                         f"{type(raw).__name__}, not an object)")
     if raw.get("format") != FORMAT:
         raise ValueError(f"profile {path}: format {raw.get('format')!r}, this mpidp reads "
                          f"format {FORMAT}: calibrate again")
