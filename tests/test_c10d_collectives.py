@@ -8,6 +8,8 @@ every root, point-to-point with tags and any source, object collectives,
 async Works and futures, subgroups and their errors."""
 
 import datetime
+import math
+import textwrap
 
 import pytest
 import torch
@@ -92,6 +94,35 @@ def test_integer_all_reduce_wraps_as_torch(op, dtype, n):
     assert torch.equal(t, want), (t[:8], want[:8], int((t != want).sum()))
 
 
+def sparse_of(rank, dtype=torch.float32, dense=()):
+    """Rank `rank`'s sparse tensor: 2 sparse dimensions of 5 x 4, a few
+    nonzeros that overlap other ranks' (rank 1 has none), `dense` trailing
+    dimensions."""
+    if rank == 1:
+        return torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.int64),
+                                       torch.empty((0,) + dense, dtype=dtype), (5, 4) + dense)
+    idx = torch.tensor([[rank % 5, 0, (rank * 3) % 5], [1, rank % 4, 2]])
+    values = (torch.arange(3 * math.prod(dense), dtype=torch.float64).reshape((3,) + dense)
+              + 10 * rank + 1)
+    return torch.sparse_coo_tensor(idx, values.to(dtype), (5, 4) + dense)
+
+
+@pytest.mark.parametrize("dtype, dense", [(torch.float32, ()), (torch.float64, (3,)),
+                                          (torch.int64, ()), (torch.bfloat16, (2,))])
+def test_sparse_all_reduce_sums_every_ranks_nonzeros(dtype, dense):
+    """As gloo: the tensor becomes the sum, coalesced, its number of stored
+    elements that of the union; asynchronous too. (torch's all_reduce hands
+    a backend a complex tensor's real view, which for a sparse tensor is a
+    copy: the sum never reaches it, on any backend.)"""
+    t = sparse_of(RANK, dtype, dense)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    want = sum(sparse_of(r, dtype, dense).to_dense() for r in range(SIZE))
+    assert t.is_sparse and t.dtype is dtype and t.shape == want.shape
+    assert torch.equal(t.to_dense(), want)
+    assert t.is_coalesced() and t._nnz() == int((want.reshape(5, 4, -1) != 0).any(-1).sum())
+
+
 def test_all_reduce_bool_sum_is_or_as_nccl():
     t = data(RANK, torch.bool)
     dist.all_reduce(t)
@@ -108,14 +139,14 @@ def test_all_reduce_complex_and_non_contiguous():
     assert torch.equal(m, torch.stack([everyone().sum(0), everyone().sum(0) * 10]).t())
 
 
-@pytest.mark.parametrize("what", ["int avg", "float band", "uint16", "bf16 bxor", "sparse"])
+@pytest.mark.parametrize("what", ["int avg", "float band", "uint16", "bf16 bxor", "sparse max"])
 def test_unsupported_op_or_dtype_names_both(what):
     t, op, words = {
         "int avg": (torch.ones(2, dtype=torch.int64), OP.AVG, ["AVG", "int64"]),
         "float band": (torch.ones(2), OP.BAND, ["BAND", "float32"]),
         "uint16": (torch.ones(2, dtype=torch.uint16), OP.SUM, ["uint16"]),
         "bf16 bxor": (torch.ones(2, dtype=torch.bfloat16), OP.BXOR, ["BXOR", "bfloat16"]),
-        "sparse": (torch.eye(2).to_sparse(), OP.SUM, ["sparse_coo", "to_dense"]),
+        "sparse max": (torch.eye(2).to_sparse(), OP.MAX, ["sparse", "SUM only", "to_dense"]),
     }[what]
     with pytest.raises(TypeError) as info:
         dist.all_reduce(t, op=op)
@@ -374,3 +405,55 @@ def test_subgroups_new_group_and_new_subgroups():
         t = torch.tensor([float(RANK)])
         dist.broadcast(t, src=first + 1, group=pair)    # a global rank as src
         assert t.item() == first + 1
+
+
+_CAUGHT_TIMEOUT = """
+    import datetime, time, torch, torch.distributed as dist, mpidp
+    dist.init_process_group("mpidp")
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t, group=group)
+    if rank == 0:
+        try:
+            dist.all_reduce(t, group=group)        # rank 1 does not come: it sleeps
+        except mpidp.CommTimeout as e:
+            print(f"rank 0 caught {type(e).__name__} {isinstance(e, dist.DistBackendError)}",
+                  flush=True)
+    else:
+        time.sleep(4)
+    try:                                            # would pair with rank 0's posted call
+        dist.all_reduce(t, group=group)
+        print(f"rank {rank} returned {t.tolist()}", flush=True)
+    except RuntimeError as e:
+        print(f"rank {rank} refused: {e}", flush=True)
+    fresh = dist.new_group([0, 1])
+    u = torch.full((4,), float(rank + 1))
+    dist.all_reduce(u, group=fresh)
+    print(f"rank {rank} fresh {u.tolist()}", flush=True)
+"""
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("impl", ["cpp", "python"])
+def test_a_group_whose_call_timed_out_refuses_later_calls(tmp_path, impl):
+    """MPIDP_ON_TIMEOUT=raise (torch's contract: the program catches the
+    timeout): the call that timed out stays posted in MPI, so that rank's
+    group refuses every later call (its next one would pair with the late
+    rank's call and sum the wrong tensors); the late rank's call completes
+    the posted one, and a new group works."""
+    from mpi_jobs import run_mpi
+    script = tmp_path / "caught.py"
+    script.write_text(textwrap.dedent(_CAUGHT_TIMEOUT))
+    rc, out, seconds = run_mpi(2, [str(script)], timeout=120, MPIDP_ON_TIMEOUT="raise",
+                               MPIDP_C10D_IMPL=impl)
+    assert "rank 0 caught CommTimeout True" in out, out
+    assert "rank 0 returned" not in out, out
+    if impl == "cpp":      # the call was posted at once: rank 1's completes it, 8 + 8
+        assert "rank 1 returned [16.0, 16.0, 16.0, 16.0]" in out, out
+    else:                  # rank 0's check was posted, its data call never: rank 1 times out
+        assert "rank 1 refused:" in out and "timed out" in out, out
+    assert "rank 0 refused: mpidp backend: all_reduce on a group that can no longer be used" \
+        in out, out
+    assert "rank 0 fresh [3.0, 3.0, 3.0, 3.0]" in out and "rank 1 fresh [3.0" in out, out

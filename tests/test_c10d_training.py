@@ -75,6 +75,20 @@ def test_ddp_trains_like_one_process(flavour):
     assert_same(ddp.module, want)
 
 
+def test_ddp_with_sparse_embedding_gradients_trains_like_one_process():
+    """nn.Embedding(sparse=True): DDP all-reduces its sparse gradients (a
+    sparse all_reduce, as on gloo), the Linear's dense ones as usual."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(20, 6, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    g = seeded(3)
+    data = [(torch.randint(0, 20, (SIZE * BATCH, 2), generator=g),
+             torch.randn(SIZE * BATCH, 3, generator=g)) for _ in range(4)]
+    ref = reference(net, data)
+    ddp = DDP(copy.deepcopy(net))
+    train(ddp, data)
+    assert_same(ddp.module, ref, atol=1e-5)
+
+
 def test_ddp_no_sync_accumulates_like_one_process():
     net, data = model(), batches(4)
     # the reference: two batches' gradients summed, one step per pair

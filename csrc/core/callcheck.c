@@ -44,6 +44,11 @@ struct mpidp_callcheck {
     int notes_now, notes_next, notes_awaited;
     mpidp_req_t *sends; /* this rank's notifications of the current call */
     int64_t *rows;      /* size x MPIDP_CALLCHECK_ROW(n) */
+    int64_t mine[MPIDP_CALLCHECK_ROW(MPIDP_CALLCHECK_MAX_FIELDS)]; /* this rank's row, sent */
+    /* An exchange failed with its messages still posted: MPI may read and
+     * write the buffers above whenever a late rank comes, so they outlive
+     * the check (leaked by destroy). */
+    int left_posted;
 };
 
 static uint64_t hash_sig(const int64_t *sig, size_t n)
@@ -182,6 +187,7 @@ void mpidp_callcheck_destroy(mpidp_callcheck_t *c)
         }
         if (c->side != MPI_COMM_NULL) MPI_Comm_free(&c->side);
     }
+    if (c->left_posted) return; /* MPI may still use them */
     free(c->rows);
     free(c->sends);
     free(c);
@@ -230,7 +236,7 @@ static int exchange(mpidp_callcheck_t *c, int64_t posted, int tell, mpidp_reqtab
                               "call check: a notification (MPI_Isend)", &c->sends[n_sends]);
         if (rc == MPIDP_OK) n_sends++;
     }
-    int64_t mine[MPIDP_CALLCHECK_ROW(MPIDP_CALLCHECK_MAX_FIELDS)];
+    int64_t *mine = c->mine;
     memcpy(mine, c->current, c->n * sizeof *mine);
     mine[MPIDP_CALLCHECK_POSTED(c->n)] = posted;
     mine[MPIDP_CALLCHECK_TOLD(c->n)] = tell;
@@ -247,7 +253,10 @@ static int exchange(mpidp_callcheck_t *c, int64_t posted, int tell, mpidp_reqtab
     if (rc == MPIDP_OK) rc = drain(c, reqs, timeout_s);
     for (int i = 0; i < n_sends && rc == MPIDP_OK; i++)
         rc = mpidp_reqtable_wait(reqs, c->sends[i], timeout_s);
-    if (rc != MPIDP_OK) return rc;
+    if (rc != MPIDP_OK) {
+        if (mpidp_left_in_flight(rc)) c->left_posted = 1;
+        return rc;
+    }
     int same = 1;
     for (int r = 0; r < c->size && same; r++) {
         const int64_t *other = c->rows + (size_t)r * row;

@@ -320,9 +320,10 @@ static int timed_out(mpidp_reqtable_t *t, double timeout_s)
     mpidp_reqtable_describe(t, pending, sizeof pending);
     /* A collective does not report which peers have joined it, so the
      * missing rank cannot be named here. */
-    return mpidp__fail(MPIDP_ETIMEDOUT, "no progress for %.1f s (MPIDP_TIMEOUT; MPI cannot tell "
-                       "which rank has not joined: look for one stuck elsewhere or gone); "
-                       "pending: %s", timeout_s, pending);
+    return mpidp__fail(MPIDP_ETIMEDOUT, "no progress for %.1f s (the timeout set by MPIDP_TIMEOUT, "
+                       "or a torch.distributed group's where shorter; MPI cannot tell which rank "
+                       "has not joined: look for one stuck elsewhere or gone); pending: %s",
+                       timeout_s, pending);
 }
 
 /* MPIDP_EDEPARTED when a live request of `t` (only `h` unless it names

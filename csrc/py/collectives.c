@@ -190,12 +190,22 @@ PyObject *mpidp_py_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_
     return mpidp_py_started(st, rc, &mpidp_coll_operation, x, NULL, 0, async_op, self, Py_None, "barrier");
 }
 
-/* agree(fields) -> bool (mpidp/agree.h): every rank passed the same tuple of ints. */
+/* agree(fields, timeout_s=None) -> bool (mpidp/agree.h): every rank passed
+ * the same tuple of ints. timeout_s: a deadline shorter than MPIDP_TIMEOUT
+ * (a torch.distributed group's own). */
 PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames)
 {
-    mpidp_py_state *st = mpidp_py_coll_begin(self, "agree(fields)", nargs, 1, 1, kwnames, "agree");
+    mpidp_py_state *st = mpidp_py_coll_begin(self, "agree(fields, timeout_s=None)", nargs, 1, 2,
+                                             kwnames, "agree");
     if (st == NULL) return NULL;
+    double timeout_s = mpidp_py_timeout_s;
+    if (nargs > 1 && args[1] != Py_None) {
+        double t = PyFloat_AsDouble(args[1]);
+        if (t == -1.0 && PyErr_Occurred()) return NULL;
+        if (!(t > 0)) return PyErr_Format(PyExc_ValueError, "timeout_s: expected > 0, got %g", t);
+        if (t < timeout_s) timeout_s = t;
+    }
     PyObject *fields = args[0];
     Py_ssize_t n = PyTuple_Check(fields) ? PyTuple_GET_SIZE(fields) : -1;
     if (n < 1 || n > MPIDP_AGREE_MAX_FIELDS)
@@ -209,7 +219,7 @@ PyObject *mpidp_py_comm_agree(PyObject *self, PyObject *const *args, Py_ssize_t 
     int agreed = 0, rc;
     mpidp_error_clear();
     MPIDP_PY_WAIT(st, rc, mpidp_agree(((mpidp_py_comm_t *)self)->comm, sig, (size_t)n, st->reqs,
-                                      mpidp_py_timeout_s, &agreed));
+                                      timeout_s, &agreed));
     if (rc != MPIDP_OK) return mpidp_py_raise(st, rc, "agree");
     return PyBool_FromLong(agreed);
 }

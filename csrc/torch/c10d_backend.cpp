@@ -109,7 +109,7 @@ class Entered {
         if (const char *closed = group.closed.load())
             raise_python(PyExc_RuntimeError,
                          std::string("mpidp backend: ") + call + " on a group that was " + closed);
-        refuse_out_of_step(group, call);
+        refuse_unusable(group, call);
         if (group.calling.load()) refuse_second_thread(call); /* before waiting for its lock */
         for (;;) {
             while (after_in_flight) {
@@ -122,7 +122,7 @@ class Entered {
                     if (!previous->end(-1, true)) callbacks_too_long(call, timeout_s);
                     if (std::exception_ptr error = previous->error())
                         std::rethrow_exception(error);
-                    refuse_out_of_step(group, call);
+                    refuse_unusable(group, call);
                     continue;
                 }
                 /* Ended by another thread, whose callbacks may not have run yet. */
@@ -179,13 +179,12 @@ class Entered {
                      "called in the same order on every rank, from one thread at a time");
     }
 
-    static void refuse_out_of_step(const GroupState &group, const char *call)
+    static void refuse_unusable(const GroupState &group, const char *call)
     {
-        if (group.out_of_step.load())
-            raise_python(PyExc_RuntimeError,
-                         std::string("mpidp backend: ") + call + " on a group whose ranks' calls "
-                         "went out of step at an earlier call, which raised: " +
-                         group.out_of_step_why);
+        if (group.unusable.load())
+            raise_python(PyExc_RuntimeError, std::string("mpidp backend: ") + call +
+                                                 " on a group that can no longer be used: " +
+                                                 group.unusable_why);
     }
 
     GroupState &group_;
@@ -507,6 +506,8 @@ class BackendMPIDP : public c10d::Backend {
                             &pending, &differ);
         });
         if (rc != 0) {
+            /* The ranks' check (or the call) is left posted. */
+            if (mpidp_left_in_flight(rc)) state_->refuse_later(mpidp_c10d::left_posted(call));
             entered.release();
             raise_status(rc, call);
         }

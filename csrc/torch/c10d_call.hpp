@@ -103,10 +103,19 @@ struct GroupState {
     c10::intrusive_ptr<CallWork> last_call();
     bool callbacks_ran(); /* those of last's future, or they run on this thread */
     std::atomic<const char *> closed{nullptr}; /* how the group ended (shutdown, abort) */
-    /* Set once the ranks' sequences of calls can no longer be matched (see
-     * differences); out_of_step_why is written before, never after. */
-    std::atomic<bool> out_of_step{false};
-    std::string out_of_step_why;
+    /* Set once a later call could pair with the wrong call of another rank
+     * (the ranks went out of step, see differences; a call timed out and
+     * is still posted): every later call raises, saying why. */
+    std::atomic<bool> unusable{false};
+    std::string unusable_why; /* written once, before unusable is set */
+    std::mutex unusable_mu;
+    void refuse_later(const std::string &why)
+    {
+        std::lock_guard<std::mutex> lock(unusable_mu);
+        if (unusable.load()) return;
+        unusable_why = why;
+        unusable.store(true);
+    }
     const int size;
     const std::vector<int> global; /* the ranks in the default group; empty: it is that group */
 
@@ -140,13 +149,19 @@ struct GroupState {
                    "it and learnt of this only at their next call on the group, which they did "
                    "not make: the ranks' calls can no longer be paired, so every later call on "
                    "this group raises; make a new group (dist.new_group)";
-        if (!out_of_step.load()) {
-            out_of_step_why = message;
-            out_of_step.store(true);
-        }
+        refuse_later("the ranks' calls went out of step at an earlier call, which raised: " +
+                     message);
         return message;
     }
 };
+
+/* Why a group is refused after its `call` failed and was left posted. */
+inline std::string left_posted(const std::string &call)
+{
+    return "an earlier " + call + " on it failed (timed out, or a rank it needs ended) and is "
+           "still posted in MPI, so a later call would pair with it on the ranks that make one; "
+           "make a new group (dist.new_group, or shrink_group in fault-tolerant mode)";
+}
 
 /* Waits without the GIL, where this thread holds it: the thread that ends a
  * call may need it to raise the call's failure. */
@@ -239,8 +254,10 @@ class CallWork : public c10d::Work {
                               &done, &ended, &differ);
         if (!done) return false;
         pending_ = nullptr;
-        if (!ended)
+        if (!ended) {
             for (const auto &t : tensors_) t.leak();
+            group_->refuse_later(left_posted(call()));
+        }
         if (status_ == 0 && differ) {
             differences_ = group_->differences(call());
             if (differ == MPIDP_C10D_DIFFER_WRITTEN)

@@ -72,13 +72,15 @@ def _describe(sig: list, names: dict) -> str:
 
 
 def agree(c: "_C.Comm", call: str, tensor: torch.Tensor, *, rows_free: bool = False,
-          names: dict | None = None, global_ranks: list | None = None, **settings) -> None:
+          names: dict | None = None, global_ranks: list | None = None,
+          timeout_s: float | None = None, **settings) -> None:
     """Raises ValueError on every rank of `c` unless every rank passed a
     tensor of the same dtype and shape (the first dimension aside with
     `rows_free`) and the same `settings` (ints: root, op, wire, and layout:
     crc_of a list) to the collective `call`. names: {setting: {int: name}}
     for the message; global_ranks: c's ranks in the job's numbering, which
-    the message then names (with c's own), for a communicator of a subset."""
+    the message then names (with c's own), for a communicator of a subset;
+    timeout_s: a deadline shorter than MPIDP_TIMEOUT (a group's own)."""
     if c.size == 1:
         return
     key = (call, tensor.dtype, tensor.shape, rows_free, tuple(settings.items()))
@@ -88,7 +90,7 @@ def agree(c: "_C.Comm", call: str, tensor: torch.Tensor, *, rows_free: bool = Fa
         if len(_SIGNATURES) >= _SIGNATURES_KEPT:
             _SIGNATURES.clear()
         _SIGNATURES[key] = sig
-    if not c.agree(sig):
+    if not c.agree(sig, timeout_s):
         refuse(c, call, list(sig), names or {}, global_ranks)
 
 

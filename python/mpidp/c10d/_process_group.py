@@ -18,6 +18,7 @@ from .. import _C
 from .._runtime import config
 from .._runtime.agreement import agree, crc_of
 from ._device import DevicePath
+from ._sparse import all_reduce_sparse
 from ._tensors import check_dtype, exported, reduction, staged
 from ._work import MPIDPWork, after_callbacks
 
@@ -52,6 +53,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
         self._global_ranks = list(global_ranks) if global_ranks else list(range(self._comm.size))
         # A group other than the default one names global ranks in its messages.
         self._named_ranks = list(global_ranks) if global_ranks else None
+        self._unusable: str | None = None     # why every later call raises, once it does
         self._timeout_s = float(config.get("MPIDP_TIMEOUT"))
         if timeout is not None and timeout.total_seconds() > 0:
             self._timeout_s = min(self._timeout_s, timeout.total_seconds())
@@ -133,16 +135,38 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
                         f"{self._comm.rank})")
 
     def _work(self, c_works, outputs, finish, what: str, source=None) -> MPIDPWork:
-        return MPIDPWork(c_works, outputs, finish, self._describe(what), self._timeout_s, source)
+        return MPIDPWork(c_works, outputs, finish, self._describe(what), self._timeout_s, source,
+                         failed=self._left_posted)
+
+    def _left_posted(self, what: str) -> None:
+        """A call that failed may still be posted in MPI (a deadline, a rank
+        that ended): a later call would pair with it on the ranks that make
+        one, so every later call on the group raises instead."""
+        if self._unusable is None:
+            self._unusable = (f"an earlier call ({what}) failed (timed out, or a rank it needs "
+                              "ended) and may still be posted in MPI, so a later call would "
+                              "pair with it on the ranks that make one; make a new group "
+                              "(dist.new_group, or shrink_group in fault-tolerant mode)")
+
+    def _enter(self, call: str) -> None:
+        """Before a call: the group is usable, and the callbacks of the
+        futures asked for before have run (_work.after_callbacks)."""
+        if self._unusable is not None:
+            raise RuntimeError(f"mpidp backend: {call} on a group that can no longer be used: "
+                               f"{self._unusable}")
+        after_callbacks(f"mpidp backend: {call}", self._timeout_s)
 
     def _agree(self, call: str, tensor: torch.Tensor, rows_free: bool = False, **settings):
         """Every rank passed the same shape, dtype and settings (one small
-        allreduce, skipped with MPIDP_C10D_CHECK=0), after the callbacks of
-        the futures asked for before (_work.after_callbacks)."""
-        after_callbacks(f"mpidp backend: {call}", self._timeout_s)
+        allreduce, skipped with MPIDP_C10D_CHECK=0), after _enter."""
+        self._enter(call)
         if self._check and self._comm.size > 1:
-            agree(self._comm, call, tensor, rows_free=rows_free, global_ranks=self._named_ranks,
-                  **settings)
+            try:
+                agree(self._comm, call, tensor, rows_free=rows_free,
+                      global_ranks=self._named_ranks, timeout_s=self._timeout_s, **settings)
+            except _C.CommError:
+                self._left_posted(self._describe(call)())
+                raise
 
     @staticmethod
     def _then(*fns):
@@ -159,6 +183,8 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
         t = _one(tensors, "all_reduce")
+        if t.layout == torch.sparse_coo:
+            return all_reduce_sparse(self, t, opts.reduceOp)
         if self._device.takes(t):
             w = self._device.allreduce(t, opts.reduceOp)
             if w is not None:
@@ -423,12 +449,14 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     # -- synchronisation and point to point -------------------------------------
     def barrier(self, opts=None):
-        after_callbacks("mpidp backend: barrier", self._timeout_s)
+        self._enter("barrier")
         c = self._comm.barrier(True)
         return self._work([c], [], None, "barrier")
 
     def send(self, tensors, dst: int, tag: int = 0):
         t = _one(tensors, "send")
+        if self._unusable is not None:
+            self._enter("send")
         work, _ = staged(t, False, "send")
         c = self._comm.send(work.reshape(-1), int(dst), int(tag))
         return self._work([c], tensors, None, f"send to group rank {dst}")
@@ -441,6 +469,8 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 
     def _recv(self, tensors, src, tag, what):
         t = _one(tensors, "recv")
+        if self._unusable is not None:
+            self._enter("recv")
         work, finish = staged(t, True, "recv")
         source = torch.full((1,), -1, dtype=torch.int32)
         c = self._comm.recv(work.reshape(-1), src, tag, source)

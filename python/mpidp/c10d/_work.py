@@ -36,12 +36,14 @@ class MPIDPWork(dist.Work):
     """One operation of the backend: `c_works` are the core's handles (None
     or empty: done already), `finish` runs once after they complete (copies
     out of staging buffers, scaling), `outputs` are the future's value,
-    `describe()` names the operation and group for messages, and `deadline`
-    (seconds) bounds each wait."""
+    `describe()` names the operation and group for messages, `deadline`
+    (seconds) bounds each wait, and `failed(what)` is told of a failure that
+    may leave the operation posted."""
 
     def __init__(self, c_works, outputs, finish, describe, deadline: float,
-                 source: torch.Tensor | None = None):
+                 source: torch.Tensor | None = None, failed=None):
         super().__init__()
+        self._failed = failed
         self._c_works = [w for w in (c_works or ()) if w is not None]
         self._outputs = outputs
         self._finish = finish
@@ -75,6 +77,8 @@ class MPIDPWork(dist.Work):
                     for name in ("rank", "operation"):
                         if hasattr(exc, name):
                             setattr(self._error, name, getattr(exc, name))
+                    if self._failed is not None:
+                        self._failed(self._describe())
                 except Exception as exc:   # a staging copy's failure
                     self._error = exc
                 self._done = True
