@@ -233,6 +233,31 @@ def test_join_with_a_reducing_optimizer_is_refused():
     del opt
 
 
+@pytest.mark.skipif(SIZE == 1, reason="one rank has no reducer to refuse")
+def test_an_optimizer_left_in_a_failed_tests_traceback_does_not_refuse_join():
+    """An optimizer the program dropped but a reference cycle still holds
+    (the frames of a caught exception's traceback, as a failed test leaves
+    it in Horovod's suite) is no reason to refuse join: it is collected."""
+    import gc
+
+    def build_then_fail():
+        opt = hvd.DistributedOptimizer(sgd(Net()))   # noqa: F841  (held by the frame)
+        raise ValueError("a failure after the optimizer was made")
+
+    try:
+        build_then_fail()
+    except ValueError as e:
+        kept = [e]
+        kept.append(kept)           # the traceback's frames, in a cycle
+    del kept
+    gc.disable()                    # the cycle stays until join() looks
+    try:
+        last = hvd.join()
+    finally:
+        gc.enable()
+    assert last in range(SIZE) and hvd.allgather_object(last) == [last] * SIZE
+
+
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
 def test_sparse_gradients_are_reduced_dense(sparse_as_dense):
     torch.manual_seed(0)

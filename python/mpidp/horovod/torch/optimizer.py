@@ -31,6 +31,7 @@ Horovod's semantics kept:
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 import weakref
@@ -357,9 +358,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     return wrapped
 
 
+def _reducing() -> bool:
+    return any(opt._hvd_sync.reducer is not None for opt in list(_live))
+
+
 def refuse_join() -> None:
-    """hvd.join() on a rank whose DistributedOptimizer reduces gradients."""
-    if any(opt._hvd_sync.reducer is not None for opt in list(_live)):
+    """hvd.join() on a rank whose DistributedOptimizer reduces gradients. An
+    optimizer the program dropped may still sit in a reference cycle (the
+    frames of an exception's traceback): it is collected before it counts."""
+    if _reducing():
+        gc.collect()
+    if _reducing():
         raise NotImplementedError(
             "hvd.join(): this rank trains with a DistributedOptimizer, whose gradient buckets a "
             "joined rank cannot fill with zeros in mpidp; give every rank the same number of "
