@@ -25,7 +25,14 @@ slowest rank counts). Three tables:
      which does nothing: torch's dispatch floor (goal: the time above
      mpi4py's at most that floor + 3 us). mpi4py works on the tensors' own
      memory.
-  4. Overlap: a step of 4 MB all_reduce beside compute (matmuls), on gloo
+  4. Per call under load (--only percall): a loop of 1 KB all_reduce
+     through dist on the "mpidp" group against mpi4py's blocking Allreduce
+     on the same buffer, taking turns, first on a quiet machine, then with
+     --busy processes spinning beside the ranks (data-loader workers,
+     another job); the ratio to mpi4py in each, and how much each grows
+     under load (goal: "mpidp"'s ratio under load at most 1.5x its quiet
+     one).
+  5. Overlap: a step of 4 MB all_reduce beside compute (matmuls), on gloo
      and on "mpidp": compute alone (the floor), blocking (all_reduce then
      compute), non-blocking (post, compute, wait) and non-blocking with its
      future asked for (as DDP does: "mpidp" then drives it on its progress
@@ -219,6 +226,34 @@ def bandwidth_table(mpidp_group, quick, repeats):
     return rows
 
 
+def percall_table(mpidp_group, rounds, busy):
+    """1 KB all_reduce per call, quiet and with `busy` spinning processes
+    (started by rank 0, on the same machine) beside the ranks."""
+    import subprocess
+    t = torch.ones(256)
+    a = t.numpy()
+    methods = {"mpidp": lambda: dist.all_reduce(t, group=mpidp_group),
+               "mpi4py": lambda: COMM.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)}
+    rows = []
+    for load in (0, busy):
+        spinners = []
+        if RANK == 0:
+            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                        for _ in range(load)]
+        time.sleep(0.5 if load else 0.0)         # the spinners are running
+        got = rounds_of(methods, rounds, 5000)
+        for p in spinners:
+            p.kill()
+            p.wait()
+        rows.append({"busy": load, "mpidp_us": got["mpidp"] * 1e6,
+                     "mpi4py_us": got["mpi4py"] * 1e6, "ratio": got["mpidp"] / got["mpi4py"]})
+    quiet, loaded = rows
+    loaded["mpidp_growth"] = loaded["mpidp_us"] / quiet["mpidp_us"]
+    loaded["mpi4py_growth"] = loaded["mpi4py_us"] / quiet["mpi4py_us"]
+    loaded["ratio_vs_quiet"] = loaded["ratio"] / quiet["ratio"]
+    return rows
+
+
 def overlap_table(mpidp_group, rounds):
     """Step time of a 4 MB all_reduce beside ~10 ms of compute, per group
     and way of calling (see the module's docstring, table 4)."""
@@ -258,8 +293,11 @@ def main():
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--only", choices=("ddp", "fsdp", "bandwidth", "overlap"),
+    parser.add_argument("--only", choices=("ddp", "fsdp", "bandwidth", "percall", "overlap"),
                         action="append")
+    parser.add_argument("--busy", type=int, default=1,
+                        help="spinning processes beside the ranks in the per-call table's "
+                             "loaded half (default 1)")
     parser.add_argument("--impl", choices=("cpp", "python"), default="cpp",
                         help="the 'mpidp' group's implementation (MPIDP_C10D_IMPL)")
     args = parser.parse_args()
@@ -270,7 +308,7 @@ def main():
     mpidp.init_process_group(backend="gloo")
     os.environ["MPIDP_C10D_IMPL"] = args.impl
     group = dist.new_group(backend="mpidp")
-    only = set(args.only or ("ddp", "fsdp", "bandwidth", "overlap"))
+    only = set(args.only or ("ddp", "fsdp", "bandwidth", "percall", "overlap"))
     result = {"ranks": SIZE, "impl": args.impl}
     if "ddp" in only:
         result["ddp"] = ddp_table(group, args.quick, args.rounds, args.steps)
@@ -278,6 +316,8 @@ def main():
         result["fsdp"] = fsdp_table(group, args.rounds, args.steps)
     if "bandwidth" in only:
         result["bandwidth"] = bandwidth_table(group, args.quick, 20)
+    if "percall" in only:
+        result["percall"] = percall_table(group, args.rounds, args.busy)
     if "overlap" in only:
         result["overlap"] = overlap_table(group, args.rounds)
     if RANK != 0:
@@ -297,6 +337,14 @@ def main():
     for r in result.get("fsdp", []):
         print(f"FSDP2 8 x Linear(256)  gloo {r['fsdp2-gloo']:8.2f}  mpidp {r['fsdp2-mpidp']:8.2f}"
               f"  = {r['mpidp_vs_gloo']:.2f}x")
+    for r in result.get("percall", []):
+        print(f"1 KB all_reduce per call, {r['busy']} busy process(es): mpidp "
+              f"{r['mpidp_us']:.1f} us, mpi4py {r['mpi4py_us']:.1f} us = {r['ratio']:.2f}x", end="")
+        if r["busy"]:
+            print(f"; under load mpidp x{r['mpidp_growth']:.2f}, mpi4py x{r['mpi4py_growth']:.2f};"
+                  f" ratio {r['ratio_vs_quiet']:.2f}x the quiet one (goal: at most 1.5x)")
+        else:
+            print()
     for r in result.get("overlap", []):
         print(f"overlap, 4 MB all_reduce beside compute ({r['compute']:.2f} ms alone): " + ", ".join(
             f"{name} blocking {r[name + '-blocking']:.2f} / non-blocking {r[name + '-async']:.2f}"
