@@ -33,11 +33,16 @@ next forward), outer (DiLoCo: its outer-gradient allreduce posted, before
 its wait), checkpoint (inside a checkpoint write,
 which every rank starts after that step), rebuild (inside recover() of the
 failure at that step, once the survivors shrank, as the algorithm's set-up
-broadcasts over them)."""
+broadcasts over them), agreement (FT_DELAY_MS after that recover() began:
+in the survivors' agreement that a rank failed), shrink (FT_DELAY_MS after
+that recover() began to shrink the world: inside MPI's shrink). A rank of
+the last two dies from a thread while its own recover() runs on.
+FT_DELAY_MS: default 2."""
 
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -90,10 +95,20 @@ def main(out_dir: str) -> None:
     replace = bool(os.environ.get("FT_REPLACE"))
     key = None if replacement else LAUNCHED_RANK      # this rank's data stream
 
+    def dies(step: int, phase: str) -> bool:
+        return not replacement and (key, step, phase) in {
+            (r, s, p) for ranks, s, p in plan for r in ranks}
+
     def maybe_die(step: int, phase: str) -> None:
-        if not replacement and (key, step, phase) in {
-                (r, s, p) for ranks, s, p in plan for r in ranks}:
+        if dies(step, phase):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def die_soon(step: int, phase: str) -> None:
+        """Phases agreement and shrink: die FT_DELAY_MS from now, from a
+        thread, while this rank goes on into MPI's agreement or shrink."""
+        if dies(step, phase):
+            delay = float(os.environ.get("FT_DELAY_MS", "2")) / 1000
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
     suspect_rank, _, suspect_steps = os.environ.get("FT_SUSPECT", "").partition(":")
     suspicions = [int(t) for t in suspect_steps.split(",") if t] \
@@ -182,6 +197,10 @@ def main(out_dir: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 net = wrap()
+    if any(p == "shrink" for _, _, p in plan):
+        from mpidp import fault_tolerance as _ft
+        shrink = _ft._shrink
+        _ft._shrink = lambda comm: die_soon(step, "shrink") or shrink(comm)
     if any(p == "rebuild" for _, _, p in plan):
         # Phase "rebuild": inside recover(), after the survivors agreed and
         # shrank, as the algorithm broadcasts rank 0's state over them.
@@ -254,6 +273,7 @@ def main(out_dir: str) -> None:
         except mpidp.RanksLost:
             if os.environ.get("FT_NO_RECOVER") == str(key):   # a survivor that never recovers
                 time.sleep(600)
+            die_soon(step, "agreement")
             m = mpidp.recover(replace=replace)
             if scaler is not None:
                 mpidp.fault_tolerance.reset_grad_scaler(scaler)

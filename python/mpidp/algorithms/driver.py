@@ -88,17 +88,21 @@ def wait_pending(syncs: Iterable[Any]) -> None:
             sync.wait()
 
 
-def continue_on_survivors(old_world) -> None:
+def continue_on_survivors(*old_worlds) -> None:
     """Fault-tolerant mode, after the world shrank to the survivors
-    (mpidp/fault_tolerance/__init__.py): every live driver over the old world is set
-    up again over the new one (`_continue_on`), or, where its algorithm
-    cannot go on, detached with the reason (using it raises)."""
+    (mpidp/fault_tolerance/__init__.py): every live driver over an old world
+    is set up again over the new one (`_continue_on`), or, where its
+    algorithm cannot go on, detached with the reason (using it raises).
+    Several old worlds: a recovery that started over (a rank lost during the
+    rebuild) left some drivers over the world before it and some over the
+    world of its first round."""
     from .._runtime.mpi import world_mpi
-    key = old_world.py2f()
+    keys = {w.py2f() for w in old_worlds}
     drivers = {}
     for refs in list(_CLAIMS.values()):
         for driver in (r() for r in refs):
-            if driver is None or driver._released is not None or driver._claimed_key != key:
+            if driver is None or driver._released is not None or \
+                    driver._claimed_key not in keys:
                 continue
             # A part goes on through the driver it is a part of.
             while driver._owner is not None and driver._owner() is not None:
