@@ -40,6 +40,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -112,32 +113,7 @@ class Entered {
         refuse_unusable(group, call);
         if (group.calling.load()) refuse_second_thread(call); /* before waiting for its lock */
         for (;;) {
-            while (after_in_flight) {
-                c10::intrusive_ptr<CallWork> previous;
-                mpidp_c10d::without_gil([&] {
-                    std::lock_guard<std::mutex> lock(group.mu);
-                    previous = group.in_flight;
-                });
-                if (previous) {
-                    if (!previous->end(-1, true)) callbacks_too_long(call, timeout_s);
-                    if (std::exception_ptr error = previous->error())
-                        std::rethrow_exception(error);
-                    refuse_unusable(group, call);
-                    continue;
-                }
-                /* Ended by another thread, whose callbacks may not have run yet. */
-                c10::intrusive_ptr<CallWork> last = group.last_call();
-                if (last && !last->called_back()) {
-                    if (!last->end(-1, true)) callbacks_too_long(call, timeout_s);
-                    continue;
-                }
-                bool none = true;
-                mpidp_c10d::without_gil([&] {
-                    none = mpidp_c10d::CallbackThreads::get().wait_for_others(timeout_s);
-                });
-                if (!none) callbacks_too_long(call, timeout_s);
-                break;
-            }
+            if (after_in_flight) after_earlier_calls(group, call, timeout_s);
             if (group.calling.exchange(true)) refuse_second_thread(call);
             mpidp_c10d::without_gil([&] { lock_ = std::unique_lock<std::mutex>(group.mu); });
             /* A callback's call posted on another thread since: it goes first. */
@@ -161,12 +137,46 @@ class Entered {
     }
 
   private:
+    /* Until the group's call in flight has ended (its failure raised here)
+     * and no future's callbacks run on another thread: those of the last
+     * call, which another thread may have ended without running them yet,
+     * and any others (CallbackThreads). */
+    static void after_earlier_calls(GroupState &group, const char *call, double timeout_s)
+    {
+        for (;;) {
+            c10::intrusive_ptr<CallWork> previous;
+            mpidp_c10d::without_gil([&] {
+                std::lock_guard<std::mutex> lock(group.mu);
+                previous = group.in_flight;
+            });
+            if (previous) {
+                if (!previous->end(-1, true)) callbacks_too_long(call, timeout_s);
+                if (std::exception_ptr error = previous->error()) std::rethrow_exception(error);
+                refuse_unusable(group, call);
+                continue;
+            }
+            c10::intrusive_ptr<CallWork> last = group.last_call();
+            if (last && !last->called_back()) {
+                if (!last->end(-1, true)) callbacks_too_long(call, timeout_s);
+                continue;
+            }
+            bool none = true;
+            mpidp_c10d::without_gil([&] {
+                none = mpidp_c10d::CallbackThreads::get().wait_for_others(timeout_s);
+            });
+            if (!none) callbacks_too_long(call, timeout_s);
+            return;
+        }
+    }
+
     [[noreturn]] static void callbacks_too_long(const char *call, double timeout_s)
     {
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
         std::string detail = "the callbacks of an earlier call's future (which may make calls "
                              "on the group that must come first) were still running on another "
                              "thread after the group's timeout of " +
-                             std::to_string(timeout_s) + " s";
+                             std::string(seconds) + " s";
         api->set_detail(detail.c_str());
         raise_status(MPIDP_ETIMEDOUT, call);
     }

@@ -28,8 +28,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
-#include <map>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -163,14 +163,14 @@ inline std::string left_posted(const std::string &call)
            "make a new group (dist.new_group, or shrink_group in fault-tolerant mode)";
 }
 
-/* Waits without the GIL, where this thread holds it: the thread that ends a
- * call may need it to raise the call's failure. */
 /* A deadline in seconds as a duration (<= 0: a year, a program's lifetime). */
 inline std::chrono::duration<double> seconds(double timeout_s)
 {
     return std::chrono::duration<double>(timeout_s > 0 ? timeout_s : 365.0 * 86400.0);
 }
 
+/* Waits without the GIL, where this thread holds it: the thread that ends a
+ * call may need it to raise the call's failure. */
 template <typename Wait> void without_gil(Wait &&wait)
 {
     if (PyGILState_Check()) {
@@ -501,13 +501,6 @@ class Progress {
         queue_.clear();
         cv_.notify_all();
         cv_.wait(lock, [&] { return ending_ == 0; });
-    }
-
-    /* Threads that end calls, and how many of them are free (tests). */
-    std::pair<size_t, size_t> threads()
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        return {threads_, idle_};
     }
 
   private:
