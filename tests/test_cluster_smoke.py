@@ -43,9 +43,12 @@ _spec.loader.exec_module(netstats)
 
 def child_env():
     """This environment without MPI's own variables (the test process may be an
-    MPI singleton: its OMPI_*/PMIX_* values would confuse the new mpirun)."""
+    MPI singleton: its OMPI_*/PMIX_* values would confuse the new mpirun) and
+    without GLOO_SOCKET_IFNAME: a gloo group made in this process on one node
+    sets it to the loopback ("lo"), and run.sh keeps a value it is given, so
+    the nodes' ranks would look for each other on their own loopbacks."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "OPAL_"))}
+           if not k.startswith(("OMPI_", "PMIX_", "OPAL_")) and k != "GLOO_SOCKET_IFNAME"}
     env["MPIDP_CLUSTER_NAME"] = NAME
     return env
 
