@@ -161,13 +161,16 @@ CASES = {
         (4, "3:3:backward;1:3:rebuild", {3: 3, 1: 3}),
     "in backward, then another inside the rebuild, leaving one rank":
         (3, "2:3:backward;1:3:rebuild", {2: 3, 1: 3}),
-    # ... or 2 ms into its recover(), in the survivors' agreement. The same
-    # kill at 4 ranks, and kills inside MPI's shrink (phase "shrink"), pass
-    # under load but meet defects of Open MPI 5.0's ULFM on a quiet machine
-    # (docs/fault-tolerance.md, "A second failure during recover()"), so they
-    # are run by hand, not here.
+    # ... or while the survivors agree that a rank failed, or inside MPI's
+    # shrink (the dying rank skips its part, so the survivors are in it).
+    "in backward, then another in the recovery's agreement":
+        (4, "3:3:backward;2:3:agreement", {3: 3, 2: 3}),
     "in backward, then another in the recovery's agreement, leaving one rank":
         (3, "2:3:backward;1:3:agreement", {2: 3, 1: 3}),
+    "in backward, then another inside the survivors' shrink":
+        (4, "3:3:backward;2:3:shrink", {3: 3, 2: 3}),
+    "in backward, then another inside the survivors' shrink, leaving one rank":
+        (3, "2:3:backward;1:3:shrink", {2: 3, 1: 3}),
 }
 
 

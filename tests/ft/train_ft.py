@@ -33,10 +33,14 @@ next forward), outer (DiLoCo: its outer-gradient allreduce posted, before
 its wait), checkpoint (inside a checkpoint write,
 which every rank starts after that step), rebuild (inside recover() of the
 failure at that step, once the survivors shrank, as the algorithm's set-up
-broadcasts over them), agreement (FT_DELAY_MS after that recover() began:
-in the survivors' agreement that a rank failed), shrink (FT_DELAY_MS after
-that recover() began to shrink the world: inside MPI's shrink). A rank of
-the last two dies from a thread while its own recover() runs on.
+broadcasts over them), agreement (in the survivors' agreement that a rank
+failed: FT_DELAY_MS after the first loss, in place of its own recover()),
+shrink (inside the survivors' MPI shrink: FT_DELAY_MS after it agreed, in
+place of its own shrink). A rank of the last two never takes its part, so
+the survivors cannot have left that phase when it dies (with
+FT_KILL_FROM_THREAD=1 it dies from a thread instead, FT_DELAY_MS after the
+same point, while it goes on into the phase: the death then lands anywhere
+from that phase to the rebuild, as the machine's load has it).
 FT_DELAY_MS: default 2."""
 
 import os
@@ -103,12 +107,16 @@ def main(out_dir: str) -> None:
         if dies(step, phase):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def die_soon(step: int, phase: str) -> None:
-        """Phases agreement and shrink: die FT_DELAY_MS from now, from a
-        thread, while this rank goes on into MPI's agreement or shrink."""
+    def die_instead(step: int, phase: str) -> None:
+        """Phases agreement and shrink: die FT_DELAY_MS from now instead of
+        taking part (FT_KILL_FROM_THREAD=1: from a thread, taking part)."""
         if dies(step, phase):
             delay = float(os.environ.get("FT_DELAY_MS", "2")) / 1000
-            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            if os.environ.get("FT_KILL_FROM_THREAD") == "1":
+                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                return
+            time.sleep(delay)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     suspect_rank, _, suspect_steps = os.environ.get("FT_SUSPECT", "").partition(":")
     suspicions = [int(t) for t in suspect_steps.split(",") if t] \
@@ -200,7 +208,7 @@ def main(out_dir: str) -> None:
     if any(p == "shrink" for _, _, p in plan):
         from mpidp import fault_tolerance as _ft
         shrink = _ft._shrink
-        _ft._shrink = lambda comm: die_soon(step, "shrink") or shrink(comm)
+        _ft._shrink = lambda comm: die_instead(step, "shrink") or shrink(comm)
     if any(p == "rebuild" for _, _, p in plan):
         # Phase "rebuild": inside recover(), after the survivors agreed and
         # shrank, as the algorithm broadcasts rank 0's state over them.
@@ -273,11 +281,12 @@ def main(out_dir: str) -> None:
         except mpidp.RanksLost:
             if os.environ.get("FT_NO_RECOVER") == str(key):   # a survivor that never recovers
                 time.sleep(600)
-            die_soon(step, "agreement")
+            die_instead(step, "agreement")
             m = mpidp.recover(replace=replace)
             if scaler is not None:
                 mpidp.fault_tolerance.reset_grad_scaler(scaler)
             recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
+                               "times": mpidp.fault_tolerance.recovery_times(),
                                "joined": m.joined, "mpidp_size": mpidp.size(),
                                "mpidp_rank": mpidp.rank()})
             if algorithm == "daso":
