@@ -177,7 +177,7 @@ def network_fit(profiles: dict, parse) -> tuple:
 
 
 def planner_algorithms(period: int):
-    from mpidp.planning import algorithms as alg
+    from mpidp.planning import algorithm_costs as alg
     return {"dp": alg.Algorithm("DataParallel", "fp32 wire", alg.data_parallel(alg.FP32)),
             "dp-bf16": alg.Algorithm("DataParallel", "bf16 wire", alg.data_parallel(alg.BF16)),
             "diloco": alg.Algorithm("DiLoCo", f"H={period}", alg.diloco(period, alg.FP32)),
@@ -187,7 +187,7 @@ def planner_algorithms(period: int):
 
 
 def driver(args) -> None:
-    from mpidp.planning import algorithms as alg
+    from mpidp.planning import algorithm_costs as alg
     from mpidp.planning.plan import parse_bandwidth
     Path(args.out).mkdir(parents=True, exist_ok=True)
     cal_rates = args.calibrate_at.split(",")

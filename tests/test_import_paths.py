@@ -37,7 +37,8 @@ PUBLIC_NAMES = [
     "collectives.reduce_scatter",
 ]
 
-# The public modules' former paths (one flat folder) -> where they are now.
+# The public modules' former paths (one flat folder, then algorithms/ before
+# Bagua's plumbing moved to algorithms/bagua/) -> where they are now.
 FORMER_PATHS = {
     "mpidp.daso": "mpidp.algorithms.daso", "mpidp.data_parallel": "mpidp.algorithms.data_parallel",
     "mpidp.data_parallel_multi": "mpidp.algorithms.data_parallel_multi",
@@ -46,12 +47,17 @@ FORMER_PATHS = {
     "mpidp.diloco": "mpidp.algorithms.diloco", "mpidp.sparseloco": "mpidp.algorithms.sparseloco",
     "mpidp.demo": "mpidp.algorithms.demo", "mpidp.bagua": "mpidp.algorithms.bagua",
     "mpidp.qadam": "mpidp.algorithms.qadam", "mpidp.decentralized": "mpidp.algorithms.decentralized",
-    "mpidp.replica_algorithms": "mpidp.algorithms.replica_algorithms",
-    "mpidp.wrapper_copy": "mpidp.algorithms.wrapper_copy", "mpidp.gossip": "mpidp._engines.gossip",
+    "mpidp.replica_algorithms": "mpidp.algorithms.bagua.adapters",
+    "mpidp.wrapper_copy": "mpidp.algorithms.driver", "mpidp.gossip": "mpidp._engines.gossip",
     "mpidp.kernels": "mpidp._engines.kernels", "mpidp.broadcast": "mpidp.collectives.model_state",
     "mpidp.communication": "mpidp.collectives.communication",
     "mpidp.process_group": "mpidp.collectives.process_groups",
     "mpidp.topology": "mpidp._runtime.topology",
+    "mpidp.algorithms.replica_algorithms": "mpidp.algorithms.bagua.adapters",
+    "mpidp.algorithms.bagua_family": "mpidp.algorithms.bagua",
+    "mpidp.algorithms.algorithm": "mpidp.algorithms.bagua.algorithm",
+    "mpidp.algorithms.wrapper_copy": "mpidp.algorithms.driver",
+    "mpidp.planning.algorithms": "mpidp.planning.algorithm_costs",
 }
 
 
@@ -78,5 +84,6 @@ def test_the_front_ends_import():
 def test_a_pickle_naming_a_former_module_loads():
     # What pickle wrote for a WrapperCopy's class before the move (protocol 0).
     assert pickle.loads(b"cmpidp.wrapper_copy\nWrapperCopy\n.") is mpidp.WrapperCopy
+    assert pickle.loads(b"cmpidp.algorithms.wrapper_copy\nWrapperCopy\n.") is mpidp.WrapperCopy
     assert pickle.loads(b"cmpidp.daso\nDASO\n.") is mpidp.DASO
     assert pickle.loads(pickle.dumps(mpidp.WrapperCopy)) is mpidp.WrapperCopy

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from mpidp import __version__
-from mpidp.planning import algorithms as alg
+from mpidp.planning import algorithm_costs as alg
 from mpidp.planning import costs
 from mpidp.planning.costs import Cluster, Level
 from mpidp.planning.profile import Profile, fit_level, load

@@ -7,6 +7,7 @@ same. Read from the source with ast; nothing is imported."""
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -125,6 +126,30 @@ def test_no_import_cycle():
         if n not in state:
             visit(n)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+CSRC = os.path.join(os.path.dirname(PACKAGE), "..", "csrc")
+# A module imported by name from C or C++ (pybind11's module_::import, the
+# C API's PyImport_ImportModule).
+IMPORT_BY_NAME = re.compile(r'(?:module_?::import|PyImport_ImportModule)\(\s*"mpidp\.([\w.]+)"')
+
+
+def test_the_extensions_import_no_layer_above_them_by_name():
+    """The C and C++ extensions are the bottom layer: a Python module above
+    them that they need registers itself with them (as the backend's
+    shrunk_backend does) rather than being imported by name."""
+    wrong = []
+    for dirpath, _, names in os.walk(CSRC):
+        for n in names:
+            if n.endswith((".c", ".cpp", ".h", ".hpp")):
+                path = os.path.join(dirpath, n)
+                text = open(path).read()
+                for m in IMPORT_BY_NAME.finditer(text):
+                    if layer_of(m.group(1)) > 0:
+                        line = text.count("\n", 0, m.start()) + 1
+                        wrong.append(f"{os.path.relpath(path, CSRC)}:{line} imports mpidp."
+                                     f"{m.group(1)} ({LAYERS[layer_of(m.group(1))][0]})")
+    assert not wrong, "the extensions import layers above them by name:\n" + "\n".join(wrong)
 
 
 if __name__ == "__main__":

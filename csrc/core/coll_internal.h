@@ -1,5 +1,5 @@
 /* Core-internal: the posted collective of mpidp/collectives.h and the
- * helpers its files (collectives.c, rooted.c, exchange.c) share. */
+ * helpers its files (collectives.c, rooted.c, alltoall_p2p.c) share. */
 #ifndef MPIDP_COLL_INTERNAL_H
 #define MPIDP_COLL_INTERNAL_H
 

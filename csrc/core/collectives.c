@@ -17,7 +17,7 @@
 #include "coll_internal.h"
 #include "fail.h"
 
-/* ---- helpers shared with rooted.c and exchange.c (coll_internal.h) ------- */
+/* ---- helpers shared with rooted.c and alltoall_p2p.c (coll_internal.h) ------- */
 
 int mpidp__coll_byte_count(const mpidp_tensor_t *t, const char *what, size_t *bytes)
 {

@@ -122,7 +122,7 @@ int mpidp_ft_classify(int mpi_rc, MPI_Comm comm)
      * recover()'s agreement and shrink, which find out whether a rank did
      * fail), so a suspicion that proves wrong costs one step done again; one
      * that keeps recurring with no rank lost ends in recover() as the error it
-     * is (fault_tolerance.py). */
+     * is (mpidp/fault_tolerance/recovery.py). */
     for (int k = 0; k < 10; k++) { /* 0.1 s */
         if (has_failed_rank(comm) || is_revoked(comm)) return MPIX_ERR_PROC_FAILED;
         struct timespec ten_ms = {0, 10000000};

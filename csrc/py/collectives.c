@@ -10,7 +10,7 @@
 #include "mpidp/agree.h"
 #include "mpidp/allreduce.h"
 #include "mpidp/collectives.h"
-#include "mpidp/peerx.h"
+#include "mpidp/peer_exchange.h"
 
 /* Host tensors of any dtype the core knows. */
 #define ANY_CPU (MPIDP_TENSOR_CPU_ONLY | MPIDP_TENSOR_ANY_DTYPE)

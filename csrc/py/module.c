@@ -14,7 +14,7 @@
 #include "mpidp/convert.h"
 #include "mpidp/mpiops.h"
 #include "mpidp/pack.h"
-#include "mpidp/peers.h"
+#include "mpidp/peer_graphs.h"
 #include "mpidp/quant8.h"
 #include "mpidp/reducer.h"
 

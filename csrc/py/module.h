@@ -132,7 +132,7 @@ typedef struct {
 mpidp_py_comm_t *mpidp_py_as_comm(mpidp_py_state *st, PyObject *obj, const char *argname);
 
 /* Collective methods of Comm (csrc/py/collectives.c). */
-/* Shared by the Comm methods' files (collectives.c, exchanges.c): the
+/* Shared by the Comm methods' files (collectives.c, rooted_alltoall_p2p.c): the
  * module state for a Comm method called with `nargs` positional arguments
  * (min..max, no keywords) in a process that may communicate; the trailing
  * async_op argument at `at` (0, 1, or -1 with an exception); what a started
@@ -204,7 +204,7 @@ PyObject *mpidp_py_work_new(mpidp_py_state *st, const mpidp_operation_t *ops, vo
 
 /* Module functions binding the conversion kernels (csrc/py/kernels.c), over
  * the process-wide state (process.c), planning buckets (bucket_plan.c), the
- * averaging schedule (avgsched.c) and the peer graphs (peers.c). */
+ * averaging schedule (averaging_schedule.c) and the peer graphs (peer_graphs.c). */
 extern PyMethodDef mpidp_py_kernel_methods[];
 extern PyMethodDef mpidp_py_process_methods[];
 extern PyMethodDef mpidp_py_bucket_plan_functions[];

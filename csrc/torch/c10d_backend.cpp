@@ -1,35 +1,11 @@
 /* mpidp._c10d: the "mpidp" torch.distributed backend as a c10d::Backend,
  * built against libtorch when torch is importable at build time (setup.py,
- * beside the gradient hook).
- *
- * Why C++: a Python ProcessGroup costs ~10 us of interpreter per call
- * before any byte moves, and torch hands it back to the program as it is,
- * outside the c10d dispatcher, so functional collectives (what torch.compile
- * traces DDP, FSDP2 and DTensor into) never reach it. A c10d::Backend is
- * registered in the dispatcher like gloo and NCCL.
- *
- * Data path: the common calls -- all_reduce, all_gather_into_tensor,
- * reduce_scatter_tensor, broadcast, barrier on host tensors of a dtype and
- * op the core reduces as they are -- are posted on the caller's thread
- * through mpidp._C's core operations (csrc/py/c10d_api.h), with no handoff
- * to a worker thread (which costs gloo ~8 us a call); a blocking call is
- * waited for there, without the GIL where torch's bindings released it,
- * and a non-blocking one ends as c10d_call.hpp says (its wait, the group's
- * next call, or the progress thread that completes futures). A strided
- * tensor goes through a contiguous copy. Every other call, and every call
- * the fast path does not take (CUDA, complex, empty, 16-bit min/max), goes
- * to the Python group (mpidp/c10d/_process_group.py), so each rule lives in
- * one place; CUDA tensors of the common calls go from there to the core's
- * device communicator (NCCL: mpidp/c10d/_device.py), whose cost per call
- * is NCCL's own launch, tens of microseconds.
- *
- * Every collective call, fast or not, is first checked across the ranks by
- * the core's mpidp/callcheck.h: free while the ranks repeat calls they
- * agreed on, an exchange of signatures (c10d_signature.hpp) otherwise;
- * where the ranks differ, every rank raises one ValueError naming what each
- * group of ranks passed. Whether a call takes the fast path depends on what
- * the signature holds (and on outputs of the wrong size, which the Python
- * group refuses), so ranks that passed the same take the same path. */
+ * beside the gradient hook). Common host calls are posted on the caller's
+ * thread through mpidp._C's core operations (csrc/py/c10d_api.h); every
+ * other call goes to the Python group (mpidp/c10d/_process_group.py); every
+ * call is first checked across the ranks (mpidp/callcheck.h). Why C++, the
+ * data path and the costs: docs/design-notes.md, "The torch.distributed
+ * backend in C++". */
 #include <Python.h>
 
 #include <torch/csrc/Exceptions.h>
@@ -409,8 +385,10 @@ class BackendMPIDP : public c10d::Backend {
     /* torch.distributed.shrink_group: a backend over this group's ranks
      * less `ranks_to_exclude`, made by mpidp/c10d/_shrink.py (MPI's
      * communicator of the remaining ranks; in fault-tolerant mode ULFM's
-     * shrink of the survivors, under the deadline). Called on the remaining
-     * ranks only. */
+     * shrink of the survivors, under the deadline), which registers itself
+     * as this module's `shrunk_backend`: the extension is below every
+     * Python layer and imports none of them. Called on the remaining ranks
+     * only. */
     bool supportsShrinking() const override { return true; }
     intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t> &ranks_to_exclude,
                                         int shrink_flags,
@@ -418,7 +396,7 @@ class BackendMPIDP : public c10d::Backend {
     {
         py::gil_scoped_acquire gil;
         try {
-            py::object made = py::module_::import("mpidp.c10d._shrink")
+            py::object made = py::module_::import("mpidp._c10d")
                                   .attr("shrunk_backend")(fallback_, ranks_to_exclude,
                                                           shrink_flags);
             return made.cast<intrusive_ptr<BackendMPIDP>>();

@@ -36,7 +36,7 @@ Q8_BLOCK: int     # the 8-bit quantizer's elements per block and bytes per recor
 _grad_hook_api: object   # capsule: the C API of mpidp._grad_hook (csrc/py/grad_hook_api.h)
 _c10d_api: object       # capsule: the C API of mpidp._c10d (csrc/py/c10d_api.h)
 Q8_RECORD: int
-GRAPH_DDE: int    # peer graphs (mpidp_graph_kind_t, mpidp/peers.h)
+GRAPH_DDE: int    # peer graphs (mpidp_graph_kind_t, mpidp/peer_graphs.h)
 GRAPH_NPDDE: int
 GRAPH_DBE: int
 GRAPH_DDL: int

@@ -30,7 +30,7 @@ from .algorithms.optimizer import DataParallelOptimizer
 from .collectives.process_groups import init_process_group
 from . import c10d  # registers the "mpidp" backend
 from ._runtime.topology import Topology, cross_node_comm, node_comm, topology
-from .algorithms.wrapper_copy import WrapperCopy
+from .algorithms.driver import WrapperCopy
 from . import nn, optim  # Heat's names: ht.nn, ht.optim
 from . import fault_tolerance
 from .fault_tolerance import Membership, recover
@@ -39,9 +39,10 @@ from .collectives.communication import MPI_WORLD, MPI_SELF, MPICommunication  # 
 
 from ._version import __version__
 
-# The modules' former paths (before the package's layers were folders), for
-# programs and pickles that name them: `import mpidp.daso`, a WrapperCopy
-# saved as mpidp.wrapper_copy.WrapperCopy.
+# The modules' former paths (before the package's layers were folders, and
+# before algorithms/ kept one module per algorithm), for programs and pickles
+# that name them: `import mpidp.daso`, a WrapperCopy saved as
+# mpidp.wrapper_copy.WrapperCopy or mpidp.algorithms.wrapper_copy.WrapperCopy.
 _FORMER_PATHS = {
     "daso": "algorithms.daso", "data_parallel": "algorithms.data_parallel",
     "data_parallel_multi": "algorithms.data_parallel_multi", "optimizer": "algorithms.optimizer",
@@ -49,8 +50,10 @@ _FORMER_PATHS = {
     "slowmo": "algorithms.slowmo", "diloco": "algorithms.diloco",
     "sparseloco": "algorithms.sparseloco", "demo": "algorithms.demo", "bagua": "algorithms.bagua",
     "qadam": "algorithms.qadam", "decentralized": "algorithms.decentralized",
-    "replica_algorithms": "algorithms.replica_algorithms",
-    "wrapper_copy": "algorithms.wrapper_copy",
+    "replica_algorithms": "algorithms.bagua.adapters", "wrapper_copy": "algorithms.driver",
+    "algorithms.replica_algorithms": "algorithms.bagua.adapters",
+    "algorithms.bagua_family": "algorithms.bagua", "algorithms.algorithm": "algorithms.bagua.algorithm",
+    "algorithms.wrapper_copy": "algorithms.driver",
     "gossip": "_engines.gossip", "kernels": "_engines.kernels",
     "broadcast": "collectives.model_state", "communication": "collectives.communication",
     "process_group": "collectives.process_groups", "topology": "_runtime.topology",
@@ -63,7 +66,10 @@ def _alias_former_paths() -> None:
     for old, new in _FORMER_PATHS.items():
         module = importlib.import_module(f"{__name__}.{new}")
         sys.modules.setdefault(f"{__name__}.{old}", module)
-        globals().setdefault(old, module)   # mpidp.daso as before (not over a function's name)
+        parent, _, name = old.rpartition(".")
+        package = sys.modules[f"{__name__}.{parent}" if parent else __name__]
+        if not hasattr(package, name):   # mpidp.daso as before (not over a function's name)
+            setattr(package, name, module)
 
 
 _alias_former_paths()

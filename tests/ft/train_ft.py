@@ -206,9 +206,9 @@ def main(out_dir: str) -> None:
                 warnings.simplefilter("ignore")
                 net = wrap()
     if any(p == "shrink" for _, _, p in plan):
-        from mpidp import fault_tolerance as _ft
-        shrink = _ft._shrink
-        _ft._shrink = lambda comm: die_instead(step, "shrink") or shrink(comm)
+        from mpidp.fault_tolerance import survivors as _survivors
+        shrink = _survivors.shrink
+        _survivors.shrink = lambda comm: die_instead(step, "shrink") or shrink(comm)
     if any(p == "rebuild" for _, _, p in plan):
         # Phase "rebuild": inside recover(), after the survivors agreed and
         # shrank, as the algorithm broadcasts rank 0's state over them.

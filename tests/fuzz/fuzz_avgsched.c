@@ -1,4 +1,4 @@
-/* libFuzzer harness: the averaging schedule (mpidp/avgsched.h).
+/* libFuzzer harness: the averaging schedule (mpidp/averaging_schedule.h).
  *
  * The input is a config followed by steps to ask about. For each step the
  * harness checks the call against the header's contract, recomputed here in
@@ -22,7 +22,7 @@
  *   set: the raw u8 instead, for invalid flags), slow_every fz_int(0,12),
  *   n_fragments fz_int(0,4), fragment_every fz_int(1,8), fragment_delay
  *   fz_int(0,7); then steps fz_int(0,64) until the input ends. */
-#include "mpidp/avgsched.h"
+#include "mpidp/averaging_schedule.h"
 #include "mpidp/status.h"
 
 #include "fuzz_common.h"

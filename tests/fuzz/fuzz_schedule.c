@@ -1,4 +1,4 @@
-/* libFuzzer harness: the DASO schedule state machine (mpidp/schedule.h).
+/* libFuzzer harness: the DASO schedule state machine (mpidp/daso_schedule.h).
  *
  * The input is a config followed by a program of operations on one schedule:
  * in-order batches, whole epochs, epoch ends with any loss (NaN, infinities,
@@ -36,10 +36,10 @@
  *   then ops until the input ends, each a u8 (value % 16, see run_op()).
  * reconfigure() (added later) is checked like the rest: its contract, recomputed,
  * and a valid result. */
-#include "mpidp/schedule.h"
+#include "mpidp/daso_schedule.h"
 #include "mpidp/status.h"
 
-#include "../c/schedule_actions.h" /* same_actions(), shared with the C tests */
+#include "../c/daso_schedule_actions.h" /* same_actions(), shared with the C tests */
 #include "fuzz_common.h"
 
 #define CODE_BIT(status) (1u << (unsigned)(-(status)))
@@ -103,7 +103,7 @@ static void dump_state(const char *title, const mpidp_schedule_t *s)
         }                                                                       \
     } while (0)
 
-/* ---- reference model, from the contract in mpidp/schedule.h ---- */
+/* ---- reference model, from the contract in mpidp/daso_schedule.h ---- */
 
 static int64_t rmin(int64_t a, int64_t b) { return a < b ? a : b; }
 /* Saturating a + b, so that the harness stays free of UB whatever the state. */

@@ -70,7 +70,7 @@ int mpidp_scatterv_start(MPI_Comm comm, const mpidp_tensor_t *send, const mpidp_
                          const size_t *counts, int root, mpidp_reqtable_t *reqs,
                          mpidp_coll_t **out);
 
-/* Exchanges (exchange.c).
+/* Exchanges (alltoall_p2p.c).
  * Posts an all-to-all of uneven blocks: this rank's `send` block for rank r
  * (send_counts[r] elements, blocks in rank order) lands in rank r's `recv`
  * at this rank's block (recv_counts[this rank's number] there). Each rank's

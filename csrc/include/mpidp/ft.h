@@ -7,7 +7,7 @@
  * sees such a failure revokes every communicator the core made
  * (mpidp_ft_revoke_all), so that no survivor is left waiting on a peer that
  * went to recovery; the agreement and the shrink that follow are done above
- * the core (mpidp/fault_tolerance.py, through mpi4py). */
+ * the core (mpidp/fault_tolerance/, through mpi4py). */
 #ifndef MPIDP_FT_H
 #define MPIDP_FT_H
 

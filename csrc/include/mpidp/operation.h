@@ -15,7 +15,7 @@ typedef struct {
     int (*free)(void *op);
 } mpidp_operation_t;
 
-/* mpidp/allreduce.h's chunked allreduce, mpidp/peerx.h's peer exchange and
+/* mpidp/allreduce.h's chunked allreduce, mpidp/peer_exchange.h's peer exchange and
  * mpidp/collectives.h's other collectives. */
 extern const mpidp_operation_t mpidp_allreduce_operation, mpidp_peerx_operation,
     mpidp_coll_operation;

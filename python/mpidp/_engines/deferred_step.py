@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 from typing import List, Sequence
 
-from .._runtime import membership
-from .pending_reads import set_pending
+from .._runtime import fault_tolerant_mode
+from .apply_on_read import set_pending
 
 __all__ = ["DeferredStep", "bucket_members"]
 
@@ -25,7 +25,7 @@ __all__ = ["DeferredStep", "bucket_members"]
 class DeferredStep:
     """The deferred step of one non-blocking DataParallel. `bucket_params`:
     each bucket's indices into `params`; `watched`: the modules' parameter
-    dicts that make a read apply the pending update (pending_reads.py)."""
+    dicts that make a read apply the pending update (apply_on_read.py)."""
 
     def __init__(self, reducer, params: Sequence, bucket_params: Sequence[Sequence[int]],
                  watched: List, device_resident: bool = False):
@@ -69,10 +69,10 @@ class DeferredStep:
         before any of it is applied (RanksLost otherwise, the step applied
         nowhere), so this step forgoes the overlap with the forward."""
         if self.optimizer is not None and not self.applying:
-            if membership.enabled():
+            if fault_tolerant_mode.enabled():
                 for b in range(self.reducer.n_buckets):
                     self.reducer.wait_bucket(b)
-                membership.step_boundary()
+                fault_tolerant_mode.step_boundary()
             self.applying = True
         return self.applying
 

@@ -44,8 +44,7 @@ from .. import _C
 from .._runtime import config
 from .._runtime import mpi as _mpi  # noqa: F401 -- its exit handler registers first
 from .._runtime.dtypes import code_of
-from .._runtime.params import pack_bytes, unpack_bytes
-
+from .._runtime.flat_buffers import pack_bytes, unpack_bytes
 # Per member parameter of a bucket: its offset and length in the bucket.
 Members = Sequence[Tuple[int, int]]
 

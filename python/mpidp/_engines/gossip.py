@@ -4,7 +4,7 @@ world_size, nprocs_per_node=1, local_rank=0, peers_per_itr=1)` and the
 others, and `UniformMixing(graph, device=None)`.
 
 A graph is over `world_size` workers (SlowMo's nodes); who talks to whom at
-each gossip round is the core's (mpidp/peers.h): a pure function of the
+each gossip round is the core's (mpidp/peer_graphs.h): a pure function of the
 round, so every worker computes the same graph and a resumed job meets the
 same peers. `get_peers(rotate)` gives the process ranks of the workers'
 counterparts (worker * nprocs_per_node + local_rank), both ways; fairscale

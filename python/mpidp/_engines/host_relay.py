@@ -1,11 +1,8 @@
 """Non-blocking DataParallel's buckets where no device communicator serves
 (ranks sharing a GPU, no NCCL, an MPI that takes no device pointers): the
-device-mode reducer with the sums relayed through pinned host buffers.
-
-The host path's non-blocking mode copied each bucket to a host bucket, then
-made three single-threaded passes over it on the host: into its
-communication buffer (scaled) and zeroing it when posted, back when
-delivered. Here those passes run on the device, where the gradients are:
+device-mode reducer with the sums relayed through pinned host buffers. The
+passes over a bucket run on the device, where the gradients are (why:
+docs/design-notes.md, "DataParallel's device path"):
   hook (bucket full)   on the current stream: the scaled copy into the
                        bucket's device communication buffer, the bucket
                        zeroed, and an asynchronous copy of that buffer to its
@@ -29,9 +26,7 @@ import torch
 
 from .. import _C
 from .device_reduction import Members, deliver
-from .._runtime.params import broadcast_tensors
-
-
+from .._runtime.state_broadcast import broadcast_tensors
 class HostRelay:
     """The same calls as _device_reduction.DeviceReduction (stage_full,
     copy, new_pass, broadcast_), for non-blocking mode."""

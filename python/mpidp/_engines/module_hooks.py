@@ -8,7 +8,7 @@ and drove the original wrapper from the copy's forward. Every such hook is
 registered here: its handle id is recorded for the module, and the module gets
 an instance-level __getstate__ (pickle and copy look it up on the instance)
 that returns torch's state less those hooks, with a plain dict for a watched
-`_parameters` (pending_reads.py). A copy or a saved model is then exactly
+`_parameters` (apply_on_read.py). A copy or a saved model is then exactly
 the model as it was before mpidp touched it, and loading it needs no mpidp."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import weakref
 
-from .pending_reads import QuietParameters
+from .apply_on_read import QuietParameters
 
 # id of every hook mpidp registered on a module, by module.
 _OURS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

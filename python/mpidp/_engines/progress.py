@@ -5,8 +5,7 @@ Streaming DiLoCo's fragments) moves its bytes over TCP only inside MPI calls:
 without any, nothing would happen until the completion waits. So every
 submodule's forward and every parameter's gradient accumulation test the
 syncs in flight (one MPI_Test each while pending, a boolean check
-otherwise): over a 1 Gbit/s link this took DASO's cycling epochs from
-9.3-10.4 s to 8.2-8.6 s (benchmarks/bench_daso.py). MPIDP_HOOK_PROGRESS=0
+otherwise); docs/design-notes.md has what they gain. MPIDP_HOOK_PROGRESS=0
 (`_C.configure(hook_progress=False)`) turns them off."""
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from . import module_hooks
 
 def install_progress_hooks(model: torch.nn.Module, params: Sequence[torch.Tensor],
                            syncs: Sequence["_C.ParamSync"]) -> List:
-    """The hook handles (remove them with _params.remove_handles)."""
+    """The hook handles (remove them with hook_handles.remove_handles)."""
     if not syncs or not _C.process_state()["hook_progress"]:
         return []
     syncs = tuple(syncs)

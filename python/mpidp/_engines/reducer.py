@@ -31,13 +31,12 @@ import torch
 
 from .. import _C
 from .._runtime import config
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .device_reduction import DeviceReduction, device_comm_for
 from .._runtime.dtypes import code_of
 from .grad_hook_loader import cpp_hook_module
 from .host_relay import HostRelay
-from .._runtime.params import grad_view
-
+from .._runtime.flat_buffers import grad_view
 # Directions of a staging copy (host <-> where the .grad views live).
 _TO_HOST, _TO_HOST_ASYNC, _TO_DEVICE = range(3)
 
@@ -60,7 +59,7 @@ def build_reducer(named, c_comm: _C.Comm, mpi_comm, *, blocking: bool, wire: int
     staged = device.type != "cpu" or config.get("MPIDP_DP_STAGING")
     devcomm = device_comm_for(mpi_comm, c_comm, device, wire=wire != _C.NO_WIRE,
                               hierarchical=hier_comms is not None,
-                              fault_tolerant=membership.enabled())
+                              fault_tolerant=fault_tolerant_mode.enabled())
     params = tuple(p for _, p in named)
     dtypes = [code_of(p.dtype, f"{argname}: parameter {n!r}") for n, p in named]
     if wire != _C.NO_WIRE:
@@ -71,7 +70,7 @@ def build_reducer(named, c_comm: _C.Comm, mpi_comm, *, blocking: bool, wire: int
     # Non-blocking staged buckets without a device communicator keep their
     # passes on the device and only relay the sums through the host.
     relay = (devcomm is None and staged and not blocking and wire == _C.NO_WIRE
-             and hier_comms is None and not membership.enabled())
+             and hier_comms is None and not fault_tolerant_mode.enabled())
     return (cls or GradientReducer).build(c_comm, params, dtypes, caps[0], caps[1],
                                           blocking=blocking, wire=wire, staged=staged, name=name,
                                           hier_comms=hier_comms, devcomm=devcomm, relay=relay)

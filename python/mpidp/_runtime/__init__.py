@@ -2,4 +2,4 @@
 communicator argument (mpi), settings (config), launcher detection
 (launch), topology, the ranks' agreements and consistency checks, argument
 checks, dtype codes, parameter helpers, and fault-tolerant mode's state and
-per-step agreements (membership)."""
+per-step agreements (fault_tolerant_mode)."""

@@ -48,7 +48,7 @@ def _describe(module) -> list[str]:
     return described
 
 
-def _ranks_named(c_comm, named) -> list[int]:
+def ranks_named(c_comm, named) -> list[int]:
     """Every rank learns which ranks any rank named (one small allreduce)."""
     flags = torch.zeros(c_comm.size, dtype=torch.float64)
     for r in named:
@@ -59,7 +59,7 @@ def _ranks_named(c_comm, named) -> list[int]:
 
 def _ranks_flagged(c_comm, flagged: bool) -> list[int]:
     """Every rank learns which ranks raised a flag."""
-    return _ranks_named(c_comm, [c_comm.rank] if flagged else [])
+    return ranks_named(c_comm, [c_comm.rank] if flagged else [])
 
 
 def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | None = None) -> None:

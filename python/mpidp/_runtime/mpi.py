@@ -164,7 +164,7 @@ _install_abort_on_uncaught_exception()
 _duplicates: "weakref.WeakKeyDictionary[MPI.Comm, _C.Comm]" = weakref.WeakKeyDictionary()
 _world: _C.Comm | None = None
 # The job's ranks: MPI.COMM_WORLD, or in fault-tolerant mode, after ranks
-# were lost, the survivors' communicator (mpidp/fault_tolerance/__init__.py).
+# were lost, the survivors' communicator (mpidp/fault_tolerance/recovery.py).
 _world_mpi: MPI.Intracomm = MPI.COMM_WORLD
 
 
@@ -222,7 +222,7 @@ def replace_world(survivors: MPI.Intracomm) -> None:
 # Fault-tolerant mode: the mpi4py communicators mpidp made from the world
 # (the world itself, topology's splits, the algorithms' node groups). A rank
 # that goes to recovery revokes them with the core's own duplicates, so that
-# no survivor is left waiting in a call on one of them (mpidp/fault_tolerance/__init__.py).
+# no survivor is left waiting in a call on one of them (mpidp/fault_tolerance/__init__.py, the rule).
 # (Weakly held: a communicator the program dropped needs no revoking. mpi4py's
 # communicators are not hashable, hence a list.)
 _revocable: "list[weakref.ref]" = []

@@ -1,14 +1,17 @@
-"""The training algorithms, one module each, on the driver interface
-(driver.py): DataParallel and its optimizer, DataParallelMultiGPU, DASO,
-the model averagers (LocalSGD), SlowMo, DiLoCo, SparseLoCo, DeMo, and
-Bagua's family with with_bagua (bagua.py). The package's own names are
-Bagua's algorithm classes (`mpidp.algorithms.GradientAllReduceAlgorithm`,
-...), as before."""
+"""The training algorithms: driver.py (the interface every algorithm
+implements) and one module per algorithm -- DataParallel (data_parallel)
+and its optimizer (optimizer), DataParallelMultiGPU, DASO, the model
+averagers (averaging: LocalSGD), SlowMo, DiLoCo, SparseLoCo, DeMo, QAdam,
+the decentralized ones and asynchronous averaging -- with Bagua's API in
+bagua/ (with_bagua, the base class, the adapters of the algorithms that
+have a public class of their own). The package's own names are Bagua's
+algorithm classes (`mpidp.algorithms.GradientAllReduceAlgorithm`, ...)."""
 
-from .bagua_family import (Algorithm, AsyncModelAverageAlgorithm, ByteGradAlgorithm,
-                           DecentralizedAlgorithm, DiLoCoAlgorithm, GradientAllReduceAlgorithm,
-                           LocalSGDAlgorithm, LowPrecisionDecentralizedAlgorithm, QAdamAlgorithm,
-                           QAdamOptimizer, SlowMoAlgorithm, SparseLoCoAlgorithm)
+from .async_average import AsyncModelAverageAlgorithm
+from .bagua import (Algorithm, ByteGradAlgorithm, DiLoCoAlgorithm, GradientAllReduceAlgorithm,
+                    LocalSGDAlgorithm, SlowMoAlgorithm, SparseLoCoAlgorithm)
+from .decentralized import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
+from .qadam import QAdamAlgorithm, QAdamOptimizer
 
 __all__ = ["Algorithm", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "QAdamAlgorithm",
            "QAdamOptimizer", "DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm",

@@ -28,14 +28,14 @@ from typing import Any, Dict
 import torch
 
 from .. import _C
-from .algorithm import Algorithm
+from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_choice, check_int
 from .._runtime.consistency import check_every, ranks_range
 from .driver import Driver
 from .._runtime.mpi import communicator, resolve_comm
-from .._runtime.params import remove_handles
+from .._runtime.hook_handles import remove_handles
+from .._runtime.model_checks import float32_cpu_trainable
 from .data_parallel import DataParallel
-from .decentralized import _trainable
 
 __all__ = ["AsyncModelAverageAlgorithm"]
 
@@ -54,7 +54,7 @@ class _AsyncHandle(Driver):
 
     def __init__(self, algorithm: "AsyncModelAverageAlgorithm", module, optimizers, comm):
         self.module, self.comm = module, comm
-        self.params = tuple(_trainable(module))
+        self.params = tuple(float32_cpu_trainable(module))
         self.interval_s = algorithm.sync_interval_ms / 1000.0
         self.warmup_steps = algorithm.warmup_steps
         self.step = 0              # steps of the first optimizer (Bagua's counter)

@@ -5,7 +5,7 @@
 the same `step` counter, the same parameters averaged on the same steps, to
 the same values), with an mpi4py communicator as `process_group` and
 mpidp's allreduce underneath. When to average is the core's averaging
-schedule (mpidp/avgsched.h), shared with SlowMo and DiLoCo.
+schedule (mpidp/averaging_schedule.h), shared with SlowMo and DiLoCo.
 
 One difference from torch, on purpose: torch averages only the parameters
 whose `.grad` is not None, and ranks that disagree on which those are post
@@ -21,11 +21,11 @@ from typing import Any, Dict, Iterable, List, Mapping
 import torch
 
 from .. import _C
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_int
 from .._runtime.consistency import check_same_step, param_group_settings, ranks_range
+from ..collectives.means import average_tensors, mean_over_ranks
 from .driver import set_up
-from .._runtime.params import flatten, write_back
 from .._runtime.mpi import MPI, as_mpi4py, resolve_comm, world, world_mpi
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
@@ -72,28 +72,6 @@ def average_parameters(params: Iterable[Any], process_group=None) -> None:
     average_tensors(chosen, comm)
 
 
-def average_tensors(tensors: List[torch.Tensor], comm: _C.Comm) -> None:
-    """Every tensor becomes its mean over the ranks of `comm`, in place: one
-    flat buffer (mixed dtypes upcast), divided by the size, summed."""
-    if not tensors:
-        return
-    mean = mean_over_ranks(tensors, comm)
-    if membership.enabled() and comm is world():
-        # Taken by every rank or by none (the mean may hold a rank that died).
-        membership.agree_all_alive("model averaging", "no rank took the average")
-    write_back(mean, tensors)
-
-
-def mean_over_ranks(tensors: List[torch.Tensor], comm: _C.Comm) -> torch.Tensor:
-    """The tensors' means over the ranks of `comm`, flattened into one host
-    buffer (for write_back); the tensors are left as they are."""
-    flat = flatten(tensors)
-    flat /= comm.size
-    host = flat.cpu()
-    comm.allreduce(host, _C.OP_SUM, _C.NO_WIRE, False)
-    return host
-
-
 class ModelAverager:
     """The base of the averagers: `process_group` (an mpi4py communicator, or
     None for all ranks) and `step`, the number of average_parameters() calls
@@ -105,12 +83,12 @@ class ModelAverager:
         self.step = 0
         self._interrupted = None     # the parameters of an averaging a lost rank interrupted
         self._last_params: list = []    # those of the last average_parameters call
-        if membership.enabled():
+        if fault_tolerant_mode.enabled():
             if self._comm is not world():
                 raise NotImplementedError(
                     "process_group: in fault-tolerant mode the averagers average over every "
                     "rank of the job (process_group=None) only")
-            membership.participate(self)
+            fault_tolerant_mode.participate(self)
 
     def _continue_on(self, survivors) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): go on
@@ -122,7 +100,7 @@ class ModelAverager:
             average_parameters(self._interrupted, self.process_group)
             self._interrupted = None
             self.step += 1
-            membership.commit_step()
+            fault_tolerant_mode.commit_step()
         # The cut-short step's gradients are spent: a zero_grad() after the
         # step, which the exception skipped, must not find them added to.
         for p in _params_to_average(self._last_params):
@@ -151,7 +129,7 @@ class ModelAverager:
             average_parameters(params, group)
             self._interrupted = None
         self.step += 1
-        membership.commit_step()
+        fault_tolerant_mode.commit_step()
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -203,7 +181,7 @@ class HierarchicalModelAverager(ModelAverager):
         if periods != sorted(set(periods)):
             raise ValueError(f"period_group_size_dict: periods must be ascending, got {periods}")
         check_int("warmup_steps", warmup_steps, 0)
-        if membership.enabled():
+        if fault_tolerant_mode.enabled():
             raise NotImplementedError("HierarchicalModelAverager: fault-tolerant mode supports "
                                       "PeriodicModelAverager only so far")
         super().__init__(process_group)

@@ -22,7 +22,7 @@ import torch
 
 from .._runtime import config
 from .. import _C
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_dtype, check_int, check_real
 from .._runtime.dtypes import CODE_OF
 from .._runtime.consistency import (check_every, check_in_sync, param_group_settings,
@@ -30,7 +30,9 @@ from .._runtime.consistency import (check_every, check_in_sync, param_group_sett
 from .driver import Driver, wait_pending
 from .._runtime.mpi import MPI, communicator, revocable
 from .._engines.device_paramsync import DeviceParamSync
-from .._runtime.params import TrainableAtSetup, broadcast_state, broadcast_tensors, remove_handles
+from .._runtime.hook_handles import remove_handles
+from .._runtime.model_checks import TrainableAtSetup
+from .._runtime.state_broadcast import broadcast_state, broadcast_tensors
 from .._engines.progress import install_progress_hooks
 from .._engines.step_undo import StepUndo
 from .._runtime.topology import node_comm, nodes_are_even, topology
@@ -337,19 +339,19 @@ class DASO(Driver):
         self._trainable_at_setup.check()
         if self._joining:
             last = self._common_last
-        if not membership.enabled():
+        if not fault_tolerant_mode.enabled():
             self._step(last)
             return
         # Fault-tolerant mode: the step is a transaction -- the local step and
         # whatever syncs the schedule runs in it -- that every rank agrees on
         # at its end. A rank lost in it undoes it on every survivor, whose
         # state is then that of the last step all of them completed.
-        membership.raise_deferred()     # the node-local averaging saw a loss
+        fault_tolerant_mode.raise_deferred()     # the node-local averaging saw a loss
         before = self._transaction_state()
         try:
             self._step(last)
-            membership.step_boundary()
-        except membership.RanksLost:
+            fault_tolerant_mode.step_boundary()
+        except fault_tolerant_mode.RanksLost:
             self._undo(before)
             raise
 
@@ -409,7 +411,7 @@ class DASO(Driver):
     def load_algorithm_state(self, state: dict) -> None:
         self.load_state_dict(state)
 
-    # -- fault-tolerant mode (mpidp/fault_tolerance/__init__.py) ----------------------------------
+    # -- fault-tolerant mode (mpidp/fault_tolerance/) ---------------------------------------------
 
     def _transaction_state(self) -> tuple:
         """What a step changes, kept to undo it (the parameters and the local

@@ -12,22 +12,23 @@ import torch
 
 from .._runtime import config
 from .. import _C
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_real
 from .._runtime.dtypes import code_of, wire_code
 from .._runtime.consistency import check_every, check_in_sync
 from .driver import Driver
 from .._runtime.mpi import MPI, communicator
-from .._runtime.params import (broadcast_buffers, broadcast_state, check_module, name_list,
-                               remove_handles)
-from .._engines.loads import LoadWatch
+from .._runtime.hook_handles import remove_handles
+from .._runtime.model_checks import check_module, name_list
+from .._runtime.state_broadcast import broadcast_buffers, broadcast_state
+from .._engines.load_watch import LoadWatch
 from .._engines import module_hooks
 from .._engines.deferred_step import DeferredStep, bucket_members
-from .._engines.pending_reads import QuietParameters, unwatch, watch
+from .._engines.apply_on_read import QuietParameters, unwatch, watch
 from .._engines.reducer import build_reducer
-from .._engines.stale_reads import StaleReadDetector
+from .._engines.first_forward_watch import StaleReadDetector
 from .optimizer import DataParallelOptimizer
-from .wrapper_copy import reduce_wrapper
+from .driver import reduce_wrapper
 from .._runtime.topology import nodes_are_even, useful_hierarchy
 
 __all__ = ["DataParallel"]
@@ -84,7 +85,7 @@ def _apply_pending(wrapper_ref, buckets, module, _args) -> None:
 
 def _read_pending(wrapper_ref, params, value) -> None:
     """A read of a module's parameter `value` (None: of all of them) while an
-    update is due (_engines/pending_reads.py): inside the wrapper's forward the
+    update is due (_engines/apply_on_read.py): inside the wrapper's forward the
     parameter's bucket is applied now (weight tying through another module's
     attribute); anywhere else the whole update is."""
     wrapper = wrapper_ref()
@@ -127,10 +128,10 @@ def _before_optimizer_step(wrapper_ref, optimizer) -> None:
     # Fault-tolerant mode: the step is applied only if every rank lived through
     # it. One agreement per backward: it vouches for every gradient averaged
     # in it, so the other optimizers of the same step need none.
-    if wrapper.blocking_parameter_updates and membership.enabled():
+    if wrapper.blocking_parameter_updates and fault_tolerant_mode.enabled():
         backwards = wrapper._reducer.backwards
         if backwards != wrapper._backwards_agreed:
-            membership.step_boundary()
+            fault_tolerant_mode.step_boundary()
             wrapper._backwards_agreed = backwards
     if not wrapper._deferred.stepping:
         wrapper._refuse_outside_tensors(optimizer)
@@ -296,7 +297,7 @@ class DataParallel(torch.nn.Module, Driver):
         self._build_reducer(*self._caps)
         self._backwards_agreed = None    # fault-tolerant mode: the backward whose step was agreed
         # Loads on one rank only and optimizer settings that differ are found
-        # at the next training forwards (_engines/loads.py), also for plain torch
+        # at the next training forwards (_engines/load_watch.py), also for plain torch
         # optimizers stepped directly (DDP's pattern).
         self._loads = LoadWatch(c_comm, "DataParallel", self._params)
         self._loads.on_step = functools.partial(_before_optimizer_step, weakref.ref(self))
@@ -307,7 +308,7 @@ class DataParallel(torch.nn.Module, Driver):
         # optimizer -> (its groups' layout, the tensors it holds that no bucket holds)
         self._outside_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         # Non-blocking: the modules whose _parameters are watched, and those dicts
-        # (_engines/pending_reads.py).
+        # (_engines/apply_on_read.py).
         self._watched_modules, self._watched_params = [], []
         # The optimizer step (non-blocking: deferred to the next forward) has one owner.
         self._deferred = DeferredStep(self._reducer, self._params,
@@ -345,7 +346,7 @@ class DataParallel(torch.nn.Module, Driver):
         at the start of the forward (_engines/deferred_step.py), so only the inner
         model gets one: run directly, it applies a pending update first (the
         modules inside it read their parameters through the watched dicts,
-        _engines/pending_reads.py, when run directly themselves)."""
+        _engines/apply_on_read.py, when run directly themselves)."""
         index = {id(p): i for i, p in enumerate(self._params)}
         if self._reducer.device_resident:
             self._hook_handles.append(module_hooks.register(
@@ -363,7 +364,7 @@ class DataParallel(torch.nn.Module, Driver):
 
     def _watch_reads(self) -> None:
         """Reads of the parameters through the modules' API while an update is
-        due apply it first (_engines/pending_reads.py)."""
+        due apply it first (_engines/apply_on_read.py)."""
         self._bucket_of_param = {id(p): b for p, b in zip(self._params, self._param_bucket)}
         reader = functools.partial(_read_pending, weakref.ref(self))
         self._watched_modules = [m for m in self.module.modules()
@@ -400,7 +401,7 @@ class DataParallel(torch.nn.Module, Driver):
 
     def _share_buffers_and_check_loads(self) -> None:
         """Rank 0's buffers (broadcast_buffers), and a checkpoint loaded on one
-        rank only or optimizer settings that differ are found (_engines/loads.py)."""
+        rank only or optimizer settings that differ are found (_engines/load_watch.py)."""
         if self._joining or self._reducer.paused:
             return
         if self.broadcast_buffers:
@@ -484,7 +485,7 @@ class DataParallel(torch.nn.Module, Driver):
         return [opt for opt in (ref() for ref in self._optimizer_refs) if opt is not None]
 
     def _forward_watching_reads(self, inputs, kwargs):
-        """The first forward that applies an update: see _engines/stale_reads.py."""
+        """The first forward that applies an update: see _engines/first_forward_watch.py."""
         deferred = self._deferred
         deferred.reads_checked = True
         params = self._params

@@ -11,15 +11,16 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .driver import set_up
 from .._runtime.mpi import MPI, communicator
-from .._runtime.params import broadcast_buffers, check_module
+from .._runtime.model_checks import check_module
+from .._runtime.state_broadcast import broadcast_buffers
 from .daso import DASO
 from .data_parallel import DataParallel
 from ..collectives.process_groups import init_process_group, node_process_group
 from .._runtime.topology import node_comm, topology
-from .wrapper_copy import reduce_wrapper
+from .driver import reduce_wrapper
 
 __all__ = ["DataParallelMultiGPU"]
 
@@ -90,7 +91,7 @@ class DataParallelMultiGPU(torch.nn.Module):
         # Not a submodule of the wrapper (self.module holds it, under DDP).
         object.__setattr__(self, "_user_module", module)
         self._broadcast_buffers = broadcast_buffers
-        if membership.enabled() and node_default:
+        if fault_tolerant_mode.enabled() and node_default:
             raise NotImplementedError(
                 "DataParallelMultiGPU: in fault-tolerant mode mpidp makes torch.distributed's "
                 "default group (over the whole job, made again over the survivors after a "
@@ -99,7 +100,7 @@ class DataParallelMultiGPU(torch.nn.Module):
             warnings.warn("DataParallelMultiGPU: one rank per node, so there is no node-local "
                           "data parallelism; DASO syncs the nodes only", stacklevel=2)
         first = next(module.parameters(), None)
-        if membership.enabled() and first is not None and first.device.type != "cpu":
+        if fault_tolerant_mode.enabled() and first is not None and first.device.type != "cpu":
             raise NotImplementedError(
                 "DataParallelMultiGPU: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) runs DASO on "
                 "host (CPU) parameters so far: its node-local DDP on GPUs goes through NCCL, "
@@ -275,7 +276,7 @@ def _mpi_allreduce_mean(state: _NodeMean, bucket):
     except _C.RanksLost as lost:
         # Raised here, torch would hand the loop a RuntimeError: DASO.step()
         # raises it instead, and the step is discarded.
-        membership.defer(lost)
+        fault_tolerant_mode.defer(lost)
     tensor.div_(state.n)
     done = torch.futures.Future()
     done.set_result(tensor)

@@ -32,32 +32,25 @@ own (3x the model's memory).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 
 from .. import _C
 from .._engines import kernels
 from .._engines import module_hooks
-from .algorithm import Algorithm
+from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_choice, check_int
-from .._runtime.consistency import _ranks_named, check_every, check_in_sync, check_same_step
+from .._runtime.consistency import check_every, check_in_sync, check_same_step, ranks_named
 from .driver import Driver
 from .._runtime.mpi import communicator, resolve_comm
-from .._runtime.params import flatten, remove_handles, write_back
+from .._runtime.flat_buffers import flatten, write_back
+from .._runtime.hook_handles import remove_handles
+from .._runtime.model_checks import float32_cpu_trainable
 from ..collectives.tensors import allgather, allreduce_agreed, reduce_scatter_agreed
 from .._runtime.topology import useful_hierarchy
 
 __all__ = ["DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm"]
-
-
-def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        if p.device.type != "cpu" or p.dtype != torch.float32:
-            raise TypeError(f"module: decentralized algorithms average float32 CPU parameters, "
-                            f"got {p.dtype} on {p.device}")
-    return params
 
 
 class _Workers:
@@ -94,7 +87,7 @@ class _DecentralizedHandle(Driver):
 
     def __init__(self, module, comm, hierarchical: bool, mode: str, interval: int):
         self.module, self.mode, self.interval = module, mode, interval
-        self.params = _trainable(module)
+        self.params = float32_cpu_trainable(module)
         self.workers = _Workers(comm, hierarchical, "DecentralizedAlgorithm")
         if mode == "shift_one" and self.workers.size > 1 and self.workers.size % 2:
             raise ValueError(f"peer_selection_mode: 'shift_one' pairs the workers and needs an "
@@ -190,7 +183,7 @@ class _LowPrecisionHandle(Driver):
 
     def __init__(self, module, optimizers, comm, hierarchical: bool, interval: int):
         self.module, self.interval = module, interval
-        self.params = _trainable(module)
+        self.params = float32_cpu_trainable(module)
         self.workers = _Workers(comm, hierarchical, "LowPrecisionDecentralizedAlgorithm")
         w, r = self.workers.size, self.workers.rank
         self.left, self.right = (r - 1) % w, (r + 1) % w
@@ -244,7 +237,7 @@ class _LowPrecisionHandle(Driver):
             owners.add(self.left)
         if theirs[-1][1] != mine[2]:
             owners.add(self.right)
-        flagged = _ranks_named(self.workers.world, [self.workers.world_ranks[r] for r in owners])
+        flagged = ranks_named(self.workers.world, [self.workers.world_ranks[r] for r in owners])
         if flagged:
             raise RuntimeError("LowPrecisionDecentralizedAlgorithm: the neighbours' copies of the "
                                f"weights of rank(s) {flagged} differ from their own after "

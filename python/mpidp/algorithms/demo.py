@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .. import _C
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_int, check_real
 from .._runtime.consistency import frozen_code
 from .driver import algorithms_over, set_up
@@ -86,7 +86,7 @@ class DeMo(torch.optim.Optimizer):
                     "shapes": [tuple(p.shape) for p in self._params]}
         self._communicator, _ = set_up(None, comm, "DeMo", settings)
         self._comm = self._communicator.c
-        if membership.enabled():
+        if fault_tolerant_mode.enabled():
             raise NotImplementedError("DeMo: fault-tolerant mode is not supported yet")
         with torch.no_grad():
             for p in self._params:

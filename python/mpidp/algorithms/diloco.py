@@ -11,7 +11,7 @@ inner steps in between), and can keep part of the local progress
 (`fragment_update_alpha`: x = (1 - α) θ_new + α x_local).
 
 The engines are the core's: the averaging schedule says when to send and
-apply (mpidp/avgsched.h), and one parameter sync per fragment (core
+apply (mpidp/averaging_schedule.h), and one parameter sync per fragment (core
 paramsync.c) holds θ, sends x - θ (compressed with `wire_dtype`) and writes
 the averaged outer gradient."""
 
@@ -22,26 +22,24 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .. import _C
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.dtypes import wire_code
 from .._runtime.consistency import check_same_step, frozen_code, param_group_settings
-from .driver import Driver, set_up, wait_pending
+from .driver import InnerStepContext, set_up, wait_pending
 from .._runtime.mpi import communicator, world
-from .._runtime.params import remove_handles, write_back
+from .._runtime.flat_buffers import write_back
+from .._runtime.model_checks import trainable_parameters
 from .._engines.progress import install_progress_hooks
-from .averaging import mean_over_ranks
+from ..collectives.means import mean_over_ranks
 
 __all__ = ["DiLoCo"]
 
 # Elements per MPI call of a fragment's sync (chunks are all posted at once).
 _CHUNK = 1 << 22
 
-def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]
 
-
-class DiLoCo(Driver):
+class DiLoCo(InnerStepContext):
     """with DiLoCo(model, inner_optimizer, outer_optimizer, sync_every) as diloco:
     train as usual, stepping `inner_optimizer`; the syncs happen after its steps.
 
@@ -122,7 +120,7 @@ class DiLoCo(Driver):
             rebuild="Build a new DiLoCo, its outer optimizer holding the parameters trainable "
                     "now, after such a change")
         self._comm = self._communicator.c
-        if membership.enabled() and (self._comm is not world() or fragment_sync_delay):
+        if fault_tolerant_mode.enabled() and (self._comm is not world() or fragment_sync_delay):
             raise NotImplementedError(
                 "DiLoCo: fault-tolerant mode supports syncs over every rank of the job "
                 "(comm=None) without fragment_sync_delay so far")
@@ -163,7 +161,7 @@ class DiLoCo(Driver):
             if not isinstance(frag, torch.nn.Module):
                 raise TypeError(f"model_fragments[{i}]: expected a torch.nn.Module, got "
                                 f"{type(frag).__name__}")
-            params = _trainable(frag)
+            params = trainable_parameters(frag)
             for p in params:
                 if id(p) in seen:
                     raise ValueError(f"model_fragments[{i}]: shares parameters with fragment "
@@ -173,7 +171,7 @@ class DiLoCo(Driver):
                     raise TypeError(f"model: DiLoCo syncs contiguous float32 CPU parameters, got "
                                     f"{p.dtype} on {p.device}")
             out.append(params)
-        own = {id(p) for p in _trainable(model)}
+        own = {id(p) for p in trainable_parameters(model)}
         missing = sum(1 for i in own if i not in seen)
         foreign = sum(1 for i in seen if i not in own)
         if missing or foreign:
@@ -182,22 +180,12 @@ class DiLoCo(Driver):
                              f"model's)")
         return out
 
-    # -- the context -------------------------------------------------------------
+    # -- the context (driver.InnerStepContext's __enter__/__exit__) ----------------
 
-    def __enter__(self) -> "DiLoCo":
-        if self._handles:
-            raise RuntimeError("DiLoCo: already entered")
-        # Another DiLoCo (or algorithm) of the model over the same communicator is
-        # detached: both would sync every turn.
-        self._claim(self.model, self._communicator)
-        self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
-        self._handles += install_progress_hooks(self.model, [p for f in self._fragments for p in f],
-                                                self._syncs)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        remove_handles(self._handles)
-        self._unclaim(self.model)
+    def _more_hooks(self) -> list:
+        # Progress of the syncs in flight during the next inner phase.
+        return install_progress_hooks(self.model, [p for f in self._fragments for p in f],
+                                      self._syncs)
 
     # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
@@ -208,9 +196,6 @@ class DiLoCo(Driver):
         for f in sorted(self._sent):
             if f not in self._received:
                 self._received[f] = [g.clone() for g in self._outer_gradient(f)]
-
-    def _remove_hooks(self) -> None:
-        self.__exit__(None, None, None)
 
     def _continue_on(self, survivors) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): θ
@@ -266,7 +251,7 @@ class DiLoCo(Driver):
             self._apply(due.apply_fragment)
         self._round_open = False
         self.step += 1
-        membership.commit_step()
+        fault_tolerant_mode.commit_step()
 
     def _outer_gradient(self, f: int) -> List[torch.Tensor]:
         """Completes fragment f's sync: θ - mean(x) over the ranks."""
@@ -283,8 +268,8 @@ class DiLoCo(Driver):
         grads = self._outer_gradient(f)
         buffers = self._buffers[f] if self._buffers is not None else []
         buffer_means = mean_over_ranks(buffers, self._comm) if buffers else None
-        if membership.enabled():
-            membership.agree_all_alive("DiLoCo outer sync", "no rank applied it")
+        if fault_tolerant_mode.enabled():
+            fault_tolerant_mode.agree_all_alive("DiLoCo outer sync", "no rank applied it")
         self._sent.discard(f)
         alpha = self.fragment_update_alpha
         local = [p.detach().clone() for p in params] if alpha > 0.0 else None

@@ -43,9 +43,11 @@ import torch
 
 from .._runtime.consistency import check_same_structure
 from .._runtime.mpi import Communicator, communicator
-from .._runtime.params import TrainableAtSetup, broadcast_state
-
-__all__ = ["Driver", "set_up", "wait_pending", "continue_on_survivors", "algorithms_over"]
+from .._runtime.hook_handles import remove_handles
+from .._runtime.model_checks import TrainableAtSetup
+from .._runtime.state_broadcast import broadcast_state
+__all__ = ["Driver", "InnerStepContext", "set_up", "wait_pending", "continue_on_survivors",
+           "algorithms_over", "WrapperCopy", "reduce_wrapper"]
 
 # The live drivers that claimed each module (weakly held: a dropped driver
 # gives its claim up with it).
@@ -90,7 +92,7 @@ def wait_pending(syncs: Iterable[Any]) -> None:
 
 def continue_on_survivors(*old_worlds) -> None:
     """Fault-tolerant mode, after the world shrank to the survivors
-    (mpidp/fault_tolerance/__init__.py): every live driver over an old world
+    (mpidp/fault_tolerance/recovery.py): every live driver over an old world
     is set up again over the new one (`_continue_on`), or, where its
     algorithm cannot go on, detached with the reason (using it raises).
     Several old worlds: a recovery that started over (a rank lost during the
@@ -134,10 +136,10 @@ def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
 def _refuse_without_fault_tolerance(driver: "Driver") -> None:
     """In fault-tolerant mode, an algorithm that cannot go on after a rank is
     lost is refused when it is set up, not found out at the first failure."""
-    from .._runtime import membership
+    from .._runtime import fault_tolerant_mode
     while driver._owner is not None and driver._owner() is not None:
         driver = driver._owner()
-    if membership.enabled() and type(driver)._continue_on is Driver._continue_on:
+    if fault_tolerant_mode.enabled() and type(driver)._continue_on is Driver._continue_on:
         raise NotImplementedError(
             f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
             "with_bagua's GradientAllReduce, ByteGrad and QAdam, PeriodicModelAverager with "
@@ -281,3 +283,77 @@ class Driver(abc.ABC):
     def _unclaim(self, module: torch.nn.Module) -> None:
         """Give `module` up without being detached (a context left: DiLoCo)."""
         _CLAIMS[module] = [r for r in _CLAIMS.get(module, ()) if r() is not self and r() is not None]
+
+
+class InnerStepContext(Driver):
+    """A driver that runs as a context around an inner optimizer (DiLoCo,
+    SparseLoCo): entering claims `self.model` over `self._communicator` and
+    hooks `self.inner_optimizer`'s step (`_after_inner_step`) and whatever
+    `_more_hooks()` returns; leaving removes them and gives the model up
+    (detaching leaves too). Subclasses start `self._handles` empty."""
+
+    def __enter__(self):
+        if self._handles:
+            raise RuntimeError(f"{self.what}: already entered")
+        # Another algorithm of the model over the same communicator is
+        # detached: both would sync every turn.
+        self._claim(self.model, self._communicator)
+        self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
+        self._handles += self._more_hooks()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        remove_handles(self._handles)
+        self._unclaim(self.model)
+
+    def _more_hooks(self) -> list:
+        """Hooks beyond the inner step's, installed on entering (none)."""
+        return []
+
+    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        raise NotImplementedError
+
+    def _remove_hooks(self) -> None:
+        self.__exit__(None, None, None)
+
+
+# -- what a copy of a wrapper is -------------------------------------------------------------
+#
+# copy.deepcopy(net) and torch.save(net) of a DataParallel, DataParallelMultiGPU,
+# SlowMoDistributedDataParallel or with_bagua module cannot carry its
+# communicators, buffers in flight and hooks (torch DDP's copies rebuild
+# themselves on the default process group; a copy that joined the averaging
+# would be collective on some ranks only). The copy is a WrapperCopy instead:
+# the copied model in `.module`, with nothing of mpidp on it, usable for
+# evaluation and inference (an EMA of the wrapper, a snapshot of the best model,
+# a saved checkpoint loaded elsewhere). A training forward of it raises, naming
+# the way to train the copy: wrap `copy.module` again.
+
+class WrapperCopy(torch.nn.Module):
+    """A copy of the wrapper named `copy_of`, holding the copied model in
+    `.module`; forward runs that model, outside training (eval() or
+    torch.no_grad())."""
+
+    def __init__(self, copy_of: str, module: torch.nn.Module, training: bool = True):
+        super().__init__()
+        self.copy_of = copy_of
+        self.module = module
+        self.train(training)
+
+    def forward(self, *inputs, **kwargs):
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"this is a copy of a mpidp.{self.copy_of} (copy.deepcopy, or torch.save and "
+                "torch.load), which does not communicate: a training forward of it would train "
+                "this rank's copy alone. Use it in eval() or under torch.no_grad(), or train the "
+                f"copy by wrapping its model again: mpidp.{self.copy_of}(copy.module, ...)")
+        return self.module(*inputs, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"copy_of={self.copy_of!r}"
+
+
+def reduce_wrapper(wrapper: torch.nn.Module, model: torch.nn.Module):
+    """The __reduce_ex__ of a wrapper of `model`: it pickles and copies as a
+    WrapperCopy of `model`."""
+    return WrapperCopy, (type(wrapper).__name__, model, wrapper.training)

@@ -31,13 +31,13 @@ import warnings
 
 import torch
 
-from .._runtime import membership
-from .algorithm import Algorithm
+from .._runtime import fault_tolerant_mode
+from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.consistency import check_same_step, param_group_settings
 from .driver import Driver
 from .._runtime.mpi import communicator, world
-from .._runtime.params import flatten, write_back
+from .._runtime.flat_buffers import flatten, write_back
 from ..collectives.tensors import allgather, allreduce_agreed, reduce_scatter_agreed
 from .data_parallel import DataParallel
 from .._runtime.topology import nodes_are_even, useful_hierarchy
@@ -100,7 +100,7 @@ class QAdamOptimizer(torch.optim.Adam):
         # parameters Adam stepped. In fault-tolerant mode the new moments go
         # into buffers of their own, written into the state once every rank
         # agreed; otherwise they are updated in place (no allocation a step).
-        transaction = membership.enabled()
+        transaction = fault_tolerant_mode.enabled()
         stepped = []
         for group in self.param_groups:
             b1 = group["betas"][0]
@@ -116,7 +116,7 @@ class QAdamOptimizer(torch.optim.Adam):
         if stepped:
             momenta = [m for *_, m in stepped]
             write_back(self._handle.average_momentum(flatten(momenta)), momenta)
-        membership.step_boundary()      # fault-tolerant mode: applied by every rank or none
+        fault_tolerant_mode.step_boundary()      # fault-tolerant mode: applied by every rank or none
         for p, state, group, moment in stepped:
             state["exp_avg"] = moment
             state["step"] += 1
@@ -133,7 +133,7 @@ class _QAdamHandle(Driver):
         self.module, self.opt, self.comm = module, optimizer, comm
         handle = communicator(comm)
         self._c_comm = handle.c
-        if membership.enabled() and handle.c is not world():
+        if fault_tolerant_mode.enabled() and handle.c is not world():
             raise NotImplementedError("QAdamAlgorithm: fault-tolerant mode supports it over every "
                                       "rank of the job (comm=None) so far")
         warming_up = optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps

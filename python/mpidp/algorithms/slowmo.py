@@ -14,7 +14,7 @@ ranks: each shard owner receives its shard of the parameters' world mean
 (a reduce-scatter with a count per rank), steps it, and the shards are
 gathered back (an allgatherv); that mean replaces the
 LocalSGD average on steps where both fall, as in fairscale. When to do what
-is the core's averaging schedule (mpidp/avgsched.h).
+is the core's averaging schedule (mpidp/averaging_schedule.h).
 
 With the SGP base (stochastic gradient push) the nodes do not average: after
 every step each node's master mixes its replica with its in-peers' of a
@@ -40,18 +40,19 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _C
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.consistency import check_same_step, param_group_settings
 from .driver import Driver
 from .._runtime.mpi import MPI, communicator, revocable, world as world_comm
-from .._runtime.params import broadcast_buffers, broadcast_tensors, flatten, write_back
-from .averaging import mean_over_ranks
+from .._runtime.flat_buffers import flatten, write_back
+from .._runtime.state_broadcast import broadcast_buffers, broadcast_tensors
+from ..collectives.means import mean_over_ranks
 from .data_parallel import DataParallel
 from .._engines.gossip import (DynamicDirectedExponentialGraph, GraphManager, MixingManager,
                                UniformMixing, mix)
 from .._runtime.topology import topology
-from .wrapper_copy import reduce_wrapper
+from .driver import reduce_wrapper
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
 
@@ -180,7 +181,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)})
         self._world, mpi = handle.c, handle.mpi
         world, rank = self._world.size, self._world.rank
-        if membership.enabled() and (sgp or self._world is not world_comm()):
+        if fault_tolerant_mode.enabled() and (sgp or self._world is not world_comm()):
             raise NotImplementedError(
                 "SlowMoDistributedDataParallel: fault-tolerant mode supports the LOCALSGD base "
                 "over every rank of the job (comm=None) so far")
@@ -204,7 +205,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self.slowmo_memory_efficient = bool(slowmo_memory_efficient)
         self.slowmo_num_shards = min(world, slowmo_num_shards)
         # Shards of θ and u would die with their owners in fault-tolerant mode.
-        self._sharded = self.slowmo_memory_efficient and not membership.enabled()
+        self._sharded = self.slowmo_memory_efficient and not fault_tolerant_mode.enabled()
         self.num_updates = 0
         self._round = None   # fault-tolerant mode: the perform_slowmo under way (_continue_on)
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -365,8 +366,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
                 replica = self._averaged_replicas()      # an exact average before the slow step
             slow = self._slow_step(optimizer, replica)
             replica = slow[2]
-        if membership.enabled() and (due.average or due.slow_step):
-            membership.agree_all_alive("SlowMo's averaging", "no rank applied it")
+        if fault_tolerant_mode.enabled() and (due.average or due.slow_step):
+            fault_tolerant_mode.agree_all_alive("SlowMo's averaging", "no rank applied it")
         if slow is not None:
             self._theta, self._u = slow[0], slow[1]
         if replica is not None:
@@ -374,7 +375,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self._round = None
         self.num_updates += 1
         if commit:
-            membership.commit_step()
+            fault_tolerant_mode.commit_step()
 
     def _averaged_replicas(self) -> torch.Tensor:
         """The nodes' mean replica, flat: node masters average over the nodes;
@@ -435,7 +436,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             return theta, u, gathered
         return theta, u, theta
 
-    # -- fault-tolerant mode (mpidp/fault_tolerance/__init__.py) ------------------------------
+    # -- fault-tolerant mode (mpidp/fault_tolerance/) -----------------------------------------
 
     def _continue_on(self, survivors) -> None:
         """After a rank was lost (mpidp.recover()): the nodes are made again

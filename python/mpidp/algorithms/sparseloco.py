@@ -19,13 +19,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .._runtime import membership
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_choice, check_int, check_real
 from .._runtime.consistency import frozen_code
-from .driver import Driver, set_up
+from .driver import InnerStepContext, set_up
 from .._engines.ef_wire import Wire
-from .._runtime.params import remove_handles, write_back
-from .averaging import mean_over_ranks
+from .._runtime.flat_buffers import write_back
+from ..collectives.means import mean_over_ranks
 from .. import _C
 
 __all__ = ["SparseLoCo"]
@@ -33,7 +33,7 @@ __all__ = ["SparseLoCo"]
 _MEANS = ("chosen", "all")
 
 
-class SparseLoCo(Driver):
+class SparseLoCo(InnerStepContext):
     """with SparseLoCo(model, inner_optimizer, sync_every) as sparseloco:
     train as usual, stepping `inner_optimizer`; the syncs happen after its steps.
 
@@ -114,7 +114,7 @@ class SparseLoCo(Driver):
             model, comm, "SparseLoCo", settings=self._settings_dict(),
             rebuild="Build a new SparseLoCo after such a change")
         self._comm = self._communicator.c
-        if membership.enabled():
+        if fault_tolerant_mode.enabled():
             raise NotImplementedError("SparseLoCo: fault-tolerant mode is not supported yet")
         self._buffers = ([b for b in model.buffers() if b.is_floating_point()]
                          if sync_buffers else [])
@@ -156,18 +156,7 @@ class SparseLoCo(Driver):
         """Bytes this rank sends at each sync (what each other rank receives from it)."""
         return self._wire.bytes_sent
 
-    # -- the context -------------------------------------------------------------
-
-    def __enter__(self) -> "SparseLoCo":
-        if self._handles:
-            raise RuntimeError("SparseLoCo: already entered")
-        self._claim(self.model, self._communicator)
-        self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        remove_handles(self._handles)
-        self._unclaim(self.model)
+    # -- the context: driver.InnerStepContext's __enter__/__exit__ ---------------
 
     # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
@@ -178,9 +167,6 @@ class SparseLoCo(Driver):
         for its turn."""
         if self._wire.in_flight:
             self._received = self._decode()
-
-    def _remove_hooks(self) -> None:
-        self.__exit__(None, None, None)
 
     def algorithm_state(self) -> Dict[str, Any]:
         return self.state_dict()

@@ -11,6 +11,7 @@ docs/torch-distributed.md."""
 
 from ._process_group import ProcessGroupMPIDP
 from ._registration import register
+from . import _shrink  # noqa: F401 -- registers shrunk_backend with the C++ backend
 
 register()
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from .._runtime import mpi as _mpi
 from .._runtime.agreement import agree, crc_of
 from .._runtime.mpi import MPI, revocable
-from ..fault_tolerance import deadline
+from ..fault_tolerance.deadline import deadline
+from . import _registration
 from ._registration import backend_over
 
 
@@ -67,3 +68,10 @@ def _survivors(parent, remaining, excluded, timeout_s: float):
             f"shrink_group: group rank(s) {failed_too} failed too; exclude them as well "
             f"(excluded: {excluded})")
     return comm
+
+
+# The C++ backend's shrink() calls shrunk_backend through its own module
+# (csrc/torch/c10d_backend.cpp): registered from here, so the extension
+# imports no Python layer above it.
+if _registration._c10d is not None:
+    _registration._c10d.shrunk_backend = shrunk_backend

@@ -1,7 +1,8 @@
 """Collectives over MPI for tensors and models, below the algorithms: the
 tensor operations (`mpidp.allreduce`, `allgather`, `broadcast`, ...; the
-names of the former module mpidp.collectives), broadcasts of a model's
-parameters and an optimizer's state (model_state), Heat's communicator
+names of the former module mpidp.collectives), means of tensors over the
+ranks as the averaging algorithms take them (means), broadcasts of a
+model's parameters and an optimizer's state (model_state), Heat's communicator
 (communication) and torch.distributed process groups built from MPI
 (process_groups)."""
 

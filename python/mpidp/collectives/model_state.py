@@ -12,8 +12,7 @@ import torch
 from .._runtime.agreement import agree, crc_of
 from .tensors import check_root
 from .._runtime.mpi import resolve_comm
-from .._runtime.params import broadcast_tensors
-
+from .._runtime.state_broadcast import broadcast_tensors
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
 

@@ -43,7 +43,7 @@ import torch
 from ... import _C
 from ..._runtime.consistency import check_same_structure
 from ..._runtime.mpi import resolve_comm
-from ..._runtime.params import remove_handles
+from ..._runtime.hook_handles import remove_handles
 from ..._engines.reducer import GradientReducer, build_reducer
 from .. import _basics, _controller, _timeline
 from .._basics import global_process_set

@@ -1,10 +1,10 @@
 /* Equality of two DASO schedule actions, shared by the schedule's C tests
- * (test_schedule_fuzz.c) and its fuzz harness (tests/fuzz/fuzz_schedule.c
+ * (test_daso_schedule_fuzz.c) and its fuzz harness (tests/fuzz/fuzz_schedule.c
  * includes it by path). */
 #ifndef MPIDP_TEST_SCHEDULE_ACTIONS_H
 #define MPIDP_TEST_SCHEDULE_ACTIONS_H
 
-#include "mpidp/schedule.h"
+#include "mpidp/daso_schedule.h"
 
 /* 1 when every field of a and b is equal. Field by field, because the struct
  * has padding between its int and int64_t fields that memcmp would compare. */

@@ -1,11 +1,11 @@
-/* Peer graphs (mpidp/peers.h): fairscale's phone books, written out by hand
+/* Peer graphs (mpidp/peer_graphs.h): fairscale's phone books, written out by hand
  * from its construction for small worlds; then, for every graph at every
  * world size 2..64, the properties a gossip round relies on: a worker's
  * out-peers and in-peers are the same count, s is an out-peer of r exactly
  * when r is an in-peer of s, nobody is its own peer, a dynamic graph cycles
  * through its whole phone book; Bagua's shift_one is a perfect matching of
  * the two halves with p(p(r)) = r. */
-#include "mpidp/peers.h"
+#include "mpidp/peer_graphs.h"
 #include "mpidp/status.h"
 #include "test.h"
 

@@ -1,10 +1,10 @@
-/* The DASO schedule state machine (see mpidp/schedule.h for the contract).
+/* The DASO schedule state machine (see mpidp/daso_schedule.h for the contract).
  *
  * Everything here is a pure function of the state and the event: no
  * allocation, no I/O, no MPI, no clock. Every entry point checks the whole state
  * first and changes it only after every check has passed, so a refused call
  * leaves nothing half done. */
-#include "mpidp/schedule.h"
+#include "mpidp/daso_schedule.h"
 
 #include "mpidp/status.h"
 #include "fail.h"

@@ -1,11 +1,11 @@
 /* The DASO schedule, epoch level: configuration, phases, the plateau detector
- * and the skip reductions. Per-batch traces are in test_schedule_batches.c,
- * the invariant fuzzer and validate() in test_schedule_fuzz.c.
+ * and the skip reductions. Per-batch traces are in test_daso_schedule_batches.c,
+ * the invariant fuzzer and validate() in test_daso_schedule_fuzz.c.
  *
  * Epoch traces are written as one string, one token per epoch: the phase
  * letter (w warmup, c cycling, d cooldown) and the (gs, ls, btw) in force
  * during that epoch, so a failure prints the whole trace side by side. */
-#include "mpidp/schedule.h"
+#include "mpidp/daso_schedule.h"
 #include "mpidp/status.h"
 #include "test.h"
 

@@ -12,19 +12,21 @@ from typing import Any, Dict, List
 import torch
 
 
+__all__ = ["Algorithm", "plain_setting"]
+
 _SKIP = object()
 
 
-def _plain(value):
+def plain_setting(value):
     """A setting as the ranks can compare it: numbers, strings, dtypes and
     their tuples as they are, a dict item by item, anything else (optimizers,
     modules, graphs) by its type's name or not at all."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return value
     if isinstance(value, (list, tuple)):
-        return tuple(_plain(v) for v in value)
+        return tuple(plain_setting(v) for v in value)
     if isinstance(value, dict):
-        return tuple((k, _plain(v)) for k, v in sorted(value.items()))
+        return tuple((k, plain_setting(v)) for k, v in sorted(value.items()))
     if isinstance(value, torch.optim.Optimizer):
         return _SKIP                 # its state may differ: rank 0's is broadcast
     return type(value).__name__
@@ -41,8 +43,8 @@ class Algorithm:
     def shared_settings(self) -> Dict[str, Any]:
         """What every rank must agree on (with_bagua compares it across
         ranks): the public attributes that are plain values."""
-        return {k: _plain(v) for k, v in vars(self).items() if not k.startswith("_")
-                and _plain(v) is not _SKIP}
+        return {k: plain_setting(v) for k, v in vars(self).items() if not k.startswith("_")
+                and plain_setting(v) is not _SKIP}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

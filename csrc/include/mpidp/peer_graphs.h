@@ -33,8 +33,8 @@
  *   RING_LR    the left and right neighbours r - 1 and r + 1 every
  *              iteration (LowPrecisionDecentralized's ring; one neighbour
  *              when n = 2, none when n = 1). */
-#ifndef MPIDP_PEERS_H
-#define MPIDP_PEERS_H
+#ifndef MPIDP_PEER_GRAPHS_H
+#define MPIDP_PEER_GRAPHS_H
 
 #include <stdint.h>
 
@@ -78,4 +78,4 @@ int mpidp_graph_book_len(const mpidp_graph_t *g, int *len);
 int mpidp_graph_peers(const mpidp_graph_t *g, int rank, int64_t t, int *out, int *n_out,
                       int *in, int *n_in);
 
-#endif /* MPIDP_PEERS_H */
+#endif /* MPIDP_PEER_GRAPHS_H */

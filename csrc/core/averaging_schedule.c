@@ -1,7 +1,7 @@
-/* The averaging schedule (mpidp/avgsched.h): a pure function of the config
+/* The averaging schedule (mpidp/averaging_schedule.h): a pure function of the config
  * and the step. Step arithmetic is done in uint64_t, where t + 1 + delay
  * cannot overflow for any t <= INT64_MAX. */
-#include "mpidp/avgsched.h"
+#include "mpidp/averaging_schedule.h"
 
 #include "mpidp/status.h"
 #include "fail.h"

@@ -8,7 +8,7 @@
  *   + or -     node-local gradient sync on / off for the next backward
  *   $          last batch: the epoch counter advanced
  *
- * The rules the expected strings are derived from (schedule.h):
+ * The rules the expected strings are derived from (daso_schedule.h):
  *   G  batch b is a global-sync batch when b % gs == 0 or b == last; it sends
  *      on group send_mod (then send_mod = (send_mod + 1) % n_groups) with
  *      btw' = min(btw, last - b); btw' == 0 is blocking.
@@ -16,7 +16,7 @@
  *      before any send of that batch.
  *   L  local sync for the next batch n: on when n is a G batch, when ls == 1,
  *      or while a send is still pending; else on iff n % ls == 0. */
-#include "mpidp/schedule.h"
+#include "mpidp/daso_schedule.h"
 #include "mpidp/status.h"
 #include "test.h"
 

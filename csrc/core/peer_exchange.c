@@ -1,5 +1,5 @@
-/* Peer exchange (see mpidp/peerx.h). */
-#include "mpidp/peerx.h"
+/* Peer exchange (see mpidp/peer_exchange.h). */
+#include "mpidp/peer_exchange.h"
 
 #include <limits.h>
 #include <stdio.h>

@@ -1,5 +1,5 @@
-/* Peer graphs (see mpidp/peers.h). */
-#include "mpidp/peers.h"
+/* Peer graphs (see mpidp/peer_graphs.h). */
+#include "mpidp/peer_graphs.h"
 
 #include <stddef.h>
 #include <string.h>

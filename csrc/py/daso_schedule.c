@@ -1,4 +1,4 @@
-/* mpidp._C.Schedule: DASO's schedule (csrc/core/schedule.c) for Python.
+/* mpidp._C.Schedule: DASO's schedule (csrc/core/daso_schedule.c) for Python.
  *
  * A thin wrapper: the state machine decides everything; this file converts
  * arguments, actions and the checkpointable state. The state travels as a
@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <structmember.h>
 
-#include "mpidp/schedule.h"
+#include "mpidp/daso_schedule.h"
 #include "mpidp/status.h"
 
 typedef struct {

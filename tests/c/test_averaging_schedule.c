@@ -1,11 +1,11 @@
-/* The averaging schedule (mpidp/avgsched.h) against the timings of the
+/* The averaging schedule (mpidp/averaging_schedule.h) against the timings of the
  * implementations it follows: torch's PeriodicModelAverager and
  * HierarchicalModelAverager (the steps torch's own tests expect), fairscale's
  * LocalSGD + SlowMo counting, and torchft's Streaming DiLoCo fragments.
  *
  * Traces are one character per step 0, 1, 2, ..: '.' nothing, a digit the
  * level averaged, 'S' a slow step ('s' with an average at level 0 as well). */
-#include "mpidp/avgsched.h"
+#include "mpidp/averaging_schedule.h"
 #include "mpidp/status.h"
 #include "test.h"
 

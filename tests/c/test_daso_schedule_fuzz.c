@@ -1,9 +1,9 @@
 /* The DASO schedule under long pseudo-random runs, checked step by step
  * against its invariants with an independent shadow of the pending sync, plus
  * validate() against corrupted states and the checkpoint round trip. */
-#include "mpidp/schedule.h"
+#include "mpidp/daso_schedule.h"
 #include "mpidp/status.h"
-#include "schedule_actions.h"
+#include "daso_schedule_actions.h"
 #include "test.h"
 
 #include <stddef.h>

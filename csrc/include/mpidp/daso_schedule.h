@@ -38,8 +38,8 @@
  * pointers (mpidp_schedule_t), so a checkpoint can store it field by field
  * (MPIDP_SCHEDULE_FIELDS lists them) and restore it exactly; after restoring,
  * mpidp_schedule_validate() says whether the result is internally consistent. */
-#ifndef MPIDP_SCHEDULE_H
-#define MPIDP_SCHEDULE_H
+#ifndef MPIDP_DASO_SCHEDULE_H
+#define MPIDP_DASO_SCHEDULE_H
 
 #include <stdint.h>
 
@@ -279,4 +279,4 @@ int mpidp_schedule_batch(mpidp_schedule_t *s, int64_t batch, int64_t last_batch,
  * other value. */
 const char *mpidp_schedule_phase_name(int64_t phase);
 
-#endif /* MPIDP_SCHEDULE_H */
+#endif /* MPIDP_DASO_SCHEDULE_H */

@@ -1,45 +1,152 @@
-"""The replica algorithms as mpidp.algorithms, for with_bagua: LocalSGD
-(torch's post-local SGD), SlowMo (fairscale's), DiLoCo (torchft's) and
-SparseLoCo (its authors' reference), with
-their upstream arguments, so that any algorithm of the family can follow any
-other mid-training::
+"""Adapters: the Bagua algorithm classes of the algorithms that have a public
+class of their own (DataParallel, PeriodicModelAverager, SlowMo, DiLoCo,
+SparseLoCo), for with_bagua, with their upstream arguments, so that any
+algorithm of the family can follow any other mid-training::
 
     net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
     ...                                            # warm up with averaged gradients
     net = mpidp.with_bagua(net, [opt], mpidp.algorithms.DiLoCoAlgorithm(outer, sync_every=50))
 
+The rule of where an algorithm's Bagua class lives: an algorithm whose only
+API is Bagua's (QAdam, the decentralized ones, asynchronous averaging)
+keeps its class in its own module (mpidp/algorithms/<algorithm>.py); one
+with a public class of its own gets an adapter here, whose driver holds that
+class as its part (PartDriver).
+
 Each counts the steps of the first optimizer given to with_bagua (the inner
-optimizer) and runs its rule after each of them; the engines are those of
-PeriodicModelAverager, SlowMoDistributedDataParallel, DiLoCo and SparseLoCo, which
-these drivers hold as parts."""
+optimizer) and runs its rule after each of them."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from .algorithm import Algorithm, _plain
-from .._runtime.args import check_int
-from .driver import Driver
-from .._runtime.mpi import communicator
-from .._runtime.params import remove_handles
-from .averaging import PeriodicModelAverager
-from .data_parallel import DataParallel
-from .diloco import DiLoCo
-from .slowmo import SlowMoDistributedDataParallel
-from .sparseloco import SparseLoCo
+from ..._runtime.args import check_bool, check_int
+from ..._runtime.mpi import communicator
+from ..._runtime.hook_handles import remove_handles
+from ...collectives.model_state import broadcast_optimizer_state
+from ..averaging import PeriodicModelAverager
+from ..data_parallel import DataParallel
+from ..diloco import DiLoCo
+from ..driver import Driver
+from ..slowmo import SlowMoDistributedDataParallel
+from ..sparseloco import SparseLoCo
+from .algorithm import Algorithm, plain_setting
 
-__all__ = ["LocalSGDAlgorithm", "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm"]
+__all__ = ["GradientAllReduceAlgorithm", "ByteGradAlgorithm", "LocalSGDAlgorithm",
+           "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm", "PartDriver"]
 
 
-def _first_optimizer(optimizers, who: str) -> torch.optim.Optimizer:
+def first_optimizer(optimizers, who: str) -> torch.optim.Optimizer:
     if not optimizers:
         raise ValueError(f"optimizers: {who} runs after the steps of the first optimizer; pass "
                          "the optimizer that steps the model to with_bagua")
     return optimizers[0]
+
+
+class PartDriver(Driver):
+    """An adapter's driver: the algorithm's public class, built by `build()`
+    as this driver's part (its hooks, drain and detach are the part's), its
+    state the part's; `after_step(part, optimizer)`, where given, runs after
+    each step of `optimizer`."""
+
+    def __init__(self, what: str, module, comm, build: Callable[[], Driver],
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 after_step: Optional[Callable[[Driver, torch.optim.Optimizer], None]] = None):
+        self.what, self.module, self.comm = what, module, comm
+        with self._building_parts():
+            self.part = build()
+        self._handles = [] if after_step is None else [optimizer.register_step_post_hook(
+            lambda opt, _args, _kwargs: after_step(self.part, opt))]
+
+    def _remove_hooks(self) -> None:
+        remove_handles(self._handles)     # the part's own go with it, detached as a part
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return self.part.algorithm_state()
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        self.part.load_algorithm_state(state)
+
+
+class GradientDriver(PartDriver):
+    """The gradient reducer's algorithms: mpidp.DataParallel as the part,
+    with blocking updates (the user's own optimizers step as usual)."""
+
+    def __init__(self, what, module, optimizers, comm, wire_dtype, hierarchical: bool,
+                 average: bool):
+        super().__init__(what, module, comm, build=lambda: DataParallel(
+            module, comm, blocking_parameter_updates=True, wire_dtype=wire_dtype,
+            hierarchical=hierarchical))
+        self.optimizers = optimizers
+        self.dp = self.part
+        self.dp.set_average(average)
+
+    # The reducer keeps no state of its own: the messages name this algorithm.
+    algorithm_state = Driver.algorithm_state
+    load_algorithm_state = Driver.load_algorithm_state
+
+    @contextlib.contextmanager
+    def join(self, adopt_optimizer_state: bool = False):
+        """DataParallel.join() (uneven inputs); with adopt_optimizer_state
+        every rank then also takes the optimizer states of the rank that
+        trained longest."""
+        check_bool("adopt_optimizer_state", adopt_optimizer_state)
+        with self.dp.join():
+            yield
+        if adopt_optimizer_state:
+            for opt in self.optimizers:
+                broadcast_optimizer_state(opt, root=self.dp.join_root, comm=self.comm)
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode: the DataParallel underneath goes on over the
+        survivors (the failed step was applied by none of them)."""
+        self.dp._continue_on(comm)
+        self.comm = comm
+
+
+class _GradientAlgorithm(Algorithm):
+    """The gradient reducer's algorithms, which differ only in their wire
+    (_wire_dtype: None for float32) and in their defaults."""
+
+    _wire_dtype = None
+
+    def __init__(self, hierarchical: bool, average: bool):
+        check_bool("hierarchical", hierarchical)
+        check_bool("average", average)
+        self.hierarchical = hierarchical
+        self.average = average
+
+    def attach(self, module, optimizers, comm):
+        return GradientDriver(type(self).__name__, module, optimizers, comm, self._wire_dtype,
+                              self.hierarchical, self.average)
+
+
+class GradientAllReduceAlgorithm(_GradientAlgorithm):
+    """Gradients summed over the ranks every step (averaged with average=True),
+    in float32; hierarchical=True sums within each node first (every local rank
+    then carries 1/L of the bytes between nodes)."""
+
+    def __init__(self, hierarchical: bool = False, average: bool = True):
+        super().__init__(hierarchical, average)
+
+
+class ByteGradAlgorithm(_GradientAlgorithm):
+    """Gradients quantized to 8 bits (min-max blocks of 256, counted from each
+    block's minimum) for the sum over the ranks; with hierarchical=True (the
+    default, as Bagua's) the node sums in float32 first and only the
+    cross-node exchange is quantized.
+
+    average: divide the sum by the number of ranks (True) or keep the sum."""
+
+    _wire_dtype = torch.uint8
+
+    def __init__(self, hierarchical: bool = True, average: bool = True):
+        super().__init__(hierarchical, average)
 
 
 class _LocalSGDDriver(Driver):
@@ -47,7 +154,7 @@ class _LocalSGDDriver(Driver):
 
     def __init__(self, module, optimizers, comm, period: int, warmup_steps: int):
         self.module = module
-        self.optimizer = _first_optimizer(optimizers, self.what)
+        self.optimizer = first_optimizer(optimizers, self.what)
         handle = communicator(comm)
         self._claim(module, handle)
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -99,29 +206,6 @@ class LocalSGDAlgorithm(Algorithm):
         return _LocalSGDDriver(module, optimizers, comm, self.period, self.warmup_steps)
 
 
-class _SlowMoDriver(Driver):
-    what = "SlowMoAlgorithm"
-
-    def __init__(self, module, optimizers, comm, settings: Dict[str, Any]):
-        self.module = module
-        self.optimizer = _first_optimizer(optimizers, self.what)
-        with self._building_parts():
-            self.slowmo = SlowMoDistributedDataParallel(module, comm=comm, **settings)
-        self._handles = [self.optimizer.register_step_post_hook(self._after_step)]
-
-    def _after_step(self, optimizer, _args, _kwargs) -> None:
-        self.slowmo.perform_slowmo(optimizer)
-
-    def _remove_hooks(self) -> None:
-        remove_handles(self._handles)
-
-    def algorithm_state(self) -> Dict[str, Any]:
-        return self.slowmo.algorithm_state()
-
-    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
-        self.slowmo.load_algorithm_state(state)
-
-
 _SLOWMO_SETTINGS = [name for name in inspect.signature(SlowMoDistributedDataParallel).parameters
                     if name not in ("module", "comm")]
 
@@ -141,38 +225,17 @@ class SlowMoAlgorithm(Algorithm):
 
     def shared_settings(self) -> Dict[str, Any]:
         # Each of SlowMo's arguments on its own, so a difference is named by it.
-        return {k: _plain(v) for k, v in self.settings.items()}
+        return {k: plain_setting(v) for k, v in self.settings.items()}
 
     def __repr__(self) -> str:
         return f"SlowMoAlgorithm({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
 
     def attach(self, module, optimizers, comm):
-        return _SlowMoDriver(module, optimizers, comm, self.settings)
-
-
-class _DiLoCoDriver(Driver):
-    what = "DiLoCoAlgorithm"
-
-    def __init__(self, module, optimizers, comm, algorithm: "DiLoCoAlgorithm"):
-        self.module = module
-        inner = _first_optimizer(optimizers, self.what)
-        with self._building_parts():
-            self.diloco = DiLoCo(module, inner, algorithm.outer_optimizer, algorithm.sync_every,
-                                 comm, model_fragments=algorithm.model_fragments,
-                                 fragment_sync_delay=algorithm.fragment_sync_delay,
-                                 fragment_update_alpha=algorithm.fragment_update_alpha,
-                                 wire_dtype=algorithm.wire_dtype,
-                                 sync_buffers=algorithm.sync_buffers)
-            self.diloco.__enter__()
-
-    def _remove_hooks(self) -> None:
-        pass            # DiLoCo's own, detached as a part
-
-    def algorithm_state(self) -> Dict[str, Any]:
-        return self.diloco.state_dict()
-
-    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
-        self.diloco.load_state_dict(state)
+        return PartDriver(
+            "SlowMoAlgorithm", module, comm,
+            build=lambda: SlowMoDistributedDataParallel(module, comm=comm, **self.settings),
+            optimizer=first_optimizer(optimizers, "SlowMoAlgorithm"),
+            after_step=lambda slowmo, optimizer: slowmo.perform_slowmo(optimizer))
 
 
 class DiLoCoAlgorithm(Algorithm):
@@ -200,28 +263,12 @@ class DiLoCoAlgorithm(Algorithm):
         self.sync_buffers = sync_buffers
 
     def attach(self, module, optimizers, comm):
-        return _DiLoCoDriver(module, optimizers, comm, self)
-
-
-class _SparseLoCoDriver(Driver):
-    what = "SparseLoCoAlgorithm"
-
-    def __init__(self, module, optimizers, comm, algorithm: "SparseLoCoAlgorithm"):
-        self.module = module
-        inner = _first_optimizer(optimizers, self.what)
-        with self._building_parts():
-            self.sparseloco = SparseLoCo(module, inner, algorithm.sync_every, comm,
-                                         **algorithm.settings)
-            self.sparseloco.__enter__()
-
-    def _remove_hooks(self) -> None:
-        pass            # SparseLoCo's own, detached as a part
-
-    def algorithm_state(self) -> Dict[str, Any]:
-        return self.sparseloco.state_dict()
-
-    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
-        self.sparseloco.load_state_dict(state)
+        inner = first_optimizer(optimizers, "DiLoCoAlgorithm")
+        return PartDriver("DiLoCoAlgorithm", module, comm, build=lambda: DiLoCo(
+            module, inner, self.outer_optimizer, self.sync_every, comm,
+            model_fragments=self.model_fragments, fragment_sync_delay=self.fragment_sync_delay,
+            fragment_update_alpha=self.fragment_update_alpha, wire_dtype=self.wire_dtype,
+            sync_buffers=self.sync_buffers).__enter__())
 
 
 _SPARSELOCO_SETTINGS = [name for name, p in inspect.signature(SparseLoCo).parameters.items()
@@ -247,11 +294,14 @@ class SparseLoCoAlgorithm(Algorithm):
         self.settings = dict(settings)
 
     def shared_settings(self) -> Dict[str, Any]:
-        return {"sync_every": self.sync_every, **{k: _plain(v) for k, v in self.settings.items()}}
+        return {"sync_every": self.sync_every, **{k: plain_setting(v) for k, v in self.settings.items()}}
 
     def __repr__(self) -> str:
         args = [f"sync_every={self.sync_every}"] + [f"{k}={v!r}" for k, v in self.settings.items()]
         return f"SparseLoCoAlgorithm({', '.join(args)})"
 
     def attach(self, module, optimizers, comm):
-        return _SparseLoCoDriver(module, optimizers, comm, self)
+        inner = first_optimizer(optimizers, "SparseLoCoAlgorithm")
+        return PartDriver("SparseLoCoAlgorithm", module, comm,
+                          build=lambda: SparseLoCo(module, inner, self.sync_every, comm,
+                                                   **self.settings).__enter__())

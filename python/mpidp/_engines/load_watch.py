@@ -41,8 +41,7 @@ from .. import _C
 from . import module_hooks
 from .._runtime.consistency import (numbers_of, ranks_differing, refuse_different_settings,
                                     settings_hash)
-from .._runtime.params import remove_handles
-
+from .._runtime.hook_handles import remove_handles
 __all__ = ["LoadWatch"]
 
 

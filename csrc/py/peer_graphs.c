@@ -1,8 +1,8 @@
-/* _C.graph_peers / _C.graph_book_len: the peer graphs (core/peers.c) for
+/* _C.graph_peers / _C.graph_book_len: the peer graphs (core/peer_graphs.c) for
  * Python. Pure functions of (graph, rank, iteration), so there is no type. */
 #include "module.h"
 
-#include "mpidp/peers.h"
+#include "mpidp/peer_graphs.h"
 
 static PyObject *ranks_tuple(const int *r, int n)
 {
@@ -52,7 +52,7 @@ static PyObject *mod_graph_book_len(PyObject *m, PyObject *args)
 PyMethodDef mpidp_py_peers_functions[] = {
     {"graph_peers", mod_graph_peers, METH_VARARGS,
      "graph_peers(kind, world, peers_per_itr, rank, iteration) -> (out_peers, in_peers)\n"
-     "(mpidp/peers.h; kind: GRAPH_*)"},
+     "(mpidp/peer_graphs.h; kind: GRAPH_*)"},
     {"graph_book_len", mod_graph_book_len, METH_VARARGS,
      "graph_book_len(kind, world, peers_per_itr) -> the phone book's length (validates)"},
     {NULL, NULL, 0, NULL},

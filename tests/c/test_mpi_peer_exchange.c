@@ -1,6 +1,6 @@
 /* The peer exchange across real ranks (2, 3 and 4): each rank sends a
  * payload that names it and the iteration to the out-peers of a gossip graph
- * (mpidp/peers.h) and checks every byte received from each in-peer; messages
+ * (mpidp/peer_graphs.h) and checks every byte received from each in-peer; messages
  * in pieces; two exchanges in flight at once, waited for in opposite orders
  * on even and odd ranks; a full request table (nothing posted); bad peers;
  * and a peer that never sends (a timeout that names the exchange). */
@@ -9,8 +9,8 @@
 #include <string.h>
 
 #include "mpidp/mpiops.h"
-#include "mpidp/peers.h"
-#include "mpidp/peerx.h"
+#include "mpidp/peer_graphs.h"
+#include "mpidp/peer_exchange.h"
 #include "mpidp/status.h"
 #include "mpi_world.h"
 #include "test.h"

@@ -20,10 +20,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ...collectives.model_state import broadcast_optimizer_state
+from ..driver import Driver, reduce_wrapper, set_up
 from .algorithm import Algorithm
-from .driver import Driver, set_up
-from ..collectives.model_state import broadcast_optimizer_state
-from .wrapper_copy import reduce_wrapper
 
 __all__ = ["with_bagua", "BaguaModule"]
 

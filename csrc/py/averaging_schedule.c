@@ -1,9 +1,9 @@
-/* _C.avgsched_actions: the averaging schedule (core/avgsched.c) for Python.
+/* _C.avgsched_actions: the averaging schedule (core/averaging_schedule.c) for Python.
  * A pure function of the step and the settings, so there is no type: the
  * caller keeps the step (torch's `averager.step`). */
 #include "module.h"
 
-#include "mpidp/avgsched.h"
+#include "mpidp/averaging_schedule.h"
 
 /* avgsched_actions(step, *, warmup_steps=0, periods=(), count_from_warmup=False,
  *                  after_period=False, slow_every=0, slow_replaces_average=False,
@@ -67,6 +67,6 @@ PyMethodDef mpidp_py_avgsched_functions[] = {
      METH_VARARGS | METH_KEYWORDS,
      "avgsched_actions(step, *, warmup_steps, periods, count_from_warmup, after_period,\n"
      "slow_every, slow_replaces_average, n_fragments, fragment_every, fragment_delay)\n"
-     "-> AveragingActions after optimizer step `step` (mpidp/avgsched.h)."},
+     "-> AveragingActions after optimizer step `step` (mpidp/averaging_schedule.h)."},
     {NULL, NULL, 0, NULL},
 };

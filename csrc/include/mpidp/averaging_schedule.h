@@ -7,7 +7,7 @@
  * averagers expose it as `averager.step`, and checkpoints store it), so a
  * restored t gives exactly the actions the uninterrupted run would have
  * taken. Like the DASO schedule it never allocates, does no I/O and never
- * calls MPI: every decision is tested from C alone (tests/c/test_avgsched.c,
+ * calls MPI: every decision is tested from C alone (tests/c/test_averaging_schedule.c,
  * tests/fuzz/fuzz_avgsched.c).
  *
  * Base averaging. With origin = warmup_steps when count_from_warmup (torch's
@@ -31,8 +31,8 @@
  * is sent fragment_delay steps earlier (after step t - fragment_delay; the
  * same step when the delay is 0, sent before it is applied). Fragments ignore
  * warmup_steps and the base periods. */
-#ifndef MPIDP_AVGSCHED_H
-#define MPIDP_AVGSCHED_H
+#ifndef MPIDP_AVERAGING_SCHEDULE_H
+#define MPIDP_AVERAGING_SCHEDULE_H
 
 #include <stdint.h>
 
@@ -72,4 +72,4 @@ int mpidp_avgsched_config_validate(const mpidp_avgsched_config_t *cfg);
 int mpidp_avgsched_actions(const mpidp_avgsched_config_t *cfg, int64_t t,
                            mpidp_avgsched_actions_t *out);
 
-#endif /* MPIDP_AVGSCHED_H */
+#endif /* MPIDP_AVERAGING_SCHEDULE_H */

@@ -1,7 +1,7 @@
 /* Peer exchange: one buffer sent to each of a few peers and one buffer
  * received from each of a few (possibly other) peers, non-blocking -- the
  * communication of decentralized training (gossip, neighbour averaging),
- * whose peers change every iteration (mpidp/peers.h), so that MPI's
+ * whose peers change every iteration (mpidp/peer_graphs.h), so that MPI's
  * neighbourhood collectives, fixed at a communicator's creation, do not fit.
  *
  * Every rank of the communicator starts the exchanges on it in the same
@@ -16,8 +16,8 @@
  * deadlines and a stuck exchange is reported with what it waited for. The
  * table's slots are claimed before anything is posted, so MPIDP_EFULL leaves
  * nothing in flight. */
-#ifndef MPIDP_PEERX_H
-#define MPIDP_PEERX_H
+#ifndef MPIDP_PEER_EXCHANGE_H
+#define MPIDP_PEER_EXCHANGE_H
 
 #include <mpi.h>
 #include <stddef.h>
@@ -64,4 +64,4 @@ int mpidp_peerx_wait(mpidp_peerx_t *x, double timeout_s);
 /* Frees x. MPIDP_ESTATE (nothing freed) while a message is in flight. */
 int mpidp_peerx_free(mpidp_peerx_t *x);
 
-#endif /* MPIDP_PEERX_H */
+#endif /* MPIDP_PEER_EXCHANGE_H */

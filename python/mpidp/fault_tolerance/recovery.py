@@ -1,0 +1,213 @@
+"""recover(): after RanksLost, every survivor agrees on the ranks lost, shrinks
+the world to the survivors and sets every algorithm up again over them; a
+failure meanwhile starts the round over with the survivors of both."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Dict, NamedTuple, Tuple
+
+from .. import _C
+from .._runtime import fault_tolerant_mode
+from .._runtime import mpi as _mpi
+from .._runtime.fault_tolerant_mode import revoke_everything
+from .._runtime.mpi import MPI
+from .._runtime.topology import forget_splits
+from ..algorithms.driver import continue_on_survivors
+from ..collectives import process_groups as process_group
+from . import survivors as _survivors
+from .deadline import deadline
+from .replacements import spawn_replacements
+from .survivors import is_failure, lost_ranks, retire
+
+_state = fault_tolerant_mode._state
+
+
+class Membership(NamedTuple):
+    """The job after a recovery. `rank`, `size`: this rank's and the job's
+    now; `lost`: the ranks lost, numbered in the world before the recovery;
+    `previous_size`: the size before it; `generation`: how many recoveries
+    the job has been through; `comm`: the new world's mpi4py communicator
+    (for the program's own MPI calls; MPI.COMM_WORLD still holds the dead
+    ranks, though mpidp calls given it use the new world); `joined`: the
+    ranks of the replacements that joined (recover(replace=True))."""
+    rank: int
+    size: int
+    lost: Tuple[int, ...]
+    previous_size: int
+    generation: int
+    comm: MPI.Intracomm
+    joined: Tuple[int, ...] = ()    # the replacements' ranks (recover(replace=True))
+
+
+def recover(replace: bool = False) -> Membership:
+    """After RanksLost, on every survivor: agree on the ranks lost, shrink the
+    world to the survivors, set every algorithm that ran over the world up
+    again over them (completing, where the algorithm's rule says so, the
+    sync the loss interrupted). Should another rank fail meanwhile, it starts
+    over with the survivors of both. Returns the new Membership.
+
+    Every wait in it has a deadline (MPIDP_TIMEOUT): a survivor that never
+    comes to recover() ends the job, with a message, instead of leaving the
+    others waiting. An error taken for a failure that proves not to be one
+    (no rank lost) is settled by going on at the same size; one that keeps
+    recurring with no rank lost raises CommError here.
+
+    replace=True: grow back to the size before, as far as the launcher
+    allows: as many processes as were lost are spawned (MPI_Comm_spawn, the
+    same Python and command line), join at the end of the world and build
+    their model and algorithms as the script does (is_replacement() tells
+    them), whose set-up gives them rank 0's parameters; the loop then calls
+    share_state() on every rank for the rest of the training state."""
+    if not _state.enabled:
+        raise RuntimeError("recover: fault-tolerant mode is off (MPIDP_FAULT_TOLERANCE=1)")
+    cause = sys.exc_info()[1]       # the RanksLost being handled, if any
+    first_world = _mpi.world_mpi()
+    unexplained = None              # an error of the last rebuild that was no failure, yet
+    worlds = [first_world]          # every world this recovery has had (a round may fail)
+    while True:
+        times = {}
+        t0 = time.perf_counter()
+        revoke_everything()
+        old_world = _mpi.world_mpi()
+        if not _state.agreed:
+            with deadline("the survivors' agreement that a rank failed"):
+                try:
+                    _state.agree_comm.Agree(0)   # this round's agreement: every survivor is in it
+                except MPI.Exception:
+                    pass
+        _state.agreed = False
+        _state.deferred = None
+        _drain_core()
+        times["agreement"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        with deadline("shrinking the world to the survivors"):
+            survivors = _survivors.shrink(_state.agree_comm)
+        times["shrink"] = time.perf_counter() - t1
+        joined = ()
+        if replace and survivors.Get_size() < old_world.Get_size():
+            t_spawn = time.perf_counter()
+            with deadline("spawning the replacements"):
+                survivors, joined = spawn_replacements(
+                    survivors, old_world.Get_size() - survivors.Get_size())
+            times["spawn"] = time.perf_counter() - t_spawn
+        t2 = time.perf_counter()
+        try:
+            agree_comm = survivors.Dup()
+        except MPI.Exception as error:
+            if not is_failure(error):
+                raise
+            # A survivor died after the shrink agreed on it: again, with
+            # the survivors of both (the shrink's communicator serves).
+            retire(_state.agree_comm)
+            _state.agree_comm = survivors
+            _state.agreed = False
+            continue
+        retire(_state.agree_comm)
+        _state.agree_comm = agree_comm
+        _mpi.replace_world(survivors)
+        worlds.append(survivors)
+        forget_splits()
+        if unexplained is not None and survivors.Get_size() == old_world.Get_size():
+            raise unexplained      # no rank was lost after all: a defect, not a failure
+        unexplained = None
+        try:
+            if not _rebuild(survivors, worlds):
+                continue    # a rank failed during the rebuild: again, with the survivors of both
+        except _Unexplained as error:
+            unexplained = error.__cause__
+            continue        # the shrink tells whether a rank failed meanwhile
+        times["rebuild"] = time.perf_counter() - t2
+        break
+    _state.generation += 1
+    _state.times = times
+    lost = lost_ranks(first_world, survivors)
+    _state.fruitless = 0 if lost or joined else _state.fruitless + 1
+    if _state.fruitless >= _FRUITLESS_LIMIT:
+        raise _C.CommError(
+            f"recover on rank {survivors.Get_rank()}: {_state.fruitless} recoveries in a row "
+            "found no rank lost, so the MPI errors that started them are not failures of ranks"
+            + (f"; the last: {cause}" if cause is not None else ""))
+    return Membership(survivors.Get_rank(), survivors.Get_size(), lost,
+                      first_world.Get_size(), _state.generation, survivors, joined)
+
+
+# Recoveries in a row that found no rank lost (each started by an error taken
+# for a failure) after which recover() takes the error for what it is.
+_FRUITLESS_LIMIT = 3
+
+
+class _Unexplained(Exception):
+    """A rebuild failed with an error that is not MPI's word for a failure
+    (its cause): the next shrink tells whether a rank was lost."""
+
+
+def _rebuild(survivors: MPI.Intracomm, worlds) -> bool:
+    """Every algorithm and group set up again over `survivors`; then every
+    survivor agrees that each of them did. False (on every survivor alike)
+    when a rank failed meanwhile: a survivor that finished its part would
+    otherwise train on while another starts over.
+
+    A rank that dies in the middle of a collective may also leave the
+    others with data that is not an error of MPI's but is wrong all the
+    same (a pickled object cut short: UnpicklingError). Any error here
+    therefore starts the round over like a failure (_Unexplained); if the
+    shrink then finds no rank lost, recover() raises it for what it is."""
+    done, unexplained = True, None
+    try:
+        with deadline("rebuilding the algorithms over the survivors"):
+            process_group.continue_on(survivors)
+            continue_on_survivors(*worlds)
+            for obj in fault_tolerant_mode.participants():
+                obj._continue_on(survivors)
+    except Exception as error:    # noqa: BLE001 -- sorted here, re-raised when no rank failed
+        if not is_failure(error):
+            unexplained = error
+        revoke_everything()
+        done = False
+    with deadline("the survivors' agreement that the rebuild is complete"):
+        try:
+            done = bool(_state.agree_comm.Agree(int(done)))
+        except MPI.Exception:
+            done = False
+    # This round's agreement is behind every survivor: the next round starts
+    # at the shrink.
+    _state.agreed = not done
+    if unexplained is not None:
+        raise _Unexplained() from unexplained
+    return done
+
+
+def steps_committed() -> int:
+    """Training steps every rank agreed to apply since fault-tolerant mode
+    was turned on (one per step, however many optimizers it steps). After
+    recover(), the loop goes on from this step: the step in flight when a
+    rank died is not among them (non-blocking DataParallel: the step that
+    was due, which the loop had already passed)."""
+    return _state.committed
+
+
+def recovery_times() -> Dict[str, float]:
+    """Seconds of the last recover()'s phases: agreement (from the call to the
+    survivors agreeing that a rank failed), shrink and rebuild."""
+    return dict(_state.times)
+
+
+def _drain_core() -> None:
+    """Every request mpidp had in flight completes (with an error, on the
+    revoked communicators), so no buffer is left to MPI."""
+    # Each failed request ends the wait with its error (and frees its slot):
+    # wait again until a wait ends cleanly. At least one wait even with no
+    # request live: it runs the multi-stage engines (a quantized allreduce
+    # between stages), which fail on the revoked communicators and let go.
+    # A request that neither completes nor fails within MPIDP_TIMEOUT (one
+    # on a communicator nobody revoked) raises CommTimeout out of here.
+    while True:
+        try:
+            _C.finish_pending()
+            return
+        except _C.CommTimeout:
+            raise
+        except _C.CommError:
+            continue
