@@ -73,12 +73,10 @@ pytest-oldest-deps: setup
 pytest-ft: setup
 	@./scripts/test_fault_tolerance.sh
 
-# DataParallel's tests with the Python-level gradient hook: the path of builds
-# without the C++ hook (mpidp._grad_hook), and of GPU staging.
-DP_TESTS := tests/test_data_parallel.py tests/test_nonblocking.py tests/test_ddp_habits.py \
-	tests/test_rewrap.py tests/test_join.py tests/test_hierarchical.py
+# DataParallel's tests (their folder) with the Python-level gradient hook: the
+# path of builds without the C++ hook (mpidp._grad_hook), and of GPU staging.
 pytest-python-hook: setup
-	@MPIDP_GRAD_HOOK=python ./scripts/run_pytest.sh 2 $(DP_TESTS)
+	@MPIDP_GRAD_HOOK=python ./scripts/run_pytest.sh 2 tests/algorithms/data_parallel
 
 docs: setup
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html

@@ -16,10 +16,10 @@
 #
 #   setup    install the wheels, check that mpi4py runs on the Open MPI of the wheel
 #   build    mpidp with nvcc for this GPU; import it; its CUDA kernels must be usable
-#   kernels  tests/test_cuda_kernels.py: every CUDA kernel against the CPU reference, bit for bit
+#   kernels  tests/engines/test_cuda_kernels.py: every CUDA kernel against the CPU reference, bit for bit
 #   dp       DataParallel on CUDA tensors (blocking and non-blocking, fp32 and bf16/fp16 wire)
 #            against the single-process reference: at 1 rank on the device path (buckets
-#            summed by NCCL; tests/test_device_reduction.py insists on it), at 2 ranks on
+#            summed by NCCL; tests/algorithms/data_parallel/test_device_reduction.py insists on it), at 2 ranks on
 #            one GPU through the host staging path (NCCL needs a GPU per rank)
 #   daso     DASO on CUDA tensors (packed and merged on the GPU; the engine against the host
 #            one bit for bit) at 1 and 2 ranks, nodes of 1 and 2 ranks
@@ -162,11 +162,11 @@ check_wheels() {
 }
 
 # Files the steps run: a renamed test or script fails the dry run, not the GPU run.
-NEEDED=(setup.py tests/test_cuda_kernels.py tests/test_data_parallel.py tests/test_nonblocking.py
-        tests/test_compressed_allreduce.py tests/test_join.py tests/test_staging.py tests/test_daso.py
-        tests/test_device_reduction.py
-        scripts/gpu/daso_nccl.py scripts/gpu/c10d_cuda.py tests/test_c10d_collectives.py
-        tests/test_c10d_training.py benchmarks/bench_c10d.py scripts/run_pytest.sh scripts/mpirun.sh examples/imagenet_daso.py
+NEEDED=(setup.py tests/engines/test_cuda_kernels.py tests/algorithms/data_parallel/test_data_parallel.py tests/algorithms/data_parallel/test_nonblocking.py
+        tests/collectives/test_compressed_allreduce.py tests/algorithms/data_parallel/test_join.py tests/algorithms/data_parallel/test_staging.py tests/algorithms/daso/test_daso.py
+        tests/algorithms/data_parallel/test_device_reduction.py
+        scripts/gpu/daso_nccl.py scripts/gpu/c10d_cuda.py tests/c10d/test_c10d_collectives.py
+        tests/c10d/test_c10d_training.py benchmarks/bench_c10d.py scripts/run_pytest.sh scripts/mpirun.sh examples/imagenet_daso.py
         benchmarks/bench_pack.py benchmarks/bench_step.py scripts/gpu/profile_step.py)
 for f in "${NEEDED[@]}"; do [ -f "$f" ] || die "missing $f, which a step runs"; done
 
@@ -288,19 +288,19 @@ pytest_cuda() {  # pytest_cuda RANKS NAME FILES...: the reference tests on CUDA 
 }
 
 step_kernels() {
-    run 580 kernels "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py
+    run 580 kernels "$PY" -m pytest -q -rs -p no:cacheprovider tests/engines/test_cuda_kernels.py
 }
 
-DP_TESTS=(tests/test_data_parallel.py tests/test_nonblocking.py tests/test_compressed_allreduce.py
-          tests/test_join.py tests/test_staging.py tests/test_device_reduction.py)
+DP_TESTS=(tests/algorithms/data_parallel/test_data_parallel.py tests/algorithms/data_parallel/test_nonblocking.py tests/collectives/test_compressed_allreduce.py
+          tests/algorithms/data_parallel/test_join.py tests/algorithms/data_parallel/test_staging.py tests/algorithms/data_parallel/test_device_reduction.py)
 step_dp() {
     pytest_cuda 1 dp.1rank "${DP_TESTS[@]}"
     pytest_cuda 2 dp.2ranks "${DP_TESTS[@]}"
 }
 
 step_daso() {
-    pytest_cuda 1 daso.1rank tests/test_daso.py tests/test_device_paramsync.py
-    pytest_cuda 2 daso.2ranks tests/test_daso.py tests/test_device_paramsync.py
+    pytest_cuda 1 daso.1rank tests/algorithms/daso/test_daso.py tests/engines/test_device_paramsync.py
+    pytest_cuda 2 daso.2ranks tests/algorithms/daso/test_daso.py tests/engines/test_device_paramsync.py
     if [ $DRY = 1 ]; then
         run 300 daso.nccl ./scripts/mpirun.sh 2 "$PY" scripts/gpu/daso_nccl.py
     else
@@ -318,7 +318,7 @@ step_c10d() {
             --json | tee "$OUT/bench_c10d_cpu_2ranks.json"
     fi
     run 580 c10d.tests.2ranks env MPIDP_TEST_LIMIT=570 ./scripts/run_pytest.sh 2 \
-        tests/test_c10d_collectives.py tests/test_c10d_training.py
+        tests/c10d/test_c10d_collectives.py tests/c10d/test_c10d_training.py
 }
 
 step_example() {

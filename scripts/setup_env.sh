@@ -16,9 +16,9 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 PY=$VENV/bin/python
 TORCH_VERSION=2.13.0
-# Lightning: tests/test_c10d_lightning.py (its DDPStrategy on the "mpidp" backend); it
+# Lightning: tests/c10d/test_c10d_lightning.py (its DDPStrategy on the "mpidp" backend); it
 # accepts the torch above and leaves it in place. expecttest: torch's own distributed
-# test suite imports it (tests/test_torch_distributed_suite.py).
+# test suite imports it (tests/c10d/test_torch_distributed_suite.py).
 LIGHTNING_VERSION=2.6.6
 
 say() { printf '[setup] %s\n' "$*"; }

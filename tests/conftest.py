@@ -1,20 +1,26 @@
-"""pytest set-up shared by every test: the `serial` marker and, in an MPI run,
-aborting the whole job as soon as any rank fails a test (the other ranks would
-otherwise wait forever in the next collective)."""
+"""pytest set-up shared by every test: the shared references in tests/support
+on the import path, the `serial` marker and, in an MPI run, aborting the whole
+job as soon as any rank fails a test (the other ranks would otherwise wait
+forever in the next collective)."""
 
 import os
 import sys
 
 import pytest
 
+# The references and helpers every folder's tests import by name
+# (dp_reference, mpi_jobs, ...).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+
 # mpidp first, as in the README: it initialises MPI (with its settings, see
 # python/mpidp/_runtime/mpi.py) and its exit handling.
 import mpidp  # noqa: F401
 from mpi4py import MPI  # noqa: E402
 
-# tests/ft kill ranks of jobs run under ULFM (Open MPI 5): they run in their
-# own environment, scripts/test_fault_tolerance.sh (make pytest-ft).
-collect_ignore = [] if os.environ.get("MPIDP_FT_TESTS") else ["ft"]
+# tests/fault_tolerance/ulfm kill ranks of jobs run under ULFM (Open MPI 5):
+# they run in their own environment, scripts/test_fault_tolerance.sh (make
+# pytest-ft).
+collect_ignore = [] if os.environ.get("MPIDP_FT_TESTS") else ["fault_tolerance/ulfm"]
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()

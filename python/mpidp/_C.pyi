@@ -1,5 +1,5 @@
 """Type stub of mpidp._C, the C extension (csrc/py). Internal: the public API is
-the mpidp package. tests/test_c_stub.py checks that every name here exists in
+the mpidp package. tests/core/test_c_stub.py checks that every name here exists in
 the built extension and that the extension has no name missing here."""
 
 from typing import Any, Callable, NoReturn, Optional, Sequence, Tuple, TypedDict

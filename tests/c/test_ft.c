@@ -1,5 +1,5 @@
 /* mpidp/ft.h on an MPI without ULFM (the suite's Open MPI 4.1; under ULFM
- * it is exercised by tests/ft): nothing claims fault tolerance, no error is
+ * it is exercised by tests/fault_tolerance/ulfm): nothing claims fault tolerance, no error is
  * taken for a peer's failure, revoking is a no-op, tracking holds any number
  * of communicators; and the exit watchdog ends a process, with status 0, at
  * its time. */

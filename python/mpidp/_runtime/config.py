@@ -4,7 +4,7 @@ Each setting is declared once below, with its default, what values it takes
 and what it does; code asks `get(NAME)` instead of reading `os.environ`, so a
 bad value fails the same way everywhere (a ValueError naming the variable and
 what was expected) and the README's settings table can be checked against
-this list (tests/test_config.py). Values are read when asked for, not cached
+this list (tests/package/test_config.py). Values are read when asked for, not cached
 at import: a job may set them before it builds each wrapper, and the tests
 change them between cases.
 

@@ -49,7 +49,7 @@ def lost_ranks(old_world: MPI.Intracomm, survivors: MPI.Intracomm) -> Tuple[int,
 # Open MPI 5.0's MPI_Comm_free of a revoked communicator, where a rank died
 # during the recovery, corrupted the heap of every survivor ("malloc():
 # unsorted double linked list corrupted" at their next allocation) in 5 of 8
-# quiet runs of tests/ft's 4-rank kill in the agreement, 1 of 10 without it.
+# quiet runs of tests/fault_tolerance/ulfm's 4-rank kill in the agreement, 1 of 10 without it.
 # A communicator handle per recovery is what that costs.
 _retired: list = []
 

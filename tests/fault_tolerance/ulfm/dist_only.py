@@ -1,0 +1,30 @@
+"""A fault-tolerant program on torch.distributed alone (launched by
+tests/fault_tolerance/ulfm/test_fault_tolerance.py at 3 ranks): the "mpidp" default group made
+by dist.init_process_group, a dist.all_reduce of rank + 1 per step; launched
+rank 2 ends itself with SIGKILL at step 3, the survivors recover() and go on.
+Prints "done <launched rank> <the sums> <world size>"."""
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+import mpidp
+
+LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
+
+dist.init_process_group("mpidp")
+sums, step = [], 0
+while step < 6:
+    try:
+        if LAUNCHED_RANK == 2 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t = torch.full((4,), float(LAUNCHED_RANK + 1))
+        dist.all_reduce(t)
+        sums.append(t[0].item())
+        step += 1
+    except mpidp.RanksLost:
+        mpidp.recover()
+print(f"done {LAUNCHED_RANK} {sums} {dist.get_world_size()}", flush=True)

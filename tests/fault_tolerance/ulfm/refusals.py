@@ -1,0 +1,42 @@
+"""Run by tests/fault_tolerance/ulfm/test_fault_tolerance.py under ULFM: in fault-tolerant mode
+what cannot go on after a rank is lost is refused when it is set up, with a
+message naming it. Prints one line per check and "ALL REFUSED" at the end."""
+
+import torch
+
+import mpidp
+
+
+def refused(what, build, expected):
+    try:
+        build()
+    except NotImplementedError as error:
+        assert expected in str(error), f"{what}: {error}"
+        print(f"{what}: refused: {error}", flush=True)
+        return
+    raise AssertionError(f"{what}: was accepted in fault-tolerant mode")
+
+
+def model():
+    return torch.nn.Linear(4, 2)
+
+
+m = model()
+refused("SlowMo's SGP base", lambda: mpidp.SlowMoDistributedDataParallel(
+    m, slowmo_base_algorithm=mpidp.SlowMoBaseAlgorithm.SGP), "fault-tolerant mode")
+m = model()
+refused("DiLoCo with fragment_sync_delay",
+        lambda: mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                             torch.optim.SGD(m.parameters(), lr=0.7), sync_every=4,
+                             fragment_sync_delay=1), "fault-tolerant mode")
+refused("HierarchicalModelAverager", lambda: mpidp.HierarchicalModelAverager({1: 1}),
+        "fault-tolerant mode")
+m = model()
+refused("Decentralized", lambda: mpidp.with_bagua(
+    m, [torch.optim.SGD(m.parameters(), lr=0.1)], mpidp.algorithms.DecentralizedAlgorithm()),
+    "fault-tolerant mode")
+m = model()
+refused("SparseLoCo", lambda: mpidp.SparseLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), 4),
+        "fault-tolerant mode")
+refused("DeMo", lambda: mpidp.DeMo(model().parameters(), lr=0.01), "fault-tolerant mode")
+print("ALL REFUSED", flush=True)

@@ -1,0 +1,686 @@
+"""Fault-tolerant mode (mpidp/fault_tolerance/__init__.py), tested by killing ranks.
+
+Each test launches tests/fault_tolerance/ulfm/train_ft.py under ULFM (scripts/mpirun_ft.sh) at
+3 or 4 ranks, SIGKILLs some of them at a chosen step and phase, and compares
+what every survivor ends with against a single-process simulation of every
+replica written from the documented rule: a step in which a rank dies is
+applied by no survivor; the dead rank's data counts in every step applied
+before its death and in none after. Survivors must end bit for bit equal.
+
+These run in `make pytest-ft` (.venv-ft: Open MPI 5 with ULFM), not in the
+main passes, whose Open MPI 4.1 has no ULFM."""
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(ROOT, "tests", "support"))   # the main suite's references
+import train_ft  # noqa: E402
+from quant_reference import replica_of  # noqa: E402
+
+pytestmark = pytest.mark.serial
+
+
+def launch(tmp_path, n, kill, steps=8, **env):
+    """Runs tests/fault_tolerance/ulfm/train_ft.py on n ranks; returns the finished process,
+    once no rank of it outlives the job."""
+    environ = dict(os.environ, FT_KILL=kill, FT_STEPS=str(steps), MPIDP_TIMEOUT="60")
+    environ.update({k: str(v) for k, v in env.items()})
+    proc = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
+                           os.path.join(HERE, "train_ft.py"), str(tmp_path)],
+                          env=environ, capture_output=True, text=True, timeout=240)
+    assert_no_rank_outlives(str(tmp_path), proc)
+    return proc
+
+
+def ranks_of(job_arg: str) -> list:
+    """PIDs of the processes whose command line has job_arg (a test's own
+    directory, so only that job's ranks)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if job_arg.encode() in args and int(pid) != os.getpid():
+            pids.append(int(pid))
+    return pids
+
+
+def assert_no_rank_outlives(job_arg: str, proc, grace_s=5.0) -> None:
+    """The launcher has exited: every rank must be gone (within grace_s, a
+    dying process's last moments). One that is not is killed, and fails the test."""
+    deadline = time.monotonic() + grace_s
+    while ranks_of(job_arg) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = ranks_of(job_arg)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, (f"ranks {left} outlived the job (mpirun exit {proc.returncode})\n"
+                      + stderr_of(proc)[-3000:])
+
+
+def stderr_of(proc) -> str:
+    """The job's stderr without Open MPI's per-schedule lines (docs/fault-tolerance.md)."""
+    return "\n".join(line for line in proc.stderr.splitlines() if "NBC_Progress" not in line)
+
+
+def run_job(tmp_path, n, kill, steps=8, expect=None, **env):
+    """Runs the job; returns {data stream (launched rank): what it saved}.
+    expect: the streams that must finish (default: the survivors')."""
+    proc = launch(tmp_path, n, kill, steps, **env)
+    saved = {int(f[5:-3]): torch.load(tmp_path / f) for f in os.listdir(tmp_path)
+             if f.startswith("rank-")}
+    victims = {r for ranks, _, _ in train_ft.kill_plan(kill) for r in ranks}
+    expect = set(range(n)) - victims if expect is None else set(expect)
+    assert set(saved) == expect, (
+        f"survivors that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
+        + stderr_of(proc)[-4000:])
+    return saved
+
+
+def simulate(n, steps, lost_from, clip=None):
+    """Every replica of the rule: rank r's batch counts in step t while r is
+    alive (t < lost_from[r] for the victims); the mean over those ranks
+    (clipped to norm `clip`, if given) is stepped by SGD with momentum.
+    Returns (params, momentum, params after each step)."""
+    model = train_ft.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    history = []
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        grads = None
+        for r in alive:
+            model.zero_grad()
+            x, y = train_ft.batch(r, t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            g = [p.grad.clone() for p in model.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g / len(alive)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        history.append({"model": {k: v.clone() for k, v in model.state_dict().items()},
+                        "optimizer": copy.deepcopy(opt.state_dict())})
+    return ([p.detach() for p in model.parameters()],
+            [opt.state[p]["momentum_buffer"] for p in model.parameters()], history)
+
+
+def launched_ranks_lost(recoveries, n):
+    """The launched ranks each recovery lost (Membership.lost numbers them in
+    the world before that recovery), in order."""
+    alive, lost = list(range(n)), []
+    for r in recoveries:
+        gone = [alive[i] for i in r["lost"]]
+        lost += gone
+        alive = [a for a in alive if a not in gone]
+    return sorted(lost)
+
+
+def check_survivors(saved, n, lost_from, steps=8, tol=None, clip=None):
+    victims = set(lost_from)
+    params, momentum, history = simulate(n, steps, lost_from, clip)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank {min(saved)}'s"
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(victims), got["recoveries"]
+        last = got["recoveries"][-1]
+        assert (last["size"], last["mpidp_size"]) == (n - len(victims),) * 2
+        assert last["mpidp_rank"] == last["rank"] == sorted(saved).index(rank)
+    tol = tol or dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip(first["params"], params):
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(first["momentum"], momentum):
+        torch.testing.assert_close(a, b, **tol)
+    return history
+
+
+# (ranks, kill spec: failures one after the other, {victim: the first step
+# without its data}). A rank lost in a step's forward, backward or before
+# its optimizer step costs that step; one lost after it, the next.
+CASES = {
+    "after backward, then rank 0 in backward with buckets in flight":
+        (4, "3:2:step;0:5:backward", {3: 2, 0: 5}),
+    "between two steps, then before a forward": (4, "2:2:between;1:5:forward", {2: 3, 1: 5}),
+    "two ranks at once in backward": (4, "1,2:4:backward", {1: 4, 2: 4}),
+    # A second failure inside recover(), as the survivors of the first rebuild:
+    # the recovery starts over with the survivors of both.
+    "in backward, then another inside the recovery's rebuild":
+        (4, "3:3:backward;1:3:rebuild", {3: 3, 1: 3}),
+    "in backward, then another inside the rebuild, leaving one rank":
+        (3, "2:3:backward;1:3:rebuild", {2: 3, 1: 3}),
+    # ... or while the survivors agree that a rank failed, or inside MPI's
+    # shrink (the dying rank skips its part, so the survivors are in it).
+    "in backward, then another in the recovery's agreement":
+        (4, "3:3:backward;2:3:agreement", {3: 3, 2: 3}),
+    "in backward, then another in the recovery's agreement, leaving one rank":
+        (3, "2:3:backward;1:3:agreement", {2: 3, 1: 3}),
+    "in backward, then another inside the survivors' shrink":
+        (4, "3:3:backward;2:3:shrink", {3: 3, 2: 3}),
+    "in backward, then another inside the survivors' shrink, leaving one rank":
+        (3, "2:3:backward;1:3:shrink", {2: 3, 1: 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_survivors_finish_equal_to_the_simulation(tmp_path, case):
+    n, kill, lost_from = CASES[case]
+    check_survivors(run_job(tmp_path, n, kill), n, lost_from)
+
+
+def test_a_default_group_made_by_torch_distributed_is_made_again(tmp_path):
+    """DataParallel beside a default group made by dist.init_process_group
+    ("mpidp") rather than mpidp's: recover() makes the group again over the
+    survivors, and an all_reduce over it sees them."""
+    saved = run_job(tmp_path, 4, "3:3:backward", FT_DIST_INIT=1)
+    check_survivors(saved, 4, {3: 3})
+    for got in saved.values():
+        assert got["dist_sum"] == (3.0, 3)
+
+
+def test_an_error_taken_for_a_failure_where_no_rank_failed_costs_one_step(tmp_path):
+    """A rank takes an MPI error for a peer's failure (as the core does with
+    errors that a death can cause) where none failed: recover() finds no rank
+    lost, the world keeps its size and the step is done again; the replicas
+    end as a run without a failure."""
+    saved = run_job(tmp_path, 4, "", FT_SUSPECT="1:2")
+    check_survivors(saved, 4, {})
+    for got in saved.values():
+        assert [(r["lost"], r["size"]) for r in got["recoveries"]] == [((), 4)]
+
+
+def test_an_error_that_keeps_recurring_with_no_rank_lost_ends_the_job(tmp_path):
+    proc = launch(tmp_path, 3, "", FT_SUSPECT="1:2,2,2")
+    assert proc.returncode != 0
+    assert "3 recoveries in a row found no rank lost" in proc.stderr, stderr_of(proc)[-4000:]
+    assert "rank 1 suspects a failure at step 2" in proc.stderr
+
+
+def test_a_survivor_that_never_recovers_ends_the_job_at_the_deadline(tmp_path):
+    """Every wait inside recover() has a deadline (MPIDP_TIMEOUT): the others
+    do not wait forever for a survivor that never calls it, and that survivor
+    (asleep outside MPI) ends with the job instead of living on (launch
+    checks that no rank outlives mpirun)."""
+    proc = launch(tmp_path, 3, "2:2:backward", MPIDP_TIMEOUT=5, FT_NO_RECOVER=1)
+    assert proc.returncode != 0
+    assert "took longer than MPIDP_TIMEOUT (5 s); a survivor is not taking part" in proc.stderr, \
+        stderr_of(proc)[-4000:]
+
+
+def test_a_program_on_torch_distributed_alone_recovers():
+    """dist.init_process_group("mpidp") and dist.all_reduce, no mpidp wrapper:
+    RanksLost from the collective, recover() makes the default group again,
+    and the sums after it are the survivors'."""
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "3", sys.executable,
+                          os.path.join(HERE, "dist_only.py")], capture_output=True, text=True,
+                         timeout=120)
+    done = sorted(line for line in out.stdout.splitlines() if line.startswith("done"))
+    # Ranks 0, 1, 2 add rank + 1 (6) before step 3; rank 2 dies at step 3.
+    want = [6.0] * 3 + [3.0] * 3
+    assert done == [f"done {r} {want} 2" for r in (0, 1)], out.stdout + stderr_of(out)[-3000:]
+
+
+def test_torch_shrink_group_goes_on_with_the_survivors():
+    """dist.shrink_group on a subgroup and on the default group, excluding
+    the failed rank (ULFM's shrink of the revoked communicators), after the
+    failure surfaced in a point-to-point all-gather: the sums, gathers and
+    reduce-scatters after it are the survivors'."""
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "3", sys.executable,
+                          os.path.join(HERE, "shrink_group.py")], capture_output=True, text=True,
+                         timeout=120)
+    done = sorted(line for line in out.stdout.splitlines() if line.startswith("done"))
+    assert done == ["done 0 [6.0, 6.0, 3.0, 3.0] 2 [1.0, 2.0] 1.0",
+                    "done 1 [6.0, 6.0, 3.0, 3.0] 2 [1.0, 2.0] 3.0"], \
+        out.stdout + stderr_of(out)[-3000:]
+
+
+def test_torch_shrink_group_that_leaves_out_a_live_rank_ends_the_job_at_the_deadline():
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "2", sys.executable,
+                          os.path.join(HERE, "shrink_group.py")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, FT_SHRINK_LIVE="1"))
+    assert out.returncode != 0
+    assert ("shrink_group on rank 0: the live ranks' shrink took longer than the group's "
+            "timeout (3 s); in fault-tolerant mode every live rank") in out.stderr, \
+        out.stdout + stderr_of(out)[-3000:]
+
+
+def test_nonblocking_survivors_finish_equal_to_the_simulation(tmp_path):
+    """Non-blocking DataParallel: a step's end is the next forward, which
+    applies it; a rank lost between step() and that forward discards that
+    step (2 here), one lost in backward the step it was in."""
+    saved = run_job(tmp_path, 4, "2:2:between;0:5:backward", FT_NONBLOCKING=1)
+    check_survivors(saved, 4, {2: 2, 0: 5})
+
+
+def test_habits_in_fault_tolerant_mode(tmp_path):
+    """The model wrapped twice, two optimizers, AMP's GradScaler, the
+    gradients unscaled and clipped before the step: a rank lost after
+    backward (before the scaler's unscale and step), then one in backward;
+    the survivors end as the simulation of the clipped mean gradient (a
+    step counted once per optimizer would skip batches)."""
+    saved = run_job(tmp_path, 4, "1:2:step;3:5:backward", FT_HABITS=1)
+    check_survivors(saved, 4, {1: 2, 3: 5}, clip=train_ft.CLIP)
+
+
+def test_a_whole_emulated_node_is_lost_under_hierarchical_averaging(tmp_path):
+    saved = run_job(tmp_path, 4, "2,3:3:backward", MPIDP_RANKS_PER_NODE=2, FT_HIERARCHICAL=1)
+    check_survivors(saved, 4, {2: 3, 3: 3})
+
+
+def test_one_rank_of_an_emulated_node_is_lost_under_hierarchical_bytegrad(tmp_path):
+    """ByteGrad (8-bit gradients, hierarchical) through with_bagua: 3
+    survivors cannot form nodes of 2, so it goes on flat; the survivors end
+    equal bit for bit, and within the 8-bit rounding of the simulation."""
+    saved = run_job(tmp_path, 4, "1:3:backward", FT_ALGORITHM="bytegrad",
+                    MPIDP_RANKS_PER_NODE=2, FT_HIERARCHICAL=1)
+    # The rounding leaves it within 1e-3 here; the dead rank counted one step
+    # longer would put it 7e-3 away.
+    check_survivors(saved, 4, {1: 3}, tol=dict(rtol=0, atol=3e-3))
+
+
+def simulate_replicas(n, steps, lost_from, algorithm):
+    """Every replica of a replica algorithm, each with its own model and inner
+    optimizer (a victim's stops at lost_from[victim]). postlocalsgd: after local step
+    t, t % PERIOD == 0, the live replicas take their mean. diloco: after
+    inner step t, (t + 1) % PERIOD == 0, θ takes an outer step on θ - (the
+    live replicas' mean), and they take θ. A sync a rank's death
+    interrupted is done over the survivors. Returns each replica's
+    parameters and the momentum saved (inner for postlocalsgd, outer for
+    diloco)."""
+    period = train_ft.PERIOD
+    models = [train_ft.make_model() for _ in range(n)]
+    inner = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    theta = train_ft.make_model()
+    outer = torch.optim.SGD(theta.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        for r in alive:
+            models[r].zero_grad()
+            x, y = train_ft.batch(r, t)
+            torch.nn.functional.mse_loss(models[r](x), y).backward()
+            inner[r].step()
+        replicas = [list(models[r].parameters()) for r in alive]
+        with torch.no_grad():
+            if algorithm == "postlocalsgd" and t % period == 0:
+                for ps in zip(*replicas):
+                    mean = sum(p / len(alive) for p in ps)
+                    for p in ps:
+                        p.copy_(mean)
+            if algorithm == "diloco" and (t + 1) % period == 0:
+                for i, th in enumerate(theta.parameters()):
+                    th.grad = th - sum(ps[i] for ps in replicas) / len(alive)
+                outer.step()
+                for ps in replicas:
+                    for p, th in zip(ps, theta.parameters()):
+                        p.copy_(th)
+    momentum = {r: [inner[r].state[p].get("momentum_buffer") for p in models[r].parameters()]
+                for r in range(n)}
+    if algorithm == "diloco":
+        momentum = {r: [outer.state[p].get("momentum_buffer") for p in theta.parameters()]
+                    for r in range(n)}
+    return {r: [p.detach() for p in models[r].parameters()] for r in range(n)}, momentum
+
+
+# (algorithm, ranks, kill spec, {victim: the first step whose sync goes without it})
+REPLICA_CASES = {
+    "postlocalsgd, a rank lost between averagings, then rank 0 at an averaging step":
+        ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}),
+    "diloco, a rank lost between syncs, then one at a sync step":
+        ("diloco", 4, "1:2:backward;3:5:step", {1: 2, 3: 5}),
+    "diloco, two ranks lost at once": ("diloco", 4, "0,2:5:backward", {0: 5, 2: 5}),
+    "diloco, a rank lost with the outer-gradient allreduce posted":
+        ("diloco", 4, "2:5:outer", {2: 5}),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLICA_CASES))
+def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case):
+    algorithm, n, kill, lost_from = REPLICA_CASES[case]
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm)
+    params, momentum = simulate_replicas(n, 8, lost_from, algorithm)
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), \
+            got["recoveries"]
+        for a, b in zip(got["params"], params[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s momentum: {m}")
+
+
+def simulate_daso(n, steps, lost_from, per_node=2, clip=None):
+    """DASO in its warm-up (a blocking global average every batch, float32
+    on the wire) over emulated nodes of `per_node` ranks, by its rule: each
+    node's ranks average their gradients and step SGD with the node's
+    momentum; the parameters then become the mean over the nodes. A step in
+    which a rank died is undone; at each recovery every survivor takes the
+    new rank 0's (the lowest surviving rank's) momentum, and where the
+    survivors cannot form whole nodes every rank is a node of its own from
+    then on. Returns the parameters and each rank's momentum."""
+    model = train_ft.make_model()
+    params = [p.detach().clone() for p in model.parameters()]
+    alive, one_rank_nodes = list(range(n)), False
+    momentum = {r: None for r in alive}          # of each rank (its node's)
+    for t in range(steps):
+        survivors = [r for r in alive if t < lost_from.get(r, steps)]
+        if survivors != alive:
+            alive = survivors
+            momentum = {r: momentum[alive[0]] for r in alive}
+            one_rank_nodes = one_rank_nodes or len(alive) % per_node != 0
+        size = 1 if one_rank_nodes else per_node
+        nodes = [alive[i:i + size] for i in range(0, len(alive), size)]
+        stepped = []
+        for node in nodes:
+            grads = None
+            for r in node:
+                with torch.no_grad():
+                    for p, v in zip(model.parameters(), params):
+                        p.copy_(v)
+                model.zero_grad()
+                x, y = train_ft.batch(r, t)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                g = [p.grad.clone() for p in model.parameters()]
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            grads = [g / len(node) for g in grads]
+            if clip is not None:     # every rank of the node clips the node's mean
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                             for g in grads]))
+                grads = [g * torch.clamp(clip / (norm + 1e-6), max=1.0) for g in grads]
+            m = momentum[node[0]]
+            m = [g.clone() for g in grads] if m is None else [0.9 * a + g for a, g in zip(m, grads)]
+            for r in node:
+                momentum[r] = m
+            stepped.append([v - 0.05 * b for v, b in zip(params, m)])
+        params = [sum(ps) / len(stepped) for ps in zip(*stepped)]
+    return params, momentum
+
+
+# (kill spec, {victim: the first step without its data}), at 4 ranks on emulated nodes of 2.
+DASO_CASES = {
+    "one rank of a node in backward (every rank a node after), then rank 0 between steps":
+        ("1:2:backward;0:5:between", {1: 2, 0: 6}),
+    "a whole node in backward": ("2,3:3:backward", {2: 3, 3: 3}),
+    "one rank after its node's averaging, before the step": ("2:4:step", {2: 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(DASO_CASES) + ["habits"])
+def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
+    """habits: DASO's own GradScaler (add_scaler), the gradients unscaled and
+    clipped before daso.step(), a rank lost after backward."""
+    habits = case == "habits"
+    kill, lost_from = ("2:3:step", {2: 3}) if habits else DASO_CASES[case]
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="daso", MPIDP_RANKS_PER_NODE=2,
+                    **({"FT_HABITS": 1} if habits else {}))
+    params, momentum = simulate_daso(4, 8, lost_from, clip=train_ft.CLIP if habits else None)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank {min(saved)}'s"
+        for a, b in zip(got["params"], params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s momentum: {m}")
+
+
+def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path):
+    """DASO's cycling phase: replicas differ between global syncs, which are
+    in flight across batches. At the recovery every survivor holds the new
+    rank 0's replica and momentum as they were after the last step every
+    rank completed (the interrupted step undone, the sync in flight
+    dropped); the epoch's last batch ends in a blocking sync."""
+    # The schedule here: group 1 (ranks 1 and 3) sends after step 4 and
+    # merges after step 5; rank 3 dies in step 5's backward.
+    saved = run_job(tmp_path, 4, "3:5:backward", FT_ALGORITHM="daso", FT_DASO_CYCLING=1,
+                    MPIDP_RANKS_PER_NODE=2)
+    root = saved[0]
+    (recovery,) = root["recoveries"]
+    step = recovery["step"]
+    assert step == 5
+    kept_params, kept_momentum = root["committed"][step]
+    for rank, got in saved.items():
+        (mine,) = got["recoveries"]
+        for a, b in zip(mine["params"] + mine["momentum"], kept_params + kept_momentum):
+            assert torch.equal(a, b), f"rank {rank} did not take rank 0's state at the recovery"
+        for a, b in zip(got["params"], root["params"]):
+            assert torch.equal(a, b), f"rank {rank} ended with other parameters than rank 0"
+
+
+def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None):
+    """SlowMo (LOCALSGD base; θ and u whole in fault-tolerant mode) over
+    emulated nodes of `per_node` ranks, by its rule: every rank holds its
+    node's replica and inner momentum; a node's ranks average their
+    gradients and step. After step t, (t + 1) % PERIOD == 0, the replicas
+    take their mean over the ranks -- or, where (t + 1) % (2 PERIOD) == 0,
+    the slow step runs on that mean x (u = β u + (θ - x) / γ,
+    θ -= α γ u) and they take θ. Rank r's data counts in the steps before
+    lost_from[r]; it is in the syncs after the steps before
+    sync_lost_from[r] (a rank lost in a sync: the sync is done again over
+    the survivors). Where the survivors' nodes hold different numbers of
+    ranks, every rank is a node of its own from then on. clip: the node's
+    mean gradient is clipped to this norm. Returns each rank's parameters
+    and momentum, and (θ, u)."""
+    period, lr = train_ft.PERIOD, 0.05
+    models = [train_ft.make_model() for _ in range(n)]
+    inner = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
+    theta = torch.nn.utils.parameters_to_vector(train_ft.make_model().parameters()).detach()
+    u = torch.zeros_like(theta)
+    alive, one_rank_nodes = list(range(n)), False
+    for t in range(steps):
+        now = [r for r in alive if t < lost_from.get(r, steps)]
+        if now != alive:
+            alive = now
+            counts = [sum(1 for q in alive if q // per_node == r // per_node) for r in alive]
+            one_rank_nodes = one_rank_nodes or len(set(counts)) > 1
+        nodes = {}
+        for r in alive:
+            nodes.setdefault(r if one_rank_nodes else r // per_node, []).append(r)
+        for node in nodes.values():
+            grads = []
+            for r in node:
+                models[r].zero_grad()
+                x, y = train_ft.batch(r, t)
+                torch.nn.functional.mse_loss(models[r](x), y).backward()
+                grads.append([p.grad.clone() for p in models[r].parameters()])
+            mean = [sum(gs) / len(node) for gs in zip(*grads)]
+            if clip is not None:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                             for g in mean]))
+                mean = [g * torch.clamp(clip / (norm + 1e-6), max=1.0) for g in mean]
+            for r in node:
+                for p, g in zip(models[r].parameters(), mean):
+                    p.grad = g.clone()
+                inner[r].step()
+        if (t + 1) % period:
+            continue
+        in_sync = [r for r in alive if t < sync_lost_from.get(r, steps)]
+        x = sum(torch.nn.utils.parameters_to_vector(models[r].parameters()).detach()
+                for r in in_sync) / len(in_sync)
+        if (t + 1) % (2 * period) == 0:
+            u = train_ft.SLOW_MOMENTUM * u + (theta - x) / lr
+            theta = theta - train_ft.SLOW_LR * lr * u
+            x = theta
+        for r in in_sync:
+            torch.nn.utils.vector_to_parameters(x.clone(), models[r].parameters())
+    return ({r: [p.detach() for p in models[r].parameters()] for r in range(n)},
+            {r: [inner[r].state[p]["momentum_buffer"] for p in models[r].parameters()]
+             for r in range(n)}, (theta, u))
+
+
+# (kill spec, {victim: the first step without its data}, {victim: the first
+# sync without it}, habits), at 4 ranks on emulated nodes of 2; LocalSGD after
+# steps 1 and 5, the slow step after steps 3 and 7. habits: the model wrapped
+# twice, AMP's GradScaler, the gradients unscaled and clipped before the step.
+SLOWMO_CASES = {
+    "one rank of a node in backward (every rank a node after), then rank 0 in a slow step":
+        ("1:2:backward;0:3:sync", {1: 2, 0: 4}, {1: 2, 0: 3}, False),
+    "a whole node in a LocalSGD average, with the habits":
+        ("2,3:5:sync", {2: 6, 3: 6}, {2: 5, 3: 5}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SLOWMO_CASES))
+def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
+    kill, lost_from, sync_lost_from, habits = SLOWMO_CASES[case]
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", MPIDP_RANKS_PER_NODE=2,
+                    **({"FT_HABITS": 1} if habits else {}))
+    params, momentum, (theta, u) = simulate_slowmo(4, 8, lost_from, sync_lost_from,
+                                                   clip=train_ft.CLIP if habits else None)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], params[rank]):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum[rank]):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
+        torch.testing.assert_close(got["slowmo"]["theta"], theta, **tol)
+        torch.testing.assert_close(got["slowmo"]["u"], u, **tol)
+
+
+def simulate_qadam(n, steps, lost_from):
+    """QAdam by its rule over the ranks alive at each step (rank r's batch
+    counts in the steps before lost_from[r]): for QADAM_WARMUP steps torch's
+    Adam on the mean gradient; after, the second moment frozen, every rank's
+    first moment m_r = b1 m + (1 - b1) g_r, their 8-bit average (a replica of
+    the quantized allreduce, in the survivors' rank order) taken by all, and
+    x -= lr / (1 - b1^t) m / (sqrt(v / (1 - b2^t)) + eps). Returns the
+    parameters and the first moments."""
+    model = train_ft.make_model()
+    params = list(model.parameters())
+    adam = torch.optim.Adam(params, lr=train_ft.QADAM_LR)
+    (b1, b2), eps = adam.defaults["betas"], adam.defaults["eps"]
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        grads = []
+        for r in alive:
+            model.zero_grad()
+            x, y = train_ft.batch(r, t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in params])
+        if t < train_ft.QADAM_WARMUP:
+            for p, gs in zip(params, zip(*grads)):
+                p.grad = sum(gs) / len(alive)
+            adam.step()
+            continue
+        states = [adam.state[p] for p in params]
+        moments = [torch.cat([(s["exp_avg"] * b1).add_(g, alpha=1 - b1).reshape(-1)
+                              for s, g in zip(states, gs)]) for gs in grads]
+        mean = replica_of(moments, average=True)
+        offset = 0
+        with torch.no_grad():
+            for p, s in zip(params, states):
+                s["exp_avg"] = mean[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+                s["step"] += 1
+                k = float(s["step"])
+                denom = (s["exp_avg_sq"] / (1 - b2 ** k)).sqrt().add_(eps)
+                p.addcdiv_(s["exp_avg"], denom, value=-train_ft.QADAM_LR / (1 - b1 ** k))
+    return [p.detach() for p in params], [adam.state[p]["exp_avg"] for p in params]
+
+
+def test_qadam_survivors_finish_equal_to_the_simulation(tmp_path):
+    """Bagua's QAdam through with_bagua: a rank lost in the warm-up's
+    backward (DataParallel's rule), then rank 0 inside a step past the
+    warm-up, the survivors' new momenta computed and their average under
+    way: that step is applied by no survivor (momenta and step counts
+    included) and done again without it."""
+    lost_from = {1: 1, 0: 5}
+    saved = run_job(tmp_path, 4, "1:1:backward;0:5:average", FT_ALGORITHM="qadam")
+    params, moments = simulate_qadam(4, 8, lost_from)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"] + got["momentum"], first["params"] + first["momentum"]):
+            assert torch.equal(a, b), f"rank {rank}'s state differs from rank {min(saved)}'s"
+    for a, b in zip(first["params"], params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(first["momentum"], moments):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_path):
+    saved = run_job(tmp_path, 4, "3:4:checkpoint")
+    history = check_survivors(saved, 4, {3: 5})
+    written = torch.load(tmp_path / "checkpoint.pt")
+    assert written["steps"] == 5
+    for key, value in history[4]["model"].items():
+        torch.testing.assert_close(written["model"][key], value, rtol=1e-5, atol=1e-6)
+    # A relaunch (here: one process) resumes from it with the usual state_dicts.
+    model = train_ft.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.load_state_dict(written["model"])
+    opt.load_state_dict(written["optimizer"])
+    ref = history[4]["optimizer"]["state"]
+    for i, state in opt.state_dict()["state"].items():
+        torch.testing.assert_close(state["momentum_buffer"], ref[i]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_the_job_grows_back_to_its_size_with_a_replacement_that_takes_the_state(tmp_path):
+    """recover(replace=True): a process is spawned for the lost rank, takes
+    rank 0's parameters (set-up) and optimizer state (share_state), and
+    trains on the lost rank's data: with the failed step done again by all
+    four, the run ends where a run without failure ends."""
+    saved = run_job(tmp_path, 4, "2:3:backward", expect=range(4), FT_REPLACE=1)
+    params, momentum, _ = simulate(4, 8, {})
+    first = saved[0]
+    for key, got in saved.items():
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"stream {key}'s parameters differ from stream 0's"
+        if key != 2:
+            assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
+                [(4, (2,), (3,))], got["recoveries"]
+    for a, b in zip(first["params"], params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(saved[2]["momentum"], momentum):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_algorithms_that_cannot_go_on_are_refused_when_set_up():
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "1", sys.executable,
+                          os.path.join(HERE, "refusals.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert "ALL REFUSED" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_a_job_launched_without_ulfm_is_refused_naming_the_launch():
+    env = dict(os.environ, FT_LAUNCH_WITHOUT_ULFM="1")
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "2", sys.executable, "-c",
+                          "import mpidp"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "not started with it: launch with `mpirun --with-ft ulfm" in out.stderr, out.stderr
+
+
+def test_ranks_that_differ_in_the_mode_are_refused_on_every_rank():
+    """A rank not in fault-tolerant mode would leave the others waiting
+    forever in their step-end agreements: the first wrapper refuses."""
+    script = ("import os\n"
+              "from mpi4py import MPI\n"
+              "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+              "    os.environ['MPIDP_FAULT_TOLERANCE'] = '0'\n"
+              "import torch, mpidp\n"
+              "try:\n"
+              "    mpidp.DataParallel(torch.nn.Linear(3, 1))\n"
+              "except RuntimeError as error:\n"
+              "    print(f'rank {MPI.COMM_WORLD.Get_rank()} refused: {error}', flush=True)\n")
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "2", sys.executable, "-c",
+                          script], capture_output=True, text=True, timeout=120)
+    for rank in (0, 1):
+        assert (f"rank {rank} refused: fault-tolerant mode is on on rank(s) [0] and off on "
+                "rank(s) [1]") in out.stdout, out.stdout + out.stderr[-3000:]
