@@ -140,7 +140,7 @@ def _torch_extensions():
     return [extension("mpidp._grad_hook", "csrc/torch/grad_hook.cpp",
                       ["csrc/py/grad_hook_api.h"]),
             extension("mpidp._c10d", "csrc/torch/c10d_backend.cpp",
-                      ["csrc/py/c10d_api.h", "csrc/torch/c10d_work.hpp",
+                      ["csrc/py/c10d_api.h", "csrc/torch/c10d_tensors.hpp", "csrc/torch/c10d_python_work.hpp",
                        "csrc/torch/c10d_call.hpp", "csrc/torch/c10d_signature.hpp",
                        "csrc/include/mpidp/tensor.h"])]
 

@@ -222,8 +222,8 @@ static int api_start(const void *comm, void *check_ptr, const int64_t *sig,
     return MPIDP_OK;
 }
 
-static int api_finish(mpidp_c10d_pending_t *p, int block, int late, double timeout_s, int *done,
-                      int *ended, int *differ)
+static int api_progress(mpidp_c10d_pending_t *p, int block, int late, double timeout_s, int *done,
+                        int *ended, int *differ)
 {
     mpidp_error_clear();
     *done = 0;
@@ -283,7 +283,7 @@ static void api_raise(int status, const char *what) { mpidp_py_raise(state, stat
 static int api_forked(void) { return mpidp_py_forked; }
 
 static const mpidp_c10d_api_t api = {
-    MPIDP_C10D_API_VERSION, api_comm_of, api_check_new, api_check_free, api_start, api_finish,
+    MPIDP_C10D_API_VERSION, api_comm_of, api_check_new, api_check_free, api_start, api_progress,
     api_check_rows, api_raise, mpidp_error_set, api_forked, mpidp_py_check_not_forked, MPIDP_OP_SUM, MPIDP_OP_AVG, MPIDP_OP_MIN, MPIDP_OP_MAX,
     MPIDP_OP_PROD};
 

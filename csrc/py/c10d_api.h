@@ -45,7 +45,7 @@ enum {
 #define MPIDP_C10D_ROW (MPIDP_C10D_SIG_FIELDS + 2)
 #define MPIDP_C10D_POSTED MPIDP_C10D_SIG_FIELDS
 #define MPIDP_C10D_LATE 2
-/* finish's *differ. */
+/* progress's *differ. */
 enum { MPIDP_C10D_DIFFER = 1, MPIDP_C10D_DIFFER_WRITTEN = 2 };
 enum {
     MPIDP_C10D_CALL_ALLREDUCE = 1,
@@ -56,7 +56,7 @@ enum {
     MPIDP_C10D_CALL_OTHER = 100
 };
 
-/* A fast call in flight (start, then finish). */
+/* A fast call in flight (start, then progress until it ends). */
 typedef struct mpidp_c10d_pending mpidp_c10d_pending_t;
 
 typedef struct {
@@ -74,7 +74,7 @@ typedef struct {
      * (MPIDP_C10D_SIG_FIELDS int64; with a `check`, else none), then, for
      * a fast call (sig's call one of MPIDP_C10D_CALL_ALLREDUCE .. _BARRIER),
      * that collective posted on `comm`: *pending is the call in flight, for
-     * `finish`. *pending is NULL where nothing was posted: for the check
+     * `progress`. *pending is NULL where nothing was posted: for the check
      * alone (a call the Python group then makes), where the ranks differ
      * (*differ = 1; check_rows says how, and nothing of this rank's call is
      * in flight), and on failure (the core's status, mpidp/status.h;
@@ -84,7 +84,7 @@ typedef struct {
      * mpidp/collectives.h and mpidp/allreduce.h require (equal blocks: an
      * allgather's recv holds size x send's elements, a reduce-scatter's
      * send size x recv's). Calls on a group are one at a time, and a
-     * started call must be finished before the group's next start (the
+     * started call must have ended (progress) before the group's next start (the
      * check resolves each call before the next). */
     int (*start)(const void *comm, void *check, const int64_t *sig, const mpidp_tensor_t *send,
                  const mpidp_tensor_t *recv, int op, int root, double timeout_s,
@@ -102,8 +102,8 @@ typedef struct {
      * where a failure left it in flight: MPI may still write its tensors,
      * so the caller keeps them alive for good. *done = 0 (only with
      * block = 0): still in flight. */
-    int (*finish)(mpidp_c10d_pending_t *pending, int block, int late, double timeout_s,
-                  int *done, int *ended, int *differ);
+    int (*progress)(mpidp_c10d_pending_t *pending, int block, int late, double timeout_s,
+                    int *done, int *ended, int *differ);
     /* After *differ: every rank's row, by group rank (MPIDP_C10D_ROW fields
      * each, the signature first), valid until the group's next call. */
     const int64_t *(*check_rows)(const void *check);

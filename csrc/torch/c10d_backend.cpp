@@ -26,7 +26,8 @@
 #include "mpidp/status.h"
 #include "c10d_call.hpp"
 #include "c10d_signature.hpp"
-#include "c10d_work.hpp"
+#include "c10d_python_work.hpp"
+#include "c10d_tensors.hpp"
 
 namespace {
 
@@ -521,16 +522,16 @@ class BackendMPIDP : public c10d::Backend {
         Entered entered(*state_, call, true, timeout_s_);
         auto work = c10::make_intrusive<CallWork>(state_, rank_, type, title, std::move(result),
                                                   std::move(tensors), timeout_s_);
-        work->posted(start(entered, call, sig, send, recv, op, root));
+        work->set_pending(start(entered, call, sig, send, recv, op, root));
         state_->set_last(work);
         if (async) {
             state_->in_flight = work;
             return work;
         }
         bool mine = false;
-        mpidp_c10d::without_gil([&] { mine = work->settle(true); });
+        mpidp_c10d::without_gil([&] { mine = work->progress(true); });
         entered.release();
-        if (mine) work->conclude();
+        if (mine) work->publish();
         if (std::exception_ptr error = work->error()) std::rethrow_exception(error);
         return work;
     }

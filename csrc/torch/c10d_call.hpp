@@ -15,7 +15,14 @@
  * learns that a predicted call held only when it completes, and must know
  * before the next call begins; so a group has at most one call in flight,
  * and a rank is never more than one call ahead of another. A failure found
- * there is raised by that next call, since this rank cannot go on. */
+ * there is raised by that next call, since this rank cannot go on.
+ *
+ * One word per step of a call's end: `progress` drives it in MPI (under the
+ * group's lock; true once MPI has ended it), `publish` hands its outcome to
+ * its Work and its future (whose callbacks run there, on the publishing
+ * thread), `end` is both on this thread or a wait for the thread doing
+ * them. `finish` and `markCompleted` are torch's (the Work's and the
+ * future's own), called by publish alone. */
 #pragma once
 
 #include <Python.h>
@@ -39,6 +46,7 @@
 
 #include "../py/c10d_api.h"
 #include "c10d_signature.hpp"
+#include "c10d_tensors.hpp"
 
 namespace mpidp_c10d {
 
@@ -55,25 +63,6 @@ template <typename Set> std::exception_ptr python_exception(Set &&set)
     e.persist();
     return std::make_exception_ptr(std::move(e));
 }
-
-/* A tensor the core reads or writes: contiguous as it is, or a contiguous
- * copy whose values go back to it once the call ended (outputs). */
-class Contiguous {
-  public:
-    explicit Contiguous(const at::Tensor &t) : t_(t), c_(t.is_contiguous() ? t : t.contiguous())
-    {
-    }
-    const at::Tensor &get() const { return c_; }
-    void copy_back()
-    {
-        if (!c_.is_same(t_)) t_.copy_(c_);
-    }
-    /* MPI may still write it (a failure left the call in flight): never freed. */
-    void leak() const { new at::Tensor(c_); }
-
-  private:
-    at::Tensor t_, c_;
-};
 
 class CallWork;
 
@@ -240,17 +229,17 @@ class CallWork : public c10d::Work {
     {
     }
 
-    void posted(mpidp_c10d_pending_t *pending) { pending_ = pending; }
+    void set_pending(mpidp_c10d_pending_t *pending) { pending_ = pending; }
 
     /* With the group's lock held: progress on the call (block: until it
-     * ends). True when this ended it: conclude() next, on this thread (the
+     * ends). True when this ended it: publish() next, on this thread (the
      * failure's detail is this thread's), after unlocking. The caller holds
      * a reference: the group's own goes here. */
-    bool settle(bool block, double timeout_s = -1, bool late = false)
+    bool progress(bool block, double timeout_s = -1, bool late = false)
     {
         if (pending_ == nullptr) return false;
         int done = 0, ended = 1, differ = 0;
-        status_ = api->finish(pending_, block, late, timeout_s > 0 ? timeout_s : timeout_s_,
+        status_ = api->progress(pending_, block, late, timeout_s > 0 ? timeout_s : timeout_s_,
                               &done, &ended, &differ);
         if (!done) return false;
         pending_ = nullptr;
@@ -269,9 +258,9 @@ class CallWork : public c10d::Work {
         return true;
     }
 
-    /* After settle ended it, without the group's lock: its outcome, for its
+    /* After progress ended it, without the group's lock: its outcome, for its
      * Work and its future, whose callbacks run here, on this thread. */
-    void conclude()
+    void publish()
     {
         std::exception_ptr error;
         if (status_ != 0) {
@@ -286,14 +275,14 @@ class CallWork : public c10d::Work {
         {
             std::lock_guard<std::mutex> lock(mutex_);
             error_ = error;
-            concluded_ = true;
-            concluding_ = std::this_thread::get_id();
+            published_ = true;
+            publishing_ = std::this_thread::get_id();
             future = future_;
         }
         finish(error);
         if (future) {
             CallbackThreads::get().enter();
-            complete(future);
+            fill_future(future);
             CallbackThreads::get().leave();
         }
         {
@@ -310,46 +299,46 @@ class CallWork : public c10d::Work {
     bool called_back() const
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        return !future_ || called_back_ || concluding_ == std::this_thread::get_id();
+        return !future_ || called_back_ || publishing_ == std::this_thread::get_id();
     }
 
     /* Ends the call on this thread, or waits until the thread ending it
-     * has concluded. late: as part of the group's next call, which also
+     * has published. late: as part of the group's next call, which also
      * waits for the callbacks of the call's future to have run (they may
      * make calls on the group, which come first: see Entered); false where
      * they were still running at the deadline. */
     bool end(double timeout_s = -1, bool late = false)
     {
         c10::intrusive_ptr<CallWork> self = c10::intrusive_ptr<CallWork>::reclaim_copy(this);
-        if (settle_here(timeout_s, late)) {
-            conclude();
+        if (progress_to_end(timeout_s, late)) {
+            publish();
             return true;
         }
         bool ended = true;
         without_gil([&] {
             std::unique_lock<std::mutex> lock(mutex_);
             if (!late) {
-                cv_.wait(lock, [&] { return completed_; }); /* concluded: at once */
+                cv_.wait(lock, [&] { return completed_; }); /* published: at once */
                 return;
             }
             /* The thread running the callbacks never waits for itself. */
             ended = cv_.wait_for(lock, seconds(timeout_s > 0 ? timeout_s : timeout_s_), [&] {
-                return called_back_ || concluding_ == std::this_thread::get_id();
+                return called_back_ || publishing_ == std::this_thread::get_id();
             });
         });
         return ended;
     }
 
     /* The part of end() that waits in MPI: true where this thread ended
-     * the call and must conclude() it. */
-    bool settle_here(double timeout_s = -1, bool late = false)
+     * the call and must publish() it. */
+    bool progress_to_end(double timeout_s = -1, bool late = false)
     {
-        if (concluded()) return false;
+        if (published()) return false;
         c10::intrusive_ptr<CallWork> self = c10::intrusive_ptr<CallWork>::reclaim_copy(this);
         bool mine = false;
         without_gil([&] {
             std::lock_guard<std::mutex> lock(group_->mu);
-            mine = settle(true, timeout_s, late);
+            mine = progress(true, timeout_s, late);
         });
         return mine;
     }
@@ -364,15 +353,15 @@ class CallWork : public c10d::Work {
 
     bool isCompleted() override
     {
-        if (concluded()) return true;
+        if (published()) return true;
         bool mine = false;
         {
             std::unique_lock<std::mutex> lock(group_->mu, std::try_to_lock);
             if (!lock.owns_lock()) return false; /* another thread is at it */
             c10::intrusive_ptr<CallWork> self = c10::intrusive_ptr<CallWork>::reclaim_copy(this);
-            mine = settle(false);
+            mine = progress(false);
             lock.unlock();
-            if (mine) conclude();
+            if (mine) publish();
         }
         return Work::isCompleted();
     }
@@ -389,10 +378,10 @@ class CallWork : public c10d::Work {
             future_ = c10::make_intrusive<c10::ivalue::Future>(
                 c10::ListType::create(c10::TensorType::get()));
             future = future_;
-            now = concluded_;
+            now = published_;
         }
         if (now)
-            complete(future);
+            fill_future(future);
         else
             end_in_background(c10::intrusive_ptr<CallWork>::reclaim_copy(this));
         return future;
@@ -404,16 +393,16 @@ class CallWork : public c10d::Work {
         std::lock_guard<std::mutex> lock(mutex_);
         return error_;
     }
-    bool concluded() const
+    bool published() const
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        return concluded_;
+        return published_;
     }
     /* Its name in torch's words ("all_reduce"). */
     std::string call() const { return title_ + sizeof("mpidp:") - 1; }
 
   private:
-    void complete(const c10::intrusive_ptr<c10::ivalue::Future> &future)
+    void fill_future(const c10::intrusive_ptr<c10::ivalue::Future> &future)
     {
         std::exception_ptr error = this->error();
         if (error)
@@ -431,9 +420,9 @@ class CallWork : public c10d::Work {
     int status_ = 0;
     std::string differences_;
     /* Work::mutex_ guards these. */
-    bool concluded_ = false;
+    bool published_ = false;
     bool called_back_ = false;   /* its future's callbacks have run (or it has none) */
-    std::thread::id concluding_; /* the thread that concluded it */
+    std::thread::id publishing_; /* the thread that published it */
     std::exception_ptr error_;
     c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -517,13 +506,13 @@ class Progress {
             idle_--;
             ending_++;
             lock.unlock();
-            bool mine = work->settle_here(); /* its failure goes to its future */
+            bool mine = work->progress_to_end(); /* its failure goes to its future */
             lock.lock();
             ending_--;
             cv_.notify_all();
             lock.unlock();
             if (mine)
-                work->conclude(); /* the future's callbacks run here */
+                work->publish(); /* the future's callbacks run here */
             else
                 work->end();      /* another thread ended it: at once */
             work.reset();

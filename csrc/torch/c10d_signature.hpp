@@ -13,9 +13,17 @@
 #include <vector>
 
 #include "../py/c10d_api.h"
-#include "c10d_work.hpp"
+#include "c10d_tensors.hpp"
 
 namespace mpidp_c10d {
+
+/* FNV-1a, for the signature's names and shapes (the same on every rank). */
+inline int64_t fnv(const void *data, size_t n, uint64_t h = 1469598103934665603ull)
+{
+    const unsigned char *p = static_cast<const unsigned char *>(data);
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return static_cast<int64_t>(h >> 2);     /* within (-2^63, 2^63): every negation exists */
+}
 
 using Signature = std::array<int64_t, MPIDP_C10D_SIG_FIELDS>;
 

@@ -1,23 +1,16 @@
-/* The C++ "mpidp" backend's pieces around the core (csrc/torch/c10d_backend.cpp):
- * torch tensors as the core's tensors, the signature's hash, and the Work of
- * a call its Python group made. */
+/* torch tensors as the C++ "mpidp" backend hands them to the core
+ * (csrc/torch/c10d_backend.cpp): the core's dtype codes and tensor views,
+ * which tensors the fast path takes, the devices of a call, and a
+ * contiguous stand-in for a strided tensor. */
 #pragma once
 
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/csrc/utils/pybind.h>
+#include <ATen/ATen.h>
 
-#include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "mpidp/tensor.h"
 
 namespace mpidp_c10d {
-
-using c10::intrusive_ptr;
-using c10d::OpType;
-using c10d::Work;
 
 /* The core's dtype codes (mpidp/tensor.h) of the torch dtypes it takes; -1: none. */
 inline int core_dtype(at::ScalarType t)
@@ -79,52 +72,23 @@ inline mpidp_tensor_t core_tensor(const at::Tensor &t)
     return c;
 }
 
-/* FNV-1a, for the signature's names and shapes (the same on every rank). */
-inline int64_t fnv(const void *data, size_t n, uint64_t h = 1469598103934665603ull)
-{
-    const unsigned char *p = static_cast<const unsigned char *>(data);
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<int64_t>(h >> 2);     /* within (-2^63, 2^63): every negation exists */
-}
-
-/* The Work of a call the Python group ran: its Python MPIDPWork behind
- * torch's C++ Work interface, every question forwarded to it (torch's own
- * PyWorkHolder forwards only wait and the future, not a receive's source
- * rank, completion or result). */
-class PythonWork : public Work {
+/* A tensor the core reads or writes: contiguous as it is, or a contiguous
+ * copy whose values go back to it once the call ended (outputs). */
+class Contiguous {
   public:
-    explicit PythonWork(pybind11::object work)
-        : work_(work.cast<intrusive_ptr<Work>>()), py_(std::move(work))
+    explicit Contiguous(const at::Tensor &t) : t_(t), c_(t.is_contiguous() ? t : t.contiguous())
     {
     }
-    ~PythonWork() override
+    const at::Tensor &get() const { return c_; }
+    void copy_back()
     {
-        pybind11::gil_scoped_acquire gil;
-        py_ = pybind11::object();
+        if (!c_.is_same(t_)) t_.copy_(c_);
     }
-    bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
-    intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
-    bool isCompleted() override { return call("is_completed").cast<bool>(); }
-    int sourceRank() const override { return call("_source_rank").cast<int>(); }
-    std::vector<at::Tensor> result() override
-    {
-        return call("result").cast<std::vector<at::Tensor>>();
-    }
+    /* MPI may still write it (a failure left the call in flight): never freed. */
+    void leak() const { new at::Tensor(c_); }
 
   private:
-    pybind11::object call(const char *method) const
-    {
-        pybind11::gil_scoped_acquire gil;
-        try {
-            return py_.attr(method)();
-        } catch (pybind11::error_already_set &e) {
-            e.restore();
-            throw python_error();
-        }
-    }
-
-    intrusive_ptr<Work> work_;
-    pybind11::object py_;
+    at::Tensor t_, c_;
 };
 
 }  // namespace mpidp_c10d
