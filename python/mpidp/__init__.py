@@ -12,7 +12,7 @@ from ._runtime.mpi import MPI, mpi_library_version
 from . import _C
 from ._C import CommError, CommTimeout, RanksLost
 from . import algorithms
-from ._engines import gossip, kernels
+from .primitives import gossip, kernels
 from .algorithms.averaging import (HierarchicalModelAverager, PeriodicModelAverager,
                                    PostLocalSGDOptimizer)
 from .algorithms.bagua import BaguaModule, with_bagua
@@ -54,7 +54,7 @@ _FORMER_PATHS = {
     "algorithms.replica_algorithms": "algorithms.bagua.adapters",
     "algorithms.bagua_family": "algorithms.bagua", "algorithms.algorithm": "algorithms.bagua.algorithm",
     "algorithms.wrapper_copy": "algorithms.driver",
-    "gossip": "_engines.gossip", "kernels": "_engines.kernels",
+    "gossip": "primitives.gossip", "kernels": "primitives.kernels",
     "broadcast": "collectives.model_state", "communication": "collectives.communication",
     "process_group": "collectives.process_groups", "topology": "_runtime.topology",
 }

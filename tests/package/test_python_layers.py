@@ -1,6 +1,6 @@
 """The Python package's layers (docs/design-notes.md, "The package's
 layers"): imports run one way, front ends -> fault_tolerance -> algorithms
--> collectives -> engines -> runtime -> the C extension, as
+-> collectives -> engines -> primitives -> runtime -> the C extension, as
 tests/core/test_core_layers.py checks for the C core. Every import counts, also
 one inside a function: a lazy import that runs back up is a cycle all the
 same. Read from the source with ast; nothing is imported."""
@@ -19,6 +19,7 @@ PACKAGE = os.path.join(ROOT, "python", "mpidp")
 LAYERS = [
     ("the C and C++ extensions", ("_C", "_grad_hook", "_c10d", "_version")),
     ("runtime", ("_runtime",)),
+    ("primitives", ("primitives",)),
     ("engines", ("_engines",)),
     ("collectives", ("collectives",)),
     ("algorithms", ("algorithms",)),

@@ -4,5 +4,5 @@ DataParallel with its two guards against stale reads (apply_on_read: a
 parameter read through its module applies the update first;
 first_forward_watch: a parameter read before its layer runs), the
 error-feedback wire, the device
-parameter sync, the kernels' tensor front, the gossip graphs, and the hooks
+parameter sync, and the hooks
 the engines put on modules (module_hooks, load_watch, progress)."""

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _C
-from . import kernels
+from ..primitives import kernels
 
 _WIRE_DTYPES = {_C.DTYPE_F32: torch.float32, _C.DTYPE_BF16: torch.bfloat16,
                 _C.DTYPE_F16: torch.float16}

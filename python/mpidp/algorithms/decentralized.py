@@ -37,7 +37,7 @@ from typing import Any, Dict
 import torch
 
 from .. import _C
-from .._engines import kernels
+from ..primitives import kernels
 from .._engines import module_hooks
 from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_choice, check_int

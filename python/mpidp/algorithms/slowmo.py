@@ -49,7 +49,7 @@ from .._runtime.flat_buffers import flatten, write_back
 from .._runtime.state_broadcast import broadcast_buffers, broadcast_tensors
 from ..collectives.means import mean_over_ranks
 from .data_parallel import DataParallel
-from .._engines.gossip import (DynamicDirectedExponentialGraph, GraphManager, MixingManager,
+from ..primitives.gossip import (DynamicDirectedExponentialGraph, GraphManager, MixingManager,
                                UniformMixing, mix)
 from .._runtime.topology import topology
 from .driver import reduce_wrapper
