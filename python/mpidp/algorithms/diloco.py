@@ -227,12 +227,6 @@ class DiLoCo(InnerStepContext):
         for p in self.model.parameters():     # the cut-short step's, spent
             p.grad = None
 
-    def algorithm_state(self) -> Dict[str, Any]:
-        return self.state_dict()
-
-    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
-        self.load_state_dict(state)
-
     # -- the syncs ---------------------------------------------------------------
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:

@@ -290,7 +290,8 @@ class InnerStepContext(Driver):
     SparseLoCo): entering claims `self.model` over `self._communicator` and
     hooks `self.inner_optimizer`'s step (`_after_inner_step`) and whatever
     `_more_hooks()` returns; leaving removes them and gives the model up
-    (detaching leaves too). Subclasses start `self._handles` empty."""
+    (detaching leaves too). Its algorithm state is its state_dict().
+    Subclasses start `self._handles` empty."""
 
     def __enter__(self):
         if self._handles:
@@ -315,6 +316,12 @@ class InnerStepContext(Driver):
 
     def _remove_hooks(self) -> None:
         self.__exit__(None, None, None)
+
+    def algorithm_state(self) -> Dict[str, Any]:
+        return self.state_dict()
+
+    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
+        self.load_state_dict(state)
 
 
 # -- what a copy of a wrapper is -------------------------------------------------------------

@@ -168,12 +168,6 @@ class SparseLoCo(InnerStepContext):
         if self._wire.in_flight:
             self._received = self._decode()
 
-    def algorithm_state(self) -> Dict[str, Any]:
-        return self.state_dict()
-
-    def load_algorithm_state(self, state: Dict[str, Any]) -> None:
-        self.load_state_dict(state)
-
     # -- the syncs ---------------------------------------------------------------
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
