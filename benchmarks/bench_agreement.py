@@ -3,7 +3,7 @@
     ./scripts/mpirun.sh 2 .venv/bin/python benchmarks/bench_agreement.py [--reps R] [--json]
 
 mpidp.allreduce and mpidp.broadcast first check that every rank passed the
-same shape, dtype and settings (python/mpidp/_runtime/agreement.py: one blocking
+same shape, dtype and settings (python/mpidp/_runtime/argument_agreement.py: one blocking
 allreduce of 2 x 16 int64). This times each call with the check and the same
 call without it (the unchecked path the algorithms use for their per-step
 traffic), for 1, 1 Ki and 1 Mi float32 elements, round-robin, the ranks

@@ -241,7 +241,7 @@ def slowmo_step(net, opt, x, y) -> None:
 def differing_steps(who: str, step: str = r"\d+", others_step: str = r"\d+") -> str:
     """The regex of the error a sync raises when the last rank went back to
     `step` (an earlier checkpoint loaded on it alone) and the others are at
-    `others_step` (mpidp._runtime.consistency.check_same_step)."""
+    `others_step` (mpidp._runtime.model_consistency.check_same_step)."""
     others = re.escape(str(list(range(SIZE - 1))))
     return (rf"{who}: the ranks reached this sync at different steps \(rank\(s\) "
             rf"\[{SIZE - 1}\] at step {step}; rank\(s\) {others} at step {others_step}\)")

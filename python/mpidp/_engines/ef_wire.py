@@ -16,7 +16,7 @@ from typing import Callable, List, Sequence, Tuple
 import torch
 
 from .. import _C
-from .._runtime.consistency import ranks_at_steps, refuse_different_settings, settings_hash
+from .._runtime.model_consistency import ranks_at_steps, refuse_different_settings, settings_hash
 
 # Bytes of one bucket's payloads per rank before a new bucket starts (each
 # bucket's allgather is posted as soon as its payloads are written).

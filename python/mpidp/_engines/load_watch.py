@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _C
 from . import module_hooks
-from .._runtime.consistency import (numbers_of, ranks_differing, refuse_different_settings,
+from .._runtime.model_consistency import (numbers_of, ranks_differing, refuse_different_settings,
                                     settings_hash)
 from .._runtime.hook_handles import remove_handles
 __all__ = ["LoadWatch"]

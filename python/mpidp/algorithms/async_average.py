@@ -30,7 +30,7 @@ import torch
 from .. import _C
 from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_choice, check_int
-from .._runtime.consistency import check_every, ranks_range
+from .._runtime.model_consistency import check_every, ranks_range
 from .driver import Driver
 from .._runtime.mpi import communicator, resolve_comm
 from .._runtime.hook_handles import remove_handles

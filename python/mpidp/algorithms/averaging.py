@@ -23,7 +23,7 @@ import torch
 from .. import _C
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_int
-from .._runtime.consistency import check_same_step, param_group_settings, ranks_range
+from .._runtime.model_consistency import check_same_step, param_group_settings, ranks_range
 from ..collectives.means import average_tensors, mean_over_ranks
 from .driver import set_up
 from .._runtime.mpi import MPI, as_mpi4py, resolve_comm, world, world_mpi

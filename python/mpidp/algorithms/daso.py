@@ -25,7 +25,7 @@ from .. import _C
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_dtype, check_int, check_real
 from .._runtime.dtypes import CODE_OF
-from .._runtime.consistency import (check_every, check_in_sync, param_group_settings,
+from .._runtime.model_consistency import (check_every, check_in_sync, param_group_settings,
                                     ranks_differing, refuse_different_settings)
 from .driver import Driver, wait_pending
 from .._runtime.mpi import MPI, communicator, revocable

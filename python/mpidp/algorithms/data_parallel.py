@@ -15,7 +15,7 @@ from .. import _C
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_real
 from .._runtime.dtypes import code_of, wire_code
-from .._runtime.consistency import check_every, check_in_sync
+from .._runtime.model_consistency import check_every, check_in_sync
 from .driver import Driver
 from .._runtime.mpi import MPI, communicator
 from .._runtime.hook_handles import remove_handles

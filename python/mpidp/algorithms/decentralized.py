@@ -41,7 +41,7 @@ from ..primitives import kernels
 from .._engines import module_hooks
 from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_choice, check_int
-from .._runtime.consistency import check_every, check_in_sync, check_same_step, ranks_named
+from .._runtime.model_consistency import check_every, check_in_sync, check_same_step, ranks_named
 from .driver import Driver
 from .._runtime.mpi import communicator, resolve_comm
 from .._runtime.flat_buffers import flatten, write_back

@@ -21,7 +21,7 @@ import torch
 from .. import _C
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_int, check_real
-from .._runtime.consistency import frozen_code
+from .._runtime.model_consistency import frozen_code
 from .driver import algorithms_over, set_up
 from .._engines.ef_wire import Wire
 

@@ -25,7 +25,7 @@ from .. import _C
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.dtypes import wire_code
-from .._runtime.consistency import check_same_step, frozen_code, param_group_settings
+from .._runtime.model_consistency import check_same_step, frozen_code, param_group_settings
 from .driver import InnerStepContext, set_up, wait_pending
 from .._runtime.mpi import communicator, world
 from .._runtime.flat_buffers import write_back

@@ -41,7 +41,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .._runtime.consistency import check_same_structure
+from .._runtime.model_consistency import check_same_structure
 from .._runtime.mpi import Communicator, communicator
 from .._runtime.hook_handles import remove_handles
 from .._runtime.model_checks import TrainableAtSetup

@@ -34,7 +34,7 @@ import torch
 from .._runtime import fault_tolerant_mode
 from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_int, check_real
-from .._runtime.consistency import check_same_step, param_group_settings
+from .._runtime.model_consistency import check_same_step, param_group_settings
 from .driver import Driver
 from .._runtime.mpi import communicator, world
 from .._runtime.flat_buffers import flatten, write_back

@@ -42,7 +42,7 @@ import torch
 from .. import _C
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_int, check_real
-from .._runtime.consistency import check_same_step, param_group_settings
+from .._runtime.model_consistency import check_same_step, param_group_settings
 from .driver import Driver
 from .._runtime.mpi import MPI, communicator, revocable, world as world_comm
 from .._runtime.flat_buffers import flatten, write_back

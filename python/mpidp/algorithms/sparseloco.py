@@ -21,7 +21,7 @@ import torch
 
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_choice, check_int, check_real
-from .._runtime.consistency import frozen_code
+from .._runtime.model_consistency import frozen_code
 from .driver import InnerStepContext, set_up
 from .._engines.ef_wire import Wire
 from .._runtime.flat_buffers import write_back

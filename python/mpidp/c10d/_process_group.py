@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .. import _C
 from .._runtime import config
-from .._runtime.agreement import agree, crc_of
+from .._runtime.argument_agreement import agree, crc_of
 from ._device import DevicePath
 from ._sparse import all_reduce_sparse
 from ._tensors import check_dtype, exported, reduction, staged

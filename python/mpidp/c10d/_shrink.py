@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .._runtime import mpi as _mpi
-from .._runtime.agreement import agree, crc_of
+from .._runtime.argument_agreement import agree, crc_of
 from .._runtime.mpi import MPI, revocable
 from ..fault_tolerance.deadline import deadline
 from . import _registration

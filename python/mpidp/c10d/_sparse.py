@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .._runtime.agreement import crc_of
+from .._runtime.argument_agreement import crc_of
 from ._tensors import Unsupported, check_dtype
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .._runtime.agreement import agree, crc_of
+from .._runtime.argument_agreement import agree, crc_of
 from .tensors import check_root
 from .._runtime.mpi import resolve_comm
 from .._runtime.state_broadcast import broadcast_tensors

@@ -13,7 +13,7 @@ import zlib
 import torch
 
 from .. import _C
-from .._runtime.agreement import agree, crc_of, refuse, signature
+from .._runtime.argument_agreement import agree, crc_of, refuse, signature
 from .._runtime.args import check_bool, check_choice, check_int
 from .._runtime.dtypes import CODE_OF, wire_code
 from .._runtime.mpi import resolve_comm

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from .._runtime.agreement import agree
+from .._runtime.argument_agreement import agree
 from .._runtime.args import check_bool, check_int
 
 __all__ = ["mix", "GraphManager", "DynamicDirectedExponentialGraph", "NPeerDynamicDirectedExponentialGraph",

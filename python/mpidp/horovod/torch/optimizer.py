@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from ... import _C
-from ..._runtime.consistency import check_same_structure
+from ..._runtime.model_consistency import check_same_structure
 from ..._runtime.mpi import resolve_comm
 from ..._runtime.hook_handles import remove_handles
 from ..._engines.reducer import GradientReducer, build_reducer

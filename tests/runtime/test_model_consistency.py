@@ -78,7 +78,7 @@ def test_daso_checks_after_every_epoch(monkeypatch):
 
 def _end_epoch_without_sync(daso):
     # The drift check itself, as epoch_loss_logic runs it after each epoch.
-    from mpidp._runtime.consistency import check_in_sync
+    from mpidp._runtime.model_consistency import check_in_sync
     check_in_sync(daso._world, list(zip(daso._param_names, daso._params)), "DASO", "after epoch 1")
 
 
