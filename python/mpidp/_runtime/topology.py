@@ -28,7 +28,9 @@ class Topology:
 _cache: dict = {}
 
 
-def _split(comm: MPI.Intracomm):
+def split_by_node(comm: MPI.Intracomm):
+    """`comm` split into one communicator per node (MPIDP_RANKS_PER_NODE
+    consecutive ranks a node where set, else MPI's shared-memory split)."""
     k = config.get("MPIDP_RANKS_PER_NODE")
     if k is not None:
         if comm.Get_size() % k != 0:
@@ -43,7 +45,7 @@ def node_comm(comm=None) -> MPI.Intracomm:
     comm = world_mpi() if comm is None or comm is MPI.COMM_WORLD else comm
     key = (comm.py2f(), config.get("MPIDP_RANKS_PER_NODE"))
     if key not in _cache:
-        local = _split(comm)
+        local = split_by_node(comm)
         # Node index: the number of distinct nodes whose first rank precedes ours.
         leader = comm.Get_rank() if local.Get_rank() == 0 else -1
         leaders = sorted(r for r in comm.allgather(leader) if r >= 0)
@@ -116,7 +118,7 @@ def nodes_are_even(comm=None) -> bool:
     k = config.get("MPIDP_RANKS_PER_NODE")
     if k is not None and comm.Get_size() % k:
         return False
-    local = _split(comm)
+    local = split_by_node(comm)
     try:
         return len(set(comm.allgather(local.Get_size()))) == 1
     finally:

@@ -15,7 +15,7 @@ import torch
 
 from .._runtime import mpi as _mpi
 from .._runtime.mpi import MPI
-from .._runtime.topology import _split as split_by_node
+from .._runtime.topology import split_by_node
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
