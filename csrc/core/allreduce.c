@@ -36,9 +36,8 @@ struct mpidp_allreduce {
 
 /* Up to this many bytes (in one chunk) on up to MPIDP_LINEAR_MAX_RANKS
  * ranks, an uncompressed allreduce goes as point-to-point messages
- * (core/linear.h):
- * Open MPI's non-blocking allreduce took 2.4 us at 1 KB where its blocking
- * one took 1.1 and the messages 1.6 (2 ranks, benchmarks/c/bench_collectives). */
+ * (core/linear.h), which beat Open MPI's non-blocking allreduce there
+ * (docs/design-notes.md has the figures). */
 #define LINEAR_MAX_BYTES ((size_t)1 << 14)
 
 /* Packing or unpacking a chunk takes milliseconds, and Open MPI advances the

@@ -316,9 +316,9 @@ PyObject *mpidp_py_reducer_apply_after_step(PyObject *self, PyObject *arg)
 
 /* end_blocking_backward(): a blocking pass whose buckets are not staged
  * ends here in one call: mark_unhooked, then the core's end_blocking (waits
- * with the GIL released), then its actions. Once per backward, but its cost
- * counts in the per-parameter hook figure (bench_step.py, 500-tensor MLP):
- * ~32 us as _reducer.py's call-by-call order, ~14 us as one call. */
+ * with the GIL released), then its actions: one call rather than one per
+ * step, since its cost counts in the per-parameter hook figure
+ * (docs/design-notes.md, "One C call ends a blocking backward"). */
 PyObject *mpidp_py_reducer_end_blocking_backward(PyObject *self, PyObject *unused)
 {
     mpidp_py_reducer_t *r = (mpidp_py_reducer_t *)self;

@@ -55,10 +55,9 @@ def grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Ten
     gradient moves the bucket's `_version`, which the reducer reads).
 
     Detached from the view it is made from: autograd accumulates into an
-    autograd view through its view tracking, which cost ~0.4 us per
-    parameter per backward on a CPU (benchmarks/bench_step.py's hook figure,
-    in one process: 0.85-1.29 us with views, 0.50-0.62 us with aliases); a
-    detached alias is a plain tensor to it. Parameters stored densely in a
+    autograd view through its view tracking, which costs time per parameter
+    per backward (docs/design-notes.md, "Gradient views"); a detached alias
+    is a plain tensor to it. Parameters stored densely in a
     non-default layout (channels_last) get the same strides, so autograd's
     layout contract holds and it accumulates into the bucket instead of
     allocating."""
