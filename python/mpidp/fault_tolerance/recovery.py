@@ -16,6 +16,8 @@ from .._runtime.mpi import MPI
 from .._runtime.topology import forget_splits
 from ..algorithms.driver import continue_on_survivors
 from ..collectives import process_groups as process_group
+# survivors.shrink is looked up on its module at each call, so that a test can
+# put a rank's death inside it (tests/fault_tolerance/ulfm/train_ft.py).
 from . import survivors as _survivors
 from .deadline import deadline
 from .replacements import spawn_replacements

@@ -22,7 +22,6 @@ def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
             survivors.Ack_failed()
 
 
-
 def failure_classes() -> Tuple[int, ...]:
     """MPI error classes that a rank's failure causes or can cause (see
     mpidp_ft_classify in csrc/core/ft.c)."""
@@ -49,8 +48,8 @@ def lost_ranks(old_world: MPI.Intracomm, survivors: MPI.Intracomm) -> Tuple[int,
 # Open MPI 5.0's MPI_Comm_free of a revoked communicator, where a rank died
 # during the recovery, corrupted the heap of every survivor ("malloc():
 # unsorted double linked list corrupted" at their next allocation) in 5 of 8
-# quiet runs of tests/fault_tolerance/ulfm's 4-rank kill in the agreement, 1 of 10 without it.
-# A communicator handle per recovery is what that costs.
+# quiet runs of tests/fault_tolerance/ulfm's 4-rank kill in the agreement, 1
+# of 10 without it. A communicator handle per recovery is what that costs.
 _retired: list = []
 
 
