@@ -87,7 +87,8 @@ class ModelAverager:
             if self._comm is not world():
                 raise NotImplementedError(
                     "process_group: in fault-tolerant mode the averagers average over every "
-                    "rank of the job (process_group=None) only")
+                    "rank of the job only so far (a sub-group's recovery is not built yet): "
+                    "pass process_group=None, or run without MPIDP_FAULT_TOLERANCE")
             fault_tolerant_mode.participate(self)
 
     def _continue_on(self, survivors) -> None:
@@ -183,7 +184,9 @@ class HierarchicalModelAverager(ModelAverager):
         check_int("warmup_steps", warmup_steps, 0)
         if fault_tolerant_mode.enabled():
             raise NotImplementedError("HierarchicalModelAverager: fault-tolerant mode supports "
-                                      "PeriodicModelAverager only so far")
+                                      "PeriodicModelAverager only so far (the hierarchy's "
+                                      "recovery is not built yet): use PeriodicModelAverager, "
+                                      "or run without MPIDP_FAULT_TOLERANCE")
         super().__init__(process_group)
         n_ranks = self._comm.size
         if sizes[-1] != n_ranks:

@@ -87,7 +87,10 @@ class DeMo(torch.optim.Optimizer):
         self._communicator, _ = set_up(None, comm, "DeMo", settings)
         self._comm = self._communicator.c
         if fault_tolerant_mode.enabled():
-            raise NotImplementedError("DeMo: fault-tolerant mode is not supported yet")
+            raise NotImplementedError(
+                "DeMo: fault-tolerant mode is not supported yet (its recovery of the error "
+                "feedback is not built, not a limit of DeMo): use DiLoCo, which recovers, or run "
+                "without MPIDP_FAULT_TOLERANCE")
         with torch.no_grad():
             for p in self._params:
                 self._comm.bcast(p.data, 0)

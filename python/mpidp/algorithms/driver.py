@@ -144,7 +144,8 @@ def _refuse_without_fault_tolerance(driver: "Driver") -> None:
             f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
             "with_bagua's GradientAllReduce, ByteGrad and QAdam, PeriodicModelAverager with "
             "PostLocalSGDOptimizer, DiLoCo, DASO and SlowMo (LOCALSGD) so far; "
-            f"{driver.what} is not among them yet")
+            f"{driver.what} is not among them yet (its recovery is not built, not a limit of "
+            "the algorithm): use one of those, or run without MPIDP_FAULT_TOLERANCE")
 
 
 class Driver(abc.ABC):

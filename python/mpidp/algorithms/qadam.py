@@ -135,7 +135,9 @@ class _QAdamHandle(Driver):
         self._c_comm = handle.c
         if fault_tolerant_mode.enabled() and handle.c is not world():
             raise NotImplementedError("QAdamAlgorithm: fault-tolerant mode supports it over every "
-                                      "rank of the job (comm=None) so far")
+                                      "rank of the job so far (a sub-group's recovery is not "
+                                      "built yet): pass comm=None, or run without "
+                                      "MPIDP_FAULT_TOLERANCE")
         warming_up = optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps
         # (node, cross-node) communicators of the momentum's average; in the
         # warm-up DataParallel warns where the hierarchy cannot help.

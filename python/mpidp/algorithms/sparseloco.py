@@ -115,7 +115,11 @@ class SparseLoCo(InnerStepContext):
             rebuild="Build a new SparseLoCo after such a change")
         self._comm = self._communicator.c
         if fault_tolerant_mode.enabled():
-            raise NotImplementedError("SparseLoCo: fault-tolerant mode is not supported yet")
+            raise NotImplementedError(
+                "SparseLoCo: fault-tolerant mode is not supported yet (its recovery of the error "
+                "feedback is not built, not a limit of SparseLoCo): use DiLoCo (wire_dtype "
+                "compresses its outer gradients), which recovers, or run without "
+                "MPIDP_FAULT_TOLERANCE")
         self._buffers = ([b for b in model.buffers() if b.is_floating_point()]
                          if sync_buffers else [])
         self.step = 0  # inner steps taken under this SparseLoCo
