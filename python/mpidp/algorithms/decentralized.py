@@ -28,10 +28,22 @@ the 8-bit quantized Q(d) goes to both neighbours, x^_i += Q(d), x_i = x^_i,
 and the neighbours' Q(d_l), Q(d_r) update x^_l, x^_r. Everyone decodes the
 same bytes, so a worker's copy held by its neighbours stays bit for bit its
 own (3x the model's memory).
+
+Fault-tolerant mode: an exchange is agreed by every rank before any takes
+its result, so one a rank's death interrupted is taken by none. recover()
+rebuilds the workers over the survivors (flat, with a warning, where the
+nodes became uneven): DecentralizedAlgorithm redoes the interrupted step's
+exchange with the survivors' graph (with an odd number of workers,
+shift_one leaves out, in each round, the worker paired with the missing
+one: it keeps its weights, so no survivor's weight is lost);
+LowPrecisionDecentralizedAlgorithm takes its new neighbours' copies exact
+(x^ of every worker restarts from its weights, sent in float32 once) and
+redoes the interrupted exchange on the survivors' ring.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict
 
 import torch
@@ -43,12 +55,13 @@ from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_choice, check_int
 from .._runtime.model_consistency import check_every, check_in_sync, check_same_step, ranks_named
 from .driver import Driver
-from .._runtime.mpi import communicator, resolve_comm
+from .._runtime.mpi import communicator, resolve_comm, world
 from .._runtime.flat_buffers import flatten, write_back
 from .._runtime.hook_handles import remove_handles
 from .._runtime.model_checks import float32_cpu_trainable
 from ..collectives.tensors import allgather, allreduce_agreed, reduce_scatter_agreed
-from .._runtime.topology import useful_hierarchy
+from .._runtime import fault_tolerant_mode
+from .._runtime.topology import nodes_are_even, useful_hierarchy
 
 __all__ = ["DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm"]
 
@@ -82,11 +95,31 @@ class _Workers:
         return part if self.node is None else allgather(part, comm=self.node)
 
 
+def _refuse_sub_communicator(comm, who: str) -> None:
+    if fault_tolerant_mode.enabled() and resolve_comm(comm) is not world():
+        raise NotImplementedError(
+            f"{who}: fault-tolerant mode recovers it over every rank of the job (comm=None) so "
+            "far; over a sub-communicator its recovery is not built yet (not a limit of the "
+            "algorithm): pass comm=None, or run without MPIDP_FAULT_TOLERANCE")
+
+
+def _workers_after_loss(survivors, hierarchical: bool, who: str) -> "_Workers":
+    """The workers over the survivors: as before, or flat (with a warning)
+    where the nodes now hold different numbers of ranks."""
+    if hierarchical and not nodes_are_even(survivors):
+        warnings.warn(f"{who}: after the loss of ranks the nodes hold different numbers of "
+                      "ranks; every rank is a worker from now on", stacklevel=4)
+        hierarchical = False
+    return _Workers(survivors, hierarchical, who)
+
+
 class _DecentralizedHandle(Driver):
     what = "DecentralizedAlgorithm"
 
-    def __init__(self, module, comm, hierarchical: bool, mode: str, interval: int):
+    def __init__(self, module, optimizers, comm, hierarchical: bool, mode: str, interval: int):
+        _refuse_sub_communicator(comm, self.what)
         self.module, self.mode, self.interval = module, mode, interval
+        self.hierarchical = hierarchical
         self.params = float32_cpu_trainable(module)
         self.workers = _Workers(comm, hierarchical, "DecentralizedAlgorithm")
         if mode == "shift_one" and self.workers.size > 1 and self.workers.size % 2:
@@ -98,10 +131,21 @@ class _DecentralizedHandle(Driver):
         self._check_every = check_every() if mode == "all" else 0  # "all" makes replicas equal
         self._pending = None     # (work, sent, received) of an exchange in flight
         self._queued = False
+        # Fault-tolerant mode: the step whose exchange is posted and not yet
+        # taken (a loss sends the loop back to it, and its forward posts it again).
+        self._exchange_step = None
         self._claim(module, communicator(comm))
         self._handles = [module_hooks.register(module, "register_forward_pre_hook",
                                                self._before_forward)]
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        if fault_tolerant_mode.enabled():
+            # A training step is applied by the optimizer's step: it counts as committed.
+            optimizer = optimizers[0] if optimizers else None
+            if optimizer is None:
+                raise ValueError("optimizers: in fault-tolerant mode DecentralizedAlgorithm counts "
+                                 "the steps of the first optimizer; pass it to with_bagua")
+            self._handles.append(optimizer.register_step_post_hook(
+                lambda *_: fault_tolerant_mode.commit_step()))
 
     def _before_forward(self, _module, _inputs) -> None:
         if not (self.module.training and torch.is_grad_enabled()):
@@ -119,10 +163,18 @@ class _DecentralizedHandle(Driver):
             received = None
         else:
             t = self.step // self.interval     # the exchange's number: a new pairing each time
-            out, inp = _C.graph_peers(_C.GRAPH_SHIFT_ONE, self.workers.size, 1, self.workers.rank, t)
-            received = torch.empty_like(sent)
-            work = self.workers.comm.peer_exchange(sent, out, (received,), inp)
+            size = self.workers.size
+            # An odd number of workers (survivors of a loss): the worker paired
+            # with the missing one keeps its weights this round.
+            out, inp = _C.graph_peers(_C.GRAPH_SHIFT_ONE, size + size % 2, 1, self.workers.rank, t)
+            if out[0] == size:
+                # An exchange with no peer: every rank numbers its exchanges alike.
+                work, received = self.workers.comm.peer_exchange(sent, (), (), ()), None
+            else:
+                received = torch.empty_like(sent)
+                work = self.workers.comm.peer_exchange(sent, out, (received,), inp)
         self._pending = (work, sent, received)
+        self._exchange_step = self.step
         self._queued = False
 
     def _on_grad(self, _param) -> None:
@@ -137,6 +189,10 @@ class _DecentralizedHandle(Driver):
         work, sent, received = self._pending
         self._pending = None
         work.wait()
+        if fault_tolerant_mode.enabled():
+            fault_tolerant_mode.agree_all_alive("DecentralizedAlgorithm exchange",
+                                                "no rank took its average")
+        self._exchange_step = None
         mixed = sent if received is None else (sent + received) * 0.5
         write_back(self.workers.whole(mixed), self.params)
         self.exchanges += 1
@@ -146,6 +202,19 @@ class _DecentralizedHandle(Driver):
 
     def _remove_hooks(self) -> None:
         remove_handles(self._handles)
+
+    def _continue_on(self, survivors) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        workers are made again of the survivors; the exchange the loss
+        interrupted was taken by none of them, so the loop's redo of its
+        step posts it again, to the survivors' peers."""
+        self.workers = _workers_after_loss(survivors, self.hierarchical, self.what)
+        self._pending, self._queued = None, False
+        if self._exchange_step is not None:
+            self.step, self._exchange_step = self._exchange_step, None
+        self._claim(self.module, communicator(survivors))
+        for p in self.params:                  # the cut-short step's, spent
+            p.grad = None
 
     def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.step}
@@ -174,33 +243,68 @@ class DecentralizedAlgorithm(Algorithm):
         self.communication_interval = communication_interval
 
     def attach(self, module, optimizers, comm):
-        return _DecentralizedHandle(module, comm, self.hierarchical, self.peer_selection_mode,
-                                    self.communication_interval)
+        return _DecentralizedHandle(module, optimizers, comm, self.hierarchical,
+                                    self.peer_selection_mode, self.communication_interval)
 
 
 class _LowPrecisionHandle(Driver):
     what = "LowPrecisionDecentralizedAlgorithm"
 
     def __init__(self, module, optimizers, comm, hierarchical: bool, interval: int):
-        self.module, self.interval = module, interval
+        _refuse_sub_communicator(comm, self.what)
+        self.module, self.interval, self.hierarchical = module, interval, hierarchical
         self.params = float32_cpu_trainable(module)
         self.workers = _Workers(comm, hierarchical, "LowPrecisionDecentralizedAlgorithm")
-        w, r = self.workers.size, self.workers.rank
-        self.left, self.right = (r - 1) % w, (r + 1) % w
+        self._find_neighbours()
         part = self.workers.local_part(flatten(self.params))
         # The copies of the left neighbour's, this worker's and the right
         # neighbour's weights: all equal to the start (with_bagua broadcast it).
         self.replicas = [part.clone(), part.clone(), part.clone()]
+        self._round_open = False     # fault-tolerant mode: the hook after a step under way
         self.step = 0
         self.exchanges = 0
         self._check_every = check_every()
         self._claim(module, communicator(comm))
         self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
 
+    def _find_neighbours(self) -> None:
+        w, r = self.workers.size, self.workers.rank
+        self.left, self.right = (r - 1) % w, (r + 1) % w
+
     def _after_step(self, _optimizer, _args, _kwargs) -> None:
         self.step += 1
+        self._round_open = True
         if (self.step - 1) % self.interval == 0 and self.workers.size > 1:
             self._exchange()
+        self._round_open = False
+        fault_tolerant_mode.commit_step()
+
+    def _continue_on(self, survivors) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        ring is made again of the survivors. Each worker's copy x^ restarts
+        from its weights and goes, in float32, to its new neighbours (whose
+        copies it had none of), so every copy is exact again; an exchange
+        the loss interrupted (taken by none: it is agreed first) is then
+        done on the new ring. The optimizer's step before it stands."""
+        self.workers = _workers_after_loss(survivors, self.hierarchical, self.what)
+        self._find_neighbours()
+        own = self.workers.local_part(flatten(self.params)).clone()
+        left, right = own.clone(), own.clone()
+        if self.workers.size > 1:
+            peers = (self.left,) if self.left == self.right else (self.left, self.right)
+            received = (left,) if len(peers) == 1 else (left, right)
+            self.workers.comm.peer_exchange(own, peers, received, peers).wait()
+            if len(peers) == 1:
+                right.copy_(left)
+        self.replicas = [left, own, right]
+        self._claim(self.module, communicator(survivors))
+        if self._round_open:
+            if (self.step - 1) % self.interval == 0 and self.workers.size > 1:
+                self._exchange()
+            self._round_open = False
+            fault_tolerant_mode.commit_step()
+        for p in self.params:                  # the cut-short step's, spent
+            p.grad = None
 
     def _exchange(self) -> None:
         check_same_step(self.workers.world, self.step, "LowPrecisionDecentralizedAlgorithm")
@@ -212,6 +316,9 @@ class _LowPrecisionHandle(Driver):
         peers = (self.left,) if self.left == self.right else (self.left, self.right)
         received = tuple(torch.empty_like(q) for _ in peers)
         self.workers.comm.peer_exchange(q, peers, received, peers).wait()
+        if fault_tolerant_mode.enabled():
+            fault_tolerant_mode.agree_all_alive("LowPrecisionDecentralizedAlgorithm exchange",
+                                                "no rank took it")
         kernels.dequantize8(own, q, accumulate=True)
         kernels.dequantize8(left, received[0], accumulate=True)
         kernels.dequantize8(right, received[-1], accumulate=True)

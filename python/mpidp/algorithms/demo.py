@@ -23,6 +23,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_int, check_real
 from .._runtime.model_consistency import frozen_code
 from .driver import algorithms_over, set_up
+from .._runtime.mpi import communicator, world
 from .._engines.ef_wire import Wire
 
 __all__ = ["DeMo"]
@@ -87,15 +88,20 @@ class DeMo(torch.optim.Optimizer):
         self._communicator, _ = set_up(None, comm, "DeMo", settings)
         self._comm = self._communicator.c
         if fault_tolerant_mode.enabled():
-            raise NotImplementedError(
-                "DeMo: fault-tolerant mode is not supported yet (its recovery of the error "
-                "feedback is not built, not a limit of DeMo): use DiLoCo, which recovers, or run "
-                "without MPIDP_FAULT_TOLERANCE")
+            if self._comm is not world():
+                raise NotImplementedError(
+                    "DeMo: fault-tolerant mode recovers exchanges over every rank of the job "
+                    "(comm=None) so far; over a sub-communicator its recovery is not built yet "
+                    "(not a limit of DeMo): pass comm=None, or run without "
+                    "MPIDP_FAULT_TOLERANCE")
+            fault_tolerant_mode.participate(self)
+        # Fault-tolerant mode: the momenta and step count before the step
+        # under way, put back where a rank's loss cuts it short.
+        self._before_step = None
         with torch.no_grad():
             for p in self._params:
                 self._comm.bcast(p.data, 0)
-        self._wire = Wire(self._comm, [p.shape for p in self._params], compression_chunk,
-                          lambda length: compression_topk, 0, "DeMo")
+        self._wire = self._make_wire()
         self._bases: Dict[int, torch.Tensor] = {}
         for t in self._wire.tensors:
             for side in t.tiling[2:]:
@@ -108,6 +114,33 @@ class DeMo(torch.optim.Optimizer):
         self.demo_step = 0
         self.data_transmit = 0
         self.data_receive = 0
+
+    def _make_wire(self) -> Wire:
+        topk = self.compression_topk
+        return Wire(self._comm, [p.shape for p in self._params], self.compression_chunk,
+                    lambda length: topk, 0, "DeMo")
+
+    def _continue_on(self, survivors) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        exchanges go on over the survivors. A step the loss cut short was
+        applied by none of them (its agreement comes before any parameter
+        moves): each survivor's momentum and step count go back to before
+        it, so the loop's redo of the step is that step over the survivors.
+        The lost rank's momentum leaves with it; the parameters, equal on
+        every survivor, stay."""
+        self._communicator = communicator(survivors)
+        self._comm = self._communicator.c
+        self._wire = self._make_wire()    # recover() ended the old one's requests
+        if self._before_step is not None:
+            self.demo_step, deltas = self._before_step
+            for p, delta in deltas.items():
+                if delta is None:       # its first step was the one cut short
+                    self.state[p].pop("delta", None)
+                else:
+                    self.state[p]["delta"] = delta
+            self._before_step = None
+        for p in self._params:             # the cut-short step's, spent
+            p.grad = None
 
     def _settings(self) -> List[float]:
         return [self.compression_decay, float(self.compression_topk), frozen_code(self._params)] + [
@@ -157,6 +190,10 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         self._refuse_other_averaging()
         wire = self._wire
+        if fault_tolerant_mode.enabled():
+            self._before_step = (self.demo_step, {
+                p: self.state[p]["delta"].clone() if "delta" in self.state[p] else None
+                for p in self._params if p.requires_grad})
         self.demo_step += 1
         wire.write_header(self.demo_step, self._settings(), self._params)
         i = 0
@@ -183,8 +220,6 @@ class DeMo(torch.optim.Optimizer):
                 state = self.state[p]
                 if "delta" not in state:
                     state["delta"] = torch.zeros_like(p)
-                if wd:
-                    p.mul_(1.0 - lr * wd)
                 grad = p.grad
                 if grad is not None and grad.is_sparse:
                     grad = grad.to_dense()
@@ -196,8 +231,11 @@ class DeMo(torch.optim.Optimizer):
                 i += 1
         wire.post(last_bucket)
         wire.wait(self._setting_names())
+        if fault_tolerant_mode.enabled():
+            fault_tolerant_mode.agree_all_alive("DeMo step", "no rank applied it")
         i = 0
         for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 t = wire.tensors[i]
                 if not p.requires_grad:
@@ -207,10 +245,14 @@ class DeMo(torch.optim.Optimizer):
                 gathered, offset, stride = wire.gathered_of(i)
                 _C.ef_demo_decode(q, gathered, offset, stride, self._comm.size, t.tiling, t.k,
                                   self._bases[t.tiling[2]], self._bases[t.tiling[3]])
-                p.sub_(q.sign_(), alpha=group["lr"])
+                if wd:   # decoupled: p(1 - lr·wd) - lr·sign(Q)
+                    p.mul_(1.0 - lr * wd)
+                p.sub_(q.sign_(), alpha=lr)
                 i += 1
         self.data_transmit = wire.bytes_sent
         self.data_receive = wire.bytes_sent * self._comm.size
+        self._before_step = None
+        fault_tolerant_mode.commit_step()
         return loss
 
     def state_dict(self):

@@ -17,7 +17,7 @@ the averaged outer gradient."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -120,10 +120,11 @@ class DiLoCo(InnerStepContext):
             rebuild="Build a new DiLoCo, its outer optimizer holding the parameters trainable "
                     "now, after such a change")
         self._comm = self._communicator.c
-        if fault_tolerant_mode.enabled() and (self._comm is not world() or fragment_sync_delay):
+        if fault_tolerant_mode.enabled() and self._comm is not world():
             raise NotImplementedError(
-                "DiLoCo: fault-tolerant mode supports syncs over every rank of the job "
-                "(comm=None) without fragment_sync_delay so far")
+                "DiLoCo: fault-tolerant mode recovers syncs over every rank of the job "
+                "(comm=None) so far; over a sub-communicator its recovery is not built yet (not "
+                "a limit of DiLoCo): pass comm=None, or run without MPIDP_FAULT_TOLERANCE")
         self._schedule = {"n_fragments": n, "fragment_every": every,
                           "fragment_delay": fragment_sync_delay}
         self.step = 0  # inner steps taken under this DiLoCo
@@ -131,7 +132,13 @@ class DiLoCo(InnerStepContext):
         self._syncs = self._make_syncs()
         for sync in self._syncs:
             sync.set_reference()
-        self._round_open = False           # a sync's turn is under way (fault-tolerant mode)
+        # Fault-tolerant mode: a round (the hook after an inner step) under
+        # way; each fragment sent and not yet applied: (its step, with
+        # fragment_sync_delay the replica it sent, which the inner steps since
+        # changed); the steps whose hooks a recovery left to redo (_catch_up).
+        self._round_open = False
+        self._unapplied: Dict[int, Tuple[int, Optional[List[torch.Tensor]]]] = {}
+        self._redo_steps: List[int] = []
         self._outer_grads = [None] * n     # per fragment, allocated at its first sync
         self._sent: set = set()  # fragments sent and not yet applied
         self._received: Dict[int, List[torch.Tensor]] = {}  # outer gradients kept by state_dict
@@ -193,15 +200,20 @@ class DiLoCo(InnerStepContext):
 
     def drain(self) -> None:
         """Completes the outer-gradient syncs in flight (kept for their turns)."""
+        self._catch_up()
         for f in sorted(self._sent):
             if f not in self._received:
                 self._received[f] = [g.clone() for g in self._outer_gradient(f)]
 
     def _continue_on(self, survivors) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): θ
-        moves to syncs over the survivors, each keeps its replica, and a
-        sync the loss interrupted (applied by none of them; its inner step
-        was) is done again over the survivors."""
+        moves to syncs over the survivors and each keeps its replica. A
+        fragment sent and not yet applied (its allreduce interrupted, or
+        complete but not agreed) is sent again over the survivors, from the
+        replica it was sent from, and a turn the loss cut short is then
+        applied: the hooks of those steps are redone before the next
+        forward (_catch_up). The inner step of a round the loss cut short
+        stands, as every local step does."""
         entered = bool(self._handles)
         if entered:
             self.__exit__(None, None, None)
@@ -217,35 +229,72 @@ class DiLoCo(InnerStepContext):
                 for p, x in zip(params, local):
                     p.copy_(x)
         self._syncs = syncs
-        self._sent, self._received = set(), {}
+        # Outer gradients a checkpoint brought (no send of this job's to
+        # redo) stay; the rest are sent again.
+        kept = {f: g for f, g in self._received.items() if f not in self._unapplied}
+        self._sent, self._received = set(kept), kept
         self._outer_grads = [None] * len(self._fragments)
         if entered:
             self.__enter__()
+        redo = {step for step, _ in self._unapplied.values()}
         if self._round_open:
+            redo.add(self.step)
             self._round_open = False
-            self._after_inner_step(None, None, None)
+            self.step += 1
+            fault_tolerant_mode.commit_step()
+        self._redo_steps = sorted(redo)
         for p in self.model.parameters():     # the cut-short step's, spent
             p.grad = None
+
+    def _catch_up(self) -> None:
+        while self._redo_steps:
+            self._actions(self._redo_steps[0])
+            self._redo_steps.pop(0)
 
     # -- the syncs ---------------------------------------------------------------
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self._trainable_at_setup.check()
-        due = _C.avgsched_actions(self.step, **self._schedule)
-        self._round_open = due.send_fragment >= 0 or due.apply_fragment >= 0
-        if due.send_fragment >= 0 or due.apply_fragment >= 0:
-            # The outer optimizer steps the shared parameters: its settings must match.
-            check_same_step(self._comm, self.step, "DiLoCo",
-                            param_group_settings(self.outer_optimizer.param_groups)
-                            + [("frozen parameters", frozen_code(self.model.parameters()))])
-        if due.send_fragment >= 0:
-            self._syncs[due.send_fragment].send()
-            self._sent.add(due.send_fragment)
-        if due.apply_fragment >= 0:
-            self._apply(due.apply_fragment)
+        self._catch_up()      # where no forward came since a recovery
+        self._round_open = True
+        self._actions(self.step)
         self._round_open = False
         self.step += 1
         fault_tolerant_mode.commit_step()
+
+    def _actions(self, step: int) -> None:
+        """What the schedule does after inner step `step` (0-based): a
+        fragment's send, a fragment's turn."""
+        due = _C.avgsched_actions(step, **self._schedule)
+        if due.send_fragment >= 0 or due.apply_fragment >= 0:
+            # The outer optimizer steps the shared parameters: its settings must match.
+            check_same_step(self._comm, step, "DiLoCo",
+                            param_group_settings(self.outer_optimizer.param_groups)
+                            + [("frozen parameters", frozen_code(self.model.parameters()))])
+        if due.send_fragment >= 0:
+            self._send(due.send_fragment, step)
+        if due.apply_fragment >= 0:
+            self._apply(due.apply_fragment)
+
+    def _send(self, f: int, step: int) -> None:
+        """Posts fragment f's outer-gradient allreduce: from the replica it
+        was first sent from where this is a recovery's redo."""
+        params = self._fragments[f]
+        if fault_tolerant_mode.enabled() and f not in self._unapplied:
+            self._unapplied[f] = (step, None if self.fragment_sync_delay == 0
+                                  else [p.detach().clone() for p in params])
+        sent_from = self._unapplied.get(f, (step, None))[1]
+        if sent_from is None:
+            self._syncs[f].send()
+        else:
+            with torch.no_grad():
+                now = [p.detach().clone() for p in params]
+                for p, x in zip(params, sent_from):
+                    p.copy_(x)
+                self._syncs[f].send()    # x - θ is packed here
+                for p, x in zip(params, now):
+                    p.copy_(x)
+        self._sent.add(f)
 
     def _outer_gradient(self, f: int) -> List[torch.Tensor]:
         """Completes fragment f's sync: θ - mean(x) over the ranks."""
@@ -264,6 +313,7 @@ class DiLoCo(InnerStepContext):
         buffer_means = mean_over_ranks(buffers, self._comm) if buffers else None
         if fault_tolerant_mode.enabled():
             fault_tolerant_mode.agree_all_alive("DiLoCo outer sync", "no rank applied it")
+            self._unapplied.pop(f, None)
         self._sent.discard(f)
         alpha = self.fragment_update_alpha
         local = [p.detach().clone() for p in params] if alpha > 0.0 else None
@@ -335,3 +385,4 @@ class DiLoCo(InnerStepContext):
         self.step = int(state["step"])
         self._received = {int(f): [g.clone() for g in gs] for f, gs in state["in_flight"].items()}
         self._sent = set(self._received)
+        self._unapplied, self._redo_steps = {}, []

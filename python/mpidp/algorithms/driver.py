@@ -133,19 +133,19 @@ def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
     return names
 
 
-def _refuse_without_fault_tolerance(driver: "Driver") -> None:
+def _refuse_without_fault_tolerance(*drivers: "Driver") -> None:
     """In fault-tolerant mode, an algorithm that cannot go on after a rank is
     lost is refused when it is set up, not found out at the first failure."""
     from .._runtime import fault_tolerant_mode
-    while driver._owner is not None and driver._owner() is not None:
-        driver = driver._owner()
-    if fault_tolerant_mode.enabled() and type(driver)._continue_on is Driver._continue_on:
-        raise NotImplementedError(
-            f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) supports DataParallel, "
-            "with_bagua's GradientAllReduce, ByteGrad and QAdam, PeriodicModelAverager with "
-            "PostLocalSGDOptimizer, DiLoCo, DASO and SlowMo (LOCALSGD) so far; "
-            f"{driver.what} is not among them yet (its recovery is not built, not a limit of "
-            "the algorithm): use one of those, or run without MPIDP_FAULT_TOLERANCE")
+    if not fault_tolerant_mode.enabled():
+        return
+    for driver in drivers:
+        if driver is not None and not driver._recovers():
+            raise NotImplementedError(
+                f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) does not cover "
+                f"{driver.what} yet (its recovery is not built, not a limit of the algorithm); "
+                "docs/fault-tolerance.md lists the algorithms it covers: use one of those, or "
+                "run without MPIDP_FAULT_TOLERANCE")
 
 
 class Driver(abc.ABC):
@@ -209,6 +209,10 @@ class Driver(abc.ABC):
         discarded everywhere. Algorithms that support it override this."""
         raise NotImplementedError(f"{self.what} does not support fault-tolerant mode yet")
 
+    def _recovers(self) -> bool:
+        """Whether this driver goes on over the survivors (_continue_on)."""
+        return type(self)._continue_on is not Driver._continue_on
+
     def train_forward(self, *inputs, **kwargs):
         """The module's forward under this algorithm (with_bagua calls it):
         through the first attached part that is a module wrapper (a warm-up's
@@ -254,7 +258,7 @@ class Driver(abc.ABC):
         when it is built as one's part, nor one of its own parts)."""
         self._released = None
         owner = _BUILDING[-1][0] if _BUILDING else None
-        _refuse_without_fault_tolerance(owner or self)
+        _refuse_without_fault_tolerance(owner, self)
         if owner is not None:
             _BUILDING[-1][1].append(self)
             self._owner = weakref.ref(owner)
@@ -301,6 +305,9 @@ class InnerStepContext(Driver):
         # detached: both would sync every turn.
         self._claim(self.model, self._communicator)
         self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
+        # Fault-tolerant mode: a sync that a recovery left to redo is redone
+        # before the next forward (first among the forward hooks).
+        self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._catch_up()))
         self._handles += self._more_hooks()
         return self
 
@@ -314,6 +321,14 @@ class InnerStepContext(Driver):
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         raise NotImplementedError
+
+    def _catch_up(self) -> None:
+        """Fault-tolerant mode: redo what the last recovery left to redo (a
+        sync the loss interrupted), in the order this rank's hooks would have
+        run it. Not inside recover() itself: the survivors may have been a
+        step apart when the rank died (inner steps do not wait for each
+        other), so each one's redo meets the others' hooks in the steps
+        after it. Nothing by default."""
 
     def _remove_hooks(self) -> None:
         self.__exit__(None, None, None)

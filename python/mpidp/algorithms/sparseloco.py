@@ -15,7 +15,7 @@ mpidp/_engines/ef_wire.py."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +23,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_choice, check_int, check_real
 from .._runtime.model_consistency import frozen_code
 from .driver import InnerStepContext, set_up
+from .._runtime.mpi import communicator, world
 from .._engines.ef_wire import Wire
 from .._runtime.flat_buffers import write_back
 from ..collectives.means import mean_over_ranks
@@ -114,20 +115,15 @@ class SparseLoCo(InnerStepContext):
             model, comm, "SparseLoCo", settings=self._settings_dict(),
             rebuild="Build a new SparseLoCo after such a change")
         self._comm = self._communicator.c
-        if fault_tolerant_mode.enabled():
+        if fault_tolerant_mode.enabled() and self._comm is not world():
             raise NotImplementedError(
-                "SparseLoCo: fault-tolerant mode is not supported yet (its recovery of the error "
-                "feedback is not built, not a limit of SparseLoCo): use DiLoCo (wire_dtype "
-                "compresses its outer gradients), which recovers, or run without "
-                "MPIDP_FAULT_TOLERANCE")
+                "SparseLoCo: fault-tolerant mode recovers syncs over every rank of the job "
+                "(comm=None) so far; over a sub-communicator its recovery is not built yet (not "
+                "a limit of SparseLoCo): pass comm=None, or run without MPIDP_FAULT_TOLERANCE")
         self._buffers = ([b for b in model.buffers() if b.is_floating_point()]
                          if sync_buffers else [])
         self.step = 0  # inner steps taken under this SparseLoCo
-        bins = self.quantization_bins if self.use_quantization else 0
-        # k of a tile of `length` entries: the share top_k / chunk² of it
-        top_k, square = self.top_k, self.chunk_size ** 2
-        self._wire = Wire(self._comm, [p.shape for p in self.params], self.chunk_size,
-                          lambda length: round(length * top_k / square), bins, "SparseLoCo")
+        self._wire = self._make_wire()
         with torch.no_grad():
             self.shared = [p.detach().clone() for p in self.params]       # θ̃
         self.error = [torch.zeros_like(p) for p in self.params]          # e
@@ -135,6 +131,22 @@ class SparseLoCo(InnerStepContext):
         self._scratch = torch.empty(max((p.numel() for p in self.params), default=0))
         self._received: Optional[List[torch.Tensor]] = None   # G of a sync in flight, drained
         self._handles: List = []
+        # Fault-tolerant mode: a round (the hook after an inner step) under
+        # way; from a send until its turn is applied, what redoing that send
+        # over the survivors needs (its step, e before it and, with
+        # sync_delay, the replica it sent: the inner steps since changed the
+        # parameters); and what a recovery left to redo (_catch_up).
+        self._round_open = False
+        self._unapplied_send: Optional[Tuple[int, List[torch.Tensor],
+                                             Optional[List[torch.Tensor]]]] = None
+        self._resend_due = False
+        self._apply_due = False
+
+    def _make_wire(self) -> Wire:
+        # k of a tile of `length` entries: the share top_k / chunk² of it
+        top_k, square = self.top_k, self.chunk_size ** 2
+        return Wire(self._comm, [p.shape for p in self.params], self.chunk_size,
+                    lambda length: round(length * top_k / square), self._bins(), "SparseLoCo")
 
     def _settings_dict(self) -> Dict[str, Any]:
         return {"sync_every": self.sync_every, "lr": self.lr, "error_decay": self.error_decay,
@@ -169,6 +181,7 @@ class SparseLoCo(InnerStepContext):
     def drain(self) -> None:
         """Completes a sync in flight (sync_delay > 0): its mean G is kept
         for its turn."""
+        self._catch_up()
         if self._wire.in_flight:
             self._received = self._decode()
 
@@ -176,12 +189,54 @@ class SparseLoCo(InnerStepContext):
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self._trainable_at_setup.check()
+        self._catch_up()      # where no forward came since a recovery
         self.step += 1
+        self._round_open = True
         phase = self.step % self.sync_every
         if phase == (self.sync_every - self.sync_delay) % self.sync_every:
             self._send()
         if phase == 0:
             self._apply()
+        self._round_open = False
+        fault_tolerant_mode.commit_step()
+
+    def _continue_on(self, survivors) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        syncs go on over the survivors. The lost rank's error feedback
+        leaves with it. A send not yet applied (its allgather interrupted,
+        or complete but not agreed) is redone over the survivors from each
+        one's error feedback and replica as they were at it, and a turn the
+        loss cut short is then applied: both before the next forward
+        (_catch_up). The inner step of a round the loss cut short stands, as
+        every local step does. θ̃, equal on every survivor, stays."""
+        entered = bool(self._handles)
+        if entered:
+            self.__exit__(None, None, None)
+        self._communicator = communicator(survivors)
+        self._comm = self._communicator.c
+        self._wire = self._make_wire()    # recover() ended the old one's requests
+        self._received = None
+        if entered:
+            self.__enter__()
+        self._resend_due = self._unapplied_send is not None
+        if self._round_open:
+            self._apply_due = self._apply_due or self.step % self.sync_every == 0
+            self._round_open = False
+            fault_tolerant_mode.commit_step()
+        for p in self.model.parameters():     # the cut-short step's, spent
+            p.grad = None
+
+    def _catch_up(self) -> None:
+        if self._resend_due:
+            step, errors, replica = self._unapplied_send
+            with torch.no_grad():
+                for e, before in zip(self.error, errors):
+                    e.copy_(before)
+            self._send(replica, step)
+            self._resend_due = False
+        if self._apply_due:
+            self._apply()
+            self._apply_due = False
 
     def sync(self) -> None:
         """One outer round now (collective; the inner steps call it every
@@ -190,14 +245,23 @@ class SparseLoCo(InnerStepContext):
         self._apply()
 
     @torch.no_grad()
-    def _send(self) -> None:
-        """Steps 1-5 of the round: each tensor's Δ folded into e, compressed
-        into its bucket, each bucket's allgather posted once it is full."""
+    def _send(self, replica: Optional[List[torch.Tensor]] = None,
+              step: Optional[int] = None) -> None:
+        """Steps 1-5 of the round: each tensor's Δ = θ̃ - x (x: `replica`,
+        default the parameters) folded into e, compressed into its bucket,
+        each bucket's allgather posted once it is full. `step`: the step it
+        was first sent at (a redo's), default now."""
         wire, bins = self._wire, self._bins()
+        step = self.step if step is None else step
         self._received = None
-        wire.write_header(self.step, self._settings(), self.shared)
+        if fault_tolerant_mode.enabled() and self._unapplied_send is None:
+            self._unapplied_send = (
+                step, [e.clone() for e in self.error],
+                None if self.sync_delay == 0 else [p.detach().clone() for p in self.params])
+        xs = self.params if replica is None else replica
+        wire.write_header(step, self._settings(), self.shared)
         last_bucket = 0
-        for i, (p, theta, e) in enumerate(zip(self.params, self.shared, self.error)):
+        for i, (p, x, theta, e) in enumerate(zip(self.params, xs, self.shared, self.error)):
             t = wire.tensors[i]
             if t.bucket != last_bucket:  # the previous bucket is complete: send it
                 wire.post(last_bucket)
@@ -211,7 +275,7 @@ class SparseLoCo(InnerStepContext):
                 _C.ef_compress(torch.zeros_like(e), d, t.tiling, self.error_decay, self.lr, t.k,
                                bins, self.quantization_range, bucket, offset)
                 continue
-            torch.sub(theta, p, out=d)
+            torch.sub(theta, x, out=d)
             _C.ef_compress(e, d, t.tiling, self.error_decay, self.lr, t.k, bins,
                            self.quantization_range, bucket, offset)
         wire.post(last_bucket)
@@ -242,6 +306,9 @@ class SparseLoCo(InnerStepContext):
         buffer_means = mean_over_ranks(self._buffers, self._comm) if self._buffers else None
         means = self._received if self._received is not None else self._decode()
         self._received = None
+        if fault_tolerant_mode.enabled():
+            fault_tolerant_mode.agree_all_alive("SparseLoCo outer sync", "no rank applied it")
+            self._unapplied_send = None
         for p, theta, g in zip(self.params, self.shared, means):
             if not p.requires_grad:   # frozen: θ̃ stays, and the replica restarts from it
                 p.copy_(theta)

@@ -3,6 +3,7 @@ what cannot go on after a rank is lost is refused when it is set up, with a
 message naming it. Prints one line per check and "ALL REFUSED" at the end."""
 
 import torch
+from mpi4py import MPI
 
 import mpidp
 
@@ -25,18 +26,21 @@ m = model()
 refused("SlowMo's SGP base", lambda: mpidp.SlowMoDistributedDataParallel(
     m, slowmo_base_algorithm=mpidp.SlowMoBaseAlgorithm.SGP), "fault-tolerant mode")
 m = model()
-refused("DiLoCo with fragment_sync_delay",
+refused("DiLoCo over a sub-communicator",
         lambda: mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),
                              torch.optim.SGD(m.parameters(), lr=0.7), sync_every=4,
-                             fragment_sync_delay=1), "fault-tolerant mode")
+                             comm=MPI.COMM_SELF), "fault-tolerant mode")
 refused("HierarchicalModelAverager", lambda: mpidp.HierarchicalModelAverager({1: 1}),
         "fault-tolerant mode")
 m = model()
-refused("Decentralized", lambda: mpidp.with_bagua(
-    m, [torch.optim.SGD(m.parameters(), lr=0.1)], mpidp.algorithms.DecentralizedAlgorithm()),
-    "fault-tolerant mode")
+refused("Decentralized over a sub-communicator", lambda: mpidp.with_bagua(
+    m, [torch.optim.SGD(m.parameters(), lr=0.1)], mpidp.algorithms.DecentralizedAlgorithm(),
+    comm=MPI.COMM_SELF), "fault-tolerant mode")
 m = model()
-refused("SparseLoCo", lambda: mpidp.SparseLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), 4),
+refused("SparseLoCo over a sub-communicator",
+        lambda: mpidp.SparseLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), 4, MPI.COMM_SELF),
         "fault-tolerant mode")
-refused("DeMo", lambda: mpidp.DeMo(model().parameters(), lr=0.01), "fault-tolerant mode")
+refused("DeMo over a sub-communicator",
+        lambda: mpidp.DeMo(model().parameters(), lr=0.01, comm=MPI.COMM_SELF),
+        "fault-tolerant mode")
 print("ALL REFUSED", flush=True)

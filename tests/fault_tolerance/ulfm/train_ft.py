@@ -9,12 +9,20 @@ what it saw to FT_OUT/rank-<launched rank>.pt.
 FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
 averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
 postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
-DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved),
+DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved;
+FT_FRAGMENTS=1: Streaming DiLoCo, FRAGMENTS taking turns every PERIOD steps,
+each sent a step before its turn),
 daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches),
 slowmo: SlowMoDistributedDataParallel (LocalSGD every PERIOD steps, the
 slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says),
 qadam: Bagua's QAdam through with_bagua (Adam for QADAM_WARMUP steps, then
-the 8-bit averaged first moment; the first moment is the momentum saved).
+the 8-bit averaged first moment; the first moment is the momentum saved),
+sparseloco: SparseLoCo (a sync every PERIOD inner steps, FT_SYNC_DELAY
+steps after its send; chunks of EF_CHUNK; θ̃ and the error feedback saved),
+demo: DeMo as the optimizer (its momentum is the one saved),
+decentralized: Bagua's DecentralizedAlgorithm through with_bagua, flat,
+peer_selection_mode FT_PEERS ("all" or "shift_one"), lowprecision: its
+LowPrecisionDecentralizedAlgorithm, flat.
 FT_DIST_INIT=1: torch.distributed's default group made first by
 dist.init_process_group("mpidp") (recover() makes it again; an all_reduce
 over it at the end is saved). FT_SUSPECT="<rank>:<step>[,<step>...]": that
@@ -30,7 +38,7 @@ flight), step (backward done, before the optimizer's step), sync (after the
 optimizer's step, before SlowMo's perform_slowmo), average (QAdam: inside
 the step, before its momentum average), between (after the step, before the
 next forward), outer (DiLoCo: its outer-gradient allreduce posted, before
-its wait), checkpoint (inside a checkpoint write,
+its wait; SparseLoCo and DeMo: their allgather posted, before its wait), checkpoint (inside a checkpoint write,
 which every rank starts after that step), rebuild (inside recover() of the
 failure at that step, once the survivors shrank, as the algorithm's set-up
 broadcasts over them), agreement (in the survivors' agreement that a rank
@@ -61,6 +69,9 @@ PERIOD = 2      # of the replica algorithms' syncs
 CLIP = 0.5      # FT_HABITS: the gradients' norm is clipped to this
 SLOW_LR, SLOW_MOMENTUM = 0.8, 0.5     # SlowMo's α and β
 QADAM_LR, QADAM_WARMUP = 0.01, 3
+EF_CHUNK, EF_TOP_K = 8, 8        # SparseLoCo's tiles and entries kept per tile (DeMo: 3)
+DEMO_LR, DEMO_DECAY = 0.01, 0.9
+FRAGMENTS = [[0], [2, 4]]        # Streaming DiLoCo's (FT_FRAGMENTS): the model's layers
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
 
 
@@ -157,12 +168,34 @@ def main(out_dir: str) -> None:
     elif algorithm == "diloco":          # the outer sync every PERIOD inner steps
         net = model
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
+        if os.environ.get("FT_FRAGMENTS"):   # Streaming DiLoCo: FRAGMENTS, one sent a step early
+            diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD * len(FRAGMENTS),
+                                  model_fragments=[torch.nn.ModuleList([model[i] for i in f])
+                                                   for f in FRAGMENTS], fragment_sync_delay=1)
+        else:
+            diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
         diloco.__enter__()     # for the whole job (a with-block around the loop does the same)
         # Phase "outer": the outer-gradient allreduce posted, before its wait.
         outer_gradient = diloco._outer_gradient
         diloco._outer_gradient = lambda f: maybe_die(step, "outer") or outer_gradient(f)
         saved_opt = [outer]
+    elif algorithm == "sparseloco":
+        net = model
+        sparseloco = mpidp.SparseLoCo(model, sgd, sync_every=PERIOD, top_k=EF_TOP_K,
+                                      chunk_size=EF_CHUNK,
+                                      sync_delay=int(os.environ.get("FT_SYNC_DELAY", "0")))
+        sparseloco.__enter__()
+    elif algorithm == "demo":
+        net = model
+        sgd = opt = mpidp.DeMo(params, lr=DEMO_LR, compression_decay=DEMO_DECAY,
+                               compression_topk=3, compression_chunk=EF_CHUNK)
+        saved_opt = [sgd]
+    elif algorithm == "decentralized":
+        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.DecentralizedAlgorithm(
+            hierarchical=False, peer_selection_mode=os.environ.get("FT_PEERS", "all")))
+    elif algorithm == "lowprecision":
+        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.LowPrecisionDecentralizedAlgorithm(
+            hierarchical=False))
     elif algorithm == "daso":
         # One epoch of STEPS batches; FT_DASO_CYCLING=1: DASO's cycling phase
         # (global syncs in flight across batches), else its warm-up (a
@@ -205,6 +238,11 @@ def main(out_dir: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 net = wrap()
+    if algorithm in ("sparseloco", "demo"):
+        # Phase "outer": the payloads' allgather posted, before its wait.
+        from mpidp._engines.ef_wire import Wire
+        wait = Wire.wait
+        Wire.wait = lambda wire, names: maybe_die(step, "outer") or wait(wire, names)
     if any(p == "shrink" for _, _, p in plan):
         from mpidp.fault_tolerance import survivors as _survivors
         shrink = _survivors.shrink
@@ -295,6 +333,7 @@ def main(out_dir: str) -> None:
             # Go on from the last step every rank applied (non-blocking: the
             # step due when the rank died may be one the loop had passed).
             step = mpidp.fault_tolerance.steps_committed()
+            recoveries[-1]["resumed_at"] = step
             del committed[step + 1:]
             if m.joined:
                 mpidp.fault_tolerance.share_state({"optimizer": sgd.state_dict(), "step": step,
@@ -313,15 +352,16 @@ def main(out_dir: str) -> None:
                 "dist_sum": dist_sum,
                 "momentum": momenta(saved_opt, model), "recoveries": recoveries,
                 "committed": committed,
-                "slowmo": net.slowmo_state_dict() if algorithm == "slowmo" else None},
+                "slowmo": net.slowmo_state_dict() if algorithm == "slowmo" else None,
+                "sparseloco": sparseloco.state_dict() if algorithm == "sparseloco" else None},
                os.path.join(out_dir, f"rank-{key}.pt"))
 
 
 def momenta(optimizers, model):
     """SGD's momentum buffers (Adam's first moments) of the model's parameters."""
     state = {p: s for opt in optimizers for p, s in opt.state.items()}
-    return [state[p].get("momentum_buffer", state[p].get("exp_avg")).clone() if p in state
-            else None for p in model.parameters()]
+    return [next(state[p][k] for k in ("momentum_buffer", "exp_avg", "delta") if k in state[p])
+            .clone() if p in state else None for p in model.parameters()]
 
 
 if __name__ == "__main__":

@@ -66,6 +66,18 @@ class PartDriver(Driver):
     def _remove_hooks(self) -> None:
         remove_handles(self._handles)     # the part's own go with it, detached as a part
 
+    def _recovers(self) -> bool:
+        # Whatever its part does (the part, claimed while it is built, is
+        # checked itself).
+        part = getattr(self, "part", None)
+        return part is None or part._recovers()
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode: the part goes on over the survivors by its
+        own rule."""
+        self.part._continue_on(comm)
+        self.comm = comm
+
     def algorithm_state(self) -> Dict[str, Any]:
         return self.part.algorithm_state()
 
@@ -101,12 +113,6 @@ class GradientDriver(PartDriver):
         if adopt_optimizer_state:
             for opt in self.optimizers:
                 broadcast_optimizer_state(opt, root=self.dp.join_root, comm=self.comm)
-
-    def _continue_on(self, comm) -> None:
-        """Fault-tolerant mode: the DataParallel underneath goes on over the
-        survivors (the failed step was applied by none of them)."""
-        self.dp._continue_on(comm)
-        self.comm = comm
 
 
 class _GradientAlgorithm(Algorithm):
@@ -179,6 +185,13 @@ class _LocalSGDDriver(Driver):
 
     def _remove_hooks(self) -> None:
         remove_handles(self._handles)
+
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode: the warm-up's DataParallel, while it lasts,
+        goes on over the survivors by its rule; the averager by its own
+        (PeriodicModelAverager takes part in every recovery itself)."""
+        for part in self._live_parts():
+            part._continue_on(comm)
 
     def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.averager.step}

@@ -1,0 +1,140 @@
+"""Fault-tolerant mode for Bagua's decentralized algorithms, tested by killing
+ranks (tests/fault_tolerance/ulfm/train_ft.py): every survivor's replica is
+compared with a simulation of the surviving replicas written from the rule
+in docs/fault-tolerance.md -- an exchange a rank's death interrupted is
+taken by no survivor and done again over the survivors' graph (shift_one
+with an odd number of workers: the worker paired with the missing one
+keeps its weights); LowPrecisionDecentralizedAlgorithm's copies restart
+exact, from every worker's weights, on the survivors' ring.
+
+These run in the fault-tolerance pass (.venv-ft), as test_fault_tolerance.py."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import train_ft  # noqa: E402
+from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
+from test_low_communication import inner_models  # noqa: E402
+from quant_reference import q  # noqa: E402
+from mpidp import _C, kernels  # noqa: E402
+
+pytestmark = pytest.mark.serial
+
+
+def vec(model):
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def put(model, v):
+    torch.nn.utils.vector_to_parameters(v.clone(), model.parameters())
+
+
+def gradients_at_own_weights(models, alive, t):
+    for r in alive:
+        models[r].zero_grad()
+        x, y = train_ft.batch(r, t)
+        torch.nn.functional.mse_loss(models[r](x), y).backward()
+
+
+def simulate_dpsgd(n, steps, lost_from, mode):
+    """D-PSGD: at step t the ranks alive then (t < lost_from[r]) send their
+    weights, take the gradient at them, and step from the average -- over
+    all of them, or with this round's shift_one partner among them (the
+    partner of the missing worker keeps its own). Returns each replica and
+    its momentum."""
+    models, inner = inner_models(n)
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        sent = {r: vec(models[r]) for r in alive}
+        gradients_at_own_weights(models, alive, t)
+        w = len(alive)
+        for i, r in enumerate(alive):
+            if mode == "all":
+                mixed = sum(sent[a] for a in alive) / w
+            else:
+                (partner,), _ = _C.graph_peers(_C.GRAPH_SHIFT_ONE, w + w % 2, 1, i, t)
+                mixed = sent[r] if partner == w else (sent[r] + sent[alive[partner]]) * 0.5
+            with torch.no_grad():
+                put(models[r], mixed)
+        for r in alive:
+            inner[r].step()
+    return models, inner
+
+
+def simulate_dcd(n, steps, lost_from):
+    """DCD-PSGD on the ring of the ranks alive at step t: after each local
+    step, d = x - x^ + (x^_l + x^ + x^_r) / 3 - x^ is quantized (the
+    reference quantizer), every copy takes the same decoded bytes and x =
+    x^ (codes decoded by the reference path). At the first step of a smaller ring, before its exchange, every
+    copy restarts from its owner's weights."""
+    models, inner = inner_models(n)
+    start = vec(models[0])
+    copies = {r: [start.clone(), start.clone(), start.clone()] for r in range(n)}  # l, own, r
+    ring = list(range(n))
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        gradients_at_own_weights(models, alive, t)
+        for r in alive:
+            inner[r].step()
+        w = len(alive)
+        if alive != ring:
+            ring = alive
+            for i, r in enumerate(alive):
+                copies[r] = [vec(models[alive[(i - 1) % w]]), vec(models[r]),
+                             vec(models[alive[(i + 1) % w]])]
+        if w == 1:
+            continue
+        sent = {}
+        for r in alive:
+            left, own, right = copies[r]
+            sent[r] = q(vec(models[r]) - own + (left + own + right) / 3 - own)
+        for i, r in enumerate(alive):
+            left, own, right = copies[r]
+            for copy, owner in ((own, r), (left, alive[(i - 1) % w]),
+                                (right, alive[(i + 1) % w])):
+                kernels.dequantize8(copy, sent[owner], accumulate=True, path="ref")
+            with torch.no_grad():
+                put(models[r], own)
+    return models, inner
+
+
+# (algorithm, FT_PEERS, ranks, kill spec, {victim: the first step whose exchange goes without it})
+CASES = {
+    "all: a rank lost in backward, its exchange in flight, then rank 0 after one":
+        ("decentralized", "all", 4, "1:2:backward;0:5:step", {1: 2, 0: 6}),
+    "shift_one: two ranks lost in one recovery (the second in its agreement)":
+        ("decentralized", "shift_one", 4, "2:3:backward;1:3:agreement", {2: 3, 1: 3}),
+    "shift_one: three workers after rank 0 between steps":
+        ("decentralized", "shift_one", 4, "0:2:between", {0: 3}),
+    "shift_one: three workers after a loss with the exchange in flight (its round redone)":
+        ("decentralized", "shift_one", 4, "1:4:backward", {1: 4}),
+    "low precision: a ring of 3 after a loss, then of 2 after rank 0 between steps":
+        ("lowprecision", "", 4, "3:2:backward;0:5:between", {3: 2, 0: 6}),
+    "low precision: a rank lost before its step, leaving two":
+        ("lowprecision", "", 3, "1:3:step", {1: 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decentralized_survivors_match_the_simulation(tmp_path, case):
+    algorithm, peers, n, kill, lost_from = CASES[case]
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm, FT_PEERS=peers or "all")
+    if algorithm == "decentralized":
+        models, inner = simulate_dpsgd(n, 8, lost_from, peers)
+        tol = dict(rtol=1e-5, atol=1e-6)
+    else:
+        models, inner = simulate_dcd(n, 8, lost_from)
+        tol = dict(rtol=1e-5, atol=1e-5)    # 8-bit codes of near-equal sums
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], models[rank].parameters()):
+            torch.testing.assert_close(a, b.detach(), **tol,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        momentum = [inner[rank].state[p]["momentum_buffer"] for p in models[rank].parameters()]
+        for a, b in zip(got["momentum"], momentum):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")

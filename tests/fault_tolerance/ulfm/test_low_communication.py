@@ -1,0 +1,250 @@
+"""Fault-tolerant mode for the low-communication algorithms (SparseLoCo, DeMo,
+Streaming DiLoCo), tested by killing ranks (tests/fault_tolerance/ulfm/train_ft.py):
+what every survivor ends with is compared with a simulation of the
+surviving replicas written from each rule in docs/fault-tolerance.md:
+
+- SparseLoCo: a sync a rank's death interrupted is redone over the
+  survivors from each one's error feedback and replica as they were at its
+  send; the lost rank's error feedback leaves with it.
+- DeMo: a step in which a rank died is applied by no survivor (momenta and
+  step count put back) and done again without it.
+- Streaming DiLoCo: a fragment whose outer-gradient allreduce was in flight
+  is sent again over the survivors, from the replica it was sent from.
+
+These run in the fault-tolerance pass (.venv-ft), as test_fault_tolerance.py."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import train_ft  # noqa: E402
+from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
+from ef_reference import DeMoSim, SparseLoCoSim  # noqa: E402
+
+pytestmark = pytest.mark.serial
+
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def inner_models(n):
+    """Every replica's model and inner optimizer (train_ft's SGD)."""
+    models = [train_ft.make_model() for _ in range(n)]
+    return models, [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+
+
+def inner_step(model, opt, rank, t):
+    model.zero_grad()
+    x, y = train_ft.batch(rank, t)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def as_numpy(model):
+    return [p.detach().double().numpy() for p in model.parameters()]
+
+
+def assert_a_step_apart(saved, step):
+    """FT_SUSPECT="0:<step>": rank 0 went on from `step`, the others from the
+    step after (their round of `step` had begun)."""
+    resumed = {r: [x["resumed_at"] for x in got["recoveries"]] for r, got in saved.items()}
+    assert resumed == {0: [step], 1: [step + 1], 2: [step + 1]}, resumed
+
+
+def simulate_sparseloco(n, steps, lost_from, delay):
+    """Every replica trains with its own inner SGD; after inner step t the
+    replicas of the ranks alive then send ((t + 1) % PERIOD == PERIOD -
+    delay), and at (t + 1) % PERIOD == 0 the ranks alive then take the
+    round over what they sent (each with its own error feedback) and
+    restart from θ̃. Rank r is alive in the steps before lost_from[r].
+    Returns each rank's parameters and error feedback, and θ̃."""
+    period = train_ft.PERIOD
+    models, inner = inner_models(n)
+    sim = SparseLoCoSim(as_numpy(models[0]), n, top_k=train_ft.EF_TOP_K,
+                        chunk_size=train_ft.EF_CHUNK)
+    errors = dict(enumerate(sim.error))
+    sent = {}
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        for r in alive:
+            inner_step(models[r], inner[r], r, t)
+        if (t + 1) % period == (period - delay) % period:
+            sent = {r: as_numpy(models[r]) for r in alive}
+        if (t + 1) % period == 0:
+            sim.error = [errors[r] for r in alive]
+            shared = sim.round([sent[r] for r in alive])
+            errors.update(zip(alive, sim.error))
+            with torch.no_grad():
+                for r in alive:
+                    for p, s in zip(models[r].parameters(), shared):
+                        p.copy_(torch.from_numpy(s))
+    return {r: as_numpy(models[r]) for r in range(n)}, errors, sim.shared
+
+
+# (ranks, kill spec, {victim: the first step without it}, sync_delay); syncs
+# after inner steps 1, 3, 5 and 7 (with sync_delay 1 each sent a step before).
+SPARSELOCO_CASES = {
+    "a rank lost between syncs, then rank 0 with the allgather in flight":
+        (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}, 0),
+    "two ranks at once with the allgather in flight, leaving one":
+        (3, "0,2:3:outer", {0: 3, 2: 3}, 0),
+    "sync_delay: a rank lost between the send and its turn (its payload sent)":
+        (3, "1:3:backward", {1: 3}, 1),
+    "sync_delay: at the turn, then another in the recovery's agreement":
+        (4, "3:5:outer;2:5:agreement", {3: 5, 2: 5}, 1),
+    # Rank 0 takes an error for a failure before step 3's forward, with its
+    # send of step 2 in flight, while the others are in step 3's turn: a
+    # step apart, every rank redoes the sync (none was lost).
+    "sync_delay: the ranks a step apart when the loss is found":
+        (3, "", {}, 1, "0:3"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSELOCO_CASES))
+def test_sparseloco_survivors_match_the_simulation(tmp_path, case):
+    n, kill, lost_from, delay, *suspect = SPARSELOCO_CASES[case]
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM="sparseloco", FT_SYNC_DELAY=delay,
+                    FT_SUSPECT=suspect[0] if suspect else "")
+    if suspect:
+        assert_a_step_apart(saved, int(suspect[0][2:]))
+    params, errors, shared = simulate_sparseloco(n, 8, lost_from, delay)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
+        state = got["sparseloco"]
+        for a, b in zip(state["shared"], first["sparseloco"]["shared"]):
+            assert torch.equal(a, b), f"rank {rank}'s θ̃ differs from rank {min(saved)}'s"
+        for a, b in zip(got["params"], params[rank]):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
+                                       err_msg=f"rank {rank}'s parameters")
+        for a, b in zip(state["error"], errors[rank]):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
+                                       err_msg=f"rank {rank}'s error feedback")
+        for a, b in zip(state["shared"], shared):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="θ̃")
+
+
+def simulate_demo(n, steps, lost_from):
+    """DeMo over the ranks alive at each step (rank r's batch counts in the
+    steps before lost_from[r]): every rank's gradient at the shared
+    parameters goes into its own momentum, and the sign of their sparse
+    mean steps the parameters. Returns the parameters and each rank's
+    momentum."""
+    model = train_ft.make_model()
+    params = as_numpy(model)
+    sim = DeMoSim(params, n, topk=3, chunk=train_ft.EF_CHUNK, decay=train_ft.DEMO_DECAY)
+    deltas = dict(enumerate(sim.delta))
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        grads = []
+        for r in alive:
+            with torch.no_grad():
+                for p, v in zip(model.parameters(), params):
+                    p.copy_(torch.from_numpy(v))
+            model.zero_grad()
+            x, y = train_ft.batch(r, t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.double().numpy() for p in model.parameters()])
+        sim.delta = [deltas[r] for r in alive]
+        params = sim.step(params, grads, train_ft.DEMO_LR)
+        deltas.update(zip(alive, sim.delta))
+    return params, deltas
+
+
+# (ranks, kill spec, {victim: the first step without it})
+DEMO_CASES = {
+    "a rank lost in backward, then rank 0 with the allgather in flight":
+        (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}),
+    "between two steps, then another inside the survivors' shrink, leaving one":
+        (3, "2:3:between;1:4:shrink", {2: 4, 1: 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(DEMO_CASES))
+def test_demo_survivors_match_the_simulation(tmp_path, case):
+    n, kill, lost_from = DEMO_CASES[case]
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM="demo")
+    params, deltas = simulate_demo(n, 8, lost_from)
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"rank {rank}'s parameters differ from rank {min(saved)}'s"
+        for a, b in zip(got["params"], params):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="parameters")
+        for a, b in zip(got["momentum"], deltas[rank]):
+            np.testing.assert_allclose(a.double().numpy(), b, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"rank {rank}'s momentum")
+
+
+def simulate_streaming_diloco(n, steps, lost_from):
+    """Streaming DiLoCo by its rule: train_ft.FRAGMENTS take turns, one every
+    PERIOD steps; after inner step t, t % PERIOD == 0, the replicas of the
+    ranks alive then send fragment f = t // PERIOD % len(FRAGMENTS); after
+    step t + 1 the ranks alive then take the outer step of f on θ minus the
+    mean of what they sent, and take θ's f. Returns each rank's parameters
+    and the outer momentum."""
+    period, fragments = train_ft.PERIOD, train_ft.FRAGMENTS
+    models, inner = inner_models(n)
+    theta = train_ft.make_model()
+    outer = torch.optim.SGD(theta.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    layer = [i for i, m in enumerate(theta) for _ in m.parameters()]   # each parameter's
+    sent = {}
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        for r in alive:
+            inner_step(models[r], inner[r], r, t)
+        f = fragments[t // period % len(fragments)]
+        if t % period == 0:
+            sent = {r: [p.detach().clone() for p in models[r].parameters()] for r in alive}
+            continue
+        with torch.no_grad():
+            for i, th in enumerate(theta.parameters()):
+                th.grad = (th - sum(sent[r][i] for r in alive) / len(alive)
+                           if layer[i] in f else None)
+            outer.step()
+            for r in alive:
+                for i, (p, th) in enumerate(zip(models[r].parameters(), theta.parameters())):
+                    if layer[i] in f:
+                        p.copy_(th)
+    return ({r: [p.detach() for p in models[r].parameters()] for r in range(n)},
+            [outer.state[p]["momentum_buffer"] for p in theta.parameters()])
+
+
+# (ranks, kill spec, {victim: the first step without it}, FT_SUSPECT); fragment 0
+# sent after steps 0 and 4 and applied after 1 and 5, fragment 1 after 2 and 6
+# and applied after 3 and 7.
+STREAMING_CASES = {
+    "a rank lost between a fragment's send and its turn (its part sent)":
+        (3, "2:3:backward", {2: 3}, ""),
+    "at a turn, then another in the recovery's agreement":
+        (4, "1:5:outer;3:5:agreement", {1: 5, 3: 5}, ""),
+    "rank 0 after its send, then another inside the survivors' shrink":
+        (4, "0:2:between;2:3:shrink", {0: 3, 2: 3}, ""),
+    # Rank 0 takes an error for a failure before step 4's forward while the
+    # others are in step 4's hook (fragment 0's send): a step apart, every
+    # rank sends it (none was lost).
+    "the ranks a step apart when the loss is found": (3, "", {}, "0:4"),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAMING_CASES))
+def test_streaming_diloco_survivors_match_the_simulation(tmp_path, case):
+    n, kill, lost_from, suspect = STREAMING_CASES[case]
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM="diloco", FT_FRAGMENTS=1,
+                    FT_SUSPECT=suspect)
+    if suspect:
+        assert_a_step_apart(saved, int(suspect[2:]))
+    params, momentum = simulate_streaming_diloco(n, 8, lost_from)
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], params[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"the outer momentum on rank {rank}: {m}")
