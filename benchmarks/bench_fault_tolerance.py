@@ -11,6 +11,10 @@ scripts/setup_ft_env.sh first) from this one process, taking turns:
    nodes of 2 ranks), SGD with momentum, every rank's slowest median counting: launched with ULFM and fault-tolerant mode on, against
    the same launch with the mode off (MPIDP_FAULT_TOLERANCE=0), and a launch
    without ULFM (plain mpirun of the same Open MPI, mode off).
+   The same for the algorithms whose recovery redoes a sync (sync every
+   SYNC_EVERY steps): DiLoCo, Streaming DiLoCo (two fragments, each sent a
+   step before its turn), SparseLoCo, DeMo and Bagua's
+   DecentralizedAlgorithm, on the MLP.
 2. Recovery: the last rank SIGKILLs itself in the middle of a backward pass
    (gradient buckets in flight); the survivors' times from the kill (a clock
    reading the victim wrote just before) to RanksLost (detection), through
@@ -19,6 +23,9 @@ scripts/setup_ft_env.sh first) from this one process, taking turns:
    lost (steps begun and not applied). Then the same with recover(replace=
    True): a replacement is spawned (its start-up, Python and torch imports
    included, is the "spawn" phase) and the job goes on at its full size.
+   The same loss under each algorithm of step 1 (shrinking only): for the
+   ones that sync every SYNC_EVERY steps, the survivors find the loss at
+   the next sync, so "detection" includes the inner steps up to it.
 """
 
 from __future__ import annotations
@@ -38,7 +45,42 @@ ROOT = os.path.dirname(HERE)
 FT_PYTHON = os.path.join(ROOT, ".venv-ft", "bin", "python")
 
 
+SYNC_EVERY = 4
+# The algorithms timed beside DataParallel, and what each step steps.
+ALGORITHMS = ("diloco", "streaming diloco", "sparseloco", "demo", "decentralized")
+
+
 # -- the workers (run on every rank) -------------------------------------------
+
+def build_algorithm(name, model, mpidp, torch):
+    """(module to call, optimizer to step, what to detach afterwards) for
+    `name` ("dataparallel" or one of ALGORITHMS) on `model`."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if name == "dataparallel":
+        net = mpidp.DataParallel(model)
+        return net, opt, net.detach
+    if name in ("diloco", "streaming diloco"):
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        kwargs = {}
+        if name == "streaming diloco":
+            owners = [m for m in model.modules() if list(m.parameters(recurse=False))]
+            half = len(owners) // 2
+            kwargs = dict(model_fragments=[torch.nn.ModuleList(owners[:half]),
+                                           torch.nn.ModuleList(owners[half:])],
+                          fragment_sync_delay=1)
+        algo = mpidp.DiLoCo(model, opt, outer, sync_every=SYNC_EVERY, **kwargs).__enter__()
+        return model, opt, algo.detach
+    if name == "sparseloco":
+        algo = mpidp.SparseLoCo(model, opt, sync_every=SYNC_EVERY).__enter__()
+        return model, opt, algo.detach
+    if name == "demo":
+        return model, mpidp.DeMo(model.parameters(), lr=0.001), lambda: None
+    if name == "decentralized":
+        net = mpidp.with_bagua(model, [opt], mpidp.algorithms.DecentralizedAlgorithm(
+            hierarchical=False))
+        return net, opt, net.bagua_driver.detach
+    raise ValueError(f"algorithm: unknown {name!r}")
+
 
 def _worker_setup():
     import torch
@@ -93,6 +135,17 @@ def worker_steps(args):
         F.cross_entropy(net(x), y).backward()
         daso.step()
     result["daso mlp"] = timed(daso_step)
+    for name in ALGORITHMS:
+        torch.manual_seed(0)
+        model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
+        net, opt, detach = build_algorithm(name, model, mpidp, torch)
+
+        def algorithm_step():
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        result[name] = timed(algorithm_step)
+        detach()
     if mpidp.fault_tolerance.enabled():    # DASO's addition: keeping the step to undo it
         t0 = time.perf_counter()
         for _ in range(20):
@@ -118,8 +171,7 @@ def worker_recovery(args):
     replacement = ft.is_replacement()
     torch.manual_seed(0)
     model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
-    net = mpidp.DataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    net, opt, _ = build_algorithm(args.algorithm, model, mpidp, torch)
     kill_at = 6
     state = {"step": 0}
 
@@ -198,6 +250,9 @@ def main():
     p.add_argument("--worker", choices=["steps", "recovery"], help=argparse.SUPPRESS)
     p.add_argument("--stamp", help=argparse.SUPPRESS)
     p.add_argument("--replace", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--algorithm", default="dataparallel", help=argparse.SUPPRESS)
+    p.add_argument("--algorithms", action="store_true",
+                   help="also the recovery under each algorithm of ALGORITHMS")
     args = p.parse_args()
     if args.worker == "steps":
         return worker_steps(args)
@@ -212,22 +267,26 @@ def main():
              "no ulfm, mode off": dict(ft_mode=False, ulfm=False)}
     steps = {k: [] for k in kinds}
     recoveries, grown = [], []
+    by_algorithm = {name: [] for name in (ALGORITHMS if args.algorithms else ())}
     for _ in range(args.rounds):
         for kind, how in kinds.items():
             steps[kind].append(run_job(args.ranks, "steps", common, **how))
-        for extra, results in (([], recoveries), (["--replace"], grown)):
+        jobs = [([], recoveries), (["--replace"], grown)] + [
+            (["--algorithm", name], results) for name, results in by_algorithm.items()]
+        for extra, results in jobs:
             with tempfile.NamedTemporaryFile(suffix=".stamp") as stamp:
                 results.append(run_job(args.ranks, "recovery",
                                        common + ["--stamp", stamp.name] + extra))
 
-    print(f"\nStep time of blocking DataParallel (and of DASO in its warm-up on nodes of 2) at "
+    print(f"\nStep time of blocking DataParallel (and of DASO in its warm-up on nodes of 2, and "
+          f"of the algorithms below on the MLP, syncing every {SYNC_EVERY} steps) at "
           f"{args.ranks} ranks, median of {args.rounds} jobs (ms):")
-    print(f"{'model':10s}" + "".join(f"{k:>20s}" for k in kinds) + f"{'on / off':>10s}"
+    print(f"{'model':18s}" + "".join(f"{k:>20s}" for k in kinds) + f"{'on / off':>10s}"
           f"{'on / no ulfm':>14s}")
     agreement = 1e3 * statistics.median(r["agreement"] for r in steps["ulfm, mode on"])
-    for model in ("mlp", "resnet18", "daso mlp"):
+    for model in ("mlp", "resnet18", "daso mlp") + ALGORITHMS:
         ms = {k: 1e3 * statistics.median(r[model] for r in steps[k]) for k in kinds}
-        print(f"{model:10s}" + "".join(f"{ms[k]:20.2f}" for k in kinds)
+        print(f"{model:18s}" + "".join(f"{ms[k]:20.2f}" for k in kinds)
               + f"{ms['ulfm, mode on'] / ms['ulfm, mode off']:10.3f}"
               + f"{ms['ulfm, mode on'] / ms['no ulfm, mode off']:14.3f}")
     print(f"The mode's one addition per step, an agreement of every rank: {agreement:.3f} ms "
@@ -252,6 +311,19 @@ def main():
             else:
                 row.append(f"{1e3 * statistics.median(values):12.2f}")
         print(f"  {key:20s}" + "".join(row))
+    if by_algorithm:
+        print(f"\nThe same loss under each algorithm (shrinking; the kill at step 6, syncs every "
+              f"{SYNC_EVERY} steps), median of {args.rounds} jobs (ms):")
+        names = list(by_algorithm)
+        print(f"  {'':20s}" + "".join(f"{n:>18s}" for n in names))
+        for key in recoveries[0]:
+            row = []
+            for name in names:
+                values = [r[key] for r in by_algorithm[name] if key in r]
+                scale = 1 if key == "steps lost" else 1e3
+                row.append(f"{scale * statistics.median(values):18.{0 if key == 'steps lost' else 2}f}"
+                           if values else f"{'-':>18s}")
+            print(f"  {key:20s}" + "".join(row))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,9 @@ class DeMo(torch.optim.Optimizer):
         return Wire(self._comm, [p.shape for p in self._params], self.compression_chunk,
                     lambda length: topk, 0, "DeMo")
 
+    def _takes_replacements(self) -> bool:
+        return False      # growing back is not built for it yet (recover(replace=True) says so)
+
     def _continue_on(self, survivors) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
         exchanges go on over the survivors. A step the loss cut short was

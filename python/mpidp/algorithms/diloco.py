@@ -246,6 +246,9 @@ class DiLoCo(InnerStepContext):
         for p in self.model.parameters():     # the cut-short step's, spent
             p.grad = None
 
+    def _takes_replacements(self) -> bool:
+        return False      # growing back is not built for it yet
+
     def _catch_up(self) -> None:
         while self._redo_steps:
             self._actions(self._redo_steps[0])

@@ -119,6 +119,20 @@ def continue_on_survivors(*old_worlds) -> None:
             driver._remove_hooks()
 
 
+def refusing_replacements() -> List[str]:
+    """The names of the live drivers that cannot take a replacement (their
+    survivors do not repeat the set-up a replacement's construction makes)."""
+    names = set()
+    for refs in list(_CLAIMS.values()):
+        for driver in (r() for r in refs):
+            if driver is not None and driver._released is None:
+                while driver._owner is not None and driver._owner() is not None:
+                    driver = driver._owner()
+                if not driver._takes_replacements():
+                    names.add(driver.what)
+    return sorted(names)
+
+
 def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
     """The names of the live drivers whose module holds any of `params`
     (an optimizer that does its own communication refuses to run under
@@ -212,6 +226,12 @@ class Driver(abc.ABC):
     def _recovers(self) -> bool:
         """Whether this driver goes on over the survivors (_continue_on)."""
         return type(self)._continue_on is not Driver._continue_on
+
+    def _takes_replacements(self) -> bool:
+        """Whether recover(replace=True) can grow its job back: its
+        _continue_on repeats the set-up a replacement's construction makes.
+        Those that do not say so."""
+        return True
 
     def train_forward(self, *inputs, **kwargs):
         """The module's forward under this algorithm (with_bagua calls it):

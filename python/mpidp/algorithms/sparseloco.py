@@ -226,6 +226,9 @@ class SparseLoCo(InnerStepContext):
         for p in self.model.parameters():     # the cut-short step's, spent
             p.grad = None
 
+    def _takes_replacements(self) -> bool:
+        return False      # growing back is not built for it yet
+
     def _catch_up(self) -> None:
         if self._resend_due:
             step, errors, replica = self._unapplied_send

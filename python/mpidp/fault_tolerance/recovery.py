@@ -14,7 +14,7 @@ from .._runtime import mpi as _mpi
 from .._runtime.fault_tolerant_mode import revoke_everything
 from .._runtime.mpi import MPI
 from .._runtime.topology import forget_splits
-from ..algorithms.driver import continue_on_survivors
+from ..algorithms.driver import continue_on_survivors, refusing_replacements
 from ..collectives import process_groups as process_group
 # survivors.shrink is looked up on its module at each call, so that a test can
 # put a rank's death inside it (tests/fault_tolerance/ulfm/train_ft.py).
@@ -64,6 +64,8 @@ def recover(replace: bool = False) -> Membership:
     share_state() on every rank for the rest of the training state."""
     if not _state.enabled:
         raise RuntimeError("recover: fault-tolerant mode is off (MPIDP_FAULT_TOLERANCE=1)")
+    if replace:
+        _refuse_replacements()
     cause = sys.exc_info()[1]       # the RanksLost being handled, if any
     first_world = _mpi.world_mpi()
     unexplained = None              # an error of the last rebuild that was no failure, yet
@@ -133,6 +135,21 @@ def recover(replace: bool = False) -> Membership:
             + (f"; the last: {cause}" if cause is not None else ""))
     return Membership(survivors.Get_rank(), survivors.Get_size(), lost,
                       first_world.Get_size(), _state.generation, survivors, joined)
+
+
+def _refuse_replacements() -> None:
+    """recover(replace=True) with an algorithm that cannot take a replacement
+    raises at once, on every survivor alike (the same algorithms run on
+    each), before anything of the recovery: a replacement's set-up would
+    otherwise wait for survivors that never repeat it, until MPIDP_TIMEOUT."""
+    names = refusing_replacements() + sorted(
+        {type(obj).__name__ for obj in fault_tolerant_mode.participants()
+         if not getattr(obj, "_takes_replacements", lambda: True)()})
+    if names:
+        raise NotImplementedError(
+            f"recover(replace=True): {', '.join(names)} cannot take a replacement yet (growing "
+            "back is not built for it); call mpidp.recover() without replace to go on with the "
+            "survivors")
 
 
 # Recoveries in a row that found no rank lost (each started by an error taken

@@ -1,6 +1,7 @@
 """Run by tests/fault_tolerance/ulfm/test_fault_tolerance.py under ULFM: in fault-tolerant mode
 what cannot go on after a rank is lost is refused when it is set up, with a
-message naming it. Prints one line per check and "ALL REFUSED" at the end."""
+message naming it, and recover(replace=True) refuses algorithms that cannot
+take a replacement. Prints one line per check and "ALL REFUSED" at the end."""
 
 import torch
 from mpi4py import MPI
@@ -43,4 +44,14 @@ refused("SparseLoCo over a sub-communicator",
 refused("DeMo over a sub-communicator",
         lambda: mpidp.DeMo(model().parameters(), lr=0.01, comm=MPI.COMM_SELF),
         "fault-tolerant mode")
+# Growing back with an algorithm that cannot take a replacement yet: refused
+# by recover(replace=True) before anything of the recovery.
+m = model()
+with mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                  torch.optim.SGD(m.parameters(), lr=0.7), sync_every=4):
+    refused("recover(replace=True) under DiLoCo", lambda: mpidp.recover(replace=True),
+            "DiLoCo cannot take a replacement yet")
+demo = mpidp.DeMo(model().parameters(), lr=0.01)
+refused("recover(replace=True) beside DeMo", lambda: mpidp.recover(replace=True),
+        "DeMo cannot take a replacement yet")
 print("ALL REFUSED", flush=True)

@@ -72,6 +72,9 @@ class PartDriver(Driver):
         part = getattr(self, "part", None)
         return part is None or part._recovers()
 
+    def _takes_replacements(self) -> bool:
+        return self.part._takes_replacements()
+
     def _continue_on(self, comm) -> None:
         """Fault-tolerant mode: the part goes on over the survivors by its
         own rule."""
