@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from .._runtime import fault_tolerant_mode
 from .._runtime.model_consistency import check_same_structure
 from .._runtime.mpi import Communicator, communicator
 from .._runtime.hook_handles import remove_handles
@@ -150,7 +151,6 @@ def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
 def _refuse_without_fault_tolerance(*drivers: "Driver") -> None:
     """In fault-tolerant mode, an algorithm that cannot go on after a rank is
     lost is refused when it is set up, not found out at the first failure."""
-    from .._runtime import fault_tolerant_mode
     if not fault_tolerant_mode.enabled():
         return
     for driver in drivers:
@@ -327,7 +327,9 @@ class InnerStepContext(Driver):
         self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
         # Fault-tolerant mode: a sync that a recovery left to redo is redone
         # before the next forward (first among the forward hooks).
-        self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._catch_up()))
+        if fault_tolerant_mode.enabled():
+            self._handles.append(self.model.register_forward_pre_hook(
+                lambda *_: self._catch_up()))
         self._handles += self._more_hooks()
         return self
 
