@@ -181,10 +181,12 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)})
         self._world, mpi = handle.c, handle.mpi
         world, rank = self._world.size, self._world.rank
-        if fault_tolerant_mode.enabled() and (sgp or self._world is not world_comm()):
+        if fault_tolerant_mode.enabled() and self._world is not world_comm():
             raise NotImplementedError(
-                "SlowMoDistributedDataParallel: fault-tolerant mode supports the LOCALSGD base "
-                "over every rank of the job (comm=None) so far")
+                "SlowMoDistributedDataParallel: fault-tolerant mode recovers it over every rank "
+                "of the job (comm=None) so far; over a sub-communicator its recovery is not "
+                "built yet (not a limit of SlowMo): pass comm=None, or run without "
+                "MPIDP_FAULT_TOLERANCE")
         if nprocs_per_node is None:
             self._node_id = topology(mpi).node
         else:
@@ -208,6 +210,10 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self._sharded = self.slowmo_memory_efficient and not fault_tolerant_mode.enabled()
         self.num_updates = 0
         self._round = None   # fault-tolerant mode: the perform_slowmo under way (_continue_on)
+        # Fault-tolerant mode, SGP: what a gossip round changes (the
+        # parameters, the push-sum weight, the graph's round), kept from its
+        # start until it is agreed, to undo it where a loss cut it short.
+        self._gossip_undo = None
         self._params = [p for p in module.parameters() if p.requires_grad]
         # θ starts as the shared parameters (this rank's shard of them), u at 0.
         # fairscale copies θ after the first step instead, from each rank's own
@@ -357,6 +363,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             check_same_step(self._world, self.num_updates, "SlowMoDistributedDataParallel",
                             param_group_settings(optimizer.param_groups))
         if self.sgp:
+            if fault_tolerant_mode.enabled():
+                self._gossip_undo = (self._flat(), self.ps_weight, self.graph.round)
             self._gossip()
         replica = slow = None    # the new values, applied once complete everywhere
         if due.average:
@@ -366,8 +374,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
                 replica = self._averaged_replicas()      # an exact average before the slow step
             slow = self._slow_step(optimizer, replica)
             replica = slow[2]
-        if fault_tolerant_mode.enabled() and (due.average or due.slow_step):
+        if fault_tolerant_mode.enabled() and (self.sgp or due.average or due.slow_step):
             fault_tolerant_mode.agree_all_alive("SlowMo's averaging", "no rank applied it")
+            self._gossip_undo = None
         if slow is not None:
             self._theta, self._u = slow[0], slow[1]
         if replica is not None:
@@ -443,7 +452,18 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         of each node's survivors -- or, where they now hold different numbers
         of ranks, every rank a node of its own from then on -- each keeps its
         replica, θ and u (whole on every rank), and a perform_slowmo the loss
-        cut short (applied by none of them) is done again over the survivors."""
+        cut short (applied by none of them) is done again over the survivors.
+
+        With the SGP base, a gossip round the loss cut short is undone first
+        (it was agreed by none), the graph is made again over the surviving
+        nodes (the same class, the same round), and the push-sum weights are
+        renormalised: every survivor's weight becomes 1 with its parameters
+        as they are (they hold x / y), so no survivor's estimate is lost and
+        the survivors' weights again add up to their number."""
+        if self._gossip_undo is not None:
+            flat, self.ps_weight, self.graph.round = self._gossip_undo
+            self._write(flat)
+            self._gossip_undo = None
         handle = communicator(survivors)
         self._claim(self.module, handle)
         self._world = handle.c
@@ -461,10 +481,39 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
                 self._node_dp._remove_hooks()
                 self._node_dp._released = "its SlowMo's nodes became one rank each"
                 self._node_dp = None
+        if self.sgp:
+            self._regraph()
         for p in self._params:      # the cut-short step's, spent
             p.grad = None
         if self._round is not None:
             self._slowmo_round(*self._round)
+
+    def _regraph(self) -> None:
+        """SGP after a loss: the user's graph class over the surviving nodes
+        (or, where it cannot be built over their number, the default
+        exponential graph, with a warning), at the same round; push-sum
+        weights renormalised to 1; one node left: the gossip stops."""
+        if self.logical_world_size == 1:
+            warnings.warn("SlowMoDistributedDataParallel: one node is left after the loss of "
+                          "ranks; SGP's gossip stops (as with one node from the start)",
+                          stacklevel=3)
+            self.sgp = False
+            return
+        node_index = torch.tensor([self._masters.rank if self.local_rank == 0 else 0])
+        broadcast_tensors([node_index], self._node)
+        old = self.graph
+        args = (int(node_index), self.logical_world_size, self.nprocs_per_node, self.local_rank,
+                min(old.peers_per_itr, self.logical_world_size - 1))
+        try:
+            graph = type(old)(*args)
+        except ValueError as why:
+            warnings.warn(f"SlowMoDistributedDataParallel: {type(old).__name__} cannot be built "
+                          f"over the {self.logical_world_size} surviving nodes ({why}); gossiping "
+                          "over a DynamicDirectedExponentialGraph from now on", stacklevel=3)
+            graph = DynamicDirectedExponentialGraph(*args)
+        graph.round = old.round
+        self.graph, self.mixing = graph, UniformMixing(graph)
+        self.ps_weight = 1.0
 
     # -- checkpoints -----------------------------------------------------------------
 

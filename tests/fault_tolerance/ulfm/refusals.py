@@ -24,8 +24,8 @@ def model():
 
 
 m = model()
-refused("SlowMo's SGP base", lambda: mpidp.SlowMoDistributedDataParallel(
-    m, slowmo_base_algorithm=mpidp.SlowMoBaseAlgorithm.SGP), "fault-tolerant mode")
+refused("SlowMo over a sub-communicator", lambda: mpidp.SlowMoDistributedDataParallel(
+    m, comm=MPI.COMM_SELF), "fault-tolerant mode")
 m = model()
 refused("DiLoCo over a sub-communicator",
         lambda: mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),

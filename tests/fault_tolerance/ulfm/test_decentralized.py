@@ -1,4 +1,5 @@
-"""Fault-tolerant mode for Bagua's decentralized algorithms, tested by killing
+"""Fault-tolerant mode for the decentralized algorithms (Bagua's, and SlowMo's SGP
+base), tested by killing
 ranks (tests/fault_tolerance/ulfm/train_ft.py): every survivor's replica is
 compared with a simulation of the surviving replicas written from the rule
 in docs/fault-tolerance.md -- an exchange a rank's death interrupted is
@@ -24,6 +25,7 @@ from quant_reference import q  # noqa: E402
 from mpidp import _C, kernels  # noqa: E402
 
 pytestmark = pytest.mark.serial
+TRACE = []
 
 
 def vec(model):
@@ -132,6 +134,79 @@ def test_decentralized_survivors_match_the_simulation(tmp_path, case):
         tol = dict(rtol=1e-5, atol=1e-5)    # 8-bit codes of near-equal sums
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], models[rank].parameters()):
+            torch.testing.assert_close(a, b.detach(), **tol,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        momentum = [inner[rank].state[p]["momentum_buffer"] for p in models[rank].parameters()]
+        for a, b in zip(got["momentum"], momentum):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
+
+
+def simulate_sgp(n, steps, lost_from):
+    """SlowMo's SGP base, every rank a node: after each local step the ranks
+    alive gossip by push-sum (the parameters hold x / y; uniform mixing over
+    DynamicDirectedExponentialGraph among them, at round t), and every 2
+    PERIOD steps the slow step runs on their mean (slowmo_memory_efficient,
+    the default, takes the world mean) and they take θ. At the first step of fewer ranks every push-sum weight becomes
+    1 and the graph is made over them (round kept). Returns each replica
+    and its momentum."""
+    from mpidp.gossip import DynamicDirectedExponentialGraph
+    models, inner = inner_models(n)
+    theta = vec(models[0])
+    u = torch.zeros_like(theta)
+    weight = {r: 1.0 for r in range(n)}
+    ring = list(range(n))
+    for t in range(steps):
+        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        gradients_at_own_weights(models, alive, t)
+        for r in alive:
+            inner[r].step()
+        if alive != ring:
+            ring = alive
+            weight = {r: 1.0 for r in alive}
+        w = len(alive)
+        sent = {r: torch.cat([vec(models[r]) * weight[r],
+                              torch.tensor([weight[r]], dtype=torch.float32)]) * 0.5
+                for r in alive}
+        for i, r in enumerate(alive):
+            graph = DynamicDirectedExponentialGraph(i, w)
+            graph.round = t
+            _, inp = graph.worker_peers()
+            mixed = sent[r].clone()
+            for j in inp:
+                mixed += sent[alive[j]]
+            weight[r] = float(mixed[-1])
+            x = mixed[:-1]
+            with torch.no_grad():
+                put(models[r], x / mixed[-1] if weight[r] != 1.0 else x)
+        if (t + 1) % (2 * train_ft.PERIOD) == 0:
+            x = sum(vec(models[r]) for r in alive) / w
+            u = u * train_ft.SLOW_MOMENTUM + (theta - x) / 0.05
+            theta = theta - train_ft.SLOW_LR * 0.05 * u
+            for r in alive:
+                with torch.no_grad():
+                    put(models[r], theta)
+        TRACE.append({r: vec(models[r]) for r in alive})
+    return models, inner
+
+
+# (kill spec, {victim: the first step whose gossip goes without it}), 4 ranks, nodes of 1.
+SGP_CASES = {
+    "a rank lost in backward, then rank 0 before its gossip":
+        ("3:2:backward;0:5:sync", {3: 2, 0: 5}),
+    "a rank lost before a slow step's gossip, then another in the recovery's agreement":
+        ("1:3:sync;2:3:agreement", {1: 3, 2: 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(SGP_CASES))
+def test_sgp_survivors_match_the_simulation(tmp_path, case):
+    kill, lost_from = SGP_CASES[case]
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", FT_SGP=1, MPIDP_RANKS_PER_NODE=1)
+    models, inner = simulate_sgp(4, 8, lost_from)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
         for a, b in zip(got["params"], models[rank].parameters()):
             torch.testing.assert_close(a, b.detach(), **tol,
                                        msg=lambda m: f"rank {rank}'s parameters: {m}")

@@ -14,7 +14,8 @@ FT_FRAGMENTS=1: Streaming DiLoCo, FRAGMENTS taking turns every PERIOD steps,
 each sent a step before its turn),
 daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches),
 slowmo: SlowMoDistributedDataParallel (LocalSGD every PERIOD steps, the
-slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says),
+slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says;
+FT_SGP=1: the SGP base, gossiping every step over the default graph),
 qadam: Bagua's QAdam through with_bagua (Adam for QADAM_WARMUP steps, then
 the 8-bit averaged first moment; the first moment is the momentum saved),
 sparseloco: SparseLoCo (a sync every PERIOD inner steps, FT_SYNC_DELAY
@@ -218,9 +219,11 @@ def main(out_dir: str) -> None:
         handle.average_momentum = lambda flat: maybe_die(step, "average") or average(flat)
     elif algorithm == "slowmo":
         def wrap_slowmo():
+            base = mpidp.SlowMoBaseAlgorithm.SGP if os.environ.get("FT_SGP") else \
+                mpidp.SlowMoBaseAlgorithm.LOCALSGD
             return mpidp.SlowMoDistributedDataParallel(
                 model, localsgd_frequency=PERIOD, slowmo_frequency=2 * PERIOD,
-                slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM)
+                slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM, slowmo_base_algorithm=base)
         net = wrap_slowmo()
         if habits:      # wrapped twice: the newer wrapper takes over (with a warning)
             with warnings.catch_warnings():
