@@ -287,7 +287,7 @@ class DiLoCo(InnerStepContext):
             self._unapplied[f] = (step, None if self.fragment_sync_delay == 0
                                   else [p.detach().clone() for p in params])
         sent_from = self._unapplied.get(f, (step, None))[1]
-        if sent_from is None:
+        if sent_from is None or step == self.step:    # sent now, from the parameters
             self._syncs[f].send()
         else:
             with torch.no_grad():

@@ -356,6 +356,7 @@ class SparseLoCo(InnerStepContext):
                 p.copy_(x)
                 e.copy_(err)
         self.step = check_int("state['step']", state["step"], 0)
+        self._unapplied_send, self._resend_due, self._apply_due = None, False, False
         if self._wire.in_flight:      # this instance's own sync in flight is replaced
             self._decode()
         self._received = (None if state["in_flight"] is None
