@@ -4,6 +4,8 @@ write_back), and a parameter's gradient as a view of a bucket (grad_view)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 __all__ = ["pack_bytes", "unpack_bytes", "flatten", "write_back", "grad_view"]
@@ -32,9 +34,16 @@ def unpack_bytes(flat: torch.Tensor, offsets, group) -> None:
     torch._foreach_copy_(list(group), views)
 
 
-def flatten(tensors, dtype=None) -> torch.Tensor:
+def flatten(tensors, dtype=None, out=None) -> torch.Tensor:
     """The tensors' elements one after another in a new 1-D tensor (of
-    `dtype`, else their common one); write_back undoes it."""
+    `dtype`, else their common one), or written into `out` (a 1-D tensor
+    of their total length: a buffer kept across steps, cast to its dtype);
+    write_back undoes it."""
+    if out is not None:
+        offsets = itertools.accumulate((t.numel() for t in tensors), initial=0)
+        torch._foreach_copy_([out[o:o + t.numel()] for o, t in zip(offsets, tensors)],
+                             [t.detach().reshape(-1) for t in tensors])
+        return out
     return torch.cat([t.detach().reshape(-1) if dtype is None else
                       t.detach().reshape(-1).to(dtype) for t in tensors])
 

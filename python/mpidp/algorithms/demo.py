@@ -98,6 +98,7 @@ class DeMo(torch.optim.Optimizer):
         # Fault-tolerant mode: the momenta and step count before the step
         # under way, put back where a rank's loss cuts it short.
         self._before_step = None
+        self._kept_deltas: Dict[torch.Tensor, torch.Tensor] = {}   # its buffers, kept across steps
         with torch.no_grad():
             for p in self._params:
                 self._comm.bcast(p.data, 0)
@@ -140,7 +141,7 @@ class DeMo(torch.optim.Optimizer):
                 if delta is None:       # its first step was the one cut short
                     self.state[p].pop("delta", None)
                 else:
-                    self.state[p]["delta"] = delta
+                    self.state[p]["delta"].copy_(delta)
             self._before_step = None
         for p in self._params:             # the cut-short step's, spent
             p.grad = None
@@ -185,6 +186,22 @@ class DeMo(torch.optim.Optimizer):
                 "communication), and an average beside it would change its rule. Build the "
                 "optimizer over the plain model, without DataParallel or another algorithm")
 
+    def _keep_before_step(self) -> None:
+        """Fault-tolerant mode: the step count and every momentum before this
+        step, copied into buffers kept across steps (no allocation per step)."""
+        kept = {}
+        for p in self._params:
+            if not p.requires_grad:
+                continue
+            delta = self.state[p].get("delta")
+            if delta is not None:
+                buffer = self._kept_deltas.get(p)
+                if buffer is None or buffer.shape != delta.shape:
+                    buffer = self._kept_deltas[p] = torch.empty_like(delta)
+                delta = buffer.copy_(delta)
+            kept[p] = delta
+        self._before_step = (self.demo_step, kept)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -194,9 +211,7 @@ class DeMo(torch.optim.Optimizer):
         self._refuse_other_averaging()
         wire = self._wire
         if fault_tolerant_mode.enabled():
-            self._before_step = (self.demo_step, {
-                p: self.state[p]["delta"].clone() if "delta" in self.state[p] else None
-                for p in self._params if p.requires_grad})
+            self._keep_before_step()
         self.demo_step += 1
         wire.write_header(self.demo_step, self._settings(), self._params)
         i = 0

@@ -214,6 +214,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         # parameters, the push-sum weight, the graph's round), kept from its
         # start until it is agreed, to undo it where a loss cut it short.
         self._gossip_undo = None
+        self._kept_flat = None     # its parameters' copy, one buffer for every round
         self._params = [p for p in module.parameters() if p.requires_grad]
         # θ starts as the shared parameters (this rank's shard of them), u at 0.
         # fairscale copies θ after the first step instead, from each rank's own
@@ -321,6 +322,14 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
     def _flat(self) -> torch.Tensor:
         return flatten(self._params, torch.float32)
 
+    def _keep_flat(self) -> torch.Tensor:
+        """The parameters flat (float32) in a buffer kept across rounds: a
+        copy every gossip round, not an allocation."""
+        if self._kept_flat is None:
+            self._kept_flat = torch.empty(sum(p.numel() for p in self._params),
+                                          dtype=torch.float32, device=self._params[0].device)
+        return flatten(self._params, out=self._kept_flat)
+
     def _lrs(self, optimizer, part: slice) -> torch.Tensor:
         """Each element's group lr over `part` of the flat parameters (built
         for the part only: a shard in memory-efficient mode)."""
@@ -364,7 +373,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
                             param_group_settings(optimizer.param_groups))
         if self.sgp:
             if fault_tolerant_mode.enabled():
-                self._gossip_undo = (self._flat(), self.ps_weight, self.graph.round)
+                self._gossip_undo = (self._keep_flat(), self.ps_weight, self.graph.round)
             self._gossip()
         replica = slow = None    # the new values, applied once complete everywhere
         if due.average:
