@@ -25,7 +25,6 @@ from quant_reference import q  # noqa: E402
 from mpidp import _C, kernels  # noqa: E402
 
 pytestmark = pytest.mark.serial
-TRACE = []
 
 
 def vec(model):
@@ -36,11 +35,35 @@ def put(model, v):
     torch.nn.utils.vector_to_parameters(v.clone(), model.parameters())
 
 
-def gradients_at_own_weights(models, alive, t):
+def alive_with_gradients(models, t, lost_from, steps):
+    """The ranks alive at step t (t < lost_from[r]), each with its gradient
+    of step t's batch at its own weights."""
+    alive = [r for r in range(len(models)) if t < lost_from.get(r, steps)]
     for r in alive:
         models[r].zero_grad()
         x, y = train_ft.batch(r, t)
         torch.nn.functional.mse_loss(models[r](x), y).backward()
+    return alive
+
+
+def local_steps(models, inner, t, lost_from, steps):
+    """Step t's local step of every rank alive then; those ranks."""
+    alive = alive_with_gradients(models, t, lost_from, steps)
+    for r in alive:
+        inner[r].step()
+    return alive
+
+
+def assert_survivors_match(saved, n, lost_from, models, inner, tol):
+    """Every survivor's parameters and momentum are its simulated replica's."""
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
+        for a, b in zip(got["params"], models[rank].parameters()):
+            torch.testing.assert_close(a, b.detach(), **tol,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        momentum = [inner[rank].state[p]["momentum_buffer"] for p in models[rank].parameters()]
+        for a, b in zip(got["momentum"], momentum):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
 
 
 def simulate_dpsgd(n, steps, lost_from, mode):
@@ -51,9 +74,8 @@ def simulate_dpsgd(n, steps, lost_from, mode):
     its momentum."""
     models, inner = inner_models(n)
     for t in range(steps):
-        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
-        sent = {r: vec(models[r]) for r in alive}
-        gradients_at_own_weights(models, alive, t)
+        alive = alive_with_gradients(models, t, lost_from, steps)
+        sent = {r: vec(models[r]) for r in alive}      # the weights the gradients were taken at
         w = len(alive)
         for i, r in enumerate(alive):
             if mode == "all":
@@ -79,10 +101,7 @@ def simulate_dcd(n, steps, lost_from):
     copies = {r: [start.clone(), start.clone(), start.clone()] for r in range(n)}  # l, own, r
     ring = list(range(n))
     for t in range(steps):
-        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
-        gradients_at_own_weights(models, alive, t)
-        for r in alive:
-            inner[r].step()
+        alive = local_steps(models, inner, t, lost_from, steps)
         w = len(alive)
         if alive != ring:
             ring = alive
@@ -132,14 +151,7 @@ def test_decentralized_survivors_match_the_simulation(tmp_path, case):
     else:
         models, inner = simulate_dcd(n, 8, lost_from)
         tol = dict(rtol=1e-5, atol=1e-5)    # 8-bit codes of near-equal sums
-    for rank, got in saved.items():
-        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
-        for a, b in zip(got["params"], models[rank].parameters()):
-            torch.testing.assert_close(a, b.detach(), **tol,
-                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
-        momentum = [inner[rank].state[p]["momentum_buffer"] for p in models[rank].parameters()]
-        for a, b in zip(got["momentum"], momentum):
-            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
+    assert_survivors_match(saved, n, lost_from, models, inner, tol)
 
 
 def simulate_sgp(n, steps, lost_from):
@@ -157,10 +169,7 @@ def simulate_sgp(n, steps, lost_from):
     weight = {r: 1.0 for r in range(n)}
     ring = list(range(n))
     for t in range(steps):
-        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
-        gradients_at_own_weights(models, alive, t)
-        for r in alive:
-            inner[r].step()
+        alive = local_steps(models, inner, t, lost_from, steps)
         if alive != ring:
             ring = alive
             weight = {r: 1.0 for r in alive}
@@ -186,7 +195,6 @@ def simulate_sgp(n, steps, lost_from):
             for r in alive:
                 with torch.no_grad():
                     put(models[r], theta)
-        TRACE.append({r: vec(models[r]) for r in alive})
     return models, inner
 
 
@@ -205,11 +213,4 @@ def test_sgp_survivors_match_the_simulation(tmp_path, case):
     saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", FT_SGP=1, MPIDP_RANKS_PER_NODE=1)
     models, inner = simulate_sgp(4, 8, lost_from)
     tol = dict(rtol=1e-5, atol=1e-6)
-    for rank, got in saved.items():
-        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
-        for a, b in zip(got["params"], models[rank].parameters()):
-            torch.testing.assert_close(a, b.detach(), **tol,
-                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
-        momentum = [inner[rank].state[p]["momentum_buffer"] for p in models[rank].parameters()]
-        for a, b in zip(got["momentum"], momentum):
-            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
+    assert_survivors_match(saved, 4, lost_from, models, inner, tol)
