@@ -101,3 +101,21 @@ def test_a_step_undone_leaves_parameters_state_and_hyperparameters_as_before(mak
             for k, v in s.items():
                 assert torch.equal(torch.as_tensor(got_state["state"][i][k]), torch.as_tensor(v))
         step()     # the next step is taken for real
+
+
+def test_participants_go_on_in_the_order_the_program_made_them(monkeypatch):
+    """recover() runs each participant's _continue_on, which may run
+    collectives: every survivor must take them in one order, the order of
+    construction (the same on every rank), never their addresses' order."""
+    from mpidp._runtime import fault_tolerant_mode as mode
+
+    class Participant:
+        pass
+
+    monkeypatch.setattr(mode, "_participants", type(mode._participants)())
+    made = [Participant() for _ in range(64)]
+    for obj in reversed(made):
+        mode.participate(obj)
+    assert mode.participants() == made[::-1]
+    del made[5]          # gone: no longer asked to go on
+    assert len(mode.participants()) == 63

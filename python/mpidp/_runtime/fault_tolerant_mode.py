@@ -197,18 +197,23 @@ def commit_step() -> None:
         _state.fruitless = 0
 
 
-_participants: "weakref.WeakSet" = weakref.WeakSet()
+# Ordered as they were given (a WeakSet's order is its objects' addresses'):
+# each one's _continue_on may run collectives, which must come in the same
+# order on every survivor -- the order the program, the same on every rank,
+# built them in.
+_participants: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def participants() -> list:
-    """The objects participate() was given that are still alive."""
+    """The objects participate() was given that are still alive, in the
+    order they were given."""
     return list(_participants)
 
 
 def participate(obj) -> None:
     """`obj` (not a driver: PostLocalSGD's averagers) goes on over the
     survivors through obj._continue_on(world) at every recovery."""
-    _participants.add(obj)
+    _participants[obj] = None
 
 
 def revoke_everything() -> None:
