@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import train_ft  # noqa: E402
 from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
-from test_low_communication import inner_models  # noqa: E402
+from test_low_communication import gradient, habits, inner_models  # noqa: E402
 from quant_reference import q  # noqa: E402
 from mpidp import _C, kernels  # noqa: E402
 
@@ -35,20 +35,18 @@ def put(model, v):
     torch.nn.utils.vector_to_parameters(v.clone(), model.parameters())
 
 
-def alive_with_gradients(models, t, lost_from, steps):
+def alive_with_gradients(models, t, lost_from, steps, clip):
     """The ranks alive at step t (t < lost_from[r]), each with its gradient
-    of step t's batch at its own weights."""
+    of step t's batch at its own weights (clipped to norm `clip`, if given)."""
     alive = [r for r in range(len(models)) if t < lost_from.get(r, steps)]
     for r in alive:
-        models[r].zero_grad()
-        x, y = train_ft.batch(r, t)
-        torch.nn.functional.mse_loss(models[r](x), y).backward()
+        gradient(models[r], r, t, clip)
     return alive
 
 
-def local_steps(models, inner, t, lost_from, steps):
+def local_steps(models, inner, t, lost_from, steps, clip):
     """Step t's local step of every rank alive then; those ranks."""
-    alive = alive_with_gradients(models, t, lost_from, steps)
+    alive = alive_with_gradients(models, t, lost_from, steps, clip)
     for r in alive:
         inner[r].step()
     return alive
@@ -66,7 +64,7 @@ def assert_survivors_match(saved, n, lost_from, models, inner, tol):
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
 
 
-def simulate_dpsgd(n, steps, lost_from, mode):
+def simulate_dpsgd(n, steps, lost_from, mode, clip=None):
     """D-PSGD: at step t the ranks alive then (t < lost_from[r]) send their
     weights, take the gradient at them, and step from the average -- over
     all of them, or with this round's shift_one partner among them (the
@@ -74,7 +72,7 @@ def simulate_dpsgd(n, steps, lost_from, mode):
     its momentum."""
     models, inner = inner_models(n)
     for t in range(steps):
-        alive = alive_with_gradients(models, t, lost_from, steps)
+        alive = alive_with_gradients(models, t, lost_from, steps, clip)
         sent = {r: vec(models[r]) for r in alive}      # the weights the gradients were taken at
         w = len(alive)
         for i, r in enumerate(alive):
@@ -90,7 +88,7 @@ def simulate_dpsgd(n, steps, lost_from, mode):
     return models, inner
 
 
-def simulate_dcd(n, steps, lost_from):
+def simulate_dcd(n, steps, lost_from, clip=None):
     """DCD-PSGD on the ring of the ranks alive at step t: after each local
     step, d = x - x^ + (x^_l + x^ + x^_r) / 3 - x^ is quantized (the
     reference quantizer), every copy takes the same decoded bytes and x =
@@ -101,7 +99,7 @@ def simulate_dcd(n, steps, lost_from):
     copies = {r: [start.clone(), start.clone(), start.clone()] for r in range(n)}  # l, own, r
     ring = list(range(n))
     for t in range(steps):
-        alive = local_steps(models, inner, t, lost_from, steps)
+        alive = local_steps(models, inner, t, lost_from, steps, clip)
         w = len(alive)
         if alive != ring:
             ring = alive
@@ -124,7 +122,8 @@ def simulate_dcd(n, steps, lost_from):
     return models, inner
 
 
-# (algorithm, FT_PEERS, ranks, kill spec, {victim: the first step whose exchange goes without it})
+# (algorithm, FT_PEERS, ranks, kill spec, {victim: the first step whose exchange
+# goes without it}, FT_HABITS: wrapped twice, AMP, the gradients clipped)
 CASES = {
     "all: a rank lost in backward, its exchange in flight, then rank 0 after one":
         ("decentralized", "all", 4, "1:2:backward;0:5:step", {1: 2, 0: 6}),
@@ -138,23 +137,28 @@ CASES = {
         ("lowprecision", "", 4, "3:2:backward;0:5:between", {3: 2, 0: 6}),
     "low precision: a rank lost before its step, leaving two":
         ("lowprecision", "", 3, "1:3:step", {1: 3}),
+    "habits, all: a rank lost in backward, then rank 0 before its step":
+        ("decentralized", "all", 4, "1:2:backward;0:5:step", {1: 2, 0: 6}, True),
+    "habits, low precision: a rank lost before its step, leaving two":
+        ("lowprecision", "", 3, "1:3:step", {1: 3}, True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_decentralized_survivors_match_the_simulation(tmp_path, case):
-    algorithm, peers, n, kill, lost_from = CASES[case]
-    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm, FT_PEERS=peers or "all")
+    algorithm, peers, n, kill, lost_from, with_habits = (CASES[case] + (False,))[:6]
+    env, clip = habits(with_habits)
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm, FT_PEERS=peers or "all", **env)
     if algorithm == "decentralized":
-        models, inner = simulate_dpsgd(n, 8, lost_from, peers)
+        models, inner = simulate_dpsgd(n, 8, lost_from, peers, clip)
         tol = dict(rtol=1e-5, atol=1e-6)
     else:
-        models, inner = simulate_dcd(n, 8, lost_from)
+        models, inner = simulate_dcd(n, 8, lost_from, clip)
         tol = dict(rtol=1e-5, atol=1e-5)    # 8-bit codes of near-equal sums
     assert_survivors_match(saved, n, lost_from, models, inner, tol)
 
 
-def simulate_sgp(n, steps, lost_from):
+def simulate_sgp(n, steps, lost_from, clip=None):
     """SlowMo's SGP base, every rank a node: after each local step the ranks
     alive gossip by push-sum (the parameters hold x / y; uniform mixing over
     DynamicDirectedExponentialGraph among them, at round t), and every 2
@@ -169,7 +173,7 @@ def simulate_sgp(n, steps, lost_from):
     weight = {r: 1.0 for r in range(n)}
     ring = list(range(n))
     for t in range(steps):
-        alive = local_steps(models, inner, t, lost_from, steps)
+        alive = local_steps(models, inner, t, lost_from, steps, clip)
         if alive != ring:
             ring = alive
             weight = {r: 1.0 for r in alive}
@@ -198,19 +202,24 @@ def simulate_sgp(n, steps, lost_from):
     return models, inner
 
 
-# (kill spec, {victim: the first step whose gossip goes without it}), 4 ranks, nodes of 1.
+# (kill spec, {victim: the first step whose gossip goes without it}, FT_HABITS),
+# 4 ranks, nodes of 1.
 SGP_CASES = {
     "a rank lost in backward, then rank 0 before its gossip":
         ("3:2:backward;0:5:sync", {3: 2, 0: 5}),
     "a rank lost before a slow step's gossip, then another in the recovery's agreement":
         ("1:3:sync;2:3:agreement", {1: 3, 2: 3}),
+    "habits: wrapped twice, AMP, clipped; a rank lost in backward, then rank 0 before its gossip":
+        ("3:2:backward;0:5:sync", {3: 2, 0: 5}, True),
 }
 
 
 @pytest.mark.parametrize("case", list(SGP_CASES))
 def test_sgp_survivors_match_the_simulation(tmp_path, case):
-    kill, lost_from = SGP_CASES[case]
-    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", FT_SGP=1, MPIDP_RANKS_PER_NODE=1)
-    models, inner = simulate_sgp(4, 8, lost_from)
+    kill, lost_from, with_habits = (SGP_CASES[case] + (False,))[:3]
+    env, clip = habits(with_habits)
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="slowmo", FT_SGP=1, MPIDP_RANKS_PER_NODE=1,
+                    **env)
+    models, inner = simulate_sgp(4, 8, lost_from, clip)
     tol = dict(rtol=1e-5, atol=1e-6)
     assert_survivors_match(saved, 4, lost_from, models, inner, tol)

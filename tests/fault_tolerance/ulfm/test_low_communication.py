@@ -37,11 +37,25 @@ def inner_models(n):
     return models, [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
 
 
-def inner_step(model, opt, rank, t):
+def gradient(model, rank, t, clip):
+    """Rank's gradient of step t's batch at `model`'s weights (FT_HABITS:
+    clipped to norm `clip`, as train_ft does after unscaling)."""
     model.zero_grad()
     x, y = train_ft.batch(rank, t)
     torch.nn.functional.mse_loss(model(x), y).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+
+
+def inner_step(model, opt, rank, t, clip=None):
+    gradient(model, rank, t, clip)
     opt.step()
+
+
+def habits(on):
+    """The job's variables and the simulation's clip for FT_HABITS (the
+    model wrapped twice, AMP's GradScaler, the gradients clipped)."""
+    return ({"FT_HABITS": 1}, train_ft.CLIP) if on else ({}, None)
 
 
 def as_numpy(model):
@@ -55,7 +69,7 @@ def assert_a_step_apart(saved, step):
     assert resumed == {0: [step], 1: [step + 1], 2: [step + 1]}, resumed
 
 
-def simulate_sparseloco(n, steps, lost_from, delay):
+def simulate_sparseloco(n, steps, lost_from, delay, clip=None):
     """Every replica trains with its own inner SGD; after inner step t the
     replicas of the ranks alive then send ((t + 1) % PERIOD == PERIOD -
     delay), and at (t + 1) % PERIOD == 0 the ranks alive then take the
@@ -71,7 +85,7 @@ def simulate_sparseloco(n, steps, lost_from, delay):
     for t in range(steps):
         alive = [r for r in range(n) if t < lost_from.get(r, steps)]
         for r in alive:
-            inner_step(models[r], inner[r], r, t)
+            inner_step(models[r], inner[r], r, t, clip)
         if (t + 1) % period == (period - delay) % period:
             sent = {r: as_numpy(models[r]) for r in alive}
         if (t + 1) % period == 0:
@@ -85,8 +99,9 @@ def simulate_sparseloco(n, steps, lost_from, delay):
     return {r: as_numpy(models[r]) for r in range(n)}, errors, sim.shared
 
 
-# (ranks, kill spec, {victim: the first step without it}, sync_delay); syncs
-# after inner steps 1, 3, 5 and 7 (with sync_delay 1 each sent a step before).
+# (ranks, kill spec, {victim: the first step without it}, sync_delay,
+# FT_SUSPECT, FT_HABITS); syncs after inner steps 1, 3, 5 and 7 (with
+# sync_delay 1 each sent a step before).
 SPARSELOCO_CASES = {
     "a rank lost between syncs, then rank 0 with the allgather in flight":
         (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}, 0),
@@ -101,17 +116,20 @@ SPARSELOCO_CASES = {
     # step apart, every rank redoes the sync (none was lost).
     "sync_delay: the ranks a step apart when the loss is found":
         (3, "", {}, 1, "0:3"),
+    "habits: wrapped twice, AMP, clipped; a rank lost in the allgather, then rank 0 in backward":
+        (4, "1:3:outer;0:5:backward", {1: 3, 0: 5}, 0, "", True),
 }
 
 
 @pytest.mark.parametrize("case", list(SPARSELOCO_CASES))
 def test_sparseloco_survivors_match_the_simulation(tmp_path, case):
-    n, kill, lost_from, delay, *suspect = SPARSELOCO_CASES[case]
+    n, kill, lost_from, delay, suspect, with_habits = (SPARSELOCO_CASES[case] + ("", False))[:6]
+    env, clip = habits(with_habits)
     saved = run_job(tmp_path, n, kill, FT_ALGORITHM="sparseloco", FT_SYNC_DELAY=delay,
-                    FT_SUSPECT=suspect[0] if suspect else "")
+                    FT_SUSPECT=suspect, **env)
     if suspect:
-        assert_a_step_apart(saved, int(suspect[0][2:]))
-    params, errors, shared = simulate_sparseloco(n, 8, lost_from, delay)
+        assert_a_step_apart(saved, int(suspect[2:]))
+    params, errors, shared = simulate_sparseloco(n, 8, lost_from, delay, clip)
     first = saved[min(saved)]
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
@@ -128,7 +146,7 @@ def test_sparseloco_survivors_match_the_simulation(tmp_path, case):
             np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="θ̃")
 
 
-def simulate_demo(n, steps, lost_from):
+def simulate_demo(n, steps, lost_from, clip=None):
     """DeMo over the ranks alive at each step (rank r's batch counts in the
     steps before lost_from[r]): every rank's gradient at the shared
     parameters goes into its own momentum, and the sign of their sparse
@@ -145,9 +163,7 @@ def simulate_demo(n, steps, lost_from):
             with torch.no_grad():
                 for p, v in zip(model.parameters(), params):
                     p.copy_(torch.from_numpy(v))
-            model.zero_grad()
-            x, y = train_ft.batch(r, t)
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            gradient(model, r, t, clip)
             grads.append([p.grad.double().numpy() for p in model.parameters()])
         sim.delta = [deltas[r] for r in alive]
         params = sim.step(params, grads, train_ft.DEMO_LR)
@@ -155,20 +171,23 @@ def simulate_demo(n, steps, lost_from):
     return params, deltas
 
 
-# (ranks, kill spec, {victim: the first step without it})
+# (ranks, kill spec, {victim: the first step without it}, FT_HABITS)
 DEMO_CASES = {
     "a rank lost in backward, then rank 0 with the allgather in flight":
         (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}),
     "between two steps, then another inside the survivors' shrink, leaving one":
         (3, "2:3:between;1:4:shrink", {2: 4, 1: 4}),
+    "habits: two DeMos, AMP, clipped; a rank lost in the allgather, then rank 0 before its step":
+        (4, "1:2:outer;0:5:step", {1: 2, 0: 5}, True),
 }
 
 
 @pytest.mark.parametrize("case", list(DEMO_CASES))
 def test_demo_survivors_match_the_simulation(tmp_path, case):
-    n, kill, lost_from = DEMO_CASES[case]
-    saved = run_job(tmp_path, n, kill, FT_ALGORITHM="demo")
-    params, deltas = simulate_demo(n, 8, lost_from)
+    n, kill, lost_from, with_habits = (DEMO_CASES[case] + (False,))[:4]
+    env, clip = habits(with_habits)
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM="demo", **env)
+    params, deltas = simulate_demo(n, 8, lost_from, clip)
     first = saved[min(saved)]
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
@@ -181,7 +200,7 @@ def test_demo_survivors_match_the_simulation(tmp_path, case):
                                        err_msg=f"rank {rank}'s momentum")
 
 
-def simulate_streaming_diloco(n, steps, lost_from):
+def simulate_streaming_diloco(n, steps, lost_from, clip=None):
     """Streaming DiLoCo by its rule: train_ft.FRAGMENTS take turns, one every
     PERIOD steps; after inner step t, t % PERIOD == 0, the replicas of the
     ranks alive then send fragment f = t // PERIOD % len(FRAGMENTS); after
@@ -197,7 +216,7 @@ def simulate_streaming_diloco(n, steps, lost_from):
     for t in range(steps):
         alive = [r for r in range(n) if t < lost_from.get(r, steps)]
         for r in alive:
-            inner_step(models[r], inner[r], r, t)
+            inner_step(models[r], inner[r], r, t, clip)
         f = fragments[t // period % len(fragments)]
         if t % period == 0:
             sent = {r: [p.detach().clone() for p in models[r].parameters()] for r in alive}
@@ -215,7 +234,8 @@ def simulate_streaming_diloco(n, steps, lost_from):
             [outer.state[p]["momentum_buffer"] for p in theta.parameters()])
 
 
-# (ranks, kill spec, {victim: the first step without it}, FT_SUSPECT); fragment 0
+# (ranks, kill spec, {victim: the first step without it}, FT_SUSPECT,
+# FT_HABITS); fragment 0
 # sent after steps 0 and 4 and applied after 1 and 5, fragment 1 after 2 and 6
 # and applied after 3 and 7.
 STREAMING_CASES = {
@@ -229,17 +249,20 @@ STREAMING_CASES = {
     # others are in step 4's hook (fragment 0's send): a step apart, every
     # rank sends it (none was lost).
     "the ranks a step apart when the loss is found": (3, "", {}, "0:4"),
+    "habits: wrapped twice, AMP, clipped; a rank lost at a turn, rank 0 after its send":
+        (4, "1:5:outer;0:2:between", {1: 5, 0: 3}, "", True),
 }
 
 
 @pytest.mark.parametrize("case", list(STREAMING_CASES))
 def test_streaming_diloco_survivors_match_the_simulation(tmp_path, case):
-    n, kill, lost_from, suspect = STREAMING_CASES[case]
+    n, kill, lost_from, suspect, with_habits = (STREAMING_CASES[case] + (False,))[:5]
+    env, clip = habits(with_habits)
     saved = run_job(tmp_path, n, kill, FT_ALGORITHM="diloco", FT_FRAGMENTS=1,
-                    FT_SUSPECT=suspect)
+                    FT_SUSPECT=suspect, **env)
     if suspect:
         assert_a_step_apart(saved, int(suspect[2:]))
-    params, momentum = simulate_streaming_diloco(n, 8, lost_from)
+    params, momentum = simulate_streaming_diloco(n, 8, lost_from, clip)
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
         for a, b in zip(got["params"], params[rank]):

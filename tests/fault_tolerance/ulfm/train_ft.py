@@ -30,8 +30,9 @@ over it at the end is saved). FT_SUSPECT="<rank>:<step>[,<step>...]": that
 rank takes an error for a failure at those steps, though none failed.
 FT_NO_RECOVER=<rank>: that rank, told of a loss, never calls recover().
 FT_HABITS=1: AMP's GradScaler and the gradients unscaled and clipped to
-norm CLIP before the step; with DataParallel and SlowMo the model wrapped
-twice, with DataParallel two optimizers (the first layer's own).
+norm CLIP before the step; the model wrapped twice (DeMo: two over the
+parameters; the newer takes over), except under DASO; with DataParallel
+two optimizers (the first layer's own).
 FT_KILL: "<ranks>:<step>:<phase>[;...]", ranks comma-separated (launched
 ranks), each entry a failure of its own, phase one of
 forward (before the forward), backward (inside backward, gradient buckets in
@@ -149,9 +150,9 @@ def main(out_dir: str) -> None:
     algorithm = os.environ.get("FT_ALGORITHM", "")
     habits = bool(os.environ.get("FT_HABITS"))
     params = list(model.parameters())
-    # FT_HABITS: the first layer has an optimizer of its own (one training
-    # step then steps two optimizers), except under DASO, which steps one.
-    two = habits and algorithm not in ("daso", "slowmo")
+    # FT_HABITS: with DataParallel the first layer has an optimizer of its
+    # own (one training step then steps two optimizers).
+    two = habits and not algorithm
     sgd = torch.optim.SGD(params[2:] if two else params, lr=0.05, momentum=0.9)
     first_sgd = torch.optim.SGD(params[:2], lr=0.05, momentum=0.9) if two else None
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
@@ -169,34 +170,36 @@ def main(out_dir: str) -> None:
     elif algorithm == "diloco":          # the outer sync every PERIOD inner steps
         net = model
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        if os.environ.get("FT_FRAGMENTS"):   # Streaming DiLoCo: FRAGMENTS, one sent a step early
-            diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD * len(FRAGMENTS),
-                                  model_fragments=[torch.nn.ModuleList([model[i] for i in f])
-                                                   for f in FRAGMENTS], fragment_sync_delay=1)
-        else:
-            diloco = mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
-        diloco.__enter__()     # for the whole job (a with-block around the loop does the same)
+        def make_diloco():
+            if os.environ.get("FT_FRAGMENTS"):   # Streaming DiLoCo: FRAGMENTS, one sent a step early
+                return mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD * len(FRAGMENTS),
+                                    model_fragments=[torch.nn.ModuleList([model[i] for i in f])
+                                                     for f in FRAGMENTS], fragment_sync_delay=1)
+            return mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD)
+        # For the whole job (a with-block around the loop does the same).
+        diloco = twice(make_diloco, habits, enter=True)
         # Phase "outer": the outer-gradient allreduce posted, before its wait.
         outer_gradient = diloco._outer_gradient
         diloco._outer_gradient = lambda f: maybe_die(step, "outer") or outer_gradient(f)
         saved_opt = [outer]
     elif algorithm == "sparseloco":
         net = model
-        sparseloco = mpidp.SparseLoCo(model, sgd, sync_every=PERIOD, top_k=EF_TOP_K,
-                                      chunk_size=EF_CHUNK,
-                                      sync_delay=int(os.environ.get("FT_SYNC_DELAY", "0")))
-        sparseloco.__enter__()
+        sparseloco = twice(lambda: mpidp.SparseLoCo(
+            model, sgd, sync_every=PERIOD, top_k=EF_TOP_K, chunk_size=EF_CHUNK,
+            sync_delay=int(os.environ.get("FT_SYNC_DELAY", "0"))), habits, enter=True)
     elif algorithm == "demo":
         net = model
-        sgd = opt = mpidp.DeMo(params, lr=DEMO_LR, compression_decay=DEMO_DECAY,
-                               compression_topk=3, compression_chunk=EF_CHUNK)
+        sgd = opt = twice(lambda: mpidp.DeMo(params, lr=DEMO_LR, compression_decay=DEMO_DECAY,
+                                             compression_topk=3, compression_chunk=EF_CHUNK),
+                          habits)
         saved_opt = [sgd]
     elif algorithm == "decentralized":
-        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.DecentralizedAlgorithm(
-            hierarchical=False, peer_selection_mode=os.environ.get("FT_PEERS", "all")))
+        net = twice(lambda: mpidp.with_bagua(model, [sgd], mpidp.algorithms.DecentralizedAlgorithm(
+            hierarchical=False, peer_selection_mode=os.environ.get("FT_PEERS", "all"))), habits)
     elif algorithm == "lowprecision":
-        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.LowPrecisionDecentralizedAlgorithm(
-            hierarchical=False))
+        net = twice(lambda: mpidp.with_bagua(
+            model, [sgd], mpidp.algorithms.LowPrecisionDecentralizedAlgorithm(hierarchical=False)),
+            habits)
     elif algorithm == "daso":
         # One epoch of STEPS batches; FT_DASO_CYCLING=1: DASO's cycling phase
         # (global syncs in flight across batches), else its warm-up (a
@@ -224,11 +227,7 @@ def main(out_dir: str) -> None:
             return mpidp.SlowMoDistributedDataParallel(
                 model, localsgd_frequency=PERIOD, slowmo_frequency=2 * PERIOD,
                 slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM, slowmo_base_algorithm=base)
-        net = wrap_slowmo()
-        if habits:      # wrapped twice: the newer wrapper takes over (with a warning)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                net = wrap_slowmo()
+        net = twice(wrap_slowmo, habits)
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
         def wrap():
@@ -236,11 +235,7 @@ def main(out_dir: str) -> None:
                                       blocking_parameter_updates=not nonblocking,
                                       first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
                                       hierarchical=hierarchical)
-        net = wrap()
-        if habits:      # wrapped twice: the newer wrapper takes over (with a warning)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                net = wrap()
+        net = twice(wrap, habits)
     if algorithm in ("sparseloco", "demo"):
         # Phase "outer": the payloads' allgather posted, before its wait.
         from mpidp._engines.ef_wire import Wire
@@ -281,15 +276,15 @@ def main(out_dir: str) -> None:
             maybe_die(step, "forward")
             maybe_suspect(step)
             loss = torch.nn.functional.mse_loss(net(x), y)
-            if habits and algorithm in ("daso", "slowmo"):   # one optimizer, unscaled and clipped
+            if habits and algorithm:   # one optimizer, unscaled and clipped
                 scaler.scale(loss).backward()
                 maybe_die(step, "step")
-                scaler.unscale_(sgd)
+                scaler.unscale_(sgd if algorithm == "daso" else opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
                 if algorithm == "daso":
                     opt.step()       # DASO steps through its own scaler
                 else:
-                    scaler.step(sgd)
+                    scaler.step(opt)
                     scaler.update()
             elif habits:   # AMP's scaler, and the gradients unscaled and clipped before the step
                 scaler.scale(loss).backward()
@@ -358,6 +353,22 @@ def main(out_dir: str) -> None:
                 "slowmo": net.slowmo_state_dict() if algorithm == "slowmo" else None,
                 "sparseloco": sparseloco.state_dict() if algorithm == "sparseloco" else None},
                os.path.join(out_dir, f"rank-{key}.pt"))
+
+
+def twice(make, habits, enter=False):
+    """make()'s wrapper, entered for the whole job if `enter` (DiLoCo,
+    SparseLoCo). FT_HABITS: the second of two made, which takes the model
+    over from the first (with a warning)."""
+    wrapper = make()
+    if enter:
+        wrapper.__enter__()
+    if habits:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapper = make()
+            if enter:
+                wrapper.__enter__()
+    return wrapper
 
 
 def momenta(optimizers, model):
