@@ -290,13 +290,14 @@ def test_one_rank_of_an_emulated_node_is_lost_under_hierarchical_bytegrad(tmp_pa
     check_survivors(saved, 4, {1: 3}, tol=dict(rtol=0, atol=3e-3))
 
 
-def simulate_replicas(n, steps, lost_from, algorithm):
+def simulate_replicas(n, steps, lost_from, algorithm, clip=None):
     """Every replica of a replica algorithm, each with its own model and inner
     optimizer (a victim's stops at lost_from[victim]). postlocalsgd: after local step
     t, t % PERIOD == 0, the live replicas take their mean. diloco: after
     inner step t, (t + 1) % PERIOD == 0, θ takes an outer step on θ - (the
     live replicas' mean), and they take θ. A sync a rank's death
-    interrupted is done over the survivors. Returns each replica's
+    interrupted is done over the survivors. clip: each inner gradient is
+    clipped to this norm. Returns each replica's
     parameters and the momentum saved (inner for postlocalsgd, outer for
     diloco)."""
     period = train_ft.PERIOD
@@ -310,6 +311,8 @@ def simulate_replicas(n, steps, lost_from, algorithm):
             models[r].zero_grad()
             x, y = train_ft.batch(r, t)
             torch.nn.functional.mse_loss(models[r](x), y).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(models[r].parameters(), clip)
             inner[r].step()
         replicas = [list(models[r].parameters()) for r in alive]
         with torch.no_grad():
@@ -333,7 +336,8 @@ def simulate_replicas(n, steps, lost_from, algorithm):
     return {r: [p.detach() for p in models[r].parameters()] for r in range(n)}, momentum
 
 
-# (algorithm, ranks, kill spec, {victim: the first step whose sync goes without it})
+# (algorithm, ranks, kill spec, {victim: the first step whose sync goes without it},
+# FT_HABITS: AMP's GradScaler, the gradients clipped, DiLoCo entered twice)
 REPLICA_CASES = {
     "postlocalsgd, a rank lost between averagings, then rank 0 at an averaging step":
         ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}),
@@ -342,14 +346,20 @@ REPLICA_CASES = {
     "diloco, two ranks lost at once": ("diloco", 4, "0,2:5:backward", {0: 5, 2: 5}),
     "diloco, a rank lost with the outer-gradient allreduce posted":
         ("diloco", 4, "2:5:outer", {2: 5}),
+    "diloco, habits: rank 0 lost in backward, then one with the allreduce posted":
+        ("diloco", 4, "0:2:backward;2:5:outer", {0: 2, 2: 5}, True),
+    "postlocalsgd, habits: a rank lost between averagings, then one at an averaging step":
+        ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}, True),
 }
 
 
 @pytest.mark.parametrize("case", list(REPLICA_CASES))
 def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case):
-    algorithm, n, kill, lost_from = REPLICA_CASES[case]
-    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm)
-    params, momentum = simulate_replicas(n, 8, lost_from, algorithm)
+    algorithm, n, kill, lost_from, habits = (REPLICA_CASES[case] + (False,))[:5]
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm,
+                    **({"FT_HABITS": 1} if habits else {}))
+    params, momentum = simulate_replicas(n, 8, lost_from, algorithm,
+                                         clip=train_ft.CLIP if habits else None)
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), \
             got["recoveries"]
