@@ -50,7 +50,7 @@ from heat_baseline import import_heat  # noqa: E402
 from models import ManyTensorMLP, ResNet18  # noqa: E402
 from mpidp import MPI  # noqa: E402
 from mpidp._engines import grad_hook_loader as _grad_hook_loader
-from mpidp._runtime.params import grad_view  # noqa: E402
+from mpidp._runtime.flat_buffers import grad_view  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

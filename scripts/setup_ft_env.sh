@@ -45,6 +45,9 @@ CXX_MODULES=$(ls python/mpidp/_grad_hook*.so python/mpidp/_c10d*.so 2>/dev/null 
 if [ ! -f "$STAMP" ] || [ -n "$(find csrc python setup.py -newer "$STAMP" -type f \
         \( -name '*.c' -o -name '*.h' -o -name '*.py' -o -name '*.so' \) -print -quit)" ]; then
     say "building mpidp with $DIR/bin/mpicc"
+    # From an empty package: a module the sources no longer have would stay
+    # importable there (and hide an import of it left behind).
+    rm -rf "$DIR/lib/mpidp"
     PATH="$DIR/bin:$PATH" MPICC="$DIR/bin/mpicc" MPIDP_CUDA=0 MPIDP_TORCH_HOOK=0 "$PY" setup.py -q \
         build --build-base "$DIR/build" --build-lib "$DIR/lib" >"$DIR/build.log" 2>&1 \
         || { cat "$DIR/build.log"; exit 1; }
