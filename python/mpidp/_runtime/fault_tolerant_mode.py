@@ -35,6 +35,9 @@ class _State:
     # A replacement joins the survivors' agreement that the rebuild is
     # complete (recover()'s last) in share_state(), after its own set-up.
     owes_rebuild_agreement = False
+    # recover(replace=True)'s rebuild, where replacements joined: the
+    # algorithms' _continue_on repeats the set-up the replacements run.
+    growing = False
     times: Dict[str, float] = {}
 
 
@@ -187,6 +190,26 @@ def agree_all_alive(what: str, outcome: str) -> None:
         revoke_everything()
         raise RanksLost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: another rank saw a rank "
                         f"fail; {outcome}; call mpidp.recover() to go on with the survivors")
+
+
+def joining() -> bool:
+    """A replacement before share_state(): its algorithms' set-up takes the
+    state they keep beyond the model (step counts, outer optimizers) from
+    rank 0, as the survivors' _continue_on sends it (growing())."""
+    return _state.owes_rebuild_agreement
+
+
+def growing() -> bool:
+    """Inside recover(replace=True)'s rebuild with replacements joined: each
+    algorithm's _continue_on repeats the collectives of the set-up the
+    replacements run (joining())."""
+    return _state.growing
+
+
+def roll_back_steps(n: int) -> None:
+    """n committed steps taken back (an algorithm that goes back to its last
+    sync when replacements join): the loop goes on from steps_committed()."""
+    _state.committed -= n
 
 
 def commit_step() -> None:

@@ -110,15 +110,13 @@ class DiLoCo(InnerStepContext):
         self.fragment_update_alpha = float(fragment_update_alpha)
         self.wire_dtype = wire_dtype
         self.sync_buffers = bool(sync_buffers)
+        self._setup_settings = {
+            "sync_every": sync_every, "fragments": len(self._fragments),
+            "fragment_sync_delay": fragment_sync_delay,
+            "fragment_update_alpha": float(fragment_update_alpha), "wire_dtype": wire_dtype,
+            "sync_buffers": bool(sync_buffers)}
         # Claimed when entered: a DiLoCo is the model's algorithm inside its `with` block.
-        self._communicator, self._trainable_at_setup = set_up(
-            model, comm, "DiLoCo", settings={
-                "sync_every": sync_every, "fragments": len(self._fragments),
-                "fragment_sync_delay": fragment_sync_delay,
-                "fragment_update_alpha": float(fragment_update_alpha), "wire_dtype": wire_dtype,
-                "sync_buffers": bool(sync_buffers)},
-            rebuild="Build a new DiLoCo, its outer optimizer holding the parameters trainable "
-                    "now, after such a change")
+        self._communicator, self._trainable_at_setup = self._set_up(comm)
         self._comm = self._communicator.c
         if fault_tolerant_mode.enabled() and self._comm is not world():
             raise NotImplementedError(
@@ -143,6 +141,16 @@ class DiLoCo(InnerStepContext):
         self._sent: set = set()  # fragments sent and not yet applied
         self._received: Dict[int, List[torch.Tensor]] = {}  # outer gradients kept by state_dict
         self._handles: List = []
+        # The inner step after the last turn applied: where every replica
+        # goes back to when replacements join (recover(replace=True)).
+        self._resume_step = 0
+        if fault_tolerant_mode.joining():     # a replacement: the rest of rank 0's state
+            self._take_shared_state(self._communicator.mpi.bcast(None, root=0))
+
+    def _set_up(self, comm):
+        return set_up(self.model, comm, "DiLoCo", settings=self._setup_settings,
+                      rebuild="Build a new DiLoCo, its outer optimizer holding the parameters "
+                              "trainable now, after such a change")
 
     def _make_syncs(self) -> List:
         return [_C.ParamSync(self._comm, tuple(p.data for p in frag), self._wire, _CHUNK,
@@ -213,41 +221,82 @@ class DiLoCo(InnerStepContext):
         replica it was sent from, and a turn the loss cut short is then
         applied: the hooks of those steps are redone before the next
         forward (_catch_up). The inner step of a round the loss cut short
-        stands, as every local step does."""
+        stands, as every local step does.
+
+        Where replacements joined (recover(replace=True)), every replica
+        goes back to θ and the step after the last turn applied instead
+        (_go_back_to_last_turn): a replacement can only start from θ, and
+        the survivors, possibly a step apart, have no later point in
+        common."""
         entered = bool(self._handles)
         if entered:
             self.__exit__(None, None, None)
-        self._communicator = communicator(survivors)
-        self._comm = self._communicator.c
-        syncs = self._make_syncs()
         with torch.no_grad():
-            for params, old, new in zip(self._fragments, self._syncs, syncs):
-                local = [p.detach().clone() for p in params]
+            local = [[p.detach().clone() for p in params] for params in self._fragments]
+            for old in self._syncs:
                 old.abandon()          # a sync in flight: recover() ended its requests
                 old.restore()          # x = θ
-                new.set_reference()    # θ, on the new syncs
-                for p, x in zip(params, local):
-                    p.copy_(x)
-        self._syncs = syncs
+        growing = fault_tolerant_mode.growing()
+        if growing:    # the set-up the replacements run: rank 0's parameters (θ: restored above)
+            self._communicator, self._trainable_at_setup = self._set_up(survivors)
+        else:
+            self._communicator = communicator(survivors)
+        self._comm = self._communicator.c
+        self._syncs = self._make_syncs()
+        for sync in self._syncs:
+            sync.set_reference()       # θ, on the new syncs
+        self._outer_grads = [None] * len(self._fragments)
         # Outer gradients a checkpoint brought (no send of this job's to
         # redo) stay; the rest are sent again.
         kept = {f: g for f, g in self._received.items() if f not in self._unapplied}
         self._sent, self._received = set(kept), kept
-        self._outer_grads = [None] * len(self._fragments)
+        if growing:
+            self._go_back_to_last_turn()
+            self._communicator.mpi.bcast(self._shared_state(), root=0)
+        else:
+            with torch.no_grad():
+                for params, x in zip(self._fragments, local):
+                    for p, v in zip(params, x):
+                        p.copy_(v)
+            redo = {step for step, _ in self._unapplied.values()}
+            if self._round_open:
+                redo.add(self.step)
+                self._round_open = False
+                self.step += 1
+                fault_tolerant_mode.commit_step()
+            self._redo_steps = sorted(redo)
         if entered:
             self.__enter__()
-        redo = {step for step, _ in self._unapplied.values()}
-        if self._round_open:
-            redo.add(self.step)
-            self._round_open = False
-            self.step += 1
-            fault_tolerant_mode.commit_step()
-        self._redo_steps = sorted(redo)
         for p in self.model.parameters():     # the cut-short step's, spent
             p.grad = None
 
+    def _go_back_to_last_turn(self) -> None:
+        """Every survivor (replicas at θ already) back to the inner step
+        after the last turn applied -- the same on each, as every turn is
+        agreed -- with the sends since, and any redo, dropped: the schedule
+        sends them again. The inner optimizers keep their state."""
+        fault_tolerant_mode.roll_back_steps(self.step - self._resume_step)
+        self.step = self._resume_step
+        self._round_open = False
+        self._unapplied, self._redo_steps = {}, []
+
+    def _shared_state(self) -> Dict[str, Any]:
+        """What a replacement takes beyond the parameters (rank 0's; equal on
+        every survivor): the step, the outer optimizer, outer gradients a
+        checkpoint brought."""
+        if self._comm.rank != 0:
+            return None
+        return {"step": self.step, "outer_optimizer": self.outer_optimizer.state_dict(),
+                "in_flight": self._received}
+
+    def _take_shared_state(self, state: Dict[str, Any]) -> None:
+        self.step = self._resume_step = int(state["step"])
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._received = {int(f): [g.clone() for g in gs] for f, gs in state["in_flight"].items()}
+        self._sent = set(self._received)
+
     def _takes_replacements(self) -> bool:
-        return False      # growing back is not built for it yet
+        return True       # from θ, at the step after the last turn (_continue_on)
 
     def _catch_up(self) -> None:
         while self._redo_steps:
@@ -278,6 +327,7 @@ class DiLoCo(InnerStepContext):
             self._send(due.send_fragment, step)
         if due.apply_fragment >= 0:
             self._apply(due.apply_fragment)
+            self._resume_step = step + 1
 
     def _send(self, f: int, step: int) -> None:
         """Posts fragment f's outer-gradient allreduce: from the replica it
@@ -385,7 +435,7 @@ class DiLoCo(InnerStepContext):
                 for p, x in zip(params, state["local"][f]):
                     p.copy_(x)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.step = int(state["step"])
+        self.step = self._resume_step = int(state["step"])
         self._received = {int(f): [g.clone() for g in gs] for f, gs in state["in_flight"].items()}
         self._sent = set(self._received)
         self._unapplied, self._redo_steps = {}, []

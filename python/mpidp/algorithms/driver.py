@@ -37,7 +37,7 @@ import abc
 import contextlib
 import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -113,6 +113,8 @@ def continue_on_survivors(*old_worlds) -> None:
             drivers[id(driver)] = driver
     for driver in drivers.values():
         try:
+            if fault_tolerant_mode.growing() and driver._set_up_again is not None:
+                driver._set_up_again(world_mpi())
             driver._continue_on(world_mpi())
         except NotImplementedError as why:
             driver._released = (f"a rank was lost and {driver.what} cannot continue on the "
@@ -177,6 +179,10 @@ class Driver(abc.ABC):
     _released: Optional[str] = None
     _parts: Tuple["Driver", ...] = ()
     _owner: Optional[weakref.ref] = None     # the driver this one is a part of
+    # Set-up a wrapper ran before building this driver (with_bagua's checks
+    # and optimizer broadcast), run again over the new world where
+    # replacements join, ahead of _continue_on: a replacement's script runs it.
+    _set_up_again: Optional[Callable[[Any], None]] = None
 
     # -- the interface -----------------------------------------------------------
 

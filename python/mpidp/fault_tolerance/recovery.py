@@ -116,12 +116,15 @@ def recover(replace: bool = False) -> Membership:
         if unexplained is not None and survivors.Get_size() == old_world.Get_size():
             raise unexplained      # no rank was lost after all: a defect, not a failure
         unexplained = None
+        _state.growing = bool(joined)
         try:
             if not _rebuild(survivors, worlds):
                 continue    # a rank failed during the rebuild: again, with the survivors of both
         except _Unexplained as error:
             unexplained = error.__cause__
             continue        # the shrink tells whether a rank failed meanwhile
+        finally:
+            _state.growing = False
         times["rebuild"] = time.perf_counter() - t2
         break
     _state.generation += 1

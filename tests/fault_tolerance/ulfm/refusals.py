@@ -47,10 +47,9 @@ refused("DeMo over a sub-communicator",
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()
-with mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),
-                  torch.optim.SGD(m.parameters(), lr=0.7), sync_every=4):
-    refused("recover(replace=True) under DiLoCo", lambda: mpidp.recover(replace=True),
-            "DiLoCo cannot take a replacement yet")
+with mpidp.SparseLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), 4):
+    refused("recover(replace=True) under SparseLoCo", lambda: mpidp.recover(replace=True),
+            "SparseLoCo cannot take a replacement yet")
 demo = mpidp.DeMo(model().parameters(), lr=0.01)
 refused("recover(replace=True) beside DeMo", lambda: mpidp.recover(replace=True),
         "DeMo cannot take a replacement yet")

@@ -13,6 +13,7 @@ surviving replicas written from each rule in docs/fault-tolerance.md:
 
 These run in the fault-tolerance pass (.venv-ft), as test_fault_tolerance.py."""
 
+import copy
 import os
 import sys
 
@@ -271,3 +272,94 @@ def test_streaming_diloco_survivors_match_the_simulation(tmp_path, case):
         for a, b in zip(got["momentum"], momentum):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"the outer momentum on rank {rank}: {m}")
+
+
+def simulate_diloco_growing_back(n, steps, victim, kill_step, fragments, delay):
+    """DiLoCo (Streaming DiLoCo with several fragments) by its rule, and by
+    its rule for growing back: fragment i of `fragments` (layers) has its
+    turn after inner step t, (t + 1) % PERIOD == 0 and t // PERIOD % len ==
+    i, sent `delay` steps before. Rank `victim` dies in inner step
+    `kill_step`, a turn, which no survivor applies (their inner step stands);
+    a replacement joins, and every replica goes back to θ and to the step
+    after the last turn applied, each survivor's inner optimizer as it is,
+    the replacement's the new rank 0's; it trains on the victim's data. Returns
+    every rank's parameters and the outer momentum."""
+    period = train_ft.PERIOD
+    models, inner = inner_models(n)
+    theta = train_ft.make_model()
+    outer = torch.optim.SGD(theta.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    layer = [i for i, m in enumerate(theta) for _ in m.parameters()]   # each parameter's
+    sent = {}
+
+    def fragment(t):
+        return t // period % len(fragments)
+
+    def train(t, ranks):
+        for r in ranks:
+            inner_step(models[r], inner[r], r, t)
+        if (t + 1 + delay) % period == 0:
+            sent[fragment(t + delay)] = {r: [p.detach().clone() for p in models[r].parameters()]
+                                         for r in ranks}
+        if (t + 1) % period == 0:
+            f = fragments[fragment(t)]
+            with torch.no_grad():
+                for i, th in enumerate(theta.parameters()):
+                    th.grad = (th - sum(x[i] for x in sent[fragment(t)].values()) / len(ranks)
+                               if layer[i] in f else None)
+                outer.step()
+                for r in ranks:
+                    for i, (p, th) in enumerate(zip(models[r].parameters(), theta.parameters())):
+                        if layer[i] in f:
+                            p.copy_(th)
+
+    assert (kill_step + 1) % period == 0, "the kill must be at a turn"
+    for t in range(kill_step):
+        train(t, range(n))
+    for r in range(n):
+        if r != victim:
+            inner_step(models[r], inner[r], r, kill_step)
+    models[victim] = train_ft.make_model()
+    inner[victim] = torch.optim.SGD(models[victim].parameters(), lr=0.05, momentum=0.9)
+    # Rank 0's, a copy (as share_state's pickle makes): load_state_dict would
+    # otherwise keep rank 0's very momentum tensors.
+    inner[victim].load_state_dict(copy.deepcopy(inner[min(set(range(n)) - {victim})].state_dict()))
+    with torch.no_grad():
+        for m in models:
+            for p, th in zip(m.parameters(), theta.parameters()):
+                p.copy_(th)
+    for t in range(kill_step + 1 - period, steps):      # from the step after the last turn
+        train(t, range(n))
+    return ({r: [p.detach() for p in models[r].parameters()] for r in range(n)},
+            [outer.state[p]["momentum_buffer"] for p in theta.parameters()])
+
+
+# (FT_FRAGMENTS, kill spec, victim, step), 4 ranks, recover(replace=True).
+GROWING_CASES = {
+    "DiLoCo: a rank lost in backward at a turn": ("", "2:3:backward", 2, 3),
+    "Streaming DiLoCo: rank 0 lost at a turn with the allreduce posted": ("1", "0:5:outer", 0, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(GROWING_CASES))
+def test_diloco_grows_back_from_theta_at_the_last_turn(tmp_path, case):
+    """recover(replace=True) under DiLoCo: the replacement takes θ (set-up),
+    the step and the outer optimizer (DiLoCo's own), the inner optimizer
+    (share_state); every replica goes back to θ at the step after the last
+    turn applied, and the job ends as the simulation of that rule."""
+    fragments, kill, victim, kill_step = GROWING_CASES[case]
+    saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="diloco",
+                    FT_FRAGMENTS=fragments, FT_REPLACE=1)
+    params, momentum = simulate_diloco_growing_back(
+        4, 8, victim, kill_step, train_ft.FRAGMENTS if fragments else [[0, 2, 4]],
+        1 if fragments else 0)
+    for key, got in saved.items():
+        if key != victim:
+            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
+                    for r in got["recoveries"]] == [(4, (victim,), (3,), kill_step + 1 - 2)], \
+                got["recoveries"]
+        for a, b in zip(got["params"], params[key]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stream {key}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"the outer momentum of stream {key}: {m}")

@@ -16,6 +16,8 @@ is a driver (mpidp/algorithms/driver.py): BaguaModule only switches drivers.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -67,6 +69,18 @@ class BaguaModule(torch.nn.Module):
     def load_bagua_state_dict(self, state) -> None:
         self._driver.load_algorithm_state(state)
 
+    def _set_up(self, optimizers, algorithm: Algorithm, comm) -> None:
+        """The checks and broadcasts before a driver attaches: ranks with
+        another algorithm or other settings would post different
+        communication, so the settings of the algorithm join the model's
+        check; every rank takes rank 0's optimizer states (they may differ)."""
+        settings = {"algorithm": type(algorithm).__name__, **algorithm.shared_settings()}
+        _, self._trainable_at_setup = set_up(
+            self.module, comm, "with_bagua", settings, rebuild="Call mpidp.with_bagua(model, "
+            "optimizers, algorithm) again after such a change")
+        for opt in optimizers:
+            broadcast_optimizer_state(opt, root=0, comm=comm)
+
     def with_bagua(self, optimizers, algorithm: Algorithm, comm=None) -> "BaguaModule":
         """Switch to `algorithm` (Bagua's method of the same name): the old
         driver drains and detaches, every rank takes rank 0's parameters,
@@ -78,19 +92,21 @@ class BaguaModule(torch.nn.Module):
         optimizers = _check_optimizers(optimizers)
         if self._driver is not None:
             self._driver.detach("with_bagua switched the module to another algorithm")
-        # Ranks with another algorithm or other settings would post different
-        # communication: the settings of the algorithm join the model's check.
-        # (Optimizer states may differ: rank 0's is broadcast below.)
-        settings = {"algorithm": type(algorithm).__name__, **algorithm.shared_settings()}
-        _, self._trainable_at_setup = set_up(
-            self.module, comm, "with_bagua", settings, rebuild="Call mpidp.with_bagua(model, "
-            "optimizers, algorithm) again after such a change")
-        for opt in optimizers:
-            broadcast_optimizer_state(opt, root=0, comm=comm)
+        self._set_up(optimizers, algorithm, comm)
         self._driver = algorithm.attach(self.module, optimizers, comm)
+        # Fault-tolerant mode: a replacement runs this set-up before the
+        # driver's; the survivors run it again where one joins.
+        self._driver._set_up_again = functools.partial(
+            _set_up_again, weakref.ref(self), optimizers, algorithm)
         self.bagua_algorithm = algorithm
         self.bagua_optimizers = tuple(optimizers)
         return self
+
+
+def _set_up_again(module_ref, optimizers, algorithm, comm) -> None:
+    module = module_ref()
+    if module is not None:
+        module._set_up(optimizers, algorithm, comm)
 
 
 def _check_optimizers(optimizers) -> list:
