@@ -111,9 +111,7 @@ class SparseLoCo(InnerStepContext):
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                 raise TypeError(f"model: SparseLoCo syncs contiguous float32 CPU parameters, got "
                                 f"{p.dtype} on {p.device}")
-        self._communicator, self._trainable_at_setup = set_up(
-            model, comm, "SparseLoCo", settings=self._settings_dict(),
-            rebuild="Build a new SparseLoCo after such a change")
+        self._communicator, self._trainable_at_setup = self._set_up(comm)
         self._comm = self._communicator.c
         if fault_tolerant_mode.enabled() and self._comm is not world():
             raise NotImplementedError(
@@ -141,6 +139,15 @@ class SparseLoCo(InnerStepContext):
                                              Optional[List[torch.Tensor]]]] = None
         self._resend_due = False
         self._apply_due = False
+        # The step of the last sync applied: where every replica goes back
+        # to when replacements join (recover(replace=True)).
+        self._resume_step = 0
+        if fault_tolerant_mode.joining():     # a replacement: the rest of rank 0's state
+            self._take_shared_state(self._communicator.mpi.bcast(None, root=0))
+
+    def _set_up(self, comm):
+        return set_up(self.model, comm, "SparseLoCo", settings=self._settings_dict(),
+                      rebuild="Build a new SparseLoCo after such a change")
 
     def _make_wire(self) -> Wire:
         # k of a tile of `length` entries: the share top_k / chunk² of it
@@ -208,26 +215,77 @@ class SparseLoCo(InnerStepContext):
         one's error feedback and replica as they were at it, and a turn the
         loss cut short is then applied: both before the next forward
         (_catch_up). The inner step of a round the loss cut short stands, as
-        every local step does. θ̃, equal on every survivor, stays."""
+        every local step does. θ̃, equal on every survivor, stays.
+
+        Where replacements joined (recover(replace=True)), every replica
+        goes back to θ̃ and every rank to the step of the last sync applied
+        instead (_go_back_to_last_sync), as under DiLoCo: a replacement can
+        only start from θ̃."""
         entered = bool(self._handles)
         if entered:
             self.__exit__(None, None, None)
-        self._communicator = communicator(survivors)
+        growing = fault_tolerant_mode.growing()
+        if growing:
+            kept = self._go_back_to_last_sync()
+            # The set-up the replacements run: rank 0's parameters (θ̃ now).
+            self._communicator, self._trainable_at_setup = self._set_up(survivors)
+        else:
+            self._communicator = communicator(survivors)
         self._comm = self._communicator.c
         self._wire = self._make_wire()    # recover() ended the old one's requests
-        self._received = None
+        if growing:
+            self._received = kept
+            self._communicator.mpi.bcast(self._shared_state(), root=0)
+        else:
+            self._received = None
+            self._resend_due = self._unapplied_send is not None
+            if self._round_open:
+                self._apply_due = self._apply_due or self.step % self.sync_every == 0
+                self._round_open = False
+                fault_tolerant_mode.commit_step()
         if entered:
             self.__enter__()
-        self._resend_due = self._unapplied_send is not None
-        if self._round_open:
-            self._apply_due = self._apply_due or self.step % self.sync_every == 0
-            self._round_open = False
-            fault_tolerant_mode.commit_step()
         for p in self.model.parameters():     # the cut-short step's, spent
             p.grad = None
 
+    @torch.no_grad()
+    def _go_back_to_last_sync(self) -> Optional[List[torch.Tensor]]:
+        """Every survivor back to θ̃ and to the step of the last sync applied
+        -- the same on each, as every sync is agreed -- its error feedback
+        as it was then (before a send since, which is dropped and sent
+        again by the schedule). The inner optimizers keep their state.
+        Returns a mean G a checkpoint brought, which stays (its send was
+        not this job's)."""
+        kept = None
+        if self._unapplied_send is not None:
+            for e, before in zip(self.error, self._unapplied_send[1]):
+                e.copy_(before)
+        else:
+            kept = self._received
+        for p, theta in zip(self.params, self.shared):
+            p.copy_(theta)
+        taken = self.step - self._resume_step - (1 if self._round_open else 0)
+        fault_tolerant_mode.roll_back_steps(taken)   # the open round's step was not committed
+        self.step = self._resume_step
+        self._round_open = self._resend_due = self._apply_due = False
+        self._unapplied_send = None
+        return kept
+
+    def _shared_state(self) -> Optional[Dict[str, Any]]:
+        """What a replacement takes beyond the parameters (rank 0's; equal on
+        every survivor): the step and a mean G a checkpoint brought. Its
+        error feedback starts at zero: the lost rank's left with it."""
+        if self._comm.rank != 0:
+            return None
+        return {"step": self.step, "in_flight": self._received}
+
+    def _take_shared_state(self, state: Dict[str, Any]) -> None:
+        self.step = self._resume_step = int(state["step"])
+        self._received = (None if state["in_flight"] is None
+                          else [g.clone() for g in state["in_flight"]])
+
     def _takes_replacements(self) -> bool:
-        return False      # growing back is not built for it yet
+        return True       # from θ̃, at the step of the last sync (_continue_on)
 
     def _catch_up(self) -> None:
         if self._resend_due:
@@ -312,6 +370,7 @@ class SparseLoCo(InnerStepContext):
         if fault_tolerant_mode.enabled():
             fault_tolerant_mode.agree_all_alive("SparseLoCo outer sync", "no rank applied it")
             self._unapplied_send = None
+        self._resume_step = self.step
         for p, theta, g in zip(self.params, self.shared, means):
             if not p.requires_grad:   # frozen: θ̃ stays, and the replica restarts from it
                 p.copy_(theta)
@@ -355,7 +414,7 @@ class SparseLoCo(InnerStepContext):
                 theta.copy_(s)
                 p.copy_(x)
                 e.copy_(err)
-        self.step = check_int("state['step']", state["step"], 0)
+        self.step = self._resume_step = check_int("state['step']", state["step"], 0)
         self._unapplied_send, self._resend_due, self._apply_due = None, False, False
         if self._wire.in_flight:      # this instance's own sync in flight is replaced
             self._decode()

@@ -47,9 +47,11 @@ refused("DeMo over a sub-communicator",
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()
-with mpidp.SparseLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), 4):
-    refused("recover(replace=True) under SparseLoCo", lambda: mpidp.recover(replace=True),
-            "SparseLoCo cannot take a replacement yet")
+net = mpidp.with_bagua(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
+                       mpidp.algorithms.DecentralizedAlgorithm(hierarchical=False))
+refused("recover(replace=True) under DecentralizedAlgorithm",
+        lambda: mpidp.recover(replace=True), "cannot take a replacement yet")
+net.bagua_driver.detach()
 demo = mpidp.DeMo(model().parameters(), lr=0.01)
 refused("recover(replace=True) beside DeMo", lambda: mpidp.recover(replace=True),
         "DeMo cannot take a replacement yet")

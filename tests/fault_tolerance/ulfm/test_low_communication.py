@@ -363,3 +363,86 @@ def test_diloco_grows_back_from_theta_at_the_last_turn(tmp_path, case):
         for a, b in zip(got["momentum"], momentum):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"the outer momentum of stream {key}: {m}")
+
+
+def simulate_sparseloco_growing_back(n, steps, victim, kill_step, delay):
+    """SparseLoCo by its rule (as simulate_sparseloco, every rank alive), and
+    by its rule for growing back: rank `victim` dies at the sync after inner
+    step `kill_step`, which no survivor applies; the survivors' inner steps
+    since the last sync stand in their inner optimizers; a replacement
+    joins, and every replica goes back to θ̃, every rank to the step after
+    the last sync, each survivor's error feedback to what it was then, the
+    replacement's to zero, its inner optimizer the new rank 0's; it trains
+    on the victim's data. Returns each rank's parameters and error
+    feedback, and θ̃."""
+    period = train_ft.PERIOD
+    assert (kill_step + 1) % period == 0, "the kill must be at a sync"
+    models, inner = inner_models(n)
+    sim = SparseLoCoSim(as_numpy(models[0]), n, top_k=train_ft.EF_TOP_K,
+                        chunk_size=train_ft.EF_CHUNK)
+    sent = {}
+
+    def restart_from_shared():
+        with torch.no_grad():
+            for m in models:
+                for p, s in zip(m.parameters(), sim.shared):
+                    p.copy_(torch.from_numpy(s))
+
+    def train(t):
+        for r in range(n):
+            inner_step(models[r], inner[r], r, t)
+        if (t + 1) % period == (period - delay) % period:
+            sent.update({r: as_numpy(models[r]) for r in range(n)})
+        if (t + 1) % period == 0:
+            sim.round([sent[r] for r in range(n)])
+            restart_from_shared()
+
+    resume = kill_step + 1 - period
+    for t in range(resume):
+        train(t)
+    for t in range(resume, kill_step + 1):
+        for r in set(range(n)) - {victim}:
+            inner_step(models[r], inner[r], r, t)
+    models[victim] = train_ft.make_model()
+    inner[victim] = torch.optim.SGD(models[victim].parameters(), lr=0.05, momentum=0.9)
+    inner[victim].load_state_dict(copy.deepcopy(inner[min(set(range(n)) - {victim})].state_dict()))
+    sim.error[victim] = [np.zeros_like(e) for e in sim.error[victim]]
+    restart_from_shared()
+    for t in range(resume, steps):
+        train(t)
+    return {r: as_numpy(models[r]) for r in range(n)}, dict(enumerate(sim.error)), sim.shared
+
+
+# (FT_SYNC_DELAY, kill spec, victim, step), 4 ranks, recover(replace=True).
+SPARSELOCO_GROWING_CASES = {
+    "a rank lost with the allgather in flight": (0, "2:3:outer", 2, 3),
+    "sync_delay: rank 0 lost at a turn, its payload sent a step before": (1, "0:5:outer", 0, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSELOCO_GROWING_CASES))
+def test_sparseloco_grows_back_from_the_last_sync(tmp_path, case):
+    """recover(replace=True) under SparseLoCo: the replacement takes θ̃
+    (set-up), the step (SparseLoCo's own) and the inner optimizer
+    (share_state), its error feedback zero; every rank goes back to θ̃ at
+    the last sync, and the job ends as the simulation of that rule."""
+    delay, kill, victim, kill_step = SPARSELOCO_GROWING_CASES[case]
+    saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="sparseloco",
+                    FT_SYNC_DELAY=delay, FT_REPLACE=1)
+    params, errors, shared = simulate_sparseloco_growing_back(4, 8, victim, kill_step, delay)
+    for key, got in saved.items():
+        if key != victim:
+            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
+                    for r in got["recoveries"]] == [(4, (victim,), (3,), kill_step + 1 - 2)], \
+                got["recoveries"]
+        state = got["sparseloco"]
+        for a, b in zip(state["shared"], saved[0]["sparseloco"]["shared"]):
+            assert torch.equal(a, b), f"stream {key}'s θ̃ differs from stream 0's"
+        for a, b in zip(got["params"], params[key]):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
+                                       err_msg=f"stream {key}'s parameters")
+        for a, b in zip(state["error"], errors[key]):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
+                                       err_msg=f"stream {key}'s error feedback")
+        for a, b in zip(state["shared"], shared):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="θ̃")
