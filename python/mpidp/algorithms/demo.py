@@ -82,11 +82,7 @@ class DeMo(torch.optim.Optimizer):
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                 raise TypeError(f"params: DeMo steps contiguous float32 CPU parameters, got "
                                 f"{p.dtype} on {p.device}")
-        settings = {"compression_decay": self.compression_decay,
-                    "compression_topk": compression_topk, "compression_chunk": compression_chunk,
-                    "shapes": [tuple(p.shape) for p in self._params]}
-        self._communicator, _ = set_up(None, comm, "DeMo", settings)
-        self._comm = self._communicator.c
+        self._set_up(comm)
         if fault_tolerant_mode.enabled():
             if self._comm is not world():
                 raise NotImplementedError(
@@ -99,9 +95,6 @@ class DeMo(torch.optim.Optimizer):
         # under way, put back where a rank's loss cuts it short.
         self._before_step = None
         self._kept_deltas: Dict[torch.Tensor, torch.Tensor] = {}   # its buffers, kept across steps
-        with torch.no_grad():
-            for p in self._params:
-                self._comm.bcast(p.data, 0)
         self._wire = self._make_wire()
         self._bases: Dict[int, torch.Tensor] = {}
         for t in self._wire.tensors:
@@ -115,6 +108,20 @@ class DeMo(torch.optim.Optimizer):
         self.demo_step = 0
         self.data_transmit = 0
         self.data_receive = 0
+        if fault_tolerant_mode.joining():     # a replacement: rank 0's step count
+            self.demo_step = self._communicator.mpi.bcast(None, root=0)
+
+    def _set_up(self, comm) -> None:
+        """The ranks' settings compared, and rank 0's parameters for every rank."""
+        settings = {"compression_decay": self.compression_decay,
+                    "compression_topk": self.compression_topk,
+                    "compression_chunk": self.compression_chunk,
+                    "shapes": [tuple(p.shape) for p in self._params]}
+        self._communicator, _ = set_up(None, comm, "DeMo", settings)
+        self._comm = self._communicator.c
+        with torch.no_grad():
+            for p in self._params:
+                self._comm.bcast(p.data, 0)
 
     def _make_wire(self) -> Wire:
         topk = self.compression_topk
@@ -122,7 +129,7 @@ class DeMo(torch.optim.Optimizer):
                     lambda length: topk, 0, "DeMo")
 
     def _takes_replacements(self) -> bool:
-        return False      # growing back is not built for it yet (recover(replace=True) says so)
+        return True       # its momentum at zero, the rest rank 0's (_continue_on)
 
     def _continue_on(self, survivors) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
@@ -131,9 +138,15 @@ class DeMo(torch.optim.Optimizer):
         moves): each survivor's momentum and step count go back to before
         it, so the loop's redo of the step is that step over the survivors.
         The lost rank's momentum leaves with it; the parameters, equal on
-        every survivor, stay."""
-        self._communicator = communicator(survivors)
-        self._comm = self._communicator.c
+        every survivor, stay. Where replacements joined (recover(replace=
+        True)), the survivors repeat the set-up they run (rank 0's
+        parameters, equal anyway) and send them the step count; a
+        replacement's momentum starts at zero."""
+        if fault_tolerant_mode.growing():
+            self._set_up(survivors)
+        else:
+            self._communicator = communicator(survivors)
+            self._comm = self._communicator.c
         self._wire = self._make_wire()    # recover() ended the old one's requests
         if self._before_step is not None:
             self.demo_step, deltas = self._before_step
@@ -145,6 +158,8 @@ class DeMo(torch.optim.Optimizer):
             self._before_step = None
         for p in self._params:             # the cut-short step's, spent
             p.grad = None
+        if fault_tolerant_mode.growing():
+            self._communicator.mpi.bcast(self.demo_step, root=0)
 
     def _settings(self) -> List[float]:
         return [self.compression_decay, float(self.compression_topk), frozen_code(self._params)] + [

@@ -52,7 +52,4 @@ net = mpidp.with_bagua(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
 refused("recover(replace=True) under DecentralizedAlgorithm",
         lambda: mpidp.recover(replace=True), "cannot take a replacement yet")
 net.bagua_driver.detach()
-demo = mpidp.DeMo(model().parameters(), lr=0.01)
-refused("recover(replace=True) beside DeMo", lambda: mpidp.recover(replace=True),
-        "DeMo cannot take a replacement yet")
 print("ALL REFUSED", flush=True)

@@ -446,3 +446,56 @@ def test_sparseloco_grows_back_from_the_last_sync(tmp_path, case):
                                        err_msg=f"stream {key}'s error feedback")
         for a, b in zip(state["shared"], shared):
             np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="θ̃")
+
+
+def simulate_demo_growing_back(n, steps, victim, kill_step):
+    """DeMo by its rule over every rank, and by its rule for growing back:
+    rank `victim` dies in step `kill_step`, which no rank applies; a
+    replacement joins and takes the new rank 0's DeMo state (momenta and
+    step count: the loop shares the optimizer's state_dict), and the step
+    is done again by all, the replacement on the victim's data. Returns the
+    parameters and each rank's momentum."""
+    model = train_ft.make_model()
+    params = as_numpy(model)
+    sim = DeMoSim(params, n, topk=3, chunk=train_ft.EF_CHUNK, decay=train_ft.DEMO_DECAY)
+    for t in range(steps):
+        if t == kill_step:
+            sim.delta[victim] = copy.deepcopy(sim.delta[min(set(range(n)) - {victim})])
+        grads = []
+        for r in range(n):
+            with torch.no_grad():
+                for p, v in zip(model.parameters(), params):
+                    p.copy_(torch.from_numpy(v))
+            gradient(model, r, t, None)
+            grads.append([p.grad.double().numpy() for p in model.parameters()])
+        params = sim.step(params, grads, train_ft.DEMO_LR)
+    return params, dict(enumerate(sim.delta))
+
+
+# (kill spec, victim, step), 4 ranks, recover(replace=True).
+DEMO_GROWING_CASES = {
+    "a rank lost with the allgather in flight": ("1:3:outer", 1, 3),
+    "rank 0 lost in backward": ("0:5:backward", 0, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(DEMO_GROWING_CASES))
+def test_demo_grows_back_with_the_step_redone_by_all(tmp_path, case):
+    """recover(replace=True) under DeMo: the replacement takes the
+    parameters and step count (DeMo's set-up) and rank 0's momenta (the
+    loop's share_state); the step cut short is done again by all four."""
+    kill, victim, kill_step = DEMO_GROWING_CASES[case]
+    saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="demo", FT_REPLACE=1)
+    params, deltas = simulate_demo_growing_back(4, 8, victim, kill_step)
+    for key, got in saved.items():
+        if key != victim:
+            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
+                    for r in got["recoveries"]] == [(4, (victim,), (3,), kill_step)], \
+                got["recoveries"]
+        for a, b in zip(got["params"], saved[0]["params"]):
+            assert torch.equal(a, b), f"stream {key}'s parameters differ from stream 0's"
+        for a, b in zip(got["params"], params):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="parameters")
+        for a, b in zip(got["momentum"], deltas[key]):
+            np.testing.assert_allclose(a.double().numpy(), b, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"stream {key}'s momentum")
