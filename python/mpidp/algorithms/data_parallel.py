@@ -744,6 +744,9 @@ class DataParallel(torch.nn.Module, Driver):
         for m, params in zip(self._watched_modules, self._watched_params):
             unwatch(m, params)
 
+    def _takes_replacements(self) -> bool:
+        return True       # _continue_on is its set-up again, a replacement's included
+
     def _continue_on(self, comm) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
         step in flight was discarded on every survivor, so the replicas are
@@ -754,7 +757,10 @@ class DataParallel(torch.nn.Module, Driver):
         self._remove_hooks()
         for p in self._params:
             p.grad = None
-        if self._setup_settings["hierarchical"] and not nodes_are_even(comm):
+        # Growing back restores the launch's size, and a replacement's set-up
+        # (which this must match call for call) asks nothing of the nodes.
+        if self._setup_settings["hierarchical"] and not fault_tolerant_mode.growing() \
+                and not nodes_are_even(comm):
             warnings.warn("DataParallel: after the loss of ranks the nodes hold different "
                           "numbers of ranks; reducing gradients flat from now on", stacklevel=2)
             self._setup_settings = dict(self._setup_settings, hierarchical=False)

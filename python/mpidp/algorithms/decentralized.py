@@ -216,9 +216,6 @@ class _DecentralizedHandle(Driver):
         for p in self.params:                  # the cut-short step's, spent
             p.grad = None
 
-    def _takes_replacements(self) -> bool:
-        return False      # growing back is not built for it yet
-
     def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.step}
 
@@ -355,9 +352,6 @@ class _LowPrecisionHandle(Driver):
 
     def drain(self) -> None:
         pass                                   # every exchange completes in its step
-
-    def _takes_replacements(self) -> bool:
-        return False      # growing back is not built for it yet
 
     def _remove_hooks(self) -> None:
         remove_handles(self._handles)

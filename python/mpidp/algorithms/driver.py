@@ -235,9 +235,10 @@ class Driver(abc.ABC):
 
     def _takes_replacements(self) -> bool:
         """Whether recover(replace=True) can grow its job back: its
-        _continue_on repeats the set-up a replacement's construction makes.
-        Those that do not say so."""
-        return True
+        _continue_on repeats the set-up a replacement's construction makes
+        (else the two sides' collectives cross and the job ends at the
+        deadline). Those that do, tested, say so."""
+        return False
 
     def train_forward(self, *inputs, **kwargs):
         """The module's forward under this algorithm (with_bagua calls it):

@@ -147,7 +147,7 @@ def _refuse_replacements() -> None:
     otherwise wait for survivors that never repeat it, until MPIDP_TIMEOUT."""
     names = refusing_replacements() + sorted(
         {type(obj).__name__ for obj in fault_tolerant_mode.participants()
-         if not getattr(obj, "_takes_replacements", lambda: True)()})
+         if not getattr(obj, "_takes_replacements", lambda: False)()})
     if names:
         raise NotImplementedError(
             f"recover(replace=True): {', '.join(names)} cannot take a replacement yet (growing "

@@ -52,4 +52,13 @@ net = mpidp.with_bagua(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
 refused("recover(replace=True) under DecentralizedAlgorithm",
         lambda: mpidp.recover(replace=True), "cannot take a replacement yet")
 net.bagua_driver.detach()
+m = model()
+net = mpidp.SlowMoDistributedDataParallel(m)
+refused("recover(replace=True) under SlowMo", lambda: mpidp.recover(replace=True),
+        "SlowMoDistributedDataParallel cannot take a replacement yet")
+net.detach()
+averager = mpidp.PeriodicModelAverager(period=2)
+refused("recover(replace=True) beside a PeriodicModelAverager",
+        lambda: mpidp.recover(replace=True), "PeriodicModelAverager cannot take a replacement yet")
+del averager
 print("ALL REFUSED", flush=True)

@@ -642,16 +642,24 @@ def test_a_checkpoint_interrupted_by_a_failure_is_written_by_the_survivors(tmp_p
                                    rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("algorithm", ["", "bytegrad"])
-def test_the_job_grows_back_to_its_size_with_a_replacement_that_takes_the_state(tmp_path,
-                                                                                algorithm):
+GROWING_CASES = {
+    "DataParallel": {},
+    "hierarchical DataParallel, nodes of 2": {"FT_HIERARCHICAL": 1, "MPIDP_RANKS_PER_NODE": 2},
+    "non-blocking DataParallel": {"FT_NONBLOCKING": 1},
+    "with_bagua ByteGrad": {"FT_ALGORITHM": "bytegrad"},
+}
+
+
+@pytest.mark.parametrize("case", list(GROWING_CASES))
+def test_the_job_grows_back_to_its_size_with_a_replacement_that_takes_the_state(tmp_path, case):
     """recover(replace=True): a process is spawned for the lost rank, takes
     rank 0's parameters (set-up) and optimizer state (share_state), and
     trains on the lost rank's data: with the failed step done again by all
     four, the run ends where a run without failure ends. Under with_bagua
     (ByteGrad), the survivors repeat with_bagua's own set-up too."""
-    saved = run_job(tmp_path, 4, "2:3:backward", expect=range(4), FT_REPLACE=1,
-                    FT_ALGORITHM=algorithm)
+    env = GROWING_CASES[case]
+    algorithm = env.get("FT_ALGORITHM")
+    saved = run_job(tmp_path, 4, "2:3:backward", expect=range(4), FT_REPLACE=1, **env)
     # ByteGrad's 8-bit codes of the mean gradient, as in the hierarchical case above.
     tol = dict(rtol=0, atol=3e-3) if algorithm else dict(rtol=1e-5, atol=1e-6)
     params, momentum, _ = simulate(4, 8, {})
