@@ -172,6 +172,12 @@ class _QAdamHandle(Driver):
         allreduce_agreed(part, op="avg", comm=cross, wire_dtype=torch.uint8)
         return allgather(part, comm=node)
 
+    def _takes_replacements(self) -> bool:
+        # A replacement's with_bagua set-up gives it rank 0's optimizer state
+        # first, so it builds the warm-up's DataParallel exactly where the
+        # survivors still have theirs.
+        return True
+
     def _continue_on(self, comm) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
         step in flight was applied by no survivor, so the replicas and their
@@ -186,7 +192,9 @@ class _QAdamHandle(Driver):
         self._claim(self.module, handle)
         self.comm, self._c_comm = comm, handle.c
         if self.hierarchy is not None:
-            if nodes_are_even(comm):
+            # Growing back: the launch's size again, and the replacement's
+            # set-up (matched call for call) asks nothing of the nodes.
+            if fault_tolerant_mode.growing() or nodes_are_even(comm):
                 self.hierarchy = useful_hierarchy(comm, "QAdamAlgorithm",
                                                   "averaging the momentum flat", stacklevel=3)
             else:

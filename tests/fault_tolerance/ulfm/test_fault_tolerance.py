@@ -563,20 +563,21 @@ def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
         torch.testing.assert_close(got["slowmo"]["u"], u, **tol)
 
 
-def simulate_qadam(n, steps, lost_from):
+def simulate_qadam(n, steps, lost_from, order=lambda t, alive: alive):
     """QAdam by its rule over the ranks alive at each step (rank r's batch
     counts in the steps before lost_from[r]): for QADAM_WARMUP steps torch's
     Adam on the mean gradient; after, the second moment frozen, every rank's
     first moment m_r = b1 m + (1 - b1) g_r, their 8-bit average (a replica of
     the quantized allreduce, in the survivors' rank order) taken by all, and
     x -= lr / (1 - b1^t) m / (sqrt(v / (1 - b2^t)) + eps). Returns the
-    parameters and the first moments."""
+    parameters and the first moments. order(t, alive): the ranks' order in
+    the world at step t (a replacement joins last)."""
     model = train_ft.make_model()
     params = list(model.parameters())
     adam = torch.optim.Adam(params, lr=train_ft.QADAM_LR)
     (b1, b2), eps = adam.defaults["betas"], adam.defaults["eps"]
     for t in range(steps):
-        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        alive = order(t, [r for r in range(n) if t < lost_from.get(r, steps)])
         grads = []
         for r in alive:
             model.zero_grad()
@@ -621,6 +622,25 @@ def test_qadam_survivors_finish_equal_to_the_simulation(tmp_path):
     for a, b in zip(first["params"], params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(first["momentum"], moments):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_qadam_grows_back_past_its_warm_up(tmp_path):
+    """recover(replace=True) under QAdam, a rank lost inside a step past the
+    warm-up: the replacement takes rank 0's parameters and optimizer state
+    (with_bagua's set-up, then share_state), so it skips the warm-up as the
+    survivors do; the step is done again by all four, the replacement last
+    in the world's order (which the 8-bit average follows)."""
+    saved = run_job(tmp_path, 4, "2:4:average", expect=range(4), FT_ALGORITHM="qadam",
+                    FT_REPLACE=1)
+    params, moments = simulate_qadam(
+        4, 8, {}, order=lambda t, alive: alive if t < 4 else [0, 1, 3, 2])
+    for key, got in saved.items():
+        for a, b in zip(got["params"] + got["momentum"], saved[0]["params"] + saved[0]["momentum"]):
+            assert torch.equal(a, b), f"stream {key}'s state differs from stream 0's"
+    for a, b in zip(saved[0]["params"], params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(saved[0]["momentum"], moments):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
