@@ -25,12 +25,14 @@ ft=(--with-ft ulfm)
 LAUNCHER_GRACE_S=15
 launcher=$BASHPID
 (
+    # Polled every 0.2 s: this subshell holds the job's stderr, so whoever
+    # reads it to its end waits for this loop to notice the launcher's exit.
     me=$BASHPID seen=0 idle=0
     while kill -0 "$launcher" 2>/dev/null; do
-        sleep 1
+        sleep 0.2
         ranks=$(ps --ppid "$launcher" -o pid=,stat= | awk -v me="$me" '$1 != me && $2 !~ /^Z/' | wc -l)
         if [ "$ranks" -gt 0 ]; then seen=1 idle=0; elif [ $seen = 1 ]; then idle=$((idle + 1)); fi
-        if [ $idle -ge $LAUNCHER_GRACE_S ]; then
+        if [ $idle -ge $((LAUNCHER_GRACE_S * 5)) ]; then
             echo "mpirun_ft.sh: every rank ended ${LAUNCHER_GRACE_S} s ago but prterun did not" \
                  "(Open MPI's launcher hangs when ranks abort at once): killing it" >&2
             kill -9 "$launcher"

@@ -72,6 +72,7 @@ class _Workers:
 
     def __init__(self, comm, hierarchical: bool, who: str):
         self.world = resolve_comm(comm)     # every rank (the MPIDP_CHECK votes)
+        self.world_mpi = communicator(comm).mpi
         self.node = None
         if hierarchical:
             comms = useful_hierarchy(comm, who, "every rank is a worker", stacklevel=5)
@@ -105,8 +106,9 @@ def _refuse_sub_communicator(comm, who: str) -> None:
 
 def _workers_after_loss(survivors, hierarchical: bool, who: str) -> "_Workers":
     """The workers over the survivors: as before, or flat (with a warning)
-    where the nodes now hold different numbers of ranks."""
-    if hierarchical and not nodes_are_even(survivors):
+    where the nodes now hold different numbers of ranks. Growing back: as
+    the replacement's set-up makes them (the launch's size again)."""
+    if hierarchical and not fault_tolerant_mode.growing() and not nodes_are_even(survivors):
         warnings.warn(f"{who}: after the loss of ranks the nodes hold different numbers of "
                       "ranks; every rank is a worker from now on", stacklevel=4)
         hierarchical = False
@@ -146,6 +148,8 @@ class _DecentralizedHandle(Driver):
                                  "the steps of the first optimizer; pass it to with_bagua")
             self._handles.append(optimizer.register_step_post_hook(
                 lambda *_: fault_tolerant_mode.commit_step()))
+        if fault_tolerant_mode.joining():      # a replacement: rank 0's step count
+            self.step = self.workers.world_mpi.bcast(None, root=0)
 
     def _before_forward(self, _module, _inputs) -> None:
         if not (self.module.training and torch.is_grad_enabled()):
@@ -207,7 +211,10 @@ class _DecentralizedHandle(Driver):
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
         workers are made again of the survivors; the exchange the loss
         interrupted was taken by none of them, so the loop's redo of its
-        step posts it again, to the survivors' peers."""
+        step posts it again, to the survivors' peers. Where replacements
+        joined, each survivor keeps its replica (with_bagua's set-up, run
+        again, gives the replacements rank 0's) and sends them the step
+        count; the exchange is then redone by all."""
         self.workers = _workers_after_loss(survivors, self.hierarchical, self.what)
         self._pending, self._queued = None, False
         if self._exchange_step is not None:
@@ -215,6 +222,11 @@ class _DecentralizedHandle(Driver):
         self._claim(self.module, communicator(survivors))
         for p in self.params:                  # the cut-short step's, spent
             p.grad = None
+        if fault_tolerant_mode.growing():
+            self.workers.world_mpi.bcast(self.step, root=0)
+
+    def _takes_replacements(self) -> bool:
+        return True       # a replacement starts from rank 0's replica (_continue_on)
 
     def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.step}

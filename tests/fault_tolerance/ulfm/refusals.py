@@ -48,8 +48,8 @@ refused("DeMo over a sub-communicator",
 # by recover(replace=True) before anything of the recovery.
 m = model()
 net = mpidp.with_bagua(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
-                       mpidp.algorithms.DecentralizedAlgorithm(hierarchical=False))
-refused("recover(replace=True) under DecentralizedAlgorithm",
+                       mpidp.algorithms.LowPrecisionDecentralizedAlgorithm(hierarchical=False))
+refused("recover(replace=True) under LowPrecisionDecentralizedAlgorithm",
         lambda: mpidp.recover(replace=True), "cannot take a replacement yet")
 net.bagua_driver.detach()
 m = model()

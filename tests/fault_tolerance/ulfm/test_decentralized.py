@@ -10,6 +10,7 @@ exact, from every worker's weights, on the survivors' ring.
 
 These run in the fault-tolerance pass (.venv-ft), as test_fault_tolerance.py."""
 
+import copy
 import os
 import sys
 
@@ -53,9 +54,12 @@ def local_steps(models, inner, t, lost_from, steps, clip):
 
 
 def assert_survivors_match(saved, n, lost_from, models, inner, tol):
-    """Every survivor's parameters and momentum are its simulated replica's."""
+    """Every survivor's parameters and momentum are its simulated replica's
+    (lost_from None: the ranks lost are checked by the caller)."""
     for rank, got in saved.items():
-        assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
+        if lost_from is not None:
+            assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), \
+                got["recoveries"]
         for a, b in zip(got["params"], models[rank].parameters()):
             torch.testing.assert_close(a, b.detach(), **tol,
                                        msg=lambda m: f"rank {rank}'s parameters: {m}")
@@ -125,8 +129,8 @@ def simulate_dcd(n, steps, lost_from, clip=None):
 # (algorithm, FT_PEERS, ranks, kill spec, {victim: the first step whose exchange
 # goes without it}, FT_HABITS: wrapped twice, AMP, the gradients clipped)
 CASES = {
-    "all: a rank lost in backward, its exchange in flight, then rank 0 after one":
-        ("decentralized", "all", 4, "1:2:backward;0:5:step", {1: 2, 0: 6}),
+    "all, habits: a rank lost in backward, its exchange in flight, then rank 0 after one":
+        ("decentralized", "all", 4, "1:2:backward;0:5:step", {1: 2, 0: 6}, True),
     "shift_one: two ranks lost in one recovery (the second in its agreement)":
         ("decentralized", "shift_one", 4, "2:3:backward;1:3:agreement", {2: 3, 1: 3}),
     "shift_one: three workers after rank 0 between steps":
@@ -135,11 +139,7 @@ CASES = {
         ("decentralized", "shift_one", 4, "1:4:backward", {1: 4}),
     "low precision: a ring of 3 after a loss, then of 2 after rank 0 between steps":
         ("lowprecision", "", 4, "3:2:backward;0:5:between", {3: 2, 0: 6}),
-    "low precision: a rank lost before its step, leaving two":
-        ("lowprecision", "", 3, "1:3:step", {1: 3}),
-    "habits, all: a rank lost in backward, then rank 0 before its step":
-        ("decentralized", "all", 4, "1:2:backward;0:5:step", {1: 2, 0: 6}, True),
-    "habits, low precision: a rank lost before its step, leaving two":
+    "low precision, habits: a rank lost before its step, leaving two":
         ("lowprecision", "", 3, "1:3:step", {1: 3}, True),
 }
 
@@ -205,12 +205,10 @@ def simulate_sgp(n, steps, lost_from, clip=None):
 # (kill spec, {victim: the first step whose gossip goes without it}, FT_HABITS),
 # 4 ranks, nodes of 1.
 SGP_CASES = {
-    "a rank lost in backward, then rank 0 before its gossip":
-        ("3:2:backward;0:5:sync", {3: 2, 0: 5}),
+    "habits (wrapped twice, AMP, clipped): a rank lost in backward, then rank 0 before its "
+    "gossip": ("3:2:backward;0:5:sync", {3: 2, 0: 5}, True),
     "a rank lost before a slow step's gossip, then another in the recovery's agreement":
         ("1:3:sync;2:3:agreement", {1: 3, 2: 3}),
-    "habits: wrapped twice, AMP, clipped; a rank lost in backward, then rank 0 before its gossip":
-        ("3:2:backward;0:5:sync", {3: 2, 0: 5}, True),
 }
 
 
@@ -223,3 +221,48 @@ def test_sgp_survivors_match_the_simulation(tmp_path, case):
     models, inner = simulate_sgp(4, 8, lost_from, clip)
     tol = dict(rtol=1e-5, atol=1e-6)
     assert_survivors_match(saved, 4, lost_from, models, inner, tol)
+
+
+def simulate_dpsgd_growing_back(n, steps, victim, kill_step, mode):
+    """D-PSGD over every rank (simulate_dpsgd's rule), where rank `victim`
+    dies in step `kill_step`'s backward, with that step's exchange posted:
+    no rank takes it nor steps; a replacement joins with the new rank 0's
+    replica and momentum, and the step is done again by all, the
+    replacement on the victim's data, last in the world's order."""
+    models, inner = inner_models(n)
+    order = list(range(n))
+    for t in range(steps):
+        if t == kill_step:
+            donor = min(set(range(n)) - {victim})
+            put(models[victim], vec(models[donor]))
+            inner[victim].load_state_dict(copy.deepcopy(inner[donor].state_dict()))
+            order = [r for r in range(n) if r != victim] + [victim]
+        alive = alive_with_gradients(models, t, {}, steps, None)
+        sent = {r: vec(models[r]) for r in alive}
+        for i, r in enumerate(order):
+            if mode == "all":
+                mixed = sum(sent[a] for a in order) / n
+            else:
+                (partner,), _ = _C.graph_peers(_C.GRAPH_SHIFT_ONE, n, 1, i, t)
+                mixed = (sent[r] + sent[order[partner]]) * 0.5
+            with torch.no_grad():
+                put(models[r], mixed)
+        for r in alive:
+            inner[r].step()
+    return models, inner
+
+
+@pytest.mark.parametrize("mode", ["all", "shift_one"])
+def test_decentralized_grows_back_from_rank_0s_replica(tmp_path, mode):
+    """recover(replace=True) under DecentralizedAlgorithm: each survivor
+    keeps its replica and momentum, the replacement takes rank 0's
+    (with_bagua's set-up, run again, and share_state) and the step count;
+    the exchange the loss cut short is done again by all four."""
+    saved = run_job(tmp_path, 4, "2:3:backward", expect=range(4), FT_ALGORITHM="decentralized",
+                    FT_PEERS=mode, FT_REPLACE=1)
+    models, inner = simulate_dpsgd_growing_back(4, 8, 2, 3, mode)
+    for key, got in saved.items():
+        if key != 2:
+            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
+                    for r in got["recoveries"]] == [(4, (2,), (3,), 3)], got["recoveries"]
+    assert_survivors_match(saved, 4, None, models, inner, dict(rtol=1e-5, atol=1e-6))

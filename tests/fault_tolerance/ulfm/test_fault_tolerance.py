@@ -339,17 +339,13 @@ def simulate_replicas(n, steps, lost_from, algorithm, clip=None):
 # (algorithm, ranks, kill spec, {victim: the first step whose sync goes without it},
 # FT_HABITS: AMP's GradScaler, the gradients clipped, DiLoCo entered twice)
 REPLICA_CASES = {
-    "postlocalsgd, a rank lost between averagings, then rank 0 at an averaging step":
-        ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}),
+    "postlocalsgd, habits: a rank lost between averagings, then rank 0 at an averaging step":
+        ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}, True),
     "diloco, a rank lost between syncs, then one at a sync step":
         ("diloco", 4, "1:2:backward;3:5:step", {1: 2, 3: 5}),
     "diloco, two ranks lost at once": ("diloco", 4, "0,2:5:backward", {0: 5, 2: 5}),
-    "diloco, a rank lost with the outer-gradient allreduce posted":
-        ("diloco", 4, "2:5:outer", {2: 5}),
-    "diloco, habits: rank 0 lost in backward, then one with the allreduce posted":
+    "diloco, habits: rank 0 lost in backward, then one with the outer-gradient allreduce posted":
         ("diloco", 4, "0:2:backward;2:5:outer", {0: 2, 2: 5}, True),
-    "postlocalsgd, habits: a rank lost between averagings, then one at an averaging step":
-        ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}, True),
 }
 
 

@@ -104,8 +104,8 @@ def simulate_sparseloco(n, steps, lost_from, delay, clip=None):
 # FT_SUSPECT, FT_HABITS); syncs after inner steps 1, 3, 5 and 7 (with
 # sync_delay 1 each sent a step before).
 SPARSELOCO_CASES = {
-    "a rank lost between syncs, then rank 0 with the allgather in flight":
-        (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}, 0),
+    "habits (wrapped twice, AMP, clipped): a rank lost between syncs, then rank 0 with the "
+    "allgather in flight": (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}, 0, "", True),
     "two ranks at once with the allgather in flight, leaving one":
         (3, "0,2:3:outer", {0: 3, 2: 3}, 0),
     "sync_delay: a rank lost between the send and its turn (its payload sent)":
@@ -117,8 +117,6 @@ SPARSELOCO_CASES = {
     # step apart, every rank redoes the sync (none was lost).
     "sync_delay: the ranks a step apart when the loss is found":
         (3, "", {}, 1, "0:3"),
-    "habits: wrapped twice, AMP, clipped; a rank lost in the allgather, then rank 0 in backward":
-        (4, "1:3:outer;0:5:backward", {1: 3, 0: 5}, 0, "", True),
 }
 
 
@@ -174,12 +172,10 @@ def simulate_demo(n, steps, lost_from, clip=None):
 
 # (ranks, kill spec, {victim: the first step without it}, FT_HABITS)
 DEMO_CASES = {
-    "a rank lost in backward, then rank 0 with the allgather in flight":
-        (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}),
+    "habits (two DeMos, AMP, clipped): a rank lost in backward, then rank 0 with the "
+    "allgather in flight": (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}, True),
     "between two steps, then another inside the survivors' shrink, leaving one":
         (3, "2:3:between;1:4:shrink", {2: 4, 1: 4}),
-    "habits: two DeMos, AMP, clipped; a rank lost in the allgather, then rank 0 before its step":
-        (4, "1:2:outer;0:5:step", {1: 2, 0: 5}, True),
 }
 
 
@@ -242,16 +238,14 @@ def simulate_streaming_diloco(n, steps, lost_from, clip=None):
 STREAMING_CASES = {
     "a rank lost between a fragment's send and its turn (its part sent)":
         (3, "2:3:backward", {2: 3}, ""),
-    "at a turn, then another in the recovery's agreement":
-        (4, "1:5:outer;3:5:agreement", {1: 5, 3: 5}, ""),
+    "habits (wrapped twice, AMP, clipped): at a turn, then another in the recovery's agreement":
+        (4, "1:5:outer;3:5:agreement", {1: 5, 3: 5}, "", True),
     "rank 0 after its send, then another inside the survivors' shrink":
         (4, "0:2:between;2:3:shrink", {0: 3, 2: 3}, ""),
     # Rank 0 takes an error for a failure before step 4's forward while the
     # others are in step 4's hook (fragment 0's send): a step apart, every
     # rank sends it (none was lost).
     "the ranks a step apart when the loss is found": (3, "", {}, "0:4"),
-    "habits: wrapped twice, AMP, clipped; a rank lost at a turn, rank 0 after its send":
-        (4, "1:5:outer;0:2:between", {1: 5, 0: 3}, "", True),
 }
 
 
@@ -415,7 +409,6 @@ def simulate_sparseloco_growing_back(n, steps, victim, kill_step, delay):
 
 # (FT_SYNC_DELAY, kill spec, victim, step), 4 ranks, recover(replace=True).
 SPARSELOCO_GROWING_CASES = {
-    "a rank lost with the allgather in flight": (0, "2:3:outer", 2, 3),
     "sync_delay: rank 0 lost at a turn, its payload sent a step before": (1, "0:5:outer", 0, 5),
 }
 
@@ -475,7 +468,6 @@ def simulate_demo_growing_back(n, steps, victim, kill_step):
 # (kill spec, victim, step), 4 ranks, recover(replace=True).
 DEMO_GROWING_CASES = {
     "a rank lost with the allgather in flight": ("1:3:outer", 1, 3),
-    "rank 0 lost in backward": ("0:5:backward", 0, 5),
 }
 
 

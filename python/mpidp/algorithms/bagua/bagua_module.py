@@ -16,6 +16,7 @@ is a driver (mpidp/algorithms/driver.py): BaguaModule only switches drivers.
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from typing import Optional, Sequence
@@ -69,17 +70,29 @@ class BaguaModule(torch.nn.Module):
     def load_bagua_state_dict(self, state) -> None:
         self._driver.load_algorithm_state(state)
 
-    def _set_up(self, optimizers, algorithm: Algorithm, comm) -> None:
+    def _set_up(self, optimizers, algorithm: Algorithm, comm, keep_own: bool = False) -> None:
         """The checks and broadcasts before a driver attaches: ranks with
         another algorithm or other settings would post different
         communication, so the settings of the algorithm join the model's
-        check; every rank takes rank 0's optimizer states (they may differ)."""
+        check; every rank takes rank 0's parameters, buffers and optimizer
+        states (they may differ) -- except, with `keep_own`, the ranks that
+        already train (the survivors, where a replacement joins), which
+        keep their own: the algorithm's recovery decides what they hold."""
+        if keep_own:
+            own = ([t.detach().clone() for t in self.module.state_dict().values()],
+                   [copy.deepcopy(opt.state_dict()) for opt in optimizers])
         settings = {"algorithm": type(algorithm).__name__, **algorithm.shared_settings()}
         _, self._trainable_at_setup = set_up(
             self.module, comm, "with_bagua", settings, rebuild="Call mpidp.with_bagua(model, "
             "optimizers, algorithm) again after such a change")
         for opt in optimizers:
             broadcast_optimizer_state(opt, root=0, comm=comm)
+        if keep_own:
+            with torch.no_grad():
+                for t, mine in zip(self.module.state_dict().values(), own[0]):
+                    t.copy_(mine)
+            for opt, mine in zip(optimizers, own[1]):
+                opt.load_state_dict(mine)
 
     def with_bagua(self, optimizers, algorithm: Algorithm, comm=None) -> "BaguaModule":
         """Switch to `algorithm` (Bagua's method of the same name): the old
@@ -106,7 +119,7 @@ class BaguaModule(torch.nn.Module):
 def _set_up_again(module_ref, optimizers, algorithm, comm) -> None:
     module = module_ref()
     if module is not None:
-        module._set_up(optimizers, algorithm, comm)
+        module._set_up(optimizers, algorithm, comm, keep_own=True)
 
 
 def _check_optimizers(optimizers) -> list:
