@@ -278,6 +278,15 @@ class _LowPrecisionHandle(Driver):
         self._check_every = check_every()
         self._claim(module, communicator(comm))
         self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
+        if fault_tolerant_mode.joining():
+            # A replacement: rank 0's counts, the copies made exact over the
+            # grown ring, and the exchange the loss cut short done with the
+            # survivors (who took that step's optimizer step; its weights
+            # are rank 0's, which took it too). As _continue_on does there.
+            self.step, self.exchanges, redo = self.workers.world_mpi.bcast(None, root=0)
+            self._restart_copies()
+            if redo:
+                self._exchange()
 
     def _find_neighbours(self) -> None:
         w, r = self.workers.size, self.workers.rank
@@ -297,9 +306,28 @@ class _LowPrecisionHandle(Driver):
         from its weights and goes, in float32, to its new neighbours (whose
         copies it had none of), so every copy is exact again; an exchange
         the loss interrupted (taken by none: it is agreed first) is then
-        done on the new ring. The optimizer's step before it stands."""
+        done on the new ring. The optimizer's step before it stands.
+        Where replacements joined (with rank 0's weights, from with_bagua's
+        set-up run again), they take part in both, after rank 0's counts."""
         self.workers = _workers_after_loss(survivors, self.hierarchical, self.what)
         self._find_neighbours()
+        redo = self._round_open and (self.step - 1) % self.interval == 0 \
+            and self.workers.size > 1
+        if fault_tolerant_mode.growing():
+            self.workers.world_mpi.bcast((self.step, self.exchanges, redo), root=0)
+        self._restart_copies()
+        self._claim(self.module, communicator(survivors))
+        if self._round_open:
+            if redo:
+                self._exchange()
+            self._round_open = False
+            fault_tolerant_mode.commit_step()
+        for p in self.params:                  # the cut-short step's, spent
+            p.grad = None
+
+    def _restart_copies(self) -> None:
+        """Every copy x^ exact again: each worker's from its weights, sent in
+        float32 to its neighbours."""
         own = self.workers.local_part(flatten(self.params)).clone()
         left, right = own.clone(), own.clone()
         if self.workers.size > 1:
@@ -309,14 +337,9 @@ class _LowPrecisionHandle(Driver):
             if len(peers) == 1:
                 right.copy_(left)
         self.replicas = [left, own, right]
-        self._claim(self.module, communicator(survivors))
-        if self._round_open:
-            if (self.step - 1) % self.interval == 0 and self.workers.size > 1:
-                self._exchange()
-            self._round_open = False
-            fault_tolerant_mode.commit_step()
-        for p in self.params:                  # the cut-short step's, spent
-            p.grad = None
+
+    def _takes_replacements(self) -> bool:
+        return True       # from rank 0's weights, every copy exact again (_continue_on)
 
     def _exchange(self) -> None:
         check_same_step(self.workers.world, self.step, "LowPrecisionDecentralizedAlgorithm")

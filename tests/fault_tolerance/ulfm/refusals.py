@@ -47,12 +47,6 @@ refused("DeMo over a sub-communicator",
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()
-net = mpidp.with_bagua(m, [torch.optim.SGD(m.parameters(), lr=0.1)],
-                       mpidp.algorithms.LowPrecisionDecentralizedAlgorithm(hierarchical=False))
-refused("recover(replace=True) under LowPrecisionDecentralizedAlgorithm",
-        lambda: mpidp.recover(replace=True), "cannot take a replacement yet")
-net.bagua_driver.detach()
-m = model()
 net = mpidp.SlowMoDistributedDataParallel(m)
 refused("recover(replace=True) under SlowMo", lambda: mpidp.recover(replace=True),
         "SlowMoDistributedDataParallel cannot take a replacement yet")
