@@ -70,6 +70,31 @@ def assert_a_step_apart(saved, step):
     assert resumed == {0: [step], 1: [step + 1], 2: [step + 1]}, resumed
 
 
+def assert_sparseloco_matches(who, got, first, params, errors, shared):
+    """`who`'s saved SparseLoCo state: θ̃ bit-equal to `first`'s, and its
+    parameters, error feedback and θ̃ those of the simulation."""
+    state = got["sparseloco"]
+    for a, b in zip(state["shared"], first["sparseloco"]["shared"]):
+        assert torch.equal(a, b), f"{who}'s θ̃ differs from the first survivor's"
+    for a, b in zip(got["params"], params):
+        np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg=f"{who}'s parameters")
+    for a, b in zip(state["error"], errors):
+        np.testing.assert_allclose(a.double().numpy(), b, **TOL,
+                                   err_msg=f"{who}'s error feedback")
+    for a, b in zip(state["shared"], shared):
+        np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="θ̃")
+
+
+def assert_grew_back(saved, victim, resumed_at):
+    """Every survivor's one recovery lost `victim` and took a replacement
+    (rank 3 of 4), and went on from step `resumed_at`."""
+    for key, got in saved.items():
+        if key != victim:
+            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
+                    for r in got["recoveries"]] == [(4, (victim,), (3,), resumed_at)], \
+                got["recoveries"]
+
+
 def simulate_sparseloco(n, steps, lost_from, delay, clip=None):
     """Every replica trains with its own inner SGD; after inner step t the
     replicas of the ranks alive then send ((t + 1) % PERIOD == PERIOD -
@@ -129,20 +154,10 @@ def test_sparseloco_survivors_match_the_simulation(tmp_path, case):
     if suspect:
         assert_a_step_apart(saved, int(suspect[2:]))
     params, errors, shared = simulate_sparseloco(n, 8, lost_from, delay, clip)
-    first = saved[min(saved)]
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
-        state = got["sparseloco"]
-        for a, b in zip(state["shared"], first["sparseloco"]["shared"]):
-            assert torch.equal(a, b), f"rank {rank}'s θ̃ differs from rank {min(saved)}'s"
-        for a, b in zip(got["params"], params[rank]):
-            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
-                                       err_msg=f"rank {rank}'s parameters")
-        for a, b in zip(state["error"], errors[rank]):
-            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
-                                       err_msg=f"rank {rank}'s error feedback")
-        for a, b in zip(state["shared"], shared):
-            np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="θ̃")
+        assert_sparseloco_matches(f"rank {rank}", got, saved[min(saved)], params[rank],
+                                  errors[rank], shared)
 
 
 def simulate_demo(n, steps, lost_from, clip=None):
@@ -197,6 +212,21 @@ def test_demo_survivors_match_the_simulation(tmp_path, case):
                                        err_msg=f"rank {rank}'s momentum")
 
 
+def take_turn(theta, outer, layer, fragment, sent, models):
+    """A fragment's turn: θ's parameters in the fragment's layers (layer[i]:
+    parameter i's) take the outer step on θ minus the mean of `sent` (the
+    replicas sent, each a parameter list), and every model of `models`
+    takes them."""
+    with torch.no_grad():
+        for i, th in enumerate(theta.parameters()):
+            th.grad = th - sum(x[i] for x in sent) / len(sent) if layer[i] in fragment else None
+        outer.step()
+        for m in models:
+            for i, (p, th) in enumerate(zip(m.parameters(), theta.parameters())):
+                if layer[i] in fragment:
+                    p.copy_(th)
+
+
 def simulate_streaming_diloco(n, steps, lost_from, clip=None):
     """Streaming DiLoCo by its rule: train_ft.FRAGMENTS take turns, one every
     PERIOD steps; after inner step t, t % PERIOD == 0, the replicas of the
@@ -218,15 +248,7 @@ def simulate_streaming_diloco(n, steps, lost_from, clip=None):
         if t % period == 0:
             sent = {r: [p.detach().clone() for p in models[r].parameters()] for r in alive}
             continue
-        with torch.no_grad():
-            for i, th in enumerate(theta.parameters()):
-                th.grad = (th - sum(sent[r][i] for r in alive) / len(alive)
-                           if layer[i] in f else None)
-            outer.step()
-            for r in alive:
-                for i, (p, th) in enumerate(zip(models[r].parameters(), theta.parameters())):
-                    if layer[i] in f:
-                        p.copy_(th)
+        take_turn(theta, outer, layer, f, [sent[r] for r in alive], [models[r] for r in alive])
     return ({r: [p.detach() for p in models[r].parameters()] for r in range(n)},
             [outer.state[p]["momentum_buffer"] for p in theta.parameters()])
 
@@ -295,16 +317,8 @@ def simulate_diloco_growing_back(n, steps, victim, kill_step, fragments, delay):
             sent[fragment(t + delay)] = {r: [p.detach().clone() for p in models[r].parameters()]
                                          for r in ranks}
         if (t + 1) % period == 0:
-            f = fragments[fragment(t)]
-            with torch.no_grad():
-                for i, th in enumerate(theta.parameters()):
-                    th.grad = (th - sum(x[i] for x in sent[fragment(t)].values()) / len(ranks)
-                               if layer[i] in f else None)
-                outer.step()
-                for r in ranks:
-                    for i, (p, th) in enumerate(zip(models[r].parameters(), theta.parameters())):
-                        if layer[i] in f:
-                            p.copy_(th)
+            take_turn(theta, outer, layer, fragments[fragment(t)],
+                      list(sent[fragment(t)].values()), [models[r] for r in ranks])
 
     assert (kill_step + 1) % period == 0, "the kill must be at a turn"
     for t in range(kill_step):
@@ -346,11 +360,8 @@ def test_diloco_grows_back_from_theta_at_the_last_turn(tmp_path, case):
     params, momentum = simulate_diloco_growing_back(
         4, 8, victim, kill_step, train_ft.FRAGMENTS if fragments else [[0, 2, 4]],
         1 if fragments else 0)
+    assert_grew_back(saved, victim, kill_step + 1 - train_ft.PERIOD)
     for key, got in saved.items():
-        if key != victim:
-            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
-                    for r in got["recoveries"]] == [(4, (victim,), (3,), kill_step + 1 - 2)], \
-                got["recoveries"]
         for a, b in zip(got["params"], params[key]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"stream {key}'s parameters: {m}")
@@ -423,22 +434,10 @@ def test_sparseloco_grows_back_from_the_last_sync(tmp_path, case):
     saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="sparseloco",
                     FT_SYNC_DELAY=delay, FT_REPLACE=1)
     params, errors, shared = simulate_sparseloco_growing_back(4, 8, victim, kill_step, delay)
+    assert_grew_back(saved, victim, kill_step + 1 - train_ft.PERIOD)
     for key, got in saved.items():
-        if key != victim:
-            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
-                    for r in got["recoveries"]] == [(4, (victim,), (3,), kill_step + 1 - 2)], \
-                got["recoveries"]
-        state = got["sparseloco"]
-        for a, b in zip(state["shared"], saved[0]["sparseloco"]["shared"]):
-            assert torch.equal(a, b), f"stream {key}'s θ̃ differs from stream 0's"
-        for a, b in zip(got["params"], params[key]):
-            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
-                                       err_msg=f"stream {key}'s parameters")
-        for a, b in zip(state["error"], errors[key]):
-            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
-                                       err_msg=f"stream {key}'s error feedback")
-        for a, b in zip(state["shared"], shared):
-            np.testing.assert_allclose(a.double().numpy(), b, **TOL, err_msg="θ̃")
+        assert_sparseloco_matches(f"stream {key}", got, saved[0], params[key], errors[key],
+                                  shared)
 
 
 def simulate_demo_growing_back(n, steps, victim, kill_step):
@@ -479,11 +478,8 @@ def test_demo_grows_back_with_the_step_redone_by_all(tmp_path, case):
     kill, victim, kill_step = DEMO_GROWING_CASES[case]
     saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="demo", FT_REPLACE=1)
     params, deltas = simulate_demo_growing_back(4, 8, victim, kill_step)
+    assert_grew_back(saved, victim, kill_step)
     for key, got in saved.items():
-        if key != victim:
-            assert [(r["size"], r["lost"], r["joined"], r["resumed_at"])
-                    for r in got["recoveries"]] == [(4, (victim,), (3,), kill_step)], \
-                got["recoveries"]
         for a, b in zip(got["params"], saved[0]["params"]):
             assert torch.equal(a, b), f"stream {key}'s parameters differ from stream 0's"
         for a, b in zip(got["params"], params):
