@@ -11,10 +11,12 @@ scripts/setup_ft_env.sh first) from this one process, taking turns:
    nodes of 2 ranks), SGD with momentum, every rank's slowest median counting: launched with ULFM and fault-tolerant mode on, against
    the same launch with the mode off (MPIDP_FAULT_TOLERANCE=0), and a launch
    without ULFM (plain mpirun of the same Open MPI, mode off).
-   The same for the algorithms whose recovery redoes a sync (sync every
-   SYNC_EVERY steps): DiLoCo, Streaming DiLoCo (two fragments, each sent a
-   step before its turn), SparseLoCo, DeMo and Bagua's
-   DecentralizedAlgorithm, on the MLP.
+   With --algorithms, the same for the algorithms whose recovery redoes a
+   sync (sync every SYNC_EVERY steps): DiLoCo, Streaming DiLoCo (two
+   fragments, each sent a step before its turn), SparseLoCo, DeMo and
+   Bagua's DecentralizedAlgorithm, on the MLP, each in a job of its own (in
+   one job after the others their times drifted by up to 10 % between the
+   kinds of launch, more than the mode's cost).
 2. Recovery: the last rank SIGKILLs itself in the middle of a backward pass
    (gradient buckets in flight); the survivors' times from the kill (a clock
    reading the victim wrote just before) to RanksLost (detection), through
@@ -109,6 +111,19 @@ def worker_steps(args):
             samples.append((time.perf_counter() - t0) / args.steps)
         return max(comm.allgather(statistics.median(samples)))
 
+    if args.only:            # one algorithm of ALGORITHMS, alone in this job
+        torch.manual_seed(0)
+        model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
+        net, opt, _ = build_algorithm(args.only, model, mpidp, torch)
+
+        def algorithm_step():
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        result[args.only] = timed(algorithm_step)
+        if comm.Get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
     for name in ("mlp", "resnet18"):
         torch.manual_seed(0)
         model, x, y = make_case(name, args.quick, torch.device("cpu"))
@@ -135,17 +150,6 @@ def worker_steps(args):
         F.cross_entropy(net(x), y).backward()
         daso.step()
     result["daso mlp"] = timed(daso_step)
-    for name in ALGORITHMS:
-        torch.manual_seed(0)
-        model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
-        net, opt, detach = build_algorithm(name, model, mpidp, torch)
-
-        def algorithm_step():
-            opt.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
-        result[name] = timed(algorithm_step)
-        detach()
     if mpidp.fault_tolerance.enabled():    # DASO's addition: keeping the step to undo it
         t0 = time.perf_counter()
         for _ in range(20):
@@ -251,8 +255,10 @@ def main():
     p.add_argument("--stamp", help=argparse.SUPPRESS)
     p.add_argument("--replace", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--algorithm", default="dataparallel", help=argparse.SUPPRESS)
+    p.add_argument("--only", default="", help=argparse.SUPPRESS)
     p.add_argument("--algorithms", action="store_true",
-                   help="also the recovery under each algorithm of ALGORITHMS")
+                   help="also the step time (each in a job of its own) and the recovery under each "
+                        "algorithm of ALGORITHMS")
     args = p.parse_args()
     if args.worker == "steps":
         return worker_steps(args)
@@ -271,6 +277,10 @@ def main():
     for _ in range(args.rounds):
         for kind, how in kinds.items():
             steps[kind].append(run_job(args.ranks, "steps", common, **how))
+        for name in by_algorithm:
+            for kind, how in kinds.items():
+                steps[kind][-1].update(run_job(args.ranks, "steps", common + ["--only", name],
+                                               **how))
         jobs = [([], recoveries), (["--replace"], grown)] + [
             (["--algorithm", name], results) for name, results in by_algorithm.items()]
         for extra, results in jobs:
@@ -284,7 +294,7 @@ def main():
     print(f"{'model':18s}" + "".join(f"{k:>20s}" for k in kinds) + f"{'on / off':>10s}"
           f"{'on / no ulfm':>14s}")
     agreement = 1e3 * statistics.median(r["agreement"] for r in steps["ulfm, mode on"])
-    for model in ("mlp", "resnet18", "daso mlp") + ALGORITHMS:
+    for model in ("mlp", "resnet18", "daso mlp") + tuple(by_algorithm):
         ms = {k: 1e3 * statistics.median(r[model] for r in steps[k]) for k in kinds}
         print(f"{model:18s}" + "".join(f"{ms[k]:20.2f}" for k in kinds)
               + f"{ms['ulfm, mode on'] / ms['ulfm, mode off']:10.3f}"
