@@ -227,6 +227,16 @@ def take_turn(theta, outer, layer, fragment, sent, models):
                     p.copy_(th)
 
 
+def assert_diloco_matches(who, got, params, momentum):
+    """`who`'s saved parameters and outer momentum are the simulation's."""
+    for a, b in zip(got["params"], params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{who}'s parameters: {m}")
+    for a, b in zip(got["momentum"], momentum):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"the outer momentum of {who}: {m}")
+
+
 def simulate_streaming_diloco(n, steps, lost_from, clip=None):
     """Streaming DiLoCo by its rule: train_ft.FRAGMENTS take turns, one every
     PERIOD steps; after inner step t, t % PERIOD == 0, the replicas of the
@@ -282,12 +292,7 @@ def test_streaming_diloco_survivors_match_the_simulation(tmp_path, case):
     params, momentum = simulate_streaming_diloco(n, 8, lost_from, clip)
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
-        for a, b in zip(got["params"], params[rank]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
-        for a, b in zip(got["momentum"], momentum):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"the outer momentum on rank {rank}: {m}")
+        assert_diloco_matches(f"rank {rank}", got, params[rank], momentum)
 
 
 def simulate_diloco_growing_back(n, steps, victim, kill_step, fragments, delay):
@@ -362,12 +367,7 @@ def test_diloco_grows_back_from_theta_at_the_last_turn(tmp_path, case):
         1 if fragments else 0)
     assert_grew_back(saved, victim, kill_step + 1 - train_ft.PERIOD)
     for key, got in saved.items():
-        for a, b in zip(got["params"], params[key]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"stream {key}'s parameters: {m}")
-        for a, b in zip(got["momentum"], momentum):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"the outer momentum of stream {key}: {m}")
+        assert_diloco_matches(f"stream {key}", got, params[key], momentum)
 
 
 def simulate_sparseloco_growing_back(n, steps, victim, kill_step, delay):
