@@ -25,11 +25,14 @@ __all__ = ["DeferredStep", "bucket_members"]
 class DeferredStep:
     """The deferred step of one non-blocking DataParallel. `bucket_params`:
     each bucket's indices into `params`; `watched`: the modules' parameter
-    dicts that make a read apply the pending update (apply_on_read.py)."""
+    dicts that make a read apply the pending update (apply_on_read.py);
+    `comm`: the ranks whose agreement ends a step in fault-tolerant mode
+    (the wrapper's mpi4py communicator)."""
 
     def __init__(self, reducer, params: Sequence, bucket_params: Sequence[Sequence[int]],
-                 watched: List, device_resident: bool = False):
+                 watched: List, device_resident: bool = False, comm=None):
         self.reducer = reducer
+        self.comm = comm
         self.params = params
         self.bucket_params = bucket_params
         self.watched = watched
@@ -72,7 +75,7 @@ class DeferredStep:
             if fault_tolerant_mode.enabled():
                 for b in range(self.reducer.n_buckets):
                     self.reducer.wait_bucket(b)
-                fault_tolerant_mode.step_boundary()
+                fault_tolerant_mode.step_boundary(self.comm)
             self.applying = True
         return self.applying
 

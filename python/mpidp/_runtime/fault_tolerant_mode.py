@@ -12,7 +12,7 @@ import weakref
 from typing import Dict, Optional
 
 from .. import _C
-from . import config
+from . import config, fault_tolerant_groups
 from . import mpi as _mpi
 from .mpi import MPI
 
@@ -109,21 +109,8 @@ def world_agreement() -> None:
     _agree_comm()
 
 
-# Seconds a process may spend in MPI_Finalize at exit once ranks were lost.
+# Seconds a process may spend in MPI_Finalize at exit in fault-tolerant mode.
 _FINALIZE_GRACE_S = 10.0
-
-
-def _ranks_were_lost() -> bool:
-    """Whether this process knows of a failed rank of the job: after
-    recover(), or after a loss another way took care of (torch's
-    shrink_group, the program's own ULFM calls). MPIX_Comm_get_failed reads
-    the failures without acknowledging them."""
-    if _state.generation or _state.replacement:
-        return True
-    try:
-        return _mpi.world_mpi().Get_failed().Get_size() > 0
-    except MPI.Exception:
-        return True   # the world itself is broken: Finalize may wait too
 
 
 def _at_exit() -> None:
@@ -131,9 +118,13 @@ def _at_exit() -> None:
     when the program is done) can wait forever for them (ompi#11404): the
     process then ends itself, with status 0, after a grace period. Seen
     after torch's shrink_group too: both survivors printed their results,
-    then sat in MPI_Finalize (1 run in 12 with every core busy)."""
-    if _ranks_were_lost():
-        _C.ft_exit_watchdog(_FINALIZE_GRACE_S)
+    then sat in MPI_Finalize (1 run in 12 with every core busy). Armed in
+    every process of the mode, not only those that know of a loss: a rank
+    of a worker group the loss did not touch never hears of it (its group
+    trains on, fault_tolerant_groups.py) and sat in MPI_Finalize the same
+    way, with all its results written. A Finalize with every rank alive
+    takes well under the grace."""
+    _C.ft_exit_watchdog(_FINALIZE_GRACE_S)
 
 
 def world_comm() -> MPI.Intracomm:
@@ -149,14 +140,15 @@ def is_replacement() -> bool:
     return _state.replacement
 
 
-def step_boundary() -> None:
+def step_boundary(comm=None) -> None:
     """The end of a training step (DataParallel calls it before the optimizer
-    steps): every rank agrees that the step is complete, and it counts as
-    committed. Raises RanksLost on every survivor, before anything is
-    applied, when a rank died."""
+    steps): every rank of `comm` (the algorithm's communicator; None: the
+    job's) agrees that the step is complete, and it counts as committed.
+    Raises RanksLost on every survivor, before anything is applied, when a
+    rank died."""
     if _state.enabled:
         raise_deferred()
-        agree_all_alive("step end", "the step was applied by no rank")
+        agree_all_alive("step end", "the step was applied by no rank", comm)
         _state.committed += 1
         _state.fruitless = 0
 
@@ -176,20 +168,28 @@ def raise_deferred() -> None:
         raise error
 
 
-def agree_all_alive(what: str, outcome: str) -> None:
-    """Every rank agrees that every rank lived through `what` (a step's end, a
-    sync of the replica algorithms) before its result is applied; RanksLost
-    on every survivor otherwise, `outcome` saying what became of it."""
+def agree_all_alive(what: str, outcome: str, comm=None) -> None:
+    """Every rank of `comm` (the algorithm's mpi4py communicator: a group's,
+    fault_tolerant_groups.py; else, or None, the job's world) agrees that every rank
+    lived through `what` (a step's end, a sync of the replica algorithms)
+    before its result is applied; RanksLost on every survivor otherwise,
+    `outcome` saying what became of it."""
+    group = fault_tolerant_groups.of(comm)
+    agreement, state = (group.agree_comm, group) if group is not None else (_agree_comm(), _state)
+    how = ("call mpidp.recover() to go on with the survivors" if group is None else
+           "call mpidp.recover(comm=...) with this group's communicator to go on with its "
+           "survivors (or mpidp.recover() on every survivor of the job)")
     try:
-        ok = _agree_comm().Agree(1)
+        ok = agreement.Agree(1)
     except MPI.Exception as error:
-        _state.agreed = True
-        raise lost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: {outcome}", error) from None
+        state.agreed = True
+        raise lost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: {outcome}", error,
+                   how) from None
     if not ok:
-        _state.agreed = True
+        state.agreed = True
         revoke_everything()
         raise RanksLost(f"{what} on rank {_mpi.world_mpi().Get_rank()}: another rank saw a rank "
-                        f"fail; {outcome}; call mpidp.recover() to go on with the survivors")
+                        f"fail; {outcome}; {how}")
 
 
 def joining() -> bool:
@@ -234,8 +234,10 @@ def participants() -> list:
 
 
 def participate(obj) -> None:
-    """`obj` (not a driver: PostLocalSGD's averagers) goes on over the
-    survivors through obj._continue_on(world) at every recovery."""
+    """`obj` (not a driver: PostLocalSGD's averagers, DeMo) goes on over the
+    survivors through obj._continue_on(survivors) at every recovery of the
+    communicator obj._recovery_comm() names (the job's world or a group's,
+    fault_tolerant_groups.py)."""
     _participants[obj] = None
 
 
@@ -247,12 +249,12 @@ def revoke_everything() -> None:
     _mpi.revoke_revocable()
 
 
-def lost(where: str, error: "MPI.Exception") -> Exception:
+def lost(where: str, error: "MPI.Exception",
+         how: str = "call mpidp.recover() to go on with the survivors") -> Exception:
     """RanksLost for a ULFM error that mpi4py raised (the other ranks learn
     of it through the revoked communicators)."""
     revoke_everything()
-    return RanksLost(f"{where}: a rank failed ({error.Get_error_string()}); call "
-                     "mpidp.recover() to go on with the survivors")
+    return RanksLost(f"{where}: a rank failed ({error.Get_error_string()}); {how}")
 
 
 if config.get("MPIDP_FAULT_TOLERANCE"):

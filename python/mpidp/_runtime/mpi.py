@@ -211,6 +211,13 @@ def world() -> _C.Comm:
     return _world
 
 
+def is_world(comm) -> bool:
+    """Whether `comm` (mpidp's duplicate) is the world's, without making the
+    world's (a collective of every rank of the job, which a group's ranks
+    alone must not start)."""
+    return comm is not None and comm is _world
+
+
 def replace_world(survivors: MPI.Intracomm) -> None:
     """Fault-tolerant mode: the survivors' communicator becomes the world
     that MPI.COMM_WORLD (and None) stand for in every mpidp call."""

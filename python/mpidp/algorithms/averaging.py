@@ -26,7 +26,7 @@ from .._runtime.args import check_int
 from .._runtime.model_consistency import check_same_step, param_group_settings, ranks_range
 from ..collectives.means import average_tensors, mean_over_ranks
 from .driver import set_up
-from .._runtime.mpi import MPI, as_mpi4py, resolve_comm, world, world_mpi
+from .._runtime.mpi import MPI, as_mpi4py, resolve_comm
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
            "PostLocalSGDOptimizer", "average_parameters", "average_tensors", "mean_over_ranks"]
@@ -65,11 +65,17 @@ def average_parameters(params: Iterable[Any], process_group=None) -> None:
     torch's model_averaging.utils.average_parameters_or_parameter_groups:
     flattened (mixed dtypes are upcast for the sum and cast back), divided by
     the group size, summed. Parameters whose .grad is None are left out."""
-    comm = resolve_comm(process_group, "process_group")
+    _average(params, resolve_comm(process_group, "process_group"), process_group)
+
+
+def _average(params: Iterable[Any], comm: _C.Comm, agreement) -> None:
+    """average_parameters over `comm`; in fault-tolerant mode taken once the
+    ranks of `agreement` (an mpi4py communicator, None: the world) agree
+    (means.average_tensors)."""
     chosen = _params_to_average(params)
     if comm.size > 1:
         _check_same_count(sum(p.numel() for p in chosen), comm)
-    average_tensors(chosen, comm)
+    average_tensors(chosen, comm, agreement)
 
 
 class ModelAverager:
@@ -81,24 +87,32 @@ class ModelAverager:
         self._comm = resolve_comm(process_group, "process_group")
         self.process_group = process_group if process_group is not None else MPI.COMM_WORLD
         self.step = 0
-        self._interrupted = None     # the parameters of an averaging a lost rank interrupted
+        # An averaging a lost rank interrupted: (its parameters, its level).
+        self._interrupted = None
         self._last_params: list = []    # those of the last average_parameters call
         if fault_tolerant_mode.enabled():
-            if self._comm is not world():
-                raise NotImplementedError(
-                    "process_group: in fault-tolerant mode the averagers average over every "
-                    "rank of the job only so far (a sub-group's recovery is not built yet): "
-                    "pass process_group=None, or run without MPIDP_FAULT_TOLERANCE")
+            # Over the job's world or a group's communicator (a group's loss
+            # is recovered by recover(comm=process_group), the job's by
+            # recover()); the group is joined as the settings are compared.
             fault_tolerant_mode.participate(self)
+
+    def _recovery_comm(self):
+        """The communicator recover() sets this averager up again over the
+        survivors of (the job's world or a group's)."""
+        return self.process_group
 
     def _continue_on(self, survivors) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): go on
-        over the survivors, first completing over them the averaging the
-        loss interrupted (every survivor's local step was applied, and none
-        took that average)."""
-        self._comm, self.process_group = world(), world_mpi()
+        over the survivors (of the job, or of the group this averager runs
+        over), first completing over them the averaging the loss interrupted
+        (every survivor's local step was applied, and none took that
+        average)."""
+        self._comm = resolve_comm(survivors)
+        self.process_group = survivors
+        self._regroup(survivors)
         if self._interrupted is not None:
-            average_parameters(self._interrupted, self.process_group)
+            params, level = self._interrupted
+            _average(params, self._group(level), self.process_group)
             self._interrupted = None
             self.step += 1
             fault_tolerant_mode.commit_step()
@@ -118,6 +132,10 @@ class ModelAverager:
     def _group(self, level: int) -> _C.Comm:
         raise NotImplementedError
 
+    def _regroup(self, survivors) -> None:
+        """Fault-tolerant mode: the averaging groups made again over the
+        survivors (collective over them)."""
+
     def average_parameters(self, params: Iterable[Any]) -> None:
         """Average `params` (model parameters or optimizer parameter groups)
         if this step is due, then count the step."""
@@ -125,9 +143,13 @@ class ModelAverager:
         due = _C.avgsched_actions(self.step, **self._schedule())
         if due.average:
             group = self._group(due.level)
-            self._interrupted = params      # until done (fault-tolerant mode: recover() ends it)
+            # Until done (fault-tolerant mode: recover() ends it).
+            self._interrupted = (params, due.level)
             check_same_step(group, self.step, type(self).__name__, param_group_settings(params))
-            average_parameters(params, group)
+            # Every level's average is agreed by every rank of process_group:
+            # each one averages on the same steps, so a loss anywhere stops
+            # them all at the same step, and recover() ends that averaging.
+            _average(params, group, self.process_group)
             self._interrupted = None
         self.step += 1
         fault_tolerant_mode.commit_step()
@@ -182,11 +204,6 @@ class HierarchicalModelAverager(ModelAverager):
         if periods != sorted(set(periods)):
             raise ValueError(f"period_group_size_dict: periods must be ascending, got {periods}")
         check_int("warmup_steps", warmup_steps, 0)
-        if fault_tolerant_mode.enabled():
-            raise NotImplementedError("HierarchicalModelAverager: fault-tolerant mode supports "
-                                      "PeriodicModelAverager only so far (the hierarchy's "
-                                      "recovery is not built yet): use PeriodicModelAverager, "
-                                      "or run without MPIDP_FAULT_TOLERANCE")
         super().__init__(process_group)
         n_ranks = self._comm.size
         if sizes[-1] != n_ranks:
@@ -206,13 +223,23 @@ class HierarchicalModelAverager(ModelAverager):
         self._check_settings_agree({"period_group_size_dict": self.period_group_size_dict,
                                     "warmup_steps": warmup_steps})
         self._periods = tuple(periods)
-        self._groups = [self._comm if size == n_ranks else self._subgroup(size) for size in sizes]
-
-    def _subgroup(self, size: int) -> _C.Comm:
-        """mpidp's communicator over this rank's group of `size` consecutive
-        ranks (collective: every rank creates every level's group, in order)."""
+        # Each level's group: the whole process_group (None) or, by its index
+        # (rank // size), this rank's group of consecutive ranks. Kept through
+        # a loss of ranks: each group goes on with its survivors.
         rank = self._comm.rank
-        split = as_mpi4py(self.process_group).Split(rank // size, rank)
+        self._colors = [None if size == n_ranks else rank // size for size in sizes]
+        self._regroup(as_mpi4py(self.process_group))
+
+    def _regroup(self, comm) -> None:
+        """Each level's group over `comm` (collective: every rank creates every
+        level's group, in order)."""
+        self._groups = [self._comm if color is None else self._subgroup(comm, color)
+                        for color in self._colors]
+
+    @staticmethod
+    def _subgroup(comm, color: int) -> _C.Comm:
+        """mpidp's communicator over the ranks of `comm` of group `color`."""
+        split = comm.Split(color, comm.Get_rank())
         try:
             return _C.Comm(split)
         finally:

@@ -131,7 +131,7 @@ def _before_optimizer_step(wrapper_ref, optimizer) -> None:
     if wrapper.blocking_parameter_updates and fault_tolerant_mode.enabled():
         backwards = wrapper._reducer.backwards
         if backwards != wrapper._backwards_agreed:
-            fault_tolerant_mode.step_boundary()
+            fault_tolerant_mode.step_boundary(wrapper._mpi_comm)
             wrapper._backwards_agreed = backwards
     if not wrapper._deferred.stepping:
         wrapper._refuse_outside_tensors(optimizer)
@@ -314,7 +314,8 @@ class DataParallel(torch.nn.Module, Driver):
         self._deferred = DeferredStep(self._reducer, self._params,
                                       bucket_members(self._param_bucket, self._reducer.n_buckets),
                                       self._watched_params,
-                                      device_resident=self._reducer.device_resident)
+                                      device_resident=self._reducer.device_resident,
+                                      comm=self._mpi_comm)
         if not self.blocking_parameter_updates:
             self._install_layer_hooks()
             self._watch_reads()

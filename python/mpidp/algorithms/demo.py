@@ -23,7 +23,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_int, check_real
 from .._runtime.model_consistency import frozen_code
 from .driver import algorithms_over, set_up
-from .._runtime.mpi import communicator, world
+from .._runtime.mpi import communicator
 from .._engines.ef_wire import Wire
 
 __all__ = ["DeMo"]
@@ -84,12 +84,6 @@ class DeMo(torch.optim.Optimizer):
                                 f"{p.dtype} on {p.device}")
         self._set_up(comm)
         if fault_tolerant_mode.enabled():
-            if self._comm is not world():
-                raise NotImplementedError(
-                    "DeMo: fault-tolerant mode recovers exchanges over every rank of the job "
-                    "(comm=None) so far; over a sub-communicator its recovery is not built yet "
-                    "(not a limit of DeMo): pass comm=None, or run without "
-                    "MPIDP_FAULT_TOLERANCE")
             fault_tolerant_mode.participate(self)
         # Fault-tolerant mode: the momenta and step count before the step
         # under way, put back where a rank's loss cuts it short.
@@ -130,6 +124,11 @@ class DeMo(torch.optim.Optimizer):
 
     def _takes_replacements(self) -> bool:
         return True       # its momentum at zero, the rest rank 0's (_continue_on)
+
+    def _recovery_comm(self):
+        """The communicator recover() sets DeMo up again over the survivors of
+        (the job's world or a group's)."""
+        return self._communicator.mpi
 
     def _continue_on(self, survivors) -> None:
         """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
@@ -265,7 +264,8 @@ class DeMo(torch.optim.Optimizer):
         wire.post(last_bucket)
         wire.wait(self._setting_names())
         if fault_tolerant_mode.enabled():
-            fault_tolerant_mode.agree_all_alive("DeMo step", "no rank applied it")
+            fault_tolerant_mode.agree_all_alive("DeMo step", "no rank applied it",
+                                                self._communicator.mpi)
         i = 0
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]

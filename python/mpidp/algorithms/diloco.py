@@ -27,7 +27,7 @@ from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.dtypes import wire_code
 from .._runtime.model_consistency import check_same_step, frozen_code, param_group_settings
 from .driver import InnerStepContext, set_up, wait_pending
-from .._runtime.mpi import communicator, world
+from .._runtime.mpi import communicator
 from .._runtime.flat_buffers import write_back
 from .._runtime.model_checks import trainable_parameters
 from .._engines.progress import install_progress_hooks
@@ -118,11 +118,6 @@ class DiLoCo(InnerStepContext):
         # Claimed when entered: a DiLoCo is the model's algorithm inside its `with` block.
         self._communicator, self._trainable_at_setup = self._set_up(comm)
         self._comm = self._communicator.c
-        if fault_tolerant_mode.enabled() and self._comm is not world():
-            raise NotImplementedError(
-                "DiLoCo: fault-tolerant mode recovers syncs over every rank of the job "
-                "(comm=None) so far; over a sub-communicator its recovery is not built yet (not "
-                "a limit of DiLoCo): pass comm=None, or run without MPIDP_FAULT_TOLERANCE")
         self._schedule = {"n_fragments": n, "fragment_every": every,
                           "fragment_delay": fragment_sync_delay}
         self.step = 0  # inner steps taken under this DiLoCo
@@ -365,7 +360,8 @@ class DiLoCo(InnerStepContext):
         buffers = self._buffers[f] if self._buffers is not None else []
         buffer_means = mean_over_ranks(buffers, self._comm) if buffers else None
         if fault_tolerant_mode.enabled():
-            fault_tolerant_mode.agree_all_alive("DiLoCo outer sync", "no rank applied it")
+            fault_tolerant_mode.agree_all_alive("DiLoCo outer sync", "no rank applied it",
+                                                self._communicator.mpi)
             self._unapplied.pop(f, None)
         self._sent.discard(f)
         alpha = self.fragment_update_alpha

@@ -41,9 +41,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .._runtime import fault_tolerant_mode
+from .._runtime import fault_tolerant_groups, fault_tolerant_mode
 from .._runtime.model_consistency import check_same_structure
-from .._runtime.mpi import Communicator, communicator
+from .._runtime.mpi import Communicator, communicator, is_world
 from .._runtime.hook_handles import remove_handles
 from .._runtime.model_checks import TrainableAtSetup
 from .._runtime.state_broadcast import broadcast_state
@@ -74,12 +74,26 @@ def set_up(module: Optional[torch.nn.Module], comm, who: str, settings: Dict[str
     only the settings are compared."""
     comm = communicator(comm, argname)
     check_same_structure(comm.c, comm.mpi, module, who, settings)
+    # A driver built as another's part (SlowMo's node-local DataParallel)
+    # agrees and recovers with its owner, over the owner's communicator.
+    if fault_tolerant_mode.enabled() and not is_world(comm.c) and not _BUILDING:
+        _join_group(comm, who, argname)
     if module is None:
         return comm, None
     if claim_by is not None:
         claim_by._claim(module, comm)
     broadcast_state(module, comm.c)
     return comm, TrainableAtSetup(module, who, rebuild)
+
+
+def _join_group(comm: Communicator, who: str, argname: str) -> None:
+    """Fault-tolerant mode over a communicator other than the job's: its ranks
+    agree on their steps among themselves (mpidp/_runtime/fault_tolerant_groups.py)."""
+    if comm.mpi is None:
+        raise TypeError(f"{who}: {argname}: in fault-tolerant mode pass the mpi4py communicator "
+                        "(this is an mpidp duplicate whose source is unknown, so its ranks' "
+                        "survivors could not be found after a loss)")
+    fault_tolerant_groups.join(comm.mpi)
 
 
 def wait_pending(syncs: Iterable[Any]) -> None:
@@ -91,16 +105,17 @@ def wait_pending(syncs: Iterable[Any]) -> None:
             sync.wait()
 
 
-def continue_on_survivors(*old_worlds) -> None:
-    """Fault-tolerant mode, after the world shrank to the survivors
-    (mpidp/fault_tolerance/recovery.py): every live driver over an old world
-    is set up again over the new one (`_continue_on`), or, where its
-    algorithm cannot go on, detached with the reason (using it raises).
-    Several old worlds: a recovery that started over (a rank lost during the
-    rebuild) left some drivers over the world before it and some over the
-    world of its first round."""
-    from .._runtime.mpi import world_mpi
-    keys = {w.py2f() for w in old_worlds}
+def continue_on_survivors(survivors, old_keys) -> None:
+    """Fault-tolerant mode, after a communicator shrank to its survivors
+    (mpidp/fault_tolerance/recovery.py: the job's world, or a group's):
+    every live driver over one of the communicators `old_keys` names
+    (py2f) is set up again over
+    `survivors` (`_continue_on`), or, where its algorithm cannot go on,
+    detached with the reason (using it raises). Several old communicators: a
+    recovery that started over (a rank lost during the rebuild) left some
+    drivers over the communicator before it and some over that of its first
+    round."""
+    keys = set(old_keys)
     drivers = {}
     for refs in list(_CLAIMS.values()):
         for driver in (r() for r in refs):
@@ -114,8 +129,8 @@ def continue_on_survivors(*old_worlds) -> None:
     for driver in drivers.values():
         try:
             if fault_tolerant_mode.growing() and driver._set_up_again is not None:
-                driver._set_up_again(world_mpi())
-            driver._continue_on(world_mpi())
+                driver._set_up_again(survivors)
+            driver._continue_on(survivors)
         except NotImplementedError as why:
             driver._released = (f"a rank was lost and {driver.what} cannot continue on the "
                                 f"survivors ({why}); build it again over the survivors")

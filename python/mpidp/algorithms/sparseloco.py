@@ -23,7 +23,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_choice, check_int, check_real
 from .._runtime.model_consistency import frozen_code
 from .driver import InnerStepContext, set_up
-from .._runtime.mpi import communicator, world
+from .._runtime.mpi import communicator
 from .._engines.ef_wire import Wire
 from .._runtime.flat_buffers import write_back
 from ..collectives.means import mean_over_ranks
@@ -113,11 +113,6 @@ class SparseLoCo(InnerStepContext):
                                 f"{p.dtype} on {p.device}")
         self._communicator, self._trainable_at_setup = self._set_up(comm)
         self._comm = self._communicator.c
-        if fault_tolerant_mode.enabled() and self._comm is not world():
-            raise NotImplementedError(
-                "SparseLoCo: fault-tolerant mode recovers syncs over every rank of the job "
-                "(comm=None) so far; over a sub-communicator its recovery is not built yet (not "
-                "a limit of SparseLoCo): pass comm=None, or run without MPIDP_FAULT_TOLERANCE")
         self._buffers = ([b for b in model.buffers() if b.is_floating_point()]
                          if sync_buffers else [])
         self.step = 0  # inner steps taken under this SparseLoCo
@@ -368,7 +363,8 @@ class SparseLoCo(InnerStepContext):
         means = self._received if self._received is not None else self._decode()
         self._received = None
         if fault_tolerant_mode.enabled():
-            fault_tolerant_mode.agree_all_alive("SparseLoCo outer sync", "no rank applied it")
+            fault_tolerant_mode.agree_all_alive("SparseLoCo outer sync", "no rank applied it",
+                                                self._communicator.mpi)
             self._unapplied_send = None
         self._resume_step = self.step
         for p, theta, g in zip(self.params, self.shared, means):

@@ -45,6 +45,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_step, defer, enable,
                                    enabled, is_replacement, participate, raise_deferred,
                                    revoke_everything, step_boundary, world_agreement, world_comm)
+from .._runtime.fault_tolerant_groups import survivors_of
 from .deadline import deadline
 from .recovery import Membership, recover, recovery_times, steps_committed
 from .training_state import reset_grad_scaler, save_checkpoint, share_state
@@ -53,7 +54,7 @@ _state = fault_tolerant_mode._state
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
-           "reset_grad_scaler", "deadline",
+           "reset_grad_scaler", "deadline", "survivors_of",
            # the per-step half, for the algorithms (mpidp/_runtime/fault_tolerant_mode.py):
            "step_boundary", "agree_all_alive", "world_agreement", "commit_step", "participate",
            "defer", "raise_deferred", "revoke_everything"]

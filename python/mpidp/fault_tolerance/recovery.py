@@ -1,6 +1,7 @@
 """recover(): after RanksLost, every survivor agrees on the ranks lost, shrinks
-the world to the survivors and sets every algorithm up again over them; a
-failure meanwhile starts the round over with the survivors of both."""
+the world (or one worker group, domains.py) to the survivors and sets every
+algorithm up again over them; a failure meanwhile starts the round over with
+the survivors of both."""
 
 from __future__ import annotations
 
@@ -9,25 +10,25 @@ import time
 from typing import Dict, NamedTuple, Tuple
 
 from .. import _C
-from .._runtime import fault_tolerant_mode
+from .._runtime import fault_tolerant_groups, fault_tolerant_mode
 from .._runtime import mpi as _mpi
 from .._runtime.fault_tolerant_mode import revoke_everything
 from .._runtime.mpi import MPI
-from .._runtime.topology import forget_splits
-from ..algorithms.driver import continue_on_survivors, refusing_replacements
-from ..collectives import process_groups as process_group
+from ..algorithms.driver import refusing_replacements
 # survivors.shrink is looked up on its module at each call, so that a test can
 # put a rank's death inside it (tests/fault_tolerance/ulfm/train_ft.py).
 from . import survivors as _survivors
 from .deadline import deadline
+from .domains import GroupDomain, WorldDomain
 from .replacements import spawn_replacements
-from .survivors import is_failure, lost_ranks, retire
+from .survivors import is_failure, lost_ranks
 
 _state = fault_tolerant_mode._state
 
 
 class Membership(NamedTuple):
-    """The job after a recovery. `rank`, `size`: this rank's and the job's
+    """The job after a recovery (after recover(comm=...): the group, in its
+    own numbering). `rank`, `size`: this rank's and the job's
     now; `lost`: the ranks lost, numbered in the world before the recovery;
     `previous_size`: the size before it; `generation`: how many recoveries
     the job has been through; `comm`: the new world's mpi4py communicator
@@ -43,7 +44,7 @@ class Membership(NamedTuple):
     joined: Tuple[int, ...] = ()    # the replacements' ranks (recover(replace=True))
 
 
-def recover(replace: bool = False) -> Membership:
+def recover(replace: bool = False, comm=None) -> Membership:
     """After RanksLost, on every survivor: agree on the ranks lost, shrink the
     world to the survivors, set every algorithm that ran over the world up
     again over them (completing, where the algorithm's rule says so, the
@@ -56,6 +57,13 @@ def recover(replace: bool = False) -> Membership:
     (no rank lost) is settled by going on at the same size; one that keeps
     recurring with no rank lost raises CommError here.
 
+    comm: a group's communicator (one that algorithms run over, split off
+    the world): only that group's survivors call it, and only it is shrunk
+    and set up again; the other groups, which the lost rank was not in, train
+    on. Membership then numbers the group's ranks (`comm` is its survivors).
+    The world still holds the lost rank: a later recover() of every survivor
+    of the job shrinks it too (and makes every group again of its survivors).
+
     replace=True: grow back to the size before, as far as the launcher
     allows: as many processes as were lost are spawned (MPI_Comm_spawn, the
     same Python and command line), join at the end of the world and build
@@ -64,37 +72,44 @@ def recover(replace: bool = False) -> Membership:
     share_state() on every rank for the rest of the training state."""
     if not _state.enabled:
         raise RuntimeError("recover: fault-tolerant mode is off (MPIDP_FAULT_TOLERANCE=1)")
+    domain = _domain_of(comm)
     if replace:
+        if not isinstance(domain, WorldDomain):
+            raise NotImplementedError(
+                "recover(comm=..., replace=True): a group grows back only with the whole job "
+                "(mpidp.recover(replace=True) on every survivor of the job); "
+                "recover(comm=...) goes on with the group's survivors")
         _refuse_replacements()
     cause = sys.exc_info()[1]       # the RanksLost being handled, if any
-    first_world = _mpi.world_mpi()
+    first_comm = domain.comm()
     unexplained = None              # an error of the last rebuild that was no failure, yet
-    worlds = [first_world]          # every world this recovery has had (a round may fail)
+    comms = [first_comm]            # every communicator this recovery has had (a round may fail)
+    holder = domain.agreed_holder   # whose `agreed` says this round's agreement is behind us
     while True:
         times = {}
         t0 = time.perf_counter()
         revoke_everything()
-        old_world = _mpi.world_mpi()
-        if not _state.agreed:
-            with deadline("the survivors' agreement that a rank failed"):
+        old_comm = domain.comm()
+        if not holder.agreed:
+            with deadline(f"the survivors' agreement that a rank of {domain.what} failed"):
                 try:
-                    _state.agree_comm.Agree(0)   # this round's agreement: every survivor is in it
+                    domain.agree_comm.Agree(0)   # this round's agreement: every survivor is in it
                 except MPI.Exception:
                     pass
-        _state.agreed = False
+        holder.agreed = False
         _state.deferred = None
         _drain_core()
         times["agreement"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        with deadline("shrinking the world to the survivors"):
-            survivors = _survivors.shrink(_state.agree_comm)
+        with deadline(f"shrinking {domain.what} to the survivors"):
+            survivors = _survivors.shrink(domain.agree_comm)
         times["shrink"] = time.perf_counter() - t1
         joined = ()
-        if replace and survivors.Get_size() < old_world.Get_size():
+        if replace and survivors.Get_size() < old_comm.Get_size():
             t_spawn = time.perf_counter()
             with deadline("spawning the replacements"):
                 survivors, joined = spawn_replacements(
-                    survivors, old_world.Get_size() - survivors.Get_size())
+                    survivors, old_comm.Get_size() - survivors.Get_size())
             times["spawn"] = time.perf_counter() - t_spawn
         t2 = time.perf_counter()
         try:
@@ -104,21 +119,17 @@ def recover(replace: bool = False) -> Membership:
                 raise
             # A survivor died after the shrink agreed on it: again, with
             # the survivors of both (the shrink's communicator serves).
-            retire(_state.agree_comm)
-            _state.agree_comm = survivors
-            _state.agreed = False
+            domain.restart_from(survivors)
+            holder.agreed = False
             continue
-        retire(_state.agree_comm)
-        _state.agree_comm = agree_comm
-        _mpi.replace_world(survivors)
-        worlds.append(survivors)
-        forget_splits()
-        if unexplained is not None and survivors.Get_size() == old_world.Get_size():
+        domain.take(survivors, agree_comm)
+        comms.append(survivors)
+        if unexplained is not None and survivors.Get_size() == old_comm.Get_size():
             raise unexplained      # no rank was lost after all: a defect, not a failure
         unexplained = None
         _state.growing = bool(joined)
         try:
-            if not _rebuild(survivors, worlds):
+            if not _rebuild(domain, survivors, comms):
                 continue    # a rank failed during the rebuild: again, with the survivors of both
         except _Unexplained as error:
             unexplained = error.__cause__
@@ -129,7 +140,7 @@ def recover(replace: bool = False) -> Membership:
         break
     _state.generation += 1
     _state.times = times
-    lost = lost_ranks(first_world, survivors)
+    lost = lost_ranks(first_comm, survivors)
     _state.fruitless = 0 if lost or joined else _state.fruitless + 1
     if _state.fruitless >= _FRUITLESS_LIMIT:
         raise _C.CommError(
@@ -137,7 +148,21 @@ def recover(replace: bool = False) -> Membership:
             "found no rank lost, so the MPI errors that started them are not failures of ranks"
             + (f"; the last: {cause}" if cause is not None else ""))
     return Membership(survivors.Get_rank(), survivors.Get_size(), lost,
-                      first_world.Get_size(), _state.generation, survivors, joined)
+                      first_comm.Get_size(), _state.generation, survivors, joined)
+
+
+def _domain_of(comm):
+    """What recover(comm=...) shrinks: the job's world (None, MPI.COMM_WORLD or
+    the world now) or the group of `comm`."""
+    if comm is None or comm is MPI.COMM_WORLD or comm is _mpi.world_mpi():
+        return WorldDomain()
+    group = fault_tolerant_groups.of(comm)
+    if group is None:
+        raise ValueError(
+            "comm: no mpidp algorithm runs over this communicator in fault-tolerant mode, so "
+            "there is no group of it to recover; pass the communicator an algorithm was given "
+            "(or the Membership.comm of the group's last recovery), or comm=None for the job")
+    return GroupDomain(group)
 
 
 def _refuse_replacements() -> None:
@@ -165,7 +190,7 @@ class _Unexplained(Exception):
     (its cause): the next shrink tells whether a rank was lost."""
 
 
-def _rebuild(survivors: MPI.Intracomm, worlds) -> bool:
+def _rebuild(domain, survivors: MPI.Intracomm, comms) -> bool:
     """Every algorithm and group set up again over `survivors`; then every
     survivor agrees that each of them did. False (on every survivor alike)
     when a rank failed meanwhile: a survivor that finished its part would
@@ -178,11 +203,8 @@ def _rebuild(survivors: MPI.Intracomm, worlds) -> bool:
     shrink then finds no rank lost, recover() raises it for what it is."""
     done, unexplained = True, None
     try:
-        with deadline("rebuilding the algorithms over the survivors"):
-            process_group.continue_on(survivors)
-            continue_on_survivors(*worlds)
-            for obj in fault_tolerant_mode.participants():
-                obj._continue_on(survivors)
+        with deadline(f"rebuilding the algorithms of {domain.what} over the survivors"):
+            domain.rebuild(survivors, comms)
     except Exception as error:    # noqa: BLE001 -- sorted here, re-raised when no rank failed
         if not is_failure(error):
             unexplained = error
@@ -190,12 +212,12 @@ def _rebuild(survivors: MPI.Intracomm, worlds) -> bool:
         done = False
     with deadline("the survivors' agreement that the rebuild is complete"):
         try:
-            done = bool(_state.agree_comm.Agree(int(done)))
+            done = bool(domain.agree_comm.Agree(int(done)))
         except MPI.Exception:
             done = False
     # This round's agreement is behind every survivor: the next round starts
     # at the shrink.
-    _state.agreed = not done
+    domain.agreed_holder.agreed = not done
     if unexplained is not None:
         raise _Unexplained() from unexplained
     return done

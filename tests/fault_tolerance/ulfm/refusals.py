@@ -27,23 +27,9 @@ m = model()
 refused("SlowMo over a sub-communicator", lambda: mpidp.SlowMoDistributedDataParallel(
     m, comm=MPI.COMM_SELF), "fault-tolerant mode")
 m = model()
-refused("DiLoCo over a sub-communicator",
-        lambda: mpidp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1),
-                             torch.optim.SGD(m.parameters(), lr=0.7), sync_every=4,
-                             comm=MPI.COMM_SELF), "fault-tolerant mode")
-refused("HierarchicalModelAverager", lambda: mpidp.HierarchicalModelAverager({1: 1}),
-        "fault-tolerant mode")
-m = model()
 refused("Decentralized over a sub-communicator", lambda: mpidp.with_bagua(
     m, [torch.optim.SGD(m.parameters(), lr=0.1)], mpidp.algorithms.DecentralizedAlgorithm(),
     comm=MPI.COMM_SELF), "fault-tolerant mode")
-m = model()
-refused("SparseLoCo over a sub-communicator",
-        lambda: mpidp.SparseLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), 4, MPI.COMM_SELF),
-        "fault-tolerant mode")
-refused("DeMo over a sub-communicator",
-        lambda: mpidp.DeMo(model().parameters(), lr=0.01, comm=MPI.COMM_SELF),
-        "fault-tolerant mode")
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()

@@ -35,8 +35,9 @@ def launch(tmp_path, n, kill, steps=8, **env):
     once no rank of it outlives the job."""
     environ = dict(os.environ, FT_KILL=kill, FT_STEPS=str(steps), MPIDP_TIMEOUT="60")
     environ.update({k: str(v) for k, v in env.items()})
+    script = environ.pop("FT_SCRIPT", "train_ft.py")     # test_groups.py's: groups_ft.py
     proc = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), str(n), sys.executable,
-                           os.path.join(HERE, "train_ft.py"), str(tmp_path)],
+                           os.path.join(HERE, script), str(tmp_path)],
                           env=environ, capture_output=True, text=True, timeout=240)
     assert_no_rank_outlives(str(tmp_path), proc)
     return proc
@@ -290,14 +291,15 @@ def test_one_rank_of_an_emulated_node_is_lost_under_hierarchical_bytegrad(tmp_pa
     check_survivors(saved, 4, {1: 3}, tol=dict(rtol=0, atol=3e-3))
 
 
-def simulate_replicas(n, steps, lost_from, algorithm, clip=None):
+def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None):
     """Every replica of a replica algorithm, each with its own model and inner
     optimizer (a victim's stops at lost_from[victim]). postlocalsgd: after local step
     t, t % PERIOD == 0, the live replicas take their mean. diloco: after
     inner step t, (t + 1) % PERIOD == 0, θ takes an outer step on θ - (the
     live replicas' mean), and they take θ. A sync a rank's death
     interrupted is done over the survivors. clip: each inner gradient is
-    clipped to this norm. Returns each replica's
+    clipped to this norm. streams: each replica's data stream (the launched
+    rank whose batches it trains on; default its own). Returns each replica's
     parameters and the momentum saved (inner for postlocalsgd, outer for
     diloco)."""
     period = train_ft.PERIOD
@@ -309,7 +311,7 @@ def simulate_replicas(n, steps, lost_from, algorithm, clip=None):
         alive = [r for r in range(n) if t < lost_from.get(r, steps)]
         for r in alive:
             models[r].zero_grad()
-            x, y = train_ft.batch(r, t)
+            x, y = train_ft.batch(r if streams is None else streams[r], t)
             torch.nn.functional.mse_loss(models[r](x), y).backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(models[r].parameters(), clip)

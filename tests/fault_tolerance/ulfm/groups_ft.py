@@ -1,0 +1,147 @@
+"""Worker groups in fault-tolerant mode, as a search with multi-rank workers
+runs them (Propulate): the world is split into groups (FT_GROUPS, launched
+ranks, e.g. "0,1;2,3"), each training a model of its own over its group's
+communicator with FT_ALGORITHM: dp (blocking DataParallel), nonblocking
+(non-blocking DataParallel), gradient_allreduce (Bagua's
+GradientAllReduceAlgorithm through with_bagua), diloco (DiLoCo over the
+group, a sync every PERIOD inner steps; its outer momentum is the one
+saved), sparseloco (SparseLoCo over the group, train_ft.py's settings),
+demo (DeMo over the group as the optimizer, train_ft.py's settings),
+postlocalsgd (PostLocalSGDOptimizer with a
+PeriodicModelAverager(period=2) over the group), hierarchical
+(HierarchicalModelAverager(HIERARCHY) over the world, FT_RECOVER=job; its
+groups of 2 are FT_GROUPS). Launched by
+tests/fault_tolerance/ulfm/test_groups.py through scripts/mpirun_ft.sh.
+
+The ranks of FT_KILL ("<rank>:<step>:<phase>", phases backward: inside
+backward, before the last gradient; step: before the optimizer's step) end
+themselves with SIGKILL. FT_RECOVER=group: a group's survivors call
+recover(comm=<the group's communicator>), and the other groups must never
+see a loss. FT_RECOVER=job: every SYNC_EVERY steps, and at the end, each rank adds 1
+over the world (mpidp.allreduce), as a search comparing its workers would,
+so every survivor of the job learns of the loss and calls recover(). Each survivor
+saves to FT_OUT/rank-<launched rank>.pt its parameters, momentum, the
+losses it saw, its recoveries and the world's last sum."""
+
+import os
+import signal
+import sys
+
+import torch
+from mpi4py import MPI
+
+import mpidp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_ft import (DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K, PERIOD, batch,  # noqa: E402
+                      make_model, momenta)
+
+STEPS = int(os.environ.get("FT_STEPS", "8"))
+LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
+# FT_RECOVER=job: the steps at which the world counts its ranks (and the end).
+# Each group may be a step ahead of another when a rank dies (its own
+# agreements end its steps), and resumes from its own committed step: at
+# sync points every few steps, each group's next sync after the recovery is
+# the same one.
+SYNC_EVERY = 4
+HIERARCHY = {PERIOD: 2, 2 * PERIOD: 4}   # FT_ALGORITHM=hierarchical (4 ranks)
+
+
+def groups():
+    return [[int(r) for r in g.split(",")] for g in os.environ["FT_GROUPS"].split(";")]
+
+
+def world_count() -> float:
+    """1 summed over the world's ranks (mpidp's world: the survivors')."""
+    one = torch.ones(1)
+    mpidp.allreduce(one)
+    return one.item()
+
+
+def main(out_dir: str) -> None:
+    kills = {(int(r), int(s), p) for r, s, p in
+             (k.split(":") for k in filter(None, os.environ.get("FT_KILL", "").split(";")))}
+    mode = os.environ.get("FT_RECOVER", "group")
+    algorithm = os.environ.get("FT_ALGORITHM", "dp")
+    color = next(i for i, g in enumerate(groups()) if LAUNCHED_RANK in g)
+    worker = MPI.COMM_WORLD.Split(color, LAUNCHED_RANK)
+
+    def maybe_die(step, phase):
+        if (LAUNCHED_RANK, step, phase) in kills:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model = make_model()
+    sgd = saved_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sparseloco = None
+    if algorithm == "hierarchical":     # over the world: the groups are its levels
+        net = model
+        opt = mpidp.PostLocalSGDOptimizer(sgd, mpidp.HierarchicalModelAverager(HIERARCHY))
+    elif algorithm == "gradient_allreduce":   # Bagua's, through with_bagua over the group
+        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.GradientAllReduceAlgorithm(),
+                               comm=worker)
+        opt = sgd
+    elif algorithm == "diloco":          # over the group, entered for the whole run
+        net, opt = model, sgd
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD, comm=worker).__enter__()
+        saved_opt = outer
+    elif algorithm == "sparseloco":      # over the group, entered for the whole run
+        net, opt = model, sgd
+        sparseloco = mpidp.SparseLoCo(model, sgd, sync_every=PERIOD, top_k=EF_TOP_K,
+                                      chunk_size=EF_CHUNK, comm=worker)
+        sparseloco.__enter__()
+    elif algorithm == "demo":            # DeMo over the group as the optimizer
+        net = model
+        opt = saved_opt = mpidp.DeMo(model.parameters(), lr=DEMO_LR,
+                                     compression_decay=DEMO_DECAY, compression_topk=3,
+                                     compression_chunk=EF_CHUNK, comm=worker)
+    elif algorithm == "postlocalsgd":
+        net = model
+        opt = mpidp.PostLocalSGDOptimizer(
+            sgd, mpidp.PeriodicModelAverager(period=PERIOD, process_group=worker))
+    else:
+        opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if algorithm == "nonblocking" \
+            else sgd
+        net = mpidp.DataParallel(model, comm=worker,
+                                 optimizer=opt if algorithm == "nonblocking" else None)
+    first_weight = list(model.parameters())[0]
+    losses, recoveries, world_sum = 0, [], None
+    step = 0
+    while True:
+        try:
+            if mode == "job" and step % SYNC_EVERY == 0:
+                world_sum = world_count()
+            if step >= STEPS:
+                break
+            x, y = batch(LAUNCHED_RANK, step)
+            out = net(x)
+            hook = first_weight.register_hook(
+                lambda g, s=step: maybe_die(s, "backward") or g)
+            try:
+                torch.nn.functional.mse_loss(out, y).backward()
+            finally:
+                hook.remove()
+            maybe_die(step, "step")
+            opt.step()
+            opt.zero_grad()
+            step += 1
+        except mpidp.RanksLost:
+            losses += 1
+            m = mpidp.recover(comm=worker if mode == "group" else None)
+            # The group's survivors (a recovery of the job made every group again).
+            worker = m.comm if mode == "group" else mpidp.fault_tolerance.survivors_of(worker)
+            recoveries.append({"lost": list(m.lost), "rank": m.rank, "size": m.size,
+                               "previous_size": m.previous_size})
+            step = mpidp.fault_tolerance.steps_committed()
+    if algorithm == "nonblocking":
+        opt.synchronize()
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "momentum": momenta([saved_opt], model),
+                "sparseloco": sparseloco.state_dict() if algorithm == "sparseloco" else None,
+                "losses": losses, "recoveries": recoveries, "world_sum": world_sum,
+                "steps": step, "group_size": worker.Get_size()},
+               os.path.join(out_dir, f"rank-{LAUNCHED_RANK}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
