@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._runtime import config
+from .._runtime import config, fault_tolerant_groups
 from .._runtime import mpi as _mpi
 from .._runtime.mpi import MPI, revocable
 from ..collectives.process_groups import groups, store_for_mpidp_only
@@ -48,6 +48,7 @@ def _create(opts, pg_options=None) -> dist.ProcessGroup:
                 "communicator to mpidp.init_process_group(comm=...)")
         if _mpi.fault_tolerant:
             _enter_fault_tolerant_mode(comm)
+        groups.default_source = comm
         groups.default = revocable(comm.Dup())
         return _group(groups.default, opts.timeout, None)
     parent = _parent_comm()
@@ -116,16 +117,20 @@ def _refuse_different_settings(group: ProcessGroupMPIDP, cpp: bool) -> None:
 def _enter_fault_tolerant_mode(comm) -> None:
     """Fault-tolerant mode: a default group over the job's ranks joins the
     job's agreement (mpidp's world, made here if the program used nothing
-    else of mpidp, so that recover() finds it); one over fewer ranks is
-    refused, since recover() rebuilds the default group over the job's
-    survivors."""
+    else of mpidp, so that recover() finds it); one over a worker group's
+    communicator (mpidp.init_process_group(comm=worker)) makes that a group
+    (mpidp/_runtime/fault_tolerant_groups.py), which recover(comm=worker)
+    recovers alone."""
     world = _mpi.world_mpi()
-    if MPI.Comm.Compare(comm, world) not in (MPI.IDENT, MPI.CONGRUENT):
-        raise NotImplementedError(
-            "init_process_group('mpidp'): in fault-tolerant mode the default group spans the "
-            f"whole job ({world.Get_size()} ranks), not {comm.Get_size()}; make it over every "
-            "rank and split the ranks with dist.new_group(...)")
-    _mpi.world()
+    if MPI.Comm.Compare(comm, world) in (MPI.IDENT, MPI.CONGRUENT):
+        _mpi.world()
+    elif comm is MPI.COMM_WORLD:
+        raise ValueError(
+            "init_process_group('mpidp'): the job lost ranks, and MPI.COMM_WORLD still holds "
+            f"them ({comm.Get_size()} ranks, {world.Get_size()} alive): make the group over "
+            "the survivors (mpidp.init_process_group(comm=mpidp.fault_tolerance.world_comm()))")
+    else:
+        fault_tolerant_groups.join(comm)
 
 
 def _parent_comm():

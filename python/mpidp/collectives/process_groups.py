@@ -25,6 +25,7 @@ class _MPIGroups:
     here for the "mpidp" backend's group creator (mpidp/c10d/_registration.py)."""
     next_default = None     # the next default "mpidp" group is made from it (None: the world)
     default = None          # the default "mpidp" group's (its subgroups' ranks are its ranks)
+    default_source = None   # the communicator the default "mpidp" group was made from
     other_default = None    # the one init_process_group made a gloo or NCCL default group from
 
 
@@ -177,16 +178,29 @@ def init_process_group(comm=None, backend: str | None = None,
     groups.other_default = group     # for "mpidp" subgroups beside it
 
 
+def default_group_source():
+    """The mpi4py communicator torch.distributed's default group was made from
+    by mpidp (the "mpidp" backend's creator or init_process_group), else None:
+    recover() makes the group again over that communicator's survivors (the
+    job's, or a worker group's)."""
+    if not dist.is_initialized():
+        return None
+    if dist.get_backend() == "mpidp":
+        return groups.default_source
+    return groups.other_default if _made is not None else None
+
+
 # (backend, timeout) of the default group init_process_group made, for
 # continue_on; None where the program made it (or none exists).
 _made = None
 
 
 def continue_on(world: MPI.Intracomm) -> None:
-    """Fault-tolerant mode, after mpidp.recover() shrank or grew the world:
-    the default group that init_process_group made over the old world (a
-    dead rank's store or connections in it) is destroyed and made again over
-    `world`, with the same backend; the node groups made from it go too. So
+    """Fault-tolerant mode, after mpidp.recover() shrank or grew the world
+    (or a worker group the default group was made over, then `world` is the
+    group's survivors): the default group that init_process_group made over
+    the old world (a dead rank's store or connections in it) is destroyed and
+    made again over `world`, with the same backend; the node groups made from it go too. So
     is an "mpidp" default group, whoever made it (its ranks are MPI's). A
     gloo or NCCL group the program made itself is its to remake, and so are
     the subgroups (torch destroys them with the default group)."""

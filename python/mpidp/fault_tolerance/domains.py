@@ -51,7 +51,8 @@ class WorldDomain:
         _state.agree_comm = survivors
 
     def rebuild(self, survivors: MPI.Intracomm, old_comms: List[MPI.Intracomm]) -> None:
-        process_group.continue_on(survivors)
+        if fault_tolerant_groups.of(process_group.default_group_source()) is None:
+            process_group.continue_on(survivors)
         continue_on_survivors(survivors, {c.py2f() for c in old_comms})
         for obj in fault_tolerant_mode.participants():
             if fault_tolerant_groups.of(_participant_comm(obj)) is None:
@@ -96,6 +97,8 @@ class GroupDomain:
 
 
 def _rebuild_group(group: Group, survivors: MPI.Intracomm, old_keys) -> None:
+    if fault_tolerant_groups.of(process_group.default_group_source()) is group:
+        process_group.continue_on(survivors)     # torch.distributed's, made over the group
     continue_on_survivors(survivors, old_keys)
     for obj in fault_tolerant_mode.participants():
         if fault_tolerant_groups.of(_participant_comm(obj)) is group:

@@ -2,7 +2,8 @@
 tests/fault_tolerance/ulfm/test_fault_tolerance.py at 3 ranks): the "mpidp" default group made
 by dist.init_process_group, a dist.all_reduce of rank + 1 per step; launched
 rank 2 ends itself with SIGKILL at step 3, the survivors recover() and go on.
-Prints "done <launched rank> <the sums> <world size>"."""
+Prints "done <launched rank> <the sums> <world size>" (FT_DIST_GROUPS=1, at
+4 ranks: "... <losses seen>")."""
 
 import os
 import signal
@@ -15,8 +16,15 @@ import mpidp
 
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
 
-dist.init_process_group("mpidp")
-sums, step = [], 0
+# FT_DIST_GROUPS=1: the default group of each pair of ranks, made over its
+# communicator (the Propulate recipe); a loss is recovered by its pair alone.
+groups = bool(os.environ.get("FT_DIST_GROUPS"))
+worker = MPI.COMM_WORLD.Split(LAUNCHED_RANK // 2, LAUNCHED_RANK) if groups else None
+if groups:
+    mpidp.init_process_group(comm=worker, backend="mpidp")
+else:
+    dist.init_process_group("mpidp")
+sums, step, losses = [], 0, 0
 while step < 6:
     try:
         if LAUNCHED_RANK == 2 and step == 3:
@@ -26,5 +34,7 @@ while step < 6:
         sums.append(t[0].item())
         step += 1
     except mpidp.RanksLost:
-        mpidp.recover()
-print(f"done {LAUNCHED_RANK} {sums} {dist.get_world_size()}", flush=True)
+        losses += 1
+        worker = mpidp.recover(comm=worker).comm
+print(f"done {LAUNCHED_RANK} {sums} {dist.get_world_size()}" + (f" {losses}" if groups else ""),
+      flush=True)

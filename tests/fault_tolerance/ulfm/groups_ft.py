@@ -15,7 +15,8 @@ tests/fault_tolerance/ulfm/test_groups.py through scripts/mpirun_ft.sh.
 
 The ranks of FT_KILL ("<rank>:<step>:<phase>", phases backward: inside
 backward, before the last gradient; step: before the optimizer's step) end
-themselves with SIGKILL. FT_RECOVER=group: a group's survivors call
+themselves with SIGKILL (rebuild: inside the recovery of that step's loss,
+as DataParallel's set-up broadcasts over the group's survivors). FT_RECOVER=group: a group's survivors call
 recover(comm=<the group's communicator>), and the other groups must never
 see a loss. FT_RECOVER=job: every SYNC_EVERY steps, and at the end, each rank adds 1
 over the world (mpidp.allreduce), as a search comparing its workers would,
@@ -104,6 +105,12 @@ def main(out_dir: str) -> None:
             else sgd
         net = mpidp.DataParallel(model, comm=worker,
                                  optimizer=opt if algorithm == "nonblocking" else None)
+    if any(p == "rebuild" for _, _, p in kills):
+        # Phase "rebuild": inside recover() of the failure at that step, as
+        # the algorithm's set-up broadcasts over the group's survivors.
+        from mpidp.algorithms import driver as _driver
+        broadcast = _driver.broadcast_state
+        _driver.broadcast_state = lambda *a, **k: maybe_die(step, "rebuild") or broadcast(*a, **k)
     first_weight = list(model.parameters())[0]
     losses, recoveries, world_sum = 0, [], None
     step = 0

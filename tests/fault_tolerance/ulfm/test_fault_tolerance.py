@@ -233,6 +233,20 @@ def test_a_program_on_torch_distributed_alone_recovers():
     assert done == [f"done {r} {want} 2" for r in (0, 1)], out.stdout + stderr_of(out)[-3000:]
 
 
+def test_a_default_group_made_over_a_worker_group_is_recovered_by_that_group_alone():
+    """mpidp.init_process_group(comm=worker) in each pair of ranks (the
+    Propulate recipe): the pair that lost a rank recovers it alone
+    (recover(comm=worker) makes its default group again over its survivor);
+    the other pair's sums go on and it never sees the loss."""
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "4", sys.executable,
+                          os.path.join(HERE, "dist_only.py")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, FT_DIST_GROUPS="1"))
+    done = sorted(line for line in out.stdout.splitlines() if line.startswith("done"))
+    # Pair 0-1 adds 1 + 2; pair 2-3 adds 3 + 4 until rank 2 dies at step 3.
+    assert done == [f"done {r} {[3.0] * 6} 2 0" for r in (0, 1)] + \
+        [f"done 3 {[7.0] * 3 + [4.0] * 3} 1 1"], out.stdout + stderr_of(out)[-3000:]
+
+
 def test_torch_shrink_group_goes_on_with_the_survivors():
     """dist.shrink_group on a subgroup and on the default group, excluding
     the failed rank (ULFM's shrink of the revoked communicators), after the

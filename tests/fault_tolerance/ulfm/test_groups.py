@@ -149,6 +149,8 @@ def check_first_group(saved, members, lost_from, algorithm):
 CASES = {
     "DataParallel, a rank of the second group lost in backward":
         (4, [[0, 1], [2, 3]], "3:3:backward", {3: 3}, "dp", "group"),
+    "DataParallel, a rank lost in backward, then another inside the group's recovery":
+        (4, [[0, 1, 2], [3]], "2:3:backward;1:3:rebuild", {2: 3, 1: 3}, "dp", "group"),
     "non-blocking DataParallel, the group's rank 0 lost before its step":
         (3, [[0], [1, 2]], "1:3:step", {1: 3}, "nonblocking", "group"),
     "PostLocalSGD over a group, a rank lost at an averaging step":
