@@ -14,7 +14,7 @@ core: what each `.grad` becomes) is asked for each bucket's part.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Sequence
+from typing import Any, Callable, List, Sequence
 
 from .._runtime import fault_tolerant_mode
 from .apply_on_read import set_pending
@@ -26,13 +26,14 @@ class DeferredStep:
     """The deferred step of one non-blocking DataParallel. `bucket_params`:
     each bucket's indices into `params`; `watched`: the modules' parameter
     dicts that make a read apply the pending update (apply_on_read.py);
-    `comm`: the ranks whose agreement ends a step in fault-tolerant mode
-    (the wrapper's mpi4py communicator)."""
+    `agreement_comm()`: the mpi4py communicator whose ranks agree on a step's
+    end in fault-tolerant mode (the wrapper's Driver._agreement_comm)."""
 
     def __init__(self, reducer, params: Sequence, bucket_params: Sequence[Sequence[int]],
-                 watched: List, device_resident: bool = False, comm=None):
+                 watched: List, device_resident: bool = False,
+                 agreement_comm: Callable[[], Any] = lambda: None):
         self.reducer = reducer
-        self.comm = comm
+        self.agreement_comm = agreement_comm
         self.params = params
         self.bucket_params = bucket_params
         self.watched = watched
@@ -75,7 +76,7 @@ class DeferredStep:
             if fault_tolerant_mode.enabled():
                 for b in range(self.reducer.n_buckets):
                     self.reducer.wait_bucket(b)
-                fault_tolerant_mode.step_boundary(self.comm)
+                fault_tolerant_mode.step_boundary(self.agreement_comm())
             self.applying = True
         return self.applying
 

@@ -117,6 +117,13 @@ def _check_direct_step(wrapper_ref, _optimizer, _args, _kwargs) -> None:
         "(scaler.step(dp_opt)), or call dp_opt.synchronize() first")
 
 
+def _agreement_comm_of(wrapper_ref):
+    """The wrapper's Driver._agreement_comm (held weakly by its DeferredStep,
+    which the wrapper holds)."""
+    wrapper = wrapper_ref()
+    return None if wrapper is None else wrapper._agreement_comm()
+
+
 def _before_optimizer_step(wrapper_ref, optimizer) -> None:
     """Before any step of an optimizer that updates wrapped parameters
     (LoadWatch.on_step): one stepped directly (DDP's pattern) must update
@@ -131,7 +138,7 @@ def _before_optimizer_step(wrapper_ref, optimizer) -> None:
     if wrapper.blocking_parameter_updates and fault_tolerant_mode.enabled():
         backwards = wrapper._reducer.backwards
         if backwards != wrapper._backwards_agreed:
-            fault_tolerant_mode.step_boundary(wrapper._mpi_comm)
+            fault_tolerant_mode.step_boundary(wrapper._agreement_comm())
             wrapper._backwards_agreed = backwards
     if not wrapper._deferred.stepping:
         wrapper._refuse_outside_tensors(optimizer)
@@ -315,7 +322,8 @@ class DataParallel(torch.nn.Module, Driver):
                                       bucket_members(self._param_bucket, self._reducer.n_buckets),
                                       self._watched_params,
                                       device_resident=self._reducer.device_resident,
-                                      comm=self._mpi_comm)
+                                      agreement_comm=functools.partial(
+                                          _agreement_comm_of, weakref.ref(self)))
         if not self.blocking_parameter_updates:
             self._install_layer_hooks()
             self._watch_reads()

@@ -55,7 +55,7 @@ from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_choice, check_int
 from .._runtime.model_consistency import check_every, check_in_sync, check_same_step, ranks_named
 from .driver import Driver
-from .._runtime.mpi import communicator, resolve_comm, world
+from .._runtime.mpi import communicator, resolve_comm
 from .._runtime.flat_buffers import flatten, write_back
 from .._runtime.hook_handles import remove_handles
 from .._runtime.model_checks import float32_cpu_trainable
@@ -96,14 +96,6 @@ class _Workers:
         return part if self.node is None else allgather(part, comm=self.node)
 
 
-def _refuse_sub_communicator(comm, who: str) -> None:
-    if fault_tolerant_mode.enabled() and resolve_comm(comm) is not world():
-        raise NotImplementedError(
-            f"{who}: fault-tolerant mode recovers it over every rank of the job (comm=None) so "
-            "far; over a sub-communicator its recovery is not built yet (not a limit of the "
-            "algorithm): pass comm=None, or run without MPIDP_FAULT_TOLERANCE")
-
-
 def _workers_after_loss(survivors, hierarchical: bool, who: str) -> "_Workers":
     """The workers over the survivors: as before, or flat (with a warning)
     where the nodes now hold different numbers of ranks. Growing back: as
@@ -119,7 +111,6 @@ class _DecentralizedHandle(Driver):
     what = "DecentralizedAlgorithm"
 
     def __init__(self, module, optimizers, comm, hierarchical: bool, mode: str, interval: int):
-        _refuse_sub_communicator(comm, self.what)
         self.module, self.mode, self.interval = module, mode, interval
         self.hierarchical = hierarchical
         self.params = float32_cpu_trainable(module)
@@ -195,7 +186,8 @@ class _DecentralizedHandle(Driver):
         work.wait()
         if fault_tolerant_mode.enabled():
             fault_tolerant_mode.agree_all_alive("DecentralizedAlgorithm exchange",
-                                                "no rank took its average")
+                                                "no rank took its average",
+                                                self.workers.world_mpi)
         self._exchange_step = None
         mixed = sent if received is None else (sent + received) * 0.5
         write_back(self.workers.whole(mixed), self.params)
@@ -263,7 +255,6 @@ class _LowPrecisionHandle(Driver):
     what = "LowPrecisionDecentralizedAlgorithm"
 
     def __init__(self, module, optimizers, comm, hierarchical: bool, interval: int):
-        _refuse_sub_communicator(comm, self.what)
         self.module, self.interval, self.hierarchical = module, interval, hierarchical
         self.params = float32_cpu_trainable(module)
         self.workers = _Workers(comm, hierarchical, "LowPrecisionDecentralizedAlgorithm")
@@ -353,7 +344,7 @@ class _LowPrecisionHandle(Driver):
         self.workers.comm.peer_exchange(q, peers, received, peers).wait()
         if fault_tolerant_mode.enabled():
             fault_tolerant_mode.agree_all_alive("LowPrecisionDecentralizedAlgorithm exchange",
-                                                "no rank took it")
+                                                "no rank took it", self.workers.world_mpi)
         kernels.dequantize8(own, q, accumulate=True)
         kernels.dequantize8(left, received[0], accumulate=True)
         kernels.dequantize8(right, received[-1], accumulate=True)

@@ -194,6 +194,7 @@ class Driver(abc.ABC):
     _released: Optional[str] = None
     _parts: Tuple["Driver", ...] = ()
     _owner: Optional[weakref.ref] = None     # the driver this one is a part of
+    _claimed_mpi = None      # the mpi4py communicator of its claim (None: the world)
     # Set-up a wrapper ran before building this driver (with_bagua's checks
     # and optimizer broadcast), run again over the new world where
     # replacements join, ahead of _continue_on: a replacement's script runs it.
@@ -247,6 +248,20 @@ class Driver(abc.ABC):
     def _recovers(self) -> bool:
         """Whether this driver goes on over the survivors (_continue_on)."""
         return type(self)._continue_on is not Driver._continue_on
+
+    def _agreement_comm(self):
+        """The mpi4py communicator whose ranks agree on this driver's steps in
+        fault-tolerant mode: that of the driver it is a part of, where it is
+        one (SlowMo's node-local DataParallel agrees with every rank SlowMo
+        runs over: the job's, or a worker group's), else its own. (The
+        outermost claim: a wrapper that claims nothing itself, as
+        with_bagua's module, passes it on.)"""
+        comm, driver = self._claimed_mpi, self
+        while driver._owner is not None and driver._owner() is not None:
+            driver = driver._owner()
+            if driver._claimed_mpi is not None:
+                comm = driver._claimed_mpi
+        return comm
 
     def _takes_replacements(self) -> bool:
         """Whether recover(replace=True) can grow its job back: its
@@ -306,6 +321,7 @@ class Driver(abc.ABC):
             self._owner = weakref.ref(owner)
         key = comm.key
         self._claimed_key = key
+        self._claimed_mpi = comm.mpi
         kept = []
         for ref in _CLAIMS.get(module, ()):
             other = ref()

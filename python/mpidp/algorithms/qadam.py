@@ -36,7 +36,7 @@ from .bagua.algorithm import Algorithm
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.model_consistency import check_same_step, param_group_settings
 from .driver import Driver
-from .._runtime.mpi import communicator, world
+from .._runtime.mpi import communicator
 from .._runtime.flat_buffers import flatten, write_back
 from ..collectives.tensors import allgather, allreduce_agreed, reduce_scatter_agreed
 from .data_parallel import DataParallel
@@ -116,7 +116,9 @@ class QAdamOptimizer(torch.optim.Adam):
         if stepped:
             momenta = [m for *_, m in stepped]
             write_back(self._handle.average_momentum(flatten(momenta)), momenta)
-        fault_tolerant_mode.step_boundary()      # fault-tolerant mode: applied by every rank or none
+        # Fault-tolerant mode: applied by every rank (of the job, or of the
+        # worker group QAdam runs over) or by none.
+        fault_tolerant_mode.step_boundary(self._handle.mpi_comm)
         for p, state, group, moment in stepped:
             state["exp_avg"] = moment
             state["step"] += 1
@@ -132,12 +134,7 @@ class _QAdamHandle(Driver):
     def __init__(self, module, optimizer: QAdamOptimizer, comm, hierarchical: bool):
         self.module, self.opt, self.comm = module, optimizer, comm
         handle = communicator(comm)
-        self._c_comm = handle.c
-        if fault_tolerant_mode.enabled() and handle.c is not world():
-            raise NotImplementedError("QAdamAlgorithm: fault-tolerant mode supports it over every "
-                                      "rank of the job so far (a sub-group's recovery is not "
-                                      "built yet): pass comm=None, or run without "
-                                      "MPIDP_FAULT_TOLERANCE")
+        self._c_comm, self.mpi_comm = handle.c, handle.mpi
         warming_up = optimizer.param_groups[0]["qadam_step"] < optimizer.warmup_steps
         # (node, cross-node) communicators of the momentum's average; in the
         # warm-up DataParallel warns where the hierarchy cannot help.
@@ -190,7 +187,7 @@ class _QAdamHandle(Driver):
         # taken over by the part's over the same communicator).
         handle = communicator(comm)
         self._claim(self.module, handle)
-        self.comm, self._c_comm = comm, handle.c
+        self.comm, self._c_comm, self.mpi_comm = comm, handle.c, handle.mpi
         if self.hierarchy is not None:
             # Growing back: the launch's size again, and the replacement's
             # set-up (matched call for call) asks nothing of the nodes.

@@ -44,7 +44,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.model_consistency import check_same_step, param_group_settings
 from .driver import Driver
-from .._runtime.mpi import MPI, communicator, revocable, world as world_comm
+from .._runtime.mpi import MPI, communicator, revocable
 from .._runtime.flat_buffers import flatten, write_back
 from .._runtime.state_broadcast import broadcast_buffers, broadcast_tensors
 from ..collectives.means import mean_over_ranks
@@ -181,12 +181,6 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)})
         self._world, mpi = handle.c, handle.mpi
         world, rank = self._world.size, self._world.rank
-        if fault_tolerant_mode.enabled() and self._world is not world_comm():
-            raise NotImplementedError(
-                "SlowMoDistributedDataParallel: fault-tolerant mode recovers it over every rank "
-                "of the job (comm=None) so far; over a sub-communicator its recovery is not "
-                "built yet (not a limit of SlowMo): pass comm=None, or run without "
-                "MPIDP_FAULT_TOLERANCE")
         if nprocs_per_node is None:
             self._node_id = topology(mpi).node
         else:
@@ -384,7 +378,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
             slow = self._slow_step(optimizer, replica)
             replica = slow[2]
         if fault_tolerant_mode.enabled() and (self.sgp or due.average or due.slow_step):
-            fault_tolerant_mode.agree_all_alive("SlowMo's averaging", "no rank applied it")
+            fault_tolerant_mode.agree_all_alive("SlowMo's averaging", "no rank applied it",
+                                                self._agreement_comm())
             self._gossip_undo = None
         if slow is not None:
             self._theta, self._u = slow[0], slow[1]

@@ -5,7 +5,11 @@ communicator with FT_ALGORITHM: dp (blocking DataParallel), nonblocking
 (non-blocking DataParallel), gradient_allreduce (Bagua's
 GradientAllReduceAlgorithm through with_bagua), diloco (DiLoCo over the
 group, a sync every PERIOD inner steps; its outer momentum is the one
-saved), sparseloco (SparseLoCo over the group, train_ft.py's settings),
+saved), qadam (Bagua's QAdam through with_bagua, train_ft.py's settings;
+its first moment is the momentum saved), slowmo (SlowMo, LOCALSGD base,
+over the group: nodes as MPIDP_RANKS_PER_NODE says), decentralized and lowprecision (Bagua's DecentralizedAlgorithm,
+"all" peers, and LowPrecisionDecentralizedAlgorithm, flat, over the group),
+sparseloco (SparseLoCo over the group, train_ft.py's settings),
 demo (DeMo over the group as the optimizer, train_ft.py's settings),
 postlocalsgd (PostLocalSGDOptimizer with a
 PeriodicModelAverager(period=2) over the group), hierarchical
@@ -15,7 +19,8 @@ tests/fault_tolerance/ulfm/test_groups.py through scripts/mpirun_ft.sh.
 
 The ranks of FT_KILL ("<rank>:<step>:<phase>", phases backward: inside
 backward, before the last gradient; step: before the optimizer's step) end
-themselves with SIGKILL (rebuild: inside the recovery of that step's loss,
+themselves with SIGKILL (sync: after the optimizer's step, before SlowMo's
+perform_slowmo; rebuild: inside the recovery of that step's loss,
 as DataParallel's set-up broadcasts over the group's survivors). FT_RECOVER=group: a group's survivors call
 recover(comm=<the group's communicator>), and the other groups must never
 see a loss. FT_RECOVER=job: every SYNC_EVERY steps, and at the end, each rank adds 1
@@ -34,7 +39,8 @@ from mpi4py import MPI
 import mpidp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ft import (DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K, PERIOD, batch,  # noqa: E402
+from train_ft import (DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K, PERIOD,  # noqa: E402
+                      QADAM_LR, QADAM_WARMUP, SLOW_LR, SLOW_MOMENTUM, batch,
                       make_model, momenta)
 
 STEPS = int(os.environ.get("FT_STEPS", "8"))
@@ -80,6 +86,22 @@ def main(out_dir: str) -> None:
     elif algorithm == "gradient_allreduce":   # Bagua's, through with_bagua over the group
         net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.GradientAllReduceAlgorithm(),
                                comm=worker)
+        opt = sgd
+    elif algorithm in ("decentralized", "lowprecision"):    # Bagua's, flat, over the group
+        net = mpidp.with_bagua(
+            model, [sgd], mpidp.algorithms.DecentralizedAlgorithm(hierarchical=False)
+            if algorithm == "decentralized" else
+            mpidp.algorithms.LowPrecisionDecentralizedAlgorithm(hierarchical=False), comm=worker)
+        opt = sgd
+    elif algorithm == "qadam":           # Bagua's QAdam through with_bagua over the group
+        sgd = opt = saved_opt = mpidp.algorithms.QAdamOptimizer(
+            model.parameters(), lr=QADAM_LR, warmup_steps=QADAM_WARMUP)
+        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.QAdamAlgorithm(
+            sgd, hierarchical=False), comm=worker)
+    elif algorithm == "slowmo":          # SlowMo (LOCALSGD base) over the group, train_ft.py's
+        net = mpidp.SlowMoDistributedDataParallel(
+            model, comm=worker, localsgd_frequency=PERIOD, slowmo_frequency=2 * PERIOD,
+            slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM)
         opt = sgd
     elif algorithm == "diloco":          # over the group, entered for the whole run
         net, opt = model, sgd
@@ -131,6 +153,9 @@ def main(out_dir: str) -> None:
             maybe_die(step, "step")
             opt.step()
             opt.zero_grad()
+            maybe_die(step, "sync")
+            if algorithm == "slowmo":
+                net.perform_slowmo(sgd)
             step += 1
         except mpidp.RanksLost:
             losses += 1

@@ -4,7 +4,6 @@ message naming it, and recover(replace=True) refuses algorithms that cannot
 take a replacement. Prints one line per check and "ALL REFUSED" at the end."""
 
 import torch
-from mpi4py import MPI
 
 import mpidp
 
@@ -23,13 +22,6 @@ def model():
     return torch.nn.Linear(4, 2)
 
 
-m = model()
-refused("SlowMo over a sub-communicator", lambda: mpidp.SlowMoDistributedDataParallel(
-    m, comm=MPI.COMM_SELF), "fault-tolerant mode")
-m = model()
-refused("Decentralized over a sub-communicator", lambda: mpidp.with_bagua(
-    m, [torch.optim.SGD(m.parameters(), lr=0.1)], mpidp.algorithms.DecentralizedAlgorithm(),
-    comm=MPI.COMM_SELF), "fault-tolerant mode")
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()

@@ -21,7 +21,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import groups_ft  # noqa: E402
 import train_ft  # noqa: E402
-from test_fault_tolerance import launch, simulate_replicas  # noqa: E402
+from test_fault_tolerance import (launch, simulate_qadam, simulate_replicas,  # noqa: E402
+                                  simulate_slowmo)
+from test_decentralized import assert_survivors_match, simulate_dcd, simulate_dpsgd  # noqa: E402
 from test_low_communication import (TOL, assert_sparseloco_matches, simulate_demo,  # noqa: E402
                                     simulate_sparseloco)
 
@@ -121,9 +123,9 @@ def check_groups_recovered(saved, groups, lost_from, mode):
 
 
 def check_first_group(saved, members, lost_from, algorithm):
-    """SparseLoCo's or DeMo's survivors of the first group (launched ranks
-    0..k-1, the data streams of test_low_communication.py's simulations) by
-    those simulations."""
+    """The survivors of the first group (launched ranks 0..k-1, the data
+    streams of test_low_communication.py's and test_decentralized.py's
+    simulations) by those simulations."""
     assert members == list(range(len(members)))
     n = len(members)
     if algorithm == "sparseloco":
@@ -132,6 +134,28 @@ def check_first_group(saved, members, lost_from, algorithm):
             if r in saved:
                 assert_sparseloco_matches(f"rank {r}", saved[r], saved[min(saved)], params[r],
                                           errors[r], shared)
+        return
+    if algorithm == "slowmo":     # lost_from: the first step without the data; 3: in sync 3
+        params, momentum, _ = simulate_slowmo(n, STEPS, lost_from,
+                                              {r: s - 1 for r, s in lost_from.items()})
+        for r in members:
+            if r in saved:
+                assert_close(saved[r]["params"], params[r], f"rank {r}'s parameters")
+                assert_close(saved[r]["momentum"], momentum[r], f"rank {r}'s momentum")
+        return
+    if algorithm == "qadam":
+        params, moments = simulate_qadam(n, STEPS, lost_from)
+        for r in members:
+            if r in saved:
+                assert_close(saved[r]["params"], params, f"rank {r}'s parameters")
+                assert_close(saved[r]["momentum"], moments, f"rank {r}'s first moment")
+        return
+    if algorithm in ("decentralized", "lowprecision"):
+        models, inner = simulate_dpsgd(n, STEPS, lost_from, "all") \
+            if algorithm == "decentralized" else simulate_dcd(n, STEPS, lost_from)
+        tol = dict(rtol=1e-5, atol=1e-6 if algorithm == "decentralized" else 1e-5)
+        assert_survivors_match({r: saved[r] for r in members if r in saved}, n, None, models,
+                               inner, tol)
         return
     params, deltas = simulate_demo(n, STEPS, lost_from)
     for r in members:
@@ -165,6 +189,14 @@ CASES = {
         (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "sparseloco", "group"),
     "DeMo over a group, the group's rank 0 lost in backward":
         (4, [[0, 1, 2], [3]], "0:3:backward", {0: 3}, "demo", "group"),
+    "DecentralizedAlgorithm over a group, a rank lost in backward, its exchange in flight":
+        (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "decentralized", "group"),
+    "LowPrecisionDecentralizedAlgorithm over a group, the group's rank 0 lost before its step":
+        (4, [[0, 1, 2], [3]], "0:3:step", {0: 3}, "lowprecision", "group"),
+    "QAdam over a group, a rank lost in a step past its warm-up":
+        (4, [[0, 1, 2], [3]], "1:5:backward", {1: 5}, "qadam", "group"),
+    "SlowMo over a group (a node of 2), one rank lost in a slow step":
+        (4, [[0, 1], [2, 3]], "1:3:sync", {1: 4}, "slowmo", "group"),
     "DataParallel, every survivor of the job recovers it":
         (4, [[0, 1], [2, 3]], "2:3:backward", {2: 3}, "dp", "job"),
     "with_bagua's GradientAllReduce over groups, every survivor of the job recovers it":
@@ -177,11 +209,13 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_loss_in_one_group_recovers_that_group(tmp_path, case):
     n, groups, kill, lost_from, algorithm, mode = CASES[case]
-    saved = run_groups(tmp_path, n, groups, kill, FT_ALGORITHM=algorithm, FT_RECOVER=mode)
+    saved = run_groups(tmp_path, n, groups, kill, FT_ALGORITHM=algorithm, FT_RECOVER=mode,
+                       **({"MPIDP_RANKS_PER_NODE": 2} if algorithm == "slowmo" else {}))
     check_groups_recovered(saved, groups, lost_from, mode)
     if algorithm in ("postlocalsgd", "diloco"):
         check_replicas(saved, groups, lost_from, algorithm)
-    elif algorithm in ("sparseloco", "demo"):
+    elif algorithm in ("sparseloco", "demo", "decentralized", "lowprecision", "qadam",
+                       "slowmo"):
         check_first_group(saved, groups[0], lost_from, algorithm)
     else:
         check_data_parallel(saved, groups, lost_from)
