@@ -109,8 +109,26 @@ def world_agreement() -> None:
     _agree_comm()
 
 
-# Seconds a process may spend in MPI_Finalize at exit in fault-tolerant mode.
+# Seconds a process may spend in MPI_Finalize at exit in fault-tolerant mode:
+# once it knows of a lost rank (the survivors' Finalize then waits for the dead
+# one, ompi#11404), and where it knows of none (a rank of a worker group the
+# loss did not touch never hears of it; ranks that end a few seconds apart
+# must still finalize together).
+_FINALIZE_GRACE_AFTER_LOSS_S = 3.0
 _FINALIZE_GRACE_S = 10.0
+
+
+def _ranks_were_lost() -> bool:
+    """Whether this process knows of a failed rank of the job: after
+    recover(), or after a loss another way took care of (torch's
+    shrink_group, the program's own ULFM calls). MPIX_Comm_get_failed reads
+    the failures without acknowledging them."""
+    if _state.generation or _state.replacement:
+        return True
+    try:
+        return _mpi.world_mpi().Get_failed().Get_size() > 0
+    except MPI.Exception:
+        return True   # the world itself is broken: Finalize may wait too
 
 
 def _at_exit() -> None:
@@ -124,7 +142,7 @@ def _at_exit() -> None:
     trains on, fault_tolerant_groups.py) and sat in MPI_Finalize the same
     way, with all its results written. A Finalize with every rank alive
     takes well under the grace."""
-    _C.ft_exit_watchdog(_FINALIZE_GRACE_S)
+    _C.ft_exit_watchdog(_FINALIZE_GRACE_AFTER_LOSS_S if _ranks_were_lost() else _FINALIZE_GRACE_S)
 
 
 def world_comm() -> MPI.Intracomm:

@@ -30,13 +30,19 @@ a backward pass), and the loop -- which alone knows its sampler, its step
 counter and its batch -- decides what to do next. It is the pattern of
 Horovod's elastic mode and torchft's should_commit, in one except clause.
 
+Worker groups: an algorithm over a communicator split off the world agrees
+on its steps among that communicator's ranks only, so a rank's death stops
+only its group, whose survivors call recover(comm=group); the other groups
+train on (mpidp/_runtime/fault_tolerant_groups.py, domains.py).
+
 Every survivor holds the full training state after a failure (data
 parallelism keeps a replica per rank), so the survivors' new rank 0 can
 write a checkpoint from memory (mpidp.fault_tolerance.save_checkpoint)."""
 
 from __future__ import annotations
 
-# The files, by job: recovery.py (recover() and its rounds), survivors.py
+# The files, by job: recovery.py (recover() and its rounds), domains.py (what
+# one recover() shrinks: the job or one worker group), survivors.py
 # (MPI's agreement and shrink, which errors are failures), deadline.py (the
 # deadline on each wait MPI cannot interrupt), training_state.py (checkpoints,
 # share_state, GradScaler), replacements.py (growing back); the per-step half

@@ -163,7 +163,8 @@ def main(out_dir: str) -> None:
             # The group's survivors (a recovery of the job made every group again).
             worker = m.comm if mode == "group" else mpidp.fault_tolerance.survivors_of(worker)
             recoveries.append({"lost": list(m.lost), "rank": m.rank, "size": m.size,
-                               "previous_size": m.previous_size})
+                               "previous_size": m.previous_size,
+                               "times": mpidp.fault_tolerance.recovery_times()})
             step = mpidp.fault_tolerance.steps_committed()
     if algorithm == "nonblocking":
         opt.synchronize()

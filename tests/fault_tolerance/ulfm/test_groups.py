@@ -183,8 +183,6 @@ CASES = {
         (4, [[0, 1, 2], [3]], "0:5:backward", {0: 5}, "gradient_allreduce", "group"),
     "DiLoCo over a group, a rank lost at a sync step":
         (4, [[0, 1], [2, 3]], "2:5:step", {2: 5}, "diloco", "group"),
-    "DiLoCo over a group, the group's rank 0 lost with its outer allreduce posted":
-        (3, [[0, 1, 2]], "0:3:step", {0: 3}, "diloco", "group"),
     "SparseLoCo over a group, a rank lost between syncs":
         (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "sparseloco", "group"),
     "DeMo over a group, the group's rank 0 lost in backward":
@@ -199,8 +197,6 @@ CASES = {
         (4, [[0, 1], [2, 3]], "1:3:sync", {1: 4}, "slowmo", "group"),
     "DataParallel, every survivor of the job recovers it":
         (4, [[0, 1], [2, 3]], "2:3:backward", {2: 3}, "dp", "job"),
-    "with_bagua's GradientAllReduce over groups, every survivor of the job recovers it":
-        (3, [[0], [1, 2]], "2:2:step", {2: 2}, "gradient_allreduce", "job"),
     "PostLocalSGD over groups, every survivor of the job recovers it":
         (3, [[0, 1], [2]], "0:4:step", {0: 4}, "postlocalsgd", "job"),
 }
