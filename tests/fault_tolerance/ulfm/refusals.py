@@ -4,6 +4,7 @@ message naming it, and recover(replace=True) refuses algorithms that cannot
 take a replacement. Prints one line per check and "ALL REFUSED" at the end."""
 
 import torch
+from mpi4py import MPI
 
 import mpidp
 
@@ -22,6 +23,10 @@ def model():
     return torch.nn.Linear(4, 2)
 
 
+m = model()
+refused("DASO over a worker group", lambda: mpidp.DataParallelMultiGPU(
+    m, mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=1),
+    comm=MPI.COMM_SELF), "over a worker group its recovery is not built yet")
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()
