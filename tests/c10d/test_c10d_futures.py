@@ -183,7 +183,7 @@ def test_ddp_hook_trains_as_on_gloo(on_gloo, hook_name, buckets):
 # -- deadlines -------------------------------------------------------------------
 
 _NEVER_JOINED = """
-    import datetime, time, torch, torch.distributed as dist, mpidp
+    import datetime, sys, time, torch, torch.distributed as dist, mpidp
     dist.init_process_group("mpidp")
     rank = dist.get_rank()
     lonely = dist.new_group([0, 1])
@@ -193,23 +193,27 @@ _NEVER_JOINED = """
         if rank == 0 else None)                  # rank 1 never makes the second call
     try:
         chain.wait()
-        print(f"rank {rank} returned", flush=True)
+        outcome = "returned"
     except Exception as e:
-        print(f"rank {rank} raised:", type(e).__name__, e, flush=True)
+        outcome = f"raised: {type(e).__name__} {e}"
+    with open(f"{sys.argv[1]}/rank{rank}", "w") as f:
+        f.write(outcome)
     time.sleep(120 if rank else 0)
 """
 
 _SLOW_CALLBACK = """
-    import time, torch, torch.distributed as dist, mpidp
+    import sys, time, torch, torch.distributed as dist, mpidp
     dist.init_process_group("mpidp")
     a, b = torch.ones(4), torch.ones(4)
     chain = dist.all_reduce(a, async_op=True).get_future().then(lambda f: time.sleep(60))
     time.sleep(0.5)                              # the callback runs, on another thread
     try:
         dist.all_reduce(b)                       # comes after the callback's calls
-        print(f"rank {dist.get_rank()} returned", flush=True)
+        outcome = "returned"
     except Exception as e:
-        print(f"rank {dist.get_rank()} raised:", type(e).__name__, e, flush=True)
+        outcome = f"raised: {type(e).__name__} {e}"
+    with open(f"{sys.argv[1]}/rank{dist.get_rank()}", "w") as f:
+        f.write(outcome)
 """
 
 
@@ -223,16 +227,21 @@ def test_a_wait_on_or_for_a_callback_ends_at_the_deadline(tmp_path, program, on_
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(
         {"never_joined": _NEVER_JOINED, "slow_callback": _SLOW_CALLBACK}[program]))
-    rc, out, seconds = run_mpi(2, [str(script)], timeout=150, MPIDP_TIMEOUT="3",
-                               MPIDP_ON_TIMEOUT=on_timeout)
-    assert "rank 0 returned" not in out, out
+    # Each rank writes its outcome to a file of its own: the two ranks'
+    # printed lines can interleave mid-line in mpirun's forwarded output.
+    rc, out, seconds = run_mpi(2, [str(script), str(tmp_path)], timeout=150,
+                               MPIDP_TIMEOUT="3", MPIDP_ON_TIMEOUT=on_timeout)
+    rank0 = tmp_path / "rank0"
+    outcome = rank0.read_text() if rank0.exists() else None
+    assert outcome != "returned", out
     assert seconds < 60, f"the job took {seconds:.0f} s to end:\n{out}"
     assert rc != 0, out
     if on_timeout == "raise":    # torch wraps a callback's exception in a RuntimeError
-        raised = [line for line in out.splitlines() if line.startswith("rank 0 raised:")]
-        assert raised and "CommTimeout" in raised[0], out
+        assert outcome is not None and outcome.startswith("raised:"), out
+        assert "CommTimeout" in outcome, f"{outcome}\n{out}"
     else:
         assert "aborting the job" in out, out
-    assert "timed out" in out, out
+    said = f"{outcome}\n{out}"
+    assert "timed out" in said, said
     if program == "slow_callback":
-        assert "the callbacks of an earlier call's future" in out, out
+        assert "the callbacks of an earlier call's future" in said, said

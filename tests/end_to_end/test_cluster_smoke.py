@@ -19,6 +19,7 @@ left alone, and tears it down at the end. Runs in about 15 s.
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,6 @@ def test_daso_across_two_emulated_nodes(cluster):
     proc = check(script("run.sh", "--nodes", 2, "--ranks-per-node", 2, "--rate", "none", "--",
                         sys.executable, ROOT / "tests" / "support" / "heat_style_train.py", "daso",
                         timeout=240))
-    digests = {line.rsplit(" ", 1)[1] for line in proc.stdout.splitlines()
-               if line.startswith("rank ") and " digest " in line}
-    assert len(digests) == 1 and proc.stdout.count(" digest ") == 4, proc.stdout + proc.stderr
+    # Searched, not split into lines: ranks' lines can interleave mid-line.
+    found = dict(re.findall(r"rank (\d+): accuracy [\d.]+ digest (\d+)", proc.stdout))
+    assert len(found) == 4 and len(set(found.values())) == 1, proc.stdout + proc.stderr
