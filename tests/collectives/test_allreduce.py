@@ -111,6 +111,23 @@ def test_sub_communicator():
     sub.Free()
 
 
+def test_a_sub_communicator_is_duplicated_once_and_a_reused_handle_is_not_mistaken():
+    """mpidp duplicates a user's communicator once (MPI_Comm_dup is a
+    collective: once per call would synchronise every call), and a handle
+    MPI hands out again after a Free gets a duplicate of the new one."""
+    from mpidp._runtime.mpi import resolve_comm
+    sub = MPI.COMM_WORLD.Split(RANK % 2, RANK)
+    first = resolve_comm(sub)
+    assert resolve_comm(sub) is first
+    sub.Free()
+    everyone = MPI.COMM_WORLD.Split(0, RANK)   # may take the freed handle
+    assert resolve_comm(everyone) is not first
+    t = torch.tensor([float(RANK)])
+    mpidp.allreduce(t, comm=everyone)
+    assert t.item() == sum(range(SIZE))
+    everyone.Free()
+
+
 def test_heat_style_communicator_wrapper():
     class Wrapper:  # Heat's MPICommunication exposes the mpi4py comm as .handle
         handle = MPI.COMM_WORLD

@@ -161,7 +161,12 @@ def _install_abort_on_uncaught_exception() -> None:
 
 _install_abort_on_uncaught_exception()
 
-_duplicates: "weakref.WeakKeyDictionary[MPI.Comm, _C.Comm]" = weakref.WeakKeyDictionary()
+# mpidp's duplicate of each user communicator, by its MPI handle (py2f:
+# mpi4py communicators are not hashable), with a weak reference to the
+# mpi4py object it was made for: an entry serves only that object, so a
+# handle MPI reuses after a Free, or another object wrapping the same
+# handle, gets a duplicate of its own.
+_duplicates: "dict[int, tuple[weakref.ref, _C.Comm]]" = {}
 _world: _C.Comm | None = None
 # The job's ranks: MPI.COMM_WORLD, or in fault-tolerant mode, after ranks
 # were lost, the survivors' communicator (mpidp/fault_tolerance/recovery.py).
@@ -298,19 +303,22 @@ def communicator(comm, argname: str = "comm") -> Communicator:
         raise ValueError(f"{argname}: the communicator is MPI.COMM_NULL")
     if not isinstance(comm, MPI.Intracomm) or comm.Is_inter():
         raise TypeError(f"{argname}: expected an intra-communicator, got an inter-communicator")
-    try:
-        cached = _duplicates.get(comm)
-    except TypeError:  # not weak-referenceable
-        cached = None
-    if cached is None:
+    handle = comm.py2f()
+    source, cached = _duplicates.get(handle, (None, None))
+    if source is None or source() is not comm:
         cached = _C.Comm(comm)
-        try:
-            _duplicates[comm] = cached
-            _source_of[id(cached)] = comm
-            weakref.finalize(comm, _source_of.pop, id(cached), None)
-        except TypeError:
-            pass
+        _duplicates[handle] = (weakref.ref(comm), cached)
+        _source_of[id(cached)] = comm
+        weakref.finalize(comm, _forget_duplicate, handle, cached)
     return Communicator(cached, comm)
+
+
+def _forget_duplicate(handle: int, duplicate: _C.Comm) -> None:
+    """The mpi4py communicator `duplicate` was made for is gone: so is its
+    cache entry (unless a newer object's took the handle's place)."""
+    _source_of.pop(id(duplicate), None)
+    if _duplicates.get(handle, (None, None))[1] is duplicate:
+        del _duplicates[handle]
 
 
 def resolve_comm(comm, argname: str = "comm") -> _C.Comm:
