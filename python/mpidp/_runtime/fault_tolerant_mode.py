@@ -38,6 +38,10 @@ class _State:
     # recover(replace=True)'s rebuild, where replacements joined: the
     # algorithms' _continue_on repeats the set-up the replacements run.
     growing = False
+    # The survivors alone (the shrink's communicator) during that rebuild:
+    # what a loss interrupted is finished over them before the replacements'
+    # set-up (survivors_before_growth()).
+    before_growth: Optional[MPI.Intracomm] = None
     times: Dict[str, float] = {}
 
 
@@ -222,6 +226,15 @@ def growing() -> bool:
     algorithm's _continue_on repeats the collectives of the set-up the
     replacements run (joining())."""
     return _state.growing
+
+
+def survivors_before_growth() -> Optional[MPI.Intracomm]:
+    """Inside a growing rebuild (growing()): the survivors' communicator
+    without the replacements, over which an algorithm finishes what the loss
+    interrupted before the replacements' set-up (a model averaging cut
+    short), so that they start from where the survivors go on. None
+    otherwise."""
+    return _state.before_growth
 
 
 def roll_back_steps(n: int) -> None:

@@ -8,7 +8,7 @@ import torch
 from .. import _C
 from .flat_buffers import pack_bytes, unpack_bytes
 
-__all__ = ["broadcast_state", "broadcast_tensors", "broadcast_buffers"]
+__all__ = ["broadcast_state", "broadcast_tensors", "broadcast_buffers", "give_replacements"]
 
 
 def broadcast_state(module: torch.nn.Module, comm: "_C.Comm", root: int = 0) -> None:
@@ -40,6 +40,17 @@ def broadcast_tensors(tensors, comm: "_C.Comm", root: int = 0) -> None:
                 continue
             flat.copy_(host)
             unpack_bytes(flat, offsets, group)
+
+
+def give_replacements(tensors, comm: "_C.Comm", replacement: bool) -> None:
+    """Fault-tolerant mode, recover(replace=True): rank 0's `tensors` for the
+    replacements (replacement=True on theirs: taken in place), while the
+    other survivors keep their own (a replica algorithm's replicas differ
+    between syncs): theirs receive into copies that are dropped."""
+    tensors = list(tensors)
+    if not replacement and comm.rank != 0:
+        tensors = [t.detach().clone() for t in tensors]
+    broadcast_tensors(tensors, comm)
 
 
 def broadcast_buffers(module: torch.nn.Module, comm: "_C.Comm") -> None:

@@ -16,6 +16,7 @@ naming the counts instead."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Dict, Iterable, List, Mapping
 
 import torch
@@ -27,6 +28,7 @@ from .._runtime.model_consistency import check_same_step, param_group_settings, 
 from ..collectives.means import average_tensors, mean_over_ranks
 from .driver import set_up
 from .._runtime.mpi import MPI, as_mpi4py, resolve_comm
+from .._runtime.state_broadcast import give_replacements
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager",
            "PostLocalSGDOptimizer", "average_parameters", "average_tensors", "mean_over_ranks"]
@@ -90,6 +92,12 @@ class ModelAverager:
         # An averaging a lost rank interrupted: (its parameters, its level).
         self._interrupted = None
         self._last_params: list = []    # those of the last average_parameters call
+        # Fault-tolerant mode, recover(replace=True): the parameters a
+        # replacement takes from rank 0 (a callable; PostLocalSGDOptimizer
+        # gives its optimizer's), or this averager's owner gives them (a
+        # driver: with_bagua's LocalSGD, whose set-up broadcasts the model).
+        self._replica_params = None
+        self._owned_by_driver = False
         if fault_tolerant_mode.enabled():
             # Over the job's world or a group's communicator (a group's loss
             # is recovered by recover(comm=process_group), the job's by
@@ -106,7 +114,26 @@ class ModelAverager:
         over the survivors (of the job, or of the group this averager runs
         over), first completing over them the averaging the loss interrupted
         (every survivor's local step was applied, and none took that
-        average)."""
+        average). Where replacements joined, that was done over the
+        survivors alone (_finish_before_growth); the replacements are then
+        given rank 0's step count and parameters, as their set-up takes."""
+        self._move_to(survivors)
+        if fault_tolerant_mode.growing():
+            self._check_settings_agree(self._settings)
+            self._share_step()
+            if self._replica_params is not None:
+                give_replacements(self._replica_params(), self._comm, replacement=False)
+        # The cut-short step's gradients are spent: a zero_grad() after the
+        # step, which the exception skipped, must not find them added to.
+        for p in _params_to_average(self._last_params):
+            p.grad = None
+
+    def _finish_before_growth(self, survivors) -> None:
+        """recover(replace=True): the interrupted averaging, over the
+        survivors alone, before the replacements' set-up."""
+        self._move_to(survivors)
+
+    def _move_to(self, survivors) -> None:
         self._comm = resolve_comm(survivors)
         self.process_group = survivors
         self._regroup(survivors)
@@ -116,15 +143,30 @@ class ModelAverager:
             self._interrupted = None
             self.step += 1
             fault_tolerant_mode.commit_step()
-        # The cut-short step's gradients are spent: a zero_grad() after the
-        # step, which the exception skipped, must not find them added to.
-        for p in _params_to_average(self._last_params):
-            p.grad = None
+
+    def _takes_replacements(self) -> bool:
+        """recover(replace=True) gives a replacement rank 0's parameters
+        through PostLocalSGDOptimizer (or the owning driver's set-up): an
+        averager alone knows no model until its first average_parameters."""
+        return self._replica_params is not None or self._owned_by_driver
+
+    def _why_no_replacements(self) -> str:
+        return (f"{type(self).__name__} alone knows no model to give a replacement: step it "
+                "through PostLocalSGDOptimizer, whose optimizer names the parameters")
 
     def _check_settings_agree(self, settings: Dict[str, Any]) -> None:
         """Every rank of the group built the same averager, or all raise
-        (different periods would post mismatched allreduces)."""
+        (different periods would post mismatched allreduces). A replacement
+        then takes rank 0's step count."""
+        self._settings = settings
         set_up(None, self.process_group, type(self).__name__, settings, argname="process_group")
+        if fault_tolerant_mode.joining():
+            self._share_step()
+
+    def _share_step(self) -> None:
+        """Rank 0's step count for every rank (the survivors' agree)."""
+        comm = as_mpi4py(self.process_group, "process_group")
+        self.step = comm.bcast(self.step if comm.Get_rank() == 0 else None, root=0)
 
     def _schedule(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -248,8 +290,29 @@ class HierarchicalModelAverager(ModelAverager):
     def _schedule(self) -> Dict[str, Any]:
         return {"warmup_steps": self.warmup_steps, "periods": self._periods}
 
+    def _takes_replacements(self) -> bool:
+        return False
+
+    def _why_no_replacements(self) -> str:
+        # A replacement would have to take the lost rank's place in each
+        # level's group (its own rank, the last, names another group).
+        return ("HierarchicalModelAverager's replacement would have to take the lost rank's "
+                "place in each level's group, which is not built yet")
+
     def _group(self, level: int) -> _C.Comm:
         return self._groups[level]
+
+
+def _parameters_of(optim: torch.optim.Optimizer):
+    """A callable giving `optim`'s parameters as they are then (its groups
+    may change), holding the optimizer weakly."""
+    ref = weakref.ref(optim)
+
+    def parameters() -> List[torch.Tensor]:
+        optimizer = ref()
+        return [] if optimizer is None else \
+            [p for g in optimizer.param_groups for p in g["params"]]
+    return parameters
 
 
 class PostLocalSGDOptimizer(torch.optim.Optimizer):
@@ -267,6 +330,12 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and state.
         self.optim = optim
         self.averager = averager
+        if fault_tolerant_mode.enabled():
+            # recover(replace=True): a replacement takes rank 0's parameters
+            # here, as the survivors' averager gives them (_continue_on).
+            averager._replica_params = _parameters_of(optim)
+            if fault_tolerant_mode.joining():
+                give_replacements(averager._replica_params(), averager._comm, replacement=True)
 
     @property
     def param_groups(self):

@@ -51,11 +51,22 @@ class WorldDomain:
         _state.agree_comm = survivors
 
     def rebuild(self, survivors: MPI.Intracomm, old_comms: List[MPI.Intracomm]) -> None:
+        world_participants = [obj for obj in fault_tolerant_mode.participants()
+                              if fault_tolerant_groups.of(_participant_comm(obj)) is None]
+        before_growth = fault_tolerant_mode.survivors_before_growth()
+        if before_growth is not None:
+            # Replacements joined: what the loss interrupted is finished over
+            # the survivors alone first, so the replacements' set-up gives
+            # them the state the survivors go on from.
+            for obj in world_participants:
+                finish = getattr(obj, "_finish_before_growth", None)
+                if finish is not None:
+                    finish(before_growth)
         if fault_tolerant_groups.of(process_group.default_group_source()) is None:
             process_group.continue_on(survivors)
         continue_on_survivors(survivors, {c.py2f() for c in old_comms})
-        for obj in fault_tolerant_mode.participants():
-            if fault_tolerant_groups.of(_participant_comm(obj)) is None:
+        for obj in world_participants:
+            if not _owned(obj):
                 obj._continue_on(survivors)
         # Every group is made again of its survivors in the new world (the
         # ranks of the job revoked every communicator they are in).
@@ -101,10 +112,17 @@ def _rebuild_group(group: Group, survivors: MPI.Intracomm, old_keys) -> None:
         process_group.continue_on(survivors)     # torch.distributed's, made over the group
     continue_on_survivors(survivors, old_keys)
     for obj in fault_tolerant_mode.participants():
-        if fault_tolerant_groups.of(_participant_comm(obj)) is group:
+        if fault_tolerant_groups.of(_participant_comm(obj)) is group and not _owned(obj):
             obj._continue_on(survivors)
 
 
 def _participant_comm(obj):
     """The communicator a participant (a model averager, DeMo) runs over."""
     return obj._recovery_comm()
+
+
+def _owned(obj) -> bool:
+    """A participant that a driver owns (with_bagua LocalSGD's averager) goes
+    on through that driver's _continue_on, in the order of the driver's own
+    set-up (which a replacement repeats)."""
+    return getattr(obj, "_owned_by_driver", False)

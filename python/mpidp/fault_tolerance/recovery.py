@@ -21,7 +21,7 @@ from . import survivors as _survivors
 from .deadline import deadline
 from .domains import GroupDomain, WorldDomain
 from .replacements import spawn_replacements
-from .survivors import is_failure, lost_ranks
+from .survivors import is_failure, lost_ranks, retire
 
 _state = fault_tolerant_mode._state
 
@@ -104,8 +104,9 @@ def recover(replace: bool = False, comm=None) -> Membership:
         with deadline(f"shrinking {domain.what} to the survivors"):
             survivors = _survivors.shrink(domain.agree_comm)
         times["shrink"] = time.perf_counter() - t1
-        joined = ()
+        joined, before_growth = (), None
         if replace and survivors.Get_size() < old_comm.Get_size():
+            before_growth = survivors
             t_spawn = time.perf_counter()
             with deadline("spawning the replacements"):
                 survivors, joined = spawn_replacements(
@@ -128,6 +129,7 @@ def recover(replace: bool = False, comm=None) -> Membership:
             raise unexplained      # no rank was lost after all: a defect, not a failure
         unexplained = None
         _state.growing = bool(joined)
+        _state.before_growth = before_growth if joined else None
         try:
             if not _rebuild(domain, survivors, comms):
                 continue    # a rank failed during the rebuild: again, with the survivors of both
@@ -135,7 +137,9 @@ def recover(replace: bool = False, comm=None) -> Membership:
             unexplained = error.__cause__
             continue        # the shrink tells whether a rank failed meanwhile
         finally:
-            _state.growing = False
+            _state.growing, _state.before_growth = False, None
+            if before_growth is not None:
+                retire(before_growth)
         times["rebuild"] = time.perf_counter() - t2
         break
     _state.generation += 1
@@ -170,14 +174,16 @@ def _refuse_replacements() -> None:
     raises at once, on every survivor alike (the same algorithms run on
     each), before anything of the recovery: a replacement's set-up would
     otherwise wait for survivors that never repeat it, until MPIDP_TIMEOUT."""
-    names = refusing_replacements() + sorted(
-        {type(obj).__name__ for obj in fault_tolerant_mode.participants()
-         if not getattr(obj, "_takes_replacements", lambda: False)()})
+    refusing = [obj for obj in fault_tolerant_mode.participants()
+                if not getattr(obj, "_takes_replacements", lambda: False)()]
+    names = refusing_replacements() + sorted({type(obj).__name__ for obj in refusing})
     if names:
+        why = sorted({obj._why_no_replacements() for obj in refusing
+                      if hasattr(obj, "_why_no_replacements")})
         raise NotImplementedError(
-            f"recover(replace=True): {', '.join(names)} cannot take a replacement yet (growing "
-            "back is not built for it); call mpidp.recover() without replace to go on with the "
-            "survivors")
+            f"recover(replace=True): {', '.join(names)} cannot take a replacement ("
+            + ("; ".join(why) if why else "growing back is not built for it yet")
+            + "); call mpidp.recover() without replace to go on with the survivors")
 
 
 # Recoveries in a row that found no rank lost (each started by an error taken

@@ -32,10 +32,10 @@ refused("DASO over a worker group", lambda: mpidp.DataParallelMultiGPU(
 m = model()
 net = mpidp.SlowMoDistributedDataParallel(m)
 refused("recover(replace=True) under SlowMo", lambda: mpidp.recover(replace=True),
-        "SlowMoDistributedDataParallel cannot take a replacement yet")
+        "SlowMoDistributedDataParallel cannot take a replacement (growing back is not built")
 net.detach()
 averager = mpidp.PeriodicModelAverager(period=2)
 refused("recover(replace=True) beside a PeriodicModelAverager",
-        lambda: mpidp.recover(replace=True), "PeriodicModelAverager cannot take a replacement yet")
+        lambda: mpidp.recover(replace=True), "PeriodicModelAverager alone knows no model")
 del averager
 print("ALL REFUSED", flush=True)

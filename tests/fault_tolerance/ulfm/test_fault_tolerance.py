@@ -305,7 +305,7 @@ def test_one_rank_of_an_emulated_node_is_lost_under_hierarchical_bytegrad(tmp_pa
     check_survivors(saved, 4, {1: 3}, tol=dict(rtol=0, atol=3e-3))
 
 
-def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None):
+def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None, joins=None):
     """Every replica of a replica algorithm, each with its own model and inner
     optimizer (a victim's stops at lost_from[victim]). postlocalsgd: after local step
     t, t % PERIOD == 0, the live replicas take their mean. diloco: after
@@ -313,7 +313,9 @@ def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None):
     live replicas' mean), and they take θ. A sync a rank's death
     interrupted is done over the survivors. clip: each inner gradient is
     clipped to this norm. streams: each replica's data stream (the launched
-    rank whose batches it trains on; default its own). Returns each replica's
+    rank whose batches it trains on; default its own). joins: {victim: (t,
+    source)}: a replacement trains on the victim's stream from step t on,
+    from replica `source`'s parameters and momentum. Returns each replica's
     parameters and the momentum saved (inner for postlocalsgd, outer for
     diloco)."""
     period = train_ft.PERIOD
@@ -321,8 +323,14 @@ def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None):
     inner = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
     theta = train_ft.make_model()
     outer = torch.optim.SGD(theta.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    joins = joins or {}
     for t in range(steps):
-        alive = [r for r in range(n) if t < lost_from.get(r, steps)]
+        for r, (at, source) in joins.items():
+            if t == at:
+                models[r].load_state_dict(models[source].state_dict())
+                inner[r].load_state_dict(copy.deepcopy(inner[source].state_dict()))
+        alive = [r for r in range(n)
+                 if t < lost_from.get(r, steps) or t >= joins.get(r, (steps,))[0]]
         for r in alive:
             models[r].zero_grad()
             x, y = train_ft.batch(r if streams is None else streams[r], t)
@@ -381,6 +389,29 @@ def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case)
         for a, b in zip(got["momentum"], momentum[rank]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank}'s momentum: {m}")
+
+
+@pytest.mark.parametrize("algorithm", ["postlocalsgd", "localsgd"])
+def test_model_averaging_grows_back_from_the_averaged_replica(tmp_path, algorithm):
+    """recover(replace=True) under PostLocalSGDOptimizer and with_bagua's
+    LocalSGDAlgorithm, rank 2 lost as the others average (step 4): the
+    survivors finish that averaging among themselves, then the replacement
+    takes rank 0's averaged parameters (the averager's, or with_bagua's,
+    set-up), its momentum (share_state) and step count, and trains on rank
+    2's data from step 5; the survivors keep their own replicas."""
+    saved = run_job(tmp_path, 4, "2:4:step", expect=range(4), FT_ALGORITHM=algorithm,
+                    FT_REPLACE=1)
+    params, momentum = simulate_replicas(4, 8, {2: 4}, "postlocalsgd", joins={2: (5, 0)})
+    for key, got in saved.items():
+        if key != 2:
+            assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
+                [(4, (2,), (3,))], got["recoveries"]
+        for a, b in zip(got["params"], params[key]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stream {key}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum[key]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stream {key}'s momentum: {m}")
 
 
 def simulate_daso(n, steps, lost_from, per_node=2, clip=None):

@@ -8,7 +8,8 @@ what it saw to FT_OUT/rank-<launched rank>.pt.
 
 FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
 averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
-postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, diloco:
+postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, localsgd:
+the same rule as Bagua's LocalSGDAlgorithm through with_bagua, diloco:
 DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved;
 FT_FRAGMENTS=1: Streaming DiLoCo, FRAGMENTS taking turns every PERIOD steps,
 each sent a step before its turn),
@@ -164,6 +165,8 @@ def main(out_dir: str) -> None:
     if algorithm == "bytegrad":      # Bagua's, through with_bagua
         net = mpidp.with_bagua(model, [sgd],
                                mpidp.algorithms.ByteGradAlgorithm(hierarchical=hierarchical))
+    elif algorithm == "localsgd":        # Bagua's LocalSGD (torch's rule), through with_bagua
+        net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.LocalSGDAlgorithm(period=PERIOD))
     elif algorithm == "postlocalsgd":    # torch's post-local SGD: average every PERIOD steps
         net = model
         opt = mpidp.PostLocalSGDOptimizer(sgd, mpidp.PeriodicModelAverager(period=PERIOD))

@@ -169,10 +169,14 @@ class _LocalSGDDriver(Driver):
         self.params = [p for p in module.parameters() if p.requires_grad]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")          # period 1: the user asked for it
+            # (A replacement's takes rank 0's step count here.)
             self.averager = PeriodicModelAverager(period, warmup_steps, handle.mpi)
+        # Fault-tolerant mode: it goes on through this driver (_continue_on),
+        # whose set-up with_bagua's gives a replacement the model.
+        self.averager._owned_by_driver = True
         # torch's recipe: gradients averaged every step for the warm-up, by a
         # DataParallel part (the default train_forward and drain use it).
-        if warmup_steps > 0:
+        if self.averager.step < warmup_steps:
             with self._building_parts():
                 DataParallel(module, comm, blocking_parameter_updates=True)
         self._handles = [self.optimizer.register_step_post_hook(self._after_step)]
@@ -190,11 +194,18 @@ class _LocalSGDDriver(Driver):
         remove_handles(self._handles)
 
     def _continue_on(self, comm) -> None:
-        """Fault-tolerant mode: the warm-up's DataParallel, while it lasts,
-        goes on over the survivors by its rule; the averager by its own
-        (PeriodicModelAverager takes part in every recovery itself)."""
+        """Fault-tolerant mode: the averager goes on over the survivors by its
+        rule, then the warm-up's DataParallel, while it lasts, by its own --
+        the order of this driver's set-up, which a replacement runs."""
+        self.averager._continue_on(comm)
         for part in self._live_parts():
             part._continue_on(comm)
+
+    def _takes_replacements(self) -> bool:
+        # with_bagua's set-up gives a replacement rank 0's model and
+        # optimizer states, the averager rank 0's step (so whether the
+        # warm-up's DataParallel is still on).
+        return True
 
     def algorithm_state(self) -> Dict[str, Any]:
         return {"step": self.averager.step}
