@@ -1,6 +1,7 @@
 /* Whether the ranks make the same calls, at no cost while they repeat a
  * sequence they agreed on (see mpidp/callcheck.h). */
 #include "mpidp/callcheck.h"
+#include "mpidp/ft.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -165,6 +166,11 @@ int mpidp_callcheck_create(MPI_Comm comm, size_t n_fields, mpidp_reqtable_t *req
         rc = mpidp__post_done(reqs, slot, mrc, req, comm, what, &h);
     }
     if (rc == MPIDP_OK) rc = mpidp_reqtable_wait(reqs, h, timeout_s);
+    /* Fault-tolerant mode: a rank going to recovery revokes it with the
+     * calls' communicator, or a survivor whose check is under way would wait
+     * for a peer that left the call (its notes and signatures) until the
+     * deadline. */
+    if (rc == MPIDP_OK) mpidp_ft_track(c->side);
     if (rc == MPIDP_OK) rc = post_note_recv(c);
     if (rc != MPIDP_OK) {
         /* A duplicate still being made is left to MPI: freeing it would race. */
@@ -185,7 +191,10 @@ void mpidp_callcheck_destroy(mpidp_callcheck_t *c)
             MPI_Cancel(&c->note_recv);
             MPI_Request_free(&c->note_recv);
         }
-        if (c->side != MPI_COMM_NULL) MPI_Comm_free(&c->side);
+        if (c->side != MPI_COMM_NULL) {
+            mpidp_ft_untrack(c->side);
+            MPI_Comm_free(&c->side);
+        }
     }
     if (c->left_posted) return; /* MPI may still use them */
     free(c->rows);

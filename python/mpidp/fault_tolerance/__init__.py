@@ -45,7 +45,8 @@ from __future__ import annotations
 # one recover() shrinks: the job or one worker group), survivors.py
 # (MPI's agreement and shrink, which errors are failures), deadline.py (the
 # deadline on each wait MPI cannot interrupt), training_state.py (checkpoints,
-# share_state, GradScaler), replacements.py (growing back); the per-step half
+# share_state, GradScaler), replacements.py (growing back), replica_groups.py
+# (FT-HSDP's rule: the replica groups that lost no rank go on); the per-step half
 # that algorithms call is mpidp/_runtime/fault_tolerant_mode.py.
 from .._runtime import fault_tolerant_mode
 from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_step, defer, enable,
@@ -54,13 +55,14 @@ from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_s
 from .._runtime.fault_tolerant_groups import survivors_of
 from .deadline import deadline
 from .recovery import Membership, recover, recovery_times, steps_committed
+from .replica_groups import keep_whole_groups
 from .training_state import reset_grad_scaler, save_checkpoint, share_state
 
 _state = fault_tolerant_mode._state
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
-           "reset_grad_scaler", "deadline", "survivors_of",
+           "reset_grad_scaler", "deadline", "survivors_of", "keep_whole_groups",
            # the per-step half, for the algorithms (mpidp/_runtime/fault_tolerant_mode.py):
            "step_boundary", "agree_all_alive", "world_agreement", "commit_step", "participate",
            "defer", "raise_deferred", "revoke_everything"]

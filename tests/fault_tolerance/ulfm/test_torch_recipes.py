@@ -1,0 +1,59 @@
+"""The fault-tolerant recipes of docs/fault-tolerance.md for torch.distributed's
+own data parallelism on the "mpidp" backend, tested by killing ranks:
+DistributedDataParallel built again over the survivors, and FSDP2 in HSDP
+form (replicate x shard), where the replica group that lost a rank is
+dropped and the whole ones go on (FT-HSDP's rule). Each launches
+tests/fault_tolerance/ulfm/torch_ft.py and compares every survivor with
+a single-process simulation of the ranks whose data still counts."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from test_fault_tolerance import launch, launched_ranks_lost, simulate  # noqa: E402
+
+pytestmark = pytest.mark.serial
+
+# (FT_TORCH, kill spec, {launched rank: the first step its data does not
+# count in}, the ranks that leave). HSDP runs 2 replica groups of 2 ranks:
+# {0, 1} and {2, 3}.
+CASES = {
+    "DDP, a rank lost in backward with buckets in flight": ("ddp", "2:3:backward", {2: 3}, set()),
+    "HSDP, a rank lost once its backward is done: its group is dropped at that step":
+        ("hsdp", "2:3:step", {2: 3, 3: 3}, {3}),
+    "HSDP, rank 0 lost in the forward's all-gather: the other group goes on":
+        ("hsdp", "0:2:forward", {0: 2, 1: 2}, {1}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_data_parallel_goes_on_as_the_recipe_says(tmp_path, case):
+    """The step a rank died in is applied by no rank (every step ends with
+    the ranks' agreement); the survivors go on from the last step all
+    applied, and end as a single process that averaged, at each step, the
+    gradients of the ranks still training. HSDP's survivors of the broken
+    group leave at the loss, saying so."""
+    mode, kill, lost_from, leave = CASES[case]
+    proc = launch(tmp_path, 4, kill, FT_SCRIPT="torch_ft.py", FT_TORCH=mode)
+    saved = {int(f[5:-3]): torch.load(tmp_path / f, weights_only=False)
+             for f in os.listdir(tmp_path) if f.startswith("rank-")}
+    victim = int(kill.split(":")[0])
+    assert set(saved) == set(range(4)) - {victim}, (
+        f"ranks that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
+        + proc.stderr[-4000:])
+    params, momentum, _ = simulate(4, 8, lost_from)
+    for rank, got in saved.items():
+        assert got["left"] == (rank in leave), (rank, got)
+        assert launched_ranks_lost(got["recoveries"], 4) == [victim], got["recoveries"]
+        if got["left"]:
+            continue
+        for a, b in zip(got["params"], params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
+        for a, b in zip(got["momentum"], momentum):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}'s momentum: {m}")
