@@ -142,3 +142,13 @@ def test_a_peer_exchange_into_a_buffer_of_another_size_is_refused_before_posting
     send, short = torch.zeros(4), torch.zeros(3)
     with pytest.raises(ValueError, match="receive buffer 0 holds 12 bytes, the message 16"):
         comm.peer_exchange(send, ((me + 1) % size,), (short,), ((me - 1) % size,))
+
+
+def test_keep_whole_groups_names_its_bad_arguments():
+    with pytest.raises(TypeError, match="membership: expected what mpidp.recover"):
+        mpidp.fault_tolerance.keep_whole_groups((0, 4), 2)
+    m = mpidp.fault_tolerance.Membership(0, 2, (1,), 3, 1, MPI.COMM_SELF)
+    with pytest.raises(ValueError, match="group_size: 2 does not divide the 3 ranks"):
+        mpidp.fault_tolerance.keep_whole_groups(m, 2)
+    with pytest.raises(ValueError, match="group_size"):
+        mpidp.fault_tolerance.keep_whole_groups(m, 0)

@@ -25,6 +25,7 @@ PUBLIC_NAMES = [
     "fault_tolerance.save_checkpoint", "fault_tolerance.share_state",
     "fault_tolerance.steps_committed", "fault_tolerance.world_comm", "fault_tolerance.RanksLost",
     "fault_tolerance.step_boundary", "fault_tolerance.commit_step",
+    "fault_tolerance.keep_whole_groups",
     "algorithms.GradientAllReduceAlgorithm", "algorithms.ByteGradAlgorithm",
     "algorithms.QAdamAlgorithm", "algorithms.QAdamOptimizer", "algorithms.DecentralizedAlgorithm",
     "algorithms.LowPrecisionDecentralizedAlgorithm", "algorithms.AsyncModelAverageAlgorithm",
