@@ -11,12 +11,15 @@ scripts/setup_ft_env.sh first) from this one process, taking turns:
    nodes of 2 ranks), SGD with momentum, every rank's slowest median counting: launched with ULFM and fault-tolerant mode on, against
    the same launch with the mode off (MPIDP_FAULT_TOLERANCE=0), and a launch
    without ULFM (plain mpirun of the same Open MPI, mode off).
-   With --algorithms, the same for the algorithms whose recovery redoes a
-   sync (sync every SYNC_EVERY steps): DiLoCo, Streaming DiLoCo (two
-   fragments, each sent a step before its turn), SparseLoCo, DeMo and
-   Bagua's DecentralizedAlgorithm, on the MLP, each in a job of its own (in
-   one job after the others their times drifted by up to 10 % between the
-   kinds of launch, more than the mode's cost).
+   With --algorithms, the same for every other algorithm (those that sync
+   every SYNC_EVERY steps: DiLoCo, Streaming DiLoCo (two fragments, each
+   sent a step before its turn), SparseLoCo, PostLocalSGD's averager,
+   with_bagua's LocalSGD, SlowMo; those that communicate every step: DeMo,
+   Bagua's decentralized algorithms and QAdam, torch's DDP on the "mpidp"
+   backend by the recipe of docs/fault-tolerance.md), on the MLP, each in a
+   job of its own (in one job after the others their times drifted by up to
+   10 % between the kinds of launch, more than the mode's cost);
+   --algorithms=a,b names some of them.
 2. Recovery: the last rank SIGKILLs itself in the middle of a backward pass
    (gradient buckets in flight); the survivors' times from the kill (a clock
    reading the victim wrote just before) to RanksLost (detection), through
@@ -33,6 +36,7 @@ scripts/setup_ft_env.sh first) from this one process, taking turns:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -49,18 +53,56 @@ FT_PYTHON = os.path.join(ROOT, ".venv-ft", "bin", "python")
 
 SYNC_EVERY = 4
 # The algorithms timed beside DataParallel, and what each step steps.
-ALGORITHMS = ("diloco", "streaming diloco", "sparseloco", "demo", "decentralized")
+# "torch ddp" is torch's DistributedDataParallel on the "mpidp" backend by
+# the recipe of docs/fault-tolerance.md (the step's agreement before the
+# optimizer steps; DDP built again after recover()).
+ALGORITHMS = ("diloco", "streaming diloco", "sparseloco", "demo", "decentralized",
+              "lowprecision", "qadam", "postlocalsgd", "localsgd", "slowmo", "torch ddp")
 
 
 # -- the workers (run on every rank) -------------------------------------------
 
 def build_algorithm(name, model, mpidp, torch):
-    """(module to call, optimizer to step, what to detach afterwards) for
-    `name` ("dataparallel" or one of ALGORITHMS) on `model`."""
+    """(module to call, optimizer to step, what to detach afterwards, what
+    gives the module to call after recover() or None: the same) for `name`
+    ("dataparallel" or one of ALGORITHMS) on `model`."""
+    built = _build_algorithm(name, model, mpidp, torch)
+    return built if len(built) == 4 else built + (None,)
+
+
+def _build_algorithm(name, model, mpidp, torch):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    algorithms = mpidp.algorithms
     if name == "dataparallel":
         net = mpidp.DataParallel(model)
         return net, opt, net.detach
+    if name == "lowprecision":
+        net = mpidp.with_bagua(model, [opt], algorithms.LowPrecisionDecentralizedAlgorithm(
+            hierarchical=False))
+        return net, opt, net.bagua_driver.detach
+    if name == "qadam":
+        opt = algorithms.QAdamOptimizer(model.parameters(), lr=0.001, warmup_steps=2)
+        net = mpidp.with_bagua(model, [opt], algorithms.QAdamAlgorithm(opt, hierarchical=False))
+        return net, opt, net.bagua_driver.detach
+    if name == "postlocalsgd":
+        return model, mpidp.PostLocalSGDOptimizer(
+            opt, mpidp.PeriodicModelAverager(period=SYNC_EVERY)), lambda: None
+    if name == "localsgd":
+        net = mpidp.with_bagua(model, [opt], algorithms.LocalSGDAlgorithm(period=SYNC_EVERY))
+        return net, opt, net.bagua_driver.detach
+    if name == "slowmo":     # LocalSGD every SYNC_EVERY steps, the slow step every 2 of them
+        net = mpidp.SlowMoDistributedDataParallel(model, localsgd_frequency=SYNC_EVERY,
+                                                  slowmo_frequency=2 * SYNC_EVERY)
+        opt.register_step_post_hook(lambda o, _a, _k: net.perform_slowmo(o))
+        return net, opt, net.detach
+    if name == "torch ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        if not dist.is_initialized():
+            dist.init_process_group("mpidp")
+        opt.register_step_pre_hook(lambda _o, _a, _k: mpidp.fault_tolerance.step_boundary())
+        return (DistributedDataParallel(model), opt, lambda: None,
+                lambda: DistributedDataParallel(model))
     if name in ("diloco", "streaming diloco"):
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         kwargs = {}
@@ -114,7 +156,7 @@ def worker_steps(args):
     if args.only:            # one algorithm of ALGORITHMS, alone in this job
         torch.manual_seed(0)
         model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
-        net, opt, _ = build_algorithm(args.only, model, mpidp, torch)
+        net, opt, _, _ = build_algorithm(args.only, model, mpidp, torch)
 
         def algorithm_step():
             opt.zero_grad()
@@ -175,7 +217,7 @@ def worker_recovery(args):
     replacement = ft.is_replacement()
     torch.manual_seed(0)
     model, x, y = make_case("mlp", args.quick, torch.device("cpu"))
-    net, opt, _ = build_algorithm(args.algorithm, model, mpidp, torch)
+    net, opt, _, rebuild = build_algorithm(args.algorithm, model, mpidp, torch)
     kill_at = 6
     state = {"step": 0}
 
@@ -208,6 +250,10 @@ def worker_recovery(args):
         except mpidp.RanksLost:
             caught = time.time()
             membership = ft.recover(replace=args.replace)
+            if rebuild is not None:
+                net = None
+                gc.collect()     # the old wrapper's hooks go with it before the new one's
+                net = rebuild()
             applied = ft.steps_committed()
             if membership.joined:
                 ft.share_state({"optimizer": opt.state_dict(), "step": applied})
@@ -256,9 +302,9 @@ def main():
     p.add_argument("--replace", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--algorithm", default="dataparallel", help=argparse.SUPPRESS)
     p.add_argument("--only", default="", help=argparse.SUPPRESS)
-    p.add_argument("--algorithms", action="store_true",
+    p.add_argument("--algorithms", nargs="?", const=",".join(ALGORITHMS), default="",
                    help="also the step time (each in a job of its own) and the recovery under each "
-                        "algorithm of ALGORITHMS")
+                        "algorithm of ALGORITHMS, or of those named (comma-separated)")
     args = p.parse_args()
     if args.worker == "steps":
         return worker_steps(args)
@@ -273,7 +319,12 @@ def main():
              "no ulfm, mode off": dict(ft_mode=False, ulfm=False)}
     steps = {k: [] for k in kinds}
     recoveries, grown = [], []
-    by_algorithm = {name: [] for name in (ALGORITHMS if args.algorithms else ())}
+    chosen = [n for n in args.algorithms.split(",") if n]
+    unknown = sorted(set(chosen) - set(ALGORITHMS))
+    if unknown:
+        sys.exit(f"bench_fault_tolerance: --algorithms: unknown {unknown}; choose from "
+                 f"{', '.join(ALGORITHMS)}")
+    by_algorithm = {name: [] for name in chosen}
     for _ in range(args.rounds):
         for kind, how in kinds.items():
             steps[kind].append(run_job(args.ranks, "steps", common, **how))

@@ -29,6 +29,7 @@ struct mpidp_bgavg {
     size_t *lens;
     size_t n_segs, total;
     float *snapshot, *sum;     /* total elements each */
+    int *agreed;               /* fault-tolerant mode: each round's agreement (kept with them) */
     double interval_s, timeout_s;
     int abort_on_timeout;
     char what[64];
@@ -76,6 +77,25 @@ static int allreduce(mpidp_bgavg_t *x, float *buf, size_t count, int op, int64_t
     return wait_gently(x, h, round, stage);
 }
 
+/* Fault-tolerant mode, at the end of every round, whatever happened in it:
+ * 1 when every live rank agrees that its part of the round went well
+ * (mine_ok), so that it may be applied; 0 otherwise, on every live rank
+ * alike. Waited for with the deadline (a live rank stuck elsewhere). */
+static int round_agreed(mpidp_bgavg_t *x, int64_t round, int mine_ok, int *rc)
+{
+    const char *what = "agreeing that every rank's round went well";
+    mpidp_req_t slot, h;
+    *rc = mpidp_reqtable_claim(x->reqs, what, &slot);
+    if (*rc != MPIDP_OK) return 0;
+    MPI_Request req;
+    *x->agreed = mine_ok;
+    int mrc = mpidp_ft_post_agree(x->comm, x->agreed, &req);
+    *rc = mpidp__post_done(x->reqs, slot, mrc, req, x->comm, what, &h);
+    if (*rc == MPIDP_OK) *rc = wait_gently(x, h, round, what);
+    if (*rc == MPIDP_EPEERFAILED) *rc = MPIDP_OK;   /* a failure is a "no", the same everywhere */
+    return *rc == MPIDP_OK && *x->agreed;
+}
+
 /* Every rank carries on unless one asked to stop: 1 to go on, 0 to stop. */
 static int negotiate(mpidp_bgavg_t *x, int64_t round, int *go_on)
 {
@@ -97,7 +117,8 @@ static void lock_for_thread(mpidp_bgavg_t *x)
     atomic_store(&x->thread_waiting, 0);
 }
 
-static int one_round(mpidp_bgavg_t *x, int64_t round)
+/* A round's first half: the snapshot s, and S = the sum of the ranks'. */
+static int sum_weights(mpidp_bgavg_t *x, int64_t round)
 {
     lock_for_thread(x);
     size_t off = 0;
@@ -106,21 +127,23 @@ static int one_round(mpidp_bgavg_t *x, int64_t round)
     pthread_mutex_unlock(&x->weights);
 
     memcpy(x->sum, x->snapshot, x->total * sizeof(float));
-    int rc = allreduce(x, x->sum, x->total, MPIDP_OP_SUM, round, "summing the weights");
-    if (rc != MPIDP_OK) return rc;
+    return allreduce(x, x->sum, x->total, MPIDP_OP_SUM, round, "summing the weights");
+}
 
+/* Its second half, once S is every rank's. */
+static void apply_average(mpidp_bgavg_t *x)
+{
     /* x <- (x - s) + S/n: with nothing changed since the snapshot, x - s is
      * exactly 0 and every rank gets exactly S/n. */
     const float inv_n = 1.0f / (float)x->size;
     lock_for_thread(x);
-    off = 0;
+    size_t off = 0;
     for (size_t i = 0; i < x->n_segs; off += x->lens[i], i++) {
         float *w = x->segs[i];
         const float *s = x->snapshot + off, *S = x->sum + off;
         for (size_t j = 0; j < x->lens[i]; j++) w[j] = (w[j] - s[j]) + S[j] * inv_n;
     }
     pthread_mutex_unlock(&x->weights);
-    return MPIDP_OK;
 }
 
 /* Pauses for the interval, or less when a stop is requested. */
@@ -145,9 +168,22 @@ static void *thread_main(void *arg)
     for (int64_t round = 0;; round++) {
         int go_on = 0;
         rc = negotiate(x, round, &go_on);
+        if (rc == MPIDP_OK && go_on) rc = sum_weights(x, round);
+        /* Fault-tolerant mode: a rank may die with the sum reaching some
+         * ranks and not others, so a round is applied only once every live
+         * rank agrees that its own went well: none applies it otherwise, and
+         * every thread ends with the loss, at the same round. (Every path of
+         * a round comes here, so no live rank's agreement waits for one
+         * that left.) */
+        if (mpidp_ft_running() && !mpidp_left_in_flight(rc)) {
+            int arc = MPIDP_OK;
+            if (!round_agreed(x, round, rc == MPIDP_OK, &arc) && rc == MPIDP_OK)
+                rc = arc != MPIDP_OK ? arc : mpidp__fail(
+                    MPIDP_EPEERFAILED, "%s: background averaging round %lld: a rank failed, and "
+                    "no rank applied the round", x->what, (long long)round);
+        }
         if (rc != MPIDP_OK || !go_on) break;
-        rc = one_round(x, round);
-        if (rc != MPIDP_OK) break;
+        apply_average(x);
         atomic_fetch_add(&x->rounds, 1);
         pause_between_rounds(x);
     }
@@ -174,8 +210,12 @@ static void free_all(mpidp_bgavg_t *x)
         if (x->reqs) mpidp_reqtable_destroy(x->reqs);
         free(x->snapshot);
         free(x->sum);
+        free(x->agreed);
     }
-    if (x->comm != MPI_COMM_NULL) MPI_Comm_free(&x->comm);
+    if (x->comm != MPI_COMM_NULL) {
+        mpidp_ft_untrack(x->comm);
+        MPI_Comm_free(&x->comm);
+    }
     free(x->segs);
     free(x->lens);
     pthread_mutex_destroy(&x->weights);
@@ -234,7 +274,8 @@ int mpidp_bgavg_start(MPI_Comm comm, const mpidp_bgavg_opts_t *opts, mpidp_bgavg
     }
     x->snapshot = malloc((x->total ? x->total : 1) * sizeof(float));
     x->sum = malloc((x->total ? x->total : 1) * sizeof(float));
-    if (x->snapshot == NULL || x->sum == NULL) goto nomem;
+    x->agreed = malloc(sizeof *x->agreed);
+    if (x->snapshot == NULL || x->sum == NULL || x->agreed == NULL) goto nomem;
     rc = mpidp_reqtable_create(4, &x->reqs);
     if (rc != MPIDP_OK) goto fail;
     int mrc = MPI_Comm_dup(comm, &x->comm);
@@ -244,6 +285,7 @@ int mpidp_bgavg_start(MPI_Comm comm, const mpidp_bgavg_opts_t *opts, mpidp_bgavg
         goto fail;
     }
     MPI_Comm_set_errhandler(x->comm, MPI_ERRORS_RETURN);
+    mpidp_ft_track(x->comm);     /* revoked with the others when a rank goes to recovery */
     MPI_Comm_size(x->comm, &x->size);
     MPI_Comm_rank(x->comm, &x->rank);
     if (pthread_create(&x->thread, NULL, thread_main, x) != 0) {

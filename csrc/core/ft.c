@@ -192,6 +192,19 @@ int mpidp_ft_revoke_all(void)
     return revoked;
 }
 
+int mpidp_ft_post_agree(MPI_Comm comm, int *flag, MPI_Request *req)
+{
+#if MPIDP_HAVE_ULFM
+    if (!*flag) MPIX_Comm_revoke(comm);
+    return MPIX_Comm_iagree(comm, flag, req);
+#else
+    (void)comm;
+    (void)flag;
+    (void)req;
+    return MPI_ERR_UNSUPPORTED_OPERATION;
+#endif
+}
+
 static void *exit_after(void *arg)
 {
     double seconds = *(double *)arg;

@@ -41,6 +41,14 @@ void mpidp_ft_untrack(MPI_Comm c);
  * many were revoked now (already revoked ones are skipped). */
 int mpidp_ft_revoke_all(void);
 
+/* With fault tolerance running: posts every live rank's agreement over
+ * `comm` (MPIX_Comm_iagree, which works on a revoked communicator and gives
+ * every live rank the same bitwise AND of their *flag, or the same failure)
+ * into *req; a rank whose own part failed (*flag 0) first revokes `comm`, so
+ * that no rank is left in a call waiting for it. Returns MPI's code; without
+ * ULFM, MPI_ERR_UNSUPPORTED_OPERATION and posts nothing. */
+int mpidp_ft_post_agree(MPI_Comm comm, int *flag, MPI_Request *req);
+
 /* Ends the process with status 0 `seconds` from now, from a thread of its
  * own, unless it has ended by then: after ranks were lost, Open MPI's
  * MPI_Finalize can wait forever for them (ompi#11404), and it runs once

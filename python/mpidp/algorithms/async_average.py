@@ -9,6 +9,12 @@ x <- (x - s) + S/n, so what training changed meanwhile is kept. Averaging
 moves weight between ranks and never creates or loses any: the sum over the
 ranks of the weights is the starting sum plus every local update.
 
+Fault-tolerant mode: each round is applied only once every rank's thread
+agrees that its own went well (an MPIX_Comm_agree in the thread), so a rank
+lost mid-round leaves no survivor with a half-applied average; the training
+threads raise RanksLost at their next step, and recover() starts the thread
+again over the survivors.
+
 The training thread holds the weight lock from each training forward to the
 next optimizer step (so a step applies its gradient to the weights it was
 taken at), and around any other forward; it never waits for the thread
@@ -29,6 +35,7 @@ import torch
 
 from .. import _C
 from .bagua.algorithm import Algorithm
+from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_choice, check_int
 from .._runtime.model_consistency import check_every, ranks_range
 from .driver import Driver
@@ -63,6 +70,7 @@ class _AsyncHandle(Driver):
         self.averager = None       # the background thread's engine while it runs
         self._warmup = None        # DataParallel during the warm-up
         self._locked = False
+        self._restart = False      # fault-tolerant mode: start the thread at the next forward
         if not optimizers and self.warmup_steps:
             raise ValueError(f"optimizers: the warm-up ({self.warmup_steps} steps) counts the "
                              "steps of the first optimizer; pass it to with_bagua")
@@ -108,6 +116,34 @@ class _AsyncHandle(Driver):
         if check_every():
             self._check_rounds(averager.rounds)
 
+    def _continue_on(self, comm) -> None:
+        """Fault-tolerant mode: the thread's rounds are agreed (mpidp/bgavg.h),
+        so a round a rank's death cut short was applied by no survivor, and
+        every survivor's thread ended at that round with the loss. The thread
+        starts again over the survivors (in the warm-up, its DataParallel goes
+        on by its own rule); each survivor keeps its weights and its step
+        count, and the lost rank's weights leave with it."""
+        self.comm = comm
+        self._claim(self.module, communicator(comm))     # found again at the next loss
+        averager, self.averager = self.averager, None
+        if averager is not None:
+            _RUNNING.discard(self)
+            if self._locked:             # the cut-short step's forward took the lock
+                self._locked = False
+                averager.unlock()
+            try:
+                averager.stop()
+            except _C.CommError:         # the loss it ended with (RanksLost)
+                pass
+            self.rounds_before += averager.rounds
+        if self._warmup is not None:
+            self._warmup._continue_on(comm)
+        # The thread starts again at the next training forward, every rank
+        # alike (an evaluation may run on one rank only): not inside recover(), where its rounds would run beside the
+        # other survivors' rebuild (seen to garble a pickled allgather of the
+        # rebuild's, 1 job in 5, Open MPI 5.0 with ULFM).
+        self._restart = True
+
     def _check_rounds(self, rounds: int) -> None:
         """MPIDP_CHECK: every rank's thread took part in the same rounds."""
         (least, most), = ranks_range(resolve_comm(self.comm), rounds)
@@ -118,6 +154,9 @@ class _AsyncHandle(Driver):
 
     def train_forward(self, *inputs, **kwargs):
         self._check_attached()
+        if self._restart and self.module.training and torch.is_grad_enabled():
+            self._restart = False        # (a training forward: every rank makes it)
+            self._begin()
         if self._warmup is not None:
             return self._warmup(*inputs, **kwargs)
         if self.averager is None or self._locked:
@@ -143,7 +182,12 @@ class _AsyncHandle(Driver):
             self.averager.unlock()
         if optimizer is self._counting:
             self.step += 1
-            if self._warmup is not None and self.step >= self.warmup_steps:
+            if self._warmup is None:
+                # Fault-tolerant mode: a rank's own step stands (nothing is
+                # agreed: the ranks train apart), so steps_committed() goes on
+                # from it. (In the warm-up, DataParallel's step end counts it.)
+                fault_tolerant_mode.commit_step()
+            elif self.step >= self.warmup_steps:
                 self._begin()
         if self.averager is not None:
             self.averager.check()        # the thread's failure, in the training thread

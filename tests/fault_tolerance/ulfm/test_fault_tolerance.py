@@ -365,6 +365,8 @@ def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None, j
 REPLICA_CASES = {
     "postlocalsgd, habits: a rank lost between averagings, then rank 0 at an averaging step":
         ("postlocalsgd", 4, "2:3:backward;0:6:step", {2: 3, 0: 6}, True),
+    "with_bagua LocalSGD: a rank lost at an averaging step, then another in backward":
+        ("localsgd", 4, "1:2:step;3:5:backward", {1: 2, 3: 5}),
     "diloco, a rank lost between syncs, then one at a sync step":
         ("diloco", 4, "1:2:backward;3:5:step", {1: 2, 3: 5}),
     "diloco, two ranks lost at once": ("diloco", 4, "0,2:5:backward", {0: 5, 2: 5}),
@@ -378,7 +380,8 @@ def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case)
     algorithm, n, kill, lost_from, habits = (REPLICA_CASES[case] + (False,))[:5]
     saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm,
                     **({"FT_HABITS": 1} if habits else {}))
-    params, momentum = simulate_replicas(n, 8, lost_from, algorithm,
+    rule = "postlocalsgd" if algorithm == "localsgd" else algorithm    # torch's rule, both
+    params, momentum = simulate_replicas(n, 8, lost_from, rule,
                                          clip=train_ft.CLIP if habits else None)
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), \
@@ -412,6 +415,38 @@ def test_model_averaging_grows_back_from_the_averaged_replica(tmp_path, algorith
         for a, b in zip(got["momentum"], momentum[key]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"stream {key}'s momentum: {m}")
+
+
+@pytest.mark.parametrize("n, victim, at", [(3, 2, 4), (4, 0, 6)])
+def test_async_averaging_survivors_apply_the_same_rounds(tmp_path, n, victim, at):
+    """AsyncModelAverageAlgorithm, a rank lost while the background threads
+    average (learning rate 0, so only averaging moves the weights): no
+    survivor applies a round another did not, so every survivor ends with
+    the same weights, at the mean of every rank's initial ones (rounds
+    completed before the loss) or of the survivors' (none had); and the
+    thread averaged again after recover()."""
+    proc = launch(tmp_path, n, "", FT_SCRIPT="async_ft.py", FT_VICTIM=victim, FT_AT=at)
+    saved = {int(f[5:-3]): torch.load(tmp_path / f) for f in os.listdir(tmp_path)
+             if f.startswith("rank-")}
+    assert set(saved) == set(range(n)) - {victim}, (
+        f"survivors that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
+        + stderr_of(proc)[-4000:])
+    import async_ft
+    lost = async_ft.own_weights(torch.nn.Sequential(      # the victim's initial weights
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)), victim)
+    survivors = [saved[r]["initial"] for r in sorted(saved)]
+    means = {"every rank's": [sum(ps) / n for ps in zip(lost, *survivors)],
+             "the survivors'": [sum(ps) / (n - 1) for ps in zip(*survivors)]}
+    first = saved[min(saved)]
+    for rank, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], n) == [victim], got["recoveries"]
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"rank {rank} applied rounds rank {min(saved)} did not"
+    assert first["rounds"] > 0
+    close = [name for name, mean in means.items()
+             if all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                    for a, b in zip(first["params"], mean))]
+    assert close, "the survivors' weights are neither mean: a round was half applied"
 
 
 def simulate_daso(n, steps, lost_from, per_node=2, clip=None):

@@ -70,13 +70,19 @@ def assert_close(got, want, what):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
+def assert_members_match(saved, members, params, momentum, momentum_name="momentum"):
+    """Each surviving member's parameters and momentum against the
+    simulation's for it: params(r), momentum(r)."""
+    for r in members:
+        if r in saved:
+            assert_close(saved[r]["params"], params(r), f"rank {r}'s parameters")
+            assert_close(saved[r]["momentum"], momentum(r), f"rank {r}'s {momentum_name}")
+
+
 def check_data_parallel(saved, groups, lost_from):
     for members in groups:
         params, momentum = simulate_data_parallel(members, lost_from)
-        for r in members:
-            if r in saved:
-                assert_close(saved[r]["params"], params, f"rank {r}'s parameters")
-                assert_close(saved[r]["momentum"], momentum, f"rank {r}'s momentum")
+        assert_members_match(saved, members, lambda r: params, lambda r: momentum)
 
 
 def check_replicas(saved, groups, lost_from, algorithm):
@@ -89,10 +95,8 @@ def check_replicas(saved, groups, lost_from, algorithm):
         params, momentum = simulate_replicas(
             len(members), STEPS, {index[r]: s for r, s in lost_from.items() if r in index},
             algorithm, streams=streams)
-        for r in members:
-            if r in saved:
-                assert_close(saved[r]["params"], params[index[r]], f"rank {r}'s parameters")
-                assert_close(saved[r]["momentum"], momentum[index[r]], f"rank {r}'s momentum")
+        assert_members_match(saved, members, lambda r: params[index[r]],
+                             lambda r: momentum[index[r]])
 
 
 def check_groups_recovered(saved, groups, lost_from, mode):
@@ -138,17 +142,12 @@ def check_first_group(saved, members, lost_from, algorithm):
     if algorithm == "slowmo":     # lost_from: the first step without the data; 3: in sync 3
         params, momentum, _ = simulate_slowmo(n, STEPS, lost_from,
                                               {r: s - 1 for r, s in lost_from.items()})
-        for r in members:
-            if r in saved:
-                assert_close(saved[r]["params"], params[r], f"rank {r}'s parameters")
-                assert_close(saved[r]["momentum"], momentum[r], f"rank {r}'s momentum")
+        assert_members_match(saved, members, lambda r: params[r], lambda r: momentum[r])
         return
     if algorithm == "qadam":
         params, moments = simulate_qadam(n, STEPS, lost_from)
-        for r in members:
-            if r in saved:
-                assert_close(saved[r]["params"], params, f"rank {r}'s parameters")
-                assert_close(saved[r]["momentum"], moments, f"rank {r}'s first moment")
+        assert_members_match(saved, members, lambda r: params, lambda r: moments,
+                             "first moment")
         return
     if algorithm in ("decentralized", "lowprecision"):
         models, inner = simulate_dpsgd(n, STEPS, lost_from, "all") \

@@ -197,6 +197,7 @@ class _LocalSGDDriver(Driver):
         """Fault-tolerant mode: the averager goes on over the survivors by its
         rule, then the warm-up's DataParallel, while it lasts, by its own --
         the order of this driver's set-up, which a replacement runs."""
+        self._claim(self.module, communicator(comm))    # found again at the next loss
         self.averager._continue_on(comm)
         for part in self._live_parts():
             part._continue_on(comm)
