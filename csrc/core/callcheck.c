@@ -128,6 +128,11 @@ static int take_note(mpidp_callcheck_t *c)
         c->notes_now++;
     else if (c->note_in == c->seq + 1)
         c->notes_next++;
+    else if (mpidp_ft_comm_broken(c->side))
+        /* A revoke or a rank's death ended the receive without a new note:
+         * the number is stale, and the failure is what happened. */
+        return mpidp__fail(MPIDP_EPEERFAILED, "call check: the ranks' notifications: a rank "
+                           "failed (or a survivor revoked the communicator)");
     else
         return mpidp__fail(MPIDP_ESTATE, "call check: a rank announced its call #%lld during "
                            "call #%lld (the ranks' sequences of calls have diverged)",

@@ -138,6 +138,16 @@ int mpidp_ft_classify(int mpi_rc, MPI_Comm comm)
 #endif
 }
 
+int mpidp_ft_comm_broken(MPI_Comm comm)
+{
+#if MPIDP_HAVE_ULFM
+    return comm != MPI_COMM_NULL && mpidp_ft_running() && (is_revoked(comm) || has_failed_rank(comm));
+#else
+    (void)comm;
+    return 0;
+#endif
+}
+
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static MPI_Comm *tracked;
 static size_t n_tracked, cap_tracked;

@@ -34,6 +34,11 @@ int mpidp_ft_classify(int mpi_rc, MPI_Comm comm);
  * suspected failure (no failed rank known yet), once; else MPI_SUCCESS. */
 int mpidp_ft_take_suspected(void);
 
+/* 1 when fault tolerance is running and `comm` is revoked or has a failed
+ * rank: what looks like another fault on it (a notification that makes no
+ * sense) is the failure's doing. */
+int mpidp_ft_comm_broken(MPI_Comm comm);
+
 /* The communicators the core made (its duplicates), revoked together. */
 void mpidp_ft_track(MPI_Comm c);
 void mpidp_ft_untrack(MPI_Comm c);
