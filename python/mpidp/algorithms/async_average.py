@@ -138,10 +138,11 @@ class _AsyncHandle(Driver):
             self.rounds_before += averager.rounds
         if self._warmup is not None:
             self._warmup._continue_on(comm)
-        # The thread starts again at the next training forward, every rank
-        # alike (an evaluation may run on one rank only): not inside recover(), where its rounds would run beside the
-        # other survivors' rebuild (seen to garble a pickled allgather of the
-        # rebuild's, 1 job in 5, Open MPI 5.0 with ULFM).
+        # The thread starts again at the next training forward, which every
+        # rank makes (an evaluation may run on one rank only); not inside
+        # recover(), where its rounds would run beside the other survivors'
+        # rebuild (seen to garble a pickled allgather of the rebuild's, 1 job
+        # in 5, Open MPI 5.0 with ULFM).
         self._restart = True
 
     def _check_rounds(self, rounds: int) -> None:
@@ -155,7 +156,7 @@ class _AsyncHandle(Driver):
     def train_forward(self, *inputs, **kwargs):
         self._check_attached()
         if self._restart and self.module.training and torch.is_grad_enabled():
-            self._restart = False        # (a training forward: every rank makes it)
+            self._restart = False
             self._begin()
         if self._warmup is not None:
             return self._warmup(*inputs, **kwargs)

@@ -294,8 +294,7 @@ class HierarchicalModelAverager(ModelAverager):
         return False
 
     def _why_no_replacements(self) -> str:
-        # A replacement would have to take the lost rank's place in each
-        # level's group (its own rank, the last, names another group).
+        # (Its own rank, the last, would name another level's group.)
         return ("HierarchicalModelAverager's replacement would have to take the lost rank's "
                 "place in each level's group, which is not built yet")
 

@@ -63,6 +63,7 @@ _state = fault_tolerant_mode._state
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
            "reset_grad_scaler", "deadline", "survivors_of", "keep_whole_groups",
-           # the per-step half, for the algorithms (mpidp/_runtime/fault_tolerant_mode.py):
+           # the per-step half, for the algorithms (mpidp/_runtime/fault_tolerant_mode.py;
+           # step_boundary also ends the steps of torch.distributed programs):
            "step_boundary", "agree_all_alive", "world_agreement", "commit_step", "participate",
            "defer", "raise_deferred", "revoke_everything"]
