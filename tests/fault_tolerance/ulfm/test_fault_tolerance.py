@@ -118,6 +118,15 @@ def simulate(n, steps, lost_from, clip=None):
             [opt.state[p]["momentum_buffer"] for p in model.parameters()], history)
 
 
+def assert_matches(who, got, params, momentum):
+    """A survivor's saved parameters and momentum against the simulation's."""
+    for what, mine, want in (("parameters", got["params"], params),
+                             ("momentum", got["momentum"], momentum)):
+        for a, b in zip(mine, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{who}'s {what}: {m}")
+
+
 def launched_ranks_lost(recoveries, n):
     """The launched ranks each recovery lost (Membership.lost numbers them in
     the world before that recovery), in order."""
@@ -386,12 +395,7 @@ def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case)
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), \
             got["recoveries"]
-        for a, b in zip(got["params"], params[rank]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
-        for a, b in zip(got["momentum"], momentum[rank]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}'s momentum: {m}")
+        assert_matches(f"rank {rank}", got, params[rank], momentum[rank])
 
 
 @pytest.mark.parametrize("algorithm", ["postlocalsgd", "localsgd"])
@@ -409,12 +413,7 @@ def test_model_averaging_grows_back_from_the_averaged_replica(tmp_path, algorith
         if key != 2:
             assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
                 [(4, (2,), (3,))], got["recoveries"]
-        for a, b in zip(got["params"], params[key]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"stream {key}'s parameters: {m}")
-        for a, b in zip(got["momentum"], momentum[key]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"stream {key}'s momentum: {m}")
+        assert_matches(f"stream {key}", got, params[key], momentum[key])
 
 
 @pytest.mark.parametrize("n, victim, at", [(3, 2, 4), (4, 0, 6)])

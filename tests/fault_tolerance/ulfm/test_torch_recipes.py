@@ -14,7 +14,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_fault_tolerance import launch, launched_ranks_lost, simulate  # noqa: E402
+from test_fault_tolerance import (assert_matches, launch, launched_ranks_lost,  # noqa: E402
+                                  simulate)
 
 pytestmark = pytest.mark.serial
 
@@ -51,9 +52,4 @@ def test_torch_data_parallel_goes_on_as_the_recipe_says(tmp_path, case):
         assert launched_ranks_lost(got["recoveries"], 4) == [victim], got["recoveries"]
         if got["left"]:
             continue
-        for a, b in zip(got["params"], params):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}'s parameters: {m}")
-        for a, b in zip(got["momentum"], momentum):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}'s momentum: {m}")
+        assert_matches(f"rank {rank}", got, params, momentum)
