@@ -166,16 +166,20 @@ def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
 
 
 def _refuse_without_fault_tolerance(*drivers: "Driver") -> None:
-    """In fault-tolerant mode, an algorithm that cannot go on after a rank is
-    lost is refused when it is set up, not found out at the first failure."""
+    """In fault-tolerant mode, a driver that cannot go on after a rank is
+    lost is refused when it is set up, not found out at the first failure.
+    Every algorithm mpidp ships goes on (its driver has a _continue_on); this
+    stops a driver of the program's own (a Bagua Algorithm subclass's) that
+    has none."""
     if not fault_tolerant_mode.enabled():
         return
     for driver in drivers:
         if driver is not None and not driver._recovers():
             raise NotImplementedError(
-                f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) does not cover "
-                f"{driver.what} yet (its recovery is not built, not a limit of the algorithm); "
-                "docs/fault-tolerance.md lists the algorithms it covers: use one of those, or "
+                f"{driver.what}: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) needs each "
+                f"algorithm's driver to go on over the survivors after a loss, and "
+                f"{driver.what}'s has no recovery (_continue_on(survivors)); give it one, use "
+                "an algorithm of mpidp's (docs/fault-tolerance.md says how each recovers), or "
                 "run without MPIDP_FAULT_TOLERANCE")
 
 

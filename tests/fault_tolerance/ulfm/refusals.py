@@ -7,6 +7,8 @@ import torch
 from mpi4py import MPI
 
 import mpidp
+from mpidp._runtime.mpi import communicator
+from mpidp.algorithms.driver import Driver
 
 
 def refused(what, build, expected):
@@ -27,6 +29,22 @@ m = model()
 refused("DASO over a worker group", lambda: mpidp.DataParallelMultiGPU(
     m, mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=1),
     comm=MPI.COMM_SELF), "over a worker group its recovery is not built yet")
+
+
+class OwnDriver(Driver):
+    """A program's own algorithm's driver, with no recovery."""
+    what = "OwnAlgorithm"
+
+    def __init__(self, module):
+        self.module = module
+        self._claim(module, communicator(None))
+
+    def _remove_hooks(self):
+        pass
+
+
+refused("a driver of the program's own with no recovery", lambda: OwnDriver(model()),
+        "OwnAlgorithm's has no recovery (_continue_on(survivors))")
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()
