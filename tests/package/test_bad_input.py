@@ -152,3 +152,13 @@ def test_keep_whole_groups_names_its_bad_arguments():
         mpidp.fault_tolerance.keep_whole_groups(m, 2)
     with pytest.raises(ValueError, match="group_size"):
         mpidp.fault_tolerance.keep_whole_groups(m, 0)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="needs ranks that can differ")
+def test_keep_whole_groups_refuses_sizes_that_differ_across_ranks_on_every_rank():
+    comm = MPI.COMM_WORLD
+    m = mpidp.fault_tolerance.Membership(comm.Get_rank(), comm.Get_size(), (),
+                                         comm.Get_size(), 1, comm)
+    size = 1 if comm.Get_rank() == 0 else comm.Get_size()     # each divides the job
+    with pytest.raises(ValueError, match="group_size: the ranks passed different sizes"):
+        mpidp.fault_tolerance.keep_whole_groups(m, size)

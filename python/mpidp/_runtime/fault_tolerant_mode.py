@@ -35,12 +35,10 @@ class _State:
     # A replacement joins the survivors' agreement that the rebuild is
     # complete (recover()'s last) in share_state(), after its own set-up.
     owes_rebuild_agreement = False
-    # recover(replace=True)'s rebuild, where replacements joined: the
-    # algorithms' _continue_on repeats the set-up the replacements run.
-    growing = False
-    # The survivors alone (the shrink's communicator) during that rebuild:
-    # what a loss interrupted is finished over them before the replacements'
-    # set-up (survivors_before_growth()).
+    # recover(replace=True)'s rebuild, where replacements joined (growing()):
+    # the survivors alone, the shrink's communicator, over which what a loss
+    # interrupted is finished before the replacements' set-up, which the
+    # algorithms' _continue_on then repeats. None otherwise.
     before_growth: Optional[MPI.Intracomm] = None
     times: Dict[str, float] = {}
 
@@ -225,7 +223,7 @@ def growing() -> bool:
     """Inside recover(replace=True)'s rebuild with replacements joined: each
     algorithm's _continue_on repeats the collectives of the set-up the
     replacements run (joining())."""
-    return _state.growing
+    return _state.before_growth is not None
 
 
 def survivors_before_growth() -> Optional[MPI.Intracomm]:

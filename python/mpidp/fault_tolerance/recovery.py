@@ -128,8 +128,7 @@ def recover(replace: bool = False, comm=None) -> Membership:
         if unexplained is not None and survivors.Get_size() == old_comm.Get_size():
             raise unexplained      # no rank was lost after all: a defect, not a failure
         unexplained = None
-        _state.growing = bool(joined)
-        _state.before_growth = before_growth if joined else None
+        _state.before_growth = before_growth    # growing(): replacements joined
         try:
             if not _rebuild(domain, survivors, comms):
                 continue    # a rank failed during the rebuild: again, with the survivors of both
@@ -137,7 +136,7 @@ def recover(replace: bool = False, comm=None) -> Membership:
             unexplained = error.__cause__
             continue        # the shrink tells whether a rank failed meanwhile
         finally:
-            _state.growing, _state.before_growth = False, None
+            _state.before_growth = None
             if before_growth is not None:
                 retire(before_growth)
         times["rebuild"] = time.perf_counter() - t2

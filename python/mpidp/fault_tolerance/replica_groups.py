@@ -34,6 +34,12 @@ def keep_whole_groups(membership: Membership, group_size: int) -> Optional[MPI.I
     if not isinstance(membership, Membership):
         raise TypeError("membership: expected what mpidp.recover() returned, got "
                         f"{type(membership).__name__}")
+    # Compared before any check of one rank's own, so that every rank raises
+    # alike (one raising alone would leave the others in the split).
+    sizes = sorted(set(membership.comm.allgather(group_size)), key=repr)
+    if len(sizes) > 1:
+        raise ValueError(f"group_size: the ranks passed different sizes ({sizes}); every rank "
+                         "must pass the size of the shard groups")
     check_int("group_size", group_size, 1)
     if membership.previous_size % group_size:
         raise ValueError(f"group_size: {group_size} does not divide the {membership.previous_size} "

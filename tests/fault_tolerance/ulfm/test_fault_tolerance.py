@@ -398,17 +398,19 @@ def test_replica_algorithms_continue_from_the_survivors_replicas(tmp_path, case)
         assert_matches(f"rank {rank}", got, params[rank], momentum[rank])
 
 
-@pytest.mark.parametrize("algorithm", ["postlocalsgd", "localsgd"])
-def test_model_averaging_grows_back_from_the_averaged_replica(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm, habits", [("postlocalsgd", True), ("localsgd", False)])
+def test_model_averaging_grows_back_from_the_averaged_replica(tmp_path, algorithm, habits):
     """recover(replace=True) under PostLocalSGDOptimizer and with_bagua's
     LocalSGDAlgorithm, rank 2 lost as the others average (step 4): the
     survivors finish that averaging among themselves, then the replacement
     takes rank 0's averaged parameters (the averager's, or with_bagua's,
     set-up), its momentum (share_state) and step count, and trains on rank
-    2's data from step 5; the survivors keep their own replicas."""
+    2's data from step 5; the survivors keep their own replicas. habits: AMP's
+    scaler and the gradients clipped, on every rank and the replacement."""
     saved = run_job(tmp_path, 4, "2:4:step", expect=range(4), FT_ALGORITHM=algorithm,
-                    FT_REPLACE=1)
-    params, momentum = simulate_replicas(4, 8, {2: 4}, "postlocalsgd", joins={2: (5, 0)})
+                    FT_REPLACE=1, **({"FT_HABITS": 1} if habits else {}))
+    params, momentum = simulate_replicas(4, 8, {2: 4}, "postlocalsgd", joins={2: (5, 0)},
+                                         clip=train_ft.CLIP if habits else None)
     for key, got in saved.items():
         if key != 2:
             assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \

@@ -14,20 +14,22 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import train_ft  # noqa: E402
 from test_fault_tolerance import (assert_matches, launch, launched_ranks_lost,  # noqa: E402
                                   simulate)
 
 pytestmark = pytest.mark.serial
 
 # (FT_TORCH, kill spec, {launched rank: the first step its data does not
-# count in}, the ranks that leave). HSDP runs 2 replica groups of 2 ranks:
-# {0, 1} and {2, 3}.
+# count in}, the ranks that leave, FT_HABITS: AMP's scaler and clipping).
+# HSDP runs 2 replica groups of 2 ranks: {0, 1} and {2, 3}.
 CASES = {
-    "DDP, a rank lost in backward with buckets in flight": ("ddp", "2:3:backward", {2: 3}, set()),
+    "DDP with AMP and clipping, a rank lost in backward with buckets in flight":
+        ("ddp", "2:3:backward", {2: 3}, set(), True),
     "HSDP, a rank lost once its backward is done: its group is dropped at that step":
-        ("hsdp", "2:3:step", {2: 3, 3: 3}, {3}),
-    "HSDP, rank 0 lost in the forward's all-gather: the other group goes on":
-        ("hsdp", "0:2:forward", {0: 2, 1: 2}, {1}),
+        ("hsdp", "2:3:step", {2: 3, 3: 3}, {3}, False),
+    "HSDP with AMP and clipping, rank 0 lost in the forward's all-gather: the other group "
+    "goes on": ("hsdp", "0:2:forward", {0: 2, 1: 2}, {1}, True),
 }
 
 
@@ -38,15 +40,16 @@ def test_torch_data_parallel_goes_on_as_the_recipe_says(tmp_path, case):
     applied, and end as a single process that averaged, at each step, the
     gradients of the ranks still training. HSDP's survivors of the broken
     group leave at the loss, saying so."""
-    mode, kill, lost_from, leave = CASES[case]
-    proc = launch(tmp_path, 4, kill, FT_SCRIPT="torch_ft.py", FT_TORCH=mode)
+    mode, kill, lost_from, leave, habits = CASES[case]
+    proc = launch(tmp_path, 4, kill, FT_SCRIPT="torch_ft.py", FT_TORCH=mode,
+                  **({"FT_HABITS": 1} if habits else {}))
     saved = {int(f[5:-3]): torch.load(tmp_path / f, weights_only=False)
              for f in os.listdir(tmp_path) if f.startswith("rank-")}
     victim = int(kill.split(":")[0])
     assert set(saved) == set(range(4)) - {victim}, (
         f"ranks that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
         + proc.stderr[-4000:])
-    params, momentum, _ = simulate(4, 8, lost_from)
+    params, momentum, _ = simulate(4, 8, lost_from, clip=train_ft.CLIP if habits else None)
     for rank, got in saved.items():
         assert got["left"] == (rank in leave), (rank, got)
         assert launched_ranks_lost(got["recoveries"], 4) == [victim], got["recoveries"]

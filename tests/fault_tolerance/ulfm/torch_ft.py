@@ -15,7 +15,8 @@ which a rank died is applied by none.
 
 FT_KILL as train_ft.py's, phases forward, backward (DDP only: inside
 backward, buckets in flight) and step (backward done, before the
-agreement). Each rank saves FT_OUT/rank-<launched rank>.pt: its full
+agreement). FT_HABITS=1: AMP's GradScaler, the gradients unscaled and
+clipped to train_ft.CLIP before the agreement. Each rank saves FT_OUT/rank-<launched rank>.pt: its full
 parameters and momentum, its recoveries, and whether it left."""
 
 import os
@@ -30,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import mpidp
-from train_ft import batch, kill_plan, make_model
+from train_ft import CLIP, batch, kill_plan, make_model
 
 STEPS = int(os.environ.get("FT_STEPS", "8"))
 SHARD = 2        # ranks per replica group (HSDP)
@@ -69,6 +70,7 @@ def main(out_dir: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     hsdp = os.environ["FT_TORCH"] == "hsdp"
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if os.environ.get("FT_HABITS") else None
     dist.init_process_group("mpidp")
     if hsdp:
         model, opt = build_hsdp(dist.get_world_size() // SHARD)
@@ -84,14 +86,26 @@ def main(out_dir: str) -> None:
         try:
             x, y = batch(LAUNCHED_RANK, step)
             maybe_die(step, "forward")
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            maybe_die(step, "step")
-            mpidp.fault_tolerance.step_boundary(comm)
-            opt.step()
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            if scaler is None:
+                loss.backward()
+                maybe_die(step, "step")
+                mpidp.fault_tolerance.step_boundary(comm)
+                opt.step()
+            else:        # AMP's scaler, the gradients unscaled and clipped before the step
+                scaler.scale(loss).backward()
+                maybe_die(step, "step")
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                mpidp.fault_tolerance.step_boundary(comm)
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad()
             step += 1
         except mpidp.RanksLost:
             m = mpidp.recover(comm=comm)
+            if scaler is not None:
+                mpidp.fault_tolerance.reset_grad_scaler(scaler)
             recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost})
             if hsdp:
                 comm = mpidp.fault_tolerance.keep_whole_groups(m, SHARD)
