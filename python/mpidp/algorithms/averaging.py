@@ -117,10 +117,12 @@ class ModelAverager:
         average). Where replacements joined, that was done over the
         survivors alone (_finish_before_growth); the replacements are then
         given rank 0's step count and parameters, as their set-up takes."""
-        self._move_to(survivors)
-        if fault_tolerant_mode.growing():
+        growing = fault_tolerant_mode.growing()
+        self._move_to(survivors, regroup=not growing)
+        if growing:     # the replacement's set-up, call for call
             self._check_settings_agree(self._settings)
             self._share_step()
+            self._regroup_with_replacements(survivors)
             if self._replica_params is not None:
                 give_replacements(self._replica_params(), self._comm, replacement=False)
         # The cut-short step's gradients are spent: a zero_grad() after the
@@ -133,10 +135,11 @@ class ModelAverager:
         survivors alone, before the replacements' set-up."""
         self._move_to(survivors)
 
-    def _move_to(self, survivors) -> None:
+    def _move_to(self, survivors, regroup: bool = True) -> None:
         self._comm = resolve_comm(survivors)
         self.process_group = survivors
-        self._regroup(survivors)
+        if regroup:
+            self._regroup(survivors)
         if self._interrupted is not None:
             params, level = self._interrupted
             _average(params, self._group(level), self.process_group)
@@ -177,6 +180,11 @@ class ModelAverager:
     def _regroup(self, survivors) -> None:
         """Fault-tolerant mode: the averaging groups made again over the
         survivors (collective over them)."""
+
+    def _regroup_with_replacements(self, merged) -> None:
+        """recover(replace=True): the averaging groups over the survivors and
+        the replacements (as a replacement's construction makes them)."""
+        self._regroup(merged)
 
     def average_parameters(self, params: Iterable[Any]) -> None:
         """Average `params` (model parameters or optimizer parameter groups)
@@ -265,12 +273,34 @@ class HierarchicalModelAverager(ModelAverager):
         self._check_settings_agree({"period_group_size_dict": self.period_group_size_dict,
                                     "warmup_steps": warmup_steps})
         self._periods = tuple(periods)
-        # Each level's group: the whole process_group (None) or, by its index
-        # (rank // size), this rank's group of consecutive ranks. Kept through
-        # a loss of ranks: each group goes on with its survivors.
-        rank = self._comm.rank
-        self._colors = [None if size == n_ranks else rank // size for size in sizes]
-        self._regroup(as_mpi4py(self.process_group))
+        # This rank's place among the ranks as built (a replacement takes a
+        # lost rank's), and each level's group: the whole process_group
+        # (None) or, by its index (place // size), the group of consecutive
+        # places. Kept through a loss of ranks: each group goes on with its
+        # survivors.
+        self._sizes = sizes
+        self._place = self._comm.rank
+        if fault_tolerant_mode.joining():
+            self._regroup_with_replacements(as_mpi4py(self.process_group))
+        else:
+            self._set_colors()
+            self._regroup(as_mpi4py(self.process_group))
+
+    def _set_colors(self) -> None:
+        whole = self._sizes[-1]
+        self._colors = [None if size == whole else self._place // size for size in self._sizes]
+
+    def _regroup_with_replacements(self, merged) -> None:
+        """recover(replace=True), on the survivors and in a replacement's
+        construction alike: each replacement takes a place a lost rank left
+        (the lowest first, in rank order), so that it averages in the lost
+        rank's group at every level."""
+        mine = None if fault_tolerant_mode.joining() else self._place
+        places = merged.allgather(mine)
+        free = iter(sorted(set(range(self._sizes[-1])) - set(places)))
+        self._place = [p if p is not None else next(free) for p in places][merged.Get_rank()]
+        self._set_colors()
+        self._regroup(merged)
 
     def _regroup(self, comm) -> None:
         """Each level's group over `comm` (collective: every rank creates every
@@ -289,14 +319,6 @@ class HierarchicalModelAverager(ModelAverager):
 
     def _schedule(self) -> Dict[str, Any]:
         return {"warmup_steps": self.warmup_steps, "periods": self._periods}
-
-    def _takes_replacements(self) -> bool:
-        return False
-
-    def _why_no_replacements(self) -> str:
-        # (Its own rank, the last, would name another level's group.)
-        return ("HierarchicalModelAverager's replacement would have to take the lost rank's "
-                "place in each level's group, which is not built yet")
 
     def _group(self, level: int) -> _C.Comm:
         return self._groups[level]

@@ -75,8 +75,11 @@ def set_up(module: Optional[torch.nn.Module], comm, who: str, settings: Dict[str
     comm = communicator(comm, argname)
     check_same_structure(comm.c, comm.mpi, module, who, settings)
     # A driver built as another's part (SlowMo's node-local DataParallel)
-    # agrees and recovers with its owner, over the owner's communicator.
-    if fault_tolerant_mode.enabled() and not is_world(comm.c) and not _BUILDING:
+    # agrees and recovers with its owner, over the owner's communicator:
+    # also when it is set up again over the survivors (no group of its own,
+    # whose duplicate a replacement's construction would not make).
+    part = claim_by is not None and claim_by._owner is not None and claim_by._owner() is not None
+    if fault_tolerant_mode.enabled() and not is_world(comm.c) and not _BUILDING and not part:
         _join_group(comm, who, argname)
     if module is None:
         return comm, None

@@ -35,9 +35,11 @@ import collections
 import enum
 import functools
 import warnings
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _C
 from .._runtime import fault_tolerant_mode
@@ -48,6 +50,7 @@ from .._runtime.mpi import MPI, communicator, revocable
 from .._runtime.flat_buffers import flatten, write_back
 from .._runtime.state_broadcast import broadcast_buffers, broadcast_tensors
 from ..collectives.means import mean_over_ranks
+from ..collectives.model_state import broadcast_optimizer_state
 from .data_parallel import DataParallel
 from ..primitives.gossip import (DynamicDirectedExponentialGraph, GraphManager, MixingManager,
                                UniformMixing, mix)
@@ -55,6 +58,8 @@ from .._runtime.topology import topology
 from .driver import reduce_wrapper
 
 __all__ = ["SlowMoBaseAlgorithm", "SlowMoDistributedDataParallel"]
+
+_REBUILD = "Build mpidp.SlowMoDistributedDataParallel(model, ...) again after such a change"
 
 
 class SlowMoBaseAlgorithm(str, enum.Enum):
@@ -170,26 +175,41 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self.localsgd_frequency = check_int("localsgd_frequency", localsgd_frequency, 1)
         check_int("slowmo_num_shards", slowmo_num_shards, 1)
         # Every rank starts from rank 0's parameters and buffers (set_up).
-        handle = self._set_up(module, comm, rebuild="Build mpidp.SlowMoDistributedDataParallel("
-                              "model, ...) again after such a change", settings={
+        self._setup_settings = {
             "nprocs_per_node": nprocs_per_node, "broadcast_buffers": bool(broadcast_buffers),
             "slowmo_momentum": float(slowmo_momentum), "slowmo_lr": float(slowmo_lr),
             "slowmo_memory_efficient": bool(slowmo_memory_efficient),
             "slowmo_frequency": slowmo_frequency, "slowmo_num_shards": slowmo_num_shards,
             "localsgd_frequency": localsgd_frequency, "sgp": sgp, "push_sum": push_sum,
             "slowmo_sgp_average_params": slowmo_sgp_average_params,
-            "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)})
+            "graph": None if graph is None else (type(graph).__name__, graph.peers_per_itr)}
+        handle = self._set_up(module, comm, settings=self._setup_settings, rebuild=_REBUILD)
         self._world, mpi = handle.c, handle.mpi
         world, rank = self._world.size, self._world.rank
-        if nprocs_per_node is None:
-            self._node_id = topology(mpi).node
-        else:
+        if nprocs_per_node is not None:
             check_int("nprocs_per_node", nprocs_per_node, 1)
             if world % nprocs_per_node:
                 raise ValueError(f"nprocs_per_node: {nprocs_per_node} does not divide the {world} "
                                  "ranks")
-            self._node_id = rank // nprocs_per_node
         self._one_rank_nodes = False     # fault-tolerant mode, after uneven losses
+        # Fault-tolerant mode: where a replacement joined this node, the hook
+        # that gives the node its first rank's optimizer state at the next
+        # step (_take_place).
+        self._node_state_hook = None
+        joined = None
+        if fault_tolerant_mode.joining():
+            # A replacement: the place of a lost rank in its node, and the
+            # slow state, from the survivors (_grow_to, which this matches
+            # call for call).
+            mpi.allgather(None)
+            joined = mpi.bcast(None, root=0)
+            self._take_place(joined, rank)
+        else:
+            self._node_id = topology(mpi).node if nprocs_per_node is None \
+                else rank // nprocs_per_node
+            if fault_tolerant_mode.enabled():
+                # The nodes as built: the places replacements fill.
+                self._layout = collections.Counter(mpi.allgather(self._node_id))
         node = self._split_nodes(mpi)
         self.sgp = sgp and self._setup_sgp(graph, mixing)
 
@@ -216,6 +236,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         # out of the first slow step; the SlowMo paper starts from the shared point.
         self._theta = self._flat()[self._shard()].clone() if self.slowmo else None
         self._u = torch.zeros_like(self._theta) if self.slowmo else None
+        if joined is not None:
+            self._take_slow_state(joined)
         # The node's ranks average gradients every backward: one replica per node.
         self._node_dp = None
         if self.nprocs_per_node > 1:
@@ -228,6 +250,7 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         alone once nodes are uneven) and the masters' one over `mpi`."""
         rank = mpi.Get_rank()
         node = revocable(mpi.Split(rank if self._one_rank_nodes else self._node_id, rank))
+        self._node_mpi = node
         self.nprocs_per_node = node.Get_size()
         self.local_rank = node.Get_rank()
         self.logical_world_size = mpi.Get_size() // self.nprocs_per_node
@@ -377,7 +400,10 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
                 replica = self._averaged_replicas()      # an exact average before the slow step
             slow = self._slow_step(optimizer, replica)
             replica = slow[2]
-        if fault_tolerant_mode.enabled() and (self.sgp or due.average or due.slow_step):
+        # (Redone inside recover(replace=True) over the survivors alone, the
+        # rebuild's own agreement covers it: the job's includes the replacements.)
+        if fault_tolerant_mode.enabled() and (self.sgp or due.average or due.slow_step) \
+                and not fault_tolerant_mode.growing():
             fault_tolerant_mode.agree_all_alive("SlowMo's averaging", "no rank applied it",
                                                 self._agreement_comm())
             self._gossip_undo = None
@@ -452,6 +478,19 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
     # -- fault-tolerant mode (mpidp/fault_tolerance/) -----------------------------------------
 
     def _continue_on(self, survivors) -> None:
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
+        survivors go on (_shrink_to); where replacements joined
+        (recover(replace=True)), a perform_slowmo the loss cut short is
+        first done again over the survivors alone, then the replacements
+        take the lost ranks' places (_grow_to)."""
+        if not fault_tolerant_mode.growing():
+            self._shrink_to(survivors)
+            return
+        if self._round is not None:
+            self._shrink_to(fault_tolerant_mode.survivors_before_growth(), quiet=True)
+        self._grow_to(survivors)
+
+    def _shrink_to(self, survivors, quiet: bool = False) -> None:
         """After a rank was lost (mpidp.recover()): the nodes are made again
         of each node's survivors -- or, where they now hold different numbers
         of ranks, every rank a node of its own from then on -- each keeps its
@@ -473,24 +512,113 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self._world = handle.c
         ranks_per_node = collections.Counter(survivors.allgather(self._node_id))
         if not self._one_rank_nodes and len(set(ranks_per_node.values())) > 1:
-            warnings.warn("SlowMoDistributedDataParallel: after the loss of ranks the nodes hold "
-                          "different numbers of ranks; every rank is a node of its own from now "
-                          "on (no node-local gradient averaging)", stacklevel=2)
+            if not quiet:       # (growing back, the nodes are made whole again at once)
+                warnings.warn("SlowMoDistributedDataParallel: after the loss of ranks the nodes "
+                              "hold different numbers of ranks; every rank is a node of its own "
+                              "from now on (no node-local gradient averaging)", stacklevel=3)
             self._one_rank_nodes = True
         node = self._split_nodes(survivors)
-        if self._node_dp is not None:
-            if self.nprocs_per_node > 1:
-                self._node_dp._continue_on(node)
-            else:
-                self._node_dp._remove_hooks()
-                self._node_dp._released = "its SlowMo's nodes became one rank each"
-                self._node_dp = None
+        self._node_dp_over(node)
         if self.sgp:
             self._regraph()
         for p in self._params:      # the cut-short step's, spent
             p.grad = None
         if self._round is not None:
             self._slowmo_round(*self._round)
+
+    def _node_dp_over(self, node) -> None:
+        """The node-local DataParallel over `node` (the same collectives as
+        its construction, which a replacement runs), or none for a node of
+        one rank."""
+        if self.nprocs_per_node == 1:
+            if self._node_dp is not None:
+                self._node_dp._remove_hooks()
+                self._node_dp._released = "its SlowMo's nodes became one rank each"
+                self._node_dp = None
+        elif self._node_dp is not None:
+            self._node_dp._continue_on(node)
+        else:                   # whole nodes again (growing back)
+            with self._building_parts():
+                self._node_dp = DataParallel(self.module, comm=node,
+                                             blocking_parameter_updates=True,
+                                             broadcast_buffers=False)
+
+    def _grow_to(self, merged) -> None:
+        """recover(replace=True), on the survivors: the set-up a replacement's
+        construction runs, call for call. Each survivor keeps its replica, θ,
+        u and step count; each replacement takes a place a lost rank left in
+        its node (the node short of the most ranks as built, the lowest
+        first), so the nodes are whole again, and rank 0's θ, u and step
+        count. In a node a replacement joined, the node's first rank (a
+        survivor, where one is left) gives the node its replica through the
+        node-local DataParallel's set-up, and its optimizer state before the
+        next step (_take_place); a node of replacements only holds rank 0's
+        replica, as the loop's share_state() gives them rank 0's optimizer
+        state."""
+        own = [p.detach().clone() for p in self._params]
+        handle = self._set_up(self.module, merged, settings=self._setup_settings,
+                              rebuild=_REBUILD)
+        with torch.no_grad():
+            for p, mine in zip(self._params, own):
+                p.copy_(mine)
+        self._world = handle.c
+        ids = merged.allgather(self._node_id)
+        state = merged.bcast(self._places_and_slow_state(ids) if merged.Get_rank() == 0 else None,
+                             root=0)
+        self._take_place(state, merged.Get_rank())
+        node = self._split_nodes(merged)
+        if self._setup_settings["sgp"]:
+            if self.sgp:
+                self._regraph()
+            else:                       # one node was left: gossip again over the nodes
+                self.sgp = self._setup_sgp(None, None)
+                if self.sgp:
+                    self.graph.round = state["round"]
+        self._node_dp_over(node)
+        for p in self._params:      # the cut-short step's, spent
+            p.grad = None
+
+    def _places_and_slow_state(self, ids) -> Dict[str, Any]:
+        """On rank 0 where replacements join: each rank's node (`ids`: the
+        survivors' nodes, None for a replacement) and the slow state."""
+        counts = collections.Counter(i for i in ids if i is not None)
+        nodes = []
+        for i in ids:
+            if i is None:
+                i = max(sorted(self._layout), key=lambda n: self._layout[n] - counts[n])
+                counts[i] += 1
+            nodes.append(i)
+        return {"nodes": nodes, "joined": [i is None for i in ids], "layout": self._layout,
+                "one_rank_nodes": len(set(counts.values())) > 1,
+                "num_updates": self.num_updates, "theta": self._theta, "u": self._u,
+                "round": self.graph.round if self.sgp else 0}
+
+    def _take_place(self, state: Dict[str, Any], rank: int) -> None:
+        """This rank's node from rank 0's places. Where a replacement joined
+        it (and it holds more than this rank), the node's ranks take its
+        first rank's optimizer state before their next step: torch's global
+        step pre-hook, as the optimizer is not known before (both step
+        together, their gradients averaged within the node)."""
+        self._node_id, self._layout = state["nodes"][rank], state["layout"]
+        self._one_rank_nodes = state["one_rank_nodes"]
+        mates = [j for n, j in zip(state["nodes"], state["joined"]) if n == self._node_id]
+        if self._node_state_hook is not None:
+            self._node_state_hook.remove()
+            self._node_state_hook = None
+        if not self._one_rank_nodes and len(mates) > 1 and any(mates):
+            self._node_state_hook = register_optimizer_step_pre_hook(
+                functools.partial(_give_node_optimizer_state, weakref.ref(self)))
+
+    def _take_slow_state(self, state: Dict[str, Any]) -> None:
+        """A replacement: rank 0's step count, θ, u and gossip round."""
+        self.num_updates = int(state["num_updates"])
+        self._theta = None if state["theta"] is None else state["theta"].clone()
+        self._u = None if state["u"] is None else state["u"].clone()
+        if self.sgp:
+            self.graph.round = int(state["round"])
+
+    def _takes_replacements(self) -> bool:
+        return True       # _grow_to is a replacement's set-up, call for call
 
     def _regraph(self) -> None:
         """SGP after a loss: the user's graph class over the surviving nodes
@@ -562,3 +690,17 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
     def slowmo_buffer_numel(self) -> int:
         """Elements of θ and u this rank holds (2 x its shard; 0 without slow momentum)."""
         return 0 if self._theta is None else self._theta.numel() + self._u.numel()
+
+
+def _give_node_optimizer_state(slowmo_ref, optimizer, _args, _kwargs) -> None:
+    """torch's step pre-hook after a replacement joined a SlowMo node (see
+    _take_place): the first optimizer holding the module's parameters to
+    step takes the node's first rank's state, on every rank of the node."""
+    slowmo = slowmo_ref()
+    if slowmo is None or slowmo._node_state_hook is None:
+        return
+    mine = {id(p) for p in slowmo._params}
+    if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        slowmo._node_state_hook.remove()
+        slowmo._node_state_hook = None
+        broadcast_optimizer_state(optimizer, root=0, comm=slowmo._node_mpi)

@@ -48,10 +48,11 @@ refused("a driver of the program's own with no recovery", lambda: OwnDriver(mode
 # Growing back with an algorithm that cannot take a replacement yet: refused
 # by recover(replace=True) before anything of the recovery.
 m = model()
-net = mpidp.SlowMoDistributedDataParallel(m)
-refused("recover(replace=True) under SlowMo", lambda: mpidp.recover(replace=True),
-        "SlowMoDistributedDataParallel cannot take a replacement (growing back is not built")
-net.detach()
+daso = mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=1)
+net = mpidp.DataParallelMultiGPU(m, daso)
+refused("recover(replace=True) under DASO", lambda: mpidp.recover(replace=True),
+        "DASO cannot take a replacement (growing back is not built")
+daso.detach()
 averager = mpidp.PeriodicModelAverager(period=2)
 refused("recover(replace=True) beside a PeriodicModelAverager",
         lambda: mpidp.recover(replace=True), "PeriodicModelAverager alone knows no model")

@@ -171,22 +171,32 @@ def test_decentralized_survivors_match_the_simulation(tmp_path, case):
     assert_survivors_match(saved, n, lost_from, models, inner, tol)
 
 
-def simulate_sgp(n, steps, lost_from, clip=None):
+def simulate_sgp(n, steps, lost_from, clip=None, joins=None):
     """SlowMo's SGP base, every rank a node: after each local step the ranks
     alive gossip by push-sum (the parameters hold x / y; uniform mixing over
     DynamicDirectedExponentialGraph among them, at round t), and every 2
     PERIOD steps the slow step runs on their mean (slowmo_memory_efficient,
     the default, takes the world mean) and they take θ. At the first step of fewer ranks every push-sum weight becomes
-    1 and the graph is made over them (round kept). Returns each replica
-    and its momentum."""
+    1 and the graph is made over them (round kept). joins: {rank: (step,
+    source)}, a replacement in rank's place from `step` on, last in the
+    world's order, holding rank `source`'s replica and momentum then.
+    Returns each replica and its momentum."""
     from mpidp.gossip import DynamicDirectedExponentialGraph
     models, inner = inner_models(n)
     theta = vec(models[0])
     u = torch.zeros_like(theta)
     weight = {r: 1.0 for r in range(n)}
-    ring = list(range(n))
+    ring = order = list(range(n))
+    joins = joins or {}
     for t in range(steps):
-        alive = local_steps(models, inner, t, lost_from, steps, clip)
+        for r, (at, source) in joins.items():
+            if t == at:
+                put(models[r], vec(models[source]))
+                inner[r].load_state_dict(copy.deepcopy(inner[source].state_dict()))
+                order = [q for q in order if q != r] + [r]
+        lost = {r: s for r, s in lost_from.items() if t < joins.get(r, (steps,))[0]}
+        stepped = local_steps(models, inner, t, lost, steps, clip)
+        alive = [r for r in order if r in stepped]
         if alive != ring:
             ring = alive
             weight = {r: 1.0 for r in alive}
@@ -234,6 +244,20 @@ def test_sgp_survivors_match_the_simulation(tmp_path, case):
     models, inner = simulate_sgp(4, 8, lost_from, clip)
     tol = dict(rtol=1e-5, atol=1e-6)
     assert_survivors_match(saved, 4, lost_from, models, inner, tol)
+
+
+def test_sgp_grows_back_from_rank_0s_replica(tmp_path):
+    """recover(replace=True) under SlowMo's SGP base, every rank a node,
+    rank 1 lost in step 3's backward: the survivors' local step stands and
+    the gossip (and slow step) the loss cut short is done again over them
+    alone; then the replacement takes rank 0's replica, momentum, θ, u and
+    gossip round, the graph is made over the four nodes again (the
+    replacement last) and every push-sum weight is 1."""
+    saved = run_job(tmp_path, 4, "1:3:backward", expect=range(4), FT_ALGORITHM="slowmo",
+                    FT_SGP=1, MPIDP_RANKS_PER_NODE=1, FT_REPLACE=1)
+    models, inner = simulate_sgp(4, 8, {1: 3}, joins={1: (4, 0)})
+    assert_grew_back(saved, 1, 4)
+    assert_survivors_match(saved, 4, None, models, inner, dict(rtol=1e-5, atol=1e-6))
 
 
 def simulate_dpsgd_growing_back(n, steps, victim, kill_step, mode):

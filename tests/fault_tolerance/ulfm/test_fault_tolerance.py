@@ -317,7 +317,9 @@ def test_one_rank_of_an_emulated_node_is_lost_under_hierarchical_bytegrad(tmp_pa
 def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None, joins=None):
     """Every replica of a replica algorithm, each with its own model and inner
     optimizer (a victim's stops at lost_from[victim]). postlocalsgd: after local step
-    t, t % PERIOD == 0, the live replicas take their mean. diloco: after
+    t, t % PERIOD == 0, the live replicas take their mean. hierarchical: the
+    same over pairs of launched ranks (0 and 1, 2 and 3), over all where t %
+    (2 PERIOD) == 0. diloco: after
     inner step t, (t + 1) % PERIOD == 0, θ takes an outer step on θ - (the
     live replicas' mean), and they take θ. A sync a rank's death
     interrupted is done over the survivors. clip: each inner gradient is
@@ -354,6 +356,15 @@ def simulate_replicas(n, steps, lost_from, algorithm, clip=None, streams=None, j
                     mean = sum(p / len(alive) for p in ps)
                     for p in ps:
                         p.copy_(mean)
+            if algorithm == "hierarchical" and t % period == 0:
+                size = n if t % (2 * period) == 0 else 2
+                for first in range(0, n, size):
+                    group = [list(models[r].parameters()) for r in alive
+                             if first <= r < first + size]
+                    for ps in zip(*group):
+                        mean = sum(p / len(group) for p in ps)
+                        for p in ps:
+                            p.copy_(mean)
             if algorithm == "diloco" and (t + 1) % period == 0:
                 for i, th in enumerate(theta.parameters()):
                     th.grad = th - sum(ps[i] for ps in replicas) / len(alive)
@@ -415,6 +426,24 @@ def test_model_averaging_grows_back_from_the_averaged_replica(tmp_path, algorith
         if key != 2:
             assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
                 [(4, (2,), (3,))], got["recoveries"]
+        assert_matches(f"stream {key}", got, params[key], momentum[key])
+
+
+def test_hierarchical_averaging_grows_back_into_the_lost_ranks_groups(tmp_path):
+    """recover(replace=True) under PostLocalSGDOptimizer with a
+    HierarchicalModelAverager (pairs every PERIOD steps, the world every 2
+    PERIOD), rank 1 lost as the pairs average (step 2): its pair mate
+    finishes that averaging alone, then the replacement takes rank 0's
+    replica and momentum and rank 1's place in every level's group -- last
+    in the world's order, it still averages with rank 0's replica in the
+    pairs (step 6)."""
+    saved = run_job(tmp_path, 4, "1:2:step", expect=range(4), FT_ALGORITHM="postlocalsgd",
+                    FT_HIERARCHICAL=1, FT_REPLACE=1)
+    params, momentum = simulate_replicas(4, 8, {1: 2}, "hierarchical", joins={1: (3, 0)})
+    for key, got in saved.items():
+        if key != 1:
+            assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
+                [(4, (1,), (3,))], got["recoveries"]
         assert_matches(f"stream {key}", got, params[key], momentum[key])
 
 
@@ -551,7 +580,7 @@ def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path):
             assert torch.equal(a, b), f"rank {rank} ended with other parameters than rank 0"
 
 
-def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None):
+def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None, joins=None):
     """SlowMo (LOCALSGD base; θ and u whole in fault-tolerant mode) over
     emulated nodes of `per_node` ranks, by its rule: every rank holds its
     node's replica and inner momentum; a node's ranks average their
@@ -563,20 +592,30 @@ def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None):
     sync_lost_from[r] (a rank lost in a sync: the sync is done again over
     the survivors). Where the survivors' nodes hold different numbers of
     ranks, every rank is a node of its own from then on. clip: the node's
-    mean gradient is clipped to this norm. Returns each rank's parameters
-    and momentum, and (θ, u)."""
+    mean gradient is clipped to this norm. joins: {rank: (step, source)}, a
+    replacement in rank's place from `step` on, holding rank `source`'s
+    replica and momentum then (the nodes whole again). Returns each rank's
+    parameters and momentum, and (θ, u)."""
     period, lr = train_ft.PERIOD, 0.05
     models = [train_ft.make_model() for _ in range(n)]
     inner = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
     theta = torch.nn.utils.parameters_to_vector(train_ft.make_model().parameters()).detach()
     u = torch.zeros_like(theta)
-    alive, one_rank_nodes = list(range(n)), False
+    alive, one_rank_nodes, joins = list(range(n)), False, joins or {}
+
+    def takes_part(r, t, lost):
+        return t < lost.get(r, steps) or t >= joins.get(r, (steps,))[0]
+
     for t in range(steps):
-        now = [r for r in alive if t < lost_from.get(r, steps)]
+        for r, (at, source) in joins.items():
+            if t == at:
+                models[r].load_state_dict(models[source].state_dict())
+                inner[r].load_state_dict(copy.deepcopy(inner[source].state_dict()))
+        now = [r for r in range(n) if takes_part(r, t, lost_from)]
         if now != alive:
-            alive = now
+            grew, alive = len(now) > len(alive), now
             counts = [sum(1 for q in alive if q // per_node == r // per_node) for r in alive]
-            one_rank_nodes = one_rank_nodes or len(set(counts)) > 1
+            one_rank_nodes = (not grew and one_rank_nodes) or len(set(counts)) > 1
         nodes = {}
         for r in alive:
             nodes.setdefault(r if one_rank_nodes else r // per_node, []).append(r)
@@ -598,7 +637,7 @@ def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None):
                 inner[r].step()
         if (t + 1) % period:
             continue
-        in_sync = [r for r in alive if t < sync_lost_from.get(r, steps)]
+        in_sync = [r for r in alive if takes_part(r, t, sync_lost_from)]
         x = sum(torch.nn.utils.parameters_to_vector(models[r].parameters()).detach()
                 for r in in_sync) / len(in_sync)
         if (t + 1) % (2 * period) == 0:
@@ -640,6 +679,40 @@ def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
         torch.testing.assert_close(got["slowmo"]["theta"], theta, **tol)
         torch.testing.assert_close(got["slowmo"]["u"], u, **tol)
+
+
+# (kill spec, {victim: the first step without its data}, {victim: the first
+# sync without it}, {victim: (the replacement's first step, the survivor whose
+# replica and momentum it takes)}), at 4 ranks on emulated nodes of 2.
+SLOWMO_GROWING_CASES = {
+    "rank 3 lost in a slow step: the survivors finish it, the replacement joins rank 2's node":
+        ("3:3:sync", {3: 4}, {3: 3}, {3: (4, 2)}),
+    "rank 1 lost in backward: the replacement joins rank 0's node":
+        ("1:5:backward", {1: 5}, {1: 5}, {1: (5, 0)}),
+}
+
+
+@pytest.mark.parametrize("case", list(SLOWMO_GROWING_CASES))
+def test_slowmo_grows_back_into_the_lost_ranks_node(tmp_path, case):
+    """recover(replace=True) under SlowMo (LOCALSGD base): a slow step the
+    loss cut short is finished by the survivors alone (every rank a node of
+    its own for it, as the nodes are uneven), then the replacement takes the
+    lost rank's place in its node, so the nodes are whole again: it trains
+    on the lost rank's data with its node's replica, takes its node mate's
+    optimizer state before its first step (share_state gave it rank 0's),
+    and rank 0's θ, u and step count."""
+    kill, lost_from, sync_lost_from, joins = SLOWMO_GROWING_CASES[case]
+    saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="slowmo", FT_REPLACE=1,
+                    MPIDP_RANKS_PER_NODE=2)
+    params, momentum, (theta, u) = simulate_slowmo(4, 8, lost_from, sync_lost_from, joins=joins)
+    victim = next(iter(joins))
+    for key, got in saved.items():
+        if key != victim:
+            assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
+                [(4, (victim,), (3,))], got["recoveries"]
+        assert_matches(f"stream {key}", got, params[key], momentum[key])
+        torch.testing.assert_close(got["slowmo"]["theta"], theta, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["slowmo"]["u"], u, rtol=1e-5, atol=1e-6)
 
 
 def simulate_qadam(n, steps, lost_from, order=lambda t, alive: alive):

@@ -8,7 +8,8 @@ what it saw to FT_OUT/rank-<launched rank>.pt.
 
 FT_NONBLOCKING=1: non-blocking DataParallel; FT_HIERARCHICAL=1: hierarchical
 averaging; FT_ALGORITHM=bytegrad: Bagua's ByteGrad through with_bagua,
-postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager, localsgd:
+postlocalsgd: PostLocalSGDOptimizer with a PeriodicModelAverager (with
+FT_HIERARCHICAL=1 a HierarchicalModelAverager), localsgd:
 the same rule as Bagua's LocalSGDAlgorithm through with_bagua, diloco:
 DiLoCo (outer SGD with Nesterov momentum; its momentum is the one saved;
 FT_FRAGMENTS=1: Streaming DiLoCo, FRAGMENTS taking turns every PERIOD steps,
@@ -169,7 +170,11 @@ def main(out_dir: str) -> None:
         net = mpidp.with_bagua(model, [sgd], mpidp.algorithms.LocalSGDAlgorithm(period=PERIOD))
     elif algorithm == "postlocalsgd":    # torch's post-local SGD: average every PERIOD steps
         net = model
-        opt = mpidp.PostLocalSGDOptimizer(sgd, mpidp.PeriodicModelAverager(period=PERIOD))
+        # FT_HIERARCHICAL=1: a HierarchicalModelAverager, pairs every PERIOD
+        # steps, the whole world every 2 PERIOD (4 ranks).
+        averager = mpidp.HierarchicalModelAverager({PERIOD: 2, 2 * PERIOD: 4}) if hierarchical \
+            else mpidp.PeriodicModelAverager(period=PERIOD)
+        opt = mpidp.PostLocalSGDOptimizer(sgd, averager)
     elif algorithm == "diloco":          # the outer sync every PERIOD inner steps
         net = model
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
