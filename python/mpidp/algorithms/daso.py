@@ -350,7 +350,8 @@ class DASO(Driver):
         before = self._transaction_state()
         try:
             self._step(last)
-            fault_tolerant_mode.step_boundary()
+            # Agreed by the ranks DASO runs over: the job's, or a worker group's.
+            fault_tolerant_mode.step_boundary(self._agreement_comm())
         except fault_tolerant_mode.RanksLost:
             self._undo(before)
             raise

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .. import _C
 from .._runtime import fault_tolerant_mode
 from .driver import set_up
-from .._runtime.mpi import MPI, communicator, is_world
+from .._runtime.mpi import MPI, communicator
 from .._runtime.model_checks import check_module
 from .._runtime.state_broadcast import broadcast_buffers
 from .daso import DASO
@@ -57,12 +57,6 @@ class DataParallelMultiGPU(torch.nn.Module):
                             f"other optimizers use mpidp.DataParallel), got {type(optimizer).__name__}")
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers: expected a bool, got {type(broadcast_buffers).__name__}")
-        if fault_tolerant_mode.enabled() and not is_world(communicator(comm).c):
-            raise NotImplementedError(
-                "DataParallelMultiGPU: in fault-tolerant mode DASO runs over the whole job "
-                "(comm=MPI.COMM_WORLD) so far; over a worker group its recovery is not built "
-                "yet (not a limit of DASO): run each group's DASO without "
-                "MPIDP_FAULT_TOLERANCE, or over the job")
         super().__init__()
         # The module is DASO's (claimed in set_model below): checked and
         # broadcast here, with DASO's settings and this wrapper's.

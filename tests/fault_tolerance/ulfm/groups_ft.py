@@ -6,7 +6,9 @@ communicator with FT_ALGORITHM: dp (blocking DataParallel), nonblocking
 GradientAllReduceAlgorithm through with_bagua), diloco (DiLoCo over the
 group, a sync every PERIOD inner steps; its outer momentum is the one
 saved), qadam (Bagua's QAdam through with_bagua, train_ft.py's settings;
-its first moment is the momentum saved), slowmo (SlowMo, LOCALSGD base,
+its first moment is the momentum saved), daso (DASO under
+DataParallelMultiGPU over the group, train_ft.py's settings: its warm-up;
+nodes as MPIDP_RANKS_PER_NODE says), slowmo (SlowMo, LOCALSGD base,
 over the group: nodes as MPIDP_RANKS_PER_NODE says), decentralized and lowprecision (Bagua's DecentralizedAlgorithm,
 "all" peers, and LowPrecisionDecentralizedAlgorithm, flat, over the group),
 sparseloco (SparseLoCo over the group, train_ft.py's settings),
@@ -118,6 +120,12 @@ def main(out_dir: str) -> None:
         opt = saved_opt = mpidp.DeMo(model.parameters(), lr=DEMO_LR,
                                      compression_decay=DEMO_DECAY, compression_topk=3,
                                      compression_chunk=EF_CHUNK, comm=worker)
+    elif algorithm == "daso":            # DASO in its warm-up over the group, train_ft.py's
+        daso = mpidp.DASO(sgd, total_epochs=1, warmup_epochs=1, cooldown_epochs=0,
+                          max_global_skips=4, downcast_type=torch.float32, comm=worker)
+        net = mpidp.DataParallelMultiGPU(model, daso, comm=worker)
+        daso.last_batch = STEPS - 1
+        opt = daso
     elif algorithm == "postlocalsgd":
         net = model
         opt = mpidp.PostLocalSGDOptimizer(

@@ -4,7 +4,6 @@ message naming it, and recover(replace=True) refuses algorithms that cannot
 take a replacement. Prints one line per check and "ALL REFUSED" at the end."""
 
 import torch
-from mpi4py import MPI
 
 import mpidp
 from mpidp._runtime.mpi import communicator
@@ -23,12 +22,6 @@ def refused(what, build, expected):
 
 def model():
     return torch.nn.Linear(4, 2)
-
-
-m = model()
-refused("DASO over a worker group", lambda: mpidp.DataParallelMultiGPU(
-    m, mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=1),
-    comm=MPI.COMM_SELF), "over a worker group its recovery is not built yet")
 
 
 class OwnDriver(Driver):

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import groups_ft  # noqa: E402
 import train_ft  # noqa: E402
-from test_fault_tolerance import (launch, simulate_qadam, simulate_replicas,  # noqa: E402
+from test_fault_tolerance import (launch, simulate_daso, simulate_qadam, simulate_replicas,  # noqa: E402
                                   simulate_slowmo)
 from test_decentralized import assert_survivors_match, simulate_dcd, simulate_dpsgd  # noqa: E402
 from test_low_communication import (TOL, assert_sparseloco_matches, simulate_demo,  # noqa: E402
@@ -144,6 +144,10 @@ def check_first_group(saved, members, lost_from, algorithm):
                                               {r: s - 1 for r, s in lost_from.items()})
         assert_members_match(saved, members, lambda r: params[r], lambda r: momentum[r])
         return
+    if algorithm == "daso":
+        params, momentum = simulate_daso(n, STEPS, lost_from)
+        assert_members_match(saved, members, lambda r: params, lambda r: momentum[r])
+        return
     if algorithm == "qadam":
         params, moments = simulate_qadam(n, STEPS, lost_from)
         assert_members_match(saved, members, lambda r: params, lambda r: moments,
@@ -194,6 +198,8 @@ CASES = {
         (4, [[0, 1, 2], [3]], "1:5:backward", {1: 5}, "qadam", "group"),
     "SlowMo over a group (a node of 2), one rank lost in a slow step":
         (4, [[0, 1], [2, 3]], "1:3:sync", {1: 4}, "slowmo", "group"),
+    "DASO over a group (two nodes of 2), one rank lost in backward":
+        (6, [[0, 1, 2, 3], [4, 5]], "1:2:backward", {1: 2}, "daso", "group"),
     "DataParallel, every survivor of the job recovers it":
         (4, [[0, 1], [2, 3]], "2:3:backward", {2: 3}, "dp", "job"),
     "PostLocalSGD over groups, every survivor of the job recovers it":
@@ -205,12 +211,13 @@ CASES = {
 def test_a_loss_in_one_group_recovers_that_group(tmp_path, case):
     n, groups, kill, lost_from, algorithm, mode = CASES[case]
     saved = run_groups(tmp_path, n, groups, kill, FT_ALGORITHM=algorithm, FT_RECOVER=mode,
-                       **({"MPIDP_RANKS_PER_NODE": 2} if algorithm == "slowmo" else {}))
+                       **({"MPIDP_RANKS_PER_NODE": 2} if algorithm in ("slowmo", "daso")
+                          else {}))
     check_groups_recovered(saved, groups, lost_from, mode)
     if algorithm in ("postlocalsgd", "diloco"):
         check_replicas(saved, groups, lost_from, algorithm)
     elif algorithm in ("sparseloco", "demo", "decentralized", "lowprecision", "qadam",
-                       "slowmo"):
+                       "slowmo", "daso"):
         check_first_group(saved, groups[0], lost_from, algorithm)
     else:
         check_data_parallel(saved, groups, lost_from)
