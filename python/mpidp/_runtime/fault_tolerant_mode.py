@@ -35,6 +35,8 @@ class _State:
     # A replacement joins the survivors' agreement that the rebuild is
     # complete (recover()'s last) in share_state(), after its own set-up.
     owes_rebuild_agreement = False
+    # A replacement took the survivors' plan (fault_tolerance/replacements.py).
+    plan_taken = False
     # recover(replace=True)'s rebuild, where replacements joined (growing()):
     # the survivors alone, the shrink's communicator, over which what a loss
     # interrupted is finished before the replacements' set-up, which the

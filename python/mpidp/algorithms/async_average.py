@@ -77,7 +77,14 @@ class _AsyncHandle(Driver):
         self._claim(module, communicator(comm))
         self._handles = [opt.register_step_post_hook(self._after_step) for opt in optimizers]
         self._counting = optimizers[0] if optimizers else None
-        self._begin()
+        if fault_tolerant_mode.joining():
+            # A replacement (recover(replace=True)): rank 0's step count, as
+            # the survivors' _continue_on sends it; past the warm-up its
+            # thread starts with theirs, at the next training forward.
+            self.step = communicator(comm).mpi.bcast(None, root=0)
+            self._restart = self.step >= self.warmup_steps
+        if not self._restart:
+            self._begin()
 
     @property
     def rounds(self) -> int:
@@ -122,20 +129,15 @@ class _AsyncHandle(Driver):
         every survivor's thread ended at that round with the loss. The thread
         starts again over the survivors (in the warm-up, its DataParallel goes
         on by its own rule); each survivor keeps its weights and its step
-        count, and the lost rank's weights leave with it."""
+        count, and the lost rank's weights leave with it. Where replacements
+        joined, each starts from rank 0's weights (with_bagua's set-up) and
+        step count, its weights adding to the ones averaged from then on."""
+        self._leave_old_world()
         self.comm = comm
-        self._claim(self.module, communicator(comm))     # found again at the next loss
-        averager, self.averager = self.averager, None
-        if averager is not None:
-            _RUNNING.discard(self)
-            if self._locked:             # the cut-short step's forward took the lock
-                self._locked = False
-                averager.unlock()
-            try:
-                averager.stop()
-            except _C.CommError:         # the loss it ended with (RanksLost)
-                pass
-            self.rounds_before += averager.rounds
+        handle = communicator(comm)
+        self._claim(self.module, handle)     # found again at the next loss
+        if fault_tolerant_mode.growing():    # as a replacement's construction takes it
+            handle.mpi.bcast(self.step if handle.mpi.Get_rank() == 0 else None, root=0)
         if self._warmup is not None:
             self._warmup._continue_on(comm)
         # The thread starts again at the next training forward, which every
@@ -144,6 +146,26 @@ class _AsyncHandle(Driver):
         # rebuild (seen to garble a pickled allgather of the rebuild's, 1 job
         # in 5, Open MPI 5.0 with ULFM).
         self._restart = True
+
+    def _leave_old_world(self) -> None:
+        """The thread, which ended with the loss, joined: its failure is
+        raised here (and revokes the old communicators), not after the
+        set-up over the survivors (with_bagua's, where replacements join)."""
+        averager, self.averager = self.averager, None
+        if averager is None:
+            return
+        _RUNNING.discard(self)
+        if self._locked:                 # the cut-short step's forward took the lock
+            self._locked = False
+            averager.unlock()
+        try:
+            averager.stop()
+        except _C.CommError:             # the loss it ended with (RanksLost)
+            pass
+        self.rounds_before += averager.rounds
+
+    def _takes_replacements(self) -> bool:
+        return True    # _continue_on sends the step count a replacement's construction takes
 
     def _check_rounds(self, rounds: int) -> None:
         """MPIDP_CHECK: every rank's thread took part in the same rounds."""

@@ -450,7 +450,13 @@ class DASO(Driver):
         those parameters, by the group whose turn it was."""
         self._remove_hooks()
         self._sync = None            # recover() drained what it had in flight
-        if not self._one_rank_nodes and not nodes_are_even(comm):
+        growing = fault_tolerant_mode.growing()
+        if growing:
+            # The replacements' construction, call for call (the wrapper's
+            # set-up included): the job is back to its size as launched, so
+            # its nodes are whole again.
+            self._one_rank_nodes = False
+        elif not self._one_rank_nodes and not nodes_are_even(comm):
             warnings.warn("DASO: after the loss of ranks the nodes hold different numbers of "
                           "ranks; every rank is a node of its own from now on (no node-local "
                           "DDP, every rank in the global syncs)", stacklevel=2)
@@ -464,8 +470,18 @@ class DASO(Driver):
         for p in model.parameters():
             p.grad = None
         self.set_model(model, broadcast_buffers=self._broadcast_buffers)
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        broadcast_state(model.module if ddp else model, self._world)
+        if not growing:      # (growing, the wrapper's set-up did)
+            ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            broadcast_state(model.module if ddp else model, self._world)
+        self._take_rank_0s_state()
+
+    def _takes_replacements(self) -> bool:
+        return True    # _continue_on repeats a replacement's construction (with its wrapper's)
+
+    def _take_rank_0s_state(self) -> None:
+        """Every rank (the survivors after a loss, a replacement at its
+        construction) takes rank 0's optimizer state, schedule and batch
+        counters; the global sync that was in flight is sent again."""
         mpi_comm = self._world_comm.mpi
         mine = None
         if mpi_comm.Get_rank() == 0:

@@ -60,8 +60,8 @@ class DataParallelMultiGPU(torch.nn.Module):
         super().__init__()
         # The module is DASO's (claimed in set_model below): checked and
         # broadcast here, with DASO's settings and this wrapper's.
-        handle, _ = set_up(module, comm, "DataParallelMultiGPU",
-                           settings=dict(optimizer.settings(), broadcast_buffers=broadcast_buffers))
+        self._setup_settings = dict(optimizer.settings(), broadcast_buffers=broadcast_buffers)
+        handle, _ = set_up(module, comm, "DataParallelMultiGPU", settings=self._setup_settings)
         mpi_comm = handle.mpi
         topo = topology(mpi_comm)
         self.comm = comm
@@ -111,6 +111,8 @@ class DataParallelMultiGPU(torch.nn.Module):
         self._daso = optimizer
         self._joining = False
         self._last_inputs = None
+        if fault_tolerant_mode.joining():     # a replacement: rank 0's state, as DASO's survivors
+            optimizer._take_rank_0s_state()
 
     def _wrap_node_local(self, mpi_comm, local_size: int, node_default: bool = False) -> None:
         """self.module: the user's module in a DDP over this node's ranks of
@@ -147,7 +149,12 @@ class DataParallelMultiGPU(torch.nn.Module):
 
     def _continue_on(self, mpi_comm, local_size: int) -> None:
         """Fault-tolerant mode (DASO._continue_on): the node-local DDP made
-        again over the survivors' nodes (none where a node has one rank)."""
+        again over the survivors' nodes (none where a node has one rank);
+        where replacements joined, after this wrapper's set-up, which a
+        replacement's construction runs there (its model becomes rank 0's)."""
+        if fault_tolerant_mode.growing():
+            set_up(self._user_module, mpi_comm, "DataParallelMultiGPU",
+                   settings=self._setup_settings)
         if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
             # The old DDP's autograd hooks on the parameters go with it.
             self.module._remove_autograd_hooks()

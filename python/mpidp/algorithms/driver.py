@@ -131,6 +131,7 @@ def continue_on_survivors(survivors, old_keys) -> None:
             drivers[id(driver)] = driver
     for driver in drivers.values():
         try:
+            driver._leave_old_world()
             if fault_tolerant_mode.growing() and driver._set_up_again is not None:
                 driver._set_up_again(survivors)
             driver._continue_on(survivors)
@@ -269,6 +270,12 @@ class Driver(abc.ABC):
             if driver._claimed_mpi is not None:
                 comm = driver._claimed_mpi
         return comm
+
+    def _leave_old_world(self) -> None:
+        """Fault-tolerant mode, first in a recovery: end what still runs over
+        the old communicators on its own (a background thread), before any
+        set-up over the new ones -- its failure, raised later, would revoke
+        them. (By default there is nothing.)"""
 
     def _takes_replacements(self) -> bool:
         """Whether recover(replace=True) can grow its job back: its

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .._runtime import config
 from .._runtime.args import check_choice
-from .._runtime.mpi import MPI
+from .._runtime.mpi import MPI, world_mpi
 from .._runtime.topology import node_comm, topology
 
 __all__ = ["init_process_group", "node_process_group"]
@@ -117,27 +117,29 @@ def init_process_group(comm=None, backend: str | None = None,
 
     timeout: the group's timeout, for its store and torch's collectives (a
     datetime.timedelta; None: MPIDP_TIMEOUT, mpidp's own deadline)."""
-    group = MPI.COMM_WORLD if comm is None else comm
+    # (The job's world is mpidp's: in fault-tolerant mode, its survivors and
+    # the replacements that joined them.)
+    group = world_mpi() if comm is None or comm is MPI.COMM_WORLD else comm
     if not isinstance(group, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py intra-communicator, got {type(group).__name__}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend is None:
-        same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
-        backend = default_backend(gpus, same_machine.Get_size())
-        same_machine.Free()
-    else:
+    if backend is not None:
         check_choice("backend", backend, ("gloo", "nccl", "mpidp"))
-    if backend == "nccl" and gpus == 0:
-        raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
-                           "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "
-                           "backend='gloo', or leave backend=None to choose")
-    if dist.is_initialized():
+    if dist.is_initialized():   # before anything collective: a second call does nothing
         if dist.get_world_size() != group.Get_size() or dist.get_rank() != group.Get_rank():
             raise RuntimeError(
                 f"init_process_group: torch.distributed is already initialised with rank "
                 f"{dist.get_rank()} of {dist.get_world_size()}, not rank {group.Get_rank()} of "
                 f"{group.Get_size()} as asked")
         return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
+        backend = default_backend(gpus, same_machine.Get_size())
+        same_machine.Free()
+    if backend == "nccl" and gpus == 0:
+        raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
+                           "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "
+                           "backend='gloo', or leave backend=None to choose")
     if "nccl" in backend:
         torch.cuda.set_device(topology().local_rank % gpus)
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
@@ -205,18 +207,33 @@ def continue_on(world: MPI.Intracomm) -> None:
     gloo or NCCL group the program made itself is its to remake, and so are
     the subgroups (torch destroys them with the default group)."""
     global _made
-    if not dist.is_initialized():
+    how = made_again_by_recovery()
+    if how is None:
         return
+    _node_groups.clear()
+    dist.destroy_process_group()
+    _made = None
+    init_process_group(world, backend=how[0], timeout=how[1])
+
+
+def made_by_init_process_group() -> bool:
+    """Whether mpidp.init_process_group made the default group (not torch's
+    own dist.init_process_group)."""
+    return dist.is_initialized() and _made is not None
+
+
+def made_again_by_recovery():
+    """(backend, timeout) of the default group continue_on makes again (for
+    init_process_group), or None where it makes none."""
+    if not dist.is_initialized():
+        return None
     if _made is not None:
         backend, timeout = _made
     elif dist.get_backend() == "mpidp":   # dist.init_process_group("mpidp") made it
         backend, timeout = "mpidp", None
     else:
-        return
-    _node_groups.clear()
-    dist.destroy_process_group()
-    _made = None
-    init_process_group(world, backend=None if "," in backend else backend, timeout=timeout)
+        return None
+    return (None if "," in backend else backend), timeout
 
 
 # Node-local groups made so far, by the nodes' ranks: (the default group they

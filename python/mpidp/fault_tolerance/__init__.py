@@ -49,16 +49,29 @@ from __future__ import annotations
 # (FT-HSDP's rule: the replica groups that lost no rank go on); the per-step half
 # that algorithms call is mpidp/_runtime/fault_tolerant_mode.py.
 from .._runtime import fault_tolerant_mode
-from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_step, defer, enable,
+from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_step, defer,
                                    enabled, is_replacement, participate, raise_deferred,
                                    revoke_everything, step_boundary, world_agreement, world_comm)
 from .._runtime.fault_tolerant_groups import survivors_of
 from .deadline import deadline
 from .recovery import Membership, recover, recovery_times, steps_committed
+from .replacements import take_plan
 from .replica_groups import keep_whole_groups
 from .training_state import reset_grad_scaler, save_checkpoint, share_state
 
 _state = fault_tolerant_mode._state
+
+
+def enable() -> None:
+    """Turn fault-tolerant mode on (every rank, before any model is wrapped).
+    Raises RuntimeError naming what is missing where the MPI has no ULFM or
+    the job was not launched with it. (A replacement then takes the
+    survivors' plan.)"""
+    fault_tolerant_mode.enable()
+    take_plan()
+
+
+take_plan()     # a replacement whose mode MPIDP_FAULT_TOLERANCE started at import
 
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",

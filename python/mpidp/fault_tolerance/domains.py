@@ -15,6 +15,7 @@ from .._runtime.mpi import MPI
 from .._runtime.topology import forget_splits
 from ..algorithms.driver import continue_on_survivors
 from ..collectives import process_groups as process_group
+from .replacements import send_plan
 from .survivors import retire
 
 _state = fault_tolerant_mode._state
@@ -55,6 +56,7 @@ class WorldDomain:
                               if fault_tolerant_groups.of(_participant_comm(obj)) is None]
         before_growth = fault_tolerant_mode.survivors_before_growth()
         if before_growth is not None:
+            send_plan(survivors)
             # Replacements joined: what the loss interrupted is finished over
             # the survivors alone first, so the replacements' set-up gives
             # them the state the survivors go on from.

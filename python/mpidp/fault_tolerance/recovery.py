@@ -181,7 +181,10 @@ def _refuse_replacements() -> None:
                       if hasattr(obj, "_why_no_replacements")})
         raise NotImplementedError(
             f"recover(replace=True): {', '.join(names)} cannot take a replacement ("
-            + ("; ".join(why) if why else "growing back is not built for it yet")
+            + ("; ".join(why) if why else
+               "its recovery does not say that it repeats, call for call, the set-up a "
+               "replacement's construction runs: a driver that does returns True from "
+               "_takes_replacements()")
             + "); call mpidp.recover() without replace to go on with the survivors")
 
 

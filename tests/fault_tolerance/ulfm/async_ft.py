@@ -6,10 +6,12 @@ a learning rate of 0, so the weights move only by the background thread's
 averaging: a round applied by every rank leaves them all at the mean of
 theirs. The rank FT_VICTIM ends itself with SIGKILL before step FT_AT; the
 survivors catch RanksLost (at their next step once their threads saw the
-loss), recover() and go on, the thread starting again over them. At the
-end the threads stop together and every survivor saves its weights, its
+loss), recover() and go on, the thread starting again over them
+(FT_REPLACE=1: recover(replace=True), and a replacement, starting from
+rank 0's weights, trains in the victim's place). At the end the threads
+stop together and every survivor (and replacement) saves its weights, its
 initial ones, the thread's rounds and its recoveries to
-FT_OUT/rank-<launched rank>.pt."""
+FT_OUT/rank-<launched rank (a replacement: the victim's)>.pt."""
 
 import os
 import signal
@@ -37,17 +39,22 @@ def main(out_dir: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     algorithm = mpidp.algorithms.AsyncModelAverageAlgorithm(sync_interval_ms=1)
     net = mpidp.with_bagua(model, [opt], algorithm)   # every rank takes rank 0's weights
-    algorithm.abort(net)         # the threads stop while each rank takes weights of its own
-    initial = own_weights(model, LAUNCHED_RANK)
-    with torch.no_grad():
-        for p, mine in zip(model.parameters(), initial):
-            p.copy_(mine)
-    algorithm.resume(net)
-    recoveries, step = [], 0
-    g = torch.Generator().manual_seed(LAUNCHED_RANK)
+    replace = bool(os.environ.get("FT_REPLACE"))
+    recoveries, step, key = [], 0, LAUNCHED_RANK
+    if mpidp.fault_tolerance.is_replacement():
+        initial = [p.detach().clone() for p in model.parameters()]    # rank 0's, as it joined
+        step, key = mpidp.fault_tolerance.share_state()["step"], victim
+    else:
+        algorithm.abort(net)     # the threads stop while each rank takes weights of its own
+        initial = own_weights(model, LAUNCHED_RANK)
+        with torch.no_grad():
+            for p, mine in zip(model.parameters(), initial):
+                p.copy_(mine)
+        algorithm.resume(net)
+    g = torch.Generator().manual_seed(key)
     while step < STEPS:
         try:
-            if LAUNCHED_RANK == victim and step == at:
+            if key == victim and step == at and not mpidp.fault_tolerance.is_replacement():
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
             torch.nn.functional.mse_loss(net(x), y).backward()
@@ -56,13 +63,16 @@ def main(out_dir: str) -> None:
             step += 1
             time.sleep(0.005)     # rounds run between the steps
         except mpidp.RanksLost:
-            m = mpidp.recover()
-            recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost})
+            m = mpidp.recover(replace=replace)
+            recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
+                               "joined": m.joined})
             step = mpidp.fault_tolerance.steps_committed()
+            if m.joined:
+                mpidp.fault_tolerance.share_state({"step": step})
     algorithm.abort(net)         # every rank's thread stops at the same round
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "initial": initial,
                 "rounds": net.bagua_driver.rounds, "recoveries": recoveries, "steps": step},
-               os.path.join(out_dir, f"rank-{LAUNCHED_RANK}.pt"))
+               os.path.join(out_dir, f"rank-{key}.pt"))
 
 
 if __name__ == "__main__":

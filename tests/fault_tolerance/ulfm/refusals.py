@@ -38,14 +38,22 @@ class OwnDriver(Driver):
 
 refused("a driver of the program's own with no recovery", lambda: OwnDriver(model()),
         "OwnAlgorithm's has no recovery (_continue_on(survivors))")
-# Growing back with an algorithm that cannot take a replacement yet: refused
-# by recover(replace=True) before anything of the recovery.
-m = model()
-daso = mpidp.DASO(torch.optim.SGD(m.parameters(), lr=0.1), total_epochs=1)
-net = mpidp.DataParallelMultiGPU(m, daso)
-refused("recover(replace=True) under DASO", lambda: mpidp.recover(replace=True),
-        "DASO cannot take a replacement (growing back is not built")
-daso.detach()
+
+
+class OwnRecoveringDriver(OwnDriver):
+    """A program's own algorithm's driver that goes on over the survivors but
+    does not say that it repeats a replacement's set-up."""
+
+    def _continue_on(self, survivors):
+        self._claim(self.module, communicator(survivors))
+
+
+# Growing back with an algorithm that cannot take a replacement: refused by
+# recover(replace=True) before anything of the recovery.
+own = OwnRecoveringDriver(model())
+refused("recover(replace=True) under a program's own driver", lambda: mpidp.recover(replace=True),
+        "OwnAlgorithm cannot take a replacement (its recovery does not say")
+own.detach()
 averager = mpidp.PeriodicModelAverager(period=2)
 refused("recover(replace=True) beside a PeriodicModelAverager",
         lambda: mpidp.recover(replace=True), "PeriodicModelAverager alone knows no model")

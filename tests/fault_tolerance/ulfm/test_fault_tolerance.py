@@ -479,7 +479,44 @@ def test_async_averaging_survivors_apply_the_same_rounds(tmp_path, n, victim, at
     assert close, "the survivors' weights are neither mean: a round was half applied"
 
 
-def simulate_daso(n, steps, lost_from, per_node=2, clip=None):
+def test_async_averaging_grows_back_from_rank_0s_weights(tmp_path):
+    """recover(replace=True) under AsyncModelAverageAlgorithm (learning rate
+    0), rank 1 lost while the threads average: the replacement starts from
+    rank 0's weights, the threads start again over all four at the next
+    forward, and every rank ends with the same weights -- the mean of what
+    the four held at the growth: the survivors' weights and rank 0's copy
+    (all at every rank's initial mean where a round completed before the
+    loss; else the survivors' initial weights, rank 0's counted twice)."""
+    n, victim = 4, 1
+    proc = launch(tmp_path, n, "", FT_SCRIPT="async_ft.py", FT_VICTIM=victim, FT_AT=6,
+                  FT_REPLACE=1)
+    saved = {int(f[5:-3]): torch.load(tmp_path / f) for f in os.listdir(tmp_path)
+             if f.startswith("rank-")}
+    assert set(saved) == set(range(n)), (
+        f"ranks that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
+        + stderr_of(proc)[-4000:])
+    import async_ft
+    initial = {r: async_ft.own_weights(torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)), r) for r in range(n)}
+    survivors = [r for r in range(n) if r != victim]
+    means = {"every rank's": [sum(ps) / n for ps in zip(*initial.values())],
+             "the survivors' and rank 0's": [sum(ps) / n for ps in
+                                             zip(initial[0], *(initial[r] for r in survivors))]}
+    first = saved[0]
+    for rank, got in saved.items():
+        if rank != victim:
+            assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
+                [(n, (victim,), (n - 1,))], got["recoveries"]
+        for a, b in zip(got["params"], first["params"]):
+            assert torch.equal(a, b), f"rank {rank}'s weights differ from rank 0's"
+    assert saved[victim]["rounds"] > 0, "the replacement's thread never averaged"
+    close = [name for name, mean in means.items()
+             if all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                    for a, b in zip(first["params"], mean))]
+    assert close, "the weights are neither mean: a round was half applied, or weight was lost"
+
+
+def simulate_daso(n, steps, lost_from, per_node=2, clip=None, joins=None):
     """DASO in its warm-up (a blocking global average every batch, float32
     on the wire) over emulated nodes of `per_node` ranks, by its rule: each
     node's ranks average their gradients and step SGD with the node's
@@ -487,17 +524,21 @@ def simulate_daso(n, steps, lost_from, per_node=2, clip=None):
     which a rank died is undone; at each recovery every survivor takes the
     new rank 0's (the lowest surviving rank's) momentum, and where the
     survivors cannot form whole nodes every rank is a node of its own from
-    then on. Returns the parameters and each rank's momentum."""
+    then on. joins: {victim: step}, a replacement on the victim's data from
+    `step` on, last in the world's order (the nodes whole again). Returns
+    the parameters and each rank's momentum."""
     model = train_ft.make_model()
     params = [p.detach().clone() for p in model.parameters()]
-    alive, one_rank_nodes = list(range(n)), False
+    alive, one_rank_nodes, joins = list(range(n)), False, joins or {}
     momentum = {r: None for r in alive}          # of each rank (its node's)
     for t in range(steps):
-        survivors = [r for r in alive if t < lost_from.get(r, steps)]
-        if survivors != alive:
-            alive = survivors
+        joined = [r for r, at in joins.items() if at == t]
+        survivors = [r for r in alive if r not in joined
+                     and (t < lost_from.get(r, steps) or t >= joins.get(r, steps))]
+        if survivors + joined != alive:
+            alive = survivors + joined
             momentum = {r: momentum[alive[0]] for r in alive}
-            one_rank_nodes = one_rank_nodes or len(alive) % per_node != 0
+            one_rank_nodes = (one_rank_nodes and not joined) or len(alive) % per_node != 0
         size = 1 if one_rank_nodes else per_node
         nodes = [alive[i:i + size] for i in range(0, len(alive), size)]
         stepped = []
@@ -555,6 +596,22 @@ def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
         for a, b in zip(got["momentum"], momentum[rank]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank}'s momentum: {m}")
+
+
+def test_daso_grows_back_with_rank_0s_state(tmp_path):
+    """recover(replace=True) under DASO (its warm-up), rank 1 lost in step
+    3's backward: the step is undone, then every rank -- the replacement
+    last in the world's order, the nodes whole again -- takes rank 0's
+    parameters, momentum and schedule, and step 3 is done again by all
+    four, the replacement on rank 1's data."""
+    saved = run_job(tmp_path, 4, "1:3:backward", expect=range(4), FT_ALGORITHM="daso",
+                    FT_REPLACE=1, MPIDP_RANKS_PER_NODE=2)
+    params, momentum = simulate_daso(4, 8, {1: 3}, joins={1: 3})
+    for key, got in saved.items():
+        if key != 1:
+            assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
+                [(4, (1,), (3,))], got["recoveries"]
+        assert_matches(f"stream {key}", got, params, momentum[key])
 
 
 def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path):
