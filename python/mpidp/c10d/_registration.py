@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._runtime import config, fault_tolerant_groups
+from .._runtime import config, fault_tolerant_groups, fault_tolerant_mode
 from .._runtime import mpi as _mpi
 from .._runtime.mpi import MPI, revocable
 from ..collectives.process_groups import groups, store_for_mpidp_only
@@ -38,7 +38,7 @@ except ImportError:
 def _create(opts, pg_options=None) -> dist.ProcessGroup:
     members = list(opts.global_ranks_in_group)
     if not members or not dist.is_initialized():   # the default group
-        comm = groups.next_default if groups.next_default is not None else MPI.COMM_WORLD
+        comm = _default_comm()
         groups.next_default = None
         if comm.Get_size() != opts.group_size or comm.Get_rank() != opts.group_rank:
             raise ValueError(
@@ -155,12 +155,21 @@ def _parent_comm():
 _torch_env_handler = None
 
 
+def _default_comm():
+    """The ranks of a default group made without mpidp.init_process_group:
+    the job's. (A replacement's MPI.COMM_WORLD is its own spawn; the job is
+    mpidp's world, which it joined.)"""
+    if groups.next_default is not None:
+        return groups.next_default
+    return _mpi.world_mpi() if fault_tolerant_mode.is_replacement() else MPI.COMM_WORLD
+
+
 def _env_rendezvous(url: str, timeout=None, **kwargs):
     """torch's env:// rendezvous where MASTER_ADDR is set (with the rank and
     world size from MPI where RANK and WORLD_SIZE are not); otherwise the
     rank and world size come from MPI (mpirun, srun, or one process alone)
     and the store is one that only the "mpidp" backend can do without."""
-    comm = groups.next_default if groups.next_default is not None else MPI.COMM_WORLD
+    comm = _default_comm()
     if "MASTER_ADDR" in os.environ:
         os.environ.setdefault("RANK", str(comm.Get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(comm.Get_size()))

@@ -56,7 +56,7 @@ from .._runtime.fault_tolerant_groups import survivors_of
 from .deadline import deadline
 from .recovery import Membership, recover, recovery_times, steps_committed
 from .replacements import take_plan
-from .replica_groups import keep_whole_groups
+from .replica_groups import give_replacements_shards, keep_whole_groups
 from .training_state import reset_grad_scaler, save_checkpoint, share_state
 
 _state = fault_tolerant_mode._state
@@ -76,6 +76,7 @@ take_plan()     # a replacement whose mode MPIDP_FAULT_TOLERANCE started at impo
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
            "reset_grad_scaler", "deadline", "survivors_of", "keep_whole_groups",
+           "give_replacements_shards",
            # the per-step half, for the algorithms (mpidp/_runtime/fault_tolerant_mode.py;
            # step_boundary also ends the steps of torch.distributed programs):
            "step_boundary", "agree_all_alive", "world_agreement", "commit_step", "participate",

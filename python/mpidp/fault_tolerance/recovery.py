@@ -75,10 +75,13 @@ def recover(replace: bool = False, comm=None) -> Membership:
     domain = _domain_of(comm)
     if replace:
         if not isinstance(domain, WorldDomain):
+            # A replacement must join the job's world, which only every rank
+            # of the job can grow, and the other groups never hear of this loss.
             raise NotImplementedError(
-                "recover(comm=..., replace=True): a group grows back only with the whole job "
-                "(mpidp.recover(replace=True) on every survivor of the job); "
-                "recover(comm=...) goes on with the group's survivors")
+                "recover(comm=..., replace=True): a replacement joins the job's world, which "
+                "only every rank of the job can grow, and the other groups go on untouched: "
+                "call mpidp.recover(replace=True) on every survivor of the job, or "
+                "recover(comm=...) to go on with the group's survivors")
         _refuse_replacements()
     cause = sys.exc_info()[1]       # the RanksLost being handled, if any
     first_comm = domain.comm()

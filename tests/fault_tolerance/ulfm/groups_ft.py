@@ -19,6 +19,10 @@ PeriodicModelAverager(period=2) over the group), hierarchical
 groups of 2 are FT_GROUPS). Launched by
 tests/fault_tolerance/ulfm/test_groups.py through scripts/mpirun_ft.sh.
 
+FT_HABITS=1 (dp, nonblocking, postlocalsgd): AMP's GradScaler, the
+gradients unscaled and clipped to train_ft.CLIP before the step, and
+DataParallel wrapped twice (the newer takes over).
+
 The ranks of FT_KILL ("<rank>:<step>:<phase>", phases backward: inside
 backward, before the last gradient; step: before the optimizer's step) end
 themselves with SIGKILL (sync: after the optimizer's step, before SlowMo's
@@ -34,6 +38,7 @@ losses it saw, its recoveries and the world's last sum."""
 import os
 import signal
 import sys
+import warnings
 
 import torch
 from mpi4py import MPI
@@ -41,7 +46,7 @@ from mpi4py import MPI
 import mpidp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ft import (DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K, PERIOD,  # noqa: E402
+from train_ft import (CLIP, DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K, PERIOD,  # noqa: E402
                       QADAM_LR, QADAM_WARMUP, SLOW_LR, SLOW_MOMENTUM, batch,
                       make_model, momenta)
 
@@ -81,6 +86,8 @@ def main(out_dir: str) -> None:
 
     model = make_model()
     sgd = saved_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    habits = bool(os.environ.get("FT_HABITS"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
     sparseloco = None
     if algorithm == "hierarchical":     # over the world: the groups are its levels
         net = model
@@ -133,8 +140,11 @@ def main(out_dir: str) -> None:
     else:
         opt = mpidp.DataParallelOptimizer(sgd, blocking=False) if algorithm == "nonblocking" \
             else sgd
-        net = mpidp.DataParallel(model, comm=worker,
-                                 optimizer=opt if algorithm == "nonblocking" else None)
+        for _ in range(2 if habits else 1):    # habits: wrapped twice, the newer takes over
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                net = mpidp.DataParallel(model, comm=worker,
+                                         optimizer=opt if algorithm == "nonblocking" else None)
     if any(p == "rebuild" for _, _, p in kills):
         # Phase "rebuild": inside recover() of the failure at that step, as
         # the algorithm's set-up broadcasts over the group's survivors.
@@ -154,12 +164,19 @@ def main(out_dir: str) -> None:
             out = net(x)
             hook = first_weight.register_hook(
                 lambda g, s=step: maybe_die(s, "backward") or g)
+            loss = torch.nn.functional.mse_loss(out, y)
             try:
-                torch.nn.functional.mse_loss(out, y).backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
             finally:
                 hook.remove()
             maybe_die(step, "step")
-            opt.step()
+            if scaler is None:
+                opt.step()
+            else:       # AMP's scaler, the gradients unscaled and clipped before the step
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad()
             maybe_die(step, "sync")
             if algorithm == "slowmo":
@@ -168,6 +185,8 @@ def main(out_dir: str) -> None:
         except mpidp.RanksLost:
             losses += 1
             m = mpidp.recover(comm=worker if mode == "group" else None)
+            if scaler is not None:
+                mpidp.fault_tolerance.reset_grad_scaler(scaler)
             # The group's survivors (a recovery of the job made every group again).
             worker = m.comm if mode == "group" else mpidp.fault_tolerance.survivors_of(worker)
             recoveries.append({"lost": list(m.lost), "rank": m.rank, "size": m.size,

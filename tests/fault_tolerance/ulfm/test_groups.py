@@ -45,9 +45,10 @@ def run_groups(tmp_path, n, groups, kill, **env):
     return saved
 
 
-def simulate_data_parallel(members, lost_from):
+def simulate_data_parallel(members, lost_from, clip=None):
     """DataParallel over `members` (launched ranks): each step's gradient is
-    the mean over the members alive in it; SGD with momentum."""
+    the mean over the members alive in it (clipped to norm `clip`, if
+    given); SGD with momentum."""
     model = train_ft.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for t in range(STEPS):
@@ -60,6 +61,8 @@ def simulate_data_parallel(members, lost_from):
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *g in zip(model.parameters(), *grads):
             p.grad = sum(g) / len(alive)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return [p.detach() for p in model.parameters()], \
         [opt.state[p]["momentum_buffer"] for p in model.parameters()]
@@ -79,13 +82,13 @@ def assert_members_match(saved, members, params, momentum, momentum_name="moment
             assert_close(saved[r]["momentum"], momentum(r), f"rank {r}'s {momentum_name}")
 
 
-def check_data_parallel(saved, groups, lost_from):
+def check_data_parallel(saved, groups, lost_from, clip=None):
     for members in groups:
-        params, momentum = simulate_data_parallel(members, lost_from)
+        params, momentum = simulate_data_parallel(members, lost_from, clip)
         assert_members_match(saved, members, lambda r: params, lambda r: momentum)
 
 
-def check_replicas(saved, groups, lost_from, algorithm):
+def check_replicas(saved, groups, lost_from, algorithm, clip=None):
     """Each group's replicas (postlocalsgd, diloco) by the rule of
     tests/fault_tolerance/ulfm/test_fault_tolerance.py's simulation, over the
     group's ranks."""
@@ -94,7 +97,7 @@ def check_replicas(saved, groups, lost_from, algorithm):
         streams = dict(zip(range(len(members)), members))
         params, momentum = simulate_replicas(
             len(members), STEPS, {index[r]: s for r, s in lost_from.items() if r in index},
-            algorithm, streams=streams)
+            algorithm, streams=streams, clip=clip)
         assert_members_match(saved, members, lambda r: params[index[r]],
                              lambda r: momentum[index[r]])
 
@@ -172,8 +175,13 @@ def check_first_group(saved, members, lost_from, algorithm):
 
 
 # (ranks, groups, kill spec, {victim: the first step without its data or
-# replica}, algorithm, how the survivors recover)
+# replica}, algorithm, how the survivors recover, FT_HABITS: AMP's scaler,
+# the gradients clipped, DataParallel wrapped twice)
 CASES = {
+    "DataParallel over a group, habits: a rank lost in backward":
+        (4, [[0, 1], [2, 3]], "3:3:backward", {3: 3}, "dp", "group", True),
+    "PostLocalSGD over a group, habits: a rank lost at an averaging step":
+        (4, [[0, 1, 2], [3]], "1:4:step", {1: 4}, "postlocalsgd", "group", True),
     "DataParallel, a rank of the second group lost in backward":
         (4, [[0, 1], [2, 3]], "3:3:backward", {3: 3}, "dp", "group"),
     "DataParallel, a rank lost in backward, then another inside the group's recovery":
@@ -209,18 +217,20 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_loss_in_one_group_recovers_that_group(tmp_path, case):
-    n, groups, kill, lost_from, algorithm, mode = CASES[case]
-    saved = run_groups(tmp_path, n, groups, kill, FT_ALGORITHM=algorithm, FT_RECOVER=mode,
-                       **({"MPIDP_RANKS_PER_NODE": 2} if algorithm in ("slowmo", "daso")
-                          else {}))
+    n, groups, kill, lost_from, algorithm, mode, habits = (CASES[case] + (False,))[:7]
+    env = {"MPIDP_RANKS_PER_NODE": 2} if algorithm in ("slowmo", "daso") else {}
+    if habits:
+        env["FT_HABITS"] = 1
+    saved = run_groups(tmp_path, n, groups, kill, FT_ALGORITHM=algorithm, FT_RECOVER=mode, **env)
+    clip = train_ft.CLIP if habits else None
     check_groups_recovered(saved, groups, lost_from, mode)
     if algorithm in ("postlocalsgd", "diloco"):
-        check_replicas(saved, groups, lost_from, algorithm)
+        check_replicas(saved, groups, lost_from, algorithm, clip)
     elif algorithm in ("sparseloco", "demo", "decentralized", "lowprecision", "qadam",
                        "slowmo", "daso"):
         check_first_group(saved, groups[0], lost_from, algorithm)
     else:
-        check_data_parallel(saved, groups, lost_from)
+        check_data_parallel(saved, groups, lost_from, clip)
 
 
 def simulate_hierarchical(n, lost_from):

@@ -33,6 +33,28 @@ CASES = {
 }
 
 
+def test_hsdp_grows_back_with_a_replacement_taking_the_lost_shards(tmp_path):
+    """HSDP, rank 2 lost once its backward is done, recover(replace=True):
+    its group {2, 3} is made whole again -- the replacement in rank 2's
+    place, its shards and momentum from rank 0, the rank of that place in
+    the other group -- and the step is done again by all four, so every
+    rank ends as a single process that never lost a rank's data."""
+    proc = launch(tmp_path, 4, "2:3:step", FT_SCRIPT="torch_ft.py", FT_TORCH="hsdp",
+                  FT_REPLACE=1)
+    saved = {int(f[5:-3]): torch.load(tmp_path / f, weights_only=False)
+             for f in os.listdir(tmp_path) if f.startswith("rank-")}
+    assert set(saved) == set(range(4)), (
+        f"ranks that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
+        + proc.stderr[-4000:])
+    params, momentum, _ = simulate(4, 8, {})
+    for rank, got in saved.items():
+        assert not got["left"], (rank, got)
+        if rank != 2:
+            assert [(r["lost"], r["joined"]) for r in got["recoveries"]] == [((2,), (3,))], \
+                got["recoveries"]
+        assert_matches(f"rank {rank}", got, params, momentum)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_torch_data_parallel_goes_on_as_the_recipe_says(tmp_path, case):
     """The step a rank died in is applied by no rank (every step ends with

@@ -9,7 +9,9 @@ fully_shard over a 2-D mesh, replicate x shard, groups of SHARD ranks;
 after a loss the replica groups that lost no rank go on
 (mpidp.fault_tolerance.keep_whole_groups), the model sharded again over
 their mesh with each rank's local shards and momentum carried across; the
-survivors of a broken group leave. Either way every step ends with the
+survivors of a broken group leave (FT_REPLACE=1: recover(replace=True),
+and the group is made whole again, a replacement in the lost rank's
+place taking its shards from the other group). Either way every step ends with the
 ranks' agreement (step_boundary) before the optimizer steps, so a step in
 which a rank died is applied by none.
 
@@ -70,9 +72,20 @@ def main(out_dir: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     hsdp = os.environ["FT_TORCH"] == "hsdp"
+    replace = bool(os.environ.get("FT_REPLACE"))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if os.environ.get("FT_HABITS") else None
     dist.init_process_group("mpidp")
-    if hsdp:
+    key, step = LAUNCHED_RANK, 0        # this rank's data stream, the step
+    if hsdp and mpidp.fault_tolerance.is_replacement():
+        # Spawned by recover(replace=True): the survivors' step, a lost
+        # rank's place in its group (and its data), that place's shards.
+        step = mpidp.fault_tolerance.share_state()["step"]
+        layout = mpidp.fault_tolerance.keep_whole_groups(None, SHARD)
+        key = layout.Get_rank()
+        model, opt = build_hsdp(layout.Get_size() // SHARD)
+        mpidp.fault_tolerance.give_replacements_shards(model, opt, layout, SHARD)
+        net = model
+    elif hsdp:
         model, opt = build_hsdp(dist.get_world_size() // SHARD)
         net = model
     else:
@@ -81,10 +94,10 @@ def main(out_dir: str) -> None:
         net = DistributedDataParallel(model, bucket_cap_mb=1e-4)
         model[0].weight.register_hook(lambda g: maybe_die(step, "backward") or g)
     comm = None          # where the steps are agreed: the job, then the whole groups
-    recoveries, left, step = [], False, 0
+    recoveries, left = [], False
     while step < STEPS:
         try:
-            x, y = batch(LAUNCHED_RANK, step)
+            x, y = batch(key, step)
             maybe_die(step, "forward")
             loss = torch.nn.functional.mse_loss(net(x), y)
             if scaler is None:
@@ -103,17 +116,25 @@ def main(out_dir: str) -> None:
             opt.zero_grad()
             step += 1
         except mpidp.RanksLost:
-            m = mpidp.recover(comm=comm)
+            m = mpidp.recover(comm=comm, replace=replace)
             if scaler is not None:
                 mpidp.fault_tolerance.reset_grad_scaler(scaler)
-            recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost})
+            recoveries.append({"step": step, "rank": m.rank, "size": m.size, "lost": m.lost,
+                               "joined": m.joined})
             if hsdp:
-                comm = mpidp.fault_tolerance.keep_whole_groups(m, SHARD)
-                if comm is None:
+                if m.joined:     # the replacements take the step first, as their script does
+                    mpidp.fault_tolerance.share_state(
+                        {"step": mpidp.fault_tolerance.steps_committed()})
+                layout = mpidp.fault_tolerance.keep_whole_groups(m, SHARD)
+                if layout is None:
                     left = True
                     break
-                new_model, new_opt = build_hsdp(comm.Get_size() // SHARD)
+                new_model, new_opt = build_hsdp(layout.Get_size() // SHARD)
                 take_local_shards(model, opt, new_model, new_opt)
+                if m.joined:     # the groups whole again: steps agreed over the job
+                    mpidp.fault_tolerance.give_replacements_shards(new_model, new_opt, layout,
+                                                                   SHARD)
+                comm = None if m.joined else layout
                 model = net = new_model
                 opt = new_opt
             else:
@@ -124,7 +145,7 @@ def main(out_dir: str) -> None:
     if not left:
         saved["params"] = [full(p) for p in model.parameters()]
         saved["momentum"] = [full(opt.state[p]["momentum_buffer"]) for p in model.parameters()]
-    torch.save(saved, os.path.join(out_dir, f"rank-{LAUNCHED_RANK}.pt"))
+    torch.save(saved, os.path.join(out_dir, f"rank-{key}.pt"))
 
 
 if __name__ == "__main__":
