@@ -28,7 +28,8 @@ scripts/setup_ft_env.sh first) from this one process, taking turns:
    lost (steps begun and not applied). Then the same with recover(replace=
    True): a replacement is spawned (its start-up, Python and torch imports
    included, is the "spawn" phase) and the job goes on at its full size.
-   The same loss under each algorithm of step 1 (shrinking only): for the
+   The same loss under each algorithm of step 1 (shrinking; with --grow
+   also growing back): for the
    ones that sync every SYNC_EVERY steps, the survivors find the loss at
    the next sync, so "detection" includes the inner steps up to it.
 """
@@ -305,6 +306,8 @@ def main():
     p.add_argument("--algorithms", nargs="?", const=",".join(ALGORITHMS), default="",
                    help="also the step time (each in a job of its own) and the recovery under each "
                         "algorithm of ALGORITHMS, or of those named (comma-separated)")
+    p.add_argument("--grow", action="store_true",
+                   help="under each of --algorithms, also the recovery with recover(replace=True)")
     args = p.parse_args()
     if args.worker == "steps":
         return worker_steps(args)
@@ -325,6 +328,7 @@ def main():
         sys.exit(f"bench_fault_tolerance: --algorithms: unknown {unknown}; choose from "
                  f"{', '.join(ALGORITHMS)}")
     by_algorithm = {name: [] for name in chosen}
+    grown_by_algorithm = {name: [] for name in chosen} if args.grow else {}
     for _ in range(args.rounds):
         for kind, how in kinds.items():
             steps[kind].append(run_job(args.ranks, "steps", common, **how))
@@ -333,7 +337,9 @@ def main():
                 steps[kind][-1].update(run_job(args.ranks, "steps", common + ["--only", name],
                                                **how))
         jobs = [([], recoveries), (["--replace"], grown)] + [
-            (["--algorithm", name], results) for name, results in by_algorithm.items()]
+            (["--algorithm", name], results) for name, results in by_algorithm.items()] + [
+            (["--algorithm", name, "--replace"], results)
+            for name, results in grown_by_algorithm.items()]
         for extra, results in jobs:
             with tempfile.NamedTemporaryFile(suffix=".stamp") as stamp:
                 results.append(run_job(args.ranks, "recovery",
@@ -372,15 +378,18 @@ def main():
             else:
                 row.append(f"{1e3 * statistics.median(values):12.2f}")
         print(f"  {key:20s}" + "".join(row))
-    if by_algorithm:
-        print(f"\nThe same loss under each algorithm (shrinking; the kill at step 6, syncs every "
+    for how, results_of, keys in (("shrinking", by_algorithm, recoveries[0]),
+                                  ("growing back", grown_by_algorithm, grown[0])):
+        if not results_of:
+            continue
+        print(f"\nThe same loss under each algorithm ({how}; the kill at step 6, syncs every "
               f"{SYNC_EVERY} steps), median of {args.rounds} jobs (ms):")
-        names = list(by_algorithm)
+        names = list(results_of)
         print(f"  {'':20s}" + "".join(f"{n:>18s}" for n in names))
-        for key in recoveries[0]:
+        for key in keys:
             row = []
             for name in names:
-                values = [r[key] for r in by_algorithm[name] if key in r]
+                values = [r[key] for r in results_of[name] if key in r]
                 scale = 1 if key == "steps lost" else 1e3
                 row.append(f"{scale * statistics.median(values):18.{0 if key == 'steps lost' else 2}f}"
                            if values else f"{'-':>18s}")

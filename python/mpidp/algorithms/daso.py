@@ -447,7 +447,11 @@ class DASO(Driver):
         node of its own from then on -- and every survivor takes the new rank
         0's replica, optimizer state and schedule (replicas differ between
         global syncs). A global sync that was in flight is sent again, from
-        those parameters, by the group whose turn it was."""
+        those parameters, by the group whose turn it was. Where replacements
+        joined (recover(replace=True)), this is their construction, call for
+        call: DASO's communicators, the wrapper's set-up (rank 0's model for
+        every rank), the node-local DDP over whole nodes again, then rank
+        0's state for all (_take_rank_0s_state)."""
         self._remove_hooks()
         self._sync = None            # recover() drained what it had in flight
         growing = fault_tolerant_mode.growing()
