@@ -237,6 +237,19 @@ def survivors_before_growth() -> Optional[MPI.Intracomm]:
     return _state.before_growth
 
 
+def places_after_growth(comm: MPI.Intracomm, place: Optional[int], whole: int) -> list:
+    """Every rank's place after recover(replace=True), collective over
+    `comm` (the grown job or group): a survivor keeps its `place` (what it
+    stood for before the loss: its rank as built, its data stream, its
+    shard), a replacement (`place` None) takes a place no survivor holds,
+    the lowest first in rank order, out of range(whole). Every algorithm
+    that keeps places and a program that keeps its data streams apply this
+    one rule, so a replacement stands for the same lost rank in each."""
+    places = comm.allgather(place)
+    free = iter(sorted(set(range(whole)) - {p for p in places if p is not None}))
+    return [p if p is not None else next(free) for p in places]
+
+
 def roll_back_steps(n: int) -> None:
     """n committed steps taken back (an algorithm that goes back to its last
     sync when replacements join): the loop goes on from steps_committed()."""

@@ -296,9 +296,8 @@ class HierarchicalModelAverager(ModelAverager):
         (the lowest first, in rank order), so that it averages in the lost
         rank's group at every level."""
         mine = None if fault_tolerant_mode.joining() else self._place
-        places = merged.allgather(mine)
-        free = iter(sorted(set(range(self._sizes[-1])) - set(places)))
-        self._place = [p if p is not None else next(free) for p in places][merged.Get_rank()]
+        self._place = fault_tolerant_mode.places_after_growth(
+            merged, mine, self._sizes[-1])[merged.Get_rank()]
         self._set_colors()
         self._regroup(merged)
 

@@ -50,7 +50,8 @@ from __future__ import annotations
 # that algorithms call is mpidp/_runtime/fault_tolerant_mode.py.
 from .._runtime import fault_tolerant_mode
 from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_step, defer,
-                                   enabled, is_replacement, participate, raise_deferred,
+                                   enabled, is_replacement, participate, places_after_growth,
+                                   raise_deferred,
                                    revoke_everything, step_boundary, world_agreement, world_comm)
 from .._runtime.fault_tolerant_groups import survivors_of
 from .deadline import deadline
@@ -76,7 +77,7 @@ take_plan()     # a replacement whose mode MPIDP_FAULT_TOLERANCE started at impo
 __all__ = ["Membership", "RanksLost", "enable", "enabled", "recover", "is_replacement",
            "share_state", "world_comm", "steps_committed", "save_checkpoint", "recovery_times",
            "reset_grad_scaler", "deadline", "survivors_of", "keep_whole_groups",
-           "give_replacements_shards",
+           "give_replacements_shards", "places_after_growth",
            # the per-step half, for the algorithms (mpidp/_runtime/fault_tolerant_mode.py;
            # step_boundary also ends the steps of torch.distributed programs):
            "step_boundary", "agree_all_alive", "world_agreement", "commit_step", "participate",

@@ -85,9 +85,7 @@ def _regroup_with_replacements(comm: MPI.Intracomm, place: Optional[int],
     """The grown job in the order of the places before the loss (`place`:
     this survivor's; None on a replacement, which takes a lost rank's, the
     lowest first in rank order), the default group made over it."""
-    places = comm.allgather(place)
-    free = iter(sorted(set(range(len(places))) - set(places)))
-    places = [p if p is not None else next(free) for p in places]
+    places = fault_tolerant_mode.places_after_growth(comm, place, comm.Get_size())
     if len(places) % group_size:
         raise ValueError(f"group_size: {group_size} does not divide the {len(places)} ranks of "
                          "the job grown back")

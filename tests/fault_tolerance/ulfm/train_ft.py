@@ -103,9 +103,7 @@ def kill_plan(spec=None):
 def take_key(key, launched: int, comm) -> int:
     """The data stream of each rank after a grow: the survivors keep theirs,
     the replacements (key None) take the lost ranks' in order."""
-    keys = comm.allgather(key)
-    missing = iter(sorted(set(range(launched)) - {k for k in keys if k is not None}))
-    return [k if k is not None else next(missing) for k in keys][comm.Get_rank()]
+    return mpidp.fault_tolerance.places_after_growth(comm, key, launched)[comm.Get_rank()]
 
 
 def main(out_dir: str) -> None:
