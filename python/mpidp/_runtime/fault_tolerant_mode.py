@@ -221,6 +221,13 @@ def joining() -> bool:
     return _state.owes_rebuild_agreement
 
 
+def building() -> bool:
+    """The job is being built: no step committed yet, or a replacement
+    before share_state() (its script's construction, which the survivors'
+    rebuild meets)."""
+    return _state.committed == 0 or joining()
+
+
 def growing() -> bool:
     """Inside recover(replace=True)'s rebuild with replacements joined: each
     algorithm's _continue_on repeats the collectives of the set-up the

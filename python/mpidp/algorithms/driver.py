@@ -132,19 +132,24 @@ def continue_on_survivors(survivors, old_keys) -> None:
     for driver in drivers.values():
         try:
             driver._leave_old_world()
-            if fault_tolerant_mode.growing() and driver._set_up_again is not None:
-                driver._set_up_again(survivors)
-            driver._continue_on(survivors)
+            # Growing: a replacement's script builds the driver _builds times
+            # (a model wrapped twice), each construction's set-up met here.
+            for _ in range(driver._builds if fault_tolerant_mode.growing() else 1):
+                if fault_tolerant_mode.growing() and driver._set_up_again is not None:
+                    driver._set_up_again(survivors)
+                driver._continue_on(survivors)
         except NotImplementedError as why:
             driver._released = (f"a rank was lost and {driver.what} cannot continue on the "
                                 f"survivors ({why}); build it again over the survivors")
             driver._remove_hooks()
 
 
-def refusing_replacements() -> List[str]:
+def refusing_replacements() -> Tuple[List[str], List[str]]:
     """The names of the live drivers that cannot take a replacement (their
-    survivors do not repeat the set-up a replacement's construction makes)."""
-    names = set()
+    survivors do not repeat the set-up a replacement's construction makes),
+    and why, where the reason is not the driver's own (it took its module
+    over from a driver that a replacement's script would build first)."""
+    names, why = set(), set()
     for refs in list(_CLAIMS.values()):
         for driver in (r() for r in refs):
             if driver is not None and driver._released is None:
@@ -152,7 +157,13 @@ def refusing_replacements() -> List[str]:
                     driver = driver._owner()
                 if not driver._takes_replacements():
                     names.add(driver.what)
-    return sorted(names)
+                elif driver._took_over is not None:
+                    names.add(driver.what)
+                    why.add(f"{driver.what} took its model over from a {driver._took_over} "
+                            "after the job was built, or from another algorithm: a "
+                            "replacement runs the script from the top and builds that "
+                            f"{driver._took_over} first, whose set-up no survivor repeats")
+    return sorted(names), sorted(why)
 
 
 def algorithms_over(params: Iterable[torch.Tensor]) -> List[str]:
@@ -207,6 +218,14 @@ class Driver(abc.ABC):
     # and optimizer broadcast), run again over the new world where
     # replacements join, ahead of _continue_on: a replacement's script runs it.
     _set_up_again: Optional[Callable[[Any], None]] = None
+    # How many times a replacement's script builds this driver: once, plus
+    # once per driver of its class it took its module over from while the
+    # job was being built (a model wrapped twice). The survivors of a growing
+    # recovery repeat its set-up as many times.
+    _builds = 1
+    # The driver it took its module over from after the job was built, or
+    # of another class: a replacement's script would build that one first.
+    _took_over: Optional[str] = None
 
     # -- the interface -----------------------------------------------------------
 
@@ -348,6 +367,11 @@ class Driver(abc.ABC):
             # A part taken over takes its whole driver with it.
             while other._owner is not None and other._owner() is not None:
                 other = other._owner()
+            if owner is None:
+                if type(other) is type(self) and fault_tolerant_mode.building():
+                    self._builds, self._took_over = other._builds + 1, other._took_over
+                else:
+                    self._took_over = other.what
             other.detach(f"a newer {self.what} of the same module over the same communicator "
                          "replaced it; use that one")
             warnings.warn(f"{self.what}: this module was already wrapped by another {other.what} "

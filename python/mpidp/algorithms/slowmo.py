@@ -211,7 +211,11 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
                 # The nodes as built: the places replacements fill.
                 self._layout = collections.Counter(mpi.allgather(self._node_id))
         node = self._split_nodes(mpi)
-        self.sgp = sgp and self._setup_sgp(graph, mixing)
+        if joined is not None and sgp:
+            # A replacement gossips over the survivors' graph (_regraph's),
+            # not one its script built for the rank it was spawned as.
+            graph, mixing = None, None
+        self.sgp = sgp and self._setup_sgp(graph, mixing, joined and joined["graph"])
 
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -259,10 +263,12 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         self._masters = communicator(masters).c
         return node
 
-    def _setup_sgp(self, graph: Optional[GraphManager], mixing: Optional[MixingManager]) -> bool:
+    def _setup_sgp(self, graph: Optional[GraphManager], mixing: Optional[MixingManager],
+                   survivors_graph=None) -> bool:
         """The gossip of the SGP base between the nodes' masters (ranks of the
         masters' communicator = the graph's workers); False, with fairscale's
-        warning, on a single node."""
+        warning, on a single node. `survivors_graph` (a replacement): the
+        class and peers per round of the graph the survivors gossip over."""
         if self.logical_world_size == 1:
             warnings.warn("SlowMoDistributedDataParallel: SGP gossips between nodes and there "
                           "is one; it is turned off (as in fairscale)", UserWarning, stacklevel=3)
@@ -270,7 +276,9 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         node_index = torch.tensor([self._masters.rank if self.local_rank == 0 else 0])
         broadcast_tensors([node_index], self._node)
         worker = int(node_index)
-        if graph is None:
+        if survivors_graph is not None:
+            graph = self._graph_over(worker, *survivors_graph)
+        elif graph is None:
             graph = DynamicDirectedExponentialGraph(worker, self.logical_world_size,
                                                     self.nprocs_per_node, self.local_rank)
         if graph.world_size != self.logical_world_size or graph.rank != worker:
@@ -591,7 +599,8 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         return {"nodes": nodes, "joined": [i is None for i in ids], "layout": self._layout,
                 "one_rank_nodes": len(set(counts.values())) > 1,
                 "num_updates": self.num_updates, "theta": self._theta, "u": self._u,
-                "round": self.graph.round if self.sgp else 0}
+                "round": self.graph.round if self.sgp else 0,
+                "graph": (type(self.graph), self.graph.peers_per_itr) if self.sgp else None}
 
     def _take_place(self, state: Dict[str, Any], rank: int) -> None:
         """This rank's node from rank 0's places. Where a replacement joined
@@ -634,18 +643,24 @@ class SlowMoDistributedDataParallel(torch.nn.Module, Driver):
         node_index = torch.tensor([self._masters.rank if self.local_rank == 0 else 0])
         broadcast_tensors([node_index], self._node)
         old = self.graph
-        args = (int(node_index), self.logical_world_size, self.nprocs_per_node, self.local_rank,
-                min(old.peers_per_itr, self.logical_world_size - 1))
-        try:
-            graph = type(old)(*args)
-        except ValueError as why:
-            warnings.warn(f"SlowMoDistributedDataParallel: {type(old).__name__} cannot be built "
-                          f"over the {self.logical_world_size} surviving nodes ({why}); gossiping "
-                          "over a DynamicDirectedExponentialGraph from now on", stacklevel=3)
-            graph = DynamicDirectedExponentialGraph(*args)
+        graph = self._graph_over(int(node_index), type(old), old.peers_per_itr)
         graph.round = old.round
         self.graph, self.mixing = graph, UniformMixing(graph)
         self.ps_weight = 1.0
+
+    def _graph_over(self, worker: int, kind: type, peers_per_itr: int) -> GraphManager:
+        """A graph of class `kind` over the nodes now (this node: `worker`),
+        after a loss or a growth; where `kind` cannot be built over their
+        number, the default exponential graph, with a warning."""
+        args = (worker, self.logical_world_size, self.nprocs_per_node, self.local_rank,
+                min(peers_per_itr, self.logical_world_size - 1))
+        try:
+            return kind(*args)
+        except ValueError as why:
+            warnings.warn(f"SlowMoDistributedDataParallel: {kind.__name__} cannot be built "
+                          f"over the {self.logical_world_size} nodes left ({why}); gossiping "
+                          "over a DynamicDirectedExponentialGraph from now on", stacklevel=4)
+            return DynamicDirectedExponentialGraph(*args)
 
     # -- checkpoints -----------------------------------------------------------------
 

@@ -178,10 +178,11 @@ def _refuse_replacements() -> None:
     otherwise wait for survivors that never repeat it, until MPIDP_TIMEOUT."""
     refusing = [obj for obj in fault_tolerant_mode.participants()
                 if not getattr(obj, "_takes_replacements", lambda: False)()]
-    names = refusing_replacements() + sorted({type(obj).__name__ for obj in refusing})
+    names, why = refusing_replacements()
+    names += sorted({type(obj).__name__ for obj in refusing})
     if names:
-        why = sorted({obj._why_no_replacements() for obj in refusing
-                      if hasattr(obj, "_why_no_replacements")})
+        why += sorted({obj._why_no_replacements() for obj in refusing
+                       if hasattr(obj, "_why_no_replacements")})
         raise NotImplementedError(
             f"recover(replace=True): {', '.join(names)} cannot take a replacement ("
             + ("; ".join(why) if why else

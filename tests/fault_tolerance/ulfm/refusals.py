@@ -3,6 +3,8 @@ what cannot go on after a rank is lost is refused when it is set up, with a
 message naming it, and recover(replace=True) refuses algorithms that cannot
 take a replacement. Prints one line per check and "ALL REFUSED" at the end."""
 
+import warnings
+
 import torch
 
 import mpidp
@@ -58,4 +60,15 @@ averager = mpidp.PeriodicModelAverager(period=2)
 refused("recover(replace=True) beside a PeriodicModelAverager",
         lambda: mpidp.recover(replace=True), "PeriodicModelAverager alone knows no model")
 del averager
+# A model wrapped by one algorithm, then taken over by another: a
+# replacement's script would build the first one, which no survivor repeats.
+net = mpidp.DataParallel(model())
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    slow = mpidp.SlowMoDistributedDataParallel(net.module, localsgd_frequency=2)
+refused("recover(replace=True) after another algorithm took the model over",
+        lambda: mpidp.recover(replace=True),
+        "SlowMoDistributedDataParallel took its model over from a DataParallel after the job "
+        "was built, or from another algorithm")
+slow.detach()
 print("ALL REFUSED", flush=True)

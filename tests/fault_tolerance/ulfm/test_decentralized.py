@@ -260,6 +260,30 @@ def test_sgp_grows_back_from_rank_0s_replica(tmp_path):
     assert_survivors_match(saved, 4, None, models, inner, dict(rtol=1e-5, atol=1e-6))
 
 
+def test_sgp_with_the_programs_own_graph_grows_back_as_with_the_default(tmp_path):
+    """SGP over nodes of 2 with a graph object the script builds itself (for
+    the node it computes from its rank): rank 1 lost in step 3's backward,
+    the replacement -- spawned as rank 3, so its script builds the graph
+    for node 1 -- takes rank 1's place in node 0 and gossips over the
+    survivors' graph. The job ends bit for bit as the same job over the
+    default graph (the same class, which the replacement builds for its
+    place)."""
+    runs = {}
+    for own in (False, True):
+        out = tmp_path / ("own" if own else "default")
+        out.mkdir()
+        runs[own] = run_job(out, 4, "1:3:backward", expect=range(4), FT_ALGORITHM="slowmo",
+                            FT_SGP=1, MPIDP_RANKS_PER_NODE=2, FT_REPLACE=1,
+                            **({"FT_SGP_GRAPH": 1} if own else {}))
+    for key, got in runs[True].items():
+        if key != 1:
+            assert [r["joined"] for r in got["recoveries"]] == [(3,)], got["recoveries"]
+        want = runs[False][key]
+        for what in ("params", "momentum"):
+            for a, b in zip(got[what], want[what]):
+                assert torch.equal(a, b), f"stream {key}'s {what} differ from the default graph's"
+
+
 def simulate_dpsgd_growing_back(n, steps, victim, kill_step, mode):
     """D-PSGD over every rank (simulate_dpsgd's rule), where rank `victim`
     dies in step `kill_step`'s backward, with that step's exchange posted:

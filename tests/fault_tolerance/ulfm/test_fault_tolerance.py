@@ -598,15 +598,19 @@ def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
                                        msg=lambda m: f"rank {rank}'s momentum: {m}")
 
 
-def test_daso_grows_back_with_rank_0s_state(tmp_path):
+@pytest.mark.parametrize("habits", [False, True])
+def test_daso_grows_back_with_rank_0s_state(tmp_path, habits):
     """recover(replace=True) under DASO (its warm-up), rank 1 lost in step
     3's backward: the step is undone, then every rank -- the replacement
     last in the world's order, the nodes whole again -- takes rank 0's
     parameters, momentum and schedule, and step 3 is done again by all
-    four, the replacement on rank 1's data."""
+    four, the replacement on rank 1's data. habits: DASO's AMP (the step
+    through its scaler) and the gradients unscaled and clipped, on every
+    rank and the replacement."""
     saved = run_job(tmp_path, 4, "1:3:backward", expect=range(4), FT_ALGORITHM="daso",
-                    FT_REPLACE=1, MPIDP_RANKS_PER_NODE=2)
-    params, momentum = simulate_daso(4, 8, {1: 3}, joins={1: 3})
+                    FT_REPLACE=1, MPIDP_RANKS_PER_NODE=2, **({"FT_HABITS": 1} if habits else {}))
+    params, momentum = simulate_daso(4, 8, {1: 3}, joins={1: 3},
+                                     clip=train_ft.CLIP if habits else None)
     for key, got in saved.items():
         if key != 1:
             assert [(r["size"], r["lost"], r["joined"]) for r in got["recoveries"]] == \
@@ -653,7 +657,7 @@ def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None, 
     replacement in rank's place from `step` on, holding rank `source`'s
     replica and momentum then (the nodes whole again). Returns each rank's
     parameters and momentum, and (θ, u)."""
-    period, lr = train_ft.PERIOD, 0.05
+    period, lr = train_ft.PERIOD, train_ft.BASE_LR
     models = [train_ft.make_model() for _ in range(n)]
     inner = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
     theta = torch.nn.utils.parameters_to_vector(train_ft.make_model().parameters()).detach()
@@ -720,6 +724,15 @@ SLOWMO_CASES = {
 }
 
 
+def assert_slow_momentum(got, want):
+    """SlowMo's u = β u + (θ - x) / γ divides a difference of parameters by
+    the base optimizer's learning rate γ, so a parameter's last-bit rounding
+    moves u 1/γ times as much: compared in the parameters' units (γ u), at
+    their tolerance."""
+    lr = train_ft.BASE_LR
+    torch.testing.assert_close(got * lr, want * lr, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", list(SLOWMO_CASES))
 def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
     kill, lost_from, sync_lost_from, habits = SLOWMO_CASES[case]
@@ -735,7 +748,7 @@ def test_slowmo_survivors_continue_from_their_replicas(tmp_path, case):
         for a, b in zip(got["momentum"], momentum[rank]):
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank}'s momentum: {m}")
         torch.testing.assert_close(got["slowmo"]["theta"], theta, **tol)
-        torch.testing.assert_close(got["slowmo"]["u"], u, **tol)
+        assert_slow_momentum(got["slowmo"]["u"], u)
 
 
 # (kill spec, {victim: the first step without its data}, {victim: the first
@@ -746,6 +759,9 @@ SLOWMO_GROWING_CASES = {
         ("3:3:sync", {3: 4}, {3: 3}, {3: (4, 2)}),
     "rank 1 lost in backward: the replacement joins rank 0's node":
         ("1:5:backward", {1: 5}, {1: 5}, {1: (5, 0)}),
+    "rank 3 lost in a slow step, every rank and the replacement with the habits (SlowMo "
+    "wrapped twice, AMP's scaler, the gradients unscaled and clipped)":
+        ("3:3:sync", {3: 4}, {3: 3}, {3: (4, 2)}, True),
 }
 
 
@@ -758,10 +774,11 @@ def test_slowmo_grows_back_into_the_lost_ranks_node(tmp_path, case):
     on the lost rank's data with its node's replica, takes its node mate's
     optimizer state before its first step (share_state gave it rank 0's),
     and rank 0's θ, u and step count."""
-    kill, lost_from, sync_lost_from, joins = SLOWMO_GROWING_CASES[case]
+    kill, lost_from, sync_lost_from, joins, habits = (SLOWMO_GROWING_CASES[case] + (False,))[:5]
     saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="slowmo", FT_REPLACE=1,
-                    MPIDP_RANKS_PER_NODE=2)
-    params, momentum, (theta, u) = simulate_slowmo(4, 8, lost_from, sync_lost_from, joins=joins)
+                    MPIDP_RANKS_PER_NODE=2, **({"FT_HABITS": 1} if habits else {}))
+    params, momentum, (theta, u) = simulate_slowmo(4, 8, lost_from, sync_lost_from, joins=joins,
+                                                   clip=train_ft.CLIP if habits else None)
     victim = next(iter(joins))
     for key, got in saved.items():
         if key != victim:
@@ -769,7 +786,7 @@ def test_slowmo_grows_back_into_the_lost_ranks_node(tmp_path, case):
                 [(4, (victim,), (3,))], got["recoveries"]
         assert_matches(f"stream {key}", got, params[key], momentum[key])
         torch.testing.assert_close(got["slowmo"]["theta"], theta, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got["slowmo"]["u"], u, rtol=1e-5, atol=1e-6)
+        assert_slow_momentum(got["slowmo"]["u"], u)
 
 
 def simulate_qadam(n, steps, lost_from, order=lambda t, alive: alive):
@@ -875,6 +892,8 @@ GROWING_CASES = {
     "DataParallel": {},
     "hierarchical DataParallel, nodes of 2": {"FT_HIERARCHICAL": 1, "MPIDP_RANKS_PER_NODE": 2},
     "non-blocking DataParallel": {"FT_NONBLOCKING": 1},
+    "DataParallel with the habits (wrapped twice, two optimizers, AMP, clipped), the "
+    "replacement's script too": {"FT_HABITS": 1},
     # (with_bagua's set-up, repeated where a replacement joins, is covered by
     # LocalSGD's, QAdam's and the decentralized algorithms' growing back;
     # ByteGrad's runs on DataParallel's.)
@@ -893,7 +912,7 @@ def test_the_job_grows_back_to_its_size_with_a_replacement_that_takes_the_state(
     saved = run_job(tmp_path, 4, "2:3:backward", expect=range(4), FT_REPLACE=1, **env)
     # ByteGrad's 8-bit codes of the mean gradient, as in the hierarchical case above.
     tol = dict(rtol=0, atol=3e-3) if algorithm else dict(rtol=1e-5, atol=1e-6)
-    params, momentum, _ = simulate(4, 8, {})
+    params, momentum, _ = simulate(4, 8, {}, clip=train_ft.CLIP if "FT_HABITS" in env else None)
     first = saved[0]
     for key, got in saved.items():
         for a, b in zip(got["params"], first["params"]):

@@ -17,7 +17,9 @@ each sent a step before its turn),
 daso: DASO under DataParallelMultiGPU (one epoch of FT_STEPS batches),
 slowmo: SlowMoDistributedDataParallel (LocalSGD every PERIOD steps, the
 slow momentum step every 2 PERIOD; nodes as MPIDP_RANKS_PER_NODE says;
-FT_SGP=1: the SGP base, gossiping every step over the default graph),
+FT_SGP=1: the SGP base, gossiping every step over the default graph, or
+with FT_SGP_GRAPH=1 over the script's own DynamicDirectedExponentialGraph
+object, built for the node the script computes from its rank),
 qadam: Bagua's QAdam through with_bagua (Adam for QADAM_WARMUP steps, then
 the 8-bit averaged first moment; the first moment is the momentum saved),
 sparseloco: SparseLoCo (a sync every PERIOD inner steps, FT_SYNC_DELAY
@@ -71,6 +73,7 @@ from mpi4py import MPI
 STEPS = int(os.environ.get("FT_STEPS", "8"))
 PERIOD = 2      # of the replica algorithms' syncs
 CLIP = 0.5      # FT_HABITS: the gradients' norm is clipped to this
+BASE_LR = 0.05   # the learning rate of the job's SGD (momentum 0.9)
 SLOW_LR, SLOW_MOMENTUM = 0.8, 0.5     # SlowMo's α and β
 QADAM_LR, QADAM_WARMUP = 0.01, 3
 EF_CHUNK, EF_TOP_K = 8, 8        # SparseLoCo's tiles and entries kept per tile (DeMo: 3)
@@ -153,8 +156,8 @@ def main(out_dir: str) -> None:
     # FT_HABITS: with DataParallel the first layer has an optimizer of its
     # own (one training step then steps two optimizers).
     two = habits and not algorithm
-    sgd = torch.optim.SGD(params[2:] if two else params, lr=0.05, momentum=0.9)
-    first_sgd = torch.optim.SGD(params[:2], lr=0.05, momentum=0.9) if two else None
+    sgd = torch.optim.SGD(params[2:] if two else params, lr=BASE_LR, momentum=0.9)
+    first_sgd = torch.optim.SGD(params[:2], lr=BASE_LR, momentum=0.9) if two else None
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if habits else None
     nonblocking = bool(os.environ.get("FT_NONBLOCKING"))
     # Non-blocking: Heat's DataParallelOptimizer, the update applied by the next forward.
@@ -230,9 +233,15 @@ def main(out_dir: str) -> None:
         def wrap_slowmo():
             base = mpidp.SlowMoBaseAlgorithm.SGP if os.environ.get("FT_SGP") else \
                 mpidp.SlowMoBaseAlgorithm.LOCALSGD
+            graph = None
+            if os.environ.get("FT_SGP_GRAPH"):
+                per_node, rank = int(os.environ["MPIDP_RANKS_PER_NODE"]), mpidp.rank()
+                graph = mpidp.gossip.DynamicDirectedExponentialGraph(
+                    rank // per_node, mpidp.size() // per_node, per_node, rank % per_node)
             return mpidp.SlowMoDistributedDataParallel(
                 model, localsgd_frequency=PERIOD, slowmo_frequency=2 * PERIOD,
-                slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM, slowmo_base_algorithm=base)
+                slowmo_lr=SLOW_LR, slowmo_momentum=SLOW_MOMENTUM, slowmo_base_algorithm=base,
+                graph=graph)
         net = twice(wrap_slowmo, habits)
     else:
         # One bucket per parameter, so that several are in flight when a rank dies in backward.
@@ -268,6 +277,10 @@ def main(out_dir: str) -> None:
     if replacement:      # spawned by recover(replace=True): the others' state, a lost rank's data
         state = mpidp.fault_tolerance.share_state()
         sgd.load_state_dict(state["optimizer"])
+        if first_sgd is not None:
+            first_sgd.load_state_dict(state["first optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
         step, launched = state["step"], state["launched"]
         key = take_key(key, launched, mpidp.fault_tolerance.world_comm())
     while step < STEPS:
@@ -340,8 +353,10 @@ def main(out_dir: str) -> None:
             recoveries[-1]["resumed_at"] = step
             del committed[step + 1:]
             if m.joined:
-                mpidp.fault_tolerance.share_state({"optimizer": sgd.state_dict(), "step": step,
-                                                   "launched": launched})
+                mpidp.fault_tolerance.share_state({
+                    "optimizer": sgd.state_dict(), "step": step, "launched": launched,
+                    "first optimizer": first_sgd and first_sgd.state_dict(),
+                    "scaler": scaler and scaler.state_dict()})
                 key = take_key(key, launched, m.comm)
     if nonblocking:
         net.synchronize()   # the last step's update
