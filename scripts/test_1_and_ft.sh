@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# test_1_and_ft.sh: the 1-rank pass (scripts/run_pytest.sh 1) and the
-# fault-tolerance pass (scripts/test_fault_tolerance.sh) side by side, as
-# `make test` runs them. The 1-rank pass alone leaves part of the machine idle
-# (it waits on its jobs' start-up and on deadlines its tests provoke); the
-# fault-tolerance pass fills some of that. The fault-tolerance pass writes to
-# tests/logs/ft-pass.log (its own pytest temporary directory), shown when both
-# have ended; the exit status is nonzero when either failed.
+# test_1_and_ft.sh: the fault-tolerance pass (scripts/test_fault_tolerance.sh)
+# side by side with the 1-rank pass (scripts/run_pytest.sh 1), then the
+# 3-rank pass and DataParallel's with the Python gradient hook, as `make test`
+# runs them. The fault-tolerance pass is the longest and waits most (its jobs'
+# start-up, each replacement's spawn, the deadlines its tests provoke); the
+# others fill that time, one after another. The fault-tolerance pass writes
+# to tests/logs/ft-pass.log (its own pytest temporary directory), shown when
+# all have ended; the exit status is nonzero when any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_ft_env.sh || exit 1     # its build before the tests, not beside them
@@ -15,6 +16,8 @@ mkdir -p tests/logs
 ft=$!
 ./scripts/run_pytest.sh 1
 one=$?
+./scripts/run_pytest.sh 3 -m "ranks3 and not serial" || one=1
+MPIDP_GRAD_HOOK=python ./scripts/run_pytest.sh 2 tests/algorithms/data_parallel || one=1
 wait "$ft"
 two=$?
 cat tests/logs/ft-pass.log
