@@ -159,10 +159,9 @@ def refusing_replacements() -> Tuple[List[str], List[str]]:
                     names.add(driver.what)
                 elif driver._took_over is not None:
                     names.add(driver.what)
-                    why.add(f"{driver.what} took its model over from a {driver._took_over} "
-                            "after the job was built, or from another algorithm: a "
-                            "replacement runs the script from the top and builds that "
-                            f"{driver._took_over} first, whose set-up no survivor repeats")
+                    why.add(f"{driver.what} took its model over from {driver._took_over}: a "
+                            "replacement runs the script from the top and builds that one "
+                            "first, whose set-up no survivor repeats")
     return sorted(names), sorted(why)
 
 
@@ -223,8 +222,8 @@ class Driver(abc.ABC):
     # job was being built (a model wrapped twice). The survivors of a growing
     # recovery repeat its set-up as many times.
     _builds = 1
-    # The driver it took its module over from after the job was built, or
-    # of another class: a replacement's script would build that one first.
+    # What it took its module over from after the job was built, or of
+    # another class: a replacement's script would build that one first.
     _took_over: Optional[str] = None
 
     # -- the interface -----------------------------------------------------------
@@ -370,8 +369,10 @@ class Driver(abc.ABC):
             if owner is None:
                 if type(other) is type(self) and fault_tolerant_mode.building():
                     self._builds, self._took_over = other._builds + 1, other._took_over
+                elif type(other) is type(self):
+                    self._took_over = f"another {other.what} after training began"
                 else:
-                    self._took_over = other.what
+                    self._took_over = f"a {other.what}"
             other.detach(f"a newer {self.what} of the same module over the same communicator "
                          "replaced it; use that one")
             warnings.warn(f"{self.what}: this module was already wrapped by another {other.what} "

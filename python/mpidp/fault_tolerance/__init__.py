@@ -51,8 +51,8 @@ from __future__ import annotations
 from .._runtime import fault_tolerant_mode
 from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_step, defer,
                                    enabled, is_replacement, participate, places_after_growth,
-                                   raise_deferred,
-                                   revoke_everything, step_boundary, world_agreement, world_comm)
+                                   raise_deferred, revoke_everything, step_boundary,
+                                   world_agreement, world_comm)
 from .._runtime.fault_tolerant_groups import survivors_of
 from .deadline import deadline
 from .recovery import Membership, recover, recovery_times, steps_committed

@@ -68,7 +68,7 @@ with warnings.catch_warnings():
     slow = mpidp.SlowMoDistributedDataParallel(net.module, localsgd_frequency=2)
 refused("recover(replace=True) after another algorithm took the model over",
         lambda: mpidp.recover(replace=True),
-        "SlowMoDistributedDataParallel took its model over from a DataParallel after the job "
-        "was built, or from another algorithm")
+        "SlowMoDistributedDataParallel took its model over from a DataParallel: a replacement "
+        "runs the script from the top and builds that one first")
 slow.detach()
 print("ALL REFUSED", flush=True)
