@@ -17,7 +17,7 @@ export MPIDP_TIMEOUT=${MPIDP_TIMEOUT:-120}
 # Bytecode is cached outside the tree (every test job imports mpidp afresh).
 export PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/build/pycache}
 unset PYTHONDONTWRITEBYTECODE
-limit=${MPIDP_TEST_LIMIT:-1500}   # room for the 1-rank pass and its serial mpirun jobs; a hang still ends
+limit=${MPIDP_TEST_LIMIT:-2400}   # room for the 1-rank pass and its serial mpirun jobs; a hang still ends
 mkdir -p tests/logs
 rm -f tests/logs/rank-*.log
 

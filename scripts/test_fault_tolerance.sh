@@ -16,7 +16,7 @@ spinners=()
 if [ "${1:-}" = "--load" ]; then
     shift
     for _ in $(seq "$(nproc)"); do
-        timeout "${MPIDP_TEST_LIMIT:-1500}" sh -c 'while :; do :; done' &
+        timeout "${MPIDP_TEST_LIMIT:-2400}" sh -c 'while :; do :; done' &
         spinners+=($!)
     done
     trap 'kill "${spinners[@]}" 2>/dev/null' EXIT
@@ -27,4 +27,4 @@ fi
 export PYTHONPATH="$PWD/.venv-ft/lib" MPIDP_FT_TESTS=1 PYTHONUNBUFFERED=1
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/build/pycache}   # outside the tree
 unset PYTHONDONTWRITEBYTECODE
-timeout -k 10 "${MPIDP_TEST_LIMIT:-1500}" .venv-ft/bin/python -m pytest -q tests/fault_tolerance/ulfm "$@"
+timeout -k 10 "${MPIDP_TEST_LIMIT:-2400}" .venv-ft/bin/python -m pytest -q tests/fault_tolerance/ulfm "$@"

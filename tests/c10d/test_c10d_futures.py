@@ -214,6 +214,9 @@ _SLOW_CALLBACK = """
         outcome = f"raised: {type(e).__name__} {e}"
     with open(f"{sys.argv[1]}/rank{dist.get_rank()}", "w") as f:
         f.write(outcome)
+    # Rank 1 stays: its exit after a timeout aborts the job, which could
+    # kill rank 0 before it wrote (the ranks time out apart on a loaded node).
+    time.sleep(30 if dist.get_rank() else 0)
 """
 
 
