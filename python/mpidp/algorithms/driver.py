@@ -269,7 +269,9 @@ class Driver(abc.ABC):
         """Fault-tolerant mode: go on over `comm`, the survivors of the
         communicator this driver ran on, after the step in flight was
         discarded everywhere. Algorithms that support it override this."""
-        raise NotImplementedError(f"{self.what} does not support fault-tolerant mode yet")
+        raise NotImplementedError(f"{self.what} has no recovery (_continue_on): a program's own "
+                                  "driver must go on over the survivors to run in fault-tolerant "
+                                  "mode")
 
     def _recovers(self) -> bool:
         """Whether this driver goes on over the survivors (_continue_on)."""
@@ -367,20 +369,32 @@ class Driver(abc.ABC):
             while other._owner is not None and other._owner() is not None:
                 other = other._owner()
             if owner is None:
-                if type(other) is type(self) and fault_tolerant_mode.building():
-                    self._builds, self._took_over = other._builds + 1, other._took_over
-                elif type(other) is type(self):
-                    self._took_over = f"another {other.what} after training began"
-                else:
-                    self._took_over = f"a {other.what}"
+                self._count_takeover(other)
             other.detach(f"a newer {self.what} of the same module over the same communicator "
                          "replaced it; use that one")
+            growth = ""
+            if self._took_over is not None and fault_tolerant_mode.enabled():
+                growth = (f"; in fault-tolerant mode recover(replace=True) will refuse to grow "
+                          f"the job back, as a replacement's script would build "
+                          f"{self._took_over} first: build the algorithm you train with once, "
+                          "before training, or go on with recover() alone")
             warnings.warn(f"{self.what}: this module was already wrapped by another {other.what} "
                           "over the same communicator; that one is detached (its hooks removed, "
                           "using it raises), so that the module has one algorithm per "
-                          "communicator",
+                          f"communicator{growth}",
                           UserWarning, stacklevel=3)
         _CLAIMS[module] = kept + [weakref.ref(self)]
+
+    def _count_takeover(self, other: "Driver") -> None:
+        """This driver took its module over from `other`: a replacement's
+        script builds both (_builds), or, where `other` is of another class
+        or was built after training began, cannot be met (_took_over)."""
+        if type(other) is not type(self):
+            self._took_over = f"a {other.what}"
+        elif fault_tolerant_mode.building():
+            self._builds, self._took_over = other._builds + 1, other._took_over
+        else:
+            self._took_over = f"another {other.what} after training began"
 
     def _unclaim(self, module: torch.nn.Module) -> None:
         """Give `module` up without being detached (a context left: DiLoCo)."""

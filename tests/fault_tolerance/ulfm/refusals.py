@@ -62,10 +62,15 @@ refused("recover(replace=True) beside a PeriodicModelAverager",
 del averager
 # A model wrapped by one algorithm, then taken over by another: a
 # replacement's script would build the first one, which no survivor repeats.
+# Said at set-up too, in the takeover's warning.
 net = mpidp.DataParallel(model())
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
     slow = mpidp.SlowMoDistributedDataParallel(net.module, localsgd_frequency=2)
+assert any("recover(replace=True) will refuse to grow the job back, as a replacement's script "
+           "would build a DataParallel first" in str(w.message) for w in said), \
+    [str(w.message) for w in said]
+print("refused at set-up: a model taken over by another algorithm (warned)", flush=True)
 refused("recover(replace=True) after another algorithm took the model over",
         lambda: mpidp.recover(replace=True),
         "SlowMoDistributedDataParallel took its model over from a DataParallel: a replacement "
