@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
@@ -267,15 +268,54 @@ int mpidp_ft_end_with_launcher(void)
 /* Seconds a rank other than 0 waits before its MPI_Abort in fault-tolerant
  * mode (see mpidp_abort_job in mpidp/ft.h). */
 #define ABORT_BEHIND_RANK0_S 1
+/* Seconds MPI_Abort is given to end this process before it ends itself. */
+#define ABORT_GRACE_S 10
+
+/* The job's communicator now (mpidp's world: the survivors and the
+ * replacements merged with them); MPI_COMM_NULL: MPI_COMM_WORLD. Set by
+ * the main thread, read by whichever thread aborts. */
+static MPI_Comm job_comm = MPI_COMM_NULL;
+
+void mpidp_ft_set_job_comm(MPI_Comm comm)
+{
+    __atomic_store_n(&job_comm, comm, __ATOMIC_RELEASE);
+}
+
+static void *exit_with(void *arg)
+{
+    int code = (int)(intptr_t)arg;
+    struct timespec left = {ABORT_GRACE_S, 0};
+    while (nanosleep(&left, &left) != 0) {
+    }
+    _exit(code);
+    return NULL;
+}
 
 void mpidp_abort_job(int code)
 {
+    MPI_Comm comm = __atomic_load_n(&job_comm, __ATOMIC_ACQUIRE);
+    if (comm == MPI_COMM_NULL) comm = MPI_COMM_WORLD;
     int rank = 0;
-    if (mpidp_ft_running() && MPI_Comm_rank(MPI_COMM_WORLD, &rank) == MPI_SUCCESS && rank != 0) {
-        struct timespec left = {ABORT_BEHIND_RANK0_S, 0};
-        while (nanosleep(&left, &left) != 0) {
+    if (mpidp_ft_running()) {
+        /* Under ULFM, MPI_Abort can wait forever (for a launcher busy with
+         * another rank's abort, or a peer that is gone) while this process's
+         * other threads go on as if nothing ended: it ends itself instead. */
+        pthread_t t;
+        pthread_attr_t attr;
+        if (pthread_attr_init(&attr) == 0) {
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            (void)pthread_create(&t, &attr, exit_with, (void *)(intptr_t)code);  /* or MPI_Abort alone */
+            pthread_attr_destroy(&attr);
+        }
+        if (MPI_Comm_rank(comm, &rank) == MPI_SUCCESS && rank != 0) {
+            struct timespec left = {ABORT_BEHIND_RANK0_S, 0};
+            while (nanosleep(&left, &left) != 0) {
+            }
         }
     }
-    MPI_Abort(MPI_COMM_WORLD, code);
+    /* The job's communicator, not MPI_COMM_WORLD: a replacement's
+     * MPI_COMM_WORLD is its own spawn, and the launched ranks' holds none of
+     * the replacements, which Open MPI's ULFM launcher would leave running. */
+    MPI_Abort(comm, code);
     _exit(code);     /* MPI_Abort does not return; should it, the job still ends here */
 }

@@ -181,6 +181,17 @@ static PyObject *mod_ft_end_with_launcher(PyObject *m, PyObject *unused)
     return PyLong_FromLong(mpidp_ft_end_with_launcher());
 }
 
+/* ft_set_job_comm(handle): the communicator abort_job ends, by its Fortran
+ * handle (mpi4py's py2f(): no mpi4py C API outside comm.c). */
+static PyObject *mod_ft_set_job_comm(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    long handle = PyLong_AsLong(arg);
+    if (handle == -1 && PyErr_Occurred()) return NULL;
+    mpidp_ft_set_job_comm(MPI_Comm_f2c((MPI_Fint)handle));
+    Py_RETURN_NONE;
+}
+
 /* abort_job(code): end the job (MPI_Abort; staggered in fault-tolerant mode). */
 static PyObject *mod_abort_job(PyObject *m, PyObject *arg)
 {
@@ -214,6 +225,8 @@ PyMethodDef mpidp_py_process_methods[] = {
      "force (coll_libnbc_iallreduce_algorithm), a 0 made `prefer` first; -1: no such setting."},
     {"ft_support", mod_ft_support, METH_NOARGS,
      "ft_support() -> (compiled, running): the MPI has ULFM; the job runs with it on."},
+    {"ft_set_job_comm", mod_ft_set_job_comm, METH_O,
+     "ft_set_job_comm(handle): the job's communicator (its py2f()), which abort_job aborts"},
     {"ft_end_with_launcher", mod_ft_end_with_launcher, METH_NOARGS,
      "ft_end_with_launcher(): the kernel kills this process when its launcher ends (Linux)"},
     {"ft_exit_watchdog", mod_ft_exit_watchdog, METH_O,

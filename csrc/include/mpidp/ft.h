@@ -70,14 +70,21 @@ int mpidp_ft_exit_watchdog(double seconds);
  * already gone (the process is then being killed). */
 int mpidp_ft_end_with_launcher(void);
 
-/* Ends the job: MPI_Abort(MPI_COMM_WORLD, code), never returns. With ULFM
- * running, Open MPI 5's launcher (prterun --with-ft ulfm) can deadlock when
- * several ranks call MPI_Abort at the same moment -- every rank gone, the
- * launcher waiting forever (measured: 4 of 60 jobs whose 3 ranks all
- * aborted, under load; 0 of 60 with the others a second behind rank 0). A
- * job-wide error reaches every rank at once, so there rank 0 aborts at once
- * and every other rank a second later, by when rank 0's abort has usually
- * ended it. Without ULFM, at once. */
+/* The job's communicator in fault-tolerant mode (mpidp's world after a
+ * recovery: the survivors and the replacements that joined them), which
+ * mpidp_abort_job aborts; not kept beyond the caller's own handle. */
+void mpidp_ft_set_job_comm(MPI_Comm comm);
+
+/* Ends the job: MPI_Abort over the job's communicator (mpidp_ft_set_job_comm;
+ * MPI_COMM_WORLD until one is set), never returns. With ULFM running, Open
+ * MPI 5's launcher (prterun --with-ft ulfm) can deadlock when several ranks
+ * call MPI_Abort at the same moment -- every rank gone, the launcher waiting
+ * forever (measured: 4 of 60 jobs whose 3 ranks all aborted, under load; 0
+ * of 60 with the others a second behind rank 0). A job-wide error reaches
+ * every rank at once, so there rank 0 of the job aborts at once and every
+ * other rank a second later, by when rank 0's abort has usually ended it.
+ * Should MPI_Abort not end the process within 10 s, it ends itself (_exit).
+ * Without ULFM, at once. */
 void mpidp_abort_job(int code);
 
 #endif /* MPIDP_FT_H */

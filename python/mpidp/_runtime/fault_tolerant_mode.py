@@ -14,6 +14,7 @@ from typing import Dict, Optional
 from .. import _C
 from . import config, fault_tolerant_groups
 from . import mpi as _mpi
+from .deadline import deadline
 from .mpi import MPI
 
 __all__ = ["RanksLost", "enabled", "enable", "world_agreement", "world_comm", "is_replacement",
@@ -79,10 +80,12 @@ def enable() -> None:
     if parent != MPI.COMM_NULL:
         # Spawned by the survivors' recover(replace=True): their world and
         # this process become one, this process last.
-        _mpi.replace_world(parent.Merge(high=True))
-        parent.Disconnect()
+        with deadline("joining the survivors that spawned it", caller="a replacement",
+                      hint="they are gone (another rank failed) or stuck"):
+            _mpi.replace_world(parent.Merge(high=True))
+            parent.Disconnect()
+            _state.agree_comm = _mpi.world_mpi().Dup()   # the survivors' recover() makes theirs
         _state.replacement = True
-        _state.agree_comm = _mpi.world_mpi().Dup()   # the survivors' recover() makes theirs
         _state.owes_rebuild_agreement = True
     # Open MPI 5's launcher with ULFM leaves a rank that is busy outside MPI
     # alive when another aborts the job; the kernel then ends it with prterun.

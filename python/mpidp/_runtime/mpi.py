@@ -137,7 +137,10 @@ def _install_abort_on_uncaught_exception() -> None:
     Otherwise the failing rank blocks in MPI_Finalize (which waits for every
     rank) while the others wait forever in their next collective. Set
     MPIDP_ABORT_ON_EXCEPTION=0 to keep Python's plain behaviour."""
-    if MPI.COMM_WORLD.Get_size() == 1 or not config.get("MPIDP_ABORT_ON_EXCEPTION"):
+    # (A replacement that recover(replace=True) spawned is alone in its
+    # MPI.COMM_WORLD, but not in its job.)
+    alone = MPI.COMM_WORLD.Get_size() == 1 and MPI.Comm.Get_parent() == MPI.COMM_NULL
+    if alone or not config.get("MPIDP_ABORT_ON_EXCEPTION"):
         return
     previous = sys.excepthook
 
@@ -151,7 +154,7 @@ def _install_abort_on_uncaught_exception() -> None:
         if captured is not sys.__stderr__ and hasattr(captured, "getvalue"):
             sys.__stderr__.write(captured.getvalue())
         sys.__stderr__.write(f"mpidp: uncaught {exc_type.__name__} on rank "
-                             f"{MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()}: "
+                             f"{_world_mpi.Get_rank()} of {_world_mpi.Get_size()}: "
                              "aborting the job so that no rank is left waiting\n")
         sys.__stderr__.flush()
         _C.abort_job(1)
@@ -229,6 +232,7 @@ def replace_world(survivors: MPI.Intracomm) -> None:
     global _world, _world_mpi
     _world_mpi, _world = revocable(survivors), None
     _duplicates.clear()
+    _C.ft_set_job_comm(survivors.py2f())     # what a deadline's abort ends: every rank of it
 
 
 # Fault-tolerant mode: the mpi4py communicators mpidp made from the world

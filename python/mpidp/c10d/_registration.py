@@ -39,6 +39,8 @@ def _create(opts, pg_options=None) -> dist.ProcessGroup:
     members = list(opts.global_ranks_in_group)
     if not members or not dist.is_initialized():   # the default group
         comm = _default_comm()
+        if groups.first_made_by_mpidp is None:     # torch's own dist.init_process_group
+            groups.first_made_by_mpidp = groups.next_default is not None
         groups.next_default = None
         if comm.Get_size() != opts.group_size or comm.Get_rank() != opts.group_rank:
             raise ValueError(
@@ -122,7 +124,9 @@ def _enter_fault_tolerant_mode(comm) -> None:
     (mpidp/_runtime/fault_tolerant_groups.py), which recover(comm=worker)
     recovers alone."""
     world = _mpi.world_mpi()
-    if MPI.Comm.Compare(comm, world) in (MPI.IDENT, MPI.CONGRUENT):
+    # SIMILAR: the job's ranks in another order (a recipe that orders them by
+    # their places, keep_whole_groups): still the job's, recovered with it.
+    if MPI.Comm.Compare(comm, world) in (MPI.IDENT, MPI.CONGRUENT, MPI.SIMILAR):
         _mpi.world()
     elif comm is MPI.COMM_WORLD:
         raise ValueError(

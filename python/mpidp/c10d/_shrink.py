@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .._runtime import mpi as _mpi
 from .._runtime.argument_agreement import agree, crc_of
 from .._runtime.mpi import MPI, revocable
-from ..fault_tolerance.deadline import deadline
+from .._runtime.deadline import deadline
 from . import _registration
 from ._registration import backend_over
 

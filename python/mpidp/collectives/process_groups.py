@@ -27,6 +27,11 @@ class _MPIGroups:
     default = None          # the default "mpidp" group's (its subgroups' ranks are its ranks)
     default_source = None   # the communicator the default "mpidp" group was made from
     other_default = None    # the one init_process_group made a gloo or NCCL default group from
+    # Whether the program made its first default group with
+    # mpidp.init_process_group (True) or torch's own dist.init_process_group
+    # (False): a replacement's program makes it the same way, whoever made
+    # it again later (keep_whole_groups), so growing back follows this.
+    first_made_by_mpidp = None
 
 
 groups = _MPIGroups()
@@ -145,6 +150,8 @@ def init_process_group(comm=None, backend: str | None = None,
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
     global _made
     _made = (backend, timeout)
+    if groups.first_made_by_mpidp is None:
+        groups.first_made_by_mpidp = True
     if backend == "mpidp":   # the group is `group` itself: no store, no ports
         groups.next_default = group     # the "mpidp" backend's creator takes it (mpidp/c10d)
         dist.init_process_group("mpidp", store=store_for_mpidp_only(),
@@ -197,7 +204,7 @@ def default_group_source():
 _made = None
 
 
-def continue_on(world: MPI.Intracomm) -> None:
+def continue_on(world: MPI.Intracomm, growing: bool = False) -> None:
     """Fault-tolerant mode, after mpidp.recover() shrank or grew the world
     (or a worker group the default group was made over, then `world` is the
     group's survivors): the default group that init_process_group made over
@@ -205,21 +212,43 @@ def continue_on(world: MPI.Intracomm) -> None:
     made again over `world`, with the same backend; the node groups made from it go too. So
     is an "mpidp" default group, whoever made it (its ranks are MPI's). A
     gloo or NCCL group the program made itself is its to remake, and so are
-    the subgroups (torch destroys them with the default group)."""
+    the subgroups (torch destroys them with the default group).
+
+    A default group over the job's ranks in another order than the world's
+    (mpidp.init_process_group(comm=reordered)) keeps its survivors' order
+    after a shrink; after a growth (`growing`) it is made in the world's
+    order, the replacements last, as their program's first
+    init_process_group() makes it (their place in it is a lost rank's only
+    where the program orders it again, as keep_whole_groups does)."""
     global _made
     how = made_again_by_recovery()
     if how is None:
         return
+    key = None if growing else _key_keeping_order(world)
     _node_groups.clear()
     dist.destroy_process_group()
     _made = None
+    if key is not None:
+        world = world.Split(0, key)
     init_process_group(world, backend=how[0], timeout=how[1])
 
 
+def _key_keeping_order(survivors: MPI.Intracomm):
+    """This survivor's key for splitting `survivors` into the default group's
+    old order, or None where theirs serves (the same on every survivor)."""
+    source = default_group_source()
+    if source is None:
+        return None
+    old = MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())),
+                                    source.Get_group())
+    return None if old == sorted(old) else old[survivors.Get_rank()]
+
+
 def made_by_init_process_group() -> bool:
-    """Whether mpidp.init_process_group made the default group (not torch's
-    own dist.init_process_group)."""
-    return dist.is_initialized() and _made is not None
+    """Whether mpidp.init_process_group made the default group, and the
+    program made its first one so (not with torch's own dist.init_process_group,
+    as a replacement's script then does)."""
+    return dist.is_initialized() and _made is not None and bool(groups.first_made_by_mpidp)
 
 
 def made_again_by_recovery():

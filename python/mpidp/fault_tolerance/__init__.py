@@ -43,18 +43,20 @@ from __future__ import annotations
 
 # The files, by job: recovery.py (recover() and its rounds), domains.py (what
 # one recover() shrinks: the job or one worker group), survivors.py
-# (MPI's agreement and shrink, which errors are failures), deadline.py (the
-# deadline on each wait MPI cannot interrupt), training_state.py (checkpoints,
-# share_state, GradScaler), replacements.py (growing back), replica_groups.py
-# (FT-HSDP's rule: the replica groups that lost no rank go on); the per-step half
-# that algorithms call is mpidp/_runtime/fault_tolerant_mode.py.
+# (MPI's agreement and shrink, which errors are failures), training_state.py
+# (checkpoints, share_state, GradScaler), replacements.py (growing back),
+# replica_groups.py (FT-HSDP's rule: the replica groups that lost no rank go
+# on); the per-step half that algorithms call is
+# mpidp/_runtime/fault_tolerant_mode.py, and the deadline on each wait MPI
+# cannot interrupt mpidp/_runtime/deadline.py (a replacement's joining uses
+# it before any of this is imported).
 from .._runtime import fault_tolerant_mode
 from .._runtime.fault_tolerant_mode import (RanksLost, agree_all_alive, commit_step, defer,
                                    enabled, is_replacement, participate, places_after_growth,
                                    raise_deferred, revoke_everything, step_boundary,
                                    world_agreement, world_comm)
 from .._runtime.fault_tolerant_groups import survivors_of
-from .deadline import deadline
+from .._runtime.deadline import deadline
 from .recovery import Membership, recover, recovery_times, steps_committed
 from .replacements import take_plan
 from .replica_groups import give_replacements_shards, keep_whole_groups

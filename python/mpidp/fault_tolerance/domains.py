@@ -65,7 +65,7 @@ class WorldDomain:
                 if finish is not None:
                     finish(before_growth)
         if fault_tolerant_groups.of(process_group.default_group_source()) is None:
-            process_group.continue_on(survivors)
+            process_group.continue_on(survivors, growing=before_growth is not None)
         continue_on_survivors(survivors, {c.py2f() for c in old_comms})
         for obj in world_participants:
             if not _owned(obj):

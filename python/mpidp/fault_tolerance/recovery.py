@@ -18,7 +18,7 @@ from ..algorithms.driver import refusing_replacements
 # survivors.shrink is looked up on its module at each call, so that a test can
 # put a rank's death inside it (tests/fault_tolerance/ulfm/train_ft.py).
 from . import survivors as _survivors
-from .deadline import deadline
+from .._runtime.deadline import deadline
 from .domains import GroupDomain, WorldDomain
 from .replacements import spawn_replacements
 from .survivors import is_failure, lost_ranks, retire

@@ -11,6 +11,7 @@ import sys
 
 from .._runtime import fault_tolerant_groups, fault_tolerant_mode
 from .._runtime import mpi as _mpi
+from .._runtime.deadline import deadline
 from .._runtime.mpi import MPI
 from ..collectives import process_groups as process_group
 
@@ -59,7 +60,9 @@ def take_plan() -> None:
     if not fault_tolerant_mode.joining() or fault_tolerant_mode._state.plan_taken:
         return
     fault_tolerant_mode._state.plan_taken = True
-    plan = _mpi.world_mpi().bcast(None, root=0)
+    with deadline("taking the survivors' plan", caller="a replacement",
+                  hint="they are gone (another rank failed) or stuck"):
+        plan = _mpi.world_mpi().bcast(None, root=0)
     if plan["default_group"] is not None:
         backend, timeout = plan["default_group"]
         process_group.init_process_group(_mpi.world_mpi(), backend=backend, timeout=timeout)

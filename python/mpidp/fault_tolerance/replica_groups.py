@@ -9,7 +9,7 @@ same place in another replica group (give_replacements_shards)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from .._runtime import fault_tolerant_mode
 from .._runtime import mpi as _mpi
 from .._runtime.args import check_int
+from .._runtime.deadline import deadline
 from .._runtime.mpi import MPI
 from ..collectives.process_groups import init_process_group
 from .recovery import Membership
@@ -27,8 +28,10 @@ def keep_whole_groups(membership: Optional[Membership],
                       group_size: int) -> Optional[MPI.Intracomm]:
     """After `membership = mpidp.recover()` (or recover(comm=...) of the
     communicator this returned before): the replica groups -- consecutive
-    blocks of `group_size` ranks of the communicator before the loss -- that
-    lost no rank go on. Returns their communicator (ranks in the same order,
+    blocks of `group_size` places, a rank's place being its rank in the
+    communicator this returned last on it (else in the communicator before
+    the loss; after a growth the job's world is in the order the ranks
+    joined, not in their places) -- that lost no rank go on. Returns their communicator (ranks in the same order,
     so each keeps its place in its group, and so its shards), over which
     torch.distributed's default group is made again ("mpidp" backend; build
     the device mesh and the sharded model again over it, copying each
@@ -52,26 +55,53 @@ def keep_whole_groups(membership: Optional[Membership],
         raise TypeError("membership: expected what mpidp.recover() returned (None only on a "
                         f"replacement), got {type(membership).__name__}")
     comm = _mpi.world_mpi() if joining else membership.comm
-    # Compared before any check of one rank's own, so that every rank raises
-    # alike (one raising alone would leave the others in the split).
-    sizes = sorted(set(comm.allgather(group_size)), key=repr)
-    if len(sizes) > 1:
-        raise ValueError(f"group_size: the ranks passed different sizes ({sizes}); every rank "
-                         "must pass the size of the shard groups")
-    check_int("group_size", group_size, 1)
-    if joining:
-        return _regroup_with_replacements(comm, None, group_size)
+    with deadline("keep_whole_groups", caller="keep_whole_groups",
+                  hint="a survivor is not calling it (every survivor of the recovery must)"):
+        # Compared before any check of one rank's own, so that every rank raises
+        # alike (one raising alone would leave the others in the split).
+        sizes = sorted(set(comm.allgather(group_size)), key=repr)
+        if len(sizes) > 1:
+            raise ValueError(f"group_size: the ranks passed different sizes ({sizes}); every "
+                             "rank must pass the size of the shard groups")
+        check_int("group_size", group_size, 1)
+        if joining:
+            layout = _regroup_with_replacements(comm, None, group_size)
+        else:
+            layout = _keep_or_regroup(membership, group_size)
+    global _last_layout
+    _last_layout = layout
+    return layout
+
+
+# The communicator keep_whole_groups returned last on this rank: its order is
+# the ranks' places (a grown job's world is in the order the ranks joined).
+_last_layout: Optional[MPI.Intracomm] = None
+
+
+def _places_before_loss(membership: Membership) -> List[int]:
+    """The place before the loss of each survivor (by its rank in
+    membership.comm): its rank in the layout keep_whole_groups returned
+    last, else in the communicator recovered (membership's numbering)."""
+    if _last_layout is None or _last_layout.Get_size() != membership.previous_size:
+        return [r for r in range(membership.previous_size) if r not in set(membership.lost)]
+    # (A replacement's is MPI.UNDEFINED: it takes a lost rank's place later.)
+    return MPI.Group.Translate_ranks(membership.comm.Get_group(),
+                                     list(range(membership.comm.Get_size())),
+                                     _last_layout.Get_group())
+
+
+def _keep_or_regroup(membership: Membership, group_size: int) -> Optional[MPI.Intracomm]:
     if membership.previous_size % group_size:
         raise ValueError(f"group_size: {group_size} does not divide the {membership.previous_size} "
                          "ranks there were before the loss, so they were not whole groups of it")
-    lost = set(membership.lost)
-    survivors = [r for r in range(membership.previous_size) if r not in lost]
-    before = survivors[membership.rank]        # this rank's number before the loss
+    places = _places_before_loss(membership)
+    place = places[membership.rank]        # this rank's place before the loss
     if membership.joined:
-        return _regroup_with_replacements(membership.comm, before, group_size)
-    broken = {r // group_size for r in lost}
-    whole = before // group_size not in broken
-    kept = membership.comm.Split(0 if whole else MPI.UNDEFINED, membership.rank)
+        return _regroup_with_replacements(membership.comm, place, group_size)
+    lost = set(range(membership.previous_size)) - set(places)      # no replacement here
+    broken = {p // group_size for p in lost}
+    whole = place // group_size not in broken
+    kept = membership.comm.Split(0 if whole else MPI.UNDEFINED, place)
     if dist.is_initialized():
         dist.destroy_process_group()
     if not whole:
@@ -96,6 +126,7 @@ def _regroup_with_replacements(comm: MPI.Intracomm, place: Optional[int],
     return ordered
 
 
+
 def give_replacements_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              comm: MPI.Intracomm, group_size: int) -> None:
     """After keep_whole_groups grew the groups back (`comm`, what it
@@ -106,6 +137,12 @@ def give_replacements_shards(model: torch.nn.Module, optimizer: torch.optim.Opti
     has a survivor there (the replicas are equal: every group applied the
     same averaged steps). The other ranks keep theirs. Collective over
     `comm`."""
+    with deadline("give_replacements_shards", caller="give_replacements_shards",
+                  hint="a rank of `comm` is not calling it (every rank must)"):
+        _give_shards(model, optimizer, comm, group_size)
+
+
+def _give_shards(model, optimizer, comm, group_size) -> None:
     rank = comm.Get_rank()
     peers = comm.Split(rank % group_size, rank)      # the same shard in every group
     try:

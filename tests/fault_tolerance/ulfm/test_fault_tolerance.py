@@ -229,6 +229,21 @@ def test_a_survivor_that_never_recovers_ends_the_job_at_the_deadline(tmp_path):
         stderr_of(proc)[-4000:]
 
 
+def test_a_replacement_whose_program_fails_ends_the_job(tmp_path):
+    """A replacement is alone in its own MPI_COMM_WORLD (its spawn), and so
+    were its uncaught exceptions (no abort) and its aborts (its world only):
+    its failure must end the job at once, the survivors waiting for its
+    set-up and the launched ranks included (launch checks that no rank
+    outlives mpirun); MPIDP_TIMEOUT is longer than the test waits."""
+    started = time.monotonic()
+    proc = launch(tmp_path, 3, "2:2:backward", MPIDP_TIMEOUT=600, FT_REPLACE=1,
+                  FT_REPLACEMENT_FAILS=1)
+    assert proc.returncode != 0
+    assert "mpidp: uncaught RuntimeError on rank 2 of 3: aborting the job" in proc.stderr, \
+        stderr_of(proc)[-4000:]
+    assert time.monotonic() - started < 120, stderr_of(proc)[-4000:]
+
+
 def test_a_program_on_torch_distributed_alone_recovers():
     """dist.init_process_group("mpidp") and dist.all_reduce, no mpidp wrapper:
     RanksLost from the collective, recover() makes the default group again,
@@ -240,6 +255,19 @@ def test_a_program_on_torch_distributed_alone_recovers():
     # Ranks 0, 1, 2 add rank + 1 (6) before step 3; rank 2 dies at step 3.
     want = [6.0] * 3 + [3.0] * 3
     assert done == [f"done {r} {want} 2" for r in (0, 1)], out.stdout + stderr_of(out)[-3000:]
+
+
+def test_a_default_group_over_the_jobs_ranks_in_another_order_keeps_it():
+    """mpidp.init_process_group over the job's ranks in reverse order: it is
+    the job's (recover() of the job makes it again), and its survivors keep
+    their order in it; the sums after the loss are the survivors'."""
+    out = subprocess.run([os.path.join(ROOT, "scripts/mpirun_ft.sh"), "3", sys.executable,
+                          os.path.join(HERE, "dist_only.py")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, FT_DIST_REVERSED="1"))
+    done = sorted(line for line in out.stdout.splitlines() if line.startswith("done"))
+    want = [6.0] * 3 + [3.0] * 3
+    assert done == [f"done {r} {want} 2 [1, 0]" for r in (0, 1)], \
+        out.stdout + stderr_of(out)[-3000:]
 
 
 def test_a_default_group_made_over_a_worker_group_is_recovered_by_that_group_alone():

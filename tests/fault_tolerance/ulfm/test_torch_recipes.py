@@ -33,26 +33,38 @@ CASES = {
 }
 
 
-def test_hsdp_grows_back_with_a_replacement_taking_the_lost_shards(tmp_path):
-    """HSDP, rank 2 lost once its backward is done, recover(replace=True):
-    its group {2, 3} is made whole again -- the replacement in rank 2's
-    place, its shards and momentum from rank 0, the rank of that place in
-    the other group -- and the step is done again by all four, so every
-    rank ends as a single process that never lost a rank's data."""
-    proc = launch(tmp_path, 4, "2:3:step", FT_SCRIPT="torch_ft.py", FT_TORCH="hsdp",
-                  FT_REPLACE=1)
+# kill spec: {key (the place's data stream): the (lost, joined) of each
+# recovery it sees}, numbered in the world before it (the order the ranks joined).
+GROWTHS = {
+    "rank 2 lost once its backward is done": ("2:3:step", {
+        0: [((2,), (3,))], 1: [((2,), (3,))], 3: [((2,), (3,))], 2: []}),
+    "then rank 1, of the other group, after the first replacement joined (the world "
+    "in the order the ranks joined, no longer their places)": ("2:3:step;1:5:step", {
+        0: [((2,), (3,)), ((1,), (3,))], 3: [((2,), (3,)), ((1,), (3,))],
+        2: [((1,), (3,))], 1: []}),
+}
+
+
+@pytest.mark.parametrize("growth", list(GROWTHS))
+def test_hsdp_grows_back_with_a_replacement_taking_the_lost_shards(tmp_path, growth):
+    """HSDP, recover(replace=True): the group that lost a rank is made whole
+    again -- a replacement in the lost rank's place, its shards and
+    momentum from the rank of that place in the other group -- and the step
+    is done again by all four, so every rank ends as a single process that
+    never lost a rank's data."""
+    kill, recoveries = GROWTHS[growth]
+    proc = launch(tmp_path, 4, kill, FT_SCRIPT="torch_ft.py", FT_TORCH="hsdp", FT_REPLACE=1)
     saved = {int(f[5:-3]): torch.load(tmp_path / f, weights_only=False)
              for f in os.listdir(tmp_path) if f.startswith("rank-")}
     assert set(saved) == set(range(4)), (
         f"ranks that finished: {sorted(saved)}; mpirun exit {proc.returncode}\n"
         + proc.stderr[-4000:])
     params, momentum, _ = simulate(4, 8, {})
-    for rank, got in saved.items():
-        assert not got["left"], (rank, got)
-        if rank != 2:
-            assert [(r["lost"], r["joined"]) for r in got["recoveries"]] == [((2,), (3,))], \
-                got["recoveries"]
-        assert_matches(f"rank {rank}", got, params, momentum)
+    for key, got in saved.items():
+        assert not got["left"], (key, got)
+        assert [(r["lost"], r["joined"]) for r in got["recoveries"]] == recoveries[key], \
+            (key, got["recoveries"])
+        assert_matches(f"the rank of place {key}", got, params, momentum)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -33,6 +33,7 @@ dist.init_process_group("mpidp") (recover() makes it again; an all_reduce
 over it at the end is saved). FT_SUSPECT="<rank>:<step>[,<step>...]": that
 rank takes an error for a failure at those steps, though none failed.
 FT_NO_RECOVER=<rank>: that rank, told of a loss, never calls recover().
+FT_REPLACEMENT_FAILS=1: a replacement raises before it builds anything.
 FT_HABITS=1: AMP's GradScaler and the gradients unscaled and clipped to
 norm CLIP before the step; the model wrapped twice (DeMo: two over the
 parameters; the newer takes over), except under DASO; with DataParallel
@@ -114,6 +115,8 @@ def main(out_dir: str) -> None:
     replacement = mpidp.fault_tolerance.is_replacement()
     replace = bool(os.environ.get("FT_REPLACE"))
     key = None if replacement else LAUNCHED_RANK      # this rank's data stream
+    if replacement and os.environ.get("FT_REPLACEMENT_FAILS"):
+        raise RuntimeError("FT_REPLACEMENT_FAILS: a replacement's program fails")
 
     def dies(step: int, phase: str) -> bool:
         return not replacement and (key, step, phase) in {

@@ -8,8 +8,8 @@ import sys
 import threading
 
 from .. import _C
-from .._runtime import config
-from .._runtime import mpi as _mpi
+from . import config
+from . import mpi as _mpi
 
 
 @contextlib.contextmanager
