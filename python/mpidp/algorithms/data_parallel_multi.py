@@ -99,12 +99,6 @@ class DataParallelMultiGPU(torch.nn.Module):
         if topo.local_size == 1:
             warnings.warn("DataParallelMultiGPU: one rank per node, so there is no node-local "
                           "data parallelism; DASO syncs the nodes only", stacklevel=2)
-        first = next(module.parameters(), None)
-        if fault_tolerant_mode.enabled() and first is not None and first.device.type != "cpu":
-            raise NotImplementedError(
-                "DataParallelMultiGPU: fault-tolerant mode (MPIDP_FAULT_TOLERANCE) runs DASO on "
-                "host (CPU) parameters so far: its node-local DDP on GPUs goes through NCCL, "
-                "which has no ULFM")
         self._wrap_node_local(mpi_comm, topo.local_size, node_default)
         optimizer.set_model(self.module, broadcast_buffers=broadcast_buffers)
         optimizer._wrapper = weakref.ref(self)
@@ -128,24 +122,28 @@ class DataParallelMultiGPU(torch.nn.Module):
         if first is not None and first.is_cuda:
             device_ids = [first.device.index]
         on_host = first is None or first.device.type == "cpu"
-        # On the host DDP's own traffic (its start-up broadcast, the
+        # Over MPI: host parameters, and in fault-tolerant mode GPU ones too,
+        # through host memory (NCCL has no ULFM: a dead peer would leave the
+        # node's kernels waiting; MPI reports it, and the loss is recovered
+        # as on the host). DDP's own traffic (its start-up broadcast, the
         # bucket layout it sends after the first step) goes over MPI too:
         # the node group is an "mpidp" one, with no store behind it.
+        over_mpi = on_host or fault_tolerant_mode.enabled()
         node_group = None if node_default else node_process_group(
-            mpi_comm, "mpidp" if on_host else None)
+            mpi_comm, "mpidp" if over_mpi else None)
         # On the host the gradients are views of DDP's buckets: the MPI
         # hook reduces them in place, with no copy in or out.
         self.module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=device_ids, process_group=node_group,
             gradient_as_bucket_view=on_host,
-            **_ddp_buffer_sync(self._broadcast_buffers and not on_host))
-        node = communicator(node_comm(mpi_comm)).c if on_host else None
+            **_ddp_buffer_sync(self._broadcast_buffers and not over_mpi))
+        node = communicator(node_comm(mpi_comm)).c if over_mpi else None
         self._host_buffers_comm = node if self._broadcast_buffers else None
         # Node-local gradients are summed and divided by this many ranks:
         # all of the node's, except during join() when some are out of data.
         self._divisor = _NodeMean(local_size, node_group, node)
         self.module.register_comm_hook(self._divisor,
-                                       _mpi_allreduce_mean if on_host else _allreduce_mean)
+                                       _mpi_allreduce_mean if over_mpi else _allreduce_mean)
 
     def _continue_on(self, mpi_comm, local_size: int) -> None:
         """Fault-tolerant mode (DASO._continue_on): the node-local DDP made
@@ -273,17 +271,21 @@ class _NodeMean:
 
 
 def _mpi_allreduce_mean(state: _NodeMean, bucket):
-    """DDP comm hook for host tensors: sum the bucket over the node through
-    MPI, divide by state.n. Blocking: DDP waits for every bucket's future at
-    the end of backward, and nothing would complete a pending one there; a
-    node's allreduce through shared memory costs little next to a step."""
+    """DDP comm hook over MPI: sum the bucket over the node, divide by
+    state.n; a device bucket (fault-tolerant mode) through host memory.
+    Blocking: DDP waits for every bucket's future at the end of backward,
+    and nothing would complete a pending one there; a node's allreduce
+    through shared memory costs little next to a step."""
     tensor = bucket.buffer()
+    host = tensor if tensor.device.type == "cpu" else tensor.cpu()
     try:
-        state.comm.allreduce(tensor, _C.OP_SUM, _C.NO_WIRE, False)
+        state.comm.allreduce(host, _C.OP_SUM, _C.NO_WIRE, False)
     except _C.RanksLost as lost:
         # Raised here, torch would hand the loop a RuntimeError: DASO.step()
         # raises it instead, and the step is discarded.
         fault_tolerant_mode.defer(lost)
+    if host is not tensor:
+        tensor.copy_(host)
     tensor.div_(state.n)
     done = torch.futures.Future()
     done.set_result(tensor)

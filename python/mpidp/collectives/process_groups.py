@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .._runtime import config
 from .._runtime.args import check_choice
+from .._runtime import mpi as _mpi
 from .._runtime.mpi import MPI, world_mpi
 from .._runtime.topology import node_comm, topology
 
@@ -117,7 +118,8 @@ def init_process_group(comm=None, backend: str | None = None,
     core: the group is `comm` itself, with no store and no ports), "gloo"
     or "nccl"; default NCCL for CUDA tensors and
     gloo for CPU ones when the node has at least one GPU for each of its ranks
-    (each rank then uses GPU `local_rank`), else gloo. Calling it again with the same ranks does
+    (each rank then uses GPU `local_rank`), else gloo; in fault-tolerant mode
+    "mpidp" where it would be NCCL. Calling it again with the same ranks does
     nothing; with other ranks it raises.
 
     timeout: the group's timeout, for its store and torch's collectives (a
@@ -141,6 +143,10 @@ def init_process_group(comm=None, backend: str | None = None,
         same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
         backend = default_backend(gpus, same_machine.Get_size())
         same_machine.Free()
+        if "nccl" in backend and _mpi.fault_tolerant:
+            # NCCL has no ULFM: a dead peer would leave the others inside
+            # its kernels; "mpidp" takes CUDA tensors through host memory.
+            backend = "mpidp"
     if backend == "nccl" and gpus == 0:
         raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
                            "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "

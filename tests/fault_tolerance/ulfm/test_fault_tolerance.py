@@ -626,17 +626,24 @@ def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
                                        msg=lambda m: f"rank {rank}'s momentum: {m}")
 
 
-@pytest.mark.parametrize("habits", [False, True])
-def test_daso_grows_back_with_rank_0s_state(tmp_path, habits):
+# DASO's global syncs through the engine of GPU parameters (packed and
+# merged where the parameters live), run here on CPU parameters.
+DEVICE_ENGINE = {"MPIDP_DASO_DEVICE_SYNC": "1"}
+
+
+@pytest.mark.parametrize("habits,engine", [(False, "host"), (True, "host"), (False, "device")])
+def test_daso_grows_back_with_rank_0s_state(tmp_path, habits, engine):
     """recover(replace=True) under DASO (its warm-up), rank 1 lost in step
     3's backward: the step is undone, then every rank -- the replacement
     last in the world's order, the nodes whole again -- takes rank 0's
     parameters, momentum and schedule, and step 3 is done again by all
     four, the replacement on rank 1's data. habits: DASO's AMP (the step
     through its scaler) and the gradients unscaled and clipped, on every
-    rank and the replacement."""
+    rank and the replacement. engine "device": the global syncs through
+    the engine of GPU parameters."""
     saved = run_job(tmp_path, 4, "1:3:backward", expect=range(4), FT_ALGORITHM="daso",
-                    FT_REPLACE=1, MPIDP_RANKS_PER_NODE=2, **({"FT_HABITS": 1} if habits else {}))
+                    FT_REPLACE=1, MPIDP_RANKS_PER_NODE=2, **({"FT_HABITS": 1} if habits else {}),
+                    **(DEVICE_ENGINE if engine == "device" else {}))
     params, momentum = simulate_daso(4, 8, {1: 3}, joins={1: 3},
                                      clip=train_ft.CLIP if habits else None)
     for key, got in saved.items():
@@ -646,16 +653,18 @@ def test_daso_grows_back_with_rank_0s_state(tmp_path, habits):
         assert_matches(f"stream {key}", got, params, momentum[key])
 
 
-def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path):
+@pytest.mark.parametrize("engine", ["host", "device"])
+def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path, engine):
     """DASO's cycling phase: replicas differ between global syncs, which are
     in flight across batches. At the recovery every survivor holds the new
     rank 0's replica and momentum as they were after the last step every
     rank completed (the interrupted step undone, the sync in flight
-    dropped); the epoch's last batch ends in a blocking sync."""
+    dropped); the epoch's last batch ends in a blocking sync. engine
+    "device": the syncs through the engine of GPU parameters."""
     # The schedule here: group 1 (ranks 1 and 3) sends after step 4 and
     # merges after step 5; rank 3 dies in step 5's backward.
     saved = run_job(tmp_path, 4, "3:5:backward", FT_ALGORITHM="daso", FT_DASO_CYCLING=1,
-                    MPIDP_RANKS_PER_NODE=2)
+                    MPIDP_RANKS_PER_NODE=2, **(DEVICE_ENGINE if engine == "device" else {}))
     root = saved[0]
     (recovery,) = root["recoveries"]
     step = recovery["step"]
