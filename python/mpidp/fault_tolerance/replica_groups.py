@@ -31,8 +31,9 @@ def keep_whole_groups(membership: Optional[Membership],
     blocks of `group_size` places, a rank's place being its rank in the
     communicator this returned last on it (else in the communicator before
     the loss; after a growth the job's world is in the order the ranks
-    joined, not in their places) -- that lost no rank go on. Returns their communicator (ranks in the same order,
-    so each keeps its place in its group, and so its shards), over which
+    joined, not in their places) -- that lost no rank go on. Returns their
+    communicator (ranks in the same order, so each keeps its place in its
+    group, and so its shards), over which
     torch.distributed's default group is made again ("mpidp" backend; build
     the device mesh and the sharded model again over it, copying each
     rank's local shards across). Returns None on the survivors of a group
@@ -83,7 +84,8 @@ def _places_before_loss(membership: Membership) -> List[int]:
     membership.comm): its rank in the layout keep_whole_groups returned
     last, else in the communicator recovered (membership's numbering)."""
     if _last_layout is None or _last_layout.Get_size() != membership.previous_size:
-        return [r for r in range(membership.previous_size) if r not in set(membership.lost)]
+        lost = set(membership.lost)
+        return [r for r in range(membership.previous_size) if r not in lost]
     # (A replacement's is MPI.UNDEFINED: it takes a lost rank's place later.)
     return MPI.Group.Translate_ranks(membership.comm.Get_group(),
                                      list(range(membership.comm.Get_size())),

@@ -10,7 +10,6 @@ exact, from every worker's weights, on the survivors' ring.
 
 These run in the fault-tolerance pass (.venv-ft), as test_fault_tolerance.py."""
 
-import collections
 import copy
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import train_ft  # noqa: E402
-from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
+from test_fault_tolerance import emulated_nodes, launched_ranks_lost, run_job  # noqa: E402
 from test_low_communication import assert_grew_back, gradient, habits, inner_models  # noqa: E402
 from quant_reference import q  # noqa: E402
 from mpidp import _C, kernels  # noqa: E402
@@ -202,12 +201,8 @@ def simulate_sgp(n, steps, lost_from, clip=None, joins=None, per_node=1):
                 grew = True
         lost = {r: s for r, s in lost_from.items() if t < joins.get(r, (steps,))[0]}
         alive = [r for r in order if t < lost.get(r, steps)]
-        sizes = collections.Counter(r // per_node for r in alive)
-        alone = (alone and not grew) or len(set(sizes.values())) > 1
-        nodes = {}
-        for r in alive:
-            nodes.setdefault(r if alone else r // per_node, []).append(r)
-        for node in nodes.values():
+        nodes, alone = emulated_nodes(alive, per_node, alone, grew)
+        for node in nodes:
             grads = []
             for r in node:
                 gradient(models[r], r, t, None)
@@ -218,14 +213,14 @@ def simulate_sgp(n, steps, lost_from, clip=None, joins=None, per_node=1):
                 if clip is not None:
                     torch.nn.utils.clip_grad_norm_(models[r].parameters(), clip)
                 inner[r].step()
-        masters = [node[0] for node in nodes.values()]
+        masters = [node[0] for node in nodes]
         if masters != ring:
             ring, weight = masters, {r: 1.0 for r in masters}
         w = len(masters)
         sent = {r: torch.cat([vec(models[r]) * weight[r],
                               torch.tensor([weight[r]], dtype=torch.float32)]) * 0.5
                 for r in masters}
-        for i, node in enumerate(nodes.values()):
+        for i, node in enumerate(nodes):
             graph = DynamicDirectedExponentialGraph(i, w)
             graph.round = t
             _, inp = graph.worker_peers()

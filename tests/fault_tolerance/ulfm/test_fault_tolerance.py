@@ -10,6 +10,7 @@ before its death and in none after. Survivors must end bit for bit equal.
 These run in `make pytest-ft` (.venv-ft: Open MPI 5 with ULFM), not in the
 main passes, whose Open MPI 4.1 has no ULFM."""
 
+import collections
 import copy
 import os
 import signal
@@ -678,6 +679,21 @@ def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path, engine):
             assert torch.equal(a, b), f"rank {rank} ended with other parameters than rank 0"
 
 
+def emulated_nodes(alive, per_node, one_rank_nodes, grew):
+    """The emulated nodes of the ranks `alive` (lists of ranks, in `alive`'s
+    order): rank r on node r // per_node -- or every rank a node of its own,
+    as the algorithms over nodes do where the nodes alive hold different
+    numbers of ranks, and go on doing (`one_rank_nodes`, from the step
+    before) until the job grows back (`grew`). Returns the nodes and
+    whether they are one-rank nodes."""
+    sizes = collections.Counter(r // per_node for r in alive)
+    one_rank_nodes = (one_rank_nodes and not grew) or len(set(sizes.values())) > 1
+    nodes = {}
+    for r in alive:
+        nodes.setdefault(r if one_rank_nodes else r // per_node, []).append(r)
+    return list(nodes.values()), one_rank_nodes
+
+
 def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None, joins=None):
     """SlowMo (LOCALSGD base; θ and u whole in fault-tolerant mode) over
     emulated nodes of `per_node` ranks, by its rule: every rank holds its
@@ -710,14 +726,9 @@ def simulate_slowmo(n, steps, lost_from, sync_lost_from, per_node=2, clip=None, 
                 models[r].load_state_dict(models[source].state_dict())
                 inner[r].load_state_dict(copy.deepcopy(inner[source].state_dict()))
         now = [r for r in range(n) if takes_part(r, t, lost_from)]
-        if now != alive:
-            grew, alive = len(now) > len(alive), now
-            counts = [sum(1 for q in alive if q // per_node == r // per_node) for r in alive]
-            one_rank_nodes = (not grew and one_rank_nodes) or len(set(counts)) > 1
-        nodes = {}
-        for r in alive:
-            nodes.setdefault(r if one_rank_nodes else r // per_node, []).append(r)
-        for node in nodes.values():
+        grew, alive = len(now) > len(alive), now
+        nodes, one_rank_nodes = emulated_nodes(alive, per_node, one_rank_nodes, grew)
+        for node in nodes:
             grads = []
             for r in node:
                 models[r].zero_grad()
