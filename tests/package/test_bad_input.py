@@ -76,6 +76,23 @@ def test_nccl_without_gpus_says_so():
         mpidp.init_process_group(MPI.COMM_SELF, backend="nccl")
 
 
+def test_a_default_group_asked_again_with_another_backend_is_refused():
+    """A second init_process_group with the same ranks does nothing, but not
+    silently when it asks for another backend than the group has."""
+    import torch.distributed as dist
+    made_here = not dist.is_initialized()
+    if made_here:
+        mpidp.init_process_group(backend="gloo")
+    other = "gloo" if dist.get_backend() == "mpidp" else "mpidp"
+    try:
+        with pytest.raises(RuntimeError, match=f"already initialised with backend .*not '{other}'"):
+            mpidp.init_process_group(backend=other)
+        mpidp.init_process_group()       # no backend asked: nothing to refuse
+    finally:
+        if made_here:
+            dist.destroy_process_group()
+
+
 def test_the_glue_takes_a_dlpack_capsule_as_it_is():
     """The torch.distributed backend hands the core DLPack capsules it made
     itself: the capsule is the tensor's memory (the sum lands in it; the

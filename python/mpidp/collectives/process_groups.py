@@ -131,14 +131,24 @@ def init_process_group(comm=None, backend: str | None = None,
         raise TypeError(f"comm: expected an mpi4py intra-communicator, got {type(group).__name__}")
     if backend is not None:
         check_choice("backend", backend, ("gloo", "nccl", "mpidp"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus == 0:
+        raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
+                           "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "
+                           "backend='gloo', or leave backend=None to choose")
     if dist.is_initialized():   # before anything collective: a second call does nothing
         if dist.get_world_size() != group.Get_size() or dist.get_rank() != group.Get_rank():
             raise RuntimeError(
                 f"init_process_group: torch.distributed is already initialised with rank "
                 f"{dist.get_rank()} of {dist.get_world_size()}, not rank {group.Get_rank()} of "
                 f"{group.Get_size()} as asked")
+        made = dist.get_backend()
+        if backend is not None and backend not in made.replace(",", ":").split(":"):
+            raise RuntimeError(
+                f"init_process_group: torch.distributed is already initialised with backend "
+                f"{made!r}, not {backend!r} as asked; dist.destroy_process_group() first to "
+                "change it")
         return
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
         same_machine = group.Split_type(MPI.COMM_TYPE_SHARED)
         backend = default_backend(gpus, same_machine.Get_size())
@@ -147,10 +157,6 @@ def init_process_group(comm=None, backend: str | None = None,
             # NCCL has no ULFM: a dead peer would leave the others inside
             # its kernels; "mpidp" takes CUDA tensors through host memory.
             backend = "mpidp"
-    if backend == "nccl" and gpus == 0:
-        raise RuntimeError("init_process_group: backend='nccl' needs CUDA GPUs, and this process "
-                           "sees none (CUDA_VISIBLE_DEVICES, or a CPU-only torch?); use "
-                           "backend='gloo', or leave backend=None to choose")
     if "nccl" in backend:
         torch.cuda.set_device(topology().local_rank % gpus)
     timeout = timeout or datetime.timedelta(seconds=config.get("MPIDP_TIMEOUT"))
