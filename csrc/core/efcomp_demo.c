@@ -71,8 +71,9 @@ int mpidp_ef_demo_compress(const mpidp_ef_tiling_t *t, float *delta, const float
         for (int64_t i = 0; i < len; i++) tile[i] -= x[i];
         mpidp__ef_tile_store(t, delta, tl, tile);
     }
-    memcpy(payload, slots, (size_t)n * sizeof *slots);
-    memcpy(payload + n * sizeof *slots, values, (size_t)n * sizeof *values);
+    size_t slot_bytes = k == len ? 0 : (size_t)n * sizeof *slots; /* dense: slots implicit */
+    memcpy(payload, slots, slot_bytes);
+    memcpy(payload + slot_bytes, values, (size_t)n * sizeof *values);
     free(buf), free(slots), free(values);
     return MPIDP_OK;
 }

@@ -26,13 +26,14 @@ void mpidp__ef_tile_store(const mpidp_ef_tiling_t *t, float *tensor, int64_t til
                (size_t)t->tile_cols * sizeof *buf);
 }
 
-int64_t mpidp_ef_payload_bytes(int64_t ntiles, int64_t k, int bins)
+int64_t mpidp_ef_payload_bytes(int64_t ntiles, int64_t len, int64_t k, int bins)
 {
-    if (ntiles < 0 || k < 1 || (bins != 0 && (bins < 2 || bins > MPIDP_EF_MAX_BINS))) return -1;
+    if (ntiles < 0 || k < 1 || k > len || (bins != 0 && (bins < 2 || bins > MPIDP_EF_MAX_BINS)))
+        return -1;
     int64_t n = ntiles * k;
-    if (bins == 0) return n * (int64_t)(sizeof(uint16_t) + sizeof(float));
-    return (int64_t)sizeof(float) * (1 + bins) + n * (int64_t)sizeof(uint16_t) +
-           (n * mpidp_ef_code_bits(bins) + 7) / 8;
+    int64_t slots = k == len ? 0 : n * (int64_t)sizeof(uint16_t); /* dense: implicit */
+    if (bins == 0) return slots + n * (int64_t)sizeof(float);
+    return (int64_t)sizeof(float) * (1 + bins) + slots + (n * mpidp_ef_code_bits(bins) + 7) / 8;
 }
 
 static int check_tiling(const mpidp_ef_tiling_t *t, int64_t k, int bins, const char *who)
@@ -70,10 +71,13 @@ static int kept_alloc(kept_t *s, int64_t n, int64_t len)
 
 static void kept_free(kept_t *s) { free(s->slots), free(s->values), free(s->codes); }
 
-static void write_plain(uint8_t *payload, const kept_t *s, int64_t n)
+/* The slots of n kept entries (none where the tiles are dense); returns
+ * where the next field starts. */
+static uint8_t *write_slots(uint8_t *payload, const kept_t *s, int64_t n, int dense)
 {
+    if (dense) return payload;
     memcpy(payload, s->slots, (size_t)n * sizeof *s->slots);
-    memcpy(payload + n * sizeof *s->slots, s->values, (size_t)n * sizeof *s->values);
+    return payload + n * sizeof *s->slots;
 }
 
 int mpidp_ef_compress(const mpidp_ef_tiling_t *t, float *e, const float *delta, float beta,
@@ -83,6 +87,7 @@ int mpidp_ef_compress(const mpidp_ef_tiling_t *t, float *e, const float *delta, 
     if (rc != MPIDP_OK) return rc;
     if (e == NULL || payload == NULL) return mpidp__fail(MPIDP_EINVAL, "compress: NULL argument");
     int64_t ntiles = mpidp_ef_ntiles(t), len = mpidp_ef_tile_len(t), n = ntiles * k;
+    int dense = k == len;
     kept_t s;
     if ((rc = kept_alloc(&s, n, len)) != MPIDP_OK) return rc;
     for (int64_t tile = 0; tile < ntiles; tile++) {
@@ -107,13 +112,13 @@ int mpidp_ef_compress(const mpidp_ef_tiling_t *t, float *e, const float *delta, 
      * quantizer's error on the kept ones. */
     for (int64_t i = 0; i < n; i++) e[mpidp_ef_index(t, i / k, s.slots[i])] -= s.values[i];
     if (bins == 0) {
-        write_plain(payload, &s, n);
+        uint8_t *p = write_slots(payload, &s, n, dense);
+        memcpy(p, s.values, (size_t)n * sizeof *s.values);
     } else {
         memcpy(payload, &mu, sizeof mu);
         memcpy(payload + sizeof mu, lookup, (size_t)bins * sizeof *lookup);
-        uint8_t *p = payload + sizeof(float) * (size_t)(1 + bins);
-        memcpy(p, s.slots, (size_t)n * sizeof *s.slots);
-        mpidp_ef_pack_codes(s.codes, n, mpidp_ef_code_bits(bins), p + n * sizeof *s.slots);
+        uint8_t *p = write_slots(payload + sizeof(float) * (size_t)(1 + bins), &s, n, dense);
+        mpidp_ef_pack_codes(s.codes, n, mpidp_ef_code_bits(bins), p);
     }
 out:
     kept_free(&s);
@@ -125,13 +130,15 @@ static int add_payload(const mpidp_ef_tiling_t *t, const uint8_t *p, int rank, i
                        int bins, int tile_major, float *sum, uint32_t *count, uint8_t *codes)
 {
     int64_t ntiles = mpidp_ef_ntiles(t), len = mpidp_ef_tile_len(t), n = ntiles * k;
+    int dense = k == len;      /* every slot, in order: none travels */
+    size_t slot_bytes = dense ? 0 : (size_t)n * sizeof(uint16_t);
     float mu = 0.0f, lookup[MPIDP_EF_MAX_BINS];
-    const uint8_t *slots = p, *values = p + n * sizeof(uint16_t);
+    const uint8_t *slots = p, *values = p + slot_bytes;
     if (bins > 0) {
         memcpy(&mu, p, sizeof mu);
         memcpy(lookup, p + sizeof mu, (size_t)bins * sizeof *lookup);
         slots = p + sizeof(float) * (size_t)(1 + bins);
-        if (mpidp_ef_unpack_codes(slots + n * sizeof(uint16_t), n, mpidp_ef_code_bits(bins), bins,
+        if (mpidp_ef_unpack_codes(slots + slot_bytes, n, mpidp_ef_code_bits(bins), bins,
                                   codes) != MPIDP_OK)
             return mpidp__fail(MPIDP_EINVAL, "payload of rank %d: a code is outside the %d bins",
                                rank, bins);
@@ -140,8 +147,8 @@ static int add_payload(const mpidp_ef_tiling_t *t, const uint8_t *p, int rank, i
         int64_t prev = -1;
         for (int64_t s = 0; s < k; s++) {
             int64_t i = tile * k + s;
-            uint16_t slot;
-            memcpy(&slot, slots + i * sizeof slot, sizeof slot);
+            uint16_t slot = (uint16_t)s;
+            if (!dense) memcpy(&slot, slots + i * sizeof slot, sizeof slot);
             if (slot >= len || (int64_t)slot <= prev)
                 return mpidp__fail(MPIDP_EINVAL, "payload of rank %d: tile %lld has slot %u "
                                    "after %lld (slots must increase and stay below %lld)", rank,
@@ -167,7 +174,7 @@ int mpidp_ef_sparse_mean(const mpidp_ef_tiling_t *t, const uint8_t *gathered, si
     if (rc != MPIDP_OK) return rc;
     if (R < 1 || gathered == NULL || out == NULL)
         return mpidp__fail(MPIDP_EINVAL, "sparse mean: expected R >= 1 and buffers");
-    if ((int64_t)stride < mpidp_ef_payload_bytes(mpidp_ef_ntiles(t), k, bins))
+    if ((int64_t)stride < mpidp_ef_payload_bytes(mpidp_ef_ntiles(t), mpidp_ef_tile_len(t), k, bins))
         return mpidp__fail(MPIDP_EINVAL, "sparse mean: stride %zu is shorter than a payload",
                            stride);
     int64_t numel = t->rows * t->cols, n = mpidp_ef_ntiles(t) * k;

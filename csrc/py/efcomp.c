@@ -48,6 +48,23 @@ static int parse_tiling(PyObject *obj, mpidp_ef_tiling_t *t)
     return 0;
 }
 
+/* Bytes of one tensor's payload under tiling t; -1 with ValueError set for
+ * k or bins out of range. */
+static int64_t payload_bytes(const mpidp_ef_tiling_t *t, long long k, int bins)
+{
+    int64_t len = mpidp_ef_tile_len(t);
+    if (k < 1 || k > len) {
+        PyErr_Format(PyExc_ValueError, "k must be 1 .. %lld (the tile's length), got %lld",
+                     (long long)len, k);
+        return -1;
+    }
+    int64_t bytes = mpidp_ef_payload_bytes(mpidp_ef_ntiles(t), len, k, bins);
+    if (bytes < 0)
+        PyErr_Format(PyExc_ValueError, "bins must be 0 (no quantizer) or 2 .. %d, got %d",
+                     MPIDP_EF_MAX_BINS, bins);
+    return bytes;
+}
+
 static int check_numel(const mpidp_tensor_t *x, const mpidp_ef_tiling_t *t, const char *name)
 {
     if ((int64_t)x->numel == t->rows * t->cols) return 0;
@@ -61,10 +78,7 @@ static int check_numel(const mpidp_tensor_t *x, const mpidp_ef_tiling_t *t, cons
 static int check_span(const mpidp_tensor_t *bucket, long long offset, long long stride, int R,
                       int64_t bytes, const char *name)
 {
-    if (bytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "k or bins out of range");
-        return -1;
-    }
+    if (bytes < 0) return -1; /* payload_bytes set the error */
     if (offset < 0 || stride < bytes || R < 1 ||
         (unsigned long long)offset + (unsigned long long)stride * (unsigned long long)(R - 1) +
                 (unsigned long long)bytes > bucket->numel) {
@@ -123,15 +137,16 @@ static PyObject *ef_tiling(PyObject *m, PyObject *args)
                          (long long)t.tile_cols);
 }
 
-/* ef_payload_bytes(ntiles, k, bins) -> int */
+/* ef_payload_bytes(ntiles, len, k, bins) -> int */
 static PyObject *ef_payload_bytes(PyObject *m, PyObject *args)
 {
     (void)m;
-    long long ntiles, k;
+    long long ntiles, len, k;
     int bins;
-    if (!PyArg_ParseTuple(args, "LLi:ef_payload_bytes", &ntiles, &k, &bins)) return NULL;
-    int64_t bytes = mpidp_ef_payload_bytes(ntiles, k, bins);
-    if (bytes < 0) return PyErr_Format(PyExc_ValueError, "ef_payload_bytes: k or bins out of range");
+    if (!PyArg_ParseTuple(args, "LLLi:ef_payload_bytes", &ntiles, &len, &k, &bins)) return NULL;
+    int64_t bytes = mpidp_ef_payload_bytes(ntiles, len, k, bins);
+    if (bytes < 0)
+        return PyErr_Format(PyExc_ValueError, "ef_payload_bytes: k or bins out of range");
     return PyLong_FromLongLong(bytes);
 }
 
@@ -156,7 +171,7 @@ static PyObject *ef_compress(PyObject *m, PyObject *args)
         ((d = take(st, &b, d_obj, MPIDP_F32, 0, "delta")) == NULL || check_numel(d, &t, "delta") < 0))
         goto fail;
     if ((bucket = take(st, &b, b_obj, MPIDP_U8, 1, "bucket")) == NULL ||
-        check_one(bucket, offset, mpidp_ef_payload_bytes(mpidp_ef_ntiles(&t), k, bins)) < 0)
+        check_one(bucket, offset, payload_bytes(&t, k, bins)) < 0)
         goto fail;
     int rc;
     mpidp_error_clear();
@@ -184,7 +199,7 @@ static PyObject *ef_sparse_mean(PyObject *m, PyObject *args)
     mpidp_tensor_t *out = take(st, &b, o_obj, MPIDP_F32, 1, "out"), *g = NULL;
     if (out == NULL || check_numel(out, &t, "out") < 0) goto fail;
     if ((g = take(st, &b, g_obj, MPIDP_U8, 0, "gathered")) == NULL ||
-        check_span(g, offset, stride, R, mpidp_ef_payload_bytes(mpidp_ef_ntiles(&t), k, bins),
+        check_span(g, offset, stride, R, payload_bytes(&t, k, bins),
                    "gathered") < 0)
         goto fail;
     int rc;
@@ -290,7 +305,7 @@ static PyObject *ef_demo_compress(PyObject *m, PyObject *args)
     }
     if (take_bases(st, &b, fr_obj, fc_obj, &t, &fr, &fc) < 0 ||
         (bucket = take(st, &b, b_obj, MPIDP_U8, 1, "bucket")) == NULL ||
-        check_one(bucket, offset, mpidp_ef_payload_bytes(mpidp_ef_ntiles(&t), k, 0)) < 0)
+        check_one(bucket, offset, payload_bytes(&t, k, 0)) < 0)
         goto fail;
     int rc;
     mpidp_error_clear();
@@ -319,7 +334,7 @@ static PyObject *ef_demo_decode(PyObject *m, PyObject *args)
     mpidp_tensor_t *out = take(st, &b, o_obj, MPIDP_F32, 1, "out"), *g = NULL;
     if (out == NULL || check_numel(out, &t, "out") < 0) goto fail;
     if ((g = take(st, &b, g_obj, MPIDP_U8, 0, "gathered")) == NULL ||
-        check_span(g, offset, stride, R, mpidp_ef_payload_bytes(mpidp_ef_ntiles(&t), k, 0),
+        check_span(g, offset, stride, R, payload_bytes(&t, k, 0),
                    "gathered") < 0 ||
         take_bases(st, &b, fr_obj, fc_obj, &t, &fr, &fc) < 0)
         goto fail;
@@ -337,7 +352,8 @@ PyMethodDef mpidp_py_efcomp_functions[] = {
     {"ef_tiling", ef_tiling, METH_VARARGS,
      "ef_tiling(shape, chunk) -> (rows, cols, tile_rows, tile_cols): the tiling of a tensor."},
     {"ef_payload_bytes", ef_payload_bytes, METH_VARARGS,
-     "ef_payload_bytes(ntiles, k, bins) -> bytes of one tensor's payload (bins 0: plain)."},
+     "ef_payload_bytes(ntiles, len, k, bins) -> bytes of one tensor's payload "
+     "(bins 0: plain; k == len: dense)."},
     {"ef_compress", ef_compress, METH_VARARGS,
      "ef_compress(e, delta, tiling, beta, alpha, k, bins, range, bucket, offset): SparseLoCo's\n"
      "compression of one tensor into bucket[offset:] (delta None: a zero delta)."},

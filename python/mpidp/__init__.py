@@ -23,6 +23,7 @@ from .algorithms.daso import DASO
 from .algorithms.diloco import DiLoCo
 from .algorithms.demo import DeMo
 from .algorithms.sparseloco import SparseLoCo
+from .algorithms.muloco import MuLoCo
 from .algorithms.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from .algorithms.data_parallel import DataParallel
 from .algorithms.data_parallel_multi import DataParallelMultiGPU
@@ -88,6 +89,7 @@ __all__ = [
     "DiLoCo",
     "DeMo",
     "SparseLoCo",
+    "MuLoCo",
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "HierarchicalModelAverager",

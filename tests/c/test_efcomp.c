@@ -187,11 +187,15 @@ TEST(code_packing_round_trips_every_code)
 
 TEST(payload_bytes_follow_the_layout)
 {
-    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 128, 4), 4 * 5 + 4 * 128 * 2 + 4 * 128 / 4);
-    ASSERT_EQ_INT(mpidp_ef_payload_bytes(3, 5, 4), 20 + 30 + 4); /* 15 codes: 30 bits */
-    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 32, 0), 4 * 32 * 6);
-    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 0, 0), -1);
-    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 1, 1), -1);
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 4096, 128, 4), 4 * 5 + 4 * 128 * 2 + 4 * 128 / 4);
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(3, 24, 5, 4), 20 + 30 + 4); /* 15 codes: 30 bits */
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 4096, 32, 0), 4 * 32 * 6);
+    /* dense (k = the tile's length): no slots */
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 128, 128, 4), 4 * 5 + 4 * 128 / 4);
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 32, 32, 0), 4 * 32 * 4);
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 8, 0, 0), -1);
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 8, 9, 0), -1);
+    ASSERT_EQ_INT(mpidp_ef_payload_bytes(4, 8, 1, 1), -1);
 }
 
 TEST(dct_basis_is_orthonormal_and_transforms_round_trip)
@@ -285,8 +289,10 @@ TEST(compress_keeps_every_error_in_the_buffer)
     mpidp_ef_tiling_t t = small_tiling();
     enum { N = 96 };
     static const int bins[] = {0, 4};
+    static const int64_t ks[] = {1, 8, 15, 22, 24}; /* 24: dense */
     for (int b = 0; b < 2; b++)
-        for (int64_t k = 1; k <= 24; k += 7) {
+        for (int ki = 0; ki < 5; ki++) {
+            int64_t k = ks[ki];
             float e[N], d[N], updated[N], sent[N];
             uint8_t payload[1024];
             for (int i = 0; i < N; i++) e[i] = (float)uniform(), d[i] = (float)uniform();
@@ -309,7 +315,7 @@ TEST(sparse_mean_divides_by_the_ranks_that_chose)
     mpidp_ef_tiling_t t = small_tiling();
     enum { N = 96 };
     int64_t k = 2;
-    int64_t bytes = mpidp_ef_payload_bytes(4, k, 0);
+    int64_t bytes = mpidp_ef_payload_bytes(4, 24, k, 0);
     uint8_t gathered[3 * 48];
     ASSERT_EQ_INT(bytes, 48);
     /* rank r keeps, in every tile, slot 0 (value r+1) and slot r+1 (value 10) */
@@ -340,7 +346,7 @@ TEST(sparse_mean_refuses_broken_payloads)
     mpidp_ef_tiling_t t = small_tiling();
     float e[96], out[96];
     for (int i = 0; i < 96; i++) e[i] = (float)uniform();
-    int64_t k = 3, bytes = mpidp_ef_payload_bytes(4, k, 4);
+    int64_t k = 3, bytes = mpidp_ef_payload_bytes(4, 24, k, 4);
     uint8_t p[256];
     ASSERT_EQ_INT(mpidp_ef_compress(&t, e, NULL, 1, 1, k, 4, 6.0, p), MPIDP_OK);
     uint8_t bad[256];

@@ -58,7 +58,7 @@ def test_one_rank_decodes_what_compress_took_out(bins):
     tiling = _C.ef_tiling((96, 40), 64)
     assert tiling == (96, 40, 48, 40)
     k = 20                         # 2 tiles of 48 x 40
-    size = _C.ef_payload_bytes(2, k, bins)
+    size = _C.ef_payload_bytes(2, 48 * 40, k, bins)
     bucket = torch.zeros(size + 7, dtype=torch.uint8)
     _C.ef_compress(e, delta, tiling, 0.9, 0.5, k, bins, 6.0, bucket, 7)
     sent = torch.empty(96, 40)
@@ -70,7 +70,7 @@ def test_one_rank_decodes_what_compress_took_out(bins):
 def test_buffers_that_do_not_fit_are_refused():
     tiling = _C.ef_tiling((8, 8), 64)
     e = torch.zeros(8, 8)
-    size = _C.ef_payload_bytes(1, 4, 4)
+    size = _C.ef_payload_bytes(1, 64, 4, 4)
     with pytest.raises(ValueError, match="bucket: 1 payload"):
         _C.ef_compress(e, None, tiling, 1.0, 1.0, 4, 4, 6.0, torch.zeros(size, dtype=torch.uint8), 1)
     with pytest.raises(TypeError, match="bucket: expected a uint8 tensor"):

@@ -10,7 +10,8 @@
  *   - never a crash, an out-of-bounds access or UB (ASan/UBSan);
  *   - refusal (MPIDP_EINVAL with a detail) exactly when some payload breaks
  *     the layout: a slot outside its tile, slots not increasing within a
- *     tile, a code outside the bins;
+ *     tile, a code outside the bins (k = the tile's length: dense, no
+ *     slots);
  *   - on success, the same bits as the reference's sum in rank order and
  *     its division (any NaN for a NaN: which operand's payload a sum of two
  *     NaNs keeps is the compiler's choice).
@@ -39,12 +40,16 @@ static int reference(const mpidp_ef_tiling_t *t, const uint8_t *g, size_t stride
         float mu = 0, lookup[256];
         size_t head = bins ? 4u * (size_t)(1 + bins) : 0;
         if (bins) memcpy(&mu, p, 4), memcpy(lookup, p + 4, 4u * (size_t)bins);
-        const uint8_t *slots = p + head, *rest = slots + 2 * n;
+        int dense = k == len; /* every slot in order, none in the payload */
+        const uint8_t *slots = p + head, *rest = slots + (dense ? 0 : 2 * n);
         for (int64_t i = 0; i < n && ok; i++) {
-            uint16_t s = (uint16_t)(slots[2 * i] | slots[2 * i + 1] << 8);
             int64_t tile = i / k;
-            if (s >= len) ok = 0;
-            if (i % k && s <= (uint16_t)(slots[2 * i - 2] | slots[2 * i - 1] << 8)) ok = 0;
+            uint16_t s = (uint16_t)(i % k);
+            if (!dense) {
+                s = (uint16_t)(slots[2 * i] | slots[2 * i + 1] << 8);
+                if (s >= len) ok = 0;
+                if (i % k && s <= (uint16_t)(slots[2 * i - 2] | slots[2 * i - 1] << 8)) ok = 0;
+            }
             if (!ok) break;
             float v;
             if (bins) {
@@ -82,7 +87,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int64_t len = mpidp_ef_tile_len(&t), k = 1 + ksel % len, numel = t.rows * t.cols;
     int demo = flags & 4, bins = (demo || bsel == 0) ? 0 : 2 + bsel % 15;
     int all = demo ? 0 : flags & 1, tile_major = demo ? 1 : (flags >> 1) & 1;
-    size_t stride = (size_t)mpidp_ef_payload_bytes(mpidp_ef_ntiles(&t), k, bins);
+    size_t stride = (size_t)mpidp_ef_payload_bytes(mpidp_ef_ntiles(&t), len, k, bins);
     uint8_t *g = calloc((size_t)R * stride + 1, 1);
     memcpy(g, f.p, f.n < (size_t)R * stride ? f.n : (size_t)R * stride);
     float *out = malloc((size_t)numel * sizeof *out), *ref = malloc((size_t)numel * sizeof *ref);

@@ -95,11 +95,14 @@ def test_the_bandwidth_for_a_utilisation_reaches_it_and_no_less_does(a):
 
 
 def test_the_dense_limits():
-    """SparseLoCo at full density, values unquantized, sends every value and
-    its slot: more than DiLoCo's dense allreduce, so sparsity is what pays;
-    DataParallel's bf16 wire sends half the fp32 wire's bytes."""
+    """SparseLoCo at full density, values unquantized, sends every value (the
+    slots implicit) and gathers them all: more than DiLoCo's dense allreduce,
+    so sparsity or codes are what pay; MuLoCo's 2-bit codes of every entry
+    send a sixteenth of the values' bytes; DataParallel's
+    bf16 wire sends half the fp32 wire's bytes."""
     n = 4096 * 100
-    assert alg.sparseloco_payload(n, top_k=4096, chunk=64, bins=0) == n * (4 + 2)
+    assert alg.sparseloco_payload(n, top_k=4096, chunk=64, bins=0) == n * 4
+    assert alg.sparseloco_payload(n, top_k=4096, chunk=64, bins=4) == 4 * 5 + n // 4
     full = alg.Algorithm("SparseLoCo", "full", alg.sparseloco(50, 4096, 64, 0))
     dense = alg.Algorithm("DiLoCo", "fp32", alg.diloco(50, alg.FP32))
     w = alg.Workload(n, 0.1)
@@ -109,7 +112,8 @@ def test_the_dense_limits():
 
 
 def test_compression_compute_is_added_and_never_hidden():
-    demo, sparse = alg.ALGORITHMS[-1], alg.ALGORITHMS[-2]
+    demo, sparse = (next(a for a in alg.ALGORITHMS if a.name == name)
+                    for name in ("DeMo", "SparseLoCo"))
     plain = alg.Workload(1_000_000, 0.1)
     heavy = alg.Workload(1_000_000, 0.1, overheads={"DeMo": 2e-9, "SparseLoCo": 5e-9})
     assert (alg.predict(demo, CLUSTER, heavy).step_s - alg.predict(demo, CLUSTER, plain).step_s

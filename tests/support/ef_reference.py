@@ -1,6 +1,7 @@
-"""Float64 simulations of SparseLoCo and DeMo over R replicas, written from
-the rules in docs/error-feedback.md with NumPy alone (no mpidp code): the
-references of test_sparseloco.py and test_demo.py."""
+"""Float64 simulations of SparseLoCo, MuLoCo and DeMo over R replicas,
+written from the rules in docs/error-feedback.md and docs/algorithms.md with
+NumPy alone (no mpidp code): the references of test_sparseloco.py,
+test_muloco.py and test_demo.py."""
 
 import math
 
@@ -98,10 +99,35 @@ class SparseLoCoSim:
                     values[mask] = quantize(tiles[mask], self.bins, self.spread)
                 self.error[r][i] = back(np.where(mask, tiles - values, tiles))
                 sent.append((back(values), back(mask)))
-            g = sparse_mean(sent, self.mean == "all")
-            new.append(theta * (1 - self.lr * self.wd) - self.lr * g)
+            new.append(self.outer_step(i, theta, sparse_mean(sent, self.mean == "all")))
         self.shared = new
         return new
+
+    def outer_step(self, i, theta, g):
+        """θ̃ of parameter i after the sync whose mean is g."""
+        return theta * (1 - self.lr * self.wd) - self.lr * g
+
+
+class MuLoCoSim(SparseLoCoSim):
+    """MuLoCo (docs/algorithms.md): SparseLoCo's compression -- of every
+    entry where top_k is None -- with e ← βe + lrΔ (lr: the outer SGD's),
+    the mean over every rank, and an outer SGD step with momentum (torch's
+    rule: b ← μb + g, from b = g; Nesterov: θ̃ -= lr (g + μb), else lr b)."""
+
+    def __init__(self, shared, ranks, lr=0.8, momentum=0.9, nesterov=True, error_decay=0.9,
+                 top_k=None, chunk_size=64, bins=4, spread=6.0):
+        super().__init__(shared, ranks, lr=lr, error_decay=error_decay, top_k=top_k or 1,
+                         chunk_size=chunk_size, bins=bins, spread=spread, mean="all")
+        self.dense, self.momentum, self.nesterov = top_k is None, momentum, nesterov
+        self.buf = [None] * len(self.shared)
+
+    def k_of(self, length: int) -> int:
+        return length if self.dense else super().k_of(length)
+
+    def outer_step(self, i, theta, g):
+        b = self.buf[i]
+        self.buf[i] = b = g.copy() if b is None else self.momentum * b + g
+        return theta - self.lr * (g + self.momentum * b if self.nesterov else b)
 
 
 def dct_basis(s: int) -> np.ndarray:

@@ -14,7 +14,9 @@
  *   quantized (bins > 0):  [mu f32][lookup f32 x bins][slot u16 x ntiles*k]
  *                          [codes, bits each, packed low bits first]
  *   plain (bins == 0):     [slot u16 x ntiles*k][value f32 x ntiles*k]
- * All little-endian; each tile's k slots are strictly increasing. Readers of
+ * All little-endian; each tile's k slots are strictly increasing. Where k is
+ * the tile's length (dense: every entry kept, MuLoCo's quantized deltas) the
+ * slots are 0 .. k-1 in order and are left out of the payload. Readers of
  * gathered payloads check that (a slot outside its tile, a repeat or a code
  * outside the bins is MPIDP_EINVAL), so bytes from the wire can never make
  * a kernel write out of bounds. */
@@ -46,9 +48,10 @@ int64_t mpidp_ef_index(const mpidp_ef_tiling_t *t, int64_t tile, int64_t slot);
 
 /* Bits per code for `bins` (2 .. 256): the smallest of 1, 2, 4, 8 that holds them. */
 int mpidp_ef_code_bits(int bins);
-/* Payload bytes of one tensor: ntiles tiles, k entries each, `bins` quantizer
- * bins (0: plain float32 values). -1 for arguments out of range. */
-int64_t mpidp_ef_payload_bytes(int64_t ntiles, int64_t k, int bins);
+/* Payload bytes of one tensor: ntiles tiles of len entries, k kept of each
+ * (k == len: dense, no slots), `bins` quantizer bins (0: plain float32
+ * values). -1 for arguments out of range. */
+int64_t mpidp_ef_payload_bytes(int64_t ntiles, int64_t len, int64_t k, int bins);
 
 /* Per-tile top-k of `tiles` (ntiles x len, tile-major): the k entries of
  * largest magnitude of each tile, written as strictly increasing slots with
@@ -71,7 +74,7 @@ int mpidp_ef_unpack_codes(const uint8_t *in, int64_t n, int bits, int bins, uint
  *   e <- beta * e + alpha * delta   (delta NULL: a zero delta)
  *   keep the top k of each tile of e, quantize them (bins > 0)
  *   e <- e - what the payload decodes to, so e keeps every error
- *   write the payload (mpidp_ef_payload_bytes(ntiles, k, bins) bytes).
+ *   write the payload (mpidp_ef_payload_bytes(ntiles, len, k, bins) bytes).
  * e and delta are the tensor's numel float32 in its own layout. */
 int mpidp_ef_compress(const mpidp_ef_tiling_t *t, float *e, const float *delta, float beta,
                       float alpha, int64_t k, int bins, double range, uint8_t *payload);

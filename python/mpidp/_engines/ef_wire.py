@@ -35,7 +35,7 @@ class TensorWire:
         rows, cols, tile_rows, tile_cols = self.tiling
         self.ntiles = (rows // tile_rows) * (cols // tile_cols)
         self.k = min(max(1, k_of(tile_rows * tile_cols)), tile_rows * tile_cols)
-        self.bytes = _C.ef_payload_bytes(self.ntiles, self.k, bins)
+        self.bytes = _C.ef_payload_bytes(self.ntiles, tile_rows * tile_cols, self.k, bins)
         self.bucket = self.offset = 0
 
 

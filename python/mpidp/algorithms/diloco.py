@@ -26,7 +26,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.dtypes import wire_code
 from .._runtime.model_consistency import check_same_step, frozen_code, param_group_settings
-from .driver import InnerStepContext, set_up, wait_pending
+from .driver import InnerStepContext, check_inner_optimizers, set_up, wait_pending
 from .._runtime.mpi import communicator
 from .._runtime.flat_buffers import write_back
 from .._runtime.model_checks import trainable_parameters
@@ -71,9 +71,10 @@ class DiLoCo(InnerStepContext):
                  wire_dtype: Optional[torch.dtype] = None, sync_buffers: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"{name}: expected a torch.optim.Optimizer, got {type(opt).__name__}")
+        check_inner_optimizers(inner_optimizer)
+        if not isinstance(outer_optimizer, torch.optim.Optimizer):
+            raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(outer_optimizer).__name__}")
         if isinstance(model_fragments, torch.nn.Module) and \
                 not isinstance(model_fragments, torch.nn.ModuleList):
             raise TypeError("model_fragments: expected a list of modules (one per fragment), got "

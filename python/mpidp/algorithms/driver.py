@@ -401,10 +401,31 @@ class Driver(abc.ABC):
         _CLAIMS[module] = [r for r in _CLAIMS.get(module, ()) if r() is not self and r() is not None]
 
 
+def check_inner_optimizers(inner_optimizer) -> List[torch.optim.Optimizer]:
+    """`inner_optimizer` as a list: one optimizer, or a list or tuple of
+    them that together make one inner step (torch.optim.Muon for the
+    matrices beside AdamW for the rest)."""
+    many = isinstance(inner_optimizer, (list, tuple))
+    opts = list(inner_optimizer) if many else [inner_optimizer]
+    if not opts:
+        raise ValueError("inner_optimizer: expected an optimizer or a non-empty list of them")
+    for i, opt in enumerate(opts):
+        if not isinstance(opt, torch.optim.Optimizer):
+            where = f"inner_optimizer[{i}]" if many else "inner_optimizer"
+            raise TypeError(f"{where}: expected a torch.optim.Optimizer, got {type(opt).__name__}")
+    if len({id(p) for o in opts for g in o.param_groups for p in g["params"]}) != \
+            sum(len(g["params"]) for o in opts for g in o.param_groups):
+        raise ValueError("inner_optimizer: the optimizers share parameters (each parameter "
+                         "must be stepped by one of them)")
+    return opts
+
+
 class InnerStepContext(Driver):
     """A driver that runs as a context around an inner optimizer (DiLoCo,
-    SparseLoCo): entering claims `self.model` over `self._communicator` and
-    hooks `self.inner_optimizer`'s step (`_after_inner_step`) and whatever
+    SparseLoCo, MuLoCo): entering claims `self.model` over
+    `self._communicator` and hooks the step of `self.inner_optimizer` (one
+    optimizer, or a list that makes one inner step together: the round runs
+    once each has stepped) to `_after_inner_step`, and whatever
     `_more_hooks()` returns; leaving removes them and gives the model up
     (detaching leaves too). Its algorithm state is its state_dict().
     Subclasses start `self._handles` empty."""
@@ -415,7 +436,13 @@ class InnerStepContext(Driver):
         # Another algorithm of the model over the same communicator is
         # detached: both would sync every turn.
         self._claim(self.model, self._communicator)
-        self._handles.append(self.inner_optimizer.register_step_post_hook(self._after_inner_step))
+        opts = check_inner_optimizers(self.inner_optimizer)
+        if len(opts) == 1:
+            self._handles.append(opts[0].register_step_post_hook(self._after_inner_step))
+        else:
+            stepped: set = set()
+            self._handles += [opt.register_step_post_hook(self._one_of_the_inner_steps(
+                i, len(opts), stepped)) for i, opt in enumerate(opts)]
         # Fault-tolerant mode: a sync that a recovery left to redo is redone
         # before the next forward (first among the forward hooks).
         if fault_tolerant_mode.enabled():
@@ -431,6 +458,26 @@ class InnerStepContext(Driver):
     def _more_hooks(self) -> list:
         """Hooks beyond the inner step's, installed on entering (none)."""
         return []
+
+    def _one_of_the_inner_steps(self, i: int, n: int, stepped: set):
+        """The step hook of inner_optimizer[i] of n: the round runs once
+        every one has stepped. One that steps again first is an error: a
+        step skipped by some optimizers only (a GradScaler that found inf in
+        one optimizer's gradients) would otherwise shift the rounds."""
+        def hook(optimizer, args, kwargs):
+            if i in stepped:
+                missing = min(set(range(n)) - stepped)
+                stepped.clear()
+                raise RuntimeError(
+                    f"{self.what}: inner_optimizer[{i}] stepped again before "
+                    f"inner_optimizer[{missing}] stepped: step every inner optimizer once per "
+                    "inner step (a GradScaler skips the step of an optimizer whose gradients "
+                    "hold inf or NaN: skip the whole step then)")
+            stepped.add(i)
+            if len(stepped) == n:
+                stepped.clear()
+                self._after_inner_step(optimizer, args, kwargs)
+        return hook
 
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         raise NotImplementedError

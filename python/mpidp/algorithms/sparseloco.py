@@ -22,7 +22,7 @@ import torch
 from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_choice, check_int, check_real
 from .._runtime.model_consistency import frozen_code
-from .driver import InnerStepContext, set_up
+from .driver import InnerStepContext, check_inner_optimizers, set_up
 from .._runtime.mpi import communicator
 from .._engines.ef_wire import Wire
 from .._runtime.flat_buffers import write_back
@@ -76,9 +76,7 @@ class SparseLoCo(InnerStepContext):
                  sync_delay: int = 0):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError("inner_optimizer: expected a torch.optim.Optimizer, got "
-                            f"{type(inner_optimizer).__name__}")
+        check_inner_optimizers(inner_optimizer)
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.lr = check_real("lr", lr, 0.0, None)
         self.error_decay = check_real("error_decay", error_decay, 0.0, 1.0)
@@ -109,7 +107,7 @@ class SparseLoCo(InnerStepContext):
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
-                raise TypeError(f"model: SparseLoCo syncs contiguous float32 CPU parameters, got "
+                raise TypeError(f"model: {self.what} syncs contiguous float32 CPU parameters, got "
                                 f"{p.dtype} on {p.device}")
         self._communicator, self._trainable_at_setup = self._set_up(comm)
         self._comm = self._communicator.c
@@ -123,6 +121,7 @@ class SparseLoCo(InnerStepContext):
         # Δ of one tensor at a time, then its G
         self._scratch = torch.empty(max((p.numel() for p in self.params), default=0))
         self._received: Optional[List[torch.Tensor]] = None   # G of a sync in flight, drained
+        self._sent_settings: List[Tuple[str, float]] = []     # _settings() at the last send
         self._handles: List = []
         # Fault-tolerant mode: a round (the hook after an inner step) under
         # way; from a send until its turn is applied, what redoing that send
@@ -141,14 +140,16 @@ class SparseLoCo(InnerStepContext):
             self._take_shared_state(self._communicator.mpi.bcast(None, root=0))
 
     def _set_up(self, comm):
-        return set_up(self.model, comm, "SparseLoCo", settings=self._settings_dict(),
-                      rebuild="Build a new SparseLoCo after such a change")
+        return set_up(self.model, comm, self.what, settings=self._settings_dict(),
+                      rebuild=f"Build a new {self.what} after such a change")
 
     def _make_wire(self) -> Wire:
-        # k of a tile of `length` entries: the share top_k / chunk² of it
-        top_k, square = self.top_k, self.chunk_size ** 2
-        return Wire(self._comm, [p.shape for p in self.params], self.chunk_size,
-                    lambda length: round(length * top_k / square), self._bins(), "SparseLoCo")
+        return Wire(self._comm, [p.shape for p in self.params], self.chunk_size, self._k_of,
+                    self._bins(), self.what)
+
+    def _k_of(self, length: int) -> int:
+        """k of a tile of `length` entries: the share top_k / chunk² of it."""
+        return round(length * self.top_k / self.chunk_size ** 2)
 
     def _settings_dict(self) -> Dict[str, Any]:
         return {"sync_every": self.sync_every, "lr": self.lr, "error_decay": self.error_decay,
@@ -159,15 +160,15 @@ class SparseLoCo(InnerStepContext):
                 "weight_decay": self.weight_decay, "mean": self.mean,
                 "sync_buffers": self.sync_buffers, "sync_delay": self.sync_delay}
 
-    def _settings(self) -> List[float]:
-        """The settings every sync compares (those a user may change in flight)."""
-        return [float(self.sync_every), float(self.sync_delay), self.lr, self.error_decay,
-                float(self.top_k), float(self.quantization_bins), self.quantization_range,
-                self.weight_decay, frozen_code(self.params)]
-
-    _SETTING_NAMES = ("sync_every", "sync_delay", "lr", "error_decay", "top_k",
-                      "quantization_bins", "quantization_range", "weight_decay",
-                      "frozen parameters")
+    def _settings(self) -> List[Tuple[str, float]]:
+        """The (name, number) settings every sync compares (those a user may
+        change in flight)."""
+        return [("sync_every", float(self.sync_every)), ("sync_delay", float(self.sync_delay)),
+                ("lr", self.lr), ("error_decay", self.error_decay), ("top_k", float(self.top_k)),
+                ("quantization_bins", float(self.quantization_bins)),
+                ("quantization_range", self.quantization_range),
+                ("weight_decay", self.weight_decay),
+                ("frozen parameters", frozen_code(self.params))]
 
     @property
     def bytes_sent(self) -> int:
@@ -315,8 +316,10 @@ class SparseLoCo(InnerStepContext):
                 step, [e.clone() for e in self.error],
                 None if self.sync_delay == 0 else [p.detach().clone() for p in self.params])
         xs = self.params if replica is None else replica
-        wire.write_header(step, self._settings(), self.shared)
+        self._sent_settings = self._settings()
+        wire.write_header(step, [v for _, v in self._sent_settings], self.shared)
         last_bucket = 0
+        alphas = self._ef_alphas()
         for i, (p, x, theta, e) in enumerate(zip(self.params, xs, self.shared, self.error)):
             t = wire.tensors[i]
             if t.bucket != last_bucket:  # the previous bucket is complete: send it
@@ -328,13 +331,17 @@ class SparseLoCo(InnerStepContext):
                 # Frozen: it takes no outer step and keeps its error buffer;
                 # zeros keep the payload's layout.
                 d.zero_()
-                _C.ef_compress(torch.zeros_like(e), d, t.tiling, self.error_decay, self.lr, t.k,
-                               bins, self.quantization_range, bucket, offset)
+                _C.ef_compress(torch.zeros_like(e), d, t.tiling, self.error_decay, alphas[i],
+                               t.k, bins, self.quantization_range, bucket, offset)
                 continue
             torch.sub(theta, x, out=d)
-            _C.ef_compress(e, d, t.tiling, self.error_decay, self.lr, t.k, bins,
+            _C.ef_compress(e, d, t.tiling, self.error_decay, alphas[i], t.k, bins,
                            self.quantization_range, bucket, offset)
         wire.post(last_bucket)
+
+    def _ef_alphas(self) -> List[float]:
+        """Each tensor's α in e ← βe + αΔ (SparseLoCo: lr, every tensor)."""
+        return [self.lr] * len(self.params)
 
     def _bins(self) -> int:
         return self.quantization_bins if self.use_quantization else 0
@@ -343,7 +350,7 @@ class SparseLoCo(InnerStepContext):
     def _decode(self) -> List[torch.Tensor]:
         """Waits for the gathers and returns each tensor's sparse mean G."""
         wire = self._wire
-        wire.wait(self._SETTING_NAMES)
+        wire.wait([name for name, _ in self._sent_settings])
         out = []
         for i, p in enumerate(self.params):
             t = wire.tensors[i]
@@ -363,20 +370,25 @@ class SparseLoCo(InnerStepContext):
         means = self._received if self._received is not None else self._decode()
         self._received = None
         if fault_tolerant_mode.enabled():
-            fault_tolerant_mode.agree_all_alive("SparseLoCo outer sync", "no rank applied it",
+            fault_tolerant_mode.agree_all_alive(f"{self.what} outer sync", "no rank applied it",
                                                 self._communicator.mpi)
             self._unapplied_send = None
         self._resume_step = self.step
+        self._outer_step(means)
+        for p, theta in zip(self.params, self.shared):
+            p.copy_(theta)       # the replica restarts from θ̃
+        if buffer_means is not None:
+            write_back(buffer_means, self._buffers)
+
+    @torch.no_grad()
+    def _outer_step(self, means: List[torch.Tensor]) -> None:
+        """θ̃ ← θ̃(1 - α·wd) - αG; a frozen parameter's θ̃ stays."""
         for p, theta, g in zip(self.params, self.shared, means):
-            if not p.requires_grad:   # frozen: θ̃ stays, and the replica restarts from it
-                p.copy_(theta)
+            if not p.requires_grad:
                 continue
             if self.weight_decay:
                 theta.mul_(1.0 - self.lr * self.weight_decay)
             theta.sub_(g, alpha=self.lr)
-            p.copy_(theta)
-        if buffer_means is not None:
-            write_back(buffer_means, self._buffers)
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -395,7 +407,7 @@ class SparseLoCo(InnerStepContext):
         rank 0's)."""
         keys = {"step", "shared", "local", "error", "in_flight"}
         if not isinstance(state, dict) or set(state) != keys:
-            raise ValueError(f"state: expected a SparseLoCo state_dict (keys {sorted(keys)})")
+            raise ValueError(f"state: expected a {self.what} state_dict (keys {sorted(keys)})")
         for key in ("shared", "local", "error", "in_flight"):
             values = state[key]
             if key == "in_flight" and values is None:

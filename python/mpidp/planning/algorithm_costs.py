@@ -11,7 +11,7 @@ component costs (max(0, cost - hidden) + compute) / every; the step is the
 training compute plus that.
 
 Settings are mpidp's defaults (named in each algorithm's label), DASO in
-its cycling phase. Payload sizes of SparseLoCo and DeMo come from the
+its cycling phase. Payload sizes of SparseLoCo, MuLoCo and DeMo come from the
 core's own payload layout (mpidp/efcomp.h), so the planner and the wire
 cannot disagree."""
 
@@ -145,10 +145,12 @@ def sparseloco_payload(params: int, top_k: int = 128, chunk: int = 64, bins: int
     float32 values in chunk x chunk tiles (the last tile's share kept)."""
     tile = chunk * chunk
     ntiles = max(1, math.ceil(params / tile))
-    return int(_C.ef_payload_bytes(ntiles, min(top_k, tile), bins))
+    return int(_C.ef_payload_bytes(ntiles, tile, min(top_k, tile), bins))
 
 
 def sparseloco(every: int, top_k: int, chunk: int, bins: int, delay: int = 0):
+    """SparseLoCo, and MuLoCo (top_k = chunk²: every entry, its payload
+    without slots; its compression's compute taken as SparseLoCo's)."""
     def parts(c: Cluster, w: Workload) -> List[Component]:
         payload = sparseloco_payload(w.params, top_k, chunk, bins)
         return [Component("allgather of the compressed outer gradients",
@@ -177,6 +179,7 @@ ALGORITHMS: Tuple[Algorithm, ...] = (
     Algorithm("DiLoCo", "H=100, fp32", diloco(100, FP32)),
     Algorithm("Streaming DiLoCo", "H=100, 4 fragments, delay 5, bf16", diloco(100, BF16, 4, 5)),
     Algorithm("SparseLoCo", "H=50, top 128 of 64x64, 2-bit", sparseloco(50, 128, 64, 4)),
+    Algorithm("MuLoCo", "H=30, every entry 2-bit", sparseloco(30, 64 * 64, 64, 4)),
     Algorithm("DeMo", "top 32 of 64x64 DCT", demo(32, 64)),
 )
 

@@ -108,10 +108,11 @@ def test_bytes_follow_the_payload_formula():
     opt.zero_grad()
     backward(model, 0)
     opt.step()
-    # (tiles, k): the prime 11 in 11 tiles of 1 (k 1), the 0-d scale (k 1),
-    # 16 x 24 in 6 tiles of 8 x 8, 16 in 2 tiles of 8, 5 x 16 in 2 tiles of 5 x 8
-    layout = [(11, 1), (1, 1), (6, 5), (2, 5), (2, 5)]
-    sent = 24 + sum(t * k * 6 for t, k in layout)
+    # (tiles, k, bytes of a slot): the prime 11 in 11 tiles of 1 (k 1) and the
+    # 0-d scale (k 1) keep their whole tiles, so send no slots; 16 x 24 in 6
+    # tiles of 8 x 8, 16 in 2 tiles of 8, 5 x 16 in 2 tiles of 5 x 8
+    layout = [(11, 1, 0), (1, 1, 0), (6, 5, 2), (2, 5, 2), (2, 5, 2)]
+    sent = 24 + sum(t * k * (4 + slot) for t, k, slot in layout)
     assert opt.data_transmit == sent
     assert opt.data_receive == SIZE * sent
 

@@ -203,9 +203,9 @@ def test_bytes_sent_follow_the_payload_formula():
     sl = mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8)   # 4 bins: 2 bits a code
     # (tiles, k) per tensor: 20x12 in 5x6 tiles (k = round(30/8) = 4), 20 in
     # tiles of 5 (k 1), 3x20 in 3x5 tiles (k = round(15/8) = 2), 3 in 1 tile of
-    # 3 (k 1), 7 in 1 tile (k 1), 0-d (k 1).
-    layout = [(8, 4), (4, 1), (4, 2), (1, 1), (1, 1), (1, 1)]
-    payload = sum(4 * 5 + 2 * t * k + (t * k * 2 + 7) // 8 for t, k in layout)
+    # 3 (k 1), 7 in 1 tile (k 1), 0-d (k 1: the whole tile, so no slot).
+    layout = [(8, 4, 2), (4, 1, 2), (4, 2, 2), (1, 1, 2), (1, 1, 2), (1, 1, 0)]
+    payload = sum(4 * 5 + slot * t * k + (t * k * 2 + 7) // 8 for t, k, slot in layout)
     assert sl.bytes_sent == 24 + payload
     params = sum(p.numel() for p in model.parameters())
     assert sl.bytes_sent < 4 * params / 2

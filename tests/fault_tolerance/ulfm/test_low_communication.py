@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import train_ft  # noqa: E402
 from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
-from ef_reference import DeMoSim, SparseLoCoSim  # noqa: E402
+from ef_reference import DeMoSim, MuLoCoSim, SparseLoCoSim  # noqa: E402
 
 pytestmark = pytest.mark.serial
 
@@ -95,17 +95,25 @@ def assert_grew_back(saved, victim, resumed_at):
                 got["recoveries"]
 
 
-def simulate_sparseloco(n, steps, lost_from, delay, clip=None):
+def ef_simulation(algorithm, model, n):
+    """The simulation of train_ft's SparseLoCo or MuLoCo from `model`."""
+    if algorithm == "muloco":
+        return MuLoCoSim(as_numpy(model), n, chunk_size=train_ft.EF_CHUNK, **train_ft.MULOCO_OUTER)
+    return SparseLoCoSim(as_numpy(model), n, top_k=train_ft.EF_TOP_K,
+                         chunk_size=train_ft.EF_CHUNK)
+
+
+def simulate_sparseloco(n, steps, lost_from, delay, clip=None, algorithm="sparseloco"):
     """Every replica trains with its own inner SGD; after inner step t the
     replicas of the ranks alive then send ((t + 1) % PERIOD == PERIOD -
     delay), and at (t + 1) % PERIOD == 0 the ranks alive then take the
     round over what they sent (each with its own error feedback) and
     restart from θ̃. Rank r is alive in the steps before lost_from[r].
-    Returns each rank's parameters and error feedback, and θ̃."""
+    Returns each rank's parameters and error feedback, and θ̃. algorithm:
+    "muloco" for MuLoCo's round (MuLoCoSim)."""
     period = train_ft.PERIOD
     models, inner = inner_models(n)
-    sim = SparseLoCoSim(as_numpy(models[0]), n, top_k=train_ft.EF_TOP_K,
-                        chunk_size=train_ft.EF_CHUNK)
+    sim = ef_simulation(algorithm, models[0], n)
     errors = dict(enumerate(sim.error))
     sent = {}
     for t in range(steps):
@@ -145,15 +153,27 @@ SPARSELOCO_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SPARSELOCO_CASES))
-def test_sparseloco_survivors_match_the_simulation(tmp_path, case):
-    n, kill, lost_from, delay, suspect, with_habits = (SPARSELOCO_CASES[case] + ("", False))[:6]
+# MuLoCo recovers by SparseLoCo's rule (its outer optimizer's state, equal
+# on every survivor, stays): a loss in the inner phase and one in the sync.
+MULOCO_CASES = {
+    "habits: a rank lost in backward, then rank 0 with the allgather in flight":
+        (4, "1:2:backward;0:5:outer", {1: 2, 0: 5}, 0, "", True),
+    "sync_delay: at the turn, then another in the recovery's agreement":
+        (4, "3:5:outer;2:5:agreement", {3: 5, 2: 5}, 1),
+}
+
+
+@pytest.mark.parametrize("algorithm, case", [("sparseloco", c) for c in SPARSELOCO_CASES]
+                         + [("muloco", c) for c in MULOCO_CASES])
+def test_sparseloco_survivors_match_the_simulation(tmp_path, algorithm, case):
+    cases = SPARSELOCO_CASES if algorithm == "sparseloco" else MULOCO_CASES
+    n, kill, lost_from, delay, suspect, with_habits = (cases[case] + ("", False))[:6]
     env, clip = habits(with_habits)
-    saved = run_job(tmp_path, n, kill, FT_ALGORITHM="sparseloco", FT_SYNC_DELAY=delay,
+    saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm, FT_SYNC_DELAY=delay,
                     FT_SUSPECT=suspect, **env)
     if suspect:
         assert_a_step_apart(saved, int(suspect[2:]))
-    params, errors, shared = simulate_sparseloco(n, 8, lost_from, delay, clip)
+    params, errors, shared = simulate_sparseloco(n, 8, lost_from, delay, clip, algorithm)
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], n) == sorted(lost_from), got["recoveries"]
         assert_sparseloco_matches(f"rank {rank}", got, saved[min(saved)], params[rank],
@@ -370,7 +390,7 @@ def test_diloco_grows_back_from_theta_at_the_last_turn(tmp_path, case):
         assert_diloco_matches(f"stream {key}", got, params[key], momentum)
 
 
-def simulate_sparseloco_growing_back(n, steps, victim, kill_step, delay):
+def simulate_sparseloco_growing_back(n, steps, victim, kill_step, delay, algorithm="sparseloco"):
     """SparseLoCo by its rule (as simulate_sparseloco, every rank alive), and
     by its rule for growing back: rank `victim` dies at the sync after inner
     step `kill_step`, which no survivor applies; the survivors' inner steps
@@ -378,13 +398,13 @@ def simulate_sparseloco_growing_back(n, steps, victim, kill_step, delay):
     joins, and every replica goes back to θ̃, every rank to the step after
     the last sync, each survivor's error feedback to what it was then, the
     replacement's to zero, its inner optimizer the new rank 0's; it trains
-    on the victim's data. Returns each rank's parameters and error
-    feedback, and θ̃."""
+    on the victim's data (MuLoCo: the outer momentum stays, rank 0's on the
+    replacement). Returns each rank's parameters and error feedback, and
+    θ̃."""
     period = train_ft.PERIOD
     assert (kill_step + 1) % period == 0, "the kill must be at a sync"
     models, inner = inner_models(n)
-    sim = SparseLoCoSim(as_numpy(models[0]), n, top_k=train_ft.EF_TOP_K,
-                        chunk_size=train_ft.EF_CHUNK)
+    sim = ef_simulation(algorithm, models[0], n)
     sent = {}
 
     def restart_from_shared():
@@ -424,16 +444,19 @@ SPARSELOCO_GROWING_CASES = {
 }
 
 
+@pytest.mark.parametrize("algorithm", ["sparseloco", "muloco"])
 @pytest.mark.parametrize("case", list(SPARSELOCO_GROWING_CASES))
-def test_sparseloco_grows_back_from_the_last_sync(tmp_path, case):
-    """recover(replace=True) under SparseLoCo: the replacement takes θ̃
-    (set-up), the step (SparseLoCo's own) and the inner optimizer
-    (share_state), its error feedback zero; every rank goes back to θ̃ at
-    the last sync, and the job ends as the simulation of that rule."""
+def test_sparseloco_grows_back_from_the_last_sync(tmp_path, case, algorithm):
+    """recover(replace=True) under SparseLoCo and MuLoCo: the replacement
+    takes θ̃ (set-up), the step (SparseLoCo's own), MuLoCo's outer optimizer
+    and the inner optimizer (share_state), its error feedback zero; every
+    rank goes back to θ̃ at the last sync, and the job ends as the
+    simulation of that rule."""
     delay, kill, victim, kill_step = SPARSELOCO_GROWING_CASES[case]
-    saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM="sparseloco",
+    saved = run_job(tmp_path, 4, kill, expect=range(4), FT_ALGORITHM=algorithm,
                     FT_SYNC_DELAY=delay, FT_REPLACE=1)
-    params, errors, shared = simulate_sparseloco_growing_back(4, 8, victim, kill_step, delay)
+    params, errors, shared = simulate_sparseloco_growing_back(4, 8, victim, kill_step, delay,
+                                                              algorithm)
     assert_grew_back(saved, victim, kill_step + 1 - train_ft.PERIOD)
     for key, got in saved.items():
         assert_sparseloco_matches(f"stream {key}", got, saved[0], params[key], errors[key],

@@ -24,6 +24,8 @@ qadam: Bagua's QAdam through with_bagua (Adam for QADAM_WARMUP steps, then
 the 8-bit averaged first moment; the first moment is the momentum saved),
 sparseloco: SparseLoCo (a sync every PERIOD inner steps, FT_SYNC_DELAY
 steps after its send; chunks of EF_CHUNK; θ̃ and the error feedback saved),
+muloco: MuLoCo as sparseloco, every entry in 2-bit codes, the outer SGD
+MULOCO_OUTER,
 demo: DeMo as the optimizer (its momentum is the one saved),
 decentralized: Bagua's DecentralizedAlgorithm through with_bagua, flat,
 peer_selection_mode FT_PEERS ("all" or "shift_one"), lowprecision: its
@@ -78,6 +80,7 @@ BASE_LR = 0.05   # the learning rate of the job's SGD (momentum 0.9)
 SLOW_LR, SLOW_MOMENTUM = 0.8, 0.5     # SlowMo's α and β
 QADAM_LR, QADAM_WARMUP = 0.01, 3
 EF_CHUNK, EF_TOP_K = 8, 8        # SparseLoCo's tiles and entries kept per tile (DeMo: 3)
+MULOCO_OUTER = dict(lr=0.8, momentum=0.9, nesterov=True)   # MuLoCo's outer SGD (dense, 2-bit)
 DEMO_LR, DEMO_DECAY = 0.01, 0.9
 FRAGMENTS = [[0], [2, 4]]        # Streaming DiLoCo's (FT_FRAGMENTS): the model's layers
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
@@ -199,6 +202,12 @@ def main(out_dir: str) -> None:
         sparseloco = twice(lambda: mpidp.SparseLoCo(
             model, sgd, sync_every=PERIOD, top_k=EF_TOP_K, chunk_size=EF_CHUNK,
             sync_delay=int(os.environ.get("FT_SYNC_DELAY", "0"))), habits, enter=True)
+    elif algorithm == "muloco":
+        net = model
+        muloco_outer = torch.optim.SGD(params, **MULOCO_OUTER)
+        sparseloco = twice(lambda: mpidp.MuLoCo(
+            model, sgd, muloco_outer, sync_every=PERIOD, chunk_size=EF_CHUNK,
+            sync_delay=int(os.environ.get("FT_SYNC_DELAY", "0"))), habits, enter=True)
     elif algorithm == "demo":
         net = model
         sgd = opt = twice(lambda: mpidp.DeMo(params, lr=DEMO_LR, compression_decay=DEMO_DECAY,
@@ -254,7 +263,7 @@ def main(out_dir: str) -> None:
                                       first_bucket_cap_mb=1e-4, bucket_cap_mb=1e-4,
                                       hierarchical=hierarchical)
         net = twice(wrap, habits)
-    if algorithm in ("sparseloco", "demo"):
+    if algorithm in ("sparseloco", "muloco", "demo"):
         # Phase "outer": the payloads' allgather posted, before its wait.
         from mpidp._engines.ef_wire import Wire
         wait = Wire.wait
@@ -375,7 +384,8 @@ def main(out_dir: str) -> None:
                 "momentum": momenta(saved_opt, model), "recoveries": recoveries,
                 "committed": committed,
                 "slowmo": net.slowmo_state_dict() if algorithm == "slowmo" else None,
-                "sparseloco": sparseloco.state_dict() if algorithm == "sparseloco" else None},
+                "sparseloco": (sparseloco.state_dict() if algorithm in ("sparseloco", "muloco")
+                               else None)},
                os.path.join(out_dir, f"rank-{key}.pt"))
 
 
