@@ -17,7 +17,10 @@ export MPIDP_TIMEOUT=${MPIDP_TIMEOUT:-120}
 # Bytecode is cached outside the tree (every test job imports mpidp afresh).
 export PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/build/pycache}
 unset PYTHONDONTWRITEBYTECODE
-limit=${MPIDP_TEST_LIMIT:-2400}   # room for the 1-rank pass and its serial mpirun jobs; a hang still ends
+# A pass's wall-clock limit: every mpirun job a test starts has its own, so
+# this only ends a pass gone wrong, with room for a slow, shared machine
+# (the 1-rank pass took 30 min on the 2 busy cores of 2026-12-07).
+limit=${MPIDP_TEST_LIMIT:-3600}
 mkdir -p tests/logs
 rm -f tests/logs/rank-*.log
 

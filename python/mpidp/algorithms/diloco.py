@@ -27,6 +27,7 @@ from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.dtypes import wire_code
 from .._runtime.model_consistency import check_same_step, frozen_code, param_group_settings
 from .driver import InnerStepContext, check_inner_optimizers, set_up, wait_pending
+from .outer_step import step_with_outer_gradients
 from .._runtime.mpi import communicator
 from .._runtime.flat_buffers import write_back
 from .._runtime.model_checks import trainable_parameters
@@ -368,19 +369,8 @@ class DiLoCo(InnerStepContext):
         alpha = self.fragment_update_alpha
         local = [p.detach().clone() for p in params] if alpha > 0.0 else None
         sync.restore()  # x = θ
-        # The outer step sees this fragment's outer gradient only; the
-        # gradients the user's backward left are put back afterwards.
-        saved = [(p, p.grad) for g in self.outer_optimizer.param_groups for p in g["params"]]
-        # A frozen parameter gets no outer gradient, so the outer optimizer
-        # leaves it (and its momentum) where it is, as torch's optimizers do.
-        mine = {id(p): g for p, g in zip(params, grads) if p.requires_grad}
-        try:
-            for p, _ in saved:
-                p.grad = mine.get(id(p))
-            self.outer_optimizer.step()
-        finally:
-            for p, g in saved:
-                p.grad = g
+        # The outer step sees this fragment's outer gradient only.
+        step_with_outer_gradients(self.outer_optimizer, params, grads)
         sync.set_reference()  # θ = the outer step's result
         if local is not None:
             with torch.no_grad():

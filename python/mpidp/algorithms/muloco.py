@@ -26,6 +26,7 @@ import torch
 
 from .._runtime.args import check_int
 from .._runtime.model_consistency import frozen_code, param_group_settings
+from .outer_step import step_with_outer_gradients
 from .sparseloco import SparseLoCo
 
 __all__ = ["MuLoCo"]
@@ -113,21 +114,12 @@ class MuLoCo(SparseLoCo):
 
     @torch.no_grad()
     def _outer_step(self, means: List[torch.Tensor]) -> None:
-        """The outer optimizer steps θ̃ with G as its gradient (on the
-        parameters, which hold θ̃ for it); the gradients the user's backward
-        left are put back afterwards. A frozen parameter gets no gradient,
-        so the outer optimizer leaves it and its momentum where they are."""
-        saved = [(p, p.grad) for g in self.outer_optimizer.param_groups for p in g["params"]]
-        mine = {id(p): g for p, g in zip(self.params, means) if p.requires_grad}
+        """The outer optimizer steps θ̃ with G as its gradient, on the
+        parameters, which hold θ̃ for it (a frozen one keeps θ̃ and its
+        momentum)."""
         for p, theta in zip(self.params, self.shared):
             p.copy_(theta)
-        try:
-            for p, _ in saved:
-                p.grad = mine.get(id(p))
-            self.outer_optimizer.step()
-        finally:
-            for p, g in saved:
-                p.grad = g
+        step_with_outer_gradients(self.outer_optimizer, self.params, means)
         for p, theta in zip(self.params, self.shared):
             theta.copy_(p)
 
