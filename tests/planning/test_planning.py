@@ -19,6 +19,7 @@ from mpidp import __version__
 from mpidp.planning import algorithm_costs as alg
 from mpidp.planning import costs
 from mpidp.planning.costs import Cluster, Level
+from mpidp.planning.plan import main as plan_main
 from mpidp.planning.profile import Profile, fit_level, load
 
 from dp_reference import RANK, SIZE
@@ -213,8 +214,17 @@ def _plan(args, tmp_path):
                           text=True, cwd=tmp_path, timeout=120)
 
 
+def _plan_here(args, capsys):
+    """The CLI's main in this process, as `python -m mpidp plan` runs it:
+    (exit code, stdout, stderr). One subprocess checks the entry point; the
+    rest run here, as each subprocess costs an import of torch."""
+    code = plan_main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.skipif(SIZE > 1, reason="runs the CLI once, in the one-rank pass")
-def test_plan_cli_table_json_picture_and_bad_input(tmp_path):
+def test_plan_cli_table_json_picture_and_bad_input(tmp_path, capsys):
     path = str(tmp_path / "p.json")
     _profile().save(path)
     out = _plan(["--profile", path, "--nodes", "2,8", "--bandwidth", "100mbit,10gbit",
@@ -230,14 +240,14 @@ def test_plan_cli_table_json_picture_and_bad_input(tmp_path):
             assert best["recommended"]
             assert all(r["label"] and r["label"].startswith("extrapolated") for r in cell)
     assert os.path.getsize(tmp_path / "map.png") > 10_000
-    text = _plan(["--profile", path, "--nodes", "2"], tmp_path)
-    assert text.returncode == 0 and "by step time alone" in text.stdout
-    bad = _plan(["--profile", path, "--bandwidth", "fast"], tmp_path)
-    assert bad.returncode == 2 and "--bandwidth: expected a rate like 1gbit" in bad.stderr
+    code, text, _ = _plan_here(["--profile", path, "--nodes", "2"], capsys)
+    assert code == 0 and "by step time alone" in text
+    code, _, err = _plan_here(["--profile", path, "--bandwidth", "fast"], capsys)
+    assert code == 2 and "--bandwidth: expected a rate like 1gbit" in err
     one = str(tmp_path / "one.json")
     _profile(nodes=1, rpn=4, inter=False).save(one)
-    missing = _plan(["--profile", one, "--nodes", "4"], tmp_path)
-    assert missing.returncode == 2 and "calibrate across 2 or more nodes" in missing.stderr
+    code, _, err = _plan_here(["--profile", one, "--nodes", "4"], capsys)
+    assert code == 2 and "calibrate across 2 or more nodes" in err
     # Every bad value names its flag, and none is silently replaced by the profile's.
     not_json = tmp_path / "notes.txt"
     not_json.write_text("not a profile\n")
@@ -248,22 +258,28 @@ def test_plan_cli_table_json_picture_and_bad_input(tmp_path):
                         (["--step-ms", "0"], "--step-ms: expected a positive time"),
                         (["--steps-to-target", str(not_json)],
                          "--steps-to-target " + str(not_json) + ": expected a JSON object")]:
-        bad = _plan(["--profile", path, *args], tmp_path)
-        assert bad.returncode == 2 and words in bad.stderr, (args, bad.stderr)
-    bad = _plan(["--profile", str(not_json)], tmp_path)
-    assert bad.returncode == 2 and "not a profile from python -m mpidp calibrate" in bad.stderr
-    assert "Expecting value" in bad.stderr      # the parser's own words, after ours
+        code, _, err = _plan_here(["--profile", path, *args], capsys)
+        assert code == 2 and words in err, (args, err)
+    code, _, err = _plan_here(["--profile", str(not_json)], capsys)
+    assert code == 2 and "not a profile from python -m mpidp calibrate" in err
+    assert "Expecting value" in err      # the parser's own words, after ours
 
 
 @pytest.mark.skipif(SIZE > 1, reason="runs the CLI once, in the one-rank pass")
-@pytest.mark.parametrize("word", ["foo", "plna", "--nodes"])
-def test_an_unknown_command_is_refused_with_the_usage(tmp_path, word):
-    """A typo of plan or calibrate must not print the report and exit 0."""
-    out = subprocess.run([sys.executable, "-m", "mpidp", word], capture_output=True, text=True,
+def test_an_unknown_command_is_refused_with_the_usage(tmp_path, capsys):
+    """A typo of plan or calibrate must not print the report and exit 0: the
+    entry point once, in a subprocess; the other words through its dispatch,
+    here."""
+    from mpidp.__main__ import dispatch
+    usage = "usage: python -m mpidp [calibrate | plan]"
+    out = subprocess.run([sys.executable, "-m", "mpidp", "foo"], capture_output=True, text=True,
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out
-    assert "usage: python -m mpidp [calibrate | plan]" in out.stderr
-    assert f"unknown command {word!r}" in out.stderr and out.stdout == ""
+    assert usage in out.stderr and "unknown command 'foo'" in out.stderr and out.stdout == ""
+    for word in ("plna", "--nodes"):
+        assert dispatch([word]) == 2
+        got = capsys.readouterr()
+        assert usage in got.err and f"unknown command {word!r}" in got.err and got.out == ""
 
 
 def test_calibrate_at_the_suites_ranks():
