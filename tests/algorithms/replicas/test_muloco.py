@@ -9,15 +9,16 @@ steps every replica with torch's own optimizers), the dense payload's bytes,
 a checkpoint resuming exactly, an outer lr differing by rank, an inner
 optimizer stepped twice, bad arguments."""
 
-import copy
-
 import pytest
 import torch
 
 import mpidp
 from dp_reference import RANK, SIZE, differing_setting
 from ef_reference import MuLoCoSim
-from test_sparseloco import Net, build, check_against, grads_for, inner_step, replicas_after
+from test_sparseloco import (assert_a_layer_frozen_mid_training_stays,
+                             assert_checkpoint_resumes_exactly,
+                             assert_grad_scaler_gives_the_same_rounds, build, check_against,
+                             grads_for, inner_step, replicas_after)
 
 pytestmark = pytest.mark.ranks3
 
@@ -147,27 +148,31 @@ def test_bytes_sent_are_two_bits_an_entry():
 def test_checkpoint_resumes_exactly(delay):
     """Saved after step 4 of syncs every 3 (the outer momentum holds a sync),
     with sync_delay 1 a sync in flight."""
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    settings = dict(chunk_size=8, sync_delay=delay)
-    with muloco(model, opt, settings) as mu:
-        for s in range(5):
-            inner_step(model, opt, s)
-        saved = copy.deepcopy((mu.state_dict(), opt.state_dict()))
-        assert (saved[0]["in_flight"] is not None) == (delay == 1)
-        assert saved[0]["outer_optimizer"]["state"]
-        for s in range(5, 9):
-            inner_step(model, opt, s)
-        expected = [p.detach().clone() for p in model.parameters()]
-    other = Net()
-    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    with muloco(other, other_opt, settings) as resumed:
-        resumed.load_state_dict(saved[0])
-        other_opt.load_state_dict(saved[1])
-        for s in range(5, 9):
-            inner_step(other, other_opt, s)
-    for p, q in zip(other.parameters(), expected):
-        assert torch.equal(p, q)
+    def check_saved(state):
+        assert (state["in_flight"] is not None) == (delay == 1)
+        assert state["outer_optimizer"]["state"]
+    assert_checkpoint_resumes_exactly(
+        lambda model, opt: muloco(model, opt, dict(chunk_size=8, sync_delay=delay)), 5, 9,
+        check_saved)
+
+
+def test_grad_scaler_gives_the_same_rounds():
+    """AMP's GradScaler around the inner steps (its unscaled gradients are
+    what the simulation's replicas take)."""
+    settings = dict(chunk_size=8)
+    assert_grad_scaler_gives_the_same_rounds(
+        lambda model, opt, every: mpidp.MuLoCo(model, opt, outer_sgd(model), every, **settings),
+        lambda model: sim_for(model, settings))
+
+
+def test_a_layer_frozen_mid_training_stays_where_it_is():
+    """layer.requires_grad_(False) after a sync: no outer step for it (θ̃,
+    its outer momentum and error buffer stay) and the rest follows the
+    simulation; frozen on one rank only, every rank raises at the next
+    sync."""
+    settings = dict(top_k=20, chunk_size=8)
+    assert_a_layer_frozen_mid_training_stays(lambda model, opt: muloco(model, opt, settings),
+                                             lambda model: sim_for(model, settings))
 
 
 def test_an_outer_lr_differing_by_rank_is_refused():

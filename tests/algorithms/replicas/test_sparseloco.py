@@ -229,46 +229,65 @@ def test_parameters_without_gradients_send_their_delta():
             check_against(model, sl, sim, f"sync {sync}")
 
 
-def test_grad_scaler_gives_the_same_rounds():
+def assert_grad_scaler_gives_the_same_rounds(make, sim_of):
+    """Inner steps through AMP's GradScaler follow the simulation: a round
+    every 2 steps. make(model, opt, sync_every); sim_of(model)."""
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    settings = dict(top_k=8, chunk_size=8)
-    sim = sim_for(model, settings)
-    with mpidp.SparseLoCo(model, opt, 2, **settings) as sl:
+    sim = sim_of(model)
+    with make(model, opt, 2) as algo:
         for sync in range(2):
             steps = range(2 * sync, 2 * sync + 2)
             replicas = replicas_after(sim.shared, model, steps, 0.1)
             for s in steps:
                 inner_step(model, opt, s, scaler=scaler)
             sim.round(replicas)
-            check_against(model, sl, sim, f"sync {sync}")
+            check_against(model, algo, sim, f"sync {sync}")
+
+
+def test_grad_scaler_gives_the_same_rounds():
+    settings = dict(top_k=8, chunk_size=8)
+    assert_grad_scaler_gives_the_same_rounds(
+        lambda model, opt, every: mpidp.SparseLoCo(model, opt, every, **settings),
+        lambda model: sim_for(model, settings))
+
+
+def assert_checkpoint_resumes_exactly(make, saved_after, until, check_saved):
+    """make(model, opt) trained to step `until` equals, bit for bit, the same
+    run saved after `saved_after` steps (the algorithm's and the inner
+    optimizer's state_dict, checked by check_saved) and resumed on a new
+    model and optimizer."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with make(model, opt) as algo:
+        for s in range(saved_after):
+            inner_step(model, opt, s)
+        saved = copy.deepcopy((algo.state_dict(), opt.state_dict()))
+        check_saved(saved[0])
+        for s in range(saved_after, until):
+            inner_step(model, opt, s)
+        expected = [p.detach().clone() for p in model.parameters()]
+    other = Net()
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    with make(other, other_opt) as resumed:
+        resumed.load_state_dict(saved[0])
+        other_opt.load_state_dict(saved[1])
+        for s in range(saved_after, until):
+            inner_step(other, other_opt, s)
+    for p, q in zip(other.parameters(), expected):
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("delay", [0, 1])
 def test_checkpoint_resumes_exactly(delay):
     """Saved after step 3 of syncs every 2: with sync_delay 1 the second sync
     is in flight (sent after step 3, due after step 4)."""
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    settings = dict(top_k=8, chunk_size=8, sync_delay=delay)
-    with mpidp.SparseLoCo(model, opt, 2, **settings) as sl:
-        for s in range(3):
-            inner_step(model, opt, s)
-        saved = copy.deepcopy((sl.state_dict(), opt.state_dict()))
-        assert (saved[0]["in_flight"] is not None) == (delay == 1)
-        for s in range(3, 6):
-            inner_step(model, opt, s)
-        expected = [p.detach().clone() for p in model.parameters()]
-    other = Net()
-    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    with mpidp.SparseLoCo(other, other_opt, 2, **settings) as resumed:
-        resumed.load_state_dict(saved[0])
-        other_opt.load_state_dict(saved[1])
-        for s in range(3, 6):
-            inner_step(other, other_opt, s)
-    for p, q in zip(other.parameters(), expected):
-        assert torch.equal(p, q)
+    def check_saved(state):
+        assert (state["in_flight"] is not None) == (delay == 1)
+    assert_checkpoint_resumes_exactly(
+        lambda model, opt: mpidp.SparseLoCo(model, opt, 2, top_k=8, chunk_size=8,
+                                            sync_delay=delay), 3, 6, check_saved)
 
 
 def test_a_rank_reloaded_alone_is_refused():
@@ -350,11 +369,18 @@ def test_a_layer_frozen_mid_training_stays_where_it_is():
     step (θ̃ stays, its error buffer is kept), as torch's optimizers leave a
     parameter without a gradient, and the rest follows the simulation;
     freezing it on one rank only raises on every rank at the next sync."""
+    settings = CASES["plain_mean_all"]
+    assert_a_layer_frozen_mid_training_stays(
+        lambda model, opt: mpidp.SparseLoCo(model, opt, 3, **settings),
+        lambda model: sim_for(model, settings))
+
+
+def assert_a_layer_frozen_mid_training_stays(make, sim_of):
+    """make(model, opt) syncing every 3 steps, against sim_of(model)."""
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    settings = CASES["plain_mean_all"]
-    sim = sim_for(model, settings)
-    with mpidp.SparseLoCo(model, opt, 3, **settings) as sl:
+    sim = sim_of(model)
+    with make(model, opt) as sl:
         for sync in range(3):
             if sync == 1:
                 model.l1.requires_grad_(False)
