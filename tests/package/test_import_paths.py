@@ -30,7 +30,7 @@ PUBLIC_NAMES = [
     "algorithms.QAdamAlgorithm", "algorithms.QAdamOptimizer", "algorithms.DecentralizedAlgorithm",
     "algorithms.LowPrecisionDecentralizedAlgorithm", "algorithms.AsyncModelAverageAlgorithm",
     "algorithms.LocalSGDAlgorithm", "algorithms.SlowMoAlgorithm", "algorithms.DiLoCoAlgorithm",
-    "algorithms.SparseLoCoAlgorithm", "algorithms.Algorithm",
+    "algorithms.SparseLoCoAlgorithm", "algorithms.MuLoCoAlgorithm", "algorithms.Algorithm",
     "gossip.DynamicDirectedExponentialGraph", "gossip.UniformMixing", "kernels.quantize8",
     "kernels.pack", "nn.DataParallel", "nn.DataParallelMultiGPU", "optim.DASO",
     "optim.DataParallelOptimizer", "collectives.allreduce", "collectives.Work",

@@ -268,6 +268,15 @@ def test_new_algorithms_check_their_arguments():
         mpidp.algorithms.SlowMoAlgorithm(slowmo_speed=2)
     with pytest.raises(ValueError, match="optimizers: LocalSGDAlgorithm"):
         mpidp.with_bagua(model, [], LocalSGDAlgorithm(period=2))
+    with pytest.raises(TypeError, match="outer_optimizer"):
+        mpidp.algorithms.MuLoCoAlgorithm(object(), 2)
+    with pytest.raises(TypeError, match=r"MuLoCoAlgorithm: unexpected argument.*\['lr'\]"):
+        mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(model.parameters()), 2, lr=0.1)
+    with pytest.raises(ValueError, match="sync_every"):
+        mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(model.parameters()), 0)
+    muloco = mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(model.parameters()), 2)
+    with pytest.raises(ValueError, match="optimizers: MuLoCoAlgorithm"):
+        mpidp.with_bagua(model, [], muloco)
 
 
 def test_a_new_algorithm_on_the_same_ranks_takes_the_module_over():
@@ -293,8 +302,11 @@ def test_a_new_algorithm_on_the_same_ranks_takes_the_module_over():
                                                 slowmo_frequency=2 if RANK == 0 else 3),
      "slowmo_frequency"),
     (lambda m: mpidp.algorithms.SparseLoCoAlgorithm(sync_every=2, top_k=8 if RANK == 0 else 16),
-     "top_k")],
-    ids=["localsgd", "diloco", "slowmo", "sparseloco"])
+     "top_k"),
+    (lambda m: mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(m.parameters()), 2,
+                                                error_decay=0.9 if RANK == 0 else 0.8),
+     "error_decay")],
+    ids=["localsgd", "diloco", "slowmo", "sparseloco", "muloco"])
 def test_settings_that_differ_across_ranks_are_named_on_every_rank(make, setting):
     """A rank with another period would post syncs the others never match:
     with_bagua compares the new algorithms' settings and every rank raises."""

@@ -7,13 +7,15 @@ error-feedback buffer equal to the simulation's buffer of that rank.
 Also: torch.optim.Muon beside AdamW as the inner optimizers (the simulation
 steps every replica with torch's own optimizers), the dense payload's bytes,
 a checkpoint resuming exactly, an outer lr differing by rank, an inner
-optimizer stepped twice, bad arguments."""
+optimizer stepped twice, bad arguments, with_bagua's switches to MuLoCo and
+back."""
 
+import numpy as np
 import pytest
 import torch
 
 import mpidp
-from dp_reference import RANK, SIZE, differing_setting
+from dp_reference import RANK, SIZE, assert_same_on_all_ranks, differing_setting
 from ef_reference import MuLoCoSim
 from test_sparseloco import (assert_a_layer_frozen_mid_training_stays,
                              assert_checkpoint_resumes_exactly,
@@ -130,6 +132,57 @@ def test_an_inner_optimizer_stepped_twice_in_one_step_is_refused():
         with pytest.raises(RuntimeError, match=r"inner_optimizer\[0\] stepped again before "
                                                r"inner_optimizer\[1\] stepped"):
             inners[0].step()
+
+
+def test_with_bagua_switches_to_it_and_back():
+    """Bagua's interface, two inner optimizers (each holding half the
+    parameters, as Muon beside AdamW would): two steps of averaged gradients,
+    then MuLoCoAlgorithm from the replicas' common weights for two syncs
+    (matching the simulation, whose error feedback starts at zero), then
+    averaged gradients again from θ̃."""
+    model = build()
+    params = list(model.parameters())
+    inners = [torch.optim.SGD(params[:1], lr=0.1), torch.optim.SGD(params[1:], lr=0.1)]
+
+    def step(s):
+        for opt in inners:
+            opt.zero_grad()
+        sum((p * g).sum() for p, g in zip(params, grads_for(model, RANK, s))).backward()
+        for opt in inners:
+            opt.step()
+
+    def mean_step(shared, s):
+        g = [sum(grads_for(model, r, s)[i].double().numpy() for r in range(SIZE)) / SIZE
+             for i in range(len(params))]
+        return [t - 0.1 * gi for t, gi in zip(shared, g)]
+
+    def check(want, what):
+        assert_same_on_all_ranks(model)
+        for p, t in zip(params, want):
+            np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                       err_msg=what)
+
+    net = mpidp.with_bagua(model, inners, mpidp.algorithms.GradientAllReduceAlgorithm())
+    want = [p.detach().double().numpy() for p in params]
+    for s in range(2):
+        step(s)
+        want = mean_step(want, s)
+    check(want, "averaged gradients")
+    settings = dict(chunk_size=8)
+    sim = sim_for(model, settings)
+    net = mpidp.with_bagua(net, inners, mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(model), 3,
+                                                                          **settings))
+    for sync in range(2):
+        steps = range(2 + 3 * sync, 5 + 3 * sync)
+        replicas = replicas_after(sim.shared, model, steps, 0.1)
+        for s in steps:
+            step(s)
+        sim.round(replicas)
+        check(sim.shared, f"MuLoCo, sync {sync}")
+    assert net.bagua_state_dict()["step"] == 6
+    net = mpidp.with_bagua(net, inners, mpidp.algorithms.GradientAllReduceAlgorithm())
+    step(8)
+    check(mean_step(sim.shared, 8), "averaged gradients after MuLoCo")
 
 
 def test_bytes_sent_are_two_bits_an_entry():

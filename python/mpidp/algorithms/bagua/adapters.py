@@ -1,6 +1,6 @@
 """Adapters: the Bagua algorithm classes of the algorithms that have a public
 class of their own (DataParallel, PeriodicModelAverager, SlowMo, DiLoCo,
-SparseLoCo), for with_bagua, with their upstream arguments, so that any
+SparseLoCo, MuLoCo), for with_bagua, with their upstream arguments, so that any
 algorithm of the family can follow any other mid-training::
 
     net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
@@ -33,12 +33,14 @@ from ..averaging import PeriodicModelAverager
 from ..data_parallel import DataParallel
 from ..diloco import DiLoCo
 from ..driver import Driver
+from ..muloco import MuLoCo
 from ..slowmo import SlowMoDistributedDataParallel
 from ..sparseloco import SparseLoCo
 from .algorithm import Algorithm, plain_setting
 
 __all__ = ["GradientAllReduceAlgorithm", "ByteGradAlgorithm", "LocalSGDAlgorithm",
-           "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm", "PartDriver"]
+           "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm", "MuLoCoAlgorithm",
+           "PartDriver"]
 
 
 def first_optimizer(optimizers, who: str) -> torch.optim.Optimizer:
@@ -299,8 +301,32 @@ class DiLoCoAlgorithm(Algorithm):
             sync_buffers=self.sync_buffers).__enter__())
 
 
-_SPARSELOCO_SETTINGS = [name for name, p in inspect.signature(SparseLoCo).parameters.items()
-                        if p.kind is inspect.Parameter.KEYWORD_ONLY]
+def _keyword_settings(cls) -> list:
+    return [name for name, p in inspect.signature(cls).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def _check_settings(who: str, settings: dict, known: list, of: str) -> None:
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise TypeError(f"{who}: unexpected argument(s) {unknown}; expected {of}'s: {known}")
+
+
+def _shared_settings(algorithm) -> Dict[str, Any]:
+    """sync_every and the keyword settings of an algorithm of the
+    SparseLoCo family, as with_bagua compares them across ranks."""
+    return {"sync_every": algorithm.sync_every,
+            **{k: plain_setting(v) for k, v in algorithm.settings.items()}}
+
+
+def _repr(algorithm) -> str:
+    args = [f"sync_every={algorithm.sync_every}"] + [f"{k}={v!r}"
+                                                      for k, v in algorithm.settings.items()]
+    return f"{type(algorithm).__name__}({', '.join(args)})"
+
+
+_SPARSELOCO_SETTINGS = _keyword_settings(SparseLoCo)
+_MULOCO_SETTINGS = _keyword_settings(MuLoCo)
 
 
 class SparseLoCoAlgorithm(Algorithm):
@@ -314,22 +340,51 @@ class SparseLoCoAlgorithm(Algorithm):
     sync_buffers)."""
 
     def __init__(self, sync_every: int, **settings):
-        unknown = sorted(set(settings) - set(_SPARSELOCO_SETTINGS))
-        if unknown:
-            raise TypeError(f"SparseLoCoAlgorithm: unexpected argument(s) {unknown}; expected "
-                            f"mpidp.SparseLoCo's: {_SPARSELOCO_SETTINGS}")
+        _check_settings("SparseLoCoAlgorithm", settings, _SPARSELOCO_SETTINGS, "mpidp.SparseLoCo")
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.settings = dict(settings)
 
     def shared_settings(self) -> Dict[str, Any]:
-        return {"sync_every": self.sync_every, **{k: plain_setting(v) for k, v in self.settings.items()}}
+        return _shared_settings(self)
 
     def __repr__(self) -> str:
-        args = [f"sync_every={self.sync_every}"] + [f"{k}={v!r}" for k, v in self.settings.items()]
-        return f"SparseLoCoAlgorithm({', '.join(args)})"
+        return _repr(self)
 
     def attach(self, module, optimizers, comm):
         inner = first_optimizer(optimizers, "SparseLoCoAlgorithm")
         return PartDriver("SparseLoCoAlgorithm", module, comm,
                           build=lambda: SparseLoCo(module, inner, self.sync_every, comm,
                                                    **self.settings).__enter__())
+
+
+class MuLoCoAlgorithm(Algorithm):
+    """MuLoCo (mpidp.MuLoCo's rule and arguments): the optimizers given to
+    with_bagua are the inner ones (Muon beside AdamW, say: one inner step
+    is a step of each); `outer_optimizer` holds the model's trainable
+    parameters and steps θ̃ every `sync_every` inner steps with the mean of
+    the compressed outer gradients. `settings` are mpidp.MuLoCo's keyword
+    arguments (error_decay, top_k, chunk_size, quantization_bins,
+    quantization_range, sync_buffers, sync_delay)."""
+
+    def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int, **settings):
+        if not isinstance(outer_optimizer, torch.optim.Optimizer):
+            raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(outer_optimizer).__name__}")
+        _check_settings("MuLoCoAlgorithm", settings, _MULOCO_SETTINGS, "mpidp.MuLoCo")
+        self.outer_optimizer = outer_optimizer
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.settings = dict(settings)
+
+    def shared_settings(self) -> Dict[str, Any]:
+        # The outer optimizer's settings are compared by MuLoCo's own set-up.
+        return _shared_settings(self)
+
+    def __repr__(self) -> str:
+        return _repr(self)
+
+    def attach(self, module, optimizers, comm):
+        first_optimizer(optimizers, "MuLoCoAlgorithm")
+        inner = list(optimizers) if len(optimizers) > 1 else optimizers[0]
+        return PartDriver("MuLoCoAlgorithm", module, comm,
+                          build=lambda: MuLoCo(module, inner, self.outer_optimizer,
+                                               self.sync_every, comm, **self.settings).__enter__())
