@@ -61,8 +61,9 @@ class SparseLoCo(InnerStepContext):
     tensors. Replicas start from rank 0's parameters. state_dict() /
     load_state_dict() hold θ̃, this rank's replica and error-feedback
     buffer, the step count and a sync in flight, so a resumed job continues
-    exactly (each
-    rank saves its own; save the inner optimizer beside it).
+    exactly (each rank saves its own; save the inner optimizer beside it).
+    At another number of ranks, the ranks without a checkpoint of their own
+    call load_shared_state() with any rank's.
 
     Every sync checks, from the gathered bytes and without another
     message, that the ranks are at the same step with the same settings
@@ -401,6 +402,20 @@ class SparseLoCo(InnerStepContext):
                 "error": [e.clone() for e in self.error],
                 "in_flight": (None if self._received is None
                               else [g.clone() for g in self._received])}
+
+    def load_shared_state(self, state: Dict[str, Any]) -> None:
+        """A job resumed at more ranks than saved it: a rank with no
+        checkpoint of its own takes, from any rank's state_dict(), what the
+        saved job's ranks shared -- θ̃, the step, a mean G in flight
+        (MuLoCo: the outer optimizer's state) -- and starts as a replacement
+        does when a job grows back: its replica at θ̃, its error feedback
+        at zero. The ranks that have a checkpoint load it with
+        load_state_dict(); at fewer ranks, the error feedback of the ranks
+        left out leaves with them."""
+        if isinstance(state, dict) and {"shared", "error"} <= set(state):
+            state = dict(state, local=[t.clone() for t in state["shared"]],
+                         error=[torch.zeros_like(e) for e in state["error"]])
+        self.load_state_dict(state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what state_dict saved (construction made the replicas

@@ -19,7 +19,8 @@ from dp_reference import RANK, SIZE, assert_same_on_all_ranks, differing_setting
 from ef_reference import MuLoCoSim
 from test_sparseloco import (assert_a_layer_frozen_mid_training_stays,
                              assert_checkpoint_resumes_exactly,
-                             assert_grad_scaler_gives_the_same_rounds, build, check_against,
+                             assert_grad_scaler_gives_the_same_rounds,
+                             assert_resumes_at_another_rank_count, build, check_against,
                              grads_for, inner_step, replicas_after)
 
 pytestmark = pytest.mark.ranks3
@@ -39,13 +40,13 @@ def outer_sgd(model, outer=None):
     return torch.optim.SGD(model.parameters(), **(outer or OUTER))
 
 
-def sim_for(model, settings):
+def sim_for(model, settings, ranks=SIZE):
     s = dict(settings)
     s.pop("sync_delay", None)
     outer = dict(s.pop("outer", OUTER))
     outer.setdefault("nesterov", False)
     bins = s.pop("quantization_bins", 4)
-    return MuLoCoSim([p.detach().double().numpy() for p in model.parameters()], SIZE,
+    return MuLoCoSim([p.detach().double().numpy() for p in model.parameters()], ranks,
                      bins=bins or 0, **outer, **s)
 
 
@@ -207,6 +208,17 @@ def test_checkpoint_resumes_exactly(delay):
     assert_checkpoint_resumes_exactly(
         lambda model, opt: muloco(model, opt, dict(chunk_size=8, sync_delay=delay)), 5, 9,
         check_saved)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a job of another size to resume")
+@pytest.mark.parametrize("grow", [True, False], ids=["one rank more", "one rank fewer"])
+def test_resumes_at_another_rank_count(grow):
+    """SparseLoCo's rule; the outer optimizer's momentum goes on from the
+    saved state on every rank, the new one too."""
+    settings = dict(chunk_size=8)
+    assert_resumes_at_another_rank_count(
+        lambda model, opt, comm: mpidp.MuLoCo(model, opt, outer_sgd(model), 3, comm, **settings),
+        lambda model, n: sim_for(model, settings, n), grow)
 
 
 def test_grad_scaler_gives_the_same_rounds():

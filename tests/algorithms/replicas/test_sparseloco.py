@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mpidp
+from mpidp import MPI
 from dp_reference import RANK, SIZE, assert_same_on_all_ranks, differing_setting, seeded
 from ef_reference import SparseLoCoSim
 
@@ -95,12 +96,12 @@ CASES = {
 }
 
 
-def sim_for(model, settings):
+def sim_for(model, settings, ranks=SIZE):
     s = dict(settings)
     s.pop("sync_delay", None)
     bins = 0 if not s.pop("use_quantization", True) else s.pop("quantization_bins", 4)
     spread = s.pop("quantization_range", 6.0)
-    return SparseLoCoSim([p.detach().double().numpy() for p in model.parameters()], SIZE,
+    return SparseLoCoSim([p.detach().double().numpy() for p in model.parameters()], ranks,
                          bins=bins, spread=spread, **s)
 
 
@@ -277,6 +278,68 @@ def assert_checkpoint_resumes_exactly(make, saved_after, until, check_saved):
             inner_step(other, other_opt, s)
     for p, q in zip(other.parameters(), expected):
         assert torch.equal(p, q)
+
+
+def assert_resumes_at_another_rank_count(make, sim_of, grow):
+    """A job of `before` ranks (all but the last, or all) saves one step
+    into its second interval of 3; `after` ranks (all, or all but the last)
+    resume it: those with a checkpoint load their own, a new rank takes the
+    shared state from rank 0's (load_shared_state: its replica at θ̃, its
+    error feedback at zero). Two more syncs match the simulation, which
+    gains a rank with a zero buffer whose replica starts at the resume, or
+    loses the last rank's buffer. make(model, opt, comm), sim_of(model, n)."""
+    world = MPI.COMM_WORLD
+    before, after = (SIZE - 1, SIZE) if grow else (SIZE, SIZE - 1)
+    sim = sim_of(build(), before)
+    mine = None
+    comm = world.Split(0 if RANK < before else MPI.UNDEFINED, RANK)
+    if comm != MPI.COMM_NULL:
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with make(model, opt, comm) as algo:
+            for s in range(4):
+                inner_step(model, opt, s)
+            mine = copy.deepcopy(algo.state_dict())
+        comm.Free()
+    sim.round(replicas_after(sim.shared, build(), range(3), 0.1)[:before])
+    shared = world.bcast(mine, root=0)
+    replicas = replicas_after(sim.shared, build(), range(3, 6), 0.1)[:after]
+    if grow:
+        sim.error.append([np.zeros_like(t) for t in sim.shared])
+        replicas[-1] = replicas_after(sim.shared, build(), range(4, 6), 0.1)[after - 1]
+    else:
+        sim.error = sim.error[:after]
+    comm = world.Split(0 if RANK < after else MPI.UNDEFINED, RANK)
+    if comm == MPI.COMM_NULL:
+        return
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with make(model, opt, comm) as algo:
+        if mine is not None:
+            algo.load_state_dict(mine)
+        else:
+            algo.load_shared_state(shared)
+        for sync, steps in enumerate((range(4, 6), range(6, 9))):
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas)
+            for p, t in zip(model.parameters(), sim.shared):
+                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"sync {sync} after the resume")
+            for e, t in zip(algo.error, sim.error[RANK]):
+                np.testing.assert_allclose(e.double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"sync {sync}: error feedback of rank {RANK}")
+            replicas = replicas_after(sim.shared, model, range(6, 9), 0.1)[:after]
+    comm.Free()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a job of another size to resume")
+@pytest.mark.parametrize("grow", [True, False], ids=["one rank more", "one rank fewer"])
+def test_resumes_at_another_rank_count(grow):
+    settings = dict(top_k=8, chunk_size=8)
+    assert_resumes_at_another_rank_count(
+        lambda model, opt, comm: mpidp.SparseLoCo(model, opt, 3, comm, **settings),
+        lambda model, n: sim_for(model, settings, n), grow)
 
 
 @pytest.mark.parametrize("delay", [0, 1])
