@@ -57,7 +57,9 @@ class DiLoCo(InnerStepContext):
     0's parameters. state_dict() / load_state_dict() hold θ, this rank's
     replica, the step count, the outer optimizer's state and any outer
     gradient in flight, so a resumed job continues exactly (save the inner
-    optimizer beside it; each rank saves its own).
+    optimizer beside it; each rank saves its own). At another number of
+    ranks, the ranks without a checkpoint of their own call
+    load_shared_state() with any rank's.
 
     fragment_sync_delay: steps between posting a fragment's outer-gradient
     allreduce and applying it (0 .. sync_every - 1; the communication overlaps
@@ -403,6 +405,17 @@ class DiLoCo(InnerStepContext):
             for p, x in zip(params, now):
                 p.copy_(x)
         return shared
+
+    def load_shared_state(self, state: Dict[str, Any]) -> None:
+        """A job resumed at more ranks than saved it: a rank with no
+        checkpoint of its own takes, from any rank's state_dict(), what the
+        saved job's ranks shared -- θ, the step, the outer optimizer's
+        state, the outer gradients of syncs in flight -- and starts as a
+        replacement does when a job grows back: its replica at θ. The ranks
+        that have a checkpoint load it with load_state_dict()."""
+        if isinstance(state, dict) and "shared" in state:
+            state = dict(state, local=[[t.clone() for t in frag] for frag in state["shared"]])
+        self.load_state_dict(state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores θ and this rank's replica (construction made the replicas

@@ -277,6 +277,75 @@ def test_a_checkpoint_with_a_sync_in_flight_resumes_exactly(received):
     assert diloco2.step == diloco.step == 12
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs a job of another size to resume")
+@pytest.mark.parametrize("grow", [True, False], ids=["one rank more", "one rank fewer"])
+def test_a_job_resumes_at_another_number_of_ranks(grow):
+    """A job of `before` ranks saves one step into its second interval of 3;
+    `after` ranks resume it: those with a checkpoint load their own, a new
+    rank takes θ, the step and the outer optimizer from rank 0's
+    (load_shared_state) with its replica at θ. The simulation gains that
+    replica at θ at the resume, or loses the last rank's."""
+    world = MPI.COMM_WORLD
+    before, after = (SIZE - 1, SIZE) if grow else (SIZE, SIZE - 1)
+    torch.manual_seed(0)
+    init, data = Net(), batches(9)
+
+    def inner_sgd(params):
+        return torch.optim.SGD(params, lr=0.05)
+
+    shared = copy.deepcopy(init)
+    outer = outer_sgd(shared.parameters())
+    replicas = {r: copy.deepcopy(init) for r in range(before)}
+    expected = {}
+    for t, (x, y) in enumerate(data):
+        if t == 4 and grow:
+            replicas[before] = copy.deepcopy(shared)
+        if t == 4 and not grow:
+            del replicas[after]
+        for r, m in replicas.items():
+            inner_step(m, inner_sgd(m.parameters()), x, y, r)
+        if t % 3 == 2:
+            for k, theta in enumerate(shared.parameters()):
+                theta.grad = theta.detach() - torch.stack(
+                    [list(m.parameters())[k].detach() for m in replicas.values()]).mean(0)
+            outer.step()
+            with torch.no_grad():
+                for m in replicas.values():
+                    for p, theta in zip(m.parameters(), shared.parameters()):
+                        p.copy_(theta)
+            expected[t] = [p.detach().clone() for p in shared.parameters()]
+
+    def train(comm, steps, load=None):
+        model = copy.deepcopy(init)
+        inner = inner_sgd(model.parameters())
+        diloco = mpidp.DiLoCo(model, inner, outer_sgd(model.parameters()), 3, comm)
+        if load is not None:
+            load(diloco)
+        with diloco:
+            for t in steps:
+                inner_step(model, inner, *data[t], RANK)
+                if t in expected:
+                    torch.testing.assert_close(flat(model), torch.cat([e.reshape(-1) for e in
+                                                                       expected[t]]),
+                                               rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"step {t}: {m}")
+        return diloco
+
+    mine = None
+    comm = world.Split(0 if RANK < before else MPI.UNDEFINED, RANK)
+    if comm != MPI.COMM_NULL:
+        mine = copy.deepcopy(train(comm, range(4)).state_dict())
+        comm.Free()
+    shared_state = world.bcast(mine, root=0)
+    comm = world.Split(0 if RANK < after else MPI.UNDEFINED, RANK)
+    if comm == MPI.COMM_NULL:
+        return
+    resumed = train(comm, range(4, 9), load=lambda d: d.load_state_dict(mine) if mine is not None
+                    else d.load_shared_state(shared_state))
+    assert resumed.step == 9
+    comm.Free()
+
+
 @pytest.mark.parametrize("n_fragments,delay", [(1, 0), (2, 1)])
 @pytest.mark.skipif(SIZE < 2, reason="needs a rank that differs")
 def test_a_checkpoint_loaded_on_one_rank_alone_is_an_error_on_every_rank(n_fragments, delay):
