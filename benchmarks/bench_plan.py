@@ -2,7 +2,8 @@
 emulated cluster (benchmarks/cluster, as root).
 
     .venv/bin/python benchmarks/bench_plan.py [--nodes 2,4] [--rates 10mbit,100mbit,1gbit]
-        [--calibrate-at 100mbit,1gbit] [--methods dp,dp-bf16,diloco,sparseloco,demo] [--json]
+        [--calibrate-at 100mbit,1gbit] [--methods dp,dp-bf16,diloco,sparseloco,muloco,demo]
+        [--json]
 
 1. Calibrates (python -m mpidp calibrate) on 2 emulated nodes, one rank
    each, at the two --calibrate-at rates only. The network's per-byte cost
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "benchmarks" / "cluster"
 RESULT_TAG = "BENCH_PLAN_RESULT "
 CANNOT_RUN = 77
-METHODS = ("dp", "dp-bf16", "diloco", "sparseloco", "demo")
+METHODS = ("dp", "dp-bf16", "diloco", "sparseloco", "muloco", "demo")
 
 
 def log(msg: str) -> None:
@@ -85,6 +86,10 @@ def worker(args) -> None:
     elif args.worker == "sparseloco":
         opt = torch.optim.SGD(net.parameters(), lr=1e-3)
         driver = mpidp.SparseLoCo(net, opt, sync_every=period)
+    elif args.worker == "muloco":       # the paper's outer SGD, every entry in 2-bit codes
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+        outer = torch.optim.SGD(net.parameters(), lr=0.8, momentum=0.9, nesterov=True)
+        driver = mpidp.MuLoCo(net, opt, outer, sync_every=period)
     elif args.worker == "demo":
         opt = mpidp.DeMo(net.parameters(), lr=1e-3)
     else:
@@ -183,6 +188,8 @@ def planner_algorithms(period: int):
             "diloco": alg.Algorithm("DiLoCo", f"H={period}", alg.diloco(period, alg.FP32)),
             "sparseloco": alg.Algorithm("SparseLoCo", f"H={period}, top 128 of 64x64, 2-bit",
                                         alg.sparseloco(period, 128, 64, 4)),
+            "muloco": alg.Algorithm("MuLoCo", f"H={period}, every entry 2-bit",
+                                    alg.sparseloco(period, 64 * 64, 64, 4)),
             "demo": alg.Algorithm("DeMo", "top 32 of 64x64 DCT", alg.demo(32, 64))}
 
 
@@ -290,7 +297,8 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--period", type=int, default=8, help="DiLoCo's and SparseLoCo's H")
+    ap.add_argument("--period", type=int, default=8,
+                    help="DiLoCo's, SparseLoCo's and MuLoCo's H")
     ap.add_argument("--width", type=int, default=256, help="the MLP's width (4 layers)")
     ap.add_argument("--max-bytes", type=int, default=4 << 20, help="calibration's largest message")
     ap.add_argument("--job-timeout", type=float, default=900)
