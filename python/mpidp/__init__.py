@@ -24,6 +24,7 @@ from .algorithms.diloco import DiLoCo
 from .algorithms.demo import DeMo
 from .algorithms.sparseloco import SparseLoCo
 from .algorithms.muloco import MuLoCo
+from .algorithms.noloco import NoLoCo
 from .algorithms.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from .algorithms.data_parallel import DataParallel
 from .algorithms.data_parallel_multi import DataParallelMultiGPU
@@ -90,6 +91,7 @@ __all__ = [
     "DeMo",
     "SparseLoCo",
     "MuLoCo",
+    "NoLoCo",
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "HierarchicalModelAverager",

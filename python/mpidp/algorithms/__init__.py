@@ -1,8 +1,9 @@
 """The training algorithms: driver.py (the interface every algorithm
 implements) and one module per algorithm -- DataParallel (data_parallel)
 and its optimizer (optimizer), DataParallelMultiGPU, DASO, the model
-averagers (averaging: LocalSGD), SlowMo, DiLoCo, SparseLoCo, MuLoCo, DeMo, QAdam,
-the decentralized ones and asynchronous averaging -- with Bagua's API in
+averagers (averaging: LocalSGD), SlowMo, DiLoCo, SparseLoCo, MuLoCo,
+NoLoCo, DeMo, QAdam, the decentralized ones and asynchronous averaging --
+with Bagua's API in
 bagua/ (with_bagua, the base class, the adapters of the algorithms that
 have a public class of their own). The package's own names are Bagua's
 algorithm classes (`mpidp.algorithms.GradientAllReduceAlgorithm`, ...)."""

@@ -319,7 +319,7 @@ class DiLoCo(InnerStepContext):
         due = _C.avgsched_actions(step, **self._schedule)
         if due.send_fragment >= 0 or due.apply_fragment >= 0:
             # The outer optimizer steps the shared parameters: its settings must match.
-            check_same_step(self._comm, step, "DiLoCo",
+            check_same_step(self._comm, step, self.what,
                             param_group_settings(self.outer_optimizer.param_groups)
                             + [("frozen parameters", frozen_code(self.model.parameters()))])
         if due.send_fragment >= 0:
@@ -364,7 +364,7 @@ class DiLoCo(InnerStepContext):
         buffers = self._buffers[f] if self._buffers is not None else []
         buffer_means = mean_over_ranks(buffers, self._comm) if buffers else None
         if fault_tolerant_mode.enabled():
-            fault_tolerant_mode.agree_all_alive("DiLoCo outer sync", "no rank applied it",
+            fault_tolerant_mode.agree_all_alive(f"{self.what} outer sync", "no rank applied it",
                                                 self._communicator.mpi)
             self._unapplied.pop(f, None)
         self._sent.discard(f)

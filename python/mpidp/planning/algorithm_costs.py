@@ -160,6 +160,24 @@ def sparseloco(every: int, top_k: int, chunk: int, bins: int, delay: int = 0):
     return parts
 
 
+def noloco(every: int, group_size: int = 2):
+    """NoLoCo: each rank sends its float32 replica to every other member of
+    its group (group_size - 1 peers, one after another through its link,
+    while it receives as much) and adds up what it receives; no collective
+    over every rank. Across nodes the pairs are costed at the network's
+    rate (the draw puts most pairs on two nodes)."""
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        n = w.params * FP32
+        peers = max(0, min(group_size, c.size) - 1)
+
+        def seconds(cl: Cluster) -> float:
+            lv = cl.intra if cl.nodes == 1 else cl.inter
+            return peers * (lv.alpha + n * (lv.beta + lv.gamma))
+        return [Component("exchange of the replicas within each group", seconds, every, 0.0,
+                          peers * n)]
+    return parts
+
+
 def demo(top_k: int, chunk: int):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         payload = sparseloco_payload(w.params, top_k, chunk, 0)
@@ -180,6 +198,7 @@ ALGORITHMS: Tuple[Algorithm, ...] = (
     Algorithm("Streaming DiLoCo", "H=100, 4 fragments, delay 5, bf16", diloco(100, BF16, 4, 5)),
     Algorithm("SparseLoCo", "H=50, top 128 of 64x64, 2-bit", sparseloco(50, 128, 64, 4)),
     Algorithm("MuLoCo", "H=30, every entry 2-bit", sparseloco(30, 64 * 64, 64, 4)),
+    Algorithm("NoLoCo", "H=50, pairs", noloco(50, 2)),
     Algorithm("DeMo", "top 32 of 64x64 DCT", demo(32, 64)),
 )
 

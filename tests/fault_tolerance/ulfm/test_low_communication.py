@@ -10,6 +10,9 @@ surviving replicas written from each rule in docs/fault-tolerance.md:
   step count put back) and done again without it.
 - Streaming DiLoCo: a fragment whose outer-gradient allreduce was in flight
   is sent again over the survivors, from the replica it was sent from.
+- NoLoCo: a sync a rank's death interrupted is done again over the
+  survivors' own draw of groups; the lost rank's θ and outer momentum leave
+  with it.
 
 These run in the fault-tolerance pass (.venv-ft), as test_fault_tolerance.py."""
 
@@ -26,6 +29,7 @@ sys.path.insert(0, HERE)
 import train_ft  # noqa: E402
 from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
 from ef_reference import DeMoSim, MuLoCoSim, SparseLoCoSim  # noqa: E402
+from noloco_reference import NoLoCoSim  # noqa: E402
 
 pytestmark = pytest.mark.serial
 
@@ -510,3 +514,119 @@ def test_demo_grows_back_with_the_step_redone_by_all(tmp_path, case):
         for a, b in zip(got["momentum"], deltas[key]):
             np.testing.assert_allclose(a.double().numpy(), b, rtol=1e-4, atol=1e-6,
                                        err_msg=f"stream {key}'s momentum")
+
+
+def noloco_sync(sim, models, order, t):
+    """Sync t // PERIOD over the replicas of the streams in `order` (the
+    communicator's ranks, in its order): each restarts from its new θ."""
+    theta = sim.round([as_numpy(models[r]) for r in order], t // train_ft.PERIOD)
+    with torch.no_grad():
+        for r, th in zip(order, theta):
+            for p, v in zip(models[r].parameters(), th):
+                p.copy_(torch.from_numpy(v))
+
+
+def simulate_noloco(n, steps, lost_from, clip=None):
+    """NoLoCo by its rule over the survivors: each rank's inner steps on its
+    own stream; at the sync after inner step t, (t + 1) % PERIOD == 0, the
+    ranks alive then (in launched order, as the shrunk communicator numbers
+    them) draw that sync's groups, and each steps its own θ; a rank lost
+    before a sync leaves with its θ and outer momentum. Returns {launched
+    rank: (parameters, outer momentum)}."""
+    models, inner = inner_models(n)
+    sim = NoLoCoSim(as_numpy(models[0]), n, **train_ft.NOLOCO_OUTER)
+    alive = list(range(n))
+    for t in range(steps):
+        for r in alive:
+            if t < lost_from.get(r, steps):
+                inner_step(models[r], inner[r], r, t, clip)
+        if (t + 1) % train_ft.PERIOD == 0:
+            for r in [r for r in alive if lost_from.get(r, steps) <= t]:
+                sim.drop(alive.index(r))
+                alive.remove(r)
+            noloco_sync(sim, models, alive, t)
+    return {r: (as_numpy(models[r]), sim.buf[i]) for i, r in enumerate(alive)}
+
+
+def assert_noloco_matches(saved, expected):
+    for key, got in saved.items():
+        params, momentum = expected[key]
+        for a, b in zip(got["params"], params):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
+                                       err_msg=f"stream {key}'s parameters")
+        for a, b in zip(got["momentum"], momentum):
+            np.testing.assert_allclose(a.double().numpy(), b, **TOL,
+                                       err_msg=f"stream {key}'s outer momentum")
+
+
+# (kill spec, {victim: the first step whose sync goes without it}, FT_HABITS), 4 ranks.
+NOLOCO_CASES = {
+    "a rank lost between syncs, then rank 0 with its exchange posted":
+        ("1:2:backward;0:5:outer", {1: 2, 0: 5}, False),
+    "habits: two ranks lost at once at a sync step": ("0,3:3:step", {0: 3, 3: 3}, True),
+    "a rank lost in backward, then another in the survivors' agreement":
+        ("3:3:backward;1:3:agreement", {3: 3, 1: 3}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(NOLOCO_CASES))
+def test_noloco_survivors_match_the_simulation(tmp_path, case):
+    kill, lost_from, on = NOLOCO_CASES[case]
+    env, clip = habits(on)
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="noloco", **env)
+    for key, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+    assert_noloco_matches(saved, simulate_noloco(4, 8, lost_from, clip))
+
+
+def simulate_noloco_growing_back(n, steps, victim, kill_step):
+    """NoLoCo by its rule for growing back: rank `victim` dies at the sync
+    after inner step `kill_step`, which no survivor applies; the survivors'
+    inner steps since the last sync stand in their inner optimizers; a
+    replacement joins as the last rank, trains on the victim's data from
+    rank 0's θ, outer momentum and inner optimizer; every survivor goes back
+    to its own θ at the step after the last sync."""
+    period = train_ft.PERIOD
+    assert (kill_step + 1) % period == 0, "the kill must be at a sync"
+    models, inner = inner_models(n)
+    sim = NoLoCoSim(as_numpy(models[0]), n, **train_ft.NOLOCO_OUTER)
+    order = list(range(n))
+    resume = kill_step + 1 - period
+    for t in range(resume):
+        for r in order:
+            inner_step(models[r], inner[r], r, t)
+        if (t + 1) % period == 0:
+            noloco_sync(sim, models, order, t)
+    for t in range(resume, kill_step + 1):
+        for r in set(order) - {victim}:
+            inner_step(models[r], inner[r], r, t)
+    sim.drop(order.index(victim))
+    order.remove(victim)
+    order.append(victim)
+    sim.theta.append([t.copy() for t in sim.theta[0]])
+    sim.buf.append([None if b is None else b.copy() for b in sim.buf[0]])
+    models[victim] = train_ft.make_model()
+    inner[victim] = torch.optim.SGD(models[victim].parameters(), lr=0.05, momentum=0.9)
+    inner[victim].load_state_dict(copy.deepcopy(inner[order[0]].state_dict()))
+    with torch.no_grad():
+        for r, th in zip(order, sim.theta):
+            for p, v in zip(models[r].parameters(), th):
+                p.copy_(torch.from_numpy(v))
+    for t in range(resume, steps):
+        for r in order:
+            inner_step(models[r], inner[r], r, t)
+        if (t + 1) % period == 0:
+            noloco_sync(sim, models, order, t)
+    return {r: (as_numpy(models[r]), sim.buf[i]) for i, r in enumerate(order)}
+
+
+def test_noloco_grows_back_with_each_survivor_keeping_its_weights(tmp_path):
+    """recover(replace=True) under NoLoCo: rank 0 lost with its exchange
+    posted at the sync after step 5; the replacement takes rank 0's θ
+    (set-up), the step and outer optimizer (NoLoCo's own) and the inner
+    optimizer (share_state); each survivor goes back to its own θ at the
+    step after the last sync, and the four draw pairs again."""
+    saved = run_job(tmp_path, 4, "0:5:outer", expect=range(4), FT_ALGORITHM="noloco",
+                    FT_REPLACE=1)
+    assert_grew_back(saved, 0, 5 + 1 - train_ft.PERIOD)
+    assert_noloco_matches(saved, simulate_noloco_growing_back(4, 8, 0, 5))

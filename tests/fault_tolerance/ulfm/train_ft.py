@@ -25,7 +25,8 @@ the 8-bit averaged first moment; the first moment is the momentum saved),
 sparseloco: SparseLoCo (a sync every PERIOD inner steps, FT_SYNC_DELAY
 steps after its send; chunks of EF_CHUNK; θ̃ and the error feedback saved),
 muloco: MuLoCo as sparseloco, every entry in 2-bit codes, the outer SGD
-MULOCO_OUTER,
+MULOCO_OUTER, noloco: NoLoCo (pairs drawn every PERIOD inner steps, each
+rank's outer SGD NOLOCO_OUTER; its momentum is the one saved),
 demo: DeMo as the optimizer (its momentum is the one saved),
 decentralized: Bagua's DecentralizedAlgorithm through with_bagua, flat,
 peer_selection_mode FT_PEERS ("all" or "shift_one"), lowprecision: its
@@ -47,7 +48,8 @@ flight), step (backward done, before the optimizer's step), sync (after the
 optimizer's step, before SlowMo's perform_slowmo), average (QAdam: inside
 the step, before its momentum average), between (after the step, before the
 next forward), outer (DiLoCo: its outer-gradient allreduce posted, before
-its wait; SparseLoCo and DeMo: their allgather posted, before its wait), checkpoint (inside a checkpoint write,
+its wait; NoLoCo: its peer exchange posted, before its wait; SparseLoCo and
+DeMo: their allgather posted, before its wait), checkpoint (inside a checkpoint write,
 which every rank starts after that step), rebuild (inside recover() of the
 failure at that step, once the survivors shrank, as the algorithm's set-up
 broadcasts over them), agreement (in the survivors' agreement that a rank
@@ -81,6 +83,7 @@ SLOW_LR, SLOW_MOMENTUM = 0.8, 0.5     # SlowMo's α and β
 QADAM_LR, QADAM_WARMUP = 0.01, 3
 EF_CHUNK, EF_TOP_K = 8, 8        # SparseLoCo's tiles and entries kept per tile (DeMo: 3)
 MULOCO_OUTER = dict(lr=0.8, momentum=0.9, nesterov=True)   # MuLoCo's outer SGD (dense, 2-bit)
+NOLOCO_OUTER = dict(lr=0.7, momentum=0.5)     # NoLoCo's outer SGD (the authors' configuration)
 DEMO_LR, DEMO_DECAY = 0.01, 0.9
 FRAGMENTS = [[0], [2, 4]]        # Streaming DiLoCo's (FT_FRAGMENTS): the model's layers
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
@@ -194,6 +197,15 @@ def main(out_dir: str) -> None:
         # For the whole job (a with-block around the loop does the same).
         diloco = twice(make_diloco, habits, enter=True)
         # Phase "outer": the outer-gradient allreduce posted, before its wait.
+        outer_gradient = diloco._outer_gradient
+        diloco._outer_gradient = lambda f: maybe_die(step, "outer") or outer_gradient(f)
+        saved_opt = [outer]
+    elif algorithm == "noloco":          # pairs every PERIOD inner steps
+        net = model
+        outer = torch.optim.SGD(model.parameters(), **NOLOCO_OUTER)
+        diloco = twice(lambda: mpidp.NoLoCo(model, sgd, outer, sync_every=PERIOD), habits,
+                       enter=True)
+        # Phase "outer": the peer exchange posted, before its wait.
         outer_gradient = diloco._outer_gradient
         diloco._outer_gradient = lambda f: maybe_die(step, "outer") or outer_gradient(f)
         saved_opt = [outer]

@@ -1,0 +1,117 @@
+"""NoLoCo against a float64 simulation of every replica (noloco_reference's
+NoLoCoSim), at 1-4 ranks: each rank's inner steps take gradients of its own;
+after every sync each rank's parameters must equal its simulated θ_r, the
+groups drawn alike. Also: replicas of different groups stay apart, a
+checkpoint resumes exactly, settings that differ across ranks, bad
+arguments."""
+
+import numpy as np
+import pytest
+import torch
+
+import mpidp
+from dp_reference import RANK, SIZE
+from mpidp import MPI
+from noloco_reference import NoLoCoSim
+from test_sparseloco import assert_checkpoint_resumes_exactly, build, grads_for, inner_step
+
+pytestmark = pytest.mark.ranks3
+
+AUTHORS = dict(lr=0.7, momentum=0.5)       # the authors' outer SGD (their configurations)
+
+CASES = {
+    "the authors': pairs": dict(),
+    "groups of 3, Nesterov, another seed": dict(group_size=3, seed=5,
+                                                outer=dict(lr=0.8, momentum=0.9, nesterov=True)),
+}
+
+
+def noloco(model, inner, settings):
+    s = dict(settings)
+    outer = torch.optim.SGD(model.parameters(), **s.pop("outer", AUTHORS))
+    return mpidp.NoLoCo(model, inner, outer, 3, **s)
+
+
+def sim_for(model, settings):
+    s = dict(settings)
+    outer = dict(s.pop("outer", AUTHORS))
+    return NoLoCoSim([p.detach().double().numpy() for p in model.parameters()], SIZE, **outer,
+                     **s)
+
+
+def replicas_from(theta, model, steps, lr=0.1):
+    """Every rank's replica after inner SGD steps from its own θ_r."""
+    out = []
+    for r, start in enumerate(theta):
+        rep = [t.copy() for t in start]
+        for s in steps:
+            for i, g in enumerate(grads_for(model, r, s)):
+                rep[i] = rep[i] - lr * g.double().numpy()
+        out.append(rep)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_the_simulation(case):
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sim = sim_for(model, CASES[case])
+    with noloco(model, opt, CASES[case]):
+        for sync in range(4):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = replicas_from(sim.theta, model, steps)
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas, sync)
+            for p, t in zip(model.parameters(), sim.theta[RANK]):
+                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"{case}, sync {sync}, rank {RANK}")
+
+
+@pytest.mark.skipif(SIZE != 4, reason="two groups of two: 4 ranks")
+def test_the_groups_replicas_stay_apart():
+    """No global mean: with pairs at 4 ranks, each sync's two pairs end on
+    different weights, and both members of a pair on the same."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sim = sim_for(model, {})
+    with noloco(model, opt, {}):
+        for s in range(3):
+            inner_step(model, opt, s)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = MPI.COMM_WORLD.allgather(flat)
+    pairs = sim.groups(4, 0)
+    assert len(pairs) == 2
+    for a, b in pairs:
+        assert torch.equal(every[a], every[b])
+    assert not torch.equal(every[pairs[0][0]], every[pairs[1][0]])
+
+
+def test_checkpoint_resumes_exactly():
+    """Saved after step 4 of syncs every 3: this rank's θ_r and outer momentum."""
+    def check_saved(state):
+        assert state["outer_optimizer"]["state"]
+    assert_checkpoint_resumes_exactly(lambda model, opt: noloco(model, opt, {}), 4, 9,
+                                      check_saved)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
+def test_settings_that_differ_across_ranks_are_refused_on_every_rank():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="group_size"):
+        noloco(model, opt, dict(group_size=2 if RANK == 0 else 3))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(group_size=1), ValueError, "group_size: expected an int >= 2"),
+    (dict(group_size=33), ValueError, r"group_size: expected 2 \.\. 32"),
+    (dict(group_size="2"), TypeError, "group_size: expected an int"),
+    (dict(seed=-1), ValueError, "seed: expected an int >= 0"),
+    (dict(model_fragments=None), TypeError, "model_fragments"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=match):
+        mpidp.NoLoCo(model, opt, torch.optim.SGD(model.parameters(), lr=0.7), 3, **kwargs)
