@@ -10,11 +10,12 @@ algorithm classes (`mpidp.algorithms.GradientAllReduceAlgorithm`, ...)."""
 
 from .async_average import AsyncModelAverageAlgorithm
 from .bagua import (Algorithm, ByteGradAlgorithm, DiLoCoAlgorithm, GradientAllReduceAlgorithm,
-                    LocalSGDAlgorithm, MuLoCoAlgorithm, SlowMoAlgorithm, SparseLoCoAlgorithm)
+                    LocalSGDAlgorithm, MuLoCoAlgorithm, NoLoCoAlgorithm, SlowMoAlgorithm,
+                    SparseLoCoAlgorithm)
 from .decentralized import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
 from .qadam import QAdamAlgorithm, QAdamOptimizer
 
 __all__ = ["Algorithm", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "QAdamAlgorithm",
            "QAdamOptimizer", "DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm",
            "AsyncModelAverageAlgorithm", "LocalSGDAlgorithm", "SlowMoAlgorithm", "DiLoCoAlgorithm",
-           "SparseLoCoAlgorithm", "MuLoCoAlgorithm"]
+           "SparseLoCoAlgorithm", "MuLoCoAlgorithm", "NoLoCoAlgorithm"]

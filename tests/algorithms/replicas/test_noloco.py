@@ -1,9 +1,9 @@
 """NoLoCo against a float64 simulation of every replica (noloco_reference's
 NoLoCoSim), at 1-4 ranks: each rank's inner steps take gradients of its own;
 after every sync each rank's parameters must equal its simulated θ_r, the
-groups drawn alike. Also: replicas of different groups stay apart, a
-checkpoint resumes exactly, settings that differ across ranks, bad
-arguments."""
+groups drawn alike. Also: replicas of different groups stay apart,
+with_bagua's switches to NoLoCo and back, a checkpoint resumes exactly,
+settings that differ across ranks, bad arguments."""
 
 import numpy as np
 import pytest
@@ -85,6 +85,38 @@ def test_the_groups_replicas_stay_apart():
     for a, b in pairs:
         assert torch.equal(every[a], every[b])
     assert not torch.equal(every[pairs[0][0]], every[pairs[1][0]])
+
+
+def test_with_bagua_switches_to_it_and_back():
+    """Bagua's interface: two steps of averaged gradients, NoLoCoAlgorithm
+    from the replicas' common weights for two syncs (its draws numbered from
+    the switch), then averaged gradients again from rank 0's replica (a
+    switch gives every rank rank 0's)."""
+    model = build()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+    for s in range(2):
+        inner_step(model, opt, s)
+    sim = NoLoCoSim([p.detach().double().numpy() for p in params], SIZE, **AUTHORS)
+    net = mpidp.with_bagua(net, [opt], mpidp.algorithms.NoLoCoAlgorithm(
+        torch.optim.SGD(params, **AUTHORS), 3))
+    for sync in range(2):
+        steps = range(2 + 3 * sync, 5 + 3 * sync)
+        replicas = replicas_from(sim.theta, model, steps)
+        for s in steps:
+            inner_step(model, opt, s)
+        sim.round(replicas, sync)
+        for p, t in zip(params, sim.theta[RANK]):
+            np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                       err_msg=f"sync {sync}")
+    net = mpidp.with_bagua(net, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+    inner_step(model, opt, 8)
+    mean = [sum(grads_for(model, r, 8)[i].double().numpy() for r in range(SIZE)) / SIZE
+            for i in range(len(params))]
+    for p, t, g in zip(params, sim.theta[0], mean):
+        np.testing.assert_allclose(p.detach().double().numpy(), t - 0.1 * g, rtol=2e-5,
+                                   atol=2e-6, err_msg="averaged gradients after NoLoCo")
 
 
 def test_checkpoint_resumes_exactly():

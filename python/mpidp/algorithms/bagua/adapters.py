@@ -1,6 +1,6 @@
 """Adapters: the Bagua algorithm classes of the algorithms that have a public
 class of their own (DataParallel, PeriodicModelAverager, SlowMo, DiLoCo,
-SparseLoCo, MuLoCo), for with_bagua, with their upstream arguments, so that any
+SparseLoCo, MuLoCo, NoLoCo), for with_bagua, with their upstream arguments, so that any
 algorithm of the family can follow any other mid-training::
 
     net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
@@ -34,13 +34,14 @@ from ..data_parallel import DataParallel
 from ..diloco import DiLoCo
 from ..driver import Driver
 from ..muloco import MuLoCo
+from ..noloco import NoLoCo
 from ..slowmo import SlowMoDistributedDataParallel
 from ..sparseloco import SparseLoCo
 from .algorithm import Algorithm, plain_setting
 
 __all__ = ["GradientAllReduceAlgorithm", "ByteGradAlgorithm", "LocalSGDAlgorithm",
            "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm", "MuLoCoAlgorithm",
-           "PartDriver"]
+           "NoLoCoAlgorithm", "PartDriver"]
 
 
 def first_optimizer(optimizers, who: str) -> torch.optim.Optimizer:
@@ -387,4 +388,34 @@ class MuLoCoAlgorithm(Algorithm):
         inner = list(optimizers) if len(optimizers) > 1 else optimizers[0]
         return PartDriver("MuLoCoAlgorithm", module, comm,
                           build=lambda: MuLoCo(module, inner, self.outer_optimizer,
+                                               self.sync_every, comm, **self.settings).__enter__())
+
+
+class NoLoCoAlgorithm(Algorithm):
+    """NoLoCo (mpidp.NoLoCo's rule and arguments): the optimizers given to
+    with_bagua are the inner ones; `outer_optimizer` is this rank's, holding
+    the model's trainable parameters; every `sync_every` inner steps each
+    rank averages with a random group (`group_size`, drawn from `seed`)."""
+
+    def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int, *,
+                 group_size: int = 2, seed: int = 0):
+        if not isinstance(outer_optimizer, torch.optim.Optimizer):
+            raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(outer_optimizer).__name__}")
+        self.outer_optimizer = outer_optimizer
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        self.settings = {"group_size": check_int("group_size", group_size, 2),
+                         "seed": check_int("seed", seed, 0)}
+
+    def shared_settings(self) -> Dict[str, Any]:
+        return _shared_settings(self)
+
+    def __repr__(self) -> str:
+        return _repr(self)
+
+    def attach(self, module, optimizers, comm):
+        first_optimizer(optimizers, "NoLoCoAlgorithm")
+        inner = list(optimizers) if len(optimizers) > 1 else optimizers[0]
+        return PartDriver("NoLoCoAlgorithm", module, comm,
+                          build=lambda: NoLoCo(module, inner, self.outer_optimizer,
                                                self.sync_every, comm, **self.settings).__enter__())
