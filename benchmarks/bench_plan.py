@@ -2,8 +2,8 @@
 emulated cluster (benchmarks/cluster, as root).
 
     .venv/bin/python benchmarks/bench_plan.py [--nodes 2,4] [--rates 10mbit,100mbit,1gbit]
-        [--calibrate-at 100mbit,1gbit] [--methods dp,dp-bf16,diloco,sparseloco,muloco,demo]
-        [--json]
+        [--calibrate-at 100mbit,1gbit]
+        [--methods dp,dp-bf16,diloco,sparseloco,muloco,noloco,demo] [--json]
 
 1. Calibrates (python -m mpidp calibrate) on 2 emulated nodes, one rank
    each, at the two --calibrate-at rates only. The network's per-byte cost
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "benchmarks" / "cluster"
 RESULT_TAG = "BENCH_PLAN_RESULT "
 CANNOT_RUN = 77
-METHODS = ("dp", "dp-bf16", "diloco", "sparseloco", "muloco", "demo")
+METHODS = ("dp", "dp-bf16", "diloco", "sparseloco", "muloco", "noloco", "demo")
 
 
 def log(msg: str) -> None:
@@ -90,6 +90,10 @@ def worker(args) -> None:
         opt = torch.optim.SGD(net.parameters(), lr=1e-3)
         outer = torch.optim.SGD(net.parameters(), lr=0.8, momentum=0.9, nesterov=True)
         driver = mpidp.MuLoCo(net, opt, outer, sync_every=period)
+    elif args.worker == "noloco":       # the authors' outer SGD, pairs
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+        outer = torch.optim.SGD(net.parameters(), lr=0.7, momentum=0.5)
+        driver = mpidp.NoLoCo(net, opt, outer, sync_every=period)
     elif args.worker == "demo":
         opt = mpidp.DeMo(net.parameters(), lr=1e-3)
     else:
@@ -190,6 +194,7 @@ def planner_algorithms(period: int):
                                         alg.sparseloco(period, 128, 64, 4)),
             "muloco": alg.Algorithm("MuLoCo", f"H={period}, every entry 2-bit",
                                     alg.sparseloco(period, 64 * 64, 64, 4)),
+            "noloco": alg.Algorithm("NoLoCo", f"H={period}, pairs", alg.noloco(period, 2)),
             "demo": alg.Algorithm("DeMo", "top 32 of 64x64 DCT", alg.demo(32, 64))}
 
 
@@ -298,7 +303,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--period", type=int, default=8,
-                    help="DiLoCo's, SparseLoCo's and MuLoCo's H")
+                    help="DiLoCo's, SparseLoCo's, MuLoCo's and NoLoCo's H")
     ap.add_argument("--width", type=int, default=256, help="the MLP's width (4 layers)")
     ap.add_argument("--max-bytes", type=int, default=4 << 20, help="calibration's largest message")
     ap.add_argument("--job-timeout", type=float, default=900)
