@@ -2,7 +2,8 @@
 NoLoCoSim), at 1-4 ranks: each rank's inner steps take gradients of its own;
 after every sync each rank's parameters must equal its simulated θ_r, the
 groups drawn alike. Also: replicas of different groups stay apart,
-with_bagua's switches to NoLoCo and back, a checkpoint resumes exactly,
+with_bagua's switches to NoLoCo and back, a layer frozen mid-training, a
+checkpoint resuming exactly,
 settings that differ across ranks, bad arguments."""
 
 import numpy as np
@@ -39,14 +40,16 @@ def sim_for(model, settings):
                      **s)
 
 
-def replicas_from(theta, model, steps, lr=0.1):
-    """Every rank's replica after inner SGD steps from its own θ_r."""
+def replicas_from(theta, model, steps, lr=0.1, skip=()):
+    """Every rank's replica after inner SGD steps from its own θ_r (the
+    parameters in `skip` without gradients)."""
     out = []
     for r, start in enumerate(theta):
         rep = [t.copy() for t in start]
         for s in steps:
-            for i, g in enumerate(grads_for(model, r, s)):
-                rep[i] = rep[i] - lr * g.double().numpy()
+            for i, g in enumerate(grads_for(model, r, s, skip)):
+                if g is not None:
+                    rep[i] = rep[i] - lr * g.double().numpy()
         out.append(rep)
     return out
 
@@ -125,6 +128,41 @@ def test_checkpoint_resumes_exactly():
         assert state["outer_optimizer"]["state"]
     assert_checkpoint_resumes_exactly(lambda model, opt: noloco(model, opt, {}), 4, 9,
                                       check_saved)
+
+
+def test_a_layer_frozen_mid_training_stays_where_it_is():
+    """l1.requires_grad_(False) after two syncs: its θ_r and outer momentum
+    stay on every rank while the other layers go on matching the simulation
+    of the rest (the frozen layer's replica is θ_r, so its group mean leaves
+    the other layers' untouched)."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), **AUTHORS)
+    sim = sim_for(model, {})
+    frozen_ids = {id(p) for p in model.l1.parameters()}
+    skip = tuple(i for i, p in enumerate(model.parameters()) if id(p) in frozen_ids)
+    with mpidp.NoLoCo(model, opt, outer, 3):
+        for s in range(6):
+            inner_step(model, opt, s)
+        sim.round(replicas_from(sim.theta, model, range(3)), 0)
+        sim.round(replicas_from(sim.theta, model, range(3, 6)), 1)
+        model.l1.requires_grad_(False)
+        frozen = [p.detach().clone() for p in model.l1.parameters()]
+        momenta = [outer.state[p]["momentum_buffer"].clone() for p in model.l1.parameters()]
+        for s in range(6, 9):
+            inner_step(model, opt, s, skip=skip)
+        replicas = replicas_from(sim.theta, model, range(6, 9), skip=skip)
+        kept = [[t[i].copy() for i in skip] for t in sim.theta]
+        kept_buf = [[b[i].copy() for i in skip] for b in sim.buf]
+        sim.round(replicas, 2)
+    for r in range(SIZE):        # the simulation's frozen layer: no outer step
+        for j, i in enumerate(skip):
+            sim.theta[r][i], sim.buf[r][i] = kept[r][j], kept_buf[r][j]
+    for p, t in zip(model.parameters(), sim.theta[RANK]):
+        np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6)
+    for p, was, m in zip(model.l1.parameters(), frozen, momenta):
+        assert torch.equal(p.detach(), was)
+        assert torch.equal(outer.state[p]["momentum_buffer"], m)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
