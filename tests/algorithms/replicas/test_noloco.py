@@ -3,8 +3,8 @@ NoLoCoSim), at 1-4 ranks: each rank's inner steps take gradients of its own;
 after every sync each rank's parameters must equal its simulated θ_r, the
 groups drawn alike. Also: replicas of different groups stay apart,
 with_bagua's switches to NoLoCo and back, a layer frozen mid-training, a
-checkpoint resuming exactly,
-settings that differ across ranks, bad arguments."""
+checkpoint resuming exactly, settings that differ across ranks, bad
+arguments."""
 
 import numpy as np
 import pytest
