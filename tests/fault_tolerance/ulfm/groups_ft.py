@@ -11,7 +11,9 @@ DataParallelMultiGPU over the group, train_ft.py's settings: its warm-up;
 nodes as MPIDP_RANKS_PER_NODE says), slowmo (SlowMo, LOCALSGD base,
 over the group: nodes as MPIDP_RANKS_PER_NODE says), decentralized and lowprecision (Bagua's DecentralizedAlgorithm,
 "all" peers, and LowPrecisionDecentralizedAlgorithm, flat, over the group),
-sparseloco (SparseLoCo over the group, train_ft.py's settings),
+sparseloco (SparseLoCo over the group, train_ft.py's settings), noloco
+(NoLoCo over the group, train_ft.py's settings; its outer momentum is the
+one saved),
 demo (DeMo over the group as the optimizer, train_ft.py's settings),
 postlocalsgd (PostLocalSGDOptimizer with a
 PeriodicModelAverager(period=2) over the group), hierarchical
@@ -46,8 +48,8 @@ from mpi4py import MPI
 import mpidp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ft import (CLIP, DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K, PERIOD,  # noqa: E402
-                      QADAM_LR, QADAM_WARMUP, SLOW_LR, SLOW_MOMENTUM, batch,
+from train_ft import (CLIP, DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K,  # noqa: E402
+                      NOLOCO_OUTER, PERIOD, QADAM_LR, QADAM_WARMUP, SLOW_LR, SLOW_MOMENTUM, batch,
                       make_model, momenta)
 
 STEPS = int(os.environ.get("FT_STEPS", "8"))
@@ -116,6 +118,11 @@ def main(out_dir: str) -> None:
         net, opt = model, sgd
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         mpidp.DiLoCo(model, sgd, outer, sync_every=PERIOD, comm=worker).__enter__()
+        saved_opt = outer
+    elif algorithm == "noloco":          # over the group, entered for the whole run
+        net, opt = model, sgd
+        outer = torch.optim.SGD(model.parameters(), **NOLOCO_OUTER)
+        mpidp.NoLoCo(model, sgd, outer, sync_every=PERIOD, comm=worker).__enter__()
         saved_opt = outer
     elif algorithm == "sparseloco":      # over the group, entered for the whole run
         net, opt = model, sgd

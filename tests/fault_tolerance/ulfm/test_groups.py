@@ -24,7 +24,8 @@ import train_ft  # noqa: E402
 from test_fault_tolerance import (launch, simulate_daso, simulate_qadam, simulate_replicas,  # noqa: E402
                                   simulate_slowmo)
 from test_decentralized import assert_survivors_match, simulate_dcd, simulate_dpsgd  # noqa: E402
-from test_low_communication import (TOL, assert_sparseloco_matches, simulate_demo,  # noqa: E402
+from test_low_communication import (TOL, assert_noloco_matches,  # noqa: E402
+                                    assert_sparseloco_matches, simulate_demo, simulate_noloco,
                                     simulate_sparseloco)
 
 pytestmark = pytest.mark.serial
@@ -147,6 +148,10 @@ def check_first_group(saved, members, lost_from, algorithm):
                                               {r: s - 1 for r, s in lost_from.items()})
         assert_members_match(saved, members, lambda r: params[r], lambda r: momentum[r])
         return
+    if algorithm == "noloco":
+        assert_noloco_matches({r: saved[r] for r in members if r in saved},
+                              simulate_noloco(n, STEPS, lost_from))
+        return
     if algorithm == "daso":
         params, momentum = simulate_daso(n, STEPS, lost_from)
         assert_members_match(saved, members, lambda r: params, lambda r: momentum[r])
@@ -196,6 +201,8 @@ CASES = {
         (4, [[0, 1], [2, 3]], "2:5:step", {2: 5}, "diloco", "group"),
     "SparseLoCo over a group, a rank lost between syncs":
         (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "sparseloco", "group"),
+    "NoLoCo over a group, a rank lost between syncs":
+        (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "noloco", "group"),
     "DeMo over a group, the group's rank 0 lost in backward":
         (4, [[0, 1, 2], [3]], "0:3:backward", {0: 3}, "demo", "group"),
     "DecentralizedAlgorithm over a group, a rank lost in backward, its exchange in flight":
@@ -227,7 +234,7 @@ def test_a_loss_in_one_group_recovers_that_group(tmp_path, case):
     if algorithm in ("postlocalsgd", "diloco"):
         check_replicas(saved, groups, lost_from, algorithm, clip)
     elif algorithm in ("sparseloco", "demo", "decentralized", "lowprecision", "qadam",
-                       "slowmo", "daso"):
+                       "slowmo", "daso", "noloco"):
         check_first_group(saved, groups[0], lost_from, algorithm)
     else:
         check_data_parallel(saved, groups, lost_from, clip)
