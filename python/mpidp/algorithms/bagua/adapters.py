@@ -358,64 +358,66 @@ class SparseLoCoAlgorithm(Algorithm):
                                                    **self.settings).__enter__())
 
 
-class MuLoCoAlgorithm(Algorithm):
-    """MuLoCo (mpidp.MuLoCo's rule and arguments): the optimizers given to
-    with_bagua are the inner ones (Muon beside AdamW, say: one inner step
-    is a step of each); `outer_optimizer` holds the model's trainable
-    parameters and steps θ̃ every `sync_every` inner steps with the mean of
-    the compressed outer gradients. `settings` are mpidp.MuLoCo's keyword
-    arguments (error_decay, top_k, chunk_size, quantization_bins,
-    quantization_range, sync_buffers, sync_delay)."""
+class _WithOuterOptimizer(Algorithm):
+    """The adapter of an algorithm whose class takes the inner optimizers
+    (every optimizer given to with_bagua: Muon beside AdamW, say, one inner
+    step a step of each), the user's outer optimizer, sync_every and
+    keyword settings: `algorithm_class`(module, inner, outer_optimizer,
+    sync_every, comm, **settings)."""
 
-    def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int, **settings):
+    algorithm_class: Any = None
+
+    def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int,
+                 settings: Dict[str, Any]):
         if not isinstance(outer_optimizer, torch.optim.Optimizer):
             raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
                             f"{type(outer_optimizer).__name__}")
-        _check_settings("MuLoCoAlgorithm", settings, _MULOCO_SETTINGS, "mpidp.MuLoCo")
         self.outer_optimizer = outer_optimizer
         self.sync_every = check_int("sync_every", sync_every, 1)
-        self.settings = dict(settings)
+        self.settings = settings
 
     def shared_settings(self) -> Dict[str, Any]:
-        # The outer optimizer's settings are compared by MuLoCo's own set-up.
+        # The outer optimizer's settings are compared by the class's own set-up.
         return _shared_settings(self)
 
     def __repr__(self) -> str:
         return _repr(self)
 
     def attach(self, module, optimizers, comm):
-        first_optimizer(optimizers, "MuLoCoAlgorithm")
+        who = type(self).__name__
+        first_optimizer(optimizers, who)
         inner = list(optimizers) if len(optimizers) > 1 else optimizers[0]
-        return PartDriver("MuLoCoAlgorithm", module, comm,
-                          build=lambda: MuLoCo(module, inner, self.outer_optimizer,
-                                               self.sync_every, comm, **self.settings).__enter__())
+        make = self.algorithm_class
+        return PartDriver(who, module, comm,
+                          build=lambda: make(module, inner, self.outer_optimizer,
+                                             self.sync_every, comm, **self.settings).__enter__())
 
 
-class NoLoCoAlgorithm(Algorithm):
+class MuLoCoAlgorithm(_WithOuterOptimizer):
+    """MuLoCo (mpidp.MuLoCo's rule and arguments): the optimizers given to
+    with_bagua are the inner ones; `outer_optimizer` holds the model's
+    trainable parameters and steps θ̃ every `sync_every` inner steps with
+    the mean of the compressed outer gradients. `settings` are
+    mpidp.MuLoCo's keyword arguments (error_decay, top_k, chunk_size,
+    quantization_bins, quantization_range, sync_buffers, sync_delay)."""
+
+    algorithm_class = MuLoCo
+
+    def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int, **settings):
+        _check_settings("MuLoCoAlgorithm", settings, _MULOCO_SETTINGS, "mpidp.MuLoCo")
+        super().__init__(outer_optimizer, sync_every, dict(settings))
+
+
+class NoLoCoAlgorithm(_WithOuterOptimizer):
     """NoLoCo (mpidp.NoLoCo's rule and arguments): the optimizers given to
     with_bagua are the inner ones; `outer_optimizer` is this rank's, holding
     the model's trainable parameters; every `sync_every` inner steps each
     rank averages with a random group (`group_size`, drawn from `seed`)."""
 
+    algorithm_class = NoLoCo
+
     def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int, *,
                  group_size: int = 2, seed: int = 0):
-        if not isinstance(outer_optimizer, torch.optim.Optimizer):
-            raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
-                            f"{type(outer_optimizer).__name__}")
-        self.outer_optimizer = outer_optimizer
-        self.sync_every = check_int("sync_every", sync_every, 1)
-        self.settings = {"group_size": check_int("group_size", group_size, 2),
-                         "seed": check_int("seed", seed, 0)}
-
-    def shared_settings(self) -> Dict[str, Any]:
-        return _shared_settings(self)
-
-    def __repr__(self) -> str:
-        return _repr(self)
-
-    def attach(self, module, optimizers, comm):
-        first_optimizer(optimizers, "NoLoCoAlgorithm")
-        inner = list(optimizers) if len(optimizers) > 1 else optimizers[0]
-        return PartDriver("NoLoCoAlgorithm", module, comm,
-                          build=lambda: NoLoCo(module, inner, self.outer_optimizer,
-                                               self.sync_every, comm, **self.settings).__enter__())
+        super().__init__(outer_optimizer, sync_every,
+                         {"group_size": check_int("group_size", group_size, 2),
+                          "seed": check_int("seed", seed, 0)})
