@@ -14,7 +14,8 @@ import mpidp
 from dp_reference import RANK, SIZE
 from mpidp import MPI
 from noloco_reference import NoLoCoSim
-from test_sparseloco import assert_checkpoint_resumes_exactly, build, grads_for, inner_step
+from test_sparseloco import (assert_checkpoint_resumes_exactly, build, grads_for, inner_step,
+                             replicas_after)
 
 pytestmark = pytest.mark.ranks3
 
@@ -43,15 +44,7 @@ def sim_for(model, settings):
 def replicas_from(theta, model, steps, lr=0.1, skip=()):
     """Every rank's replica after inner SGD steps from its own θ_r (the
     parameters in `skip` without gradients)."""
-    out = []
-    for r, start in enumerate(theta):
-        rep = [t.copy() for t in start]
-        for s in steps:
-            for i, g in enumerate(grads_for(model, r, s, skip)):
-                if g is not None:
-                    rep[i] = rep[i] - lr * g.double().numpy()
-        out.append(rep)
-    return out
+    return [replicas_after(start, model, steps, lr, skip)[r] for r, start in enumerate(theta)]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -269,6 +269,12 @@ class SlowMoAlgorithm(Algorithm):
             after_step=lambda slowmo, optimizer: slowmo.perform_slowmo(optimizer))
 
 
+def _check_outer(outer_optimizer) -> None:
+    if not isinstance(outer_optimizer, torch.optim.Optimizer):
+        raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
+                        f"{type(outer_optimizer).__name__}")
+
+
 class DiLoCoAlgorithm(Algorithm):
     """DiLoCo and Streaming DiLoCo (torchft's arguments, mpidp.DiLoCo's
     rule): the first optimizer given to with_bagua is the inner one;
@@ -282,9 +288,7 @@ class DiLoCoAlgorithm(Algorithm):
                  model_fragments: Optional[Sequence[torch.nn.Module]] = None,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
                  wire_dtype: Optional[torch.dtype] = None, sync_buffers: bool = True):
-        if not isinstance(outer_optimizer, torch.optim.Optimizer):
-            raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
-                            f"{type(outer_optimizer).__name__}")
+        _check_outer(outer_optimizer)
         self.outer_optimizer = outer_optimizer
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.model_fragments = model_fragments
@@ -369,9 +373,7 @@ class _WithOuterOptimizer(Algorithm):
 
     def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int,
                  settings: Dict[str, Any]):
-        if not isinstance(outer_optimizer, torch.optim.Optimizer):
-            raise TypeError("outer_optimizer: expected a torch.optim.Optimizer, got "
-                            f"{type(outer_optimizer).__name__}")
+        _check_outer(outer_optimizer)
         self.outer_optimizer = outer_optimizer
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.settings = settings
