@@ -3,7 +3,7 @@ with no all-reduce at all. Every `sync_every` inner steps the ranks split
 into groups at random -- a permutation of the ranks drawn from `seed` and
 the sync's number, dealt round-robin into size // group_size groups, so
 that a group has group_size ranks, or one more where the size does not
-divide -- and each rank takes the mean of its group's replicas x̄_g
+divide (the remainder goes one rank to a group) -- and each rank takes the mean of its group's replicas x̄_g
 through the core's peer exchange, one message to each peer of its group.
 
 Every rank keeps its own outer weights θ_r (no two need agree) and outer
