@@ -204,6 +204,10 @@ class DiLoCo(InnerStepContext):
     # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
     what = "DiLoCo"
+    # θ is each rank's own (NoLoCo, eager DiLoCo): where replacements join,
+    # the survivors keep theirs (and their outer optimizers) rather than
+    # taking rank 0's.
+    _theta_per_rank = False
 
     def drain(self) -> None:
         """Completes the outer-gradient syncs in flight (kept for their turns)."""
@@ -237,7 +241,14 @@ class DiLoCo(InnerStepContext):
                 old.restore()          # x = θ
         growing = fault_tolerant_mode.growing()
         if growing:    # the set-up the replacements run: rank 0's parameters (θ: restored above)
+            own = ([[p.detach().clone() for p in params] for params in self._fragments]
+                   if self._theta_per_rank else None)
             self._communicator, self._trainable_at_setup = self._set_up(survivors)
+            if own is not None:      # each survivor keeps its θ; a replacement takes rank 0's
+                with torch.no_grad():
+                    for params, theta in zip(self._fragments, own):
+                        for p, t in zip(params, theta):
+                            p.copy_(t)
         else:
             self._communicator = communicator(survivors)
         self._comm = self._communicator.c

@@ -28,11 +28,11 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_int
 from .._runtime.flat_buffers import flatten, write_back
 from .driver import set_up
 from .diloco import DiLoCo
+from .rank_theta import RankTheta
 
 __all__ = ["NoLoCo"]
 
@@ -51,17 +51,21 @@ def groups_of(size: int, group_size: int, seed: int, number: int) -> List[List[i
     return [sorted(order[j::n]) for j in range(n)]
 
 
-class _GroupSync:
+class _GroupSync(RankTheta):
     """NoLoCo's counterpart of the core's ParamSync (the calls DiLoCo makes
     of it): this rank's θ_r, and the exchange of its replica with its group."""
 
     def __init__(self, comm, params: Sequence[torch.Tensor]):
-        self._comm, self._params = comm, list(params)
-        self._theta = [torch.empty_like(p) for p in self._params]
+        super().__init__(params)
+        self._comm = comm
         self.members: Optional[List[int]] = None    # the group of the next send()
         self._work = None
         self._waited = False
-        self._sent: Optional[torch.Tensor] = None
+        # The flat replica sent and the peers' copies: kept from sync to
+        # sync (a group is group_size ranks or one more, so the receive
+        # buffers change only in number).
+        self._sent = torch.empty(sum(p.numel() for p in self._params), dtype=torch.float32)
+        self._buffers: List[torch.Tensor] = []
         self._received: tuple = ()
         self._peers: tuple = ()
 
@@ -69,25 +73,15 @@ class _GroupSync:
     def pending(self) -> bool:
         return self._work is not None and not self._waited
 
-    def set_reference(self) -> None:
-        """θ_r = the parameters."""
-        with torch.no_grad():
-            for t, p in zip(self._theta, self._params):
-                t.copy_(p)
-
-    def restore(self) -> None:
-        """The parameters = θ_r."""
-        with torch.no_grad():
-            for p, t in zip(self._params, self._theta):
-                p.copy_(t)
-
     def send(self) -> None:
         """Posts the exchange of the replica with the other members of
         `members` (every rank of the communicator posts one)."""
         me = self._comm.rank
-        self._sent = flatten([p.detach() for p in self._params])
+        flatten([p.detach() for p in self._params], out=self._sent)
         self._peers = tuple(m for m in self.members if m != me)
-        self._received = tuple(torch.empty_like(self._sent) for _ in self._peers)
+        while len(self._buffers) < len(self._peers):
+            self._buffers.append(torch.empty_like(self._sent))
+        self._received = tuple(self._buffers[:len(self._peers)])
         self._work = self._comm.peer_exchange(self._sent, self._peers, self._received,
                                               self._peers)
         self._waited = False
@@ -113,10 +107,10 @@ class _GroupSync:
         total = torch.zeros_like(self._sent)
         for m in self.members:
             total += self._sent if m == me else self._received[self._peers.index(m)]
-        mean = total / len(self.members)
+        total /= len(self.members)
         grads = [torch.empty_like(p) for p in self._params]
-        write_back(mean, grads)
-        self._work, self._sent, self._received = None, None, ()
+        write_back(total, grads)
+        self._work, self._received = None, ()
         return [t - g for t, g in zip(self._theta, grads)]
 
 
@@ -133,6 +127,7 @@ class NoLoCo(DiLoCo):
     comm: an mpi4py communicator (None: every rank)."""
 
     what = "NoLoCo"
+    _theta_per_rank = True
 
     def __init__(self, model: torch.nn.Module,
                  inner_optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
@@ -166,18 +161,3 @@ class NoLoCo(DiLoCo):
         if f in self._received:
             return self._received.pop(f)
         return self._syncs[f].outer_gradient()
-
-    def _continue_on(self, survivors) -> None:
-        """DiLoCo's recovery (a sync the loss interrupted is done again over
-        the survivors' groups), except where replacements join: DiLoCo's
-        set-up would give every rank rank 0's θ, but each survivor keeps its
-        own θ_r (and its outer optimizer); only a replacement starts from
-        rank 0's. Every rank goes back to the step after the last sync."""
-        own = ([t.clone() for t in self._syncs[0]._theta] if fault_tolerant_mode.growing()
-               else None)
-        super()._continue_on(survivors)
-        if own is not None:
-            with torch.no_grad():
-                for p, t in zip(self._fragments[0], own):
-                    p.copy_(t)
-            self._syncs[0].set_reference()
