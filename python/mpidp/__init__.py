@@ -25,6 +25,7 @@ from .algorithms.demo import DeMo
 from .algorithms.sparseloco import SparseLoCo
 from .algorithms.muloco import MuLoCo
 from .algorithms.noloco import NoLoCo
+from .algorithms.eager_diloco import EagerDiLoCo
 from .algorithms.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from .algorithms.data_parallel import DataParallel
 from .algorithms.data_parallel_multi import DataParallelMultiGPU
@@ -92,6 +93,7 @@ __all__ = [
     "SparseLoCo",
     "MuLoCo",
     "NoLoCo",
+    "EagerDiLoCo",
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "HierarchicalModelAverager",

@@ -31,7 +31,7 @@ PUBLIC_NAMES = [
     "algorithms.LowPrecisionDecentralizedAlgorithm", "algorithms.AsyncModelAverageAlgorithm",
     "algorithms.LocalSGDAlgorithm", "algorithms.SlowMoAlgorithm", "algorithms.DiLoCoAlgorithm",
     "algorithms.SparseLoCoAlgorithm", "algorithms.MuLoCoAlgorithm",
-    "algorithms.NoLoCoAlgorithm", "algorithms.Algorithm",
+    "algorithms.NoLoCoAlgorithm", "algorithms.EagerDiLoCoAlgorithm", "algorithms.Algorithm",
     "gossip.DynamicDirectedExponentialGraph", "gossip.UniformMixing", "kernels.quantize8",
     "kernels.pack", "nn.DataParallel", "nn.DataParallelMultiGPU", "optim.DASO",
     "optim.DataParallelOptimizer", "collectives.allreduce", "collectives.Work",

@@ -276,6 +276,10 @@ def test_new_algorithms_check_their_arguments():
         mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(model.parameters()), 0)
     with pytest.raises(ValueError, match="group_size"):
         mpidp.algorithms.NoLoCoAlgorithm(outer_sgd(model.parameters()), 2, group_size=1)
+    with pytest.raises(TypeError, match="sync_buffers: expected a bool"):
+        mpidp.algorithms.EagerDiLoCoAlgorithm(outer_sgd(model.parameters()), 2, sync_buffers=1)
+    with pytest.raises(TypeError, match="outer_optimizer"):
+        mpidp.algorithms.EagerDiLoCoAlgorithm(object(), 2)
     muloco = mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(model.parameters()), 2)
     with pytest.raises(ValueError, match="optimizers: MuLoCoAlgorithm"):
         mpidp.with_bagua(model, [], muloco)
@@ -310,8 +314,11 @@ def test_a_new_algorithm_on_the_same_ranks_takes_the_module_over():
      "error_decay"),
     (lambda m: mpidp.algorithms.NoLoCoAlgorithm(outer_sgd(m.parameters()), 2,
                                                 group_size=2 if RANK == 0 else 3),
-     "group_size")],
-    ids=["localsgd", "diloco", "slowmo", "sparseloco", "muloco", "noloco"])
+     "group_size"),
+    (lambda m: mpidp.algorithms.EagerDiLoCoAlgorithm(outer_sgd(m.parameters()), 2,
+                                                     sync_buffers=RANK == 0),
+     "sync_buffers")],
+    ids=["localsgd", "diloco", "slowmo", "sparseloco", "muloco", "noloco", "eager"])
 def test_settings_that_differ_across_ranks_are_named_on_every_rank(make, setting):
     """A rank with another period would post syncs the others never match:
     with_bagua compares the new algorithms' settings and every rank raises."""

@@ -1,6 +1,6 @@
 """Adapters: the Bagua algorithm classes of the algorithms that have a public
 class of their own (DataParallel, PeriodicModelAverager, SlowMo, DiLoCo,
-SparseLoCo, MuLoCo, NoLoCo), for with_bagua, with their upstream arguments, so that any
+SparseLoCo, MuLoCo, NoLoCo, eager DiLoCo), for with_bagua, with their upstream arguments, so that any
 algorithm of the family can follow any other mid-training::
 
     net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
@@ -33,6 +33,7 @@ from ..averaging import PeriodicModelAverager
 from ..data_parallel import DataParallel
 from ..diloco import DiLoCo
 from ..driver import Driver
+from ..eager_diloco import EagerDiLoCo
 from ..muloco import MuLoCo
 from ..noloco import NoLoCo
 from ..slowmo import SlowMoDistributedDataParallel
@@ -41,7 +42,7 @@ from .algorithm import Algorithm, plain_setting
 
 __all__ = ["GradientAllReduceAlgorithm", "ByteGradAlgorithm", "LocalSGDAlgorithm",
            "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm", "MuLoCoAlgorithm",
-           "NoLoCoAlgorithm", "PartDriver"]
+           "NoLoCoAlgorithm", "EagerDiLoCoAlgorithm", "PartDriver"]
 
 
 def first_optimizer(optimizers, who: str) -> torch.optim.Optimizer:
@@ -423,3 +424,21 @@ class NoLoCoAlgorithm(_WithOuterOptimizer):
         super().__init__(outer_optimizer, sync_every,
                          {"group_size": check_int("group_size", group_size, 2),
                           "seed": check_int("seed", seed, 0)})
+
+
+class EagerDiLoCoAlgorithm(_WithOuterOptimizer):
+    """DiLoCo with eager outer updates (mpidp.EagerDiLoCo's rule and
+    arguments): the optimizers given to with_bagua are the inner ones;
+    `outer_optimizer` is this rank's, holding the model's trainable
+    parameters; every `sync_every` inner steps it steps with the last
+    round's mean and this rank's fresh outer gradient, while this round's
+    all-reduce overlaps the next inner phase. wire_dtype and sync_buffers
+    are mpidp.EagerDiLoCo's."""
+
+    algorithm_class = EagerDiLoCo
+
+    def __init__(self, outer_optimizer: torch.optim.Optimizer, sync_every: int, *,
+                 wire_dtype: Optional[torch.dtype] = None, sync_buffers: bool = True):
+        super().__init__(outer_optimizer, sync_every,
+                         {"wire_dtype": wire_dtype,
+                          "sync_buffers": check_bool("sync_buffers", sync_buffers)})

@@ -1,0 +1,267 @@
+"""DiLoCo with eager outer updates against a float64 simulation of every
+replica (eager_reference's EagerDiLoCoSim), at 1-4 ranks: each rank's inner
+steps take gradients of its own; after every sync each rank's parameters
+must equal its simulated θ_r (the last round's mean plus its own fresh
+outer gradient over R). Also: the bfloat16 wire, AMP's GradScaler, a
+layer frozen mid-training, with_bagua's switches to it and back, a
+checkpoint resuming exactly and at another number of ranks, settings that
+differ across ranks, bad arguments."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import mpidp
+from dp_reference import RANK, SIZE
+from eager_reference import EagerDiLoCoSim
+from mpidp import MPI
+from test_noloco import replicas_from
+from test_sparseloco import assert_checkpoint_resumes_exactly, build, grads_for, inner_step
+
+pytestmark = pytest.mark.ranks3
+
+DILOCO = dict(lr=0.7, momentum=0.9, nesterov=True)     # DiLoCo's outer SGD
+
+CASES = {
+    "DiLoCo's outer SGD": dict(),
+    "heavy ball, bfloat16 wire": dict(outer=dict(lr=0.5, momentum=0.5, nesterov=False),
+                                      wire_dtype=torch.bfloat16),
+}
+
+
+def eager(model, inner, settings, comm=None):
+    s = dict(settings)
+    outer = torch.optim.SGD(model.parameters(), **s.pop("outer", DILOCO))
+    return mpidp.EagerDiLoCo(model, inner, outer, 3, comm, **s)
+
+
+def sim_for(model, settings, ranks=SIZE):
+    outer = dict(dict(settings).get("outer", DILOCO))
+    return EagerDiLoCoSim([p.detach().double().numpy() for p in model.parameters()], ranks,
+                          **outer)
+
+
+def tolerance(settings):
+    # bfloat16 rounds each Δ's sum to 8 bits; it enters θ through Ḡ.
+    return (dict(rtol=2e-2, atol=2e-3) if settings.get("wire_dtype") is torch.bfloat16
+            else dict(rtol=2e-5, atol=2e-6))
+
+
+def check(model, sim, what, **tol):
+    for p, t in zip(model.parameters(), sim.theta[RANK]):
+        np.testing.assert_allclose(p.detach().double().numpy(), t, err_msg=f"{what}, rank {RANK}",
+                                   **(tol or dict(rtol=2e-5, atol=2e-6)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_the_simulation(case):
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sim = sim_for(model, CASES[case])
+    with eager(model, opt, CASES[case]):
+        for sync in range(4):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = replicas_from(sim.theta, model, steps)
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas)
+            check(model, sim, f"{case}, sync {sync}", **tolerance(CASES[case]))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="the replicas differ only with other ranks")
+def test_each_rank_steps_with_its_own_fresh_outer_gradient():
+    """After the second sync every rank's θ differs from the others' (each
+    took its own Δ at 1/R), though all share the first round's mean."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with eager(model, opt, {}):
+        for s in range(6):
+            inner_step(model, opt, s)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = MPI.COMM_WORLD.allgather(flat)
+    assert all(not torch.equal(every[0], other) for other in every[1:])
+
+
+def test_grad_scaler_gives_the_same_rounds():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    sim = sim_for(model, {})
+    with eager(model, opt, {}):
+        for sync in range(3):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = replicas_from(sim.theta, model, steps)
+            for s in steps:
+                inner_step(model, opt, s, scaler=scaler)
+            sim.round(replicas)
+            check(model, sim, f"sync {sync}")
+
+
+def test_a_layer_frozen_mid_training_stays_where_it_is():
+    """l1.requires_grad_(False) after two syncs: its θ_r and outer momentum
+    stay on every rank while the other layers go on matching the
+    simulation."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), **DILOCO)
+    sim = sim_for(model, {})
+    frozen_ids = {id(p) for p in model.l1.parameters()}
+    skip = tuple(i for i, p in enumerate(model.parameters()) if id(p) in frozen_ids)
+    with mpidp.EagerDiLoCo(model, opt, outer, 3):
+        for sync in range(2):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = replicas_from(sim.theta, model, steps)
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas)
+        model.l1.requires_grad_(False)
+        frozen = [p.detach().clone() for p in model.l1.parameters()]
+        momenta = [outer.state[p]["momentum_buffer"].clone() for p in model.l1.parameters()]
+        sim.frozen = set(skip)
+        for sync in range(2, 4):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = replicas_from(sim.theta, model, steps, skip=skip)
+            for s in steps:
+                inner_step(model, opt, s, skip=skip)
+            sim.round(replicas)
+            check(model, sim, f"sync {sync}, l1 frozen")
+    for p, was, m in zip(model.l1.parameters(), frozen, momenta):
+        assert torch.equal(p.detach(), was)
+        assert torch.equal(outer.state[p]["momentum_buffer"], m)
+
+
+def test_with_bagua_switches_to_it_and_back():
+    """Bagua's interface: two steps of averaged gradients, then
+    EagerDiLoCoAlgorithm from the replicas' common weights for two syncs,
+    then averaged gradients again from rank 0's replica (a switch gives
+    every rank rank 0's; the last round's all-reduce is completed and
+    dropped)."""
+    model = build()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+    for s in range(2):
+        inner_step(model, opt, s)
+    sim = sim_for(model, {})
+    net = mpidp.with_bagua(net, [opt], mpidp.algorithms.EagerDiLoCoAlgorithm(
+        torch.optim.SGD(params, **DILOCO), 3))
+    for sync in range(2):
+        steps = range(2 + 3 * sync, 5 + 3 * sync)
+        replicas = replicas_from(sim.theta, model, steps)
+        for s in steps:
+            inner_step(model, opt, s)
+        sim.round(replicas)
+        check(model, sim, f"sync {sync}")
+    net = mpidp.with_bagua(net, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
+    inner_step(model, opt, 8)
+    mean = [sum(grads_for(model, r, 8)[i].double().numpy() for r in range(SIZE)) / SIZE
+            for i in range(len(params))]
+    for p, t, g in zip(params, sim.theta[0], mean):
+        np.testing.assert_allclose(p.detach().double().numpy(), t - 0.1 * g, rtol=2e-5,
+                                   atol=2e-6, err_msg="averaged gradients after EagerDiLoCo")
+
+
+@pytest.mark.parametrize("saved_after", [3, 4], ids=["at a sync", "inside an interval"])
+def test_checkpoint_resumes_exactly(saved_after):
+    """This rank's θ_r and outer momentum, its last Δ and the last round's
+    mean (its all-reduce completed by the save)."""
+    def check_saved(state):
+        assert state["outer_optimizer"]["state"] and state["eager"][0]["rounds"] == 1
+    assert_checkpoint_resumes_exactly(lambda model, opt: eager(model, opt, {}), saved_after, 10,
+                                      check_saved)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a job of another size to resume")
+@pytest.mark.parametrize("grow", [True, False], ids=["one rank more", "one rank fewer"])
+def test_a_job_resumes_at_another_number_of_ranks(grow):
+    """A job of N-1 ranks (or N) saves one step into its second interval;
+    N (or N-1) resume: those with a checkpoint load their own, a new rank
+    takes rank 0's (load_shared_state: rank 0's θ as its θ and replica, no
+    Δ of its own). Two more syncs match the simulation, which gains a rank
+    as a replacement joins (or loses the last rank's Δ, the saved mean
+    kept: the saved job's all-reduce completed before the save)."""
+    world = MPI.COMM_WORLD
+    before, after = (SIZE - 1, SIZE) if grow else (SIZE, SIZE - 1)
+    sim = sim_for(build(), {}, before)
+    mine = None
+    comm = world.Split(0 if RANK < before else MPI.UNDEFINED, RANK)
+    if comm != MPI.COMM_NULL:
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with eager(model, opt, {}, comm) as algo:
+            for s in range(4):
+                inner_step(model, opt, s)
+            mine = copy.deepcopy(algo.state_dict())
+        comm.Free()
+    sim.round(replicas_from(sim.theta, build(), range(3))[:before])
+    shared = world.bcast(mine, root=0)
+    if grow:
+        sim.join()
+    else:
+        del sim.theta[-1], sim.buf[-1], sim.last[-1]
+    # Every rank's replica: 2 steps into the interval from its θ (a new
+    # rank, from θ at the resume: the step it missed is not taken).
+    replicas = replicas_from(sim.theta, build(), range(3, 6))
+    if grow:
+        replicas[-1] = replicas_from(sim.theta, build(), range(4, 6))[after - 1]
+    comm = world.Split(0 if RANK < after else MPI.UNDEFINED, RANK)
+    if comm == MPI.COMM_NULL:
+        return
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with eager(model, opt, {}, comm) as algo:
+        if mine is not None:
+            algo.load_state_dict(mine)
+        else:
+            algo.load_shared_state(shared)
+        for sync, steps in enumerate((range(4, 6), range(6, 9))):
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas)
+            check(model, sim, f"sync {sync} after the resume")
+            replicas = replicas_from(sim.theta, model, range(6, 9))
+    comm.Free()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
+def test_settings_that_differ_across_ranks_are_refused_on_every_rank():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        eager(model, opt, dict(wire_dtype=None if RANK == 0 else torch.bfloat16))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
+def test_an_outer_lr_that_differs_across_ranks_is_refused_at_the_sync():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="lr = 0.7 on rank 1"):
+        with eager(model, opt, dict(outer=dict(DILOCO, lr=0.7 if RANK else 0.6))):
+            for s in range(3):
+                inner_step(model, opt, s)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(wire_dtype=torch.int8), ValueError, "wire_dtype"),
+    (dict(sync_buffers=1), TypeError, "sync_buffers: expected a bool"),
+    (dict(model_fragments=None), TypeError, "model_fragments"),
+    (dict(fragment_sync_delay=1), TypeError, "fragment_sync_delay"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=match):
+        mpidp.EagerDiLoCo(model, opt, torch.optim.SGD(model.parameters(), lr=0.7), 3, **kwargs)
+
+
+def test_a_state_dict_of_plain_diloco_is_refused():
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), **DILOCO)
+    with mpidp.DiLoCo(model, opt, outer, 3) as plain:
+        state = plain.state_dict()
+    with eager(model, opt, {}) as algo:
+        with pytest.raises(ValueError, match="not an EagerDiLoCo's state_dict"):
+            algo.load_state_dict(state)
