@@ -112,6 +112,42 @@ def test_the_dense_limits():
     assert bf16.bytes_per_step == pytest.approx(fp32.bytes_per_step / 2)
 
 
+@pytest.mark.parametrize("size, group_size, most, mean", [
+    (4, 2, 1, 1.0), (5, 2, 2, 1.6), (7, 3, 3, 18 / 7), (1, 2, 0, 0.0), (3, 2, 2, 2.0)])
+def test_noloco_sends_its_replica_to_each_peer_of_its_group(size, group_size, most, mean):
+    """4 B per parameter to each peer: the mean over the ranks in the bytes
+    (5 ranks in pairs: a pair and a group of 3), the largest group's in the
+    time, against the groups the algorithm draws."""
+    from mpidp.algorithms.noloco import groups_of
+    groups = groups_of(size, group_size, seed=0, number=0)
+    peers = [len(g) - 1 for g in groups for _ in g]
+    assert (max(peers), sum(peers) / size) == (most, pytest.approx(mean))
+    assert alg.noloco_peers(size, group_size) == (most, pytest.approx(mean))
+    n, every = 1000, 50
+    cluster = Cluster(1, size, LV, NET)
+    got = alg.predict(alg.Algorithm("NoLoCo", "", alg.noloco(every, group_size)), cluster,
+                      alg.Workload(n, 0.1))
+    assert got.bytes_per_step == pytest.approx(mean * 4 * n / every)
+    assert got.comm_s == pytest.approx(most * (LV.alpha + 4 * n * (LV.beta + LV.gamma)) / every)
+
+
+def test_eager_diloco_hides_its_allreduce_under_the_next_inner_phase():
+    """The same bytes and allreduce as DiLoCo's, none of it exposed while
+    the allreduce takes less than the inner phase; the excess where it
+    takes more."""
+    n, every = 4096 * 100, 100
+    diloco = alg.Algorithm("DiLoCo", "", alg.diloco(every, alg.FP32))
+    eager = alg.Algorithm("Eager", "", alg.eager_diloco(every, alg.FP32))
+    for step_s in (0.1, 1e-7):
+        w = alg.Workload(n, step_s)
+        plain, overlapped = alg.predict(diloco, CLUSTER, w), alg.predict(eager, CLUSTER, w)
+        assert overlapped.bytes_per_step == plain.bytes_per_step
+        assert overlapped.comm_s == pytest.approx(plain.comm_s)
+        allreduce = plain.comm_s * every
+        assert overlapped.exposed_s == pytest.approx(max(0.0, allreduce - every * step_s) / every)
+    assert alg.predict(eager, CLUSTER, alg.Workload(n, 0.1)).exposed_s == 0.0
+
+
 def test_compression_compute_is_added_and_never_hidden():
     demo, sparse = (next(a for a in alg.ALGORITHMS if a.name == name)
                     for name in ("DeMo", "SparseLoCo"))

@@ -35,7 +35,8 @@ class EagerDiLoCoSim:
         self.buf.append([None if b is None else b.copy() for b in self.buf[0]])
         self.last.append([np.zeros_like(t) for t in self.theta[0]])
 
-    def round(self, replicas):
+    def round(self, replicas, number=None):
+        """number: the sync's (unused: NoLoCoSim.round's signature)."""
         n = len(replicas)
         now = [[t - x for t, x in zip(self.theta[r], replicas[r])] for r in range(n)]
         for r in range(n):

@@ -31,6 +31,11 @@ class NoLoCoSim:
         """A rank lost: its θ and momentum leave with it."""
         del self.theta[rank], self.buf[rank]
 
+    def join(self) -> None:
+        """A replacement (recover(replace=True)): rank 0's θ and momentum."""
+        self.theta.append([t.copy() for t in self.theta[0]])
+        self.buf.append([None if b is None else b.copy() for b in self.buf[0]])
+
     def round(self, replicas, number: int):
         for group in self.groups(len(replicas), number):
             means = [sum(replicas[m][i] for m in group) / len(group)

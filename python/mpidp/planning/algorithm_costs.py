@@ -17,6 +17,7 @@ cannot disagree."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
@@ -160,21 +161,46 @@ def sparseloco(every: int, top_k: int, chunk: int, bins: int, delay: int = 0):
     return parts
 
 
+def noloco_peers(size: int, group_size: int) -> Tuple[int, float]:
+    """The peers of NoLoCo's groups over `size` ranks (algorithms/noloco.py:
+    size // group_size groups, the ranks dealt round-robin, so a group has
+    size // groups ranks or one more): the most any rank has, and the mean
+    over the ranks."""
+    groups = max(1, size // group_size)
+    small, larger = divmod(size, groups)      # `larger` groups have small + 1 ranks
+    most = small if larger else small - 1
+    mean = ((groups - larger) * small * (small - 1) + larger * (small + 1) * small) / size
+    return most, mean
+
+
 def noloco(every: int, group_size: int = 2):
     """NoLoCo: each rank sends its float32 replica to every other member of
-    its group (group_size - 1 peers, one after another through its link,
-    while it receives as much) and adds up what it receives; no collective
-    over every rank. Across nodes the pairs are costed at the network's
-    rate (the draw puts most pairs on two nodes)."""
+    its group (one after another through its link, while it receives as
+    much) and adds up what it receives; no collective over every rank. The
+    sync takes as long as the largest group's exchange (a size the group
+    size does not divide leaves some a rank larger); the bytes are the
+    ranks' mean. Across nodes the groups are costed at the network's rate
+    (the draw puts most on two nodes)."""
     def parts(c: Cluster, w: Workload) -> List[Component]:
         n = w.params * FP32
-        peers = max(0, min(group_size, c.size) - 1)
+        most, mean = noloco_peers(c.size, group_size)
 
         def seconds(cl: Cluster) -> float:
             lv = cl.intra if cl.nodes == 1 else cl.inter
-            return peers * (lv.alpha + n * (lv.beta + lv.gamma))
+            return most * (lv.alpha + n * (lv.beta + lv.gamma))
         return [Component("exchange of the replicas within each group", seconds, every, 0.0,
-                          peers * n)]
+                          mean * n)]
+    return parts
+
+
+def eager_diloco(every: int, wire: int):
+    """DiLoCo with eager outer updates: DiLoCo's allreduce, under the whole
+    next inner phase (`every` steps of compute) rather than blocking the
+    sync."""
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        [allreduce] = diloco(every, wire)(c, w)
+        return [dataclasses.replace(allreduce, what="outer-gradient allreduce, overlapped",
+                                    hidden_s=every * w.step_s)]
     return parts
 
 
@@ -198,6 +224,8 @@ ALGORITHMS: Tuple[Algorithm, ...] = (
     Algorithm("Streaming DiLoCo", "H=100, 4 fragments, delay 5, bf16", diloco(100, BF16, 4, 5)),
     Algorithm("SparseLoCo", "H=50, top 128 of 64x64, 2-bit", sparseloco(50, 128, 64, 4)),
     Algorithm("MuLoCo", "H=30, every entry 2-bit", sparseloco(30, 64 * 64, 64, 4)),
+    Algorithm("Eager DiLoCo", "H=100, fp32, under the next inner phase",
+              eager_diloco(100, FP32)),
     Algorithm("NoLoCo", "H=50, pairs", noloco(50, 2)),
     Algorithm("DeMo", "top 32 of 64x64 DCT", demo(32, 64)),
 )

@@ -13,7 +13,8 @@ over the group: nodes as MPIDP_RANKS_PER_NODE says), decentralized and lowprecis
 "all" peers, and LowPrecisionDecentralizedAlgorithm, flat, over the group),
 sparseloco (SparseLoCo over the group, train_ft.py's settings), noloco
 (NoLoCo over the group, train_ft.py's settings; its outer momentum is the
-one saved),
+one saved), eager (EagerDiLoCo over the group, as train_ft.py's; its outer
+momentum is the one saved),
 demo (DeMo over the group as the optimizer, train_ft.py's settings),
 postlocalsgd (PostLocalSGDOptimizer with a
 PeriodicModelAverager(period=2) over the group), hierarchical
@@ -123,6 +124,11 @@ def main(out_dir: str) -> None:
         net, opt = model, sgd
         outer = torch.optim.SGD(model.parameters(), **NOLOCO_OUTER)
         mpidp.NoLoCo(model, sgd, outer, sync_every=PERIOD, comm=worker).__enter__()
+        saved_opt = outer
+    elif algorithm == "eager":           # over the group, entered for the whole run
+        net, opt = model, sgd
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        mpidp.EagerDiLoCo(model, sgd, outer, sync_every=PERIOD, comm=worker).__enter__()
         saved_opt = outer
     elif algorithm == "sparseloco":      # over the group, entered for the whole run
         net, opt = model, sgd

@@ -148,9 +148,9 @@ def check_first_group(saved, members, lost_from, algorithm):
                                               {r: s - 1 for r, s in lost_from.items()})
         assert_members_match(saved, members, lambda r: params[r], lambda r: momentum[r])
         return
-    if algorithm == "noloco":
+    if algorithm in ("noloco", "eager"):
         assert_noloco_matches({r: saved[r] for r in members if r in saved},
-                              simulate_noloco(n, STEPS, lost_from))
+                              simulate_noloco(n, STEPS, lost_from, algorithm=algorithm))
         return
     if algorithm == "daso":
         params, momentum = simulate_daso(n, STEPS, lost_from)
@@ -203,6 +203,8 @@ CASES = {
         (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "sparseloco", "group"),
     "NoLoCo over a group, a rank lost between syncs":
         (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "noloco", "group"),
+    "EagerDiLoCo over a group, its rank 0 lost with the all-reduce in flight":
+        (4, [[0, 1, 2], [3]], "0:2:backward", {0: 2}, "eager", "group"),
     "DeMo over a group, the group's rank 0 lost in backward":
         (4, [[0, 1, 2], [3]], "0:3:backward", {0: 3}, "demo", "group"),
     "DecentralizedAlgorithm over a group, a rank lost in backward, its exchange in flight":
@@ -234,7 +236,7 @@ def test_a_loss_in_one_group_recovers_that_group(tmp_path, case):
     if algorithm in ("postlocalsgd", "diloco"):
         check_replicas(saved, groups, lost_from, algorithm, clip)
     elif algorithm in ("sparseloco", "demo", "decentralized", "lowprecision", "qadam",
-                       "slowmo", "daso", "noloco"):
+                       "slowmo", "daso", "noloco", "eager"):
         check_first_group(saved, groups[0], lost_from, algorithm)
     else:
         check_data_parallel(saved, groups, lost_from, clip)

@@ -13,6 +13,9 @@ surviving replicas written from each rule in docs/fault-tolerance.md:
 - NoLoCo: a sync a rank's death interrupted is done again over the
   survivors' own draw of groups; the lost rank's θ and outer momentum leave
   with it.
+- EagerDiLoCo: the last round's all-reduce, in flight through an inner
+  phase, is posted again over the survivors (the lost rank's outer
+  gradient leaves with it), and a sync the death interrupted is done again.
 
 These run in the fault-tolerance pass (.venv-ft), as test_fault_tolerance.py."""
 
@@ -30,6 +33,7 @@ import train_ft  # noqa: E402
 from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
 from ef_reference import DeMoSim, MuLoCoSim, SparseLoCoSim  # noqa: E402
 from noloco_reference import NoLoCoSim  # noqa: E402
+from eager_reference import EagerDiLoCoSim  # noqa: E402
 
 pytestmark = pytest.mark.serial
 
@@ -516,7 +520,7 @@ def test_demo_grows_back_with_the_step_redone_by_all(tmp_path, case):
                                        err_msg=f"stream {key}'s momentum")
 
 
-def noloco_sync(sim, models, order, t):
+def own_theta_sync(sim, models, order, t):
     """Sync t // PERIOD over the replicas of the streams in `order` (the
     communicator's ranks, in its order): each restarts from its new θ."""
     theta = sim.round([as_numpy(models[r]) for r in order], t // train_ft.PERIOD)
@@ -526,15 +530,24 @@ def noloco_sync(sim, models, order, t):
                 p.copy_(torch.from_numpy(v))
 
 
-def simulate_noloco(n, steps, lost_from, clip=None):
-    """NoLoCo by its rule over the survivors: each rank's inner steps on its
-    own stream; at the sync after inner step t, (t + 1) % PERIOD == 0, the
-    ranks alive then (in launched order, as the shrunk communicator numbers
-    them) draw that sync's groups, and each steps its own θ; a rank lost
-    before a sync leaves with its θ and outer momentum. Returns {launched
-    rank: (parameters, outer momentum)}."""
+# The simulations of the algorithms whose θ is each rank's own, by train_ft's name.
+OWN_THETA_SIMS = {
+    "noloco": lambda init, n: NoLoCoSim(init, n, **train_ft.NOLOCO_OUTER),
+    "eager": lambda init, n: EagerDiLoCoSim(init, n, lr=0.7, momentum=0.9, nesterov=True),
+}
+
+
+def simulate_noloco(n, steps, lost_from, clip=None, algorithm="noloco"):
+    """NoLoCo (or eager DiLoCo) by its rule over the survivors: each rank's
+    inner steps on its own stream; at the sync after inner step t, (t + 1)
+    % PERIOD == 0, the ranks alive then (in launched order, as the shrunk
+    communicator numbers them) draw that sync's groups, and each steps its
+    own θ; a rank lost before a sync leaves with its θ and outer momentum
+    (eager DiLoCo: and its outer gradient, the last round's mean taken
+    again over the survivors). Returns {launched rank: (parameters, outer
+    momentum)}."""
     models, inner = inner_models(n)
-    sim = NoLoCoSim(as_numpy(models[0]), n, **train_ft.NOLOCO_OUTER)
+    sim = OWN_THETA_SIMS[algorithm](as_numpy(models[0]), n)
     alive = list(range(n))
     for t in range(steps):
         for r in alive:
@@ -544,7 +557,7 @@ def simulate_noloco(n, steps, lost_from, clip=None):
             for r in [r for r in alive if lost_from.get(r, steps) <= t]:
                 sim.drop(alive.index(r))
                 alive.remove(r)
-            noloco_sync(sim, models, alive, t)
+            own_theta_sync(sim, models, alive, t)
     return {r: (as_numpy(models[r]), sim.buf[i]) for i, r in enumerate(alive)}
 
 
@@ -579,7 +592,7 @@ def test_noloco_survivors_match_the_simulation(tmp_path, case):
     assert_noloco_matches(saved, simulate_noloco(4, 8, lost_from, clip))
 
 
-def simulate_noloco_growing_back(n, steps, victim, kill_step):
+def simulate_noloco_growing_back(n, steps, victim, kill_step, algorithm="noloco"):
     """NoLoCo by its rule for growing back: rank `victim` dies at the sync
     after inner step `kill_step`, which no survivor applies; the survivors'
     inner steps since the last sync stand in their inner optimizers; a
@@ -589,22 +602,21 @@ def simulate_noloco_growing_back(n, steps, victim, kill_step):
     period = train_ft.PERIOD
     assert (kill_step + 1) % period == 0, "the kill must be at a sync"
     models, inner = inner_models(n)
-    sim = NoLoCoSim(as_numpy(models[0]), n, **train_ft.NOLOCO_OUTER)
+    sim = OWN_THETA_SIMS[algorithm](as_numpy(models[0]), n)
     order = list(range(n))
     resume = kill_step + 1 - period
     for t in range(resume):
         for r in order:
             inner_step(models[r], inner[r], r, t)
         if (t + 1) % period == 0:
-            noloco_sync(sim, models, order, t)
+            own_theta_sync(sim, models, order, t)
     for t in range(resume, kill_step + 1):
         for r in set(order) - {victim}:
             inner_step(models[r], inner[r], r, t)
     sim.drop(order.index(victim))
     order.remove(victim)
     order.append(victim)
-    sim.theta.append([t.copy() for t in sim.theta[0]])
-    sim.buf.append([None if b is None else b.copy() for b in sim.buf[0]])
+    sim.join()
     models[victim] = train_ft.make_model()
     inner[victim] = torch.optim.SGD(models[victim].parameters(), lr=0.05, momentum=0.9)
     inner[victim].load_state_dict(copy.deepcopy(inner[order[0]].state_dict()))
@@ -616,7 +628,7 @@ def simulate_noloco_growing_back(n, steps, victim, kill_step):
         for r in order:
             inner_step(models[r], inner[r], r, t)
         if (t + 1) % period == 0:
-            noloco_sync(sim, models, order, t)
+            own_theta_sync(sim, models, order, t)
     return {r: (as_numpy(models[r]), sim.buf[i]) for i, r in enumerate(order)}
 
 
@@ -630,3 +642,37 @@ def test_noloco_grows_back_with_each_survivor_keeping_its_weights(tmp_path):
                     FT_REPLACE=1)
     assert_grew_back(saved, 0, 5 + 1 - train_ft.PERIOD)
     assert_noloco_matches(saved, simulate_noloco_growing_back(4, 8, 0, 5))
+
+
+# (kill spec, {victim: the first step whose sync goes without it}, FT_HABITS), 4 ranks.
+EAGER_CASES = {
+    "a rank lost in an inner phase, the all-reduce in flight; then rank 0 before its wait":
+        ("1:2:backward;0:5:outer", {1: 2, 0: 5}, False),
+    "habits: two ranks lost at once at a sync step": ("0,3:3:step", {0: 3, 3: 3}, True),
+    "a rank lost between steps, then another in the survivors' agreement":
+        ("2:4:between;1:5:agreement", {2: 5, 1: 5}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(EAGER_CASES))
+def test_eager_diloco_survivors_match_the_simulation(tmp_path, case):
+    kill, lost_from, on = EAGER_CASES[case]
+    env, clip = habits(on)
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="eager", **env)
+    for key, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+    assert_noloco_matches(saved, simulate_noloco(4, 8, lost_from, clip, "eager"))
+
+
+def test_eager_diloco_grows_back_with_each_survivor_keeping_its_weights(tmp_path):
+    """recover(replace=True) under EagerDiLoCo: rank 0 lost before its sync
+    after step 5 waits for the last round's all-reduce; the replacement
+    takes rank 0's θ (set-up), the step and outer optimizer, no outer
+    gradient of its own; each survivor keeps its θ and outer gradient, the
+    last round's mean is taken over the survivors, and all four go back to
+    the step after the last sync."""
+    saved = run_job(tmp_path, 4, "0:5:outer", expect=range(4), FT_ALGORITHM="eager",
+                    FT_REPLACE=1)
+    assert_grew_back(saved, 0, 5 + 1 - train_ft.PERIOD)
+    assert_noloco_matches(saved, simulate_noloco_growing_back(4, 8, 0, 5, "eager"))
+

@@ -26,7 +26,9 @@ sparseloco: SparseLoCo (a sync every PERIOD inner steps, FT_SYNC_DELAY
 steps after its send; chunks of EF_CHUNK; θ̃ and the error feedback saved),
 muloco: MuLoCo as sparseloco, every entry in 2-bit codes, the outer SGD
 MULOCO_OUTER, noloco: NoLoCo (pairs drawn every PERIOD inner steps, each
-rank's outer SGD NOLOCO_OUTER; its momentum is the one saved),
+rank's outer SGD NOLOCO_OUTER; its momentum is the one saved), eager:
+EagerDiLoCo (a sync every PERIOD inner steps, each rank's outer SGD
+DiLoCo's; its momentum is the one saved),
 demo: DeMo as the optimizer (its momentum is the one saved),
 decentralized: Bagua's DecentralizedAlgorithm through with_bagua, flat,
 peer_selection_mode FT_PEERS ("all" or "shift_one"), lowprecision: its
@@ -48,7 +50,8 @@ flight), step (backward done, before the optimizer's step), sync (after the
 optimizer's step, before SlowMo's perform_slowmo), average (QAdam: inside
 the step, before its momentum average), between (after the step, before the
 next forward), outer (DiLoCo: its outer-gradient allreduce posted, before
-its wait; NoLoCo: its peer exchange posted, before its wait; SparseLoCo and
+its wait; NoLoCo: its peer exchange posted, before its wait; EagerDiLoCo:
+the last round's all-reduce in flight, before the sync waits for it; SparseLoCo and
 DeMo: their allgather posted, before its wait), checkpoint (inside a checkpoint write,
 which every rank starts after that step), rebuild (inside recover() of the
 failure at that step, once the survivors shrank, as the algorithm's set-up
@@ -208,6 +211,15 @@ def main(out_dir: str) -> None:
         # Phase "outer": the peer exchange posted, before its wait.
         outer_gradient = diloco._outer_gradient
         diloco._outer_gradient = lambda f: maybe_die(step, "outer") or outer_gradient(f)
+        saved_opt = [outer]
+    elif algorithm == "eager":           # a sync every PERIOD inner steps
+        net = model
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        diloco = twice(lambda: mpidp.EagerDiLoCo(model, sgd, outer, sync_every=PERIOD), habits,
+                       enter=True)
+        # Phase "outer": the last round's all-reduce in flight, before the sync's wait.
+        send = diloco._send
+        diloco._send = lambda f, s: maybe_die(step, "outer") or send(f, s)
         saved_opt = [outer]
     elif algorithm == "sparseloco":
         net = model
