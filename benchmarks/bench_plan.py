@@ -3,7 +3,7 @@ emulated cluster (benchmarks/cluster, as root).
 
     .venv/bin/python benchmarks/bench_plan.py [--nodes 2,4] [--rates 10mbit,100mbit,1gbit]
         [--calibrate-at 100mbit,1gbit]
-        [--methods dp,dp-bf16,diloco,sparseloco,muloco,noloco,demo] [--json]
+        [--methods dp,dp-bf16,diloco,eager,sparseloco,muloco,noloco,demo] [--json]
 
 1. Calibrates (python -m mpidp calibrate) on 2 emulated nodes, one rank
    each, at the two --calibrate-at rates only. The network's per-byte cost
@@ -18,6 +18,9 @@ emulated cluster (benchmarks/cluster, as root).
 3. Prints, per cell and method, the predicted and measured step times and
    the error; the median and worst absolute error; and whether the
    planner's recommendation is the measured fastest (or within 10% of it).
+   For the methods that sync every --period steps, also what a sync costs
+   beyond the compute floor, (measured - floor) x period, and that cost
+   and the step time against DiLoCo's in the same cell.
 
 The methods run the settings the planner is asked about (printed beside
 each): their periods are short (--period) so that a run of --steps holds
@@ -40,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "benchmarks" / "cluster"
 RESULT_TAG = "BENCH_PLAN_RESULT "
 CANNOT_RUN = 77
-METHODS = ("dp", "dp-bf16", "diloco", "sparseloco", "muloco", "noloco", "demo")
+METHODS = ("dp", "dp-bf16", "diloco", "eager", "sparseloco", "muloco", "noloco", "demo")
+PERIODIC = ("diloco", "eager", "sparseloco", "muloco", "noloco")   # a sync every --period steps
 
 
 def log(msg: str) -> None:
@@ -83,6 +87,10 @@ def worker(args) -> None:
         opt = torch.optim.SGD(net.parameters(), lr=1e-3)
         outer = torch.optim.SGD(net.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         driver = mpidp.DiLoCo(net, opt, outer, sync_every=period)
+    elif args.worker == "eager":        # DiLoCo's outer SGD, the all-reduce under the next phase
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+        outer = torch.optim.SGD(net.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        driver = mpidp.EagerDiLoCo(net, opt, outer, sync_every=period)
     elif args.worker == "sparseloco":
         opt = torch.optim.SGD(net.parameters(), lr=1e-3)
         driver = mpidp.SparseLoCo(net, opt, sync_every=period)
@@ -190,6 +198,8 @@ def planner_algorithms(period: int):
     return {"dp": alg.Algorithm("DataParallel", "fp32 wire", alg.data_parallel(alg.FP32)),
             "dp-bf16": alg.Algorithm("DataParallel", "bf16 wire", alg.data_parallel(alg.BF16)),
             "diloco": alg.Algorithm("DiLoCo", f"H={period}", alg.diloco(period, alg.FP32)),
+            "eager": alg.Algorithm("Eager DiLoCo", f"H={period}",
+                                   alg.eager_diloco(period, alg.FP32)),
             "sparseloco": alg.Algorithm("SparseLoCo", f"H={period}, top 128 of 64x64, 2-bit",
                                         alg.sparseloco(period, 128, 64, 4)),
             "muloco": alg.Algorithm("MuLoCo", f"H={period}, every entry 2-bit",
@@ -262,6 +272,20 @@ def driver(args) -> None:
         print(f"{r['nodes']:>5} {r['rate']:>8} {mark}{r['method']:<10}"
               f"{r['predicted_s'] * 1e3:>13.1f}{r['measured_s'] * 1e3:>12.1f}"
               f"{r['error']:>8.0%}  {r['settings']}")
+    syncs = [r for r in rows if r["method"] in PERIODIC]
+    if syncs:
+        print(f"\nper sync beyond the floor, (measured - floor) x {args.period}; step and sync "
+              "against DiLoCo's in the same cell:")
+        for r in syncs:
+            base = next((d for d in rows if d["method"] == "diloco" and
+                         (d["nodes"], d["rate"]) == (r["nodes"], r["rate"])), None)
+            sync = (r["measured_s"] - r["floor_s"]) * args.period
+            line = (f"{r['nodes']:>5} {r['rate']:>8} {r['method']:<11}{sync * 1e3:>9.1f} ms"
+                    f"  step {r['measured_s'] / r['floor_s']:.3f}x the floor")
+            if base is not None and base is not r:
+                base_sync = (base["measured_s"] - base["floor_s"]) * args.period
+                line += (f", sync {sync / base_sync:.2f}x DiLoCo's" if base_sync > 0 else "")
+            print(line)
     print(f"\nstep time error: median {summary['median_abs_error']:.0%}, worst "
           f"{summary['worst_abs_error']:.0%} (goals: 10%, 25%); the recommendation (*) is the "
           f"measured fastest or within 10% of it in {summary['recommendation_ok']} of "

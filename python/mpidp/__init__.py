@@ -26,6 +26,7 @@ from .algorithms.sparseloco import SparseLoCo
 from .algorithms.muloco import MuLoCo
 from .algorithms.noloco import NoLoCo
 from .algorithms.eager_diloco import EagerDiLoCo
+from .algorithms.desloc import DESLOC
 from .algorithms.slowmo import SlowMoBaseAlgorithm, SlowMoDistributedDataParallel
 from .algorithms.data_parallel import DataParallel
 from .algorithms.data_parallel_multi import DataParallelMultiGPU
@@ -94,6 +95,7 @@ __all__ = [
     "MuLoCo",
     "NoLoCo",
     "EagerDiLoCo",
+    "DESLOC",
     "SlowMoBaseAlgorithm",
     "SlowMoDistributedDataParallel",
     "HierarchicalModelAverager",

@@ -148,6 +148,17 @@ def test_eager_diloco_hides_its_allreduce_under_the_next_inner_phase():
     assert alg.predict(eager, CLUSTER, alg.Workload(n, 0.1)).exposed_s == 0.0
 
 
+def test_desloc_sends_half_of_local_adams_bytes_at_the_papers_periods():
+    """Local Adam averages three model-sized tensors every K steps; DES-LOC
+    at K, 3K and 6K sends (1 + 1/3 + 1/6) / 3 = 1/2 of that."""
+    w = alg.Workload(4096 * 100, 0.1)
+    local = alg.predict(alg.Algorithm("Local Adam", "", alg.desloc(8, 8, 8)), CLUSTER, w)
+    desynced = alg.predict(alg.Algorithm("DES-LOC", "", alg.desloc(8, 24, 48)), CLUSTER, w)
+    dp = alg.predict(alg.ALGORITHMS[0], CLUSTER, w)
+    assert desynced.bytes_per_step == pytest.approx(local.bytes_per_step / 2)
+    assert local.bytes_per_step == pytest.approx(3 * dp.bytes_per_step / 8)
+
+
 def test_compression_compute_is_added_and_never_hidden():
     demo, sparse = (next(a for a in alg.ALGORITHMS if a.name == name)
                     for name in ("DeMo", "SparseLoCo"))

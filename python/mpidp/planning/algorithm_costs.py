@@ -141,6 +141,22 @@ def diloco(every: int, wire: int, fragments: int = 1, delay: int = 0):
     return parts
 
 
+def desloc(param_every: int, exp_avg_every: int, exp_avg_sq_every: int):
+    """DES-LOC (and Local Adam, the three periods equal): an average over
+    every rank of the float32 parameters, of Adam's first moments and of
+    its second moments, each on its own period (averages due at the same
+    step travel in one allreduce; costed apart, which counts their latency
+    twice)."""
+    def parts(c: Cluster, w: Workload) -> List[Component]:
+        n = w.params * FP32
+        return [Component(f"average of the {what}", lambda cl: costs.flat_allreduce(cl, n),
+                          every, 0.0, _ring_sent(c.size, n))
+                for what, every in (("parameters", param_every),
+                                    ("first moments", exp_avg_every),
+                                    ("second moments", exp_avg_sq_every))]
+    return parts
+
+
 def sparseloco_payload(params: int, top_k: int = 128, chunk: int = 64, bins: int = 4) -> int:
     """Bytes one rank sends per sync: the core's payload for params
     float32 values in chunk x chunk tiles (the last tile's share kept)."""
@@ -227,6 +243,8 @@ ALGORITHMS: Tuple[Algorithm, ...] = (
     Algorithm("Eager DiLoCo", "H=100, fp32, under the next inner phase",
               eager_diloco(100, FP32)),
     Algorithm("NoLoCo", "H=50, pairs", noloco(50, 2)),
+    Algorithm("Local Adam", "H=32, parameters and both moments", desloc(32, 32, 32)),
+    Algorithm("DES-LOC", "parameters every 32, moments every 96 and 192", desloc(32, 96, 192)),
     Algorithm("DeMo", "top 32 of 64x64 DCT", demo(32, 64)),
 )
 

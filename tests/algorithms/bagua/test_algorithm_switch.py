@@ -280,6 +280,11 @@ def test_new_algorithms_check_their_arguments():
         mpidp.algorithms.EagerDiLoCoAlgorithm(outer_sgd(model.parameters()), 2, sync_buffers=1)
     with pytest.raises(TypeError, match="outer_optimizer"):
         mpidp.algorithms.EagerDiLoCoAlgorithm(object(), 2)
+    with pytest.raises(ValueError, match="exp_avg_every: expected an int >= 1"):
+        mpidp.algorithms.DESLOCAlgorithm(2, exp_avg_every=0)
+    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Adam"):
+        mpidp.with_bagua(model, [torch.optim.SGD(model.parameters(), lr=LR)],
+                         mpidp.algorithms.DESLOCAlgorithm(2))
     muloco = mpidp.algorithms.MuLoCoAlgorithm(outer_sgd(model.parameters()), 2)
     with pytest.raises(ValueError, match="optimizers: MuLoCoAlgorithm"):
         mpidp.with_bagua(model, [], muloco)
@@ -317,8 +322,10 @@ def test_a_new_algorithm_on_the_same_ranks_takes_the_module_over():
      "group_size"),
     (lambda m: mpidp.algorithms.EagerDiLoCoAlgorithm(outer_sgd(m.parameters()), 2,
                                                      sync_buffers=RANK == 0),
-     "sync_buffers")],
-    ids=["localsgd", "diloco", "slowmo", "sparseloco", "muloco", "noloco", "eager"])
+     "sync_buffers"),
+    (lambda m: mpidp.algorithms.DESLOCAlgorithm(2, exp_avg_every=4 if RANK == 0 else 6),
+     "exp_avg_every")],
+    ids=["localsgd", "diloco", "slowmo", "sparseloco", "muloco", "noloco", "eager", "desloc"])
 def test_settings_that_differ_across_ranks_are_named_on_every_rank(make, setting):
     """A rank with another period would post syncs the others never match:
     with_bagua compares the new algorithms' settings and every rank raises."""

@@ -14,7 +14,8 @@ over the group: nodes as MPIDP_RANKS_PER_NODE says), decentralized and lowprecis
 sparseloco (SparseLoCo over the group, train_ft.py's settings), noloco
 (NoLoCo over the group, train_ft.py's settings; its outer momentum is the
 one saved), eager (EagerDiLoCo over the group, as train_ft.py's; its outer
-momentum is the one saved),
+momentum is the one saved), desloc (DESLOC over the group, as train_ft.py's;
+Adam's first moments saved),
 demo (DeMo over the group as the optimizer, train_ft.py's settings),
 postlocalsgd (PostLocalSGDOptimizer with a
 PeriodicModelAverager(period=2) over the group), hierarchical
@@ -49,9 +50,9 @@ from mpi4py import MPI
 import mpidp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ft import (CLIP, DEMO_DECAY, DEMO_LR, EF_CHUNK, EF_TOP_K,  # noqa: E402
-                      NOLOCO_OUTER, PERIOD, QADAM_LR, QADAM_WARMUP, SLOW_LR, SLOW_MOMENTUM, batch,
-                      make_model, momenta)
+from train_ft import (CLIP, DEMO_DECAY, DEMO_LR, DESLOC_LR, DESLOC_PERIODS,  # noqa: E402
+                      EF_CHUNK, EF_TOP_K, NOLOCO_OUTER, PERIOD, QADAM_LR, QADAM_WARMUP, SLOW_LR,
+                      SLOW_MOMENTUM, batch, make_model, momenta)
 
 STEPS = int(os.environ.get("FT_STEPS", "8"))
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
@@ -125,6 +126,11 @@ def main(out_dir: str) -> None:
         outer = torch.optim.SGD(model.parameters(), **NOLOCO_OUTER)
         mpidp.NoLoCo(model, sgd, outer, sync_every=PERIOD, comm=worker).__enter__()
         saved_opt = outer
+    elif algorithm == "desloc":          # over the group, entered for the whole run
+        net = model
+        sgd = opt = saved_opt = torch.optim.Adam(model.parameters(), lr=DESLOC_LR)
+        mpidp.DESLOC(model, sgd, DESLOC_PERIODS[0], comm=worker, exp_avg_every=DESLOC_PERIODS[1],
+                     exp_avg_sq_every=DESLOC_PERIODS[2]).__enter__()
     elif algorithm == "eager":           # over the group, entered for the whole run
         net, opt = model, sgd
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)

@@ -25,8 +25,8 @@ from test_fault_tolerance import (launch, simulate_daso, simulate_qadam, simulat
                                   simulate_slowmo)
 from test_decentralized import assert_survivors_match, simulate_dcd, simulate_dpsgd  # noqa: E402
 from test_low_communication import (TOL, assert_noloco_matches,  # noqa: E402
-                                    assert_sparseloco_matches, simulate_demo, simulate_noloco,
-                                    simulate_sparseloco)
+                                    assert_sparseloco_matches, simulate_demo, simulate_desloc,
+                                    simulate_noloco, simulate_sparseloco)
 
 pytestmark = pytest.mark.serial
 STEPS = 8
@@ -152,6 +152,10 @@ def check_first_group(saved, members, lost_from, algorithm):
         assert_noloco_matches({r: saved[r] for r in members if r in saved},
                               simulate_noloco(n, STEPS, lost_from, algorithm=algorithm))
         return
+    if algorithm == "desloc":
+        assert_noloco_matches({r: saved[r] for r in members if r in saved},
+                              simulate_desloc(n, STEPS, lost_from))
+        return
     if algorithm == "daso":
         params, momentum = simulate_daso(n, STEPS, lost_from)
         assert_members_match(saved, members, lambda r: params, lambda r: momentum[r])
@@ -203,6 +207,8 @@ CASES = {
         (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "sparseloco", "group"),
     "NoLoCo over a group, a rank lost between syncs":
         (4, [[0, 1, 2], [3]], "1:2:backward", {1: 2}, "noloco", "group"),
+    "DESLOC over a group, a rank lost before an average":
+        (4, [[0, 1, 2], [3]], "2:3:step", {2: 3}, "desloc", "group"),
     "EagerDiLoCo over a group, its rank 0 lost with the all-reduce in flight":
         (4, [[0, 1, 2], [3]], "0:2:backward", {0: 2}, "eager", "group"),
     "DeMo over a group, the group's rank 0 lost in backward":
@@ -236,7 +242,7 @@ def test_a_loss_in_one_group_recovers_that_group(tmp_path, case):
     if algorithm in ("postlocalsgd", "diloco"):
         check_replicas(saved, groups, lost_from, algorithm, clip)
     elif algorithm in ("sparseloco", "demo", "decentralized", "lowprecision", "qadam",
-                       "slowmo", "daso", "noloco", "eager"):
+                       "slowmo", "daso", "noloco", "eager", "desloc"):
         check_first_group(saved, groups[0], lost_from, algorithm)
     else:
         check_data_parallel(saved, groups, lost_from, clip)

@@ -13,6 +13,9 @@ surviving replicas written from each rule in docs/fault-tolerance.md:
 - NoLoCo: a sync a rank's death interrupted is done again over the
   survivors' own draw of groups; the lost rank's θ and outer momentum leave
   with it.
+- DES-LOC: an average a rank's death interrupted is taken by no survivor
+  and done again over the survivors; the lost rank's replica and Adam
+  state leave with it.
 - EagerDiLoCo: the last round's all-reduce, in flight through an inner
   phase, is posted again over the survivors (the lost rank's outer
   gradient leaves with it), and a sync the death interrupted is done again.
@@ -34,6 +37,7 @@ from test_fault_tolerance import launched_ranks_lost, run_job  # noqa: E402
 from ef_reference import DeMoSim, MuLoCoSim, SparseLoCoSim  # noqa: E402
 from noloco_reference import NoLoCoSim  # noqa: E402
 from eager_reference import EagerDiLoCoSim  # noqa: E402
+from desloc_reference import DESLOCSim  # noqa: E402
 
 pytestmark = pytest.mark.serial
 
@@ -675,4 +679,90 @@ def test_eager_diloco_grows_back_with_each_survivor_keeping_its_weights(tmp_path
                     FT_REPLACE=1)
     assert_grew_back(saved, 0, 5 + 1 - train_ft.PERIOD)
     assert_noloco_matches(saved, simulate_noloco_growing_back(4, 8, 0, 5, "eager"))
+
+
+def desloc_simulation(n):
+    return DESLOCSim(train_ft.make_model(), n,
+                     lambda params: torch.optim.Adam(params, lr=train_ft.DESLOC_LR),
+                     *train_ft.DESLOC_PERIODS)
+
+
+def desloc_step(sim, ranks, streams, t, clip=None):
+    """Step t of the replicas `ranks` (positions in the simulation), each on
+    its data stream, then the averages due over them."""
+    for r in ranks:
+        gradient(sim.replicas[r], streams[r], t, clip)
+        sim.optims[r].step()
+    sim.steps += 1
+    sim.average(ranks)
+
+
+def simulate_desloc(n, steps, lost_from, clip=None):
+    """DES-LOC by its rule over the survivors: every replica steps with its
+    own Adam on its own stream; after step t the ranks alive then (rank r
+    before lost_from[r]) average what is due. Returns {launched rank:
+    (parameters, first moments)}."""
+    sim = desloc_simulation(n)
+    for t in range(steps):
+        desloc_step(sim, [r for r in range(n) if t < lost_from.get(r, steps)], range(n), t,
+                    clip)
+    return {r: ([p.detach().double().numpy() for p in sim.replicas[r].parameters()],
+                [sim.optims[r].state[p]["exp_avg"] for p in sim.replicas[r].parameters()])
+            for r in range(n) if r not in lost_from}
+
+
+def simulate_desloc_growing_back(n, steps, victim, kill_step):
+    """DES-LOC by its rule for growing back: rank `victim` dies before its
+    step `kill_step`; the survivors take that step, and the average after
+    it is done by them and a replacement (the last rank, on the victim's
+    stream) that starts from rank 0's replica and Adam state as they were
+    after that step."""
+    sim = desloc_simulation(n)
+    for t in range(kill_step):
+        desloc_step(sim, range(n), range(n), t)
+    order = [r for r in range(n) if r != victim]
+    for r in order:
+        gradient(sim.replicas[r], r, kill_step, None)
+        sim.optims[r].step()
+    sim.drop(victim)
+    sim.join()
+    sim.steps += 1
+    streams = order + [victim]
+    sim.average(range(n))
+    for t in range(kill_step + 1, steps):
+        desloc_step(sim, range(n), streams, t)
+    return {s: ([p.detach().double().numpy() for p in sim.replicas[i].parameters()],
+                [sim.optims[i].state[p]["exp_avg"] for p in sim.replicas[i].parameters()])
+            for i, s in enumerate(streams)}
+
+
+# (kill spec, {victim: the first step it does not take}, FT_HABITS), 4 ranks.
+DESLOC_CASES = {
+    "a rank lost in backward between averages, then rank 0 before its step":
+        ("1:2:backward;0:5:step", {1: 2, 0: 5}, False),
+    "habits: two ranks lost at once before an average": ("0,3:3:step", {0: 3, 3: 3}, True),
+    "a rank lost in backward, then another in the survivors' agreement":
+        ("3:3:backward;1:3:agreement", {3: 3, 1: 3}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DESLOC_CASES))
+def test_desloc_survivors_match_the_simulation(tmp_path, case):
+    kill, lost_from, on = DESLOC_CASES[case]
+    env, clip = habits(on)
+    saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="desloc", **env)
+    for key, got in saved.items():
+        assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
+    assert_noloco_matches(saved, simulate_desloc(4, 8, lost_from, clip))
+
+
+def test_desloc_grows_back_with_a_copy_of_rank_0(tmp_path):
+    """recover(replace=True) under DES-LOC: rank 0 lost before its step 3
+    (the average after it due); each survivor keeps its replica and Adam
+    state, the replacement takes rank 0's (set-up, share_state), and all
+    four take that average."""
+    saved = run_job(tmp_path, 4, "0:3:step", expect=range(4), FT_ALGORITHM="desloc",
+                    FT_REPLACE=1)
+    assert_grew_back(saved, 0, 4)
+    assert_noloco_matches(saved, simulate_desloc_growing_back(4, 8, 0, 3))
 

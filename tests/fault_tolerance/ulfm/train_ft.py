@@ -28,7 +28,9 @@ muloco: MuLoCo as sparseloco, every entry in 2-bit codes, the outer SGD
 MULOCO_OUTER, noloco: NoLoCo (pairs drawn every PERIOD inner steps, each
 rank's outer SGD NOLOCO_OUTER; its momentum is the one saved), eager:
 EagerDiLoCo (a sync every PERIOD inner steps, each rank's outer SGD
-DiLoCo's; its momentum is the one saved),
+DiLoCo's; its momentum is the one saved), desloc: DES-LOC with Adam (lr
+DESLOC_LR; parameters averaged every PERIOD steps, first moments every
+DESLOC_PERIODS[1], second every DESLOC_PERIODS[2]; the first moments saved),
 demo: DeMo as the optimizer (its momentum is the one saved),
 decentralized: Bagua's DecentralizedAlgorithm through with_bagua, flat,
 peer_selection_mode FT_PEERS ("all" or "shift_one"), lowprecision: its
@@ -88,6 +90,7 @@ EF_CHUNK, EF_TOP_K = 8, 8        # SparseLoCo's tiles and entries kept per tile 
 MULOCO_OUTER = dict(lr=0.8, momentum=0.9, nesterov=True)   # MuLoCo's outer SGD (dense, 2-bit)
 NOLOCO_OUTER = dict(lr=0.7, momentum=0.5)     # NoLoCo's outer SGD (the authors' configuration)
 DEMO_LR, DEMO_DECAY = 0.01, 0.9
+DESLOC_LR, DESLOC_PERIODS = 0.01, (PERIOD, 3, 4)    # DES-LOC: Adam's lr; K_x, K_u, K_v
 FRAGMENTS = [[0], [2, 4]]        # Streaming DiLoCo's (FT_FRAGMENTS): the model's layers
 LAUNCHED_RANK = MPI.COMM_WORLD.Get_rank()
 
@@ -221,6 +224,13 @@ def main(out_dir: str) -> None:
         send = diloco._send
         diloco._send = lambda f, s: maybe_die(step, "outer") or send(f, s)
         saved_opt = [outer]
+    elif algorithm == "desloc":          # Adam, each state averaged on its own period
+        net = model
+        sgd = opt = torch.optim.Adam(params, lr=DESLOC_LR)
+        twice(lambda: mpidp.DESLOC(model, sgd, DESLOC_PERIODS[0],
+                                   exp_avg_every=DESLOC_PERIODS[1],
+                                   exp_avg_sq_every=DESLOC_PERIODS[2]), habits, enter=True)
+        saved_opt = [sgd]
     elif algorithm == "sparseloco":
         net = model
         sparseloco = twice(lambda: mpidp.SparseLoCo(

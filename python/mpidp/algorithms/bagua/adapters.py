@@ -1,7 +1,8 @@
 """Adapters: the Bagua algorithm classes of the algorithms that have a public
 class of their own (DataParallel, PeriodicModelAverager, SlowMo, DiLoCo,
-SparseLoCo, MuLoCo, NoLoCo, eager DiLoCo), for with_bagua, with their upstream arguments, so that any
-algorithm of the family can follow any other mid-training::
+SparseLoCo, MuLoCo, NoLoCo, eager DiLoCo, DES-LOC), for with_bagua, with their
+upstream arguments, so that any algorithm of the family can follow any other
+mid-training::
 
     net = mpidp.with_bagua(model, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
     ...                                            # warm up with averaged gradients
@@ -31,6 +32,7 @@ from ..._runtime.hook_handles import remove_handles
 from ...collectives.model_state import broadcast_optimizer_state
 from ..averaging import PeriodicModelAverager
 from ..data_parallel import DataParallel
+from ..desloc import DESLOC
 from ..diloco import DiLoCo
 from ..driver import Driver
 from ..eager_diloco import EagerDiLoCo
@@ -42,7 +44,7 @@ from .algorithm import Algorithm, plain_setting
 
 __all__ = ["GradientAllReduceAlgorithm", "ByteGradAlgorithm", "LocalSGDAlgorithm",
            "SlowMoAlgorithm", "DiLoCoAlgorithm", "SparseLoCoAlgorithm", "MuLoCoAlgorithm",
-           "NoLoCoAlgorithm", "EagerDiLoCoAlgorithm", "PartDriver"]
+           "NoLoCoAlgorithm", "EagerDiLoCoAlgorithm", "DESLOCAlgorithm", "PartDriver"]
 
 
 def first_optimizer(optimizers, who: str) -> torch.optim.Optimizer:
@@ -442,3 +444,35 @@ class EagerDiLoCoAlgorithm(_WithOuterOptimizer):
         super().__init__(outer_optimizer, sync_every,
                          {"wire_dtype": wire_dtype,
                           "sync_buffers": check_bool("sync_buffers", sync_buffers)})
+
+
+class DESLOCAlgorithm(Algorithm):
+    """DES-LOC (mpidp.DESLOC's rule and arguments): the first optimizer
+    given to with_bagua is the Adam (or AdamW) every rank steps on its own;
+    the parameters are averaged every `param_every` steps, Adam's first
+    moments every `exp_avg_every` and its second every `exp_avg_sq_every`
+    (defaults: 3 and 6 times param_every)."""
+
+    def __init__(self, param_every: int, *, exp_avg_every: Optional[int] = None,
+                 exp_avg_sq_every: Optional[int] = None):
+        self.param_every = check_int("param_every", param_every, 1)
+        self.exp_avg_every = check_int(
+            "exp_avg_every", 3 * param_every if exp_avg_every is None else exp_avg_every, 1)
+        self.exp_avg_sq_every = check_int(
+            "exp_avg_sq_every", 6 * param_every if exp_avg_sq_every is None else exp_avg_sq_every,
+            1)
+
+    def shared_settings(self) -> Dict[str, Any]:
+        return {"param_every": self.param_every, "exp_avg_every": self.exp_avg_every,
+                "exp_avg_sq_every": self.exp_avg_sq_every}
+
+    def __repr__(self) -> str:
+        return (f"DESLOCAlgorithm(param_every={self.param_every}, "
+                f"exp_avg_every={self.exp_avg_every}, exp_avg_sq_every={self.exp_avg_sq_every})")
+
+    def attach(self, module, optimizers, comm):
+        adam = first_optimizer(optimizers, "DESLOCAlgorithm")
+        return PartDriver("DESLOCAlgorithm", module, comm, build=lambda: DESLOC(
+            module, adam, self.param_every, comm, exp_avg_every=self.exp_avg_every,
+            exp_avg_sq_every=self.exp_avg_sq_every).__enter__())
+
