@@ -47,6 +47,18 @@ momentum and a per-epoch cosine learning rate. Methods:
                 --sl-sync-every steps each rank sends the top --sl-top-k entries
                 of each 64x64 tile of its error-feedback buffer as 2-bit codes
                 (outer lr 1, error decay --sl-error-decay: the paper's run)
+  eager         (not in the default set) mpidp.EagerDiLoCo: diloco's settings,
+                the outer all-reduce under the next inner phase
+  muloco        (not in the default set) mpidp.MuLoCo with the same inner SGD
+                (ResNet's convolutions are 4-D: Muon takes matrices only) and
+                diloco's outer SGD and period; every entry in 2-bit codes
+  noloco        (not in the default set) mpidp.NoLoCo, pairs, the authors'
+                outer SGD (lr 0.7, momentum 0.5), diloco's period
+  desloc        (not in the default set) mpidp.DESLOC with AdamW (lr
+                --adam-lr): parameters every --desloc-every steps, moments
+                every 3 and 6 times that
+  localadam     (not in the default set) the same with the three periods equal
+                (Local Adam)
   demo          mpidp.DeMo instead of the SGD, no gradient allreduce: each step
                 every rank sends the top --demo-topk DCT coefficients of each
                 64x64 tile of its momentum; a sign step of lr --demo-lr
@@ -113,7 +125,8 @@ NODES = 2
 CANNOT_RUN = 77
 RESULT_TAG = "BENCH_DASO_RESULT "
 DEFAULT_METHODS = ("ddp", "dp-block", "dp-block-bf16", "dp-nb", "dp-nb-bf16", "daso")
-SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream", "sparseloco", "demo")
+SLOW_LINK_METHODS = ("localsgd", "slowmo", "diloco", "diloco-stream", "sparseloco", "demo",
+                     "eager", "muloco", "noloco", "desloc", "localadam")
 COMPRESSED_METHODS = ("dp-block-u8", "dp-hier", "dp-hier-u8", "qadam")
 DECENTRALIZED_METHODS = ("sgp", "decentralized", "decentralized-shift", "lowprec", "async")
 ALL_METHODS = (DEFAULT_METHODS + ("local",) + SLOW_LINK_METHODS + COMPRESSED_METHODS
@@ -164,7 +177,8 @@ def worker(args) -> None:
     torch.manual_seed(args.seed)
     model = ResNet18(width=args.width, in_channels=1)
     n_params = sum(p.numel() for p in model.parameters())
-    base_lr = {"qadam": args.qadam_lr, "demo": args.demo_lr}.get(method, args.lr)
+    base_lr = {"qadam": args.qadam_lr, "demo": args.demo_lr, "desloc": args.adam_lr,
+               "localadam": args.adam_lr}.get(method, args.lr)
     if method == "demo":
         inner = mpidp.DeMo(model.parameters(), lr=base_lr, compression_topk=args.demo_topk,
                            comm=comm)
@@ -172,6 +186,8 @@ def worker(args) -> None:
         from mpidp.algorithms import QAdamOptimizer
         inner = QAdamOptimizer(model.parameters(), lr=base_lr, warmup_steps=args.qadam_warmup,
                                weight_decay=5e-4)
+    elif method in ("desloc", "localadam"):
+        inner = torch.optim.AdamW(model.parameters(), lr=base_lr, weight_decay=5e-4)
     else:
         inner = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9, weight_decay=5e-4)
     daso = None
@@ -238,6 +254,18 @@ def worker(args) -> None:
                               fragment_sync_delay=args.delay if stream else 0,
                               wire_dtype=torch.bfloat16 if stream else None)
         diloco.__enter__()     # syncs after the inner optimizer's steps from here on
+        net, opt = model, inner
+    elif method in ("eager", "muloco", "noloco"):
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5) if method == "noloco" \
+            else torch.optim.SGD(model.parameters(), lr=args.outer_lr,
+                                 momentum=args.outer_momentum, nesterov=args.outer_momentum > 0)
+        make = {"eager": mpidp.EagerDiLoCo, "muloco": mpidp.MuLoCo, "noloco": mpidp.NoLoCo}[method]
+        make(model, inner, outer, args.sync_every, comm).__enter__()
+        net, opt = model, inner
+    elif method in ("desloc", "localadam"):
+        k = args.desloc_every
+        mpidp.DESLOC(model, inner, k, comm, exp_avg_every=k if method == "localadam" else 3 * k,
+                     exp_avg_sq_every=k if method == "localadam" else 6 * k).__enter__()
         net, opt = model, inner
     elif method == "sparseloco":
         mpidp.SparseLoCo(model, inner, args.sl_sync_every, comm, top_k=args.sl_top_k,
@@ -683,6 +711,10 @@ def main() -> None:
                         help="demo: the sign step's lr, on the same cosine schedule")
     parser.add_argument("--demo-topk", type=int, default=32,
                         help="demo: DCT coefficients sent per 64x64 tile (DeMo's 32)")
+    parser.add_argument("--adam-lr", type=float, default=2e-3,
+                        help="desloc, localadam: AdamW's lr, on the same cosine schedule")
+    parser.add_argument("--desloc-every", type=int, default=48,
+                        help="desloc, localadam: steps between parameter averages")
     parser.add_argument("--qadam-lr", type=float, default=1e-3, help="qadam: Adam's lr (Bagua's)")
     parser.add_argument("--qadam-warmup", type=int, default=100,
                         help="qadam: steps of Adam on averaged gradients (Bagua's 100)")
