@@ -6,6 +6,8 @@ with_bagua's switches to NoLoCo and back, a layer frozen mid-training, a
 checkpoint resuming exactly, settings that differ across ranks, bad
 arguments."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -156,6 +158,61 @@ def test_a_layer_frozen_mid_training_stays_where_it_is():
     for p, was, m in zip(model.l1.parameters(), frozen, momenta):
         assert torch.equal(p.detach(), was)
         assert torch.equal(outer.state[p]["momentum_buffer"], m)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a job of another size to resume")
+@pytest.mark.parametrize("grow", [True, False], ids=["one rank more", "one rank fewer"])
+def test_a_job_resumes_at_another_number_of_ranks(grow):
+    """A job of N-1 ranks (or N) saves one step into its second interval;
+    N (or N-1) resume: those with a checkpoint load their own θ_r, a new
+    rank takes rank 0's (load_shared_state: θ_r, outer momentum and step,
+    its replica at θ_r). Two more syncs match the simulation, which gains a
+    copy of rank 0 (or loses the last rank), its groups drawn over the new
+    size."""
+    world = MPI.COMM_WORLD
+    before, after = (SIZE - 1, SIZE) if grow else (SIZE, SIZE - 1)
+    sim = NoLoCoSim([p.detach().double().numpy() for p in build().parameters()], before,
+                    **AUTHORS)
+    mine = None
+    comm = world.Split(0 if RANK < before else MPI.UNDEFINED, RANK)
+    if comm != MPI.COMM_NULL:
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mpidp.NoLoCo(model, opt, torch.optim.SGD(model.parameters(), **AUTHORS), 3,
+                          comm) as algo:
+            for s in range(4):
+                inner_step(model, opt, s)
+            mine = copy.deepcopy(algo.state_dict())
+        comm.Free()
+    sim.round(replicas_from(sim.theta, build(), range(3))[:before], 0)
+    shared = world.bcast(mine, root=0)
+    if grow:
+        sim.join()
+    else:
+        sim.drop(after)
+    replicas = replicas_from(sim.theta, build(), range(3, 6))
+    if grow:      # the new rank's replica: from θ_r at the resume, the step it missed not taken
+        replicas[-1] = replicas_from(sim.theta, build(), range(4, 6))[after - 1]
+    comm = world.Split(0 if RANK < after else MPI.UNDEFINED, RANK)
+    if comm == MPI.COMM_NULL:
+        return
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpidp.NoLoCo(model, opt, torch.optim.SGD(model.parameters(), **AUTHORS), 3,
+                      comm) as algo:
+        if mine is not None:
+            algo.load_state_dict(mine)
+        else:
+            algo.load_shared_state(shared)
+        for sync, steps in enumerate((range(4, 6), range(6, 9))):
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas, 1 + sync)
+            for p, t in zip(model.parameters(), sim.theta[RANK]):
+                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5,
+                                           atol=2e-6, err_msg=f"sync {sync} after the resume")
+            replicas = replicas_from(sim.theta, model, range(6, 9))
+    comm.Free()
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
