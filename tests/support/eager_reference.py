@@ -28,6 +28,12 @@ class EagerDiLoCoSim:
         n = len(self.last)
         self.mean = [sum(d[i] for d in self.last) / n for i in range(len(self.mean))]
 
+    def leave(self, rank: int) -> None:
+        """A rank a resumed job goes on without: its θ, momentum and Δ leave
+        with it; the saved mean stays (its all-reduce completed before the
+        checkpoint)."""
+        del self.theta[rank], self.buf[rank], self.last[rank]
+
     def join(self) -> None:
         """A replacement (recover(replace=True)): rank 0's θ and momentum, no
         Δ of its own (the mean stays over the ranks that had one)."""

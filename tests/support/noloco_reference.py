@@ -31,6 +31,8 @@ class NoLoCoSim:
         """A rank lost: its θ and momentum leave with it."""
         del self.theta[rank], self.buf[rank]
 
+    leave = drop      # a rank a resumed job goes on without
+
     def join(self) -> None:
         """A replacement (recover(replace=True)): rank 0's θ and momentum."""
         self.theta.append([t.copy() for t in self.theta[0]])

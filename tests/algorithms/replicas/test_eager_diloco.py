@@ -7,8 +7,6 @@ layer frozen mid-training, with_bagua's switches to it and back, a
 checkpoint resuming exactly and at another number of ranks, settings that
 differ across ranks, bad arguments."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,7 @@ import mpidp
 from dp_reference import RANK, SIZE
 from eager_reference import EagerDiLoCoSim
 from mpidp import MPI
-from test_noloco import replicas_from
+from test_noloco import assert_own_theta_resumes_at_another_rank_count, assert_rounds_match
 from test_sparseloco import assert_checkpoint_resumes_exactly, build, grads_for, inner_step
 
 pytestmark = pytest.mark.ranks3
@@ -49,25 +47,13 @@ def tolerance(settings):
             else dict(rtol=2e-5, atol=2e-6))
 
 
-def check(model, sim, what, **tol):
-    for p, t in zip(model.parameters(), sim.theta[RANK]):
-        np.testing.assert_allclose(p.detach().double().numpy(), t, err_msg=f"{what}, rank {RANK}",
-                                   **(tol or dict(rtol=2e-5, atol=2e-6)))
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_the_simulation(case):
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sim = sim_for(model, CASES[case])
     with eager(model, opt, CASES[case]):
-        for sync in range(4):
-            steps = range(3 * sync, 3 * sync + 3)
-            replicas = replicas_from(sim.theta, model, steps)
-            for s in steps:
-                inner_step(model, opt, s)
-            sim.round(replicas)
-            check(model, sim, f"{case}, sync {sync}", **tolerance(CASES[case]))
+        assert_rounds_match(model, opt, sim, 4, case, tol=tolerance(CASES[case]))
 
 
 @pytest.mark.skipif(SIZE < 2, reason="the replicas differ only with other ranks")
@@ -90,13 +76,7 @@ def test_grad_scaler_gives_the_same_rounds():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     sim = sim_for(model, {})
     with eager(model, opt, {}):
-        for sync in range(3):
-            steps = range(3 * sync, 3 * sync + 3)
-            replicas = replicas_from(sim.theta, model, steps)
-            for s in steps:
-                inner_step(model, opt, s, scaler=scaler)
-            sim.round(replicas)
-            check(model, sim, f"sync {sync}")
+        assert_rounds_match(model, opt, sim, 3, "GradScaler", scaler=scaler)
 
 
 def test_a_layer_frozen_mid_training_stays_where_it_is():
@@ -110,23 +90,13 @@ def test_a_layer_frozen_mid_training_stays_where_it_is():
     frozen_ids = {id(p) for p in model.l1.parameters()}
     skip = tuple(i for i, p in enumerate(model.parameters()) if id(p) in frozen_ids)
     with mpidp.EagerDiLoCo(model, opt, outer, 3):
-        for sync in range(2):
-            steps = range(3 * sync, 3 * sync + 3)
-            replicas = replicas_from(sim.theta, model, steps)
-            for s in steps:
-                inner_step(model, opt, s)
-            sim.round(replicas)
+        assert_rounds_match(model, opt, sim, 2, "before the freeze")
         model.l1.requires_grad_(False)
         frozen = [p.detach().clone() for p in model.l1.parameters()]
         momenta = [outer.state[p]["momentum_buffer"].clone() for p in model.l1.parameters()]
         sim.frozen = set(skip)
-        for sync in range(2, 4):
-            steps = range(3 * sync, 3 * sync + 3)
-            replicas = replicas_from(sim.theta, model, steps, skip=skip)
-            for s in steps:
-                inner_step(model, opt, s, skip=skip)
-            sim.round(replicas)
-            check(model, sim, f"sync {sync}, l1 frozen")
+        assert_rounds_match(model, opt, sim, 2, "l1 frozen", first_step=6, first_sync=2,
+                            skip=skip)
     for p, was, m in zip(model.l1.parameters(), frozen, momenta):
         assert torch.equal(p.detach(), was)
         assert torch.equal(outer.state[p]["momentum_buffer"], m)
@@ -147,13 +117,7 @@ def test_with_bagua_switches_to_it_and_back():
     sim = sim_for(model, {})
     net = mpidp.with_bagua(net, [opt], mpidp.algorithms.EagerDiLoCoAlgorithm(
         torch.optim.SGD(params, **DILOCO), 3))
-    for sync in range(2):
-        steps = range(2 + 3 * sync, 5 + 3 * sync)
-        replicas = replicas_from(sim.theta, model, steps)
-        for s in steps:
-            inner_step(model, opt, s)
-        sim.round(replicas)
-        check(model, sim, f"sync {sync}")
+    assert_rounds_match(model, opt, sim, 2, "EagerDiLoCoAlgorithm", first_step=2)
     net = mpidp.with_bagua(net, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
     inner_step(model, opt, 8)
     mean = [sum(grads_for(model, r, 8)[i].double().numpy() for r in range(SIZE)) / SIZE
@@ -176,53 +140,14 @@ def test_checkpoint_resumes_exactly(saved_after):
 @pytest.mark.skipif(SIZE < 2, reason="needs a job of another size to resume")
 @pytest.mark.parametrize("grow", [True, False], ids=["one rank more", "one rank fewer"])
 def test_a_job_resumes_at_another_number_of_ranks(grow):
-    """A job of N-1 ranks (or N) saves one step into its second interval;
-    N (or N-1) resume: those with a checkpoint load their own, a new rank
-    takes rank 0's (load_shared_state: rank 0's θ as its θ and replica, no
-    Δ of its own). Two more syncs match the simulation, which gains a rank
-    as a replacement joins (or loses the last rank's Δ, the saved mean
-    kept: the saved job's all-reduce completed before the save)."""
-    world = MPI.COMM_WORLD
-    before, after = (SIZE - 1, SIZE) if grow else (SIZE, SIZE - 1)
-    sim = sim_for(build(), {}, before)
-    mine = None
-    comm = world.Split(0 if RANK < before else MPI.UNDEFINED, RANK)
-    if comm != MPI.COMM_NULL:
-        model = build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with eager(model, opt, {}, comm) as algo:
-            for s in range(4):
-                inner_step(model, opt, s)
-            mine = copy.deepcopy(algo.state_dict())
-        comm.Free()
-    sim.round(replicas_from(sim.theta, build(), range(3))[:before])
-    shared = world.bcast(mine, root=0)
-    if grow:
-        sim.join()
-    else:
-        del sim.theta[-1], sim.buf[-1], sim.last[-1]
-    # Every rank's replica: 2 steps into the interval from its θ (a new
-    # rank, from θ at the resume: the step it missed is not taken).
-    replicas = replicas_from(sim.theta, build(), range(3, 6))
-    if grow:
-        replicas[-1] = replicas_from(sim.theta, build(), range(4, 6))[after - 1]
-    comm = world.Split(0 if RANK < after else MPI.UNDEFINED, RANK)
-    if comm == MPI.COMM_NULL:
-        return
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with eager(model, opt, {}, comm) as algo:
-        if mine is not None:
-            algo.load_state_dict(mine)
-        else:
-            algo.load_shared_state(shared)
-        for sync, steps in enumerate((range(4, 6), range(6, 9))):
-            for s in steps:
-                inner_step(model, opt, s)
-            sim.round(replicas)
-            check(model, sim, f"sync {sync} after the resume")
-            replicas = replicas_from(sim.theta, model, range(6, 9))
-    comm.Free()
+    """load_shared_state: a new rank takes rank 0's θ (as its θ and
+    replica), outer momentum, step and the saved round's mean, with no Δ of
+    its own; the simulation gains a copy of rank 0 with a zero Δ (or loses
+    the last rank's, the saved mean kept: its all-reduce completed before
+    the save)."""
+    assert_own_theta_resumes_at_another_rank_count(
+        lambda model, opt, comm: eager(model, opt, {}, comm),
+        lambda model, n: sim_for(model, {}, n), grow)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")

@@ -49,21 +49,84 @@ def replicas_from(theta, model, steps, lr=0.1, skip=()):
     return [replicas_after(start, model, steps, lr, skip)[r] for r, start in enumerate(theta)]
 
 
+def assert_rounds_match(model, opt, sim, syncs, what, first_step=0, first_sync=0, skip=(),
+                        scaler=None, tol=None):
+    """`syncs` rounds of 3 inner steps from `first_step` (each rank on its
+    own gradients, through `scaler` if given), the simulation's round (a
+    NoLoCoSim or a sim of its kind: every rank's θ_r) numbered from
+    `first_sync` after each, and every rank's parameters its θ_r then."""
+    for sync in range(first_sync, first_sync + syncs):
+        steps = range(first_step, first_step + 3)
+        replicas = replicas_from(sim.theta, model, steps, skip=skip)
+        for s in steps:
+            inner_step(model, opt, s, skip=skip, scaler=scaler)
+        sim.round(replicas, sync)
+        assert_at_theta(model, sim, f"{what}, sync {sync}", tol)
+        first_step += 3
+
+
+def assert_at_theta(model, sim, what, tol=None):
+    """This rank's parameters are its simulated θ_r."""
+    for p, t in zip(model.parameters(), sim.theta[RANK]):
+        np.testing.assert_allclose(p.detach().double().numpy(), t,
+                                   **(tol or dict(rtol=2e-5, atol=2e-6)),
+                                   err_msg=f"{what}, rank {RANK}")
+
+
+def assert_own_theta_resumes_at_another_rank_count(make, sim_of, grow):
+    """A job of N-1 ranks (or N) saves one step into its second interval of
+    3; N (or N-1) resume: those with a checkpoint load their own, a new
+    rank takes rank 0's (load_shared_state: its θ_r as its θ and replica).
+    Two more syncs match the simulation, which gains a copy of rank 0
+    (join()) or loses the last rank (leave()). make(model, opt, comm); sim_of(model,
+    ranks): a sim with every rank's θ_r (NoLoCoSim and its kind)."""
+    world = MPI.COMM_WORLD
+    before, after = (SIZE - 1, SIZE) if grow else (SIZE, SIZE - 1)
+    sim = sim_of(build(), before)
+    mine = None
+    comm = world.Split(0 if RANK < before else MPI.UNDEFINED, RANK)
+    if comm != MPI.COMM_NULL:
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with make(model, opt, comm) as algo:
+            for s in range(4):
+                inner_step(model, opt, s)
+            mine = copy.deepcopy(algo.state_dict())
+        comm.Free()
+    sim.round(replicas_from(sim.theta, build(), range(3)), 0)
+    shared = world.bcast(mine, root=0)
+    if grow:
+        sim.join()
+    else:
+        sim.leave(after)
+    replicas = replicas_from(sim.theta, build(), range(3, 6))
+    if grow:      # the new rank's replica: from θ_r at the resume, the step it missed not taken
+        replicas[-1] = replicas_from(sim.theta, build(), range(4, 6))[after - 1]
+    comm = world.Split(0 if RANK < after else MPI.UNDEFINED, RANK)
+    if comm == MPI.COMM_NULL:
+        return
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with make(model, opt, comm) as algo:
+        if mine is not None:
+            algo.load_state_dict(mine)
+        else:
+            algo.load_shared_state(shared)
+        for s in range(4, 6):
+            inner_step(model, opt, s)
+        sim.round(replicas, 1)
+        assert_at_theta(model, sim, "the first sync after the resume")
+        assert_rounds_match(model, opt, sim, 1, "after the resume", first_step=6, first_sync=2)
+    comm.Free()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_the_simulation(case):
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sim = sim_for(model, CASES[case])
     with noloco(model, opt, CASES[case]):
-        for sync in range(4):
-            steps = range(3 * sync, 3 * sync + 3)
-            replicas = replicas_from(sim.theta, model, steps)
-            for s in steps:
-                inner_step(model, opt, s)
-            sim.round(replicas, sync)
-            for p, t in zip(model.parameters(), sim.theta[RANK]):
-                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
-                                           err_msg=f"{case}, sync {sync}, rank {RANK}")
+        assert_rounds_match(model, opt, sim, 4, case)
 
 
 @pytest.mark.skipif(SIZE != 4, reason="two groups of two: 4 ranks")
@@ -99,15 +162,7 @@ def test_with_bagua_switches_to_it_and_back():
     sim = NoLoCoSim([p.detach().double().numpy() for p in params], SIZE, **AUTHORS)
     net = mpidp.with_bagua(net, [opt], mpidp.algorithms.NoLoCoAlgorithm(
         torch.optim.SGD(params, **AUTHORS), 3))
-    for sync in range(2):
-        steps = range(2 + 3 * sync, 5 + 3 * sync)
-        replicas = replicas_from(sim.theta, model, steps)
-        for s in steps:
-            inner_step(model, opt, s)
-        sim.round(replicas, sync)
-        for p, t in zip(params, sim.theta[RANK]):
-            np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
-                                       err_msg=f"sync {sync}")
+    assert_rounds_match(model, opt, sim, 2, "NoLoCoAlgorithm", first_step=2)
     net = mpidp.with_bagua(net, [opt], mpidp.algorithms.GradientAllReduceAlgorithm())
     inner_step(model, opt, 8)
     mean = [sum(grads_for(model, r, 8)[i].double().numpy() for r in range(SIZE)) / SIZE
@@ -163,56 +218,14 @@ def test_a_layer_frozen_mid_training_stays_where_it_is():
 @pytest.mark.skipif(SIZE < 2, reason="needs a job of another size to resume")
 @pytest.mark.parametrize("grow", [True, False], ids=["one rank more", "one rank fewer"])
 def test_a_job_resumes_at_another_number_of_ranks(grow):
-    """A job of N-1 ranks (or N) saves one step into its second interval;
-    N (or N-1) resume: those with a checkpoint load their own θ_r, a new
-    rank takes rank 0's (load_shared_state: θ_r, outer momentum and step,
-    its replica at θ_r). Two more syncs match the simulation, which gains a
-    copy of rank 0 (or loses the last rank), its groups drawn over the new
-    size."""
-    world = MPI.COMM_WORLD
-    before, after = (SIZE - 1, SIZE) if grow else (SIZE, SIZE - 1)
-    sim = NoLoCoSim([p.detach().double().numpy() for p in build().parameters()], before,
-                    **AUTHORS)
-    mine = None
-    comm = world.Split(0 if RANK < before else MPI.UNDEFINED, RANK)
-    if comm != MPI.COMM_NULL:
-        model = build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with mpidp.NoLoCo(model, opt, torch.optim.SGD(model.parameters(), **AUTHORS), 3,
-                          comm) as algo:
-            for s in range(4):
-                inner_step(model, opt, s)
-            mine = copy.deepcopy(algo.state_dict())
-        comm.Free()
-    sim.round(replicas_from(sim.theta, build(), range(3))[:before], 0)
-    shared = world.bcast(mine, root=0)
-    if grow:
-        sim.join()
-    else:
-        sim.drop(after)
-    replicas = replicas_from(sim.theta, build(), range(3, 6))
-    if grow:      # the new rank's replica: from θ_r at the resume, the step it missed not taken
-        replicas[-1] = replicas_from(sim.theta, build(), range(4, 6))[after - 1]
-    comm = world.Split(0 if RANK < after else MPI.UNDEFINED, RANK)
-    if comm == MPI.COMM_NULL:
-        return
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with mpidp.NoLoCo(model, opt, torch.optim.SGD(model.parameters(), **AUTHORS), 3,
-                      comm) as algo:
-        if mine is not None:
-            algo.load_state_dict(mine)
-        else:
-            algo.load_shared_state(shared)
-        for sync, steps in enumerate((range(4, 6), range(6, 9))):
-            for s in steps:
-                inner_step(model, opt, s)
-            sim.round(replicas, 1 + sync)
-            for p, t in zip(model.parameters(), sim.theta[RANK]):
-                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5,
-                                           atol=2e-6, err_msg=f"sync {sync} after the resume")
-            replicas = replicas_from(sim.theta, model, range(6, 9))
-    comm.Free()
+    """DiLoCo's load_shared_state: a new rank takes rank 0's θ_r, outer
+    momentum and step, its replica at θ_r; the groups are drawn over the
+    new size."""
+    assert_own_theta_resumes_at_another_rank_count(
+        lambda model, opt, comm: mpidp.NoLoCo(
+            model, opt, torch.optim.SGD(model.parameters(), **AUTHORS), 3, comm),
+        lambda model, n: NoLoCoSim([p.detach().double().numpy() for p in model.parameters()], n,
+                                   **AUTHORS), grow)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs ranks that disagree")
