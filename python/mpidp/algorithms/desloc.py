@@ -36,7 +36,7 @@ from .._runtime.model_checks import trainable_parameters
 from .._runtime.model_consistency import check_same_step, frozen_code, param_group_settings
 from .._runtime.mpi import communicator
 from ..collectives.means import average_tensors
-from .driver import InnerStepContext, set_up
+from .driver import InnerStepRounds, set_up
 
 __all__ = ["DESLOC"]
 
@@ -44,7 +44,7 @@ __all__ = ["DESLOC"]
 _MOMENTS = (("exp_avg_every", "exp_avg"), ("exp_avg_sq_every", "exp_avg_sq"))
 
 
-class DESLOC(InnerStepContext):
+class DESLOC(InnerStepRounds):
     """with DESLOC(model, optimizer, param_every) as desloc:
     train as usual, stepping `optimizer`; the averages happen after its
     steps (see the module's docstring for the rule).
@@ -102,16 +102,7 @@ class DESLOC(InnerStepContext):
         return {"param_every": self.param_every, "exp_avg_every": self.exp_avg_every,
                 "exp_avg_sq_every": self.exp_avg_sq_every}
 
-    # -- the averages ---------------------------------------------------------------
-
-    def _after_inner_step(self, optimizer, args, kwargs) -> None:
-        self._trainable_at_setup.check()
-        self._catch_up()      # where no forward came since a recovery
-        self._round_open = True
-        self._average(self.step)
-        self._round_open = False
-        self.step += 1
-        fault_tolerant_mode.commit_step()
+    # -- the averages (driver.InnerStepRounds runs a round after each step) --------
 
     def _due(self, step: int) -> List[torch.Tensor]:
         """The tensors averaged after optimizer step `step` (0-based): the
@@ -127,7 +118,8 @@ class DESLOC(InnerStepContext):
                             for s in [self.inner_optimizer.state.get(p, {})] if key in s]
         return tensors
 
-    def _average(self, step: int) -> None:
+    def _round(self, step: int) -> None:
+        """The averages due after step `step`."""
         if not any((step + 1) % every == 0 for every in self.periods.values()):
             return
         tensors = self._due(step)
@@ -139,11 +131,6 @@ class DESLOC(InnerStepContext):
                            ("elements averaged", sum(t.numel() for t in tensors))])
         with torch.no_grad():
             average_tensors(tensors, self._comm, self._communicator.mpi)
-
-    def _catch_up(self) -> None:
-        while self._redo_steps:
-            self._average(self._redo_steps[0])
-            self._redo_steps.pop(0)
 
     def drain(self) -> None:
         """Takes an average a recovery left to redo (nothing is in flight

@@ -26,7 +26,7 @@ from .._runtime import fault_tolerant_mode
 from .._runtime.args import check_bool, check_int, check_real
 from .._runtime.dtypes import wire_code
 from .._runtime.model_consistency import check_same_step, frozen_code, param_group_settings
-from .driver import InnerStepContext, check_inner_optimizers, set_up, wait_pending
+from .driver import InnerStepRounds, check_inner_optimizers, set_up, wait_pending
 from .outer_step import step_with_outer_gradients
 from .._runtime.mpi import communicator
 from .._runtime.flat_buffers import write_back
@@ -40,7 +40,7 @@ __all__ = ["DiLoCo"]
 _CHUNK = 1 << 22
 
 
-class DiLoCo(InnerStepContext):
+class DiLoCo(InnerStepRounds):
     """with DiLoCo(model, inner_optimizer, outer_optimizer, sync_every) as diloco:
     train as usual, stepping `inner_optimizer`; the syncs happen after its steps.
 
@@ -268,7 +268,9 @@ class DiLoCo(InnerStepContext):
                 for params, x in zip(self._fragments, local):
                     for p, v in zip(params, x):
                         p.copy_(v)
-            redo = {step for step, _ in self._unapplied.values()}
+            # A redo an earlier recovery left and this loss cut short (before
+            # its send, so _unapplied does not hold it) stays to do.
+            redo = set(self._redo_steps) | {step for step, _ in self._unapplied.values()}
             if self._round_open:
                 redo.add(self.step)
                 self._round_open = False
@@ -308,23 +310,9 @@ class DiLoCo(InnerStepContext):
     def _takes_replacements(self) -> bool:
         return True       # from θ, at the step after the last turn (_continue_on)
 
-    def _catch_up(self) -> None:
-        while self._redo_steps:
-            self._actions(self._redo_steps[0])
-            self._redo_steps.pop(0)
+    # -- the syncs (driver.InnerStepRounds runs a round after each inner step) -----
 
-    # -- the syncs ---------------------------------------------------------------
-
-    def _after_inner_step(self, optimizer, args, kwargs) -> None:
-        self._trainable_at_setup.check()
-        self._catch_up()      # where no forward came since a recovery
-        self._round_open = True
-        self._actions(self.step)
-        self._round_open = False
-        self.step += 1
-        fault_tolerant_mode.commit_step()
-
-    def _actions(self, step: int) -> None:
+    def _round(self, step: int) -> None:
         """What the schedule does after inner step `step` (0-based): a
         fragment's send, a fragment's turn."""
         due = _C.avgsched_actions(step, **self._schedule)

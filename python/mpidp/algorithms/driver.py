@@ -47,8 +47,8 @@ from .._runtime.mpi import Communicator, communicator, is_world
 from .._runtime.hook_handles import remove_handles
 from .._runtime.model_checks import TrainableAtSetup
 from .._runtime.state_broadcast import broadcast_state
-__all__ = ["Driver", "InnerStepContext", "set_up", "wait_pending", "continue_on_survivors",
-           "algorithms_over", "WrapperCopy", "reduce_wrapper"]
+__all__ = ["Driver", "InnerStepContext", "InnerStepRounds", "set_up", "wait_pending",
+           "continue_on_survivors", "algorithms_over", "WrapperCopy", "reduce_wrapper"]
 
 # The live drivers that claimed each module (weakly held: a dropped driver
 # gives its claim up with it).
@@ -498,6 +498,33 @@ class InnerStepContext(Driver):
 
     def load_algorithm_state(self, state: Dict[str, Any]) -> None:
         self.load_state_dict(state)
+
+
+class InnerStepRounds(InnerStepContext):
+    """An inner-step context whose rule is a round after each inner step,
+    numbered by the step (DiLoCo's sends and turns, DES-LOC's averages):
+    `_round(step)`. In fault-tolerant mode a round that a loss cut short is
+    redone: the subclass's recovery appends its step to `_redo_steps`, and
+    _catch_up runs them before the next forward or round. Subclasses set
+    `step` (0), `_round_open` (False) and `_redo_steps` ([])."""
+
+    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        self._trainable_at_setup.check()
+        self._catch_up()      # where no forward came since a recovery
+        self._round_open = True
+        self._round(self.step)
+        self._round_open = False
+        self.step += 1
+        fault_tolerant_mode.commit_step()
+
+    def _round(self, step: int) -> None:
+        """What the rule does after inner step `step` (0-based)."""
+        raise NotImplementedError
+
+    def _catch_up(self) -> None:
+        while self._redo_steps:
+            self._round(self._redo_steps[0])
+            self._redo_steps.pop(0)
 
 
 # -- what a copy of a wrapper is -------------------------------------------------------------

@@ -419,6 +419,10 @@ REPLICA_CASES = {
     "diloco, a rank lost between syncs, then one at a sync step":
         ("diloco", 4, "1:2:backward;3:5:step", {1: 2, 3: 5}),
     "diloco, two ranks lost at once": ("diloco", 4, "0,2:5:backward", {0: 5, 2: 5}),
+    # The second loss cuts short the redo of the sync the first interrupted
+    # (before the redo's send): the redo must survive a second recovery.
+    "diloco, rank 0 lost at a sync, then rank 3 before the survivors' redo of it":
+        ("diloco", 4, "0:3:step;3:4:forward", {0: 3, 3: 3}),
     "diloco, habits: rank 0 lost in backward, then one with the outer-gradient allreduce posted":
         ("diloco", 4, "0:2:backward;2:5:outer", {0: 2, 2: 5}, True),
 }

@@ -653,6 +653,8 @@ EAGER_CASES = {
     "a rank lost in an inner phase, the all-reduce in flight; then rank 0 before its wait":
         ("1:2:backward;0:5:outer", {1: 2, 0: 5}, False),
     "habits: two ranks lost at once at a sync step": ("0,3:3:step", {0: 3, 3: 3}, True),
+    "rank 0 lost at a sync, then rank 3 before the survivors' redo of it":
+        ("0:3:step;3:4:forward", {0: 3, 3: 3}, False),
     "a rank lost between steps, then another in the survivors' agreement":
         ("2:4:between;1:5:agreement", {2: 5, 1: 5}, False),
 }
