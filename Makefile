@@ -2,9 +2,9 @@
 #   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
 #   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2, 3 (ranks3 tests) and 4 MPI ranks
 #                 + DataParallel's tests with the Python gradient hook
-#                 + pytest at 2 ranks against the oldest mpi4py pyproject.toml claims
-#                 + the fault-tolerance tests: ranks killed under ULFM (Open MPI 5, .venv-ft),
-#                   run beside the 1-rank pass
+#                 + pytest at 2 ranks against the oldest mpi4py pyproject.toml claims,
+#                   all beside the fault-tolerance tests: ranks killed under ULFM
+#                   (Open MPI 5, .venv-ft; scripts/test_passes.sh)
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests (ASan/UBSan) and a replay of the fuzz corpus
 #   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
@@ -27,14 +27,13 @@ DEMO_RANKS_PER_NODE := 2
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup test ctest pytest pytest-1-and-ft pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps pytest-ft demo bench bench-daso bench-ft fuzz valgrind docs clean
+.PHONY: setup test ctest pytest pytest-1 pytest-2 pytest-3 pytest-4 pytest-python-hook pytest-oldest-deps pytest-ft demo bench bench-daso bench-ft fuzz valgrind docs clean
 
 setup:
 	@./scripts/setup_env.sh
 
 test: setup
-	$(MAKE) --no-print-directory ctest
-	$(MAKE) --no-print-directory pytest
+	@./scripts/test_passes.sh
 
 # The C tests compile on every core and then run one after another.
 ctest:
@@ -51,12 +50,9 @@ valgrind: setup
 	@command -v valgrind >/dev/null || ./scripts/apt_install.sh valgrind
 	$(MAKE) --no-print-directory -C tests/valgrind run
 
-# The fault-tolerance pass runs beside the 1-rank, 3-rank and Python-hook
-# passes, which fill the time it spends waiting (scripts/test_1_and_ft.sh).
-pytest: pytest-1-and-ft pytest-2 pytest-4 pytest-oldest-deps
-
-pytest-1-and-ft: setup
-	@./scripts/test_1_and_ft.sh
+# Every pytest pass, one after another (`make test` runs them beside the
+# fault-tolerance pass instead: scripts/test_passes.sh).
+pytest: pytest-1 pytest-3 pytest-python-hook pytest-2 pytest-4 pytest-oldest-deps pytest-ft
 
 # Explicit rules: make skips pattern rules for .PHONY targets, so a
 # `pytest-%: ...` rule would silently run nothing for them.

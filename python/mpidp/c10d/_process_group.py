@@ -47,6 +47,7 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
     order), with torch's per-group `timeout`."""
 
     def __init__(self, mpi_comm, timeout: datetime.timedelta | None, global_ranks):
+        _run_collectives_eagerly_under_compile()
         super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size())
         self._mpi_comm = mpi_comm
         self._comm = _C.Comm(mpi_comm)
@@ -488,13 +489,23 @@ class ProcessGroupMPIDP(dist.ProcessGroup):
 # MPI calls on the C core, which no graph can hold. Dynamo treats a Python
 # ProcessGroup as an opaque object and would otherwise trace into these
 # methods and fail on their attributes: each runs eagerly instead, between
-# the graphs it splits (gloo's calls do the same through C++).
+# the graphs it splits (gloo's calls do the same through C++). The methods
+# are wrapped when the first group is made, not at import: torch._dynamo
+# takes a second to import, which every rank of every job would pay.
 _COLLECTIVES = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
                 "reduce_scatter_single", "reduce_scatter_single_coalesced", "broadcast",
                 "allgather", "all_gather_single", "all_gather_single_coalesced",
                 "allgather_coalesced", "gather", "scatter", "all_to_all_single", "alltoall",
                 "barrier", "send", "recv", "recv_anysource")
-for _name in _COLLECTIVES:
-    setattr(ProcessGroupMPIDP, _name, torch._dynamo.disable(getattr(ProcessGroupMPIDP, _name),
-                                                          recursive=True))
-del _name
+_collectives_run_eagerly = False
+
+
+def _run_collectives_eagerly_under_compile() -> None:
+    global _collectives_run_eagerly
+    if _collectives_run_eagerly:
+        return
+    import torch._dynamo
+    for name in _COLLECTIVES:
+        setattr(ProcessGroupMPIDP, name,
+                torch._dynamo.disable(getattr(ProcessGroupMPIDP, name), recursive=True))
+    _collectives_run_eagerly = True

@@ -88,6 +88,7 @@ def recover(replace: bool = False, comm=None) -> Membership:
     unexplained = None              # an error of the last rebuild that was no failure, yet
     comms = [first_comm]            # every communicator this recovery has had (a round may fail)
     holder = domain.agreed_holder   # whose `agreed` says this round's agreement is behind us
+    spawned = None                  # (the world a spawn made, its replacements' ranks in it)
     while True:
         times = {}
         t0 = time.perf_counter()
@@ -107,6 +108,8 @@ def recover(replace: bool = False, comm=None) -> Membership:
         with deadline(f"shrinking {domain.what} to the survivors"):
             survivors = _survivors.shrink(domain.agree_comm)
         times["shrink"] = time.perf_counter() - t1
+        if spawned is not None:
+            _end_if_a_replacement_was_lost(*spawned, survivors)
         joined, before_growth = (), None
         if replace and survivors.Get_size() < old_comm.Get_size():
             before_growth = survivors
@@ -114,6 +117,7 @@ def recover(replace: bool = False, comm=None) -> Membership:
             with deadline("spawning the replacements"):
                 survivors, joined = spawn_replacements(
                     survivors, old_comm.Get_size() - survivors.Get_size())
+            spawned = (survivors, joined)
             times["spawn"] = time.perf_counter() - t_spawn
         t2 = time.perf_counter()
         try:
@@ -155,6 +159,23 @@ def recover(replace: bool = False, comm=None) -> Membership:
             + (f"; the last: {cause}" if cause is not None else ""))
     return Membership(survivors.Get_rank(), survivors.Get_size(), lost,
                       first_comm.Get_size(), _state.generation, survivors, joined)
+
+
+def _end_if_a_replacement_was_lost(world, joined, survivors) -> None:
+    """A replacement this recovery spawned (ranks `joined` of `world`) is
+    lost before the recovery ended: its program failed before it joined the
+    training (it runs this program again, so every replacement would fail
+    the same way) or its node died. Spawning another could go on forever:
+    the job ends here, on every survivor alike (the shrink is agreed)."""
+    gone = sorted(set(lost_ranks(world, survivors)) & set(joined))
+    if gone:
+        raise RuntimeError(
+            f"recover(replace=True): the replacement{'s' if len(gone) > 1 else ''} spawned as "
+            f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended before "
+            "the recovery did (its own error, if it raised one, is printed above: a "
+            "replacement runs this program again, so another would fail alike); ending the "
+            "job rather than spawning again. To go on without replacements, call "
+            "mpidp.recover() without replace")
 
 
 def _domain_of(comm):

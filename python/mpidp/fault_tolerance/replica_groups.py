@@ -9,11 +9,11 @@ same place in another replica group (give_replacements_shards)."""
 
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .._runtime import fault_tolerant_mode
 from .._runtime import mpi as _mpi
@@ -161,7 +161,7 @@ def _give_shards(model, optimizer, comm, group_size) -> None:
             # Each state entry: its local shard (sharded like the
             # parameter, e.g. momentum), or as it is (a step count).
             mine = ([_local(p).clone() for p in params],
-                    [{k: (isinstance(v, DTensor), _local(v).clone()
+                    [{k: (_is_dtensor(v), _local(v).clone()
                           if isinstance(v, torch.Tensor) else v)
                       for k, v in optimizer.state.get(p, {}).items()} for p in params])
         shards, states = peers.bcast(mine, root=root)
@@ -180,6 +180,13 @@ def _give_shards(model, optimizer, comm, group_size) -> None:
         peers.Free()
 
 
+def _is_dtensor(t) -> bool:
+    # Looked up, not imported: torch.distributed.tensor takes most of a
+    # second to import, and a program that made a DTensor has it already.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2's parameters), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
