@@ -63,6 +63,21 @@ def test_hierarchical_allreduce_with_free_nodes_is_the_nodes_allreduce():
     assert costs.flat_allreduce(Cluster(1, 4, LV, NET), 1e7) == costs.allreduce(4, 1e7, LV)
 
 
+def test_the_node_routes_allgather_crosses_the_network_with_each_piece_once():
+    """Over nodes of several ranks the wire's gather crosses the network as
+    an allgather between the nodes (each piece once), where a flat one's
+    steps cross it at every rank's turn; with free nodes, exactly the
+    nodes' allgather. One rank a node, or one node: the flat allgather."""
+    free = Level(0.0, 0.0, 0.0)
+    n = 1e7
+    assert costs.node_route_allgather(Cluster(4, 8, free, NET), n) == \
+        pytest.approx(costs.allgather(4, n, NET))
+    assert costs.node_route_allgather(Cluster(4, 8, LV, NET), n) < \
+        costs.flat_allgather(Cluster(4, 8, LV, NET), n)
+    for c in (Cluster(4, 1, LV, NET), Cluster(1, 8, LV, NET)):
+        assert costs.node_route_allgather(c, n) == costs.flat_allgather(c, n)
+
+
 CLUSTER = Cluster(4, 2, LV, NET)
 WORK = alg.Workload(params=5_000_000, step_s=0.1, overlap=0.8)
 

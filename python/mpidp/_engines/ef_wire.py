@@ -1,7 +1,8 @@
 """The wire of the error-feedback algorithms (SparseLoCo, DeMo): each
 tensor's fixed-size payload at a fixed offset of a bucket, one
 `MPI_Iallgather` per bucket through the core's posting path (every wait has
-the process's deadline), and a header in front of the first bucket that
+the process's deadline; across nodes by node_gather's route where the
+communicator spans several nodes of several ranks), and a header in front of the first bucket that
 lets every rank check, from the same gathered bytes, that the ranks are at
 the same step with the same settings and the same shared weights.
 
@@ -17,6 +18,7 @@ import torch
 
 from .. import _C
 from .._runtime.model_consistency import ranks_at_steps, refuse_different_settings, settings_hash
+from .node_gather import NodeRoute
 
 # Bytes of one bucket's payloads per rank before a new bucket starts (each
 # bucket's allgather is posted as soon as its payloads are written).
@@ -40,10 +42,12 @@ class TensorWire:
 
 
 class Wire:
-    """The buckets of a list of tensors over one communicator (_C.Comm)."""
+    """The buckets of a list of tensors over one communicator (_C.Comm;
+    mpi_comm: its mpi4py communicator, whose nodes may give a shorter route
+    across them. Collective over it)."""
 
     def __init__(self, comm, shapes: Sequence[Sequence[int]], chunk: int,
-                 k_of: Callable[[int], int], bins: int, what: str):
+                 k_of: Callable[[int], int], bins: int, what: str, mpi_comm=None):
         self.comm = comm
         self.what = what
         self.tensors = [TensorWire(s, chunk, k_of, bins) for s in shapes]
@@ -55,7 +59,9 @@ class Wire:
             sizes[-1] += t.bytes
         self.send = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
         self.gathered = [torch.zeros(comm.size * n, dtype=torch.uint8) for n in sizes]
-        self._works: List = []
+        self.route = NodeRoute.over(mpi_comm)
+        self._staged = None if self.route is None else [self.route.staging(n) for n in sizes]
+        self._works: List = []      # (bucket, its work), in the order posted
 
     @property
     def bytes_sent(self) -> int:
@@ -76,7 +82,11 @@ class Wire:
 
     def post(self, bucket: int) -> None:
         """Posts the allgather of one bucket (its payloads written)."""
-        self._works.append(self.comm.allgather(self.send[bucket], self.gathered[bucket], True))
+        if self.route is None:
+            work = self.comm.allgather(self.send[bucket], self.gathered[bucket], True)
+        else:
+            work = self.route.post(self.send[bucket], self._staged[bucket])
+        self._works.append((bucket, work))
 
     @property
     def in_flight(self) -> bool:
@@ -87,8 +97,11 @@ class Wire:
         every rank raises the same error when the ranks' steps, settings or
         shared weights differ."""
         works, self._works = self._works, []
-        for w in works:
-            w.wait()
+        for bucket, work in works:
+            if self.route is None:
+                work.wait()
+            else:
+                self.route.finish(work, self._staged[bucket], self.gathered[bucket])
         n = self.send[0].numel()
         heads = [_HEADER.unpack(bytes(self.gathered[0][r * n:r * n + _HEADER.size].tolist()))
                  for r in range(self.comm.size)]

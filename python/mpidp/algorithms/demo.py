@@ -120,7 +120,7 @@ class DeMo(torch.optim.Optimizer):
     def _make_wire(self) -> Wire:
         topk = self.compression_topk
         return Wire(self._comm, [p.shape for p in self._params], self.compression_chunk,
-                    lambda length: topk, 0, "DeMo")
+                    lambda length: topk, 0, "DeMo", self._communicator.mpi)
 
     def _takes_replacements(self) -> bool:
         return True       # its momentum at zero, the rest rank 0's (_continue_on)

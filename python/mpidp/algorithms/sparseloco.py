@@ -146,7 +146,7 @@ class SparseLoCo(InnerStepContext):
 
     def _make_wire(self) -> Wire:
         return Wire(self._comm, [p.shape for p in self.params], self.chunk_size, self._k_of,
-                    self._bins(), self.what)
+                    self._bins(), self.what, self._communicator.mpi)
 
     def _k_of(self, length: int) -> int:
         """k of a tile of `length` entries: the share top_k / chunk² of it."""

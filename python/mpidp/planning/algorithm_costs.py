@@ -171,7 +171,7 @@ def sparseloco(every: int, top_k: int, chunk: int, bins: int, delay: int = 0):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         payload = sparseloco_payload(w.params, top_k, chunk, bins)
         return [Component("allgather of the compressed outer gradients",
-                          lambda cl: costs.flat_allgather(cl, payload * cl.size), every,
+                          lambda cl: costs.node_route_allgather(cl, payload * cl.size), every,
                           delay * w.step_s, _gather_sent(c.size, payload),
                           w.overheads.get("SparseLoCo", 0.0) * w.params)]
     return parts
@@ -224,7 +224,7 @@ def demo(top_k: int, chunk: int):
     def parts(c: Cluster, w: Workload) -> List[Component]:
         payload = sparseloco_payload(w.params, top_k, chunk, 0)
         return [Component("allgather of the DCT coefficients",
-                          lambda cl: costs.flat_allgather(cl, payload * cl.size), 1, 0.0,
+                          lambda cl: costs.node_route_allgather(cl, payload * cl.size), 1, 0.0,
                           _gather_sent(c.size, payload), w.overheads.get("DeMo", 0.0) * w.params)]
     return parts
 

@@ -12,7 +12,8 @@ its ring or recursive steps cross the network, so a flat collective over
 ranks on several nodes is costed at the network's alpha and beta. mpidp's
 hierarchical allreduce is a reduce-scatter in the node, an allreduce across
 the nodes of 1/r of the data by each of the node's r ranks at once (so the
-node's link carries the whole message), and an allgather in the node."""
+node's link carries the whole message), and an allgather in the node; its
+allgather of compressed payloads, across the nodes then in the node."""
 
 from __future__ import annotations
 
@@ -152,6 +153,18 @@ def flat_allreduce(c: Cluster, n: float, wire: int = FP32_WIRE) -> float:
 
 def flat_allgather(c: Cluster, n: float) -> float:
     return allgather(c.size, n, c.intra if c.nodes == 1 else c.inter)
+
+
+def node_route_allgather(c: Cluster, n: float) -> float:
+    """The error-feedback wire's allgather (n: the bytes every rank ends
+    with). Over several nodes of several ranks it takes mpidp's node route
+    (_engines/node_gather.py): each rank gathers its counterparts' pieces
+    across the nodes, the node's r ranks at once through its link (which
+    so carries every piece once), then the node's ranks gather those among
+    themselves. Elsewhere the flat allgather."""
+    if c.nodes == 1 or c.ranks_per_node == 1:
+        return flat_allgather(c, n)
+    return allgather(c.nodes, n, c.inter) + allgather(c.ranks_per_node, n, c.intra)
 
 
 def node_allreduce(c: Cluster, n: float) -> float:

@@ -147,6 +147,37 @@ def test_payloads_in_several_buckets_and_a_second_wrapper(monkeypatch):
         inner_sl.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("per_node", [k for k in (1, 2, SIZE) if SIZE % k == 0])
+def test_across_emulated_nodes_the_payloads_cross_once_and_land_alike(monkeypatch, per_node):
+    """Nodes of per_node ranks (MPIDP_RANKS_PER_NODE): with several nodes of
+    several ranks the wire takes the node route (each payload gathered
+    across nodes once, then within the node: node_gather.py), elsewhere the
+    flat allgather. In three buckets, every rank's payload must land where
+    the flat allgather puts it (the mean would not tell: it adds them in
+    any order): the gathered bytes are the flat allgather's, and the rounds
+    match the simulation."""
+    world = MPI.COMM_WORLD
+    monkeypatch.setenv("MPIDP_RANKS_PER_NODE", str(per_node))
+    monkeypatch.setattr(mpidp._engines.ef_wire, "BUCKET_BYTES", 100)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    settings = CASES["paper"]
+    sim = sim_for(model, settings)
+    with mpidp.SparseLoCo(model, opt, 3, **settings) as sl:
+        assert (sl._wire.route is not None) == (1 < per_node < SIZE), per_node
+        assert len(sl._wire.send) == 3
+        for sync in range(3):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = replicas_after(sim.shared, model, steps, 0.1)
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas)
+            check_against(model, sl, sim, f"nodes of {per_node}, sync {sync}")
+            for b, (send, got) in enumerate(zip(sl._wire.send, sl._wire.gathered)):
+                flat = torch.cat([torch.from_numpy(x) for x in world.allgather(send.numpy())])
+                assert torch.equal(got, flat), f"sync {sync}, bucket {b}: payloads misplaced"
+
+
 def test_with_bagua_switches_to_it_after_averaged_gradients():
     """Bagua's interface: two steps of averaged gradients, then SparseLoCo
     from the replicas' common weights, matching the simulation; its state

@@ -146,7 +146,7 @@ def simulate_sparseloco(n, steps, lost_from, delay, clip=None, algorithm="sparse
 
 
 # (ranks, kill spec, {victim: the first step without it}, sync_delay,
-# FT_SUSPECT, FT_HABITS); syncs after inner steps 1, 3, 5 and 7 (with
+# FT_SUSPECT, FT_HABITS, the environment beside); syncs after inner steps 1, 3, 5 and 7 (with
 # sync_delay 1 each sent a step before).
 SPARSELOCO_CASES = {
     "habits (wrapped twice, AMP, clipped): a rank lost between syncs, then rank 0 with the "
@@ -162,6 +162,10 @@ SPARSELOCO_CASES = {
     # step apart, every rank redoes the sync (none was lost).
     "sync_delay: the ranks a step apart when the loss is found":
         (3, "", {}, 1, "0:3"),
+    # 2 emulated nodes of 2: the wire's node route (node_gather.py) until the
+    # loss, the flat allgather over the 3 survivors (their nodes uneven).
+    "nodes of 2: a rank lost with the gather across nodes in flight":
+        (4, "2:3:outer", {2: 3}, 0, "", False, {"MPIDP_RANKS_PER_NODE": 2}),
 }
 
 
@@ -179,8 +183,11 @@ MULOCO_CASES = {
                          + [("muloco", c) for c in MULOCO_CASES])
 def test_sparseloco_survivors_match_the_simulation(tmp_path, algorithm, case):
     cases = SPARSELOCO_CASES if algorithm == "sparseloco" else MULOCO_CASES
-    n, kill, lost_from, delay, suspect, with_habits = (cases[case] + ("", False))[:6]
+    given = cases[case]
+    n, kill, lost_from, delay, suspect, with_habits, extra = \
+        given + ("", False, {})[len(given) - 4:]
     env, clip = habits(with_habits)
+    env.update(extra)
     saved = run_job(tmp_path, n, kill, FT_ALGORITHM=algorithm, FT_SYNC_DELAY=delay,
                     FT_SUSPECT=suspect, **env)
     if suspect:
