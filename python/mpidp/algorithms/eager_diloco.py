@@ -138,7 +138,12 @@ class EagerDiLoCo(DiLoCo):
     nesterov=True)). comm: an mpi4py communicator (None: every rank).
     wire_dtype: None (float32), torch.bfloat16 or torch.float16 for the
     outer gradients' all-reduce. sync_buffers: as DiLoCo's (BatchNorm's
-    statistics become the ranks' mean at each sync)."""
+    statistics become the ranks' mean at each sync). model_fragments:
+    Streaming DiLoCo's (modules whose trainable parameters partition the
+    model's), taking turns one every sync_every / len(model_fragments)
+    steps, each with its own rounds: its θ, Δ and mean (the paper combines
+    the two). A fragment's all-reduce runs until its next turn, so there is
+    no fragment_sync_delay."""
 
     what = "EagerDiLoCo"
     _theta_per_rank = True
@@ -146,14 +151,17 @@ class EagerDiLoCo(DiLoCo):
     def __init__(self, model: torch.nn.Module,
                  inner_optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
                  outer_optimizer: torch.optim.Optimizer, sync_every: int, comm=None, *,
-                 wire_dtype: Optional[torch.dtype] = None, sync_buffers: bool = True):
+                 wire_dtype: Optional[torch.dtype] = None, sync_buffers: bool = True,
+                 model_fragments: Optional[Sequence[torch.nn.Module]] = None):
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, comm,
-                         wire_dtype=wire_dtype, sync_buffers=sync_buffers)
+                         model_fragments=model_fragments, wire_dtype=wire_dtype,
+                         sync_buffers=sync_buffers)
 
     def _set_up(self, comm):
         return set_up(self.model, comm, self.what,
                       settings={"sync_every": self.sync_every, "wire_dtype": self.wire_dtype,
-                                "sync_buffers": self.sync_buffers},
+                                "sync_buffers": self.sync_buffers,
+                                "fragments": len(self._fragments)},
                       rebuild="Build a new EagerDiLoCo, its outer optimizer holding the "
                               "parameters trainable now, after such a change")
 

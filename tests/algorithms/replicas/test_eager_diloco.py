@@ -104,6 +104,40 @@ def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
     cross.Free()
 
 
+def test_fragments_take_turns_each_with_rounds_of_its_own():
+    """Streaming DiLoCo's fragments with eager updates: two fragments,
+    sync_every 4, so a turn every 2 steps, alternating. At its turn a
+    fragment steps each rank's θ by the eager rule over its own rounds (its
+    Δ, its mean) and the replica restarts from it; the other fragment's
+    weights go on training. Against one simulation per fragment, every
+    rank's replica tracked in float64 at every step."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    ids = [[0, 1], [2, 3]]          # the fragments' parameters
+    sims = [EagerDiLoCoSim([params[i].detach().double().numpy() for i in f], SIZE, **DILOCO)
+            for f in ids]
+    replicas = [[p.detach().double().numpy() for p in params] for _ in range(SIZE)]
+    with mpidp.EagerDiLoCo(model, opt, torch.optim.SGD(params, **DILOCO), 4,
+                           model_fragments=[model[0], model[1]]):
+        for s in range(12):
+            for r in range(SIZE):
+                for i, g in enumerate(grads_for(model, r, s)):
+                    replicas[r][i] = replicas[r][i] - 0.1 * g.double().numpy()
+            inner_step(model, opt, s)
+            if (s + 1) % 2 == 0:
+                f = ((s + 1) // 2 - 1) % 2     # the turns: fragment 0, 1, 0, ...
+                theta = sims[f].round([[rep[i] for i in ids[f]] for rep in replicas])
+                for r in range(SIZE):
+                    for k, i in enumerate(ids[f]):
+                        replicas[r][i] = theta[r][k].copy()
+            for i, p in enumerate(params):
+                np.testing.assert_allclose(p.detach().double().numpy(), replicas[RANK][i],
+                                           rtol=2e-5, atol=2e-6,
+                                           err_msg=f"step {s}, parameter {i}, rank {RANK}")
+
+
 def test_grad_scaler_gives_the_same_rounds():
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -205,8 +239,9 @@ def test_an_outer_lr_that_differs_across_ranks_is_refused_at_the_sync():
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(wire_dtype=torch.int8), ValueError, "wire_dtype"),
     (dict(sync_buffers=1), TypeError, "sync_buffers: expected a bool"),
-    (dict(model_fragments=None), TypeError, "model_fragments"),
+    (dict(model_fragments=torch.nn.Linear(2, 2)), TypeError, "model_fragments: expected a list"),
     (dict(fragment_sync_delay=1), TypeError, "fragment_sync_delay"),
+    (dict(fragment_update_alpha=0.5), TypeError, "fragment_update_alpha"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     model = build()

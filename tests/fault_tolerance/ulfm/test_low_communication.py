@@ -541,10 +541,52 @@ def own_theta_sync(sim, models, order, t):
                 p.copy_(torch.from_numpy(v))
 
 
+class FragmentTurns:
+    """An own-θ simulation per fragment (train_ft's FT_FRAGMENTS: the
+    parameters of its FRAGMENTS' layers), sync k being fragment k % n's
+    turn; the rest of each replica goes on as it is."""
+
+    def __init__(self, make, init, n):
+        model = train_ft.make_model()
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        self.ids = [[index[id(p)] for layer in f for p in model[layer].parameters()]
+                    for f in train_ft.FRAGMENTS]
+        self.sims = [make([init[i] for i in f], n) for f in self.ids]
+
+    def round(self, replicas, number):
+        f = number % len(self.ids)
+        theta = self.sims[f].round([[x[i] for i in self.ids[f]] for x in replicas], number)
+        out = [list(x) for x in replicas]
+        for r, mine in enumerate(theta):
+            for k, i in enumerate(self.ids[f]):
+                out[r][i] = mine[k]
+        return out
+
+    def drop(self, rank: int) -> None:
+        for sim in self.sims:
+            sim.drop(rank)
+
+    @property
+    def buf(self):
+        """Each rank's outer momentum, in the model's parameter order."""
+        ranks = len(self.sims[0].buf)
+        out = [[None] * sum(map(len, self.ids)) for _ in range(ranks)]
+        for f, sim in zip(self.ids, self.sims):
+            for r in range(ranks):
+                for k, i in enumerate(f):
+                    out[r][i] = sim.buf[r][k]
+        return out
+
+
+def eager_sim(init, n):
+    return EagerDiLoCoSim(init, n, lr=0.7, momentum=0.9, nesterov=True)
+
+
 # The simulations of the algorithms whose θ is each rank's own, by train_ft's name.
 OWN_THETA_SIMS = {
     "noloco": lambda init, n: NoLoCoSim(init, n, **train_ft.NOLOCO_OUTER),
-    "eager": lambda init, n: EagerDiLoCoSim(init, n, lr=0.7, momentum=0.9, nesterov=True),
+    "eager": eager_sim,
+    "eager fragments": lambda init, n: FragmentTurns(eager_sim, init, n),
 }
 
 
@@ -664,17 +706,22 @@ EAGER_CASES = {
         ("0:3:step;3:4:forward", {0: 3, 3: 3}, False),
     "a rank lost between steps, then another in the survivors' agreement":
         ("2:4:between;1:5:agreement", {2: 5, 1: 5}, False),
+    "fragments: a rank lost with a fragment's all-reduce in flight, another at the next turn":
+        ("1:2:backward;3:5:step", {1: 2, 3: 5}, False, True),
 }
 
 
 @pytest.mark.parametrize("case", list(EAGER_CASES))
 def test_eager_diloco_survivors_match_the_simulation(tmp_path, case):
-    kill, lost_from, on = EAGER_CASES[case]
+    kill, lost_from, on, fragments = EAGER_CASES[case] + (False,) * (4 - len(EAGER_CASES[case]))
     env, clip = habits(on)
+    if fragments:
+        env["FT_FRAGMENTS"] = 1
     saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="eager", **env)
     for key, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
-    assert_noloco_matches(saved, simulate_noloco(4, 8, lost_from, clip, "eager"))
+    assert_noloco_matches(saved, simulate_noloco(4, 8, lost_from, clip,
+                                                 "eager fragments" if fragments else "eager"))
 
 
 def test_eager_diloco_grows_back_with_each_survivor_keeping_its_weights(tmp_path):

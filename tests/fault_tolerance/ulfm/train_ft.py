@@ -28,7 +28,8 @@ muloco: MuLoCo as sparseloco, every entry in 2-bit codes, the outer SGD
 MULOCO_OUTER, noloco: NoLoCo (pairs drawn every PERIOD inner steps, each
 rank's outer SGD NOLOCO_OUTER; its momentum is the one saved), eager:
 EagerDiLoCo (a sync every PERIOD inner steps, each rank's outer SGD
-DiLoCo's; its momentum is the one saved), desloc: DES-LOC with Adam (lr
+DiLoCo's; its momentum is the one saved; FT_FRAGMENTS=1: FRAGMENTS taking
+turns every PERIOD steps), desloc: DES-LOC with Adam (lr
 DESLOC_LR; parameters averaged every PERIOD steps, first moments every
 DESLOC_PERIODS[1], second every DESLOC_PERIODS[2]; the first moments saved),
 demo: DeMo as the optimizer (its momentum is the one saved),
@@ -218,8 +219,14 @@ def main(out_dir: str) -> None:
     elif algorithm == "eager":           # a sync every PERIOD inner steps
         net = model
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        diloco = twice(lambda: mpidp.EagerDiLoCo(model, sgd, outer, sync_every=PERIOD), habits,
-                       enter=True)
+        if os.environ.get("FT_FRAGMENTS"):
+            diloco = twice(lambda: mpidp.EagerDiLoCo(
+                model, sgd, outer, sync_every=PERIOD * len(FRAGMENTS),
+                model_fragments=[torch.nn.ModuleList([model[i] for i in f])
+                                 for f in FRAGMENTS]), habits, enter=True)
+        else:
+            diloco = twice(lambda: mpidp.EagerDiLoCo(model, sgd, outer, sync_every=PERIOD),
+                           habits, enter=True)
         # Phase "outer": the last round's all-reduce in flight, before the sync's wait.
         send = diloco._send
         diloco._send = lambda f, s: maybe_die(step, "outer") or send(f, s)
