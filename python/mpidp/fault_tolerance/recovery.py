@@ -89,6 +89,7 @@ def recover(replace: bool = False, comm=None) -> Membership:
     comms = [first_comm]            # every communicator this recovery has had (a round may fail)
     holder = domain.agreed_holder   # whose `agreed` says this round's agreement is behind us
     spawned = None                  # (the world a spawn made, its replacements' ranks in it)
+    spawns_lost = 0                 # spawns whose replacements ended before the recovery did
     while True:
         times = {}
         t0 = time.perf_counter()
@@ -108,8 +109,16 @@ def recover(replace: bool = False, comm=None) -> Membership:
         with deadline(f"shrinking {domain.what} to the survivors"):
             survivors = _survivors.shrink(domain.agree_comm)
         times["shrink"] = time.perf_counter() - t1
-        if spawned is not None:
-            _end_if_a_replacement_was_lost(*spawned, survivors)
+        if spawned is not None and _a_replacement_was_lost(*spawned, survivors):
+            spawns_lost += 1
+            if spawns_lost >= _SPAWN_TRIES:
+                raise RuntimeError(
+                    f"recover(replace=True): the replacements spawned ended before the "
+                    f"recovery did, {spawns_lost} times (their own error, if they "
+                    "raised one, is printed above: a replacement runs this program again, so "
+                    "each fails alike); ending the job rather than spawning again. To go on "
+                    "without replacements, call mpidp.recover() without replace")
+        spawned = None
         joined, before_growth = (), None
         if replace and survivors.Get_size() < old_comm.Get_size():
             before_growth = survivors
@@ -161,21 +170,19 @@ def recover(replace: bool = False, comm=None) -> Membership:
                       first_comm.Get_size(), _state.generation, survivors, joined)
 
 
-def _end_if_a_replacement_was_lost(world, joined, survivors) -> None:
-    """A replacement this recovery spawned (ranks `joined` of `world`) is
-    lost before the recovery ended: its program failed before it joined the
-    training (it runs this program again, so every replacement would fail
-    the same way) or its node died. Spawning another could go on forever:
-    the job ends here, on every survivor alike (the shrink is agreed)."""
-    gone = sorted(set(lost_ranks(world, survivors)) & set(joined))
-    if gone:
-        raise RuntimeError(
-            f"recover(replace=True): the replacement{'s' if len(gone) > 1 else ''} spawned as "
-            f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended before "
-            "the recovery did (its own error, if it raised one, is printed above: a "
-            "replacement runs this program again, so another would fail alike); ending the "
-            "job rather than spawning again. To go on without replacements, call "
-            "mpidp.recover() without replace")
+# Spawns of replacements a recovery tries. A replacement can end before the
+# recovery that spawned it does through no fault of its own: another loss
+# restarts the survivors' round and revokes the set-up it is in, which it
+# cannot survive (its program has not reached its recovery loop), and a
+# second spawn then joins. One whose program fails fails every time.
+_SPAWN_TRIES = 2
+
+
+def _a_replacement_was_lost(world, joined, survivors) -> bool:
+    """Whether a replacement the last spawn made (ranks `joined` of `world`)
+    is missing from the survivors (the shrink is agreed: every survivor
+    finds the same)."""
+    return bool(set(lost_ranks(world, survivors)) & set(joined))
 
 
 def _domain_of(comm):

@@ -235,7 +235,7 @@ def test_a_replacement_whose_program_fails_ends_the_job(tmp_path):
     were its uncaught exceptions (no abort) and its aborts (its world only):
     its failure must end the job at once, the survivors waiting for its
     set-up and the launched ranks included (launch checks that no rank
-    outlives mpirun), and never by spawning another; MPIDP_TIMEOUT is longer
+    outlives mpirun), after a second try at most; MPIDP_TIMEOUT is longer
     than the test waits."""
     started = time.monotonic()
     proc = launch(tmp_path, 3, "2:2:backward", MPIDP_TIMEOUT=600, FT_REPLACE=1,
@@ -243,11 +243,12 @@ def test_a_replacement_whose_program_fails_ends_the_job(tmp_path):
     assert proc.returncode != 0
     assert "mpidp: uncaught RuntimeError on rank 2 of 3: aborting the job" in proc.stderr, \
         stderr_of(proc)[-4000:]
-    # The survivors end the job after that one replacement (Open MPI's abort
-    # from the spawned job ends only that job): they spawned no other.
-    assert proc.stderr.count("mpidp: uncaught RuntimeError on rank 2 of 3") == 1, \
+    # The survivors end the job after their second try (Open MPI's abort from
+    # the spawned job ends only that job; a first replacement can be lost
+    # through no fault of its own: recovery._SPAWN_TRIES).
+    assert proc.stderr.count("mpidp: uncaught RuntimeError on rank 2 of 3") == 2, \
         stderr_of(proc)[-4000:]
-    assert "the replacement spawned as rank 2 ended before the recovery did" in proc.stderr, \
+    assert "the replacements spawned ended before the recovery did, 2 times" in proc.stderr, \
         stderr_of(proc)[-4000:]
     assert time.monotonic() - started < 120, stderr_of(proc)[-4000:]
 
