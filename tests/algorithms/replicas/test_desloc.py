@@ -17,7 +17,7 @@ import mpidp
 from desloc_reference import DESLOCSim
 from dp_reference import RANK, SIZE
 from mpidp import MPI
-from test_diloco import node_sizes
+from test_diloco import node_means, node_sizes, node_workers
 from test_sparseloco import Net, build, grads_for, inner_step
 
 pytestmark = pytest.mark.ranks3
@@ -90,23 +90,15 @@ def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
     averages run over one rank per node. Against the simulation with one
     replica per node, stepped with the mean of its ranks' gradients."""
     case = "desynced, Adam"
-    nodes, mine = SIZE // per_node, RANK // per_node
-    node = MPI.COMM_WORLD.Split(mine, RANK)
-    cross = MPI.COMM_WORLD.Split(RANK % per_node, RANK)
     model = build()
     opt = make_optimizer(case)(model.parameters())
-    sim = sim_for(model, case, ranks=nodes)
-    net = mpidp.DataParallel(model, node)     # held: a wrapper dropped unhooks itself
-    with desloc(model, opt, case, comm=cross):
+    with node_workers(per_node, model) as (nodes, mine, cross), \
+            desloc(model, opt, case, comm=cross):
+        sim = sim_for(model, case, ranks=nodes)
         for s in range(12):
             inner_step(model, opt, s)
-            every = all_grads(model, s)
-            sim.step([[sum(gs) / per_node for gs in zip(*every[n * per_node:(n + 1) * per_node])]
-                      for n in range(nodes)])
+            sim.step(node_means(all_grads(model, s), per_node))
             check(model, opt, sim, f"nodes of {per_node}, step {s}", rank=mine)
-    del net             # its hooks go before its communicator
-    node.Free()
-    cross.Free()
 
 
 @pytest.mark.skipif(SIZE < 2, reason="the replicas differ only with other ranks")

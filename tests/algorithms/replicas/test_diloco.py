@@ -11,6 +11,7 @@ of the mean difference), replicas equal on every rank after each turn,
 bf16/fp16 on the wire within their rounding, a checkpoint taken with a sync
 in flight resumes bit for bit, and bad arguments."""
 
+import contextlib
 import copy
 
 import pytest
@@ -129,6 +130,30 @@ def test_every_step_matches_the_simulated_replica(n_fragments, delay, alpha, hab
 def node_sizes():
     """Ranks per emulated node: every divisor of the job's size."""
     return [k for k in range(1, SIZE + 1) if SIZE % k == 0]
+
+
+def node_means(per_rank, per_node):
+    """Each node's mean of its ranks' lists of arrays (or tensors): the
+    replica, or gradients, of a node whose ranks average theirs."""
+    return [[sum(ts) / per_node for ts in zip(*per_rank[n:n + per_node])]
+            for n in range(0, len(per_rank), per_node)]
+
+
+@contextlib.contextmanager
+def node_workers(per_node, model):
+    """Nodes of per_node consecutive ranks, each a worker: node-local
+    DataParallel over `model` (held to the end: a wrapper dropped unhooks
+    itself). Yields (the number of nodes, this rank's node, the
+    communicator of the ranks with this rank's place on every node)."""
+    node = MPI.COMM_WORLD.Split(RANK // per_node, RANK)
+    cross = MPI.COMM_WORLD.Split(RANK % per_node, RANK)
+    net = mpidp.DataParallel(model, node)
+    try:
+        yield SIZE // per_node, RANK // per_node, cross
+    finally:
+        del net         # its hooks go before its communicator
+        node.Free()
+        cross.Free()
 
 
 @pytest.mark.parametrize("per_node", node_sizes())

@@ -15,7 +15,7 @@ import mpidp
 from dp_reference import RANK, SIZE
 from eager_reference import EagerDiLoCoSim
 from mpidp import MPI
-from test_diloco import node_sizes
+from test_diloco import node_means, node_sizes, node_workers
 from test_noloco import assert_own_theta_resumes_at_another_rank_count, assert_rounds_match
 from test_sparseloco import (assert_checkpoint_resumes_exactly, build, grads_for, inner_step,
                              replicas_after)
@@ -79,29 +79,21 @@ def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
     eager syncs run over one rank per node. Against the simulation with one
     replica per node, whose inner steps take the mean of its ranks'
     gradients (inner SGD: its replica is the mean of theirs)."""
-    nodes, mine = SIZE // per_node, RANK // per_node
-    node = MPI.COMM_WORLD.Split(mine, RANK)
-    cross = MPI.COMM_WORLD.Split(RANK % per_node, RANK)
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sim = sim_for(model, {}, ranks=nodes)
-    net = mpidp.DataParallel(model, node)     # held: a wrapper dropped unhooks itself
-    with eager(model, opt, {}, comm=cross):
+    with node_workers(per_node, model) as (nodes, mine, cross), \
+            eager(model, opt, {}, comm=cross):
+        sim = sim_for(model, {}, ranks=nodes)
         for sync in range(3):
             steps = range(3 * sync, 3 * sync + 3)
-            replicas = [[sum(ts) / per_node for ts in zip(*replicas_after(sim.theta[n], model,
-                                                                         steps, 0.1)
-                                                         [n * per_node:(n + 1) * per_node])]
-                        for n in range(nodes)]
+            replicas = [node_means(replicas_after(theta, model, steps, 0.1), per_node)[n]
+                        for n, theta in enumerate(sim.theta)]
             for s in steps:
                 inner_step(model, opt, s)
             sim.round(replicas)
             for p, t in zip(model.parameters(), sim.theta[mine]):
                 np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
                                            err_msg=f"sync {sync}, rank {RANK}")
-    del net             # its hooks go before its communicator
-    node.Free()
-    cross.Free()
 
 
 def test_fragments_take_turns_each_with_rounds_of_its_own():

@@ -17,6 +17,7 @@ import torch
 import mpidp
 from dp_reference import RANK, SIZE, assert_same_on_all_ranks, differing_setting
 from ef_reference import MuLoCoSim
+from test_diloco import node_means, node_sizes, node_workers
 from test_sparseloco import (assert_a_layer_frozen_mid_training_stays,
                              assert_checkpoint_resumes_exactly,
                              assert_grad_scaler_gives_the_same_rounds,
@@ -71,6 +72,33 @@ def test_matches_the_simulation(case):
                 inner_step(model, opt, s)
             sim.round(replicas)
             check_against(model, mu, sim, f"{case}, sync {sync}")
+
+
+@pytest.mark.parametrize("per_node", node_sizes())
+def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
+    """MuLoCo's workers as emulated nodes of per_node ranks: node-local
+    DataParallel averages the node's gradients every step, MuLoCo syncs over
+    one rank per node. Against the simulation with one replica per node
+    (inner SGD: its replica is the mean of its ranks'), each node's error
+    feedback on every rank of it."""
+    case = "paper: every entry in 2-bit codes"
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with node_workers(per_node, model) as (nodes, mine, cross), \
+            mpidp.MuLoCo(model, opt, outer_sgd(model), 3, cross, **CASES[case]) as mu:
+        sim = sim_for(model, CASES[case], ranks=nodes)
+        for sync in range(3):
+            steps = range(3 * sync, 3 * sync + 3)
+            sim.round(node_means(replicas_after(sim.shared, model, steps, 0.1), per_node))
+            for s in steps:
+                inner_step(model, opt, s)
+            for p, t in zip(model.parameters(), sim.shared):
+                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"nodes of {per_node}, sync {sync}")
+            for e, t in zip(mu.error, sim.error[mine]):
+                np.testing.assert_allclose(e.double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"nodes of {per_node}, sync {sync}: error "
+                                                   f"feedback of rank {RANK}")
 
 
 class Matrices(torch.nn.Module):

@@ -16,6 +16,7 @@ import mpidp
 from dp_reference import RANK, SIZE
 from mpidp import MPI
 from noloco_reference import NoLoCoSim
+from test_diloco import node_means, node_sizes, node_workers
 from test_sparseloco import (assert_checkpoint_resumes_exactly, build, grads_for, inner_step,
                              replicas_after)
 
@@ -36,10 +37,10 @@ def noloco(model, inner, settings):
     return mpidp.NoLoCo(model, inner, outer, 3, **s)
 
 
-def sim_for(model, settings):
+def sim_for(model, settings, ranks=SIZE):
     s = dict(settings)
     outer = dict(s.pop("outer", AUTHORS))
-    return NoLoCoSim([p.detach().double().numpy() for p in model.parameters()], SIZE, **outer,
+    return NoLoCoSim([p.detach().double().numpy() for p in model.parameters()], ranks, **outer,
                      **s)
 
 
@@ -127,6 +128,31 @@ def test_matches_the_simulation(case):
     sim = sim_for(model, CASES[case])
     with noloco(model, opt, CASES[case]):
         assert_rounds_match(model, opt, sim, 4, case)
+
+
+@pytest.mark.parametrize("per_node", node_sizes())
+def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
+    """NoLoCo's workers as emulated nodes of per_node ranks: node-local
+    DataParallel averages the node's gradients every step, NoLoCo's groups
+    are drawn over one rank per node. Against the simulation with one
+    replica per node (inner SGD: its replica is the mean of its ranks')."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), **AUTHORS)
+    with node_workers(per_node, model) as (nodes, mine, cross), \
+            mpidp.NoLoCo(model, opt, outer, 3, cross):
+        sim = sim_for(model, {}, ranks=nodes)
+        for sync in range(3):
+            steps = range(3 * sync, 3 * sync + 3)
+            replicas = [node_means(replicas_after(theta, model, steps, 0.1), per_node)[n]
+                        for n, theta in enumerate(sim.theta)]
+            for s in steps:
+                inner_step(model, opt, s)
+            sim.round(replicas, sync)
+            for p, t in zip(model.parameters(), sim.theta[mine]):
+                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"nodes of {per_node}, sync {sync}, "
+                                                   f"rank {RANK}")
 
 
 @pytest.mark.skipif(SIZE != 4, reason="two groups of two: 4 ranks")
