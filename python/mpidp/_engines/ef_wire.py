@@ -1,10 +1,11 @@
-"""The wire of the error-feedback algorithms (SparseLoCo, DeMo): each
-tensor's fixed-size payload at a fixed offset of a bucket, one
+"""The wire of the error-feedback algorithms (SparseLoCo, MuLoCo, DeMo):
+each tensor's fixed-size payload at a fixed offset of a bucket, one
 `MPI_Iallgather` per bucket through the core's posting path (every wait has
-the process's deadline; across nodes by node_gather's route where the
-communicator spans several nodes of several ranks), and a header in front of the first bucket that
-lets every rank check, from the same gathered bytes, that the ranks are at
-the same step with the same settings and the same shared weights.
+the process's deadline; node_gather's route instead where the communicator
+spans several nodes of several ranks), and a header in front of the first
+bucket that lets every rank check, from the same gathered bytes, that the
+ranks are at the same step with the same settings and the same shared
+weights.
 
 The payload layout and the kernels are the core's (mpidp/efcomp.h); this
 module only lays the tensors out and moves the bytes."""
