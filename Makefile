@@ -2,9 +2,10 @@
 #   make setup    install what is missing (Open MPI, .venv, Python packages), build mpidp
 #   make test     setup + C tests (ASan/UBSan) + pytest at 1, 2, 3 (ranks3 tests) and 4 MPI ranks
 #                 + DataParallel's tests with the Python gradient hook
-#                 + pytest at 2 ranks against the oldest mpi4py pyproject.toml claims,
-#                   all beside the fault-tolerance tests: ranks killed under ULFM
-#                   (Open MPI 5, .venv-ft; scripts/test_passes.sh)
+#                 + pytest at 2 ranks against the oldest mpi4py pyproject.toml claims
+#                 + the fault-tolerance tests: ranks killed under ULFM (Open MPI 5,
+#                   .venv-ft), beside the C, 1-rank, 3-rank and hook passes
+#                   (scripts/test_passes.sh)
 #   make demo     setup + the main job: DASO on the digits images, 4 ranks as 2 emulated nodes
 #   make ctest    C unit tests (ASan/UBSan) and a replay of the fuzz corpus
 #   make pytest-N pytest at N ranks (N = 1, 2, 3, 4)
@@ -50,8 +51,8 @@ valgrind: setup
 	@command -v valgrind >/dev/null || ./scripts/apt_install.sh valgrind
 	$(MAKE) --no-print-directory -C tests/valgrind run
 
-# Every pytest pass, one after another (`make test` runs them beside the
-# fault-tolerance pass instead: scripts/test_passes.sh).
+# Every pytest pass, one after another (`make test` runs some of them beside
+# the fault-tolerance pass: scripts/test_passes.sh).
 pytest: pytest-1 pytest-3 pytest-python-hook pytest-2 pytest-4 pytest-oldest-deps pytest-ft
 
 # Explicit rules: make skips pattern rules for .PHONY targets, so a
