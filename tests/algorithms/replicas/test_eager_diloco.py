@@ -15,10 +15,10 @@ import mpidp
 from dp_reference import RANK, SIZE
 from eager_reference import EagerDiLoCoSim
 from mpidp import MPI
-from test_diloco import node_means, node_sizes, node_workers
-from test_noloco import assert_own_theta_resumes_at_another_rank_count, assert_rounds_match
-from test_sparseloco import (assert_checkpoint_resumes_exactly, build, grads_for, inner_step,
-                             replicas_after)
+from test_diloco import node_sizes, node_workers
+from test_noloco import (assert_node_rounds_match,
+                         assert_own_theta_resumes_at_another_rank_count, assert_rounds_match)
+from test_sparseloco import assert_checkpoint_resumes_exactly, build, grads_for, inner_step
 
 pytestmark = pytest.mark.ranks3
 
@@ -83,17 +83,7 @@ def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with node_workers(per_node, model) as (nodes, mine, cross), \
             eager(model, opt, {}, comm=cross):
-        sim = sim_for(model, {}, ranks=nodes)
-        for sync in range(3):
-            steps = range(3 * sync, 3 * sync + 3)
-            replicas = [node_means(replicas_after(theta, model, steps, 0.1), per_node)[n]
-                        for n, theta in enumerate(sim.theta)]
-            for s in steps:
-                inner_step(model, opt, s)
-            sim.round(replicas)
-            for p, t in zip(model.parameters(), sim.theta[mine]):
-                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
-                                           err_msg=f"sync {sync}, rank {RANK}")
+        assert_node_rounds_match(model, opt, sim_for(model, {}, ranks=nodes), per_node, mine)
 
 
 def test_fragments_take_turns_each_with_rounds_of_its_own():

@@ -66,6 +66,23 @@ def assert_rounds_match(model, opt, sim, syncs, what, first_step=0, first_sync=0
         first_step += 3
 
 
+def assert_node_rounds_match(model, opt, sim, per_node, node, syncs=3):
+    """assert_rounds_match for nodes of per_node ranks whose gradients are
+    averaged (node_workers): each simulated replica (rank of `sim`) is a
+    node's, the mean of its ranks' replicas; this rank's parameters are its
+    node's θ after every round."""
+    for sync in range(syncs):
+        steps = range(3 * sync, 3 * sync + 3)
+        replicas = [node_means(replicas_after(theta, model, steps, 0.1), per_node)[n]
+                    for n, theta in enumerate(sim.theta)]
+        for s in steps:
+            inner_step(model, opt, s)
+        sim.round(replicas, sync)
+        for p, t in zip(model.parameters(), sim.theta[node]):
+            np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
+                                       err_msg=f"nodes of {per_node}, sync {sync}, rank {RANK}")
+
+
 def assert_at_theta(model, sim, what, tol=None):
     """This rank's parameters are its simulated θ_r."""
     for p, t in zip(model.parameters(), sim.theta[RANK]):
@@ -141,18 +158,7 @@ def test_nodes_as_workers_match_the_simulated_node_replicas(per_node):
     outer = torch.optim.SGD(model.parameters(), **AUTHORS)
     with node_workers(per_node, model) as (nodes, mine, cross), \
             mpidp.NoLoCo(model, opt, outer, 3, cross):
-        sim = sim_for(model, {}, ranks=nodes)
-        for sync in range(3):
-            steps = range(3 * sync, 3 * sync + 3)
-            replicas = [node_means(replicas_after(theta, model, steps, 0.1), per_node)[n]
-                        for n, theta in enumerate(sim.theta)]
-            for s in steps:
-                inner_step(model, opt, s)
-            sim.round(replicas, sync)
-            for p, t in zip(model.parameters(), sim.theta[mine]):
-                np.testing.assert_allclose(p.detach().double().numpy(), t, rtol=2e-5, atol=2e-6,
-                                           err_msg=f"nodes of {per_node}, sync {sync}, "
-                                                   f"rank {RANK}")
+        assert_node_rounds_match(model, opt, sim_for(model, {}, ranks=nodes), per_node, mine)
 
 
 @pytest.mark.skipif(SIZE != 4, reason="two groups of two: 4 ranks")
