@@ -41,6 +41,12 @@ launcher=$BASHPID
     done
 ) </dev/null >/dev/null &
 [ -n "${FT_LAUNCH_WITHOUT_ULFM:-}" ] && ft=()
+# Open MPI 5's libfabric transport (btl ofi) probes for a fabric at every
+# MPI_Init, a replacement's included: 1.2 s of waiting per job on a machine
+# with none (0.2 s without it), most of a short job's start-up. This script
+# runs every rank on one machine, where shared memory carries everything;
+# a caller's own OMPI_MCA_btl wins.
+export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}
 # prterun keeps its session in ${TMPDIR:-/tmp}/ompi.<its PID>, PMIx's
 # listening sockets included; a prterun killed above (or by a timeout)
 # leaves it behind, and a later prterun that gets the same PID back then

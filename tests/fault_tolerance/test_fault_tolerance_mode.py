@@ -55,52 +55,39 @@ def test_reset_grad_scaler_forgets_a_step_cut_short_and_keeps_the_scale():
         mpidp.fault_tolerance.reset_grad_scaler(opt)
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: __import__("torch").optim.SGD(ps, lr=0.1, momentum=0.9),
-    lambda ps: __import__("torch").optim.Adam(ps, lr=0.01)], ids=["sgd-momentum", "adam"])
-def test_a_step_undone_leaves_parameters_state_and_hyperparameters_as_before(make):
-    """DASO's undo of a step a lost rank cut short (mpidp/_engines/step_undo.py),
-    against copies taken before: the first step (which creates the state),
-    later ones (the copy reuses its plan), and one after the state's
-    tensors were replaced, with a scheduler that changes the learning rate."""
-    import copy
+def test_values_kept_are_put_back_into_the_tensors_they_came_from():
+    """What fault-tolerant DASO keeps before a sync writes the parameters
+    (mpidp/_engines/kept_values.py): float parameters and an integer buffer
+    put back exactly after in-place writes, its copies reused while the
+    tensors are the same objects and made again for others."""
     import torch
-    from mpidp._engines.step_undo import StepUndo
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    params = list(model.parameters())
-    opt = make(params)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    undo = StepUndo()
-
-    def step():
-        opt.zero_grad()
-        model(torch.randn(5, 4)).square().sum().backward()
-        opt.step()
-        sched.step()
-
-    for taken in range(4):
-        if taken == 3:     # state objects replaced (a checkpoint loaded) and then changed
-            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-            for state in opt.state.values():
-                for v in state.values():
-                    if torch.is_tensor(v) and v.is_floating_point():
-                        v.mul_(2.0)
-        want_params = [p.detach().clone() for p in params]
-        want_state = copy.deepcopy(opt.state_dict())
-        undo.save(params, opt)
-        step()
-        assert not torch.equal(params[0], want_params[0])
-        undo.restore(opt)
-        for p, w in zip(params, want_params):
-            assert torch.equal(p, w)
-        got_state = opt.state_dict()
-        assert got_state["param_groups"] == want_state["param_groups"]
-        assert got_state["state"].keys() == want_state["state"].keys()
-        for i, s in want_state["state"].items():
-            for k, v in s.items():
-                assert torch.equal(torch.as_tensor(got_state["state"][i][k]), torch.as_tensor(v))
-        step()     # the next step is taken for real
+    from mpidp._engines.kept_values import KeptValues
+    bn = torch.nn.BatchNorm1d(3)
+    tensors = [p.detach() for p in bn.parameters()] + list(bn.buffers())
+    kept = KeptValues()
+    for step in range(3):
+        want = [t.clone() for t in tensors]
+        kept.keep(tensors)
+        copies = list(kept._copies)
+        with torch.no_grad():
+            for t in tensors:
+                t.add_(step + 1)        # the sync's writes (num_batches_tracked too)
+        kept.put_back()
+        for t, w in zip(tensors, want):
+            assert torch.equal(t, w) and t.dtype == w.dtype
+        with torch.no_grad():
+            for t in tensors:
+                t.mul_(2)               # the next step moves on
+        kept.keep(tensors)
+        assert all(a is b for a, b in zip(kept._copies, copies)), "copies made again"
+    other = [torch.arange(5.0)]
+    kept.keep(other)
+    other[0].zero_()
+    kept.put_back()
+    assert torch.equal(other[0], torch.arange(5.0))
+    with pytest.raises(RuntimeError):
+        other[0].resize_(7)             # resized in place: the copy raises, not goes wrong
+        kept.keep(other)
 
 
 def test_participants_go_on_in_the_order_the_program_made_them(monkeypatch):

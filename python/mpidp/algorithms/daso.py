@@ -34,7 +34,7 @@ from .._runtime.hook_handles import remove_handles
 from .._runtime.model_checks import TrainableAtSetup
 from .._runtime.state_broadcast import broadcast_state, broadcast_tensors
 from .._engines.progress import install_progress_hooks
-from .._engines.step_undo import StepUndo
+from .._engines.kept_values import KeptValues
 from .._runtime.topology import node_comm, nodes_are_even, topology
 
 __all__ = ["DASO"]
@@ -131,7 +131,7 @@ class DASO(Driver):
 
         self._one_rank_nodes = False   # every rank a node (fault-tolerant mode, uneven nodes)
         self._wrapper = None   # weakref to the DataParallelMultiGPU that runs this DASO
-        self._step_undo = StepUndo()   # fault-tolerant mode: a step's undo
+        self._kept = KeptValues()   # fault-tolerant mode: the parameters before a sync's writes
         self._attach_comms(comm)
         self._schedule = _C.Schedule(total_epochs, warmup_epochs, cooldown_epochs, max_global_skips,
                                      skip_reduction_factor, local_skip_factor, self.loc_size,
@@ -342,21 +342,35 @@ class DASO(Driver):
         if not fault_tolerant_mode.enabled():
             self._step(last)
             return
-        # Fault-tolerant mode: the step is a transaction -- the local step and
-        # whatever syncs the schedule runs in it -- that every rank agrees on
-        # at its end. A rank lost in it undoes it on every survivor, whose
-        # state is then that of the last step all of them completed.
+        # Fault-tolerant mode: every rank first agrees that its backward (its
+        # node's averaging) is in; from then on the step stands, so the
+        # local step never needs undoing. What a loss can still cut short is
+        # a global sync or node broadcast that writes the parameters: those
+        # are kept first and put back unless every rank agrees that the
+        # writes completed (a second agreement, on such steps only), so the
+        # survivors' parameters are those of the local step, the sync dropped.
         fault_tolerant_mode.raise_deferred()     # the node-local averaging saw a loss
-        before = self._transaction_state()
+        fault_tolerant_mode.step_boundary(self._agreement_comm())
+        self._local_step()
+        act = self._advance_schedule(last)
+        if not self._writes_parameters(act):
+            self._act(act)
+            return
+        self._kept.keep(self._written_by_syncs())
         try:
-            self._step(last)
-            # Agreed by the ranks DASO runs over: the job's, or a worker group's.
-            fault_tolerant_mode.step_boundary(self._agreement_comm())
+            self._act(act)
+            fault_tolerant_mode.agree_all_alive(
+                "DASO's global sync", "its parameters were put back to those of the local step "
+                "(the sync dropped)", self._agreement_comm())
         except fault_tolerant_mode.RanksLost:
-            self._undo(before)
+            self._kept.put_back()
             raise
 
     def _step(self, last: int) -> None:
+        self._local_step()
+        self._schedule_step(last)
+
+    def _local_step(self) -> None:
         if self._needs_reference:
             self._set_reference()
         if self.scaler is not None:
@@ -366,24 +380,18 @@ class DASO(Driver):
             self.local_optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        if self._sync is not None and self._sync.pending:
-            self._sync.test()  # progress the sync in flight (MPI advances only inside calls)
-        self._schedule_step(last)
 
     def _schedule_step(self, last: int) -> None:
         """Carry out the schedule's actions for this batch (every rank, joined
         ones too, runs exactly these collectives in this order)."""
-        if self._joining and self._node_mixed:
-            # Ranks of this node that are out of data follow its training
-            # ranks, so whichever of them syncs for the node sends current values.
-            self._node_broadcast(self._node_active_root)
+        self._act(self._advance_schedule(last))
+
+    def _advance_schedule(self, last: int):
+        """The schedule's actions for this batch, with the batch and epoch
+        counters moved on (no communication: fault-tolerant mode moves them
+        on before any collective, so that every survivor's are those of the
+        step whatever collective a loss cut short)."""
         act = self._schedule.batch(self.current_batch, last)
-        if act.complete:
-            self._complete(act.complete_group, act.complete_btw)
-        if act.send:
-            self._send(act.send_group)
-        if act.send_blocking:
-            self._complete(act.send_group, 0)
         self._set_local_sync(act.local_sync)
         self.current_batch = 0 if act.epoch_done else self.current_batch + 1
         if act.epoch_done:
@@ -393,7 +401,37 @@ class DASO(Driver):
                 warnings.warn("DASO: two epochs ended without epoch_loss_logic(loss); the schedule "
                               "advances only through it, so DASO stays in its current phase "
                               f"({self.phase}: warm-up syncs globally every batch) -- call "
-                              "daso.epoch_loss_logic(epoch_loss) after every epoch", stacklevel=2)
+                              "daso.epoch_loss_logic(epoch_loss) after every epoch", stacklevel=3)
+        return act
+
+    def _act(self, act) -> None:
+        """The collectives of `act`, the batch's actions."""
+        if self._sync is not None and self._sync.pending:
+            self._sync.test()  # progress the sync in flight (MPI advances only inside calls)
+        if self._joining and self._node_mixed:
+            # Ranks of this node that are out of data follow its training
+            # ranks, so whichever of them syncs for the node sends current values.
+            self._node_broadcast(self._node_active_root)
+        if act.complete:
+            self._complete(act.complete_group, act.complete_btw)
+        if act.send:
+            self._send(act.send_group)
+        if act.send_blocking:
+            self._complete(act.send_group, 0)
+
+    def _writes_parameters(self, act) -> bool:
+        """Whether the actions `act` write the parameters (a merge, a node
+        broadcast) or the buffers: only a send and a test of the sync in
+        flight do not."""
+        return bool(act.complete or act.send_blocking or (self._joining and self._node_mixed))
+
+    def _written_by_syncs(self) -> list:
+        """What a merge or node broadcast writes: the parameters where they
+        live and, where the buffers follow rank 0's, the buffers."""
+        written = list(self._device_params)
+        if self._broadcast_buffers:
+            written += list(self.module.buffers())
+        return written
 
     # -- the driver interface (mpidp/algorithms/driver.py) ---------------------
 
@@ -414,14 +452,6 @@ class DASO(Driver):
 
     # -- fault-tolerant mode (mpidp/fault_tolerance/) ---------------------------------------------
 
-    def _transaction_state(self) -> tuple:
-        """What a step changes, kept to undo it (the parameters and the local
-        optimizer's state are copied, _engines/step_undo.py: memory for one more
-        copy of each, and a copy per step)."""
-        self._step_undo.save(self._device_params, self.local_optimizer)
-        return (self._state_beside_optimizer(), self.current_batch, self._epochs_unclosed,
-                self.bytes_sent)
-
     def _state_beside_optimizer(self) -> dict:
         return {"schedule": self._schedule.state(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -434,14 +464,11 @@ class DASO(Driver):
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
 
-    def _undo(self, before: tuple) -> None:
-        beside, self.current_batch, self._epochs_unclosed, self.bytes_sent = before
-        self._step_undo.restore(self.local_optimizer)
-        self._load_state_beside_optimizer(beside)
-
     def _continue_on(self, comm) -> None:
-        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): the
-        step in flight was undone on every survivor. DASO is set up again over
+        """Fault-tolerant mode, after a rank was lost (mpidp.recover()): a
+        step whose backward some rank did not finish was not taken, and a
+        global sync that a loss cut short was put back to the parameters of
+        its step's local step, on every survivor. DASO is set up again over
         the survivors -- the node-local DDP over the survivors of each node,
         or, where the nodes now hold different numbers of ranks, every rank a
         node of its own from then on -- and every survivor takes the new rank

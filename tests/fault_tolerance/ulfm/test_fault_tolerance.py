@@ -557,17 +557,21 @@ def test_async_averaging_grows_back_from_rank_0s_weights(tmp_path):
     assert close, "the weights are neither mean: a round was half applied, or weight was lost"
 
 
-def simulate_daso(n, steps, lost_from, per_node=2, clip=None, joins=None):
+def simulate_daso(n, steps, lost_from, per_node=2, clip=None, joins=None, dropped=()):
     """DASO in its warm-up (a blocking global average every batch, float32
     on the wire) over emulated nodes of `per_node` ranks, by its rule: each
     node's ranks average their gradients and step SGD with the node's
     momentum; the parameters then become the mean over the nodes. A step in
-    which a rank died is undone; at each recovery every survivor takes the
-    new rank 0's (the lowest surviving rank's) momentum, and where the
-    survivors cannot form whole nodes every rank is a node of its own from
-    then on. joins: {victim: step}, a replacement on the victim's data from
-    `step` on, last in the world's order (the nodes whole again). Returns
-    the parameters and each rank's momentum."""
+    whose backward a rank died is not taken; at each recovery every
+    survivor takes the new rank 0's (the lowest surviving rank's) momentum
+    (and parameters), and where the survivors cannot form whole nodes every
+    rank is a node of its own from then on. dropped: the steps whose global
+    sync a loss cut short (the rank lost from the next step on): the step
+    stands, its mean over the nodes does not, so the parameters are those
+    of the new rank 0's node after its local step. joins: {victim: step}, a
+    replacement on the victim's data from `step` on, last in the world's
+    order (the nodes whole again). Returns the parameters and each rank's
+    momentum."""
     model = train_ft.make_model()
     params = [p.detach().clone() for p in model.parameters()]
     alive, one_rank_nodes, joins = list(range(n)), False, joins or {}
@@ -604,16 +608,22 @@ def simulate_daso(n, steps, lost_from, per_node=2, clip=None, joins=None):
             for r in node:
                 momentum[r] = m
             stepped.append([v - 0.05 * b for v, b in zip(params, m)])
-        params = [sum(ps) / len(stepped) for ps in zip(*stepped)]
+        if t in dropped:
+            new_rank_0 = min(r for r in alive if lost_from.get(r, steps) > t + 1)
+            params = next(ps for node, ps in zip(nodes, stepped) if new_rank_0 in node)
+        else:
+            params = [sum(ps) / len(stepped) for ps in zip(*stepped)]
     return params, momentum
 
 
-# (kill spec, {victim: the first step without its data}), at 4 ranks on emulated nodes of 2.
+# (kill spec, {victim: the first step without its data}, steps whose global
+# sync was dropped), at 4 ranks on emulated nodes of 2.
 DASO_CASES = {
     "one rank of a node in backward (every rank a node after), then rank 0 between steps":
-        ("1:2:backward;0:5:between", {1: 2, 0: 6}),
-    "a whole node in backward": ("2,3:3:backward", {2: 3, 3: 3}),
-    "one rank after its node's averaging, before the step": ("2:4:step", {2: 4}),
+        ("1:2:backward;0:5:between", {1: 2, 0: 6}, ()),
+    "a whole node in backward": ("2,3:3:backward", {2: 3, 3: 3}, ()),
+    "one rank after its node's averaging, before the step": ("2:4:step", {2: 4}, ()),
+    "a rank in the global sync, its local step taken": ("3:4:outer", {3: 5}, (4,)),
 }
 
 
@@ -622,10 +632,11 @@ def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
     """habits: DASO's own GradScaler (add_scaler), the gradients unscaled and
     clipped before daso.step(), a rank lost after backward."""
     habits = case == "habits"
-    kill, lost_from = ("2:3:step", {2: 3}) if habits else DASO_CASES[case]
+    kill, lost_from, dropped = ("2:3:step", {2: 3}, ()) if habits else DASO_CASES[case]
     saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="daso", MPIDP_RANKS_PER_NODE=2,
                     **({"FT_HABITS": 1} if habits else {}))
-    params, momentum = simulate_daso(4, 8, lost_from, clip=train_ft.CLIP if habits else None)
+    params, momentum = simulate_daso(4, 8, lost_from, clip=train_ft.CLIP if habits else None,
+                                     dropped=dropped)
     first = saved[min(saved)]
     for rank, got in saved.items():
         assert launched_ranks_lost(got["recoveries"], 4) == sorted(lost_from), got["recoveries"]
@@ -647,7 +658,7 @@ DEVICE_ENGINE = {"MPIDP_DASO_DEVICE_SYNC": "1"}
 @pytest.mark.parametrize("habits,engine", [(False, "host"), (True, "host"), (False, "device")])
 def test_daso_grows_back_with_rank_0s_state(tmp_path, habits, engine):
     """recover(replace=True) under DASO (its warm-up), rank 1 lost in step
-    3's backward: the step is undone, then every rank -- the replacement
+    3's backward: the step is not taken, then every rank -- the replacement
     last in the world's order, the nodes whole again -- takes rank 0's
     parameters, momentum and schedule, and step 3 is done again by all
     four, the replacement on rank 1's data. habits: DASO's AMP (the step
@@ -671,7 +682,7 @@ def test_daso_a_rank_lost_with_a_global_sync_in_flight(tmp_path, engine):
     """DASO's cycling phase: replicas differ between global syncs, which are
     in flight across batches. At the recovery every survivor holds the new
     rank 0's replica and momentum as they were after the last step every
-    rank completed (the interrupted step undone, the sync in flight
+    rank completed (the interrupted step not taken, the sync in flight
     dropped); the epoch's last batch ends in a blocking sync. engine
     "device": the syncs through the engine of GPU parameters."""
     # The schedule here: group 1 (ranks 1 and 3) sends after step 4 and

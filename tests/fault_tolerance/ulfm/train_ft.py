@@ -55,7 +55,8 @@ the step, before its momentum average), between (after the step, before the
 next forward), outer (DiLoCo: its outer-gradient allreduce posted, before
 its wait; NoLoCo: its peer exchange posted, before its wait; EagerDiLoCo:
 the last round's all-reduce in flight, before the sync waits for it; SparseLoCo and
-DeMo: their allgather posted, before its wait), checkpoint (inside a checkpoint write,
+DeMo: their allgather posted, before its wait; DASO: its local step taken,
+before the global sync's merge), checkpoint (inside a checkpoint write,
 which every rank starts after that step), rebuild (inside recover() of the
 failure at that step, once the survivors shrank, as the algorithm's set-up
 broadcasts over them), agreement (in the survivors' agreement that a rank
@@ -274,6 +275,10 @@ def main(out_dir: str) -> None:
         if habits:
             daso.add_scaler(scaler)     # DASO's AMP: it steps through the scaler
         opt = daso
+        # Phase "outer": inside the step, the local step taken, before the
+        # global sync's merge (in the warm-up, its send just posted).
+        complete = daso._complete
+        daso._complete = lambda group, btw: maybe_die(step, "outer") or complete(group, btw)
     elif algorithm == "qadam":
         sgd = opt = mpidp.algorithms.QAdamOptimizer(params, lr=QADAM_LR, warmup_steps=QADAM_WARMUP)
         saved_opt = [sgd]
@@ -405,6 +410,9 @@ def main(out_dir: str) -> None:
             step = mpidp.fault_tolerance.steps_committed()
             recoveries[-1]["resumed_at"] = step
             del committed[step + 1:]
+            if algorithm == "daso" and len(committed) == step:
+                # That step stood, its global sync dropped: rank 0's state now.
+                committed.append((recoveries[-1]["params"], recoveries[-1]["momentum"]))
             if m.joined:
                 mpidp.fault_tolerance.share_state({
                     "optimizer": sgd.state_dict(), "step": step, "launched": launched,
