@@ -627,12 +627,18 @@ DASO_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DASO_CASES) + ["habits"])
+# The same with the habits (FT_HABITS): DASO's own GradScaler (add_scaler),
+# the gradients unscaled and clipped before daso.step().
+DASO_HABITS_CASES = {
+    "habits: a rank lost after backward": ("2:3:step", {2: 3}, ()),
+    "habits: a rank in the global sync, its local step taken": ("3:4:outer", {3: 5}, (4,)),
+}
+
+
+@pytest.mark.parametrize("case", list(DASO_CASES) + list(DASO_HABITS_CASES))
 def test_daso_survivors_finish_equal_to_the_simulation(tmp_path, case):
-    """habits: DASO's own GradScaler (add_scaler), the gradients unscaled and
-    clipped before daso.step(), a rank lost after backward."""
-    habits = case == "habits"
-    kill, lost_from, dropped = ("2:3:step", {2: 3}, ()) if habits else DASO_CASES[case]
+    habits = case in DASO_HABITS_CASES
+    kill, lost_from, dropped = (DASO_HABITS_CASES if habits else DASO_CASES)[case]
     saved = run_job(tmp_path, 4, kill, FT_ALGORITHM="daso", MPIDP_RANKS_PER_NODE=2,
                     **({"FT_HABITS": 1} if habits else {}))
     params, momentum = simulate_daso(4, 8, lost_from, clip=train_ft.CLIP if habits else None,
