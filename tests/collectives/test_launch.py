@@ -62,6 +62,53 @@ def test_a_rank_that_raises_ends_the_job(tmp_path):
     assert seconds < 30, f"the job took {seconds:.0f} s to end"
 
 
+WRAPPED_TWICE_ON_RANK_0 = {
+    "DataParallel": """
+        opt = mpidp.DataParallelOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        def wrap():
+            return mpidp.DataParallel(model, optimizer=opt)
+        net = wrap()
+        if rank == 0:
+            net = wrap()
+        for step in range(10):
+            opt.zero_grad()
+            net(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    """,
+    "DiLoCo": """
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        def wrap():
+            return mpidp.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=0.7),
+                                sync_every=4)
+        diloco = wrap()
+        if rank == 0:
+            diloco = wrap()
+        with diloco:
+            for step in range(10):
+                inner.zero_grad()
+                model(torch.randn(8, 4)).sum().backward()
+                inner.step()
+    """,
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPED_TWICE_ON_RANK_0))
+def test_a_model_wrapped_twice_on_some_ranks_only_ends_the_job_naming_it(tmp_path, wrapper):
+    """Rank 0 wraps the model a second time while rank 1 trains: the second
+    set-up's calls pair with rank 1's training, and the job ends at once with
+    an error that says so, not a bare MPI_ERR_TRUNCATE (nor later on
+    garbage)."""
+    script = tmp_path / "twice.py"
+    script.write_text("import torch, mpidp\nfrom mpi4py import MPI\n"
+                      "rank = MPI.COMM_WORLD.Get_rank()\nmodel = torch.nn.Linear(4, 2)\n"
+                      + textwrap.dedent(WRAPPED_TWICE_ON_RANK_0[wrapper]))
+    rc, out, seconds = run_mpi(2, [str(script)], timeout=120, MPIDP_TIMEOUT="60")
+    assert rc != 0, out
+    assert f"{wrapper}: its set-up did not meet the other ranks'" in out, out
+    assert "a model wrapped more times on some ranks than on others" in out, out
+    assert seconds < 30, f"the job took {seconds:.0f} s to end"
+
+
 def test_a_stuck_collective_times_out_and_aborts(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent("""

@@ -71,8 +71,17 @@ def check_same_structure(c_comm, mpi_comm, module, who: str, settings: dict | No
     digest = hashlib.sha256("\n".join(described).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.float64).clone()
     root = mine.clone()
-    c_comm.bcast(root, 0)
-    bad = _ranks_flagged(c_comm, not torch.equal(mine.view(torch.uint8), root.view(torch.uint8)))
+    try:
+        c_comm.bcast(root, 0)
+        bad = _ranks_flagged(c_comm, not torch.equal(mine.view(torch.uint8), root.view(torch.uint8)))
+    except _C.RanksLost:
+        raise                       # fault-tolerant mode's: recover() handles it
+    except _C.CommError as error:   # MPI_ERR_TRUNCATE, a deadline: the calls did not pair
+        raise type(error)(
+            f"{who}: its set-up did not meet the other ranks' ({error}). Every rank must "
+            "build it at the same point of the program: built on some ranks only, or a "
+            "model wrapped more times on some ranks than on others, pairs this set-up with "
+            "another rank's training") from error
     if not bad:
         return
     # Every rank knows now, so every rank takes part in the details.
